@@ -1,0 +1,137 @@
+"""The scheme catalog: built-in descriptors, folders on QSCHEME_SCHEME_PATH, and plugin ones.
+
+Two descriptors with one name are an error naming both files; nothing is silently shadowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from qscheme.descriptor import Scheme, parse_scheme_file
+from qscheme.errors import Location, Problem, SchemeError
+
+SCHEME_PATH_VARIABLE = "QSCHEME_SCHEME_PATH"
+
+
+def builtin_scheme_dir() -> Path:
+    """The folder holding the built-in descriptors (schemes/ in a checkout, in the wheel too)."""
+    return Path(str(resources.files("qscheme_schemes")))
+
+
+def descriptor_files(folder: Path) -> list[Path]:
+    """Every *.yaml / *.yml below a folder, sorted."""
+    return sorted(p for p in folder.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file())
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """Schemes by name (names compare case-sensitively; lookups fall back to case-insensitive)."""
+
+    schemes: dict[str, Scheme] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[Scheme]:
+        return iter(self.schemes[name] for name in sorted(self.schemes))
+
+    def __len__(self) -> int:
+        return len(self.schemes)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.find(name) is not None
+
+    def find(self, name: str) -> Scheme | None:
+        if name in self.schemes:
+            return self.schemes[name]
+        folded = [s for n, s in self.schemes.items() if n.lower() == name.lower()]
+        return folded[0] if len(folded) == 1 else None
+
+    def get(self, name: str) -> Scheme:
+        """The scheme called ``name``; SchemeError listing close names otherwise."""
+        scheme = self.find(name)
+        if scheme is not None:
+            return scheme
+        close = difflib.get_close_matches(name, list(self.schemes), n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise SchemeError(
+            f"unknown scheme {name!r}.{hint} Run `qscheme schemes` to list the {len(self.schemes)} known schemes, "
+            f"or pass a descriptor file path."
+        )
+
+
+def scheme_path_dirs(value: str | None = None) -> list[Path]:
+    """The folders named by QSCHEME_SCHEME_PATH (os.pathsep-separated; empty entries ignored)."""
+    raw = os.environ.get(SCHEME_PATH_VARIABLE, "") if value is None else value
+    return [Path(part) for part in raw.split(os.pathsep) if part.strip()]
+
+
+def build_catalog(sources: Iterable[tuple[str, Path]]) -> Catalog:
+    """Parse every (source, file) pair; collect all problems; refuse duplicate names."""
+    schemes: dict[str, Scheme] = {}
+    problems: list[Problem] = []
+    for source, path in sources:
+        try:
+            scheme = parse_scheme_file(path, source=source)
+        except SchemeError as exc:
+            problems.extend(exc.problems or [Problem(Location(str(path)), str(exc))])
+            continue
+        previous = schemes.get(scheme.name)
+        if previous is not None:
+            problems.append(
+                Problem(
+                    Location(str(path)),
+                    f"scheme name {scheme.name!r} is already defined by {previous.path} ({previous.source}); "
+                    "rename one of them",
+                )
+            )
+            continue
+        schemes[scheme.name] = scheme
+    if problems:
+        raise SchemeError(problems)
+    return Catalog(schemes)
+
+
+def catalog_sources(extra_dirs: Iterable[Path] = (), plugin_files: Iterable[tuple[str, Path]] = ()) -> list[tuple[str, Path]]:
+    """Built-ins, then QSCHEME_SCHEME_PATH folders, then extra folders, then plugin files."""
+    sources: list[tuple[str, Path]] = [("builtin", p) for p in descriptor_files(builtin_scheme_dir())]
+    for folder in [*scheme_path_dirs(), *extra_dirs]:
+        if not folder.is_dir():
+            raise SchemeError(
+                f"{SCHEME_PATH_VARIABLE} names {str(folder)!r}, which is not a folder; "
+                "fix the path or remove it from the variable"
+            )
+        sources.extend((f"path:{folder}", p) for p in descriptor_files(folder))
+    sources.extend(plugin_files)
+    return sources
+
+
+def load_catalog(extra_dirs: Iterable[Path] = (), include_plugins: bool = True) -> Catalog:
+    """The full catalog as the environment and installed plugins define it now."""
+    plugin_files: list[tuple[str, Path]] = []
+    if include_plugins:
+        plugin_files = _plugin_scheme_files()
+    return build_catalog(catalog_sources(extra_dirs, plugin_files))
+
+
+def _plugin_scheme_files() -> list[tuple[str, Path]]:
+    """Descriptor files contributed by plugins (``qscheme_schemes`` hook)."""
+    try:
+        from qscheme.plugins import plugin_scheme_files
+    except ImportError:
+        return []
+    return plugin_scheme_files()
+
+
+def load_scheme(name_or_path: str | Path | Scheme) -> Scheme:
+    """A Scheme from a catalog name, or from a descriptor file path."""
+    if isinstance(name_or_path, Scheme):
+        return name_or_path
+    text = str(name_or_path)
+    if text.endswith((".yaml", ".yml")) or os.sep in text and Path(text).exists():
+        if not Path(text).is_file():
+            raise SchemeError(f"descriptor file {text!r} does not exist; check the path")
+        return parse_scheme_file(text)
+    return load_catalog().get(text)

@@ -1,0 +1,1 @@
+"""The `qscheme` command line: one module per command, each with ``register`` and ``run``."""

@@ -1,0 +1,27 @@
+"""`qscheme show NAME|FILE [--json]`: everything a scheme declares."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from qscheme.catalog import load_scheme
+from qscheme.cli.output import print_json
+from qscheme.descriptor.summary import render_scheme, scheme_dict
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser("show", help="show one scheme: formats, tensors, conventions, detection")
+    parser.add_argument("target", metavar="NAME|FILE", help="a scheme name (see `qscheme schemes`) or a descriptor file")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    scheme = load_scheme(args.target)
+    if args.json:
+        print_json(scheme_dict(scheme))
+    else:
+        sys.stdout.write(render_scheme(scheme) + "\n")
+    return 0

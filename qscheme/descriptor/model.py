@@ -1,0 +1,222 @@
+"""The parsed form of a scheme descriptor: frozen dataclasses, no behaviour beyond lookups.
+
+See docs/schemes.md for the YAML each field comes from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from qscheme.descriptor.shapes import Shape, evaluate_shape, format_shape
+
+Stored = Literal["multiplier", "reciprocal"]
+Granularity = Literal["tensor", "channel", "group", "block"]
+ActivationGranularity = Literal["tensor", "token", "group"]
+FusedPolicy = Literal["per_partition", "rescale", "requantize", "refuse"]
+
+STORED_CHOICES: tuple[str, ...] = ("multiplier", "reciprocal")
+GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group", "block")
+ACTIVATION_GRANULARITIES: tuple[str, ...] = ("tensor", "token", "group")
+WEIGHT_PACKINGS: tuple[str, ...] = ("none", "nibbles_k", "int32_k", "int4_n")
+ZERO_POINT_PACKINGS: tuple[str, ...] = ("none", "int32_n")
+FUSED_POLICIES: tuple[str, ...] = ("per_partition", "rescale", "requantize", "refuse")
+RULE_SETS: tuple[str, ...] = ("compressed-tensors", "modelopt")
+PRODUCERS: tuple[str, ...] = ("compressed-tensors", "modelopt")
+SCALE_FORMATS: tuple[str, ...] = ("e4m3", "e8m0", "fp32", "fp16", "bf16", "float")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor stored in the checkpoint for each quantized linear: ``<module>.<name>``."""
+
+    name: str
+    dtypes: tuple[str, ...]
+    shapes: tuple[Shape, ...]
+    optional: bool = False
+
+    def expected_shapes(self, n: int, k: int) -> list[tuple[int, ...]]:
+        """Every allowed concrete shape for an N x K layer (empty when N, K do not divide)."""
+        out = []
+        for shape in self.shapes:
+            sizes = evaluate_shape(shape, n, k)
+            if sizes is not None and sizes not in out:
+                out.append(sizes)
+        return out
+
+    def describe_shapes(self) -> str:
+        return " or ".join(format_shape(shape) for shape in self.shapes)
+
+
+@dataclass(frozen=True)
+class ScaleSpec:
+    """The weight's (or a static activation's) scale: granularity, element format, convention."""
+
+    granularity: Granularity
+    format: str
+    stored: Stored
+    tensor: TensorSpec
+    group_size: int | None = None
+    block: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class GlobalScaleSpec:
+    """A per-tensor second-level scale (one per fused partition), always a float."""
+
+    stored: Stored
+    tensor: TensorSpec
+
+
+@dataclass(frozen=True)
+class ZeroPointSpec:
+    """Asymmetric zero points: one per scale, stored in ``format``, packed as ``packing``."""
+
+    format: str
+    packing: str
+    tensor: TensorSpec
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """The quantized weight: element format, packing and its scales."""
+
+    format: str
+    packing: str
+    tensor: TensorSpec
+    scale: ScaleSpec
+    global_scale: GlobalScaleSpec | None = None
+    zero_point: ZeroPointSpec | None = None
+    shape_tensor: TensorSpec | None = None
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """How the layer's input is quantized (absent for 16-bit activations)."""
+
+    format: str
+    granularity: ActivationGranularity
+    dynamic: bool
+    scale_format: str
+    group_size: int | None = None
+    scale: ScaleSpec | None = None
+    global_scale: GlobalScaleSpec | None = None
+
+
+@dataclass(frozen=True)
+class FusedSpec:
+    """What to do with per-partition scales when several checkpoint modules form one layer."""
+
+    policy: FusedPolicy = "per_partition"
+    fallback: FusedPolicy = "refuse"
+
+
+@dataclass(frozen=True)
+class CompressedTensorsRule:
+    """Matches a compressed-tensors config group: every listed argument must be equal."""
+
+    formats: tuple[str, ...]
+    weights: Mapping[str, Any]
+    input_activations: Mapping[str, Any] | None
+
+
+@dataclass(frozen=True)
+class ModeloptRule:
+    """Matches a ModelOpt quant_algo (case-insensitive), optionally a group size."""
+
+    quant_algos: tuple[str, ...]
+    group_size: int | None = None
+
+
+@dataclass(frozen=True)
+class DetectSpec:
+    compressed_tensors: CompressedTensorsRule | None = None
+    modelopt: ModeloptRule | None = None
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A complete, validated quantization scheme."""
+
+    name: str
+    producer: str | None
+    description: str
+    rules: str
+    weight: WeightSpec
+    activation: ActivationSpec | None
+    input_pre_scale: TensorSpec | None
+    tolerated: tuple[str, ...]
+    fused: FusedSpec
+    detect: DetectSpec
+    source: str = "file"
+    path: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def weight_family(self) -> str:
+        """nvfp4, mxfp4, fp8, int4, int8 or the element format's name."""
+        return weight_family(self.weight.format, self.weight.scale.format)
+
+    @property
+    def activation_family(self) -> str:
+        """none for 16-bit activations; else nvfp4, mxfp4, fp8, int8, ..."""
+        if self.activation is None:
+            return "none"
+        return weight_family(self.activation.format, self.activation.scale_format)
+
+    @property
+    def group_size(self) -> int | None:
+        return self.weight.scale.group_size
+
+    def tensor_specs(self) -> dict[str, TensorSpec]:
+        """Every declared tensor keyed by its role (weight, weight_scale, ...)."""
+        weight = self.weight
+        roles: dict[str, TensorSpec | None] = {
+            "weight": weight.tensor,
+            "weight_scale": weight.scale.tensor,
+            "weight_global_scale": weight.global_scale.tensor if weight.global_scale else None,
+            "weight_zero_point": weight.zero_point.tensor if weight.zero_point else None,
+            "weight_shape": weight.shape_tensor,
+            "input_pre_scale": self.input_pre_scale,
+        }
+        if self.activation is not None:
+            act = self.activation
+            roles["input_scale"] = act.scale.tensor if act.scale else None
+            roles["input_global_scale"] = act.global_scale.tensor if act.global_scale else None
+        return {role: spec for role, spec in roles.items() if spec is not None}
+
+    def stored_convention(self, role: str) -> Stored | None:
+        """multiplier / reciprocal for a scale role, None for non-scale roles."""
+        weight, act = self.weight, self.activation
+        table: dict[str, Stored | None] = {
+            "weight_scale": weight.scale.stored,
+            "weight_global_scale": weight.global_scale.stored if weight.global_scale else None,
+        }
+        if act is not None:
+            table["input_scale"] = act.scale.stored if act.scale else None
+            table["input_global_scale"] = act.global_scale.stored if act.global_scale else None
+        return table.get(role)
+
+
+_FAMILY_BY_PAIR: dict[tuple[str, str], str] = {
+    ("e2m1", "e4m3"): "nvfp4",
+    ("e2m1", "e8m0"): "mxfp4",
+}
+_FAMILY_BY_ELEMENT: dict[str, str] = {
+    "e2m1": "fp4",
+    "e4m3": "fp8",
+    "e5m2": "fp8",
+    "int4": "int4",
+    "uint4": "int4",
+    "int8": "int8",
+    "uint8": "int8",
+}
+
+
+def weight_family(element_format: str, scale_format: str) -> str:
+    """The format family of an element format with its scale format."""
+    pair = _FAMILY_BY_PAIR.get((element_format, scale_format))
+    if pair is not None:
+        return pair
+    return _FAMILY_BY_ELEMENT.get(element_format, element_format)

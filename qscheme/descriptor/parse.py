@@ -1,0 +1,512 @@
+"""YAML descriptor -> Scheme, collecting every problem with its file:line:column and key path."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from qscheme.descriptor.model import (
+    ACTIVATION_GRANULARITIES,
+    FUSED_POLICIES,
+    GRANULARITIES,
+    PRODUCERS,
+    RULE_SETS,
+    SCALE_FORMATS,
+    STORED_CHOICES,
+    WEIGHT_PACKINGS,
+    ZERO_POINT_PACKINGS,
+    ActivationSpec,
+    CompressedTensorsRule,
+    DetectSpec,
+    FusedSpec,
+    GlobalScaleSpec,
+    ModeloptRule,
+    ScaleSpec,
+    Scheme,
+    TensorSpec,
+    WeightSpec,
+    ZeroPointSpec,
+)
+from qscheme.descriptor.nodes import INVALID, Node, read_yaml
+from qscheme.descriptor.shapes import Shape, parse_shape
+from qscheme.errors import Location, Problem, SchemeError
+
+T = TypeVar("T")
+
+DTYPES: tuple[str, ...] = (
+    "uint8",
+    "int8",
+    "int32",
+    "int64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float16",
+    "bfloat16",
+    "float32",
+)
+ELEMENT_FORMATS: tuple[str, ...] = ("e2m1", "e4m3", "e5m2", "int4", "uint4", "int8", "uint8")
+FOUR_BIT: frozenset[str] = frozenset({"e2m1", "int4", "uint4"})
+INTEGER: frozenset[str] = frozenset({"int4", "uint4", "int8", "uint8"})
+# The dtype a weight tensor has for each packing (None: the element format's own storage dtype).
+PACKED_DTYPE: dict[str, str | None] = {"none": None, "nibbles_k": "uint8", "int32_k": "int32", "int4_n": "uint8"}
+UNPACKED_DTYPE: dict[str, str] = {
+    "e4m3": "float8_e4m3fn",
+    "e5m2": "float8_e5m2",
+    "int8": "int8",
+    "uint8": "uint8",
+    "int4": "int8",
+    "uint4": "uint8",
+}
+SCALE_DTYPES: dict[str, tuple[str, ...]] = {
+    "e4m3": ("float8_e4m3fn",),
+    "e8m0": ("uint8",),
+    "fp32": ("float32",),
+    "fp16": ("float16",),
+    "bf16": ("bfloat16",),
+    "float": ("float16", "bfloat16", "float32"),
+}
+COMPRESSED_TENSORS_ARGUMENTS: tuple[str, ...] = (
+    "num_bits",
+    "type",
+    "strategy",
+    "group_size",
+    "block_structure",
+    "symmetric",
+    "dynamic",
+    "scale_dtype",
+    "zp_dtype",
+    "actorder",
+    "observer",
+)
+
+
+def _quote(values: tuple[str, ...] | list[str]) -> str:
+    return ", ".join(repr(value) for value in values)
+
+
+class _Reader:
+    """Reads located nodes into values, recording a Problem for each bad one."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.problems: list[Problem] = []
+
+    def fail(self, node: Node | None, path: str, message: str) -> None:
+        if node is not None and node.value is INVALID:
+            return  # its tag was already reported
+        path = path or "<top>"
+        if node is None:
+            location = Location(self.file, None, None, path)
+        else:
+            location = Location(self.file, node.line, node.column, path)
+        self.problems.append(Problem(location, message))
+
+    def mapping(self, node: Node, path: str, required: tuple[str, ...], optional: tuple[str, ...]) -> dict[str, Node] | None:
+        if not node.is_mapping:
+            self.fail(node, path, f"{node.plain()!r} is not a mapping; expected keys {_quote(required + optional)}")
+            return None
+        items: dict[str, Node] = node.value
+        allowed = required + optional
+        for key, child in items.items():
+            if key not in allowed:
+                close = difflib.get_close_matches(key, allowed, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                self.fail(child, f"{path}.{key}" if path else key, f"unknown key {key!r}; allowed keys are {_quote(allowed)}{hint}")
+        for key in required:
+            if key not in items:
+                self.fail(node, path or "<top>", f"missing required key {key!r}")
+        return items
+
+    def string(self, node: Node, path: str) -> str | None:
+        if not isinstance(node.value, str) or not node.value.strip():
+            self.fail(node, path, f"{node.plain()!r} is not a non-empty string")
+            return None
+        return node.value
+
+    def choice(self, node: Node, path: str, allowed: tuple[str, ...]) -> str | None:
+        value = node.value
+        if not isinstance(value, str) or value not in allowed:
+            self.fail(node, path, f"{node.plain()!r} is not one of {_quote(allowed)}")
+            return None
+        return value
+
+    def integer(self, node: Node, path: str, minimum: int = 1) -> int | None:
+        value = node.value
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            self.fail(node, path, f"{node.plain()!r} is not an integer >= {minimum}")
+            return None
+        return value
+
+    def boolean(self, node: Node, path: str) -> bool | None:
+        if not isinstance(node.value, bool):
+            self.fail(node, path, f"{node.plain()!r} is not one of true, false")
+            return None
+        return bool(node.value)
+
+    def strings(self, node: Node, path: str, allowed: tuple[str, ...] | None = None) -> tuple[str, ...] | None:
+        """A string or a list of strings."""
+        items = node.value if node.is_sequence else [node]
+        out: list[str] = []
+        for index, item in enumerate(items):
+            item_path = f"{path}[{index}]" if node.is_sequence else path
+            value = self.choice(item, item_path, allowed) if allowed else self.string(item, item_path)
+            if value is None:
+                return None
+            out.append(value)
+        if not out:
+            self.fail(node, path, "the list is empty; give at least one value")
+            return None
+        return tuple(out)
+
+    def optional(self, items: dict[str, Node], key: str, path: str, read: Callable[[Node, str], T]) -> T | None:
+        node = items.get(key)
+        if node is None or node.value is None or node.value == "none":
+            return None
+        return read(node, f"{path}.{key}" if path else key)
+
+    def required(self, items: dict[str, Node], key: str, path: str, read: Callable[[Node, str], T]) -> T | None:
+        node = items.get(key)
+        if node is None:
+            return None  # already reported as missing
+        return read(node, f"{path}.{key}" if path else key)
+
+    # --- sections -----------------------------------------------------------------------
+
+    def shape(self, node: Node, path: str) -> Shape | None:
+        if not node.is_sequence:
+            self.fail(node, path, f"{node.plain()!r} is not a list of dimensions such as [N, K/16]")
+            return None
+        dims = []
+        for index, item in enumerate(node.value):
+            try:
+                dims.append(parse_shape([item.value])[0])
+            except ValueError as exc:
+                self.fail(item, f"{path}[{index}]", str(exc))
+                return None
+        return tuple(dims)
+
+    def shapes(self, node: Node, path: str) -> tuple[Shape, ...] | None:
+        if node.is_mapping:
+            items = self.mapping(node, path, ("any_of",), ())
+            if items is None or "any_of" not in items:
+                return None
+            alternatives = items["any_of"]
+            if not alternatives.is_sequence or not alternatives.value:
+                self.fail(alternatives, f"{path}.any_of", "give a non-empty list of shapes, e.g. [[N, 1], [1]]")
+                return None
+            out = [self.shape(item, f"{path}.any_of[{i}]") for i, item in enumerate(alternatives.value)]
+            return None if any(shape is None for shape in out) else tuple(s for s in out if s is not None)
+        shape = self.shape(node, path)
+        return None if shape is None else (shape,)
+
+    def tensor(self, node: Node, path: str) -> TensorSpec | None:
+        items = self.mapping(node, path, ("name", "dtype", "shape"), ("optional",))
+        if items is None:
+            return None
+        name = self.required(items, "name", path, self.string)
+        dtypes = self.required(items, "dtype", path, lambda n, p: self.strings(n, p, DTYPES))
+        shapes = self.required(items, "shape", path, self.shapes)
+        optional = self.optional(items, "optional", path, self.boolean)
+        if name is None or dtypes is None or shapes is None:
+            return None
+        return TensorSpec(name=name, dtypes=dtypes, shapes=shapes, optional=bool(optional))
+
+    def check_dtypes(self, node: Node, path: str, spec: TensorSpec, allowed: tuple[str, ...], why: str) -> None:
+        bad = [dtype for dtype in spec.dtypes if dtype not in allowed]
+        if bad:
+            where = node.value.get("tensor", node) if node.is_mapping else node
+            self.fail(where, f"{path}.tensor.dtype", f"{bad[0]!r} does not fit {why}; use {_quote(allowed)}")
+
+    def scale(self, node: Node, path: str) -> ScaleSpec | None:
+        items = self.mapping(node, path, ("granularity", "format", "stored", "tensor"), ("group_size", "block"))
+        if items is None:
+            return None
+        granularity = self.required(items, "granularity", path, lambda n, p: self.choice(n, p, GRANULARITIES))
+        scale_format = self.required(items, "format", path, lambda n, p: self.choice(n, p, SCALE_FORMATS))
+        stored = self.required(items, "stored", path, lambda n, p: self.choice(n, p, STORED_CHOICES))
+        tensor = self.required(items, "tensor", path, self.tensor)
+        group_size = self.optional(items, "group_size", path, self.integer)
+        block = self.optional(items, "block", path, self.block)
+        if granularity == "group" and group_size is None and "group_size" not in items:
+            self.fail(node, path, "granularity 'group' needs group_size (e.g. group_size: 16)")
+        if granularity not in (None, "group") and "group_size" in items:
+            self.fail(items["group_size"], f"{path}.group_size", f"group_size only applies to granularity 'group', not {granularity!r}")
+        if granularity == "block" and block is None and "block" not in items:
+            self.fail(node, path, "granularity 'block' needs block: [rows, columns] (e.g. [128, 128])")
+        if granularity not in (None, "block") and "block" in items:
+            self.fail(items["block"], f"{path}.block", f"block only applies to granularity 'block', not {granularity!r}")
+        if tensor is not None and scale_format is not None:
+            self.check_dtypes(node, path, tensor, SCALE_DTYPES[scale_format], f"scale format {scale_format!r}")
+        if granularity is None or scale_format is None or stored is None or tensor is None:
+            return None
+        return ScaleSpec(
+            granularity=granularity,  # type: ignore[arg-type]
+            format=scale_format,
+            stored=stored,  # type: ignore[arg-type]
+            tensor=tensor,
+            group_size=group_size,
+            block=block,
+        )
+
+    def block(self, node: Node, path: str) -> tuple[int, int] | None:
+        if not node.is_sequence or len(node.value) != 2:
+            self.fail(node, path, f"{node.plain()!r} is not [rows, columns], e.g. [128, 128]")
+            return None
+        rows = self.integer(node.value[0], f"{path}[0]")
+        columns = self.integer(node.value[1], f"{path}[1]")
+        return None if rows is None or columns is None else (rows, columns)
+
+    def global_scale(self, node: Node, path: str) -> GlobalScaleSpec | None:
+        items = self.mapping(node, path, ("stored", "tensor"), ())
+        if items is None:
+            return None
+        stored = self.required(items, "stored", path, lambda n, p: self.choice(n, p, STORED_CHOICES))
+        tensor = self.required(items, "tensor", path, self.tensor)
+        if tensor is not None:
+            self.check_dtypes(node, path, tensor, SCALE_DTYPES["float"], "a global scale")
+        if stored is None or tensor is None:
+            return None
+        return GlobalScaleSpec(stored=stored, tensor=tensor)  # type: ignore[arg-type]
+
+    def zero_point(self, node: Node, path: str) -> ZeroPointSpec | None:
+        items = self.mapping(node, path, ("format", "tensor"), ("packing",))
+        if items is None:
+            return None
+        zp_format = self.required(items, "format", path, lambda n, p: self.choice(n, p, tuple(sorted(INTEGER))))
+        packing = self.optional(items, "packing", path, lambda n, p: self.choice(n, p, ZERO_POINT_PACKINGS)) or "none"
+        tensor = self.required(items, "tensor", path, self.tensor)
+        if zp_format is None or tensor is None:
+            return None
+        return ZeroPointSpec(format=zp_format, packing=packing, tensor=tensor)
+
+    def weight(self, node: Node, path: str) -> WeightSpec | None:
+        items = self.mapping(
+            node, path, ("format", "tensor", "scale"), ("packing", "global_scale", "zero_point", "shape_tensor")
+        )
+        if items is None:
+            return None
+        element = self.required(items, "format", path, lambda n, p: self.choice(n, p, ELEMENT_FORMATS))
+        packing = self.optional(items, "packing", path, lambda n, p: self.choice(n, p, WEIGHT_PACKINGS))
+        if packing is None and "packing" not in items:
+            packing = "none"
+        tensor = self.required(items, "tensor", path, self.tensor)
+        scale = self.required(items, "scale", path, self.scale)
+        global_scale = self.optional(items, "global_scale", path, self.global_scale)
+        zero_point = self.optional(items, "zero_point", path, self.zero_point)
+        shape_tensor = self.optional(items, "shape_tensor", path, self.tensor)
+        if element is not None and packing is not None:
+            packing_node = items.get("packing", node)
+            if packing in ("nibbles_k", "int4_n") and element not in FOUR_BIT:
+                self.fail(packing_node, f"{path}.packing", f"{packing!r} packs 4-bit elements, but format is {element!r}; use packing 'none'")
+            if packing == "int4_n" and element != "int4":
+                self.fail(packing_node, f"{path}.packing", f"'int4_n' holds signed int4 only, not {element!r}")
+            if packing == "int32_k" and element not in INTEGER:
+                self.fail(packing_node, f"{path}.packing", f"'int32_k' packs integers, not {element!r}; use 'nibbles_k' for e2m1")
+            if packing == "none" and element in FOUR_BIT:
+                self.fail(packing_node, f"{path}.packing", f"4-bit {element!r} must be packed: use 'nibbles_k', 'int32_k' or 'int4_n'")
+            if tensor is not None and packing in PACKED_DTYPE:
+                expected = PACKED_DTYPE[packing] or UNPACKED_DTYPE.get(element)
+                if expected is not None:
+                    self.check_dtypes(node, path, tensor, (expected,), f"format {element!r} with packing {packing!r}")
+        if zero_point is not None and element is not None and element not in INTEGER:
+            self.fail(items["zero_point"], f"{path}.zero_point", f"zero points need an integer format, not {element!r}; use zero_point: none")
+        if element is None or tensor is None or scale is None or packing is None:
+            return None
+        return WeightSpec(
+            format=element,
+            packing=packing,
+            tensor=tensor,
+            scale=scale,
+            global_scale=global_scale,
+            zero_point=zero_point,
+            shape_tensor=shape_tensor,
+        )
+
+    def static_scale(self, node: Node, path: str) -> ScaleSpec | None:
+        items = self.mapping(node, path, ("stored", "tensor"), ("format",))
+        if items is None:
+            return None
+        stored = self.required(items, "stored", path, lambda n, p: self.choice(n, p, STORED_CHOICES))
+        tensor = self.required(items, "tensor", path, self.tensor)
+        scale_format = self.optional(items, "format", path, lambda n, p: self.choice(n, p, SCALE_FORMATS)) or "float"
+        if tensor is not None:
+            self.check_dtypes(node, path, tensor, SCALE_DTYPES[scale_format], f"scale format {scale_format!r}")
+        if stored is None or tensor is None:
+            return None
+        return ScaleSpec(granularity="tensor", format=scale_format, stored=stored, tensor=tensor)  # type: ignore[arg-type]
+
+    def activation(self, node: Node, path: str) -> ActivationSpec | None:
+        items = self.mapping(
+            node, path, ("format", "granularity", "dynamic"), ("group_size", "scale_format", "scale", "global_scale")
+        )
+        if items is None:
+            return None
+        element = self.required(items, "format", path, lambda n, p: self.choice(n, p, ELEMENT_FORMATS))
+        granularity = self.required(items, "granularity", path, lambda n, p: self.choice(n, p, ACTIVATION_GRANULARITIES))
+        dynamic = self.required(items, "dynamic", path, self.boolean)
+        group_size = self.optional(items, "group_size", path, self.integer)
+        scale_format = self.optional(items, "scale_format", path, lambda n, p: self.choice(n, p, SCALE_FORMATS)) or "fp32"
+        scale = self.optional(items, "scale", path, self.static_scale)
+        global_scale = self.optional(items, "global_scale", path, self.global_scale)
+        if granularity == "group" and "group_size" not in items:
+            self.fail(node, path, "granularity 'group' needs group_size (e.g. group_size: 16)")
+        if dynamic is False and "scale" not in items:
+            self.fail(node, path, "a static activation (dynamic: false) needs scale: {stored, tensor}")
+        if dynamic is True and "scale" in items:
+            self.fail(items["scale"], f"{path}.scale", "a dynamic activation computes its scales; remove scale or set dynamic: false")
+        if dynamic is False and granularity not in (None, "tensor"):
+            self.fail(items["granularity"], f"{path}.granularity", f"static activation scales are per tensor, not {granularity!r}")
+        if element is None or granularity is None or dynamic is None:
+            return None
+        return ActivationSpec(
+            format=element,
+            granularity=granularity,  # type: ignore[arg-type]
+            dynamic=dynamic,
+            scale_format=scale_format,
+            group_size=group_size,
+            scale=scale,
+            global_scale=global_scale,
+        )
+
+    def fused(self, node: Node, path: str) -> FusedSpec | None:
+        items = self.mapping(node, path, ("policy",), ("fallback",))
+        if items is None:
+            return None
+        policy = self.required(items, "policy", path, lambda n, p: self.choice(n, p, FUSED_POLICIES))
+        fallback = self.optional(items, "fallback", path, lambda n, p: self.choice(n, p, FUSED_POLICIES[1:])) or "refuse"
+        if policy is None:
+            return None
+        return FusedSpec(policy=policy, fallback=fallback)  # type: ignore[arg-type]
+
+    def arguments(self, node: Node, path: str) -> dict[str, Any] | None:
+        items = self.mapping(node, path, (), COMPRESSED_TENSORS_ARGUMENTS)
+        if items is None:
+            return None
+        return {key: child.plain() for key, child in items.items()}
+
+    def detect(self, node: Node, path: str) -> DetectSpec | None:
+        items = self.mapping(node, path, (), ("compressed-tensors", "modelopt"))
+        if items is None:
+            return None
+        ct = self.optional(items, "compressed-tensors", path, self.compressed_tensors_rule)
+        mo = self.optional(items, "modelopt", path, self.modelopt_rule)
+        return DetectSpec(compressed_tensors=ct, modelopt=mo)
+
+    def compressed_tensors_rule(self, node: Node, path: str) -> CompressedTensorsRule | None:
+        items = self.mapping(node, path, ("format", "weights"), ("input_activations",))
+        if items is None:
+            return None
+        formats = self.required(items, "format", path, self.strings)
+        weights = self.required(items, "weights", path, self.arguments)
+        inputs = self.optional(items, "input_activations", path, self.arguments)
+        if formats is None or weights is None:
+            return None
+        return CompressedTensorsRule(formats=formats, weights=weights, input_activations=inputs)
+
+    def modelopt_rule(self, node: Node, path: str) -> ModeloptRule | None:
+        items = self.mapping(node, path, ("quant_algo",), ("group_size",))
+        if items is None:
+            return None
+        algos = self.required(items, "quant_algo", path, self.strings)
+        group_size = self.optional(items, "group_size", path, self.integer)
+        if algos is None:
+            return None
+        return ModeloptRule(quant_algos=algos, group_size=group_size)
+
+
+TOP_REQUIRED: tuple[str, ...] = ("name", "weight")
+TOP_OPTIONAL: tuple[str, ...] = (
+    "producer",
+    "description",
+    "rules",
+    "activation",
+    "input_pre_scale",
+    "tolerated",
+    "fused",
+    "detect",
+)
+
+
+def parse_scheme_text(text: str, file: str = "<string>", source: str = "file") -> Scheme:
+    """Parse a descriptor's YAML text; raise SchemeError listing every problem found."""
+    root, problems = read_yaml(text, file)
+    reader = _Reader(file)
+    reader.problems.extend(problems)
+    scheme = None if root is None else _read_scheme(reader, root)
+    if reader.problems or scheme is None:
+        if not reader.problems:
+            reader.fail(root, "", "the descriptor is incomplete")
+        ordered = sorted(reader.problems, key=lambda p: (p.location.line or 0, p.location.column or 0))
+        raise SchemeError(ordered)
+    path = None if file.startswith("<") else file
+    return Scheme(**{**scheme.__dict__, "source": source, "path": path})
+
+
+def parse_scheme_file(path: str | Path, source: str = "file") -> Scheme:
+    """Parse a descriptor file; raise SchemeError (file unreadable, or every problem in it)."""
+    file = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SchemeError([Problem(Location(file), f"cannot read the descriptor: {exc}")]) from None
+    return parse_scheme_text(text, file, source)
+
+
+def _read_scheme(reader: _Reader, root: Node) -> Scheme | None:
+    items = reader.mapping(root, "", TOP_REQUIRED, TOP_OPTIONAL)
+    if items is None:
+        return None
+    name = reader.required(items, "name", "", reader.string)
+    producer = reader.optional(items, "producer", "", lambda n, p: reader.choice(n, p, PRODUCERS))
+    description = reader.optional(items, "description", "", reader.string) or ""
+    rules = reader.optional(items, "rules", "", lambda n, p: reader.choice(n, p, RULE_SETS))
+    weight = reader.required(items, "weight", "", reader.weight)
+    activation = reader.optional(items, "activation", "", reader.activation)
+    pre_scale = reader.optional(items, "input_pre_scale", "", reader.tensor)
+    tolerated = reader.optional(items, "tolerated", "", reader.strings) or ()
+    fused = reader.optional(items, "fused", "", reader.fused) or FusedSpec()
+    detect = reader.optional(items, "detect", "", reader.detect) or DetectSpec()
+    if name is not None and any(ch.isspace() for ch in name):
+        reader.fail(items["name"], "name", f"{name!r} contains whitespace; use letters, digits, '-', '_', '.', '/'")
+    if weight is not None:
+        names = [spec.name for spec in _tensor_names(weight, activation, pre_scale)]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            reader.fail(items["weight"], "weight", f"tensor name {duplicates[0]!r} is declared twice; each tensor needs its own name")
+        clash = sorted(set(tolerated) & set(names))
+        if clash:
+            reader.fail(items["tolerated"], "tolerated", f"{clash[0]!r} is both declared and tolerated; remove it from tolerated")
+    if name is None or weight is None:
+        return None
+    return Scheme(
+        name=name,
+        producer=producer,
+        description=description,
+        rules=rules or producer or "compressed-tensors",
+        weight=weight,
+        activation=activation,
+        input_pre_scale=pre_scale,
+        tolerated=tolerated,
+        fused=fused,
+        detect=detect,
+    )
+
+
+def _tensor_names(weight: WeightSpec, activation: ActivationSpec | None, pre_scale: TensorSpec | None) -> list[TensorSpec]:
+    specs = [weight.tensor, weight.scale.tensor]
+    if weight.global_scale:
+        specs.append(weight.global_scale.tensor)
+    if weight.zero_point:
+        specs.append(weight.zero_point.tensor)
+    if weight.shape_tensor:
+        specs.append(weight.shape_tensor)
+    if pre_scale:
+        specs.append(pre_scale)
+    if activation is not None:
+        if activation.scale:
+            specs.append(activation.scale.tensor)
+        if activation.global_scale:
+            specs.append(activation.global_scale.tensor)
+    return specs

@@ -1,0 +1,83 @@
+"""Shape expressions of stored tensors, written in terms of N (output) and K (input features).
+
+A dimension is one of: an integer, ``N``, ``K``, ``N/d``, ``K/d`` (exact division: the layer's
+size must be divisible), or ``ceil(N/d)``, ``ceil(K/d)``. Nothing else, so that every shape
+can be evaluated for a layer and also solved for N and K from a stored tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_DIM = re.compile(r"^\s*(?:(?P<int>\d+)|(?P<ceil>ceil\()?\s*(?P<var>[NK])\s*(?:/\s*(?P<div>\d+))?\s*(?(ceil)\)|)\s*)$")
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One dimension of a declared shape."""
+
+    text: str
+    constant: int | None = None
+    variable: str | None = None  # "N" or "K"
+    divisor: int = 1
+    ceil: bool = False
+
+    @staticmethod
+    def parse(text: str | int) -> Dim:
+        """Parse ``"K/16"``, ``"ceil(N/128)"``, ``"N"`` or an integer; ValueError otherwise."""
+        if isinstance(text, bool):
+            raise ValueError(f"{text!r} is not a dimension")
+        if isinstance(text, int):
+            if text < 0:
+                raise ValueError(f"{text!r} is negative")
+            return Dim(text=str(text), constant=text)
+        match = _DIM.match(str(text))
+        if match is None:
+            raise ValueError(
+                f"{text!r} is not a dimension; use an integer, N, K, N/d, K/d, ceil(N/d) or ceil(K/d)"
+            )
+        if match.group("int") is not None:
+            return Dim(text=str(text), constant=int(match.group("int")))
+        divisor = int(match.group("div") or 1)
+        if divisor == 0:
+            raise ValueError(f"{text!r} divides by zero")
+        ceil = match.group("ceil") is not None
+        if ceil and match.group("div") is None:
+            raise ValueError(f"{text!r}: ceil() needs a division, e.g. ceil(K/128)")
+        return Dim(text=str(text).replace(" ", ""), variable=match.group("var"), divisor=divisor, ceil=ceil)
+
+    def evaluate(self, n: int, k: int) -> int | None:
+        """The size for a layer of N x K, or None where N or K is not divisible as declared."""
+        if self.constant is not None:
+            return self.constant
+        size = n if self.variable == "N" else k
+        if self.ceil:
+            return -(-size // self.divisor)
+        if size % self.divisor:
+            return None
+        return size // self.divisor
+
+    def __str__(self) -> str:
+        return self.text
+
+
+Shape = tuple[Dim, ...]
+
+
+def parse_shape(items: list[str | int]) -> Shape:
+    """Parse a list of dimensions."""
+    return tuple(Dim.parse(item) for item in items)
+
+
+def evaluate_shape(shape: Shape, n: int, k: int) -> tuple[int, ...] | None:
+    """Evaluate a shape for N x K; None where a dimension does not divide."""
+    sizes = [dim.evaluate(n, k) for dim in shape]
+    if any(size is None for size in sizes):
+        return None
+    return tuple(size for size in sizes if size is not None)
+
+
+def format_shape(shape: Shape) -> str:
+    """Render as ``[N, K/16]``."""
+    return "[" + ", ".join(str(dim) for dim in shape) + "]"

@@ -1,0 +1,144 @@
+"""Plain-data views of a Scheme for JSON output and human-readable rendering."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qscheme.descriptor.model import Scheme, TensorSpec
+from qscheme.descriptor.shapes import format_shape
+
+ROLE_DESCRIPTIONS: dict[str, str] = {
+    "weight": "quantized weight elements",
+    "weight_scale": "weight scales",
+    "weight_global_scale": "weight global scale (one per partition)",
+    "weight_zero_point": "weight zero points",
+    "weight_shape": "unpacked weight shape [N, K]",
+    "input_pre_scale": "input multiplier applied before the GEMM (AWQ)",
+    "input_scale": "static activation scale",
+    "input_global_scale": "activation global scale",
+}
+
+
+def tensor_dict(spec: TensorSpec) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "dtype": list(spec.dtypes),
+        "shape": [[str(dim) for dim in shape] for shape in spec.shapes],
+        "optional": spec.optional,
+    }
+
+
+def scheme_summary(scheme: Scheme) -> dict[str, Any]:
+    """The short record `qscheme schemes --json` lists."""
+    return {
+        "name": scheme.name,
+        "producer": scheme.producer,
+        "weight_format": scheme.weight_family,
+        "activation_format": scheme.activation_family,
+        "group_size": scheme.weight.scale.group_size,
+        "description": scheme.description,
+        "source": scheme.source,
+        "path": scheme.path,
+    }
+
+
+def scheme_dict(scheme: Scheme) -> dict[str, Any]:
+    """Everything a descriptor declares, as plain data (`qscheme show --json`)."""
+    weight = scheme.weight
+    scale = weight.scale
+    out: dict[str, Any] = scheme_summary(scheme)
+    out["rules"] = scheme.rules
+    out["weight"] = {
+        "format": weight.format,
+        "packing": weight.packing,
+        "scale": {
+            "granularity": scale.granularity,
+            "group_size": scale.group_size,
+            "block": list(scale.block) if scale.block else None,
+            "format": scale.format,
+            "stored": scale.stored,
+        },
+        "global_scale": {"stored": weight.global_scale.stored} if weight.global_scale else None,
+        "zero_point": (
+            {"format": weight.zero_point.format, "packing": weight.zero_point.packing} if weight.zero_point else None
+        ),
+    }
+    act = scheme.activation
+    out["activation"] = (
+        None
+        if act is None
+        else {
+            "format": act.format,
+            "granularity": act.granularity,
+            "group_size": act.group_size,
+            "dynamic": act.dynamic,
+            "scale_format": act.scale_format,
+            "scale": {"stored": act.scale.stored} if act.scale else None,
+            "global_scale": {"stored": act.global_scale.stored} if act.global_scale else None,
+        }
+    )
+    out["tensors"] = {
+        role: {**tensor_dict(spec), "stored": scheme.stored_convention(role)}
+        for role, spec in scheme.tensor_specs().items()
+    }
+    out["tolerated"] = list(scheme.tolerated)
+    out["fused"] = {"policy": scheme.fused.policy, "fallback": scheme.fused.fallback}
+    detect: dict[str, Any] = {}
+    if scheme.detect.compressed_tensors is not None:
+        rule = scheme.detect.compressed_tensors
+        detect["compressed-tensors"] = {
+            "format": list(rule.formats),
+            "weights": dict(rule.weights),
+            "input_activations": dict(rule.input_activations) if rule.input_activations is not None else None,
+        }
+    if scheme.detect.modelopt is not None:
+        detect["modelopt"] = {
+            "quant_algo": list(scheme.detect.modelopt.quant_algos),
+            "group_size": scheme.detect.modelopt.group_size,
+        }
+    out["detect"] = detect
+    return out
+
+
+def render_scheme(scheme: Scheme) -> str:
+    """A readable multi-line description of a scheme."""
+    weight = scheme.weight
+    scale = weight.scale
+    lines = [f"{scheme.name}  ({scheme.producer or 'no producer'}; {scheme.source}: {scheme.path or '-'})"]
+    if scheme.description:
+        lines.append(f"  {scheme.description}")
+    granularity = scale.granularity
+    if scale.group_size:
+        granularity += f" of {scale.group_size} along K"
+    if scale.block:
+        granularity += f" {scale.block[0]}x{scale.block[1]}"
+    lines.append(f"weight:      {weight.format} ({scheme.weight_family}), packing {weight.packing}")
+    lines.append(f"  scale:     {scale.format}, {granularity}, stored as {scale.stored}")
+    if weight.global_scale:
+        lines.append(f"  global:    one per partition, stored as {weight.global_scale.stored}")
+    if weight.zero_point:
+        lines.append(f"  zero pt:   {weight.zero_point.format}, packing {weight.zero_point.packing}")
+    act = scheme.activation
+    if act is None:
+        lines.append("activation:  none (16-bit)")
+    else:
+        mode = "dynamic" if act.dynamic else "static"
+        grouping = act.granularity + (f" of {act.group_size}" if act.group_size else "")
+        lines.append(f"activation:  {act.format} ({scheme.activation_family}), {mode} per {grouping}, scales {act.scale_format}")
+    lines.append("tensors (per linear module):")
+    for role, spec in scheme.tensor_specs().items():
+        stored = scheme.stored_convention(role)
+        shapes = " or ".join(format_shape(shape) for shape in spec.shapes)
+        extra = f"  stored as {stored}" if stored else ""
+        optional = "  (optional)" if spec.optional else ""
+        lines.append(f"  {spec.name:<22} {'|'.join(spec.dtypes):<32} {shapes:<28} {role}{extra}{optional}")
+    if scheme.tolerated:
+        lines.append(f"tolerated:   {', '.join(scheme.tolerated)} (dropped when present)")
+    lines.append(f"fused:       {scheme.fused.policy}, otherwise {scheme.fused.fallback}")
+    if scheme.detect.compressed_tensors:
+        rule = scheme.detect.compressed_tensors
+        inputs = dict(rule.input_activations) if rule.input_activations is not None else "absent"
+        lines.append(f"detect:      compressed-tensors format {'|'.join(rule.formats)}, weights {dict(rule.weights)}, inputs {inputs}")
+    if scheme.detect.modelopt:
+        lines.append(f"detect:      modelopt quant_algo {'|'.join(scheme.detect.modelopt.quant_algos)}")
+    return "\n".join(lines)

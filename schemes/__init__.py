@@ -1,0 +1,1 @@
+"""Built-in scheme descriptors (YAML data), installed as the package ``qscheme_schemes``."""
