@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install, then run every check CI runs: ruff, mypy, the wheel install check, and the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+. .venv/bin/activate
+export TRITON_INTERPRET=1 TRITON_DEFAULT_FP_FUSION=1
+echo "== ruff"
+ruff check qscheme plugins tests benchmarks
+ruff format --check qscheme plugins tests benchmarks
+echo "== mypy"
+mypy qscheme plugins
+echo "== wheel"
+bash scripts/check-wheel.sh
+echo "== pytest"
+python -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,98 @@
+"""The catalog: built-ins, QSCHEME_SCHEME_PATH folders, duplicate names, lookups."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from qscheme.catalog import build_catalog, builtin_scheme_dir, load_catalog, load_scheme
+from qscheme.errors import SchemeError
+
+BUILTIN = Path(__file__).resolve().parents[1] / "schemes"
+E5M2_TEXT = """\
+name: test/fp8-e5m2-weight-only
+description: fp8 e5m2 weights, one scale per output channel, 16-bit activations
+weight:
+  format: e5m2
+  tensor: {name: weight, dtype: float8_e5m2, shape: [N, K]}
+  scale:
+    granularity: channel
+    format: fp32
+    stored: multiplier
+    tensor: {name: weight_scale, dtype: float32, shape: [N, 1]}
+activation: none
+"""
+
+
+def test_builtins_are_all_there() -> None:
+    catalog = load_catalog(include_plugins=False)
+    names = {scheme.name for scheme in catalog}
+    expected = {
+        *(f"compressed-tensors/{n}" for n in ("NVFP4", "NVFP4A16", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "W4A16", "W4A16_ASYM", "W8A8", "MXFP4", "MXFP4A16")),
+        *(f"modelopt/{n}" for n in ("NVFP4", "W4A16_NVFP4", "NVFP4_AWQ", "W4A8_NVFP4_FP8", "FP8", "fp8_pb_wo", "W4A16_AWQ", "mxfp4")),
+    }
+    assert expected <= names
+    assert all(scheme.source == "builtin" for scheme in catalog if scheme.name in expected)
+
+
+def test_builtin_dir_is_the_installed_package() -> None:
+    files = sorted(p.name for p in builtin_scheme_dir().rglob("*.yaml"))
+    assert len(files) >= 18
+
+
+def test_scheme_path_adds_schemes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "e5m2.yaml").write_text(E5M2_TEXT)
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", f"{tmp_path}{os.pathsep}{other}")
+    scheme = load_catalog(include_plugins=False).get("test/fp8-e5m2-weight-only")
+    assert scheme.source == f"path:{tmp_path}"
+    assert scheme.path == str(tmp_path / "e5m2.yaml")
+    assert scheme.weight_family == "fp8"
+
+
+def test_duplicate_names_name_both_files(tmp_path: Path) -> None:
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text(E5M2_TEXT)
+    second.write_text(E5M2_TEXT)
+    with pytest.raises(SchemeError) as info:
+        build_catalog([("path:x", first), ("path:x", second)])
+    message = str(info.value)
+    assert str(first) in message and str(second) in message and "already defined" in message
+
+
+def test_duplicate_of_a_builtin_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "nvfp4.yaml").write_text((BUILTIN / "compressed-tensors" / "NVFP4.yaml").read_text())
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path))
+    with pytest.raises(SchemeError, match="compressed-tensors/NVFP4"):
+        load_catalog(include_plugins=False)
+
+
+def test_broken_file_on_path_is_reported_with_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "bad.yaml").write_text(E5M2_TEXT.replace("granularity: channel", "granularity: row"))
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path))
+    with pytest.raises(SchemeError, match=r"bad\.yaml:7:18: weight\.scale\.granularity: 'row'"):
+        load_catalog(include_plugins=False)
+
+
+def test_missing_folder_on_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path / "nowhere"))
+    with pytest.raises(SchemeError, match="not a folder"):
+        load_catalog(include_plugins=False)
+
+
+def test_lookup_is_case_insensitive_and_suggests() -> None:
+    catalog = load_catalog(include_plugins=False)
+    assert catalog.get("compressed-tensors/nvfp4").name == "compressed-tensors/NVFP4"
+    with pytest.raises(SchemeError, match="Did you mean 'compressed-tensors/NVFP4'"):
+        catalog.get("compressed-tensors/NVFP5")
+
+
+def test_load_scheme_from_file(tmp_path: Path) -> None:
+    path = tmp_path / "e5m2.yaml"
+    path.write_text(E5M2_TEXT)
+    assert load_scheme(str(path)).name == "test/fp8-e5m2-weight-only"
+    with pytest.raises(SchemeError, match="does not exist"):
+        load_scheme(str(tmp_path / "missing.yaml"))
