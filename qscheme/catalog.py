@@ -94,7 +94,9 @@ def build_catalog(sources: Iterable[tuple[str, Path]]) -> Catalog:
     return Catalog(schemes)
 
 
-def catalog_sources(extra_dirs: Iterable[Path] = (), plugin_files: Iterable[tuple[str, Path]] = ()) -> list[tuple[str, Path]]:
+def catalog_sources(
+    extra_dirs: Iterable[Path] = (), plugin_files: Iterable[tuple[str, Path]] = ()
+) -> list[tuple[str, Path]]:
     """Built-ins, then QSCHEME_SCHEME_PATH folders, then extra folders, then plugin files."""
     sources: list[tuple[str, Path]] = [("builtin", p) for p in descriptor_files(builtin_scheme_dir())]
     for folder in [*scheme_path_dirs(), *extra_dirs]:
@@ -130,7 +132,7 @@ def load_scheme(name_or_path: str | Path | Scheme) -> Scheme:
     if isinstance(name_or_path, Scheme):
         return name_or_path
     text = str(name_or_path)
-    if text.endswith((".yaml", ".yml")) or os.sep in text and Path(text).exists():
+    if text.endswith((".yaml", ".yml")) or (os.sep in text and Path(text).exists()):
         if not Path(text).is_file():
             raise SchemeError(f"descriptor file {text!r} does not exist; check the path")
         return parse_scheme_file(text)

@@ -45,7 +45,11 @@ def test_modelopt_nvfp4_is_multiplier_with_same_math() -> None:
     assert t["weight"][0] == "weight" and t["weight_global_scale"][0] == "weight_scale_2"
     assert t["weight_global_scale"][2] == [(), (1,)]
     assert t["input_global_scale"][0] == "input_scale"
-    assert (ct.weight.format, ct.weight.scale.format, ct.group_size) == (mo.weight.format, mo.weight.scale.format, mo.group_size)
+    assert (ct.weight.format, ct.weight.scale.format, ct.group_size) == (
+        mo.weight.format,
+        mo.weight.scale.format,
+        mo.group_size,
+    )
 
 
 def test_modelopt_w4a16_nvfp4_tolerates_input_scale() -> None:
@@ -60,16 +64,19 @@ def test_w4a8_nvfp4_fp8_is_group_32_with_fp8_inputs() -> None:
     assert s.activation is not None and not s.activation.dynamic
 
 
-@pytest.mark.parametrize(("name", "weight_shape", "scale_shape"), [
-    ("compressed-tensors/W4A16", (N, K // 8), (N, K // 128)),
-    ("compressed-tensors/W4A16_ASYM", (N, K // 8), (N, K // 128)),
-    ("modelopt/W4A16_AWQ", (N // 2, K), (N, K // 128)),
-    ("compressed-tensors/FP8_BLOCK", (N, K), (2, 4)),
-    ("compressed-tensors/FP8_DYNAMIC", (N, K), (N, 1)),
-    ("compressed-tensors/W8A8", (N, K), (N, 1)),
-    ("compressed-tensors/MXFP4", (N, K // 2), (N, K // 32)),
-    ("modelopt/mxfp4", (N, K // 2), (N, K // 32)),
-])
+@pytest.mark.parametrize(
+    ("name", "weight_shape", "scale_shape"),
+    [
+        ("compressed-tensors/W4A16", (N, K // 8), (N, K // 128)),
+        ("compressed-tensors/W4A16_ASYM", (N, K // 8), (N, K // 128)),
+        ("modelopt/W4A16_AWQ", (N // 2, K), (N, K // 128)),
+        ("compressed-tensors/FP8_BLOCK", (N, K), (2, 4)),
+        ("compressed-tensors/FP8_DYNAMIC", (N, K), (N, 1)),
+        ("compressed-tensors/W8A8", (N, K), (N, 1)),
+        ("compressed-tensors/MXFP4", (N, K // 2), (N, K // 32)),
+        ("modelopt/mxfp4", (N, K // 2), (N, K // 32)),
+    ],
+)
 def test_weight_and_scale_shapes(name: str, weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> None:
     t = shapes(scheme(name))
     assert t["weight"][2] == [weight_shape]

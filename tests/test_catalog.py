@@ -30,8 +30,25 @@ def test_builtins_are_all_there() -> None:
     catalog = load_catalog(include_plugins=False)
     names = {scheme.name for scheme in catalog}
     expected = {
-        *(f"compressed-tensors/{n}" for n in ("NVFP4", "NVFP4A16", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "W4A16", "W4A16_ASYM", "W8A8", "MXFP4", "MXFP4A16")),
-        *(f"modelopt/{n}" for n in ("NVFP4", "W4A16_NVFP4", "NVFP4_AWQ", "W4A8_NVFP4_FP8", "FP8", "fp8_pb_wo", "W4A16_AWQ", "mxfp4")),
+        *(
+            f"compressed-tensors/{n}"
+            for n in (
+                "NVFP4",
+                "NVFP4A16",
+                "FP8",
+                "FP8_DYNAMIC",
+                "FP8_BLOCK",
+                "W4A16",
+                "W4A16_ASYM",
+                "W8A8",
+                "MXFP4",
+                "MXFP4A16",
+            )
+        ),
+        *(
+            f"modelopt/{n}"
+            for n in ("NVFP4", "W4A16_NVFP4", "NVFP4_AWQ", "W4A8_NVFP4_FP8", "FP8", "fp8_pb_wo", "W4A16_AWQ", "mxfp4")
+        ),
     }
     assert expected <= names
     assert all(scheme.source == "builtin" for scheme in catalog if scheme.name in expected)

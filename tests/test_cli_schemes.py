@@ -48,7 +48,7 @@ def test_show_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_show_unknown_is_error_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(["show", "modelopt/NVFP5"], capsys)
+    code, _out, err = run(["show", "modelopt/NVFP5"], capsys)
     assert code == 1 and "Traceback" not in err and "modelopt/NVFP4" in err
 
 

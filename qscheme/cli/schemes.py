@@ -24,7 +24,14 @@ def run(args: argparse.Namespace) -> int:
         print_json(records)
         return 0
     rows = [
-        [r["name"], r["producer"] or "-", r["weight_format"], r["activation_format"], str(r["group_size"] or "-"), r["source"]]
+        [
+            r["name"],
+            r["producer"] or "-",
+            r["weight_format"],
+            r["activation_format"],
+            str(r["group_size"] or "-"),
+            r["source"],
+        ]
         for r in records
     ]
     sys.stdout.write(table(rows, ["scheme", "producer", "weights", "activations", "group", "source"]) + "\n")

@@ -13,7 +13,9 @@ from qscheme.descriptor.summary import render_scheme, scheme_dict
 
 def register(sub: Any) -> None:
     parser = sub.add_parser("show", help="show one scheme: formats, tensors, conventions, detection")
-    parser.add_argument("target", metavar="NAME|FILE", help="a scheme name (see `qscheme schemes`) or a descriptor file")
+    parser.add_argument(
+        "target", metavar="NAME|FILE", help="a scheme name (see `qscheme schemes`) or a descriptor file"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(handler=run)
 

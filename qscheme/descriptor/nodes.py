@@ -66,7 +66,11 @@ def read_yaml(text: str, file: str) -> tuple[Node | None, list[Problem]]:
         problems.append(Problem(Location(file), f"not valid YAML: {exc}"))
         return None, problems
     if root is None:
-        problems.append(Problem(Location(file, 1, 1), "the file is empty; a descriptor is a mapping with at least `name` and `weight`"))
+        problems.append(
+            Problem(
+                Location(file, 1, 1), "the file is empty; a descriptor is a mapping with at least `name` and `weight`"
+            )
+        )
         return None, problems
     constructor = yaml.SafeLoader("")
     return _convert(root, file, constructor, problems, "", set()), problems
@@ -116,7 +120,10 @@ def _convert(
         return Node(items, line, column)
     if isinstance(node, yaml.SequenceNode):
         return Node(
-            [_convert(child, file, constructor, problems, f"{path}[{index}]", seen) for index, child in enumerate(node.value)],
+            [
+                _convert(child, file, constructor, problems, f"{path}[{index}]", seen)
+                for index, child in enumerate(node.value)
+            ],
             line,
             column,
         )

@@ -103,7 +103,9 @@ class _Reader:
             location = Location(self.file, node.line, node.column, path)
         self.problems.append(Problem(location, message))
 
-    def mapping(self, node: Node, path: str, required: tuple[str, ...], optional: tuple[str, ...]) -> dict[str, Node] | None:
+    def mapping(
+        self, node: Node, path: str, required: tuple[str, ...], optional: tuple[str, ...]
+    ) -> dict[str, Node] | None:
         if not node.is_mapping:
             self.fail(node, path, f"{node.plain()!r} is not a mapping; expected keys {_quote(required + optional)}")
             return None
@@ -113,7 +115,11 @@ class _Reader:
             if key not in allowed:
                 close = difflib.get_close_matches(key, allowed, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                self.fail(child, f"{path}.{key}" if path else key, f"unknown key {key!r}; allowed keys are {_quote(allowed)}{hint}")
+                self.fail(
+                    child,
+                    f"{path}.{key}" if path else key,
+                    f"unknown key {key!r}; allowed keys are {_quote(allowed)}{hint}",
+                )
         for key in required:
             if key not in items:
                 self.fail(node, path or "<top>", f"missing required key {key!r}")
@@ -232,11 +238,17 @@ class _Reader:
         if granularity == "group" and group_size is None and "group_size" not in items:
             self.fail(node, path, "granularity 'group' needs group_size (e.g. group_size: 16)")
         if granularity not in (None, "group") and "group_size" in items:
-            self.fail(items["group_size"], f"{path}.group_size", f"group_size only applies to granularity 'group', not {granularity!r}")
+            self.fail(
+                items["group_size"],
+                f"{path}.group_size",
+                f"group_size only applies to granularity 'group', not {granularity!r}",
+            )
         if granularity == "block" and block is None and "block" not in items:
             self.fail(node, path, "granularity 'block' needs block: [rows, columns] (e.g. [128, 128])")
         if granularity not in (None, "block") and "block" in items:
-            self.fail(items["block"], f"{path}.block", f"block only applies to granularity 'block', not {granularity!r}")
+            self.fail(
+                items["block"], f"{path}.block", f"block only applies to granularity 'block', not {granularity!r}"
+            )
         if tensor is not None and scale_format is not None:
             self.check_dtypes(node, path, tensor, SCALE_DTYPES[scale_format], f"scale format {scale_format!r}")
         if granularity is None or scale_format is None or stored is None or tensor is None:
@@ -299,19 +311,35 @@ class _Reader:
         if element is not None and packing is not None:
             packing_node = items.get("packing", node)
             if packing in ("nibbles_k", "int4_n") and element not in FOUR_BIT:
-                self.fail(packing_node, f"{path}.packing", f"{packing!r} packs 4-bit elements, but format is {element!r}; use packing 'none'")
+                self.fail(
+                    packing_node,
+                    f"{path}.packing",
+                    f"{packing!r} packs 4-bit elements, but format is {element!r}; use packing 'none'",
+                )
             if packing == "int4_n" and element != "int4":
                 self.fail(packing_node, f"{path}.packing", f"'int4_n' holds signed int4 only, not {element!r}")
             if packing == "int32_k" and element not in INTEGER:
-                self.fail(packing_node, f"{path}.packing", f"'int32_k' packs integers, not {element!r}; use 'nibbles_k' for e2m1")
+                self.fail(
+                    packing_node,
+                    f"{path}.packing",
+                    f"'int32_k' packs integers, not {element!r}; use 'nibbles_k' for e2m1",
+                )
             if packing == "none" and element in FOUR_BIT:
-                self.fail(packing_node, f"{path}.packing", f"4-bit {element!r} must be packed: use 'nibbles_k', 'int32_k' or 'int4_n'")
+                self.fail(
+                    packing_node,
+                    f"{path}.packing",
+                    f"4-bit {element!r} must be packed: use 'nibbles_k', 'int32_k' or 'int4_n'",
+                )
             if tensor is not None and packing in PACKED_DTYPE:
                 expected = PACKED_DTYPE[packing] or UNPACKED_DTYPE.get(element)
                 if expected is not None:
                     self.check_dtypes(node, path, tensor, (expected,), f"format {element!r} with packing {packing!r}")
         if zero_point is not None and element is not None and element not in INTEGER:
-            self.fail(items["zero_point"], f"{path}.zero_point", f"zero points need an integer format, not {element!r}; use zero_point: none")
+            self.fail(
+                items["zero_point"],
+                f"{path}.zero_point",
+                f"zero points need an integer format, not {element!r}; use zero_point: none",
+            )
         if element is None or tensor is None or scale is None or packing is None:
             return None
         return WeightSpec(
@@ -344,10 +372,14 @@ class _Reader:
         if items is None:
             return None
         element = self.required(items, "format", path, lambda n, p: self.choice(n, p, ELEMENT_FORMATS))
-        granularity = self.required(items, "granularity", path, lambda n, p: self.choice(n, p, ACTIVATION_GRANULARITIES))
+        granularity = self.required(
+            items, "granularity", path, lambda n, p: self.choice(n, p, ACTIVATION_GRANULARITIES)
+        )
         dynamic = self.required(items, "dynamic", path, self.boolean)
         group_size = self.optional(items, "group_size", path, self.integer)
-        scale_format = self.optional(items, "scale_format", path, lambda n, p: self.choice(n, p, SCALE_FORMATS)) or "fp32"
+        scale_format = (
+            self.optional(items, "scale_format", path, lambda n, p: self.choice(n, p, SCALE_FORMATS)) or "fp32"
+        )
         scale = self.optional(items, "scale", path, self.static_scale)
         global_scale = self.optional(items, "global_scale", path, self.global_scale)
         if granularity == "group" and "group_size" not in items:
@@ -355,9 +387,17 @@ class _Reader:
         if dynamic is False and "scale" not in items:
             self.fail(node, path, "a static activation (dynamic: false) needs scale: {stored, tensor}")
         if dynamic is True and "scale" in items:
-            self.fail(items["scale"], f"{path}.scale", "a dynamic activation computes its scales; remove scale or set dynamic: false")
+            self.fail(
+                items["scale"],
+                f"{path}.scale",
+                "a dynamic activation computes its scales; remove scale or set dynamic: false",
+            )
         if dynamic is False and granularity not in (None, "tensor"):
-            self.fail(items["granularity"], f"{path}.granularity", f"static activation scales are per tensor, not {granularity!r}")
+            self.fail(
+                items["granularity"],
+                f"{path}.granularity",
+                f"static activation scales are per tensor, not {granularity!r}",
+            )
         if element is None or granularity is None or dynamic is None:
             return None
         return ActivationSpec(
@@ -375,7 +415,9 @@ class _Reader:
         if items is None:
             return None
         policy = self.required(items, "policy", path, lambda n, p: self.choice(n, p, FUSED_POLICIES))
-        fallback = self.optional(items, "fallback", path, lambda n, p: self.choice(n, p, FUSED_POLICIES[1:])) or "refuse"
+        fallback = (
+            self.optional(items, "fallback", path, lambda n, p: self.choice(n, p, FUSED_POLICIES[1:])) or "refuse"
+        )
         if policy is None:
             return None
         return FusedSpec(policy=policy, fallback=fallback)  # type: ignore[arg-type]
@@ -474,10 +516,18 @@ def _read_scheme(reader: _Reader, root: Node) -> Scheme | None:
         names = [spec.name for spec in _tensor_names(weight, activation, pre_scale)]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
-            reader.fail(items["weight"], "weight", f"tensor name {duplicates[0]!r} is declared twice; each tensor needs its own name")
+            reader.fail(
+                items["weight"],
+                "weight",
+                f"tensor name {duplicates[0]!r} is declared twice; each tensor needs its own name",
+            )
         clash = sorted(set(tolerated) & set(names))
         if clash:
-            reader.fail(items["tolerated"], "tolerated", f"{clash[0]!r} is both declared and tolerated; remove it from tolerated")
+            reader.fail(
+                items["tolerated"],
+                "tolerated",
+                f"{clash[0]!r} is both declared and tolerated; remove it from tolerated",
+            )
     if name is None or weight is None:
         return None
     return Scheme(
@@ -494,7 +544,9 @@ def _read_scheme(reader: _Reader, root: Node) -> Scheme | None:
     )
 
 
-def _tensor_names(weight: WeightSpec, activation: ActivationSpec | None, pre_scale: TensorSpec | None) -> list[TensorSpec]:
+def _tensor_names(
+    weight: WeightSpec, activation: ActivationSpec | None, pre_scale: TensorSpec | None
+) -> list[TensorSpec]:
     specs = [weight.tensor, weight.scale.tensor]
     if weight.global_scale:
         specs.append(weight.global_scale.tensor)

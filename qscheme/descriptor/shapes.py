@@ -34,9 +34,7 @@ class Dim:
             return Dim(text=str(text), constant=text)
         match = _DIM.match(str(text))
         if match is None:
-            raise ValueError(
-                f"{text!r} is not a dimension; use an integer, N, K, N/d, K/d, ceil(N/d) or ceil(K/d)"
-            )
+            raise ValueError(f"{text!r} is not a dimension; use an integer, N, K, N/d, K/d, ceil(N/d) or ceil(K/d)")
         if match.group("int") is not None:
             return Dim(text=str(text), constant=int(match.group("int")))
         divisor = int(match.group("div") or 1)

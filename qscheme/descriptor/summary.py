@@ -107,7 +107,7 @@ def render_scheme(scheme: Scheme) -> str:
     lines = [f"{scheme.name}  ({scheme.producer or 'no producer'}; {scheme.source}: {scheme.path or '-'})"]
     if scheme.description:
         lines.append(f"  {scheme.description}")
-    granularity = scale.granularity
+    granularity: str = scale.granularity
     if scale.group_size:
         granularity += f" of {scale.group_size} along K"
     if scale.block:
@@ -124,7 +124,9 @@ def render_scheme(scheme: Scheme) -> str:
     else:
         mode = "dynamic" if act.dynamic else "static"
         grouping = act.granularity + (f" of {act.group_size}" if act.group_size else "")
-        lines.append(f"activation:  {act.format} ({scheme.activation_family}), {mode} per {grouping}, scales {act.scale_format}")
+        lines.append(
+            f"activation:  {act.format} ({scheme.activation_family}), {mode} per {grouping}, scales {act.scale_format}"
+        )
     lines.append("tensors (per linear module):")
     for role, spec in scheme.tensor_specs().items():
         stored = scheme.stored_convention(role)
@@ -138,7 +140,10 @@ def render_scheme(scheme: Scheme) -> str:
     if scheme.detect.compressed_tensors:
         rule = scheme.detect.compressed_tensors
         inputs = dict(rule.input_activations) if rule.input_activations is not None else "absent"
-        lines.append(f"detect:      compressed-tensors format {'|'.join(rule.formats)}, weights {dict(rule.weights)}, inputs {inputs}")
+        lines.append(
+            f"detect:      compressed-tensors format {'|'.join(rule.formats)}, "
+            f"weights {dict(rule.weights)}, inputs {inputs}"
+        )
     if scheme.detect.modelopt:
         lines.append(f"detect:      modelopt quant_algo {'|'.join(scheme.detect.modelopt.quant_algos)}")
     return "\n".join(lines)
