@@ -1,0 +1,1 @@
+"""Deliberately broken qscheme plugins (see README.md)."""

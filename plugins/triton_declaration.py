@@ -1,0 +1,59 @@
+"""The Triton fallback kernel's declaration (its code is ``qscheme_plugins.triton_kernel``).
+
+Weight-only for every weight family (e2m1 with e4m3/e8m0/float scales, int4/uint4 with zero
+points, int8, fp8), plus NVFP4 x NVFP4; one global scale per fused partition; 16-bit and fp32
+activations. Runs on CUDA compute capability 8.0 or newer, on ROCm, and on a CPU only under
+the Triton interpreter (TRITON_INTERPRET=1). Until the implementation module exists the
+resolver rejects this kernel at stage device, naming the missing implementation.
+"""
+
+from __future__ import annotations
+
+from qscheme.kernels.declaration import (
+    WEIGHT_ONLY,
+    ActivationDtypes,
+    ActivationSupport,
+    CapabilityRange,
+    DeviceSupport,
+    KernelDeclaration,
+    Supports,
+)
+from qscheme.plugins import hookimpl
+
+TRITON = KernelDeclaration(
+    name="triton",
+    provider="qscheme",
+    priority=50,
+    description="Triton dequantize-in-register GEMM, portable across CUDA, ROCm and the Triton interpreter",
+    supports=(
+        Supports(
+            weights=("nvfp4", "mxfp4", "fp4", "int4", "int8", "fp8"),
+            activations=(WEIGHT_ONLY,),
+            zero_points=True,
+            per_partition_scales=True,
+            input_pre_scale=True,
+        ),
+        Supports(
+            weights=("nvfp4",),
+            activations=(ActivationSupport("nvfp4", "group", 16, dynamic=True),),
+            granularities=("group",),
+            group_sizes=(16,),
+            scale_formats=("e4m3",),
+            per_partition_scales=True,
+            input_pre_scale=True,
+        ),
+    ),
+    devices=(
+        DeviceSupport("cuda", capabilities=(CapabilityRange((8, 0)),)),
+        DeviceSupport("rocm"),
+        DeviceSupport("cpu", environment=(("TRITON_INTERPRET", "1"),)),
+    ),
+    implementation="qscheme_plugins.triton_kernel:TritonKernel",
+    requires_modules=("triton",),
+    checks=(ActivationDtypes(("bfloat16", "float16", "float32")),),
+)
+
+
+@hookimpl
+def qscheme_kernels() -> list[KernelDeclaration]:
+    return [TRITON]

@@ -1,0 +1,50 @@
+"""`qscheme plugins [--json]`: every plugin, what it adds, and why it failed if it did."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from qscheme.cli.output import print_json, table
+from qscheme.plugins import get_plugins
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser("plugins", help="list the plugins: distribution, version, kernels, schemes, errors")
+    parser.add_argument("--json", action="store_true", help="print a JSON list")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    plugins = get_plugins()
+    infos = plugins.infos()
+    if args.json:
+        print_json([info.as_json() for info in infos])
+        return 0
+    rows = []
+    for info in infos:
+        if info.failures:
+            status = "failed" if not info.loaded else "loaded, with errors"
+        elif info.skipped:
+            status = f"skipped ({info.skipped})"
+        else:
+            status = "loaded"
+        rows.append(
+            [
+                info.name,
+                info.distribution or "-",
+                info.version or "-",
+                ", ".join(info.kernels) or "-",
+                ", ".join(info.schemes) or "-",
+                status,
+            ]
+        )
+    out = [table(rows, ["plugin", "distribution", "version", "kernels", "schemes", "status"])]
+    failures = plugins.failures()
+    if failures:
+        out.extend(["", "errors:"])
+        out.extend(f"  {failure}" for failure in failures)
+    out.append(f"\n{len(infos)} plugins, {len(failures)} error(s)")
+    sys.stdout.write("\n".join(out) + "\n")
+    return 0

@@ -1,0 +1,88 @@
+"""`qscheme resolve TARGET [--device D] [--kernel K] [--shape N,K] [--dtype T] [--json]`.
+
+Which kernel would run a layer of the scheme (a catalog name or a descriptor file), and why
+every other kernel would not. Exit 0 when a kernel is chosen, 1 when none can run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from qscheme.catalog import load_scheme
+from qscheme.cli.output import print_json
+from qscheme.errors import UsageError
+from qscheme.kernels import registry
+from qscheme.kernels.devices import DEVICE_CHOICES
+from qscheme.kernels.problem import Problem
+from qscheme.kernels.render import render_resolution, resolution_json
+
+DEFAULT_SHAPE = (4096, 4096)
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser("resolve", help="show which kernel runs a scheme on a device, and why the others do not")
+    parser.add_argument(
+        "target", metavar="NAME|FILE", help="a scheme name (see `qscheme schemes`) or a descriptor file"
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICE_CHOICES,
+        default=None,
+        help="cpu, cuda (the real GPU) or a simulated smXY (default: probe this machine)",
+    )
+    parser.add_argument(
+        "--kernel", default=None, help="force this kernel (fails if it cannot run; overrides QSCHEME_KERNEL)"
+    )
+    parser.add_argument(
+        "--shape",
+        default=None,
+        metavar="N,K",
+        help=f"output and input features of the layer (default {DEFAULT_SHAPE[0]},{DEFAULT_SHAPE[1]})",
+    )
+    parser.add_argument("--dtype", default="bf16", help="activation dtype: bf16, fp16 or fp32 (default bf16)")
+    parser.add_argument("--partitions", type=int, default=1, help="fused partitions forming the layer (default 1)")
+    parser.add_argument(
+        "--scales-differ", action="store_true", help="the fused partitions have different global scales"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.set_defaults(handler=run)
+
+
+def parse_shape(text: str | None) -> tuple[int, int]:
+    if text is None:
+        return DEFAULT_SHAPE
+    parts = text.replace("x", ",").split(",")
+    try:
+        n, k = (int(p) for p in parts)
+    except ValueError:
+        raise UsageError(f"--shape {text!r}: expected N,K, two positive integers such as 4096,11008") from None
+    if n < 1 or k < 1:
+        raise UsageError(f"--shape {text!r}: N and K must be positive")
+    return n, k
+
+
+def run(args: argparse.Namespace) -> int:
+    n, k = parse_shape(args.shape)
+    try:
+        problem = Problem(
+            n,
+            k,
+            args.dtype,
+            partitions=args.partitions,
+            partition_scales_differ=args.scales_differ,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    scheme = load_scheme(args.target)
+    device = registry.device_for(args.device)
+    resolution = registry.resolve_layer(scheme, problem, device, args.kernel)
+    failures = registry.plugin_failures()
+    hint = registry.hint_for(resolution)
+    declarations = registry.declarations()
+    if args.json:
+        print_json(resolution_json(resolution, failures, hint, declarations))
+    else:
+        sys.stdout.write(render_resolution(resolution, failures, hint, declarations) + "\n")
+    return 0 if resolution.resolved else 1

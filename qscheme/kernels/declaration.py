@@ -1,0 +1,361 @@
+"""Kernel declarations: what a kernel implements and where it runs, as plain frozen data.
+
+A plugin builds its declarations at import time, and ``qscheme kernels`` lists them, without
+importing any kernel code: this module imports nothing heavy (no torch). The code itself is
+named by ``implementation`` ("module:attribute") and imported only when a layer uses it.
+
+Vocabulary (the same words the scheme descriptors use):
+
+- weight families: ``nvfp4`` (e2m1 + e4m3 group scales), ``mxfp4`` (e2m1 + e8m0), ``fp4``,
+  ``int4``, ``int8``, ``fp8`` (see ``qscheme.descriptor.model.weight_family``);
+- activation families: ``none`` (16-bit or fp32 inputs, weight-only) or a family as above;
+- weight scale granularities: tensor, channel, group, block; activation ones: tensor, token,
+  group;
+- device types: cpu, cuda, rocm, mps, xpu; CUDA compute capabilities as (major, minor).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from qscheme.kernels.problem import Problem
+
+Capability = tuple[int, int]
+
+WEIGHT_FAMILIES: tuple[str, ...] = ("nvfp4", "mxfp4", "fp4", "int4", "int8", "fp8")
+ACTIVATION_FAMILIES: tuple[str, ...] = ("none", "nvfp4", "mxfp4", "fp4", "int8", "fp8")
+WEIGHT_GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group", "block")
+ACTIVATION_GRANULARITIES: tuple[str, ...] = ("tensor", "token", "group")
+DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "rocm", "mps", "xpu")
+ANY_DEVICE = "any"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_REFERENCE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def format_capability(capability: Capability) -> str:
+    """(10, 0) -> ``10.0``."""
+    return f"{capability[0]}.{capability[1]}"
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _tuple_of(value: object, kind: type, what: str) -> None:
+    _require(
+        isinstance(value, tuple) and all(isinstance(v, kind) for v in value),
+        f"{what} must be a tuple of {kind.__name__}, not {value!r}",
+    )
+
+
+@dataclass(frozen=True)
+class CapabilityRange:
+    """CUDA compute capabilities from ``low`` to ``high`` inclusive; ``high=None`` means "or newer".
+
+    Hardware families are ranges, not minimums: Blackwell datacenter parts are 10.0-10.3 and
+    consumer Blackwell 12.0-12.1, two ranges with different instructions.
+    """
+
+    low: Capability
+    high: Capability | None = None
+
+    def __post_init__(self) -> None:
+        for end in (self.low, self.high):
+            if end is None:
+                continue
+            _require(
+                isinstance(end, tuple) and len(end) == 2 and all(isinstance(v, int) and v >= 0 for v in end),
+                f"a compute capability is (major, minor), not {end!r}",
+            )
+        _require(self.high is None or self.high >= self.low, f"capability range {self.low}-{self.high} is empty")
+
+    def contains(self, capability: Capability) -> bool:
+        return capability >= self.low and (self.high is None or capability <= self.high)
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{format_capability(self.low)} or newer"
+        if self.high == self.low:
+            return format_capability(self.low)
+        return f"{format_capability(self.low)}-{format_capability(self.high)}"
+
+
+def describe_capabilities(ranges: tuple[CapabilityRange, ...]) -> str:
+    """``compute capability 10.0-10.3 or 12.0-12.1`` (never a toolkit-looking ``CUDA>=``)."""
+    return "compute capability " + " or ".join(str(r) for r in ranges)
+
+
+@dataclass(frozen=True)
+class DeviceSupport:
+    """One device type a kernel runs on and what it needs there.
+
+    ``capabilities`` (CUDA only) lists accepted compute-capability ranges, empty for any;
+    ``environment`` lists variables that must have a value, e.g. (("TRITON_INTERPRET", "1"),)
+    for a Triton kernel interpreted on a CPU. ``type`` may be ``"any"``.
+    """
+
+    type: str
+    capabilities: tuple[CapabilityRange, ...] = ()
+    environment: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(
+            self.type in (*DEVICE_TYPES, ANY_DEVICE),
+            f"device type {self.type!r} is not one of {', '.join((*DEVICE_TYPES, ANY_DEVICE))}",
+        )
+        _tuple_of(self.capabilities, CapabilityRange, "capabilities")
+        _tuple_of(self.environment, tuple, "environment")
+
+    def describe(self) -> str:
+        text = "any device" if self.type == ANY_DEVICE else self.type
+        if self.capabilities:
+            text += f" ({describe_capabilities(self.capabilities)})"
+        if self.environment:
+            text += " with " + ", ".join(f"{name}={value}" for name, value in self.environment)
+        return text
+
+
+@dataclass(frozen=True)
+class ActivationSupport:
+    """An activation format a kernel takes: a family and, where it matters, how it is scaled.
+
+    ``none`` means the inputs are not quantized (16-bit or fp32). None in the other fields
+    means "any". FP8 static per tensor is ``("fp8", "tensor", dynamic=False)``; NVFP4's
+    dynamic groups of 16 (with a static global scale) ``("nvfp4", "group", 16, True)``.
+    """
+
+    family: str
+    granularity: str | None = None
+    group_size: int | None = None
+    dynamic: bool | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.family in ACTIVATION_FAMILIES,
+            f"activation family {self.family!r} is not one of {', '.join(ACTIVATION_FAMILIES)}",
+        )
+        _require(
+            self.granularity is None or self.granularity in ACTIVATION_GRANULARITIES,
+            f"activation granularity {self.granularity!r} is not one of {', '.join(ACTIVATION_GRANULARITIES)}",
+        )
+
+    def describe(self) -> str:
+        if self.family == "none":
+            return "none (16-bit)"
+        parts = [self.family]
+        if self.dynamic is not None:
+            parts.append("dynamic" if self.dynamic else "static")
+        if self.granularity == "group":
+            parts.append(f"per group of {self.group_size}" if self.group_size else "per group")
+        elif self.granularity is not None:
+            parts.append(f"per {self.granularity}")
+        return " ".join(parts)
+
+
+WEIGHT_ONLY = ActivationSupport("none")
+
+
+@dataclass(frozen=True)
+class Supports:
+    """One set of scheme features a kernel implements; a kernel lists one or more.
+
+    Empty tuples mean "any". ``group_sizes`` applies to group-wise weight scales, ``blocks`` to
+    block-wise ones. ``per_partition_scales``: the kernel takes one global (or per-tensor) scale
+    per fused partition, so fused layers whose partitions' scales differ run exactly.
+    ``input_pre_scale``: the kernel multiplies the input by a per-channel pre-scale (AWQ).
+    """
+
+    weights: tuple[str, ...]
+    activations: tuple[ActivationSupport, ...] = (WEIGHT_ONLY,)
+    granularities: tuple[str, ...] = ()
+    group_sizes: tuple[int, ...] = ()
+    blocks: tuple[tuple[int, int], ...] = ()
+    scale_formats: tuple[str, ...] = ()
+    zero_points: bool = False
+    per_partition_scales: bool = False
+    input_pre_scale: bool = False
+
+    def __post_init__(self) -> None:
+        _tuple_of(self.weights, str, "weights")
+        _require(bool(self.weights), "weights must name at least one weight family")
+        unknown = [w for w in self.weights if w not in WEIGHT_FAMILIES]
+        _require(not unknown, f"weight families {unknown} are not among {', '.join(WEIGHT_FAMILIES)}")
+        _tuple_of(self.activations, ActivationSupport, "activations")
+        _require(bool(self.activations), "activations must list at least one ActivationSupport")
+        _tuple_of(self.granularities, str, "granularities")
+        bad = [g for g in self.granularities if g not in WEIGHT_GRANULARITIES]
+        _require(not bad, f"granularities {bad} are not among {', '.join(WEIGHT_GRANULARITIES)}")
+        _tuple_of(self.group_sizes, int, "group_sizes")
+        _tuple_of(self.blocks, tuple, "blocks")
+        _tuple_of(self.scale_formats, str, "scale_formats")
+
+    def describe(self) -> str:
+        """``nvfp4 weights (group 16) x none (16-bit), nvfp4 dynamic per group of 16``."""
+        details = []
+        if self.granularities:
+            details.append("/".join(self.granularities))
+        if self.group_sizes:
+            details.append("group " + "/".join(str(g) for g in self.group_sizes))
+        if self.blocks:
+            details.append("blocks " + "/".join(f"{r}x{c}" for r, c in self.blocks))
+        if self.scale_formats:
+            details.append("/".join(self.scale_formats) + " scales")
+        if self.zero_points:
+            details.append("zero points")
+        weights = ", ".join(self.weights) + " weights"
+        if details:
+            weights += f" ({', '.join(details)})"
+        return f"{weights} x {', '.join(a.describe() for a in self.activations)}"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The outcome of one problem check: ok, or the reason it failed and what would fix it."""
+
+    ok: bool
+    reason: str = ""
+    hint: str = ""
+
+
+PASSED = CheckResult(True)
+
+
+@runtime_checkable
+class ProblemCheck(Protocol):
+    """A condition on the layer (N, K, activation dtype, ...): plain data with a ``check``."""
+
+    def check(self, problem: Problem) -> CheckResult: ...
+
+    def describe(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class ShapeAlignment:
+    """N and K must be multiples of one of the (n_multiple, k_multiple) options."""
+
+    options: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        _require(
+            bool(self.options)
+            and all(
+                isinstance(o, tuple) and len(o) == 2 and all(isinstance(v, int) and v >= 1 for v in o)
+                for o in self.options
+            ),
+            f"ShapeAlignment options must be (n_multiple, k_multiple) pairs of positive ints, not {self.options!r}",
+        )
+
+    def check(self, problem: Problem) -> CheckResult:
+        if any(problem.n % n_mult == 0 and problem.k % k_mult == 0 for n_mult, k_mult in self.options):
+            return PASSED
+        n_mult, k_mult = self.options[0]
+        padded_n, padded_k = -(-problem.n // n_mult) * n_mult, -(-problem.k // k_mult) * k_mult
+        return CheckResult(
+            False,
+            f"needs {self.describe()}; layer has N={problem.n}, K={problem.k}",
+            f"pad the layer to N={padded_n}, K={padded_k}",
+        )
+
+    def describe(self) -> str:
+        return ", or ".join(f"N % {n} == 0 and K % {k} == 0" for n, k in self.options)
+
+
+@dataclass(frozen=True)
+class ActivationDtypes:
+    """The layer's inputs must arrive in one of these dtypes (bfloat16, float16, float32)."""
+
+    dtypes: tuple[str, ...]
+
+    def check(self, problem: Problem) -> CheckResult:
+        if problem.activation_dtype in self.dtypes:
+            return PASSED
+        return CheckResult(
+            False,
+            f"takes {self.describe()}; layer has {problem.activation_dtype}",
+            f"cast the inputs to {self.dtypes[0]}",
+        )
+
+    def describe(self) -> str:
+        return " or ".join(self.dtypes) + " activations"
+
+
+@dataclass(frozen=True)
+class KernelDeclaration:
+    """Everything the resolver needs to know about a kernel, without importing it.
+
+    ``priority``: higher wins; ties are broken by name. ``implementation``: "module:attribute"
+    of a class (instantiated without arguments) or an object with ``prepare`` and ``apply``;
+    None for a kernel declared ahead of its code. ``requires_modules``: modules that must be
+    importable (kernel libraries such as vllm or flashinfer). ``torch_features``: attributes
+    of the ``torch`` module it needs (e.g. ``float4_e2m1fn_x2``). ``plugin`` is set by the
+    plugin manager to the plugin that contributed the declaration.
+    """
+
+    name: str
+    provider: str
+    priority: int
+    supports: tuple[Supports, ...]
+    devices: tuple[DeviceSupport, ...]
+    implementation: str | None = None
+    requires_modules: tuple[str, ...] = ()
+    torch_features: tuple[str, ...] = ()
+    checks: tuple[ProblemCheck, ...] = ()
+    description: str = ""
+    plugin: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and bool(_NAME.match(self.name)), f"kernel name {self.name!r} is invalid")
+        _require(isinstance(self.provider, str) and bool(self.provider), f"kernel {self.name}: provider is empty")
+        _require(
+            isinstance(self.priority, int) and not isinstance(self.priority, bool),
+            f"kernel {self.name}: priority must be an int, not {self.priority!r}",
+        )
+        _tuple_of(self.supports, Supports, f"kernel {self.name}: supports")
+        _require(bool(self.supports), f"kernel {self.name}: supports is empty")
+        _tuple_of(self.devices, DeviceSupport, f"kernel {self.name}: devices")
+        _require(bool(self.devices), f"kernel {self.name}: devices is empty")
+        _require(
+            self.implementation is None
+            or (isinstance(self.implementation, str) and bool(_REFERENCE.match(self.implementation))),
+            f"kernel {self.name}: implementation must be 'module:attribute', not {self.implementation!r}",
+        )
+        _tuple_of(self.requires_modules, str, f"kernel {self.name}: requires_modules")
+        _tuple_of(self.torch_features, str, f"kernel {self.name}: torch_features")
+        _require(
+            isinstance(self.checks, tuple) and all(isinstance(c, ProblemCheck) for c in self.checks),
+            f"kernel {self.name}: checks must be a tuple of objects with check(problem) and describe()",
+        )
+
+    @property
+    def implementation_module(self) -> str | None:
+        return None if self.implementation is None else self.implementation.split(":", 1)[0]
+
+    def sort_key(self) -> tuple[int, str]:
+        """Highest priority first, then by name."""
+        return (-self.priority, self.name)
+
+    def describe_devices(self) -> str:
+        return "; ".join(d.describe() for d in self.devices)
+
+    def describe_supports(self) -> list[str]:
+        return [s.describe() for s in self.supports]
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "provider": self.provider,
+            "priority": self.priority,
+            "plugin": self.plugin,
+            "description": self.description,
+            "implementation": self.implementation,
+            "supports": self.describe_supports(),
+            "devices": [d.describe() for d in self.devices],
+            "requires_modules": list(self.requires_modules),
+            "torch_features": list(self.torch_features),
+            "checks": [c.describe() for c in self.checks],
+        }

@@ -1,0 +1,80 @@
+"""The problem a kernel is asked to solve: one linear layer's shape and inputs, as plain data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ACTIVATION_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+DTYPE_ALIASES: dict[str, str] = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "torch.bfloat16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "float16": "float16",
+    "torch.float16": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "float32": "float32",
+    "torch.float32": "float32",
+}
+
+
+def normalize_dtype(name: object) -> str:
+    """``bf16`` / ``torch.bfloat16`` / ``"bfloat16"`` -> ``"bfloat16"``; ValueError for anything else."""
+    key = str(name).lower()
+    if key not in DTYPE_ALIASES:
+        allowed = ", ".join(sorted({"bf16", "fp16", "fp32", *ACTIVATION_DTYPES}))
+        raise ValueError(f"activation dtype {name!r} is not one of {allowed}")
+    return DTYPE_ALIASES[key]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A linear layer y = x @ W^T with W of shape [n, k] (N output, K input features).
+
+    ``partitions`` counts the fused checkpoint modules that form the layer (3 for q/k/v -> qkv)
+    and ``partition_scales_differ`` says whether their global (or per-tensor) scales differ, so
+    that only kernels taking one scale per partition can run it exactly. ``input_pre_scale`` is
+    None when unknown (then the scheme decides: a declared, non-optional pre-scale is present).
+    ``layer`` only names the layer in messages: it takes no part in comparisons.
+    """
+
+    n: int
+    k: int
+    activation_dtype: str = "bfloat16"
+    partitions: int = 1
+    partition_scales_differ: bool = False
+    input_pre_scale: bool | None = None
+    layer: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.k < 1:
+            raise ValueError(f"a layer needs N >= 1 and K >= 1, not N={self.n}, K={self.k}")
+        if self.partitions < 1:
+            raise ValueError(f"partitions must be >= 1, not {self.partitions}")
+        if self.activation_dtype not in ACTIVATION_DTYPES:
+            object.__setattr__(self, "activation_dtype", normalize_dtype(self.activation_dtype))
+
+    def describe(self) -> str:
+        """``N=4096, K=11008, bfloat16 activations`` (+ fused partitions, + layer name)."""
+        text = f"N={self.n}, K={self.k}, {self.activation_dtype} activations"
+        if self.partitions > 1:
+            differ = "different" if self.partition_scales_differ else "equal"
+            text += f", {self.partitions} fused partitions with {differ} scales"
+        if self.input_pre_scale:
+            text += ", input pre-scale"
+        if self.layer:
+            text = f"layer {self.layer}: {text}"
+        return text
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "layer": self.layer,
+            "n": self.n,
+            "k": self.k,
+            "activation_dtype": self.activation_dtype,
+            "partitions": self.partitions,
+            "partition_scales_differ": self.partition_scales_differ,
+            "input_pre_scale": self.input_pre_scale,
+        }

@@ -1,0 +1,270 @@
+"""The edge between plugins, the environment and the pure resolver.
+
+Collects kernel declarations from the plugins, fills device facts with what is importable and
+which variables are set, reads the overrides (QSCHEME_KERNEL, QSCHEME_DISABLED_KERNELS),
+imports implementations lazily by their "module:attribute" reference, and turns a failed
+resolution into a NoKernelError with a hint.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from qscheme.errors import NoKernelError, PluginError, UsageError
+from qscheme.kernels.declaration import KernelDeclaration
+from qscheme.kernels.devices import SIMULATED_DEVICES, DeviceFacts, device_facts, simulated_device, with_environment
+from qscheme.kernels.problem import Problem
+from qscheme.kernels.resolver import Resolution, Resolver, ordered
+
+if TYPE_CHECKING:
+    from qscheme.descriptor import Scheme
+    from qscheme.kernels.interface import KernelImplementation
+
+KERNEL_VARIABLE = "QSCHEME_KERNEL"
+DISABLED_VARIABLE = "QSCHEME_DISABLED_KERNELS"
+
+_lock = threading.RLock()
+_implementations: dict[str, Any] = {}
+_implementation_failures: dict[str, str] = {}
+_resolvers: dict[tuple[object, ...], Resolver] = {}
+_quick: dict[tuple[object, ...], tuple[tuple[KernelDeclaration, ...], DeviceFacts, Resolver]] = {}
+_devices: dict[tuple[object, ...], tuple[tuple[KernelDeclaration, ...], DeviceFacts]] = {}
+_QUICK_LIMIT = 256  # callers passing fresh DeviceFacts objects must not grow the fast-path table forever
+_declarations_cache: tuple[object, tuple[KernelDeclaration, ...]] | None = None
+
+
+def declarations() -> tuple[KernelDeclaration, ...]:
+    """Every declared kernel, highest priority first (loads the plugins on first use)."""
+    global _declarations_cache
+    from qscheme.plugins import get_plugins
+
+    raw = get_plugins().kernel_declarations()
+    cached = _declarations_cache
+    if cached is not None and cached[0] is raw:
+        return cached[1]
+    if _declarations_cache is None or _declarations_cache[0] is not raw:
+        _declarations_cache = (raw, tuple(ordered(raw)))
+    return _declarations_cache[1]
+
+
+def plugin_failures() -> tuple[object, ...]:
+    from qscheme.plugins import get_plugins
+
+    return get_plugins().failures()
+
+
+def get_declaration(name: str) -> KernelDeclaration:
+    for declaration in declarations():
+        if declaration.name == name:
+            return declaration
+    known = ", ".join(d.name for d in declarations())
+    raise UsageError(f"unknown kernel {name!r}; known kernels: {known}")
+
+
+def overrides(kernel: str | None = None, environ: Mapping[str, str] | None = None) -> tuple[str | None, frozenset[str]]:
+    """(forced kernel, disabled kernels): an explicit ``kernel`` wins over QSCHEME_KERNEL."""
+    env = os.environ if environ is None else environ
+    forced = kernel or env.get(KERNEL_VARIABLE, "").strip() or None
+    disabled = frozenset(p.strip() for p in env.get(DISABLED_VARIABLE, "").split(",") if p.strip())
+    return forced, disabled
+
+
+def _modules_and_variables(decls: Sequence[KernelDeclaration]) -> tuple[set[str], set[str]]:
+    modules: set[str] = set()
+    variables: set[str] = set()
+    for declaration in decls:
+        modules.update(declaration.requires_modules)
+        if declaration.implementation_module:
+            modules.add(declaration.implementation_module)
+        for support in declaration.devices:
+            variables.update(name for name, _ in support.environment)
+    return modules, variables
+
+
+def complete_facts(facts: DeviceFacts, decls: Sequence[KernelDeclaration] | None = None) -> DeviceFacts:
+    """Device facts plus the modules and variables the declarations ask about."""
+    modules, variables = _modules_and_variables(declarations() if decls is None else decls)
+    return with_environment(facts, modules, variables)
+
+
+def device_for(device: DeviceFacts | str | None = None) -> DeviceFacts:
+    """Facts for ``None``/"auto" (probe), "cpu", "cuda", "sm90"..., a torch device, or facts as given.
+
+    The facts of one name are probed once per process and reused while the declared kernels
+    and the environment variables they read stay the same (one object, so memoised
+    resolutions keyed on it are shared by every layer).
+    """
+    if isinstance(device, DeviceFacts):
+        return device
+    name = None if device is None else str(device)
+    if name is not None and name.startswith("cuda:"):
+        name = "cuda"
+    decls = declarations()
+    _, variables = _modules_and_variables(decls)
+    key = (name, id(decls), tuple((v, os.environ.get(v)) for v in sorted(variables)))
+    hit = _devices.get(key)
+    if hit is not None and hit[0] is decls:
+        return hit[1]
+    facts = complete_facts(device_facts(name), decls)
+    with _lock:
+        _devices[key] = (decls, facts)
+    return facts
+
+
+def resolver(device: DeviceFacts, kernel: str | None = None, environ: Mapping[str, str] | None = None) -> Resolver:
+    """A memoising resolver for the device, the declared kernels and the current overrides."""
+    decls = declarations()
+    env = os.environ if environ is None else environ
+    # Fast path: the same declarations, device object and raw overrides as a previous call.
+    quick = (id(decls), id(device), kernel, *_raw_overrides(env), _failure_count())
+    hit = _quick.get(quick)
+    if hit is not None and hit[0] is decls and hit[1] is device:
+        return hit[2]
+    forced, disabled = overrides(kernel, env)
+    with _lock:
+        unavailable = dict(_implementation_failures)
+        key = (id(decls), device, forced, disabled, tuple(sorted(unavailable.items())))
+        found = _resolvers.get(key)
+        if found is None or found.declarations != decls:
+            found = Resolver(device, decls, forced, disabled, unavailable)
+            _resolvers[key] = found
+        if len(_quick) >= _QUICK_LIMIT:
+            _quick.clear()
+        _quick[quick] = (decls, device, found)
+        return found
+
+
+def _raw_overrides(env: Mapping[str, str]) -> tuple[object, object]:
+    """The raw QSCHEME_KERNEL and QSCHEME_DISABLED_KERNELS values, read once per resolution.
+
+    os.environ.get costs more than a whole memoised resolution (it encodes the key and raises
+    KeyError internally when unset), so for os.environ itself the encoded mapping is read.
+    """
+    data = getattr(env, "_data", None) if env is os.environ else None
+    if isinstance(data, dict) and _ENCODED_KEYS is not None:
+        return data.get(_ENCODED_KEYS[0]), data.get(_ENCODED_KEYS[1])
+    return env.get(KERNEL_VARIABLE), env.get(DISABLED_VARIABLE)
+
+
+def _encoded_keys() -> tuple[object, object] | None:
+    encode = getattr(os.environ, "encodekey", None)
+    try:
+        return (encode(KERNEL_VARIABLE), encode(DISABLED_VARIABLE)) if encode else None
+    except Exception:
+        return None
+
+
+_ENCODED_KEYS = _encoded_keys()
+
+
+def _failure_count() -> int:
+    return len(_implementation_failures)
+
+
+def resolve_layer(
+    scheme: Scheme,
+    problem: Problem,
+    device: DeviceFacts | str | None = None,
+    kernel: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Resolution:
+    """Resolve one layer with the installed kernels and the environment's overrides."""
+    return resolver(device_for(device), kernel, environ).resolve(scheme, problem)
+
+
+def hint_for(resolution: Resolution) -> str:
+    """One hint for a failed resolution: another kernel, device or catalog scheme that works."""
+    from qscheme.kernels.hints import suggest
+
+    if resolution.kernel is not None:
+        return ""
+    decls = declarations()
+    schemes: list[Scheme] = []
+    try:
+        from qscheme.catalog import load_catalog
+
+        schemes = list(load_catalog())
+    except Exception:  # the hint is a courtesy: a broken catalog must not hide the real error
+        schemes = []
+    devices = [complete_facts(simulated_device(name), decls) for name in SIMULATED_DEVICES]
+    return suggest(resolution, decls, devices, schemes, dict(_implementation_failures))
+
+
+def no_kernel_error(resolution: Resolution) -> NoKernelError:
+    """The NoKernelError for a failed resolution: trace, plugin failures and one hint."""
+    try:
+        resolution.require(plugin_failures(), hint_for(resolution), declarations())
+    except NoKernelError as error:
+        return error
+    raise ValueError("no_kernel_error needs a resolution without a kernel")
+
+
+def load_implementation(declaration: KernelDeclaration) -> KernelImplementation:
+    """Import (once) and return the kernel's implementation; PluginError naming the cause."""
+    with _lock:
+        if declaration.name in _implementations:
+            implementation: KernelImplementation = _implementations[declaration.name]
+            return implementation
+        if declaration.name in _implementation_failures:
+            raise PluginError(f"kernel {declaration.name}: {_implementation_failures[declaration.name]}")
+        reference = declaration.implementation
+        if reference is None:
+            raise PluginError(f"kernel {declaration.name} is declared without an implementation")
+        module_name, _, attribute = reference.partition(":")
+        try:
+            target: Any = importlib.import_module(module_name)
+            for part in attribute.split("."):
+                target = getattr(target, part)
+            implementation = target() if isinstance(target, type) else target
+            missing = [m for m in ("prepare", "apply") if not callable(getattr(implementation, m, None))]
+            if missing:
+                raise TypeError(f"{reference} has no {' or '.join(missing)} method")
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            _implementation_failures[declaration.name] = reason
+            raise PluginError(
+                f"kernel {declaration.name} (plugin {declaration.plugin or '?'}): implementation {reference} "
+                f"failed to load: {reason}"
+            ) from exc
+        _implementations[declaration.name] = implementation
+        return implementation
+
+
+def select_kernel(
+    scheme: Scheme,
+    problem: Problem,
+    device: DeviceFacts | str | None = None,
+    kernel: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[Resolution, KernelDeclaration, KernelImplementation]:
+    """Resolve and import the chosen kernel's code. A kernel whose code fails to import is
+    recorded and resolution repeats without it, unless it was forced: then NoKernelError."""
+    facts = device_for(device)
+    while True:
+        resolution = resolver(facts, kernel, environ).resolve(scheme, problem)
+        if resolution.kernel is None:
+            raise no_kernel_error(resolution)
+        try:
+            return resolution, resolution.kernel, load_implementation(resolution.kernel)
+        except PluginError:
+            continue  # the failure is now in _implementation_failures, so the next round rejects it
+
+
+def implementation_failures() -> dict[str, str]:
+    return dict(_implementation_failures)
+
+
+def reset() -> None:
+    """Forget imported implementations, failures and memoised resolutions (for tests)."""
+    global _declarations_cache
+    with _lock:
+        _implementations.clear()
+        _implementation_failures.clear()
+        _resolvers.clear()
+        _quick.clear()
+        _devices.clear()
+        _declarations_cache = None

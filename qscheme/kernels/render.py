@@ -1,0 +1,166 @@
+"""Rendering resolutions: the trace table, the decision, the no-kernel message, and JSON.
+
+Pure string building; no I/O. The no-kernel message is snapshot-tested (tests/snapshots/).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from qscheme.kernels.declaration import KernelDeclaration
+from qscheme.kernels.resolver import Resolution, SchemeFeatures, activation_matches
+
+TRACE_HEADER: tuple[str, ...] = ("kernel", "provider", "priority", "verdict", "stage", "reason")
+
+
+def text_table(rows: Sequence[Sequence[str]], header: Sequence[str], indent: str = "") -> str:
+    """Left-aligned columns separated by two spaces, a dashed rule under the header."""
+    all_rows = [list(header), *[list(r) for r in rows]]
+    widths = [max(len(str(r[i])) for r in all_rows) for i in range(len(header))]
+    lines = [indent + "  ".join(str(c).ljust(widths[i]) for i, c in enumerate(row)).rstrip() for row in all_rows]
+    lines.insert(1, indent + "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def trace_table(resolution: Resolution, indent: str = "") -> str:
+    rows = [
+        (c.kernel, c.provider, str(c.priority), c.verdict, c.stage or "-", c.reason or "-") for c in resolution.trace
+    ]
+    return text_table(rows, TRACE_HEADER, indent)
+
+
+def decision_line(resolution: Resolution) -> str:
+    scheme = resolution.scheme.name
+    if resolution.kernel is not None:
+        forced = " (forced)" if resolution.forced else ""
+        return f"kernel: {resolution.kernel.name}{forced} for scheme {scheme}"
+    if resolution.forced:
+        return f"kernel: none: forced kernel {resolution.forced!r} cannot run scheme {scheme}"
+    return f"kernel: none can run scheme {scheme}"
+
+
+def render_resolution(
+    resolution: Resolution,
+    failures: Sequence[object] = (),
+    hint: str = "",
+    declarations: Sequence[KernelDeclaration] | None = None,
+) -> str:
+    """What `qscheme resolve` prints: decision, device and problem lines, the trace table; when
+    unresolved also what kernels accept for the weights (given ``declarations``) and a hint."""
+    lines = [
+        decision_line(resolution),
+        f"device: {resolution.device.describe()}",
+        f"problem: {resolution.problem.describe()}",
+    ]
+    lines.extend(f"note: {note}" for note in resolution.device.notes)
+    if resolution.kernel is None and declarations is not None:
+        lines.extend(_pairing_section(resolution, declarations))
+    lines.extend(["", trace_table(resolution)])
+    if failures:
+        lines.extend(["", "plugin errors (see `qscheme plugins`):"])
+        lines.extend(f"  {failure}" for failure in failures)
+    if hint and resolution.kernel is None:
+        lines.extend(["", f"hint: {hint}"])
+    return "\n".join(lines)
+
+
+def resolution_json(
+    resolution: Resolution,
+    failures: Sequence[object] = (),
+    hint: str = "",
+    declarations: Sequence[KernelDeclaration] | None = None,
+) -> dict[str, object]:
+    pairings = None
+    if resolution.kernel is None and declarations is not None:
+        family = SchemeFeatures.of(resolution.scheme).weight_family
+        pairings = [
+            {"activations": described, "kernels": kernels}
+            for described, kernels in activation_pairings(family, declarations)
+        ]
+    return {
+        "scheme": resolution.scheme.name,
+        "kernel": resolution.kernel.name if resolution.kernel else None,
+        "forced": resolution.forced,
+        "disabled": sorted(resolution.disabled),
+        "device": resolution.device.as_json(),
+        "problem": resolution.problem.as_json(),
+        "trace": [c.as_json() for c in resolution.trace],
+        "pairings": pairings,
+        "hint": hint or None,
+        "plugin_failures": [str(f) for f in failures],
+    }
+
+
+def activation_pairings(weight_family: str, declarations: Iterable[KernelDeclaration]) -> list[tuple[str, list[str]]]:
+    """For one weight family: each activation format some kernel accepts, and which kernels."""
+    table: dict[str, list[str]] = {}
+    for declaration in sorted(declarations, key=KernelDeclaration.sort_key):
+        for supports in declaration.supports:
+            if weight_family not in supports.weights:
+                continue
+            for activation in supports.activations:
+                kernels = table.setdefault(activation.describe(), [])
+                if declaration.name not in kernels:
+                    kernels.append(declaration.name)
+    return sorted(table.items(), key=lambda item: (item[0] != "none (16-bit)", item[0]))
+
+
+def _pairing_section(resolution: Resolution, declarations: Sequence[KernelDeclaration]) -> list[str]:
+    """When no kernel takes the scheme's weight and activation pairing: what kernels do take."""
+    features = SchemeFeatures.of(resolution.scheme)
+    family, activation = features.weight_family, features.activation
+    pairs = any(
+        family in s.weights and any(activation_matches(a, activation) for a in s.activations)
+        for d in declarations
+        for s in d.supports
+    )
+    if pairs:
+        return []
+    pairings = activation_pairings(family, declarations)
+    head = f"No kernel implements {family} weights with {activation.describe()} activations."
+    if not pairings:
+        return [head, f"No kernel implements {family} weights at all."]
+    rows = [(described, ", ".join(kernels)) for described, kernels in pairings]
+    return [
+        head,
+        f"Activation formats that kernels accept with {family} weights:",
+        text_table(rows, ("activations", "kernels"), indent="  "),
+    ]
+
+
+def no_kernel_message(
+    resolution: Resolution,
+    failures: Sequence[object] = (),
+    hint: str = "",
+    declarations: Sequence[KernelDeclaration] | None = None,
+) -> str:
+    """The NoKernelError text: layer, shape, device, pairing summary, trace, plugin failures, hint.
+
+    ``declarations`` (all known kernels) enables the pairing summary; without it the message is
+    built from the trace alone.
+    """
+    problem = resolution.problem
+    layer = f"layer {problem.layer}" if problem.layer else "the layer"
+    shape = f"N={problem.n}, K={problem.k}, {problem.activation_dtype} activations"
+    if problem.partitions > 1:
+        differ = "different" if problem.partition_scales_differ else "equal"
+        shape += f", {problem.partitions} fused partitions with {differ} scales"
+    if resolution.forced:
+        head = f"forced kernel {resolution.forced!r} cannot run {layer}"
+    else:
+        head = f"no kernel can run {layer}"
+    lines = [
+        f"{head} (scheme {resolution.scheme.name}; {shape})",
+        f"device: {resolution.device.describe()}",
+    ]
+    if declarations is not None:
+        section = _pairing_section(resolution, declarations)
+        if section:
+            lines.extend(section)
+    lines.extend(["candidates:", trace_table(resolution, indent="  ")])
+    if failures:
+        lines.append("plugin errors (see `qscheme plugins`):")
+        lines.extend(f"  {failure}" for failure in failures)
+    if hint:
+        lines.append(f"hint: {hint}")
+    return "\n".join(lines)

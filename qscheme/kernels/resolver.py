@@ -1,0 +1,439 @@
+"""The resolver: a pure function from (scheme, problem, device, declarations, overrides) to a kernel.
+
+Every declaration is judged in a fixed order of stages and the first failing stage rejects it:
+
+1. ``disabled``: the user disabled it (QSCHEME_DISABLED_KERNELS or ``disabled=``);
+2. ``scheme``: it does not implement the scheme's formats (weights, activations, scales, ...);
+3. ``device``: wrong device type or compute capability, a missing torch feature, a missing
+   kernel library, or an implementation that cannot be imported;
+4. ``problem``: the layer's N, K, activation dtype, fused partitions or pre-scale do not suit it.
+
+Candidates are ordered by priority (highest first), then name; the first accepted one wins,
+unless a kernel is forced, in which case only that one may win. A forced kernel that cannot
+run leaves the resolution without a kernel: ``Resolution.require()`` then raises
+``NoKernelError`` with the full trace. Nothing here reads the environment or imports kernels;
+``qscheme.kernels.registry`` gathers those facts and passes them in.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from qscheme.errors import NoKernelError, UsageError
+from qscheme.kernels.declaration import (
+    ANY_DEVICE,
+    ActivationSupport,
+    KernelDeclaration,
+    Supports,
+    describe_capabilities,
+    format_capability,
+)
+from qscheme.kernels.devices import DeviceFacts
+from qscheme.kernels.problem import Problem
+
+if TYPE_CHECKING:
+    from qscheme.descriptor import Scheme
+
+STAGES: tuple[str, ...] = ("disabled", "scheme", "device", "problem")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One line of the trace: a kernel, and whether it was accepted or where it was rejected."""
+
+    kernel: str
+    provider: str
+    priority: int
+    plugin: str
+    accepted: bool
+    stage: str | None
+    reason: str
+    hint: str = ""
+    chosen: bool = False
+
+    @property
+    def verdict(self) -> str:
+        if self.chosen:
+            return "chosen"
+        return "accepted" if self.accepted else "rejected"
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "kernel": self.kernel,
+            "provider": self.provider,
+            "priority": self.priority,
+            "plugin": self.plugin,
+            "accepted": self.accepted,
+            "chosen": self.chosen,
+            "stage": self.stage,
+            "reason": self.reason,
+            "hint": self.hint,
+        }
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The chosen kernel (None when no kernel can run the layer) and the trace of every candidate."""
+
+    scheme: Scheme = field(compare=False)
+    problem: Problem
+    device: DeviceFacts
+    kernel: KernelDeclaration | None
+    trace: tuple[Candidate, ...]
+    forced: str | None = None
+    disabled: frozenset[str] = frozenset()
+
+    @property
+    def resolved(self) -> bool:
+        return self.kernel is not None
+
+    def candidate(self, name: str) -> Candidate:
+        for entry in self.trace:
+            if entry.kernel == name:
+                return entry
+        raise KeyError(name)
+
+    def require(
+        self,
+        failures: Sequence[object] = (),
+        hint: str = "",
+        declarations: Sequence[KernelDeclaration] | None = None,
+    ) -> KernelDeclaration:
+        """The chosen kernel, or NoKernelError whose message is the rendered trace."""
+        if self.kernel is not None:
+            return self.kernel
+        from qscheme.kernels.render import no_kernel_message
+
+        error = NoKernelError(no_kernel_message(self, failures=failures, hint=hint, declarations=declarations))
+        error.resolution = self  # type: ignore[attr-defined]
+        raise error
+
+
+# --- scheme stage -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SchemeFeatures:
+    """The features of a scheme that kernels declare support for."""
+
+    weight_family: str
+    activation: ActivationSupport
+    granularity: str
+    group_size: int | None
+    block: tuple[int, int] | None
+    scale_format: str
+    zero_point: bool
+    input_pre_scale_required: bool
+
+    @classmethod
+    def of(cls, scheme: Scheme) -> SchemeFeatures:
+        act = scheme.activation
+        activation = (
+            ActivationSupport("none")
+            if act is None
+            else ActivationSupport(
+                scheme.activation_family,
+                act.granularity,
+                act.group_size if act.granularity == "group" else None,
+                act.dynamic,
+            )
+        )
+        scale = scheme.weight.scale
+        return cls(
+            weight_family=scheme.weight_family,
+            activation=activation,
+            granularity=scale.granularity,
+            group_size=scale.group_size,
+            block=scale.block,
+            scale_format=scale.format,
+            zero_point=scheme.weight.zero_point is not None,
+            input_pre_scale_required=scheme.input_pre_scale is not None and not scheme.input_pre_scale.optional,
+        )
+
+
+def activation_matches(support: ActivationSupport, wanted: ActivationSupport) -> bool:
+    """Whether a declared activation format covers the scheme's (None fields match anything)."""
+    return (
+        support.family == wanted.family
+        and (support.granularity is None or support.granularity == wanted.granularity)
+        and (support.group_size is None or support.group_size == wanted.group_size)
+        and (support.dynamic is None or support.dynamic == wanted.dynamic)
+    )
+
+
+def _supports_mismatch(supports: Supports, features: SchemeFeatures) -> tuple[int, str] | None:
+    """None when ``supports`` covers the scheme, else (how far it got, why not)."""
+    family = features.weight_family
+    if not any(activation_matches(a, features.activation) for a in supports.activations):
+        return 1, ""  # worded by the caller, which sees every entry for this weight family
+    if supports.granularities and features.granularity not in supports.granularities:
+        return 2, (
+            f"takes {family} weights with {'/'.join(supports.granularities)} scales; "
+            f"scheme has {features.granularity} scales"
+        )
+    if features.granularity == "group" and supports.group_sizes and features.group_size not in supports.group_sizes:
+        return 3, (
+            f"takes {family} weight groups of {'/'.join(str(g) for g in supports.group_sizes)}; "
+            f"scheme has groups of {features.group_size}"
+        )
+    if features.granularity == "block" and supports.blocks and features.block not in supports.blocks:
+        blocks = "/".join(f"{r}x{c}" for r, c in supports.blocks)
+        block = f"{features.block[0]}x{features.block[1]}" if features.block else "?"
+        return 3, f"takes {family} weight blocks of {blocks}; scheme has {block} blocks"
+    if supports.scale_formats and features.scale_format not in supports.scale_formats:
+        return 4, (
+            f"takes {family} weights with {'/'.join(supports.scale_formats)} scales; "
+            f"scheme has {features.scale_format} scales"
+        )
+    if features.zero_point and not supports.zero_points:
+        return 5, f"takes symmetric {family} weights only; scheme has zero points"
+    if features.input_pre_scale_required and not supports.input_pre_scale:
+        return 6, "does not apply an input pre-scale; scheme always has one"
+    return None
+
+
+def check_scheme(declaration: KernelDeclaration, features: SchemeFeatures) -> tuple[tuple[Supports, ...], str]:
+    """The declaration's Supports entries that cover the scheme, or () and the reason."""
+    family = features.weight_family
+    same_family = [s for s in declaration.supports if family in s.weights]
+    if not same_family:
+        families = sorted({w for s in declaration.supports for w in s.weights})
+        return (), f"implements {', '.join(families)} weights; scheme has {family} weights"
+    matching: list[Supports] = []
+    best: tuple[int, str] | None = None
+    for supports in same_family:
+        mismatch = _supports_mismatch(supports, features)
+        if mismatch is None:
+            matching.append(supports)
+        elif best is None or mismatch[0] > best[0]:
+            best = mismatch
+    if matching:
+        return tuple(matching), ""
+    assert best is not None
+    if best[0] == 1:
+        taken: list[str] = []
+        for supports in same_family:
+            taken.extend(a.describe() for a in supports.activations if a.describe() not in taken)
+        return (), (
+            f"takes {family} weights with {' or '.join(taken)} activations; "
+            f"scheme has {features.activation.describe()} activations"
+        )
+    return (), best[1]
+
+
+# --- device stage -----------------------------------------------------------------------------
+
+
+def check_device(
+    declaration: KernelDeclaration, device: DeviceFacts, unavailable: Mapping[str, str] | None = None
+) -> str:
+    """Empty when the kernel can run on the device here, else every reason it cannot."""
+    reasons: list[str] = []
+    placement = _check_placement(declaration, device)
+    if placement:
+        reasons.append(placement)
+    missing_features = [f for f in declaration.torch_features if f not in device.torch_features]
+    if missing_features:
+        names = ", ".join(f"torch.{f}" for f in missing_features)
+        reasons.append(f"needs {names}, which torch {device.torch_version or '(not installed)'} lacks")
+    missing_modules = [m for m in declaration.requires_modules if m not in device.modules]
+    if missing_modules:
+        where = " (optional kernel libraries are checked in the local environment)" if device.simulated else ""
+        reasons.append(f"needs module {', '.join(missing_modules)}, not importable here{where}")
+    if declaration.implementation is None:
+        reasons.append("declared only: no implementation is installed")
+    elif unavailable and declaration.name in unavailable:
+        reasons.append(f"implementation {declaration.implementation} failed to load: {unavailable[declaration.name]}")
+    elif declaration.implementation_module not in device.modules:
+        reasons.append(f"implementation {declaration.implementation} is not importable here")
+    return "; ".join(reasons)
+
+
+def _check_placement(declaration: KernelDeclaration, device: DeviceFacts) -> str:
+    """Empty when some DeviceSupport admits the device type, capability and environment."""
+    options = [d for d in declaration.devices if d.type in (ANY_DEVICE, device.type)]
+    if not options:
+        types = ", ".join(d.type for d in declaration.devices)
+        return f"runs on {types}; device is {device.type}"
+    failures: list[str] = []
+    for option in options:
+        problems: list[str] = []
+        if option.capabilities:
+            if device.capability is None:
+                problems.append(f"needs {describe_capabilities(option.capabilities)}; device reports none")
+            elif not any(r.contains(device.capability) for r in option.capabilities):
+                problems.append(
+                    f"needs {describe_capabilities(option.capabilities)}; "
+                    f"device is {format_capability(device.capability)}"
+                )
+        for variable, value in option.environment:
+            actual = device.env(variable)
+            if actual != value:
+                shown = "unset" if actual is None else f"{variable}={actual}"
+                problems.append(f"on {device.type} needs {variable}={value} ({shown})")
+        if not problems:
+            return ""
+        failures.extend(problems)
+    return "; ".join(failures)
+
+
+# --- problem stage ----------------------------------------------------------------------------
+
+
+def check_problem(
+    declaration: KernelDeclaration, matching: Sequence[Supports], features: SchemeFeatures, problem: Problem
+) -> tuple[str, str]:
+    """("", "") when the layer suits the kernel, else (reasons, first hint)."""
+    reasons: list[str] = []
+    hints: list[str] = []
+    if problem.partitions > 1 and problem.partition_scales_differ and not any(s.per_partition_scales for s in matching):
+        reasons.append(
+            f"takes one global scale per layer; its {problem.partitions} fused partitions have different scales"
+        )
+        hints.append("load the partitions as separate layers, or rescale them to one shared global scale")
+    pre_scale = features.input_pre_scale_required if problem.input_pre_scale is None else problem.input_pre_scale
+    if pre_scale and not any(s.input_pre_scale for s in matching):
+        reasons.append("does not apply an input pre-scale (AWQ pre_quant_scale); the layer has one")
+        hints.append("fold the pre-scale into the preceding layer")
+    for check in declaration.checks:
+        result = check.check(problem)
+        if not result.ok:
+            reasons.append(result.reason)
+            if result.hint:
+                hints.append(result.hint)
+    return "; ".join(reasons), (hints[0] if hints else "")
+
+
+# --- the resolver -----------------------------------------------------------------------------
+
+
+def ordered(declarations: Iterable[KernelDeclaration]) -> list[KernelDeclaration]:
+    """Highest priority first, then by name: the order in which candidates are tried."""
+    return sorted(declarations, key=KernelDeclaration.sort_key)
+
+
+def _unknown_kernel(name: str, declarations: Sequence[KernelDeclaration]) -> UsageError:
+    names = [d.name for d in declarations]
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return UsageError(
+        f"unknown kernel {name!r} was forced.{hint} Known kernels: {', '.join(sorted(names)) or 'none'} "
+        "(`qscheme kernels` lists them; `qscheme plugins` shows plugins that failed to load)"
+    )
+
+
+def resolve(
+    scheme: Scheme,
+    problem: Problem,
+    device: DeviceFacts,
+    declarations: Iterable[KernelDeclaration],
+    force: str | None = None,
+    disabled: Iterable[str] = (),
+    unavailable: Mapping[str, str] | None = None,
+) -> Resolution:
+    """Choose the kernel for one layer and explain the choice (see the module docstring).
+
+    ``unavailable`` maps kernel names to reasons their implementation cannot be used (learned
+    by the caller, e.g. an import that failed); those kernels are rejected at stage device.
+    Raises UsageError only when ``force`` names no declared kernel.
+    """
+    candidates = ordered(declarations)
+    if force is not None and not any(d.name == force for d in candidates):
+        raise _unknown_kernel(force, candidates)
+    disabled_set = frozenset(disabled)
+    features = SchemeFeatures.of(scheme)
+    trace: list[Candidate] = []
+    chosen: KernelDeclaration | None = None
+    for declaration in candidates:
+        stage, reason, hint = _judge(declaration, features, problem, device, disabled_set, unavailable)
+        accepted = stage is None
+        is_chosen = False
+        if accepted:
+            if force is not None and declaration.name != force:
+                reason = f"not chosen: kernel {force!r} is forced"
+            elif chosen is None:
+                chosen, is_chosen = declaration, True
+            else:
+                reason = f"not chosen: {chosen.name} ranks higher"
+        trace.append(
+            Candidate(
+                declaration.name,
+                declaration.provider,
+                declaration.priority,
+                declaration.plugin,
+                accepted,
+                stage,
+                reason,
+                hint,
+                is_chosen,
+            )
+        )
+    return Resolution(scheme, problem, device, chosen, tuple(trace), force, disabled_set)
+
+
+def _judge(
+    declaration: KernelDeclaration,
+    features: SchemeFeatures,
+    problem: Problem,
+    device: DeviceFacts,
+    disabled: frozenset[str],
+    unavailable: Mapping[str, str] | None,
+) -> tuple[str | None, str, str]:
+    """(stage, reason, hint) of the first failing stage, or (None, "", "") when accepted."""
+    if declaration.name in disabled:
+        return "disabled", "disabled by the user (QSCHEME_DISABLED_KERNELS)", f"re-enable {declaration.name}"
+    matching, reason = check_scheme(declaration, features)
+    if not matching:
+        return "scheme", reason, ""
+    reason = check_device(declaration, device, unavailable)
+    if reason:
+        return "device", reason, ""
+    reason, hint = check_problem(declaration, matching, features, problem)
+    if reason:
+        return "problem", reason, hint
+    return None, "", ""
+
+
+class Resolver:
+    """``resolve`` memoised for one device, set of declarations and overrides.
+
+    Resolutions are cached per (scheme object, problem); the layer name takes no part in the
+    key, so every layer of one shape and scheme shares one resolution (renamed for messages).
+    """
+
+    def __init__(
+        self,
+        device: DeviceFacts,
+        declarations: Iterable[KernelDeclaration],
+        force: str | None = None,
+        disabled: Iterable[str] = (),
+        unavailable: Mapping[str, str] | None = None,
+    ) -> None:
+        self.device = device
+        self.declarations = tuple(ordered(declarations))
+        self.force = force
+        self.disabled = frozenset(disabled)
+        self.unavailable = dict(unavailable or {})
+        self._cache: dict[tuple[int, Problem], tuple[Scheme, Resolution]] = {}
+
+    def resolve(self, scheme: Scheme, problem: Problem) -> Resolution:
+        key = (id(scheme), problem)
+        hit = self._cache.get(key)
+        if hit is None or hit[0] is not scheme:
+            resolution = resolve(
+                scheme, problem, self.device, self.declarations, self.force, self.disabled, self.unavailable
+            )
+            self._cache[key] = (scheme, resolution)
+            return resolution
+        resolution = hit[1]
+        if resolution.problem.layer != problem.layer:
+            # The same resolution for another layer: a shallow copy naming it (a frozen
+            # dataclass's __init__ would cost more than the whole cache lookup).
+            renamed = object.__new__(Resolution)
+            renamed.__dict__.update(resolution.__dict__)
+            renamed.__dict__["problem"] = problem
+            resolution = renamed
+        return resolution

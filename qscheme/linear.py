@@ -1,0 +1,200 @@
+"""QuantLinear: the torch module a user holds for one quantized linear layer.
+
+It is built from a scheme and its checkpoint tensors (``from_tensors``) or from canonical
+tensors (``from_canonical``, which the checkpoint loader uses for fused layers), resolves its
+kernel once per activation dtype, and runs ``kernel.apply`` in ``forward``. ``dequantize()``
+gives the exact float32 weight it encodes, whatever kernel runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qscheme.canonical import CanonicalWeight, canonicalize, dequantize, layer_shape
+from qscheme.descriptor import Scheme
+from qscheme.errors import QuantizeError, UsageError
+from qscheme.kernels.declaration import KernelDeclaration
+from qscheme.kernels.devices import DeviceFacts
+from qscheme.kernels.problem import Problem, normalize_dtype
+from qscheme.kernels.registry import device_for, select_kernel
+from qscheme.kernels.resolver import Resolution
+
+
+def _differ(values: Tensor | None) -> bool:
+    if values is None or values.numel() <= 1:
+        return False
+    flat = values.reshape(-1)
+    return not bool(torch.all(flat == flat[0]))
+
+
+def problem_for(
+    weight: CanonicalWeight, activation_dtype: str | torch.dtype = "bfloat16", layer: str | None = None
+) -> Problem:
+    """The resolver's view of a canonical layer: shape, partitions and whether their scales differ."""
+    scale_spec = weight.scheme.weight.scale
+    per_tensor_scale = weight.scale if scale_spec.granularity == "tensor" else None
+    differ = any(
+        _differ(v) for v in (weight.global_scale, per_tensor_scale, weight.input_scale, weight.input_global_scale)
+    )
+    return Problem(
+        n=weight.n,
+        k=weight.k,
+        activation_dtype=normalize_dtype(activation_dtype),
+        partitions=max(1, len(weight.partitions)),
+        partition_scales_differ=differ,
+        input_pre_scale=weight.input_pre_scale is not None,
+        layer=layer,
+    )
+
+
+def _check_tensors(scheme: Scheme, tensors: Mapping[str, Tensor]) -> None:
+    """Every required tensor present and shaped as the scheme declares, else QuantizeError."""
+    missing = [spec.name for spec in scheme.tensor_specs().values() if not spec.optional and spec.name not in tensors]
+    if missing:
+        raise QuantizeError(
+            f"scheme {scheme.name}: missing tensor(s) {', '.join(missing)}; got {', '.join(sorted(tensors)) or 'none'}"
+        )
+    n, k = layer_shape(scheme, tensors)
+    for role, spec in scheme.tensor_specs().items():
+        if spec.name not in tensors:
+            continue
+        allowed = spec.expected_shapes(n, k)
+        shape = tuple(tensors[spec.name].shape)
+        if allowed and shape not in allowed:
+            raise QuantizeError(
+                f"scheme {scheme.name}: tensor {spec.name} ({role}) has shape {list(shape)}; for N={n}, K={k} "
+                f"it must be {' or '.join(str(list(a)) for a in allowed)}"
+            )
+
+
+class QuantLinear(torch.nn.Module):
+    """y = x @ W^T + bias for a quantized W, computed by the kernel the resolver chose."""
+
+    def __init__(
+        self,
+        weight: CanonicalWeight,
+        device: torch.device | str = "cpu",
+        kernel: str | None = None,
+        bias: Tensor | None = None,
+        layer_name: str | None = None,
+        activation_dtype: str | torch.dtype = "bfloat16",
+        device_facts: DeviceFacts | None = None,
+    ) -> None:
+        super().__init__()
+        self.weight_canonical = weight
+        self.torch_device = torch.device(device)
+        self.forced_kernel = kernel
+        self.layer_name = layer_name
+        self.in_features = weight.k
+        self.out_features = weight.n
+        self._facts = device_facts
+        self.bias: Tensor | None
+        if bias is not None:
+            if tuple(bias.shape) != (weight.n,):
+                raise UsageError(f"bias has shape {list(bias.shape)}; the layer has N={weight.n} outputs")
+            self.register_buffer("bias", bias.to(self.torch_device))
+        else:
+            self.bias = None
+        self._prepared: dict[str, tuple[Resolution, KernelDeclaration, Any, Any]] = {}
+        self._default_dtype = normalize_dtype(activation_dtype)
+        self._prepare(self._default_dtype)
+
+    # -- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def from_canonical(
+        cls,
+        weight: CanonicalWeight,
+        device: torch.device | str = "cpu",
+        kernel: str | None = None,
+        bias: Tensor | None = None,
+        layer_name: str | None = None,
+        activation_dtype: str | torch.dtype = "bfloat16",
+    ) -> QuantLinear:
+        """A layer from canonical tensors (several ``partitions`` for a fused layer)."""
+        return cls(weight, device, kernel, bias, layer_name, activation_dtype)
+
+    @classmethod
+    def from_tensors(
+        cls,
+        scheme: Scheme | str | Path,
+        tensors: Mapping[str, Tensor],
+        device: torch.device | str = "cpu",
+        kernel: str | None = None,
+        bias: Tensor | None = None,
+        layer_name: str | None = None,
+        activation_dtype: str | torch.dtype = "bfloat16",
+    ) -> QuantLinear:
+        """A layer from a scheme (object, catalog name or descriptor file) and its checkpoint
+        tensors, keyed by the names the scheme declares (``weight_packed``, ``weight_scale``...)."""
+        if not isinstance(scheme, Scheme):
+            from qscheme.catalog import load_scheme
+
+            scheme = load_scheme(scheme)
+        _check_tensors(scheme, tensors)
+        return cls(canonicalize(scheme, tensors), device, kernel, bias, layer_name, activation_dtype)
+
+    # -- kernel selection ----------------------------------------------------------------------
+
+    def _device_facts(self) -> DeviceFacts:
+        if self._facts is None:
+            # A GPU device: the probed one (the first GPU; mixed-GPU machines are not told apart yet).
+            self._facts = device_for("cpu" if self.torch_device.type == "cpu" else None)
+        return self._facts
+
+    def _prepare(self, activation_dtype: str) -> tuple[Resolution, KernelDeclaration, Any, Any]:
+        found = self._prepared.get(activation_dtype)
+        if found is not None:
+            return found
+        problem = problem_for(self.weight_canonical, activation_dtype, self.layer_name)
+        resolution, declaration, implementation = select_kernel(
+            self.weight_canonical.scheme, problem, self._device_facts(), self.forced_kernel
+        )
+        state = implementation.prepare(self.weight_canonical, self.torch_device)
+        found = (resolution, declaration, implementation, state)
+        self._prepared[activation_dtype] = found
+        return found
+
+    @property
+    def kernel(self) -> KernelDeclaration:
+        """The declaration of the kernel that runs this layer (for the default activation dtype)."""
+        return self._prepared[self._default_dtype][1]
+
+    @property
+    def resolution(self) -> Resolution:
+        """The resolution (with its trace) behind ``kernel``."""
+        return self._prepared[self._default_dtype][0]
+
+    @property
+    def scheme(self) -> Scheme:
+        return self.weight_canonical.scheme
+
+    # -- computation ---------------------------------------------------------------------------
+
+    def dequantize(self) -> Tensor:
+        """The float32 [N, K] weight this layer encodes (exact; independent of the kernel)."""
+        return dequantize(self.weight_canonical)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise UsageError(
+                f"{self.layer_name or 'QuantLinear'}: input has {x.shape[-1]} features in its last dim, "
+                f"the layer takes K={self.in_features}"
+            )
+        dtype = normalize_dtype(x.dtype) if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else None
+        if dtype is None:
+            raise UsageError(f"input dtype {x.dtype} is not supported; use bfloat16, float16 or float32")
+        _, _, implementation, state = self._prepare(dtype)
+        y: Tensor = implementation.apply(state, x, self.bias)
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, "
+            f"kernel={self.kernel.name}, bias={self.bias is not None}"
+        )

@@ -1,0 +1,122 @@
+"""Fake device facts and declarations for tests of the pure resolver (no GPU, no plugins)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from qscheme_plugins.marlin import MARLIN
+from qscheme_plugins.native_fp4 import NATIVE_FP4
+from qscheme_plugins.reference import REFERENCE
+from qscheme_plugins.triton_declaration import TRITON
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+from qscheme.catalog import load_catalog
+from qscheme.descriptor import Scheme
+from qscheme.kernels.declaration import KernelDeclaration
+from qscheme.kernels.devices import SIMULATED_DEVICES, DeviceFacts
+
+FAKE_IMPLEMENTATION_MODULE = "fake_kernels"
+ALL_FEATURES = frozenset({"float4_e2m1fn_x2", "float8_e4m3fn", "_scaled_mm"})
+
+
+def implemented(declaration: KernelDeclaration) -> KernelDeclaration:
+    """The declaration as if its code were installed (declared-only kernels get a fake one)."""
+    reference = declaration.implementation or f"{FAKE_IMPLEMENTATION_MODULE}:{declaration.name}"
+    return replace(declaration, implementation=reference, plugin=declaration.name)
+
+
+BUILTIN_DECLARATIONS: tuple[KernelDeclaration, ...] = (REFERENCE, TRITON, MARLIN, NATIVE_FP4)
+AS_IF_IMPLEMENTED: tuple[KernelDeclaration, ...] = tuple(implemented(d) for d in BUILTIN_DECLARATIONS)
+
+
+def all_modules(declarations: tuple[KernelDeclaration, ...] = AS_IF_IMPLEMENTED) -> frozenset[str]:
+    modules = {m for d in declarations for m in d.requires_modules}
+    modules |= {d.implementation_module for d in declarations if d.implementation_module}
+    return frozenset(modules)
+
+
+def fake_device(
+    name: str,
+    modules: frozenset[str] | None = None,
+    environment: tuple[tuple[str, str], ...] = (),
+    features: frozenset[str] = ALL_FEATURES,
+) -> DeviceFacts:
+    """Facts for "cpu", "rocm" or a simulated "smXY", with fixed versions (stable snapshots)."""
+    present = all_modules() if modules is None else modules
+    if name in ("cpu", "rocm"):
+        return DeviceFacts(name, name, None, "2.13.0", "3.9.0", False, features, present, environment)
+    capability, family = SIMULATED_DEVICES[name]
+    return DeviceFacts(
+        "cuda", f"simulated {name}, {family}", capability, "2.13.0", "3.9.0", True, features, present, environment
+    )
+
+
+_catalog = None
+
+
+def builtin_scheme(name: str) -> Scheme:
+    global _catalog
+    if _catalog is None:
+        _catalog = load_catalog(include_plugins=False)
+    return _catalog.get(name)
+
+
+def builtin_schemes() -> list[Scheme]:
+    builtin_scheme("compressed-tensors/W4A16")
+    assert _catalog is not None
+    return [s for s in _catalog if s.source == "builtin"]
+
+
+@contextmanager
+def isolated_plugins(environ: dict[str, str] | None = None) -> Iterator[object]:
+    """Fresh process-wide plugins (built-ins only unless ``environ`` says otherwise)."""
+    from qscheme.kernels import registry
+    from qscheme.plugins import load_plugins, reset_plugins
+
+    env = {"QSCHEME_DISABLE_PLUGIN_AUTOLOAD": "1"} if environ is None else environ
+    plugins = load_plugins(environ=env)
+    reset_plugins(plugins)
+    registry.reset()
+    try:
+        yield plugins
+    finally:
+        reset_plugins(None)
+        registry.reset()
+
+
+def input_scales(scheme: Scheme, input_amax: float) -> dict[str, Tensor]:
+    """Static activation scales (and an AWQ pre-scale) for ``quantize_weight``, by stored name."""
+    import torch
+
+    given: dict[str, Tensor] = {}
+    activation = scheme.activation
+    if activation is not None and activation.scale is not None:
+        multiplier = input_amax / 448.0
+        value = multiplier if activation.scale.stored == "multiplier" else 1.0 / multiplier
+        given[activation.scale.tensor.name] = torch.tensor([value], dtype=torch.float32)
+    if activation is not None and activation.global_scale is not None:
+        multiplier = input_amax / 2688.0
+        value = multiplier if activation.global_scale.stored == "multiplier" else 2688.0 / input_amax
+        given[activation.global_scale.tensor.name] = torch.tensor([value], dtype=torch.float32)
+    return given
+
+
+def layer_tensors(
+    scheme: Scheme, n: int = 64, k: int = 256, seed: int = 0, input_amax: float = 4.0, pre_scale: bool = True
+) -> dict[str, Tensor]:
+    """A random layer quantized into ``scheme``'s checkpoint tensors (with static input scales)."""
+    import torch
+
+    from qscheme.quantize import quantize_weight
+
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=generator) * 0.05
+    given = input_scales(scheme, input_amax)
+    if pre_scale and scheme.input_pre_scale is not None:
+        given[scheme.input_pre_scale.name] = torch.rand(k, generator=generator) + 0.5
+    return dict(quantize_weight(weight, scheme, **given))

@@ -1,0 +1,173 @@
+"""`qscheme resolve`, `qscheme kernels` and `qscheme plugins`, run in-process on the built-in plugins."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kernel_fakes import isolated_plugins
+
+from qscheme.cli.main import main
+from qscheme.kernels.devices import module_available
+
+W4A8 = "modelopt/W4A8_NVFP4_FP8"
+# On a simulated CUDA device the Triton kernel wins once its code is installed; the reference otherwise.
+GPU_FALLBACK = "triton" if module_available("qscheme_plugins.triton_kernel") else "reference"
+
+
+@pytest.fixture(autouse=True)
+def builtins_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in ("QSCHEME_KERNEL", "QSCHEME_DISABLED_KERNELS"):
+        monkeypatch.delenv(name, raising=False)
+    with isolated_plugins():
+        yield
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_resolve_json_resolved(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        ["resolve", "compressed-tensors/NVFP4", "--device", "sm100", "--shape", "4096,11008", "--json"], capsys
+    )
+    assert code == 0
+    data = json.loads(out)
+    assert data["kernel"] == GPU_FALLBACK  # native_fp4 and marlin are declared only
+    assert data["problem"] == {
+        "layer": None,
+        "n": 4096,
+        "k": 11008,
+        "activation_dtype": "bfloat16",
+        "partitions": 1,
+        "partition_scales_differ": False,
+        "input_pre_scale": None,
+    }
+    assert data["device"]["capability"] == "10.0" and data["device"]["simulated"] is True
+    assert [t["kernel"] for t in data["trace"]] == ["native_fp4", "marlin", "triton", "reference"]
+    for entry in data["trace"]:
+        assert {"kernel", "accepted", "stage", "reason"} <= set(entry)
+    native = data["trace"][0]
+    assert (native["accepted"], native["stage"]) == (False, "device")
+    assert native["reason"] == "declared only: no implementation is installed"
+
+
+def test_resolve_text_shows_decision_device_problem_and_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["resolve", "compressed-tensors/NVFP4", "--device", "sm90", "--dtype", "fp16"], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("kernel: ")
+    assert lines[1].startswith("device: cuda (simulated sm90") and "compute capability 9.0" in lines[1]
+    assert lines[2] == "problem: N=4096, K=4096, float16 activations"
+    header = next(line for line in lines if line.startswith("kernel "))
+    assert header.split() == ["kernel", "provider", "priority", "verdict", "stage", "reason"]
+    assert any("needs compute capability 10.0-10.3 or 12.0-12.1; device is 9.0" in line for line in lines)
+
+
+def test_resolve_nvfp4_weights_with_fp8_inputs_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["resolve", W4A8, "--device", "sm100"], capsys)
+    assert code == 1
+    assert out.startswith(f"kernel: none can run scheme {W4A8}")
+    assert "No kernel implements nvfp4 weights with fp8 static per tensor activations." in out
+    assert "Activation formats that kernels accept with nvfp4 weights:" in out
+    assert "hint: scheme modelopt/" in out
+    code, out, _ = run(["resolve", W4A8, "--json"], capsys)
+    data = json.loads(out)
+    assert code == 1 and data["kernel"] is None
+    assert {p["activations"] for p in data["pairings"]} == {"none (16-bit)", "nvfp4 dynamic per group of 16"}
+    assert all(not t["accepted"] and t["stage"] == "scheme" for t in data["trace"])
+
+
+def test_resolve_a_descriptor_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = Path(__file__).resolve().parents[1] / "schemes" / "compressed-tensors" / "W4A16.yaml"
+    file = tmp_path / "mine.yaml"
+    file.write_text(source.read_text().replace("compressed-tensors/W4A16", "mine/W4A16"))
+    code, out, _ = run(["resolve", str(file), "--device", "sm80", "--json"], capsys)
+    assert code == 0 and json.loads(out)["scheme"] == "mine/W4A16"
+
+
+def test_forced_kernels(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out, _ = run(["resolve", "compressed-tensors/W4A16", "--device", "sm90", "--kernel", "marlin"], capsys)
+    assert code == 1
+    assert out.startswith("kernel: none: forced kernel 'marlin' cannot run scheme compressed-tensors/W4A16")
+    assert f"hint: kernel {GPU_FALLBACK} can run this layer here: stop forcing 'marlin'" in out
+    code, out, _ = run(["resolve", "compressed-tensors/W4A16", "--device", "sm90", "--kernel", "reference"], capsys)
+    assert code == 0 and out.startswith("kernel: reference (forced)")
+    code, _, err = run(["resolve", "compressed-tensors/W4A16", "--kernel", "marlinn"], capsys)
+    assert code == 2 and "unknown kernel 'marlinn' was forced. Did you mean 'marlin'?" in err
+    monkeypatch.setenv("QSCHEME_KERNEL", "marlin")
+    code, out, _ = run(["resolve", "compressed-tensors/W4A16", "--device", "sm90", "--json"], capsys)
+    assert code == 1 and json.loads(out)["forced"] == "marlin"
+    monkeypatch.delenv("QSCHEME_KERNEL")
+    monkeypatch.setenv("QSCHEME_DISABLED_KERNELS", "reference,triton")
+    code, out, _ = run(["resolve", "compressed-tensors/W4A16", "--device", "cpu", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 1 and data["disabled"] == ["reference", "triton"]
+
+
+def test_fused_partitions_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = run(
+        [
+            "resolve",
+            "compressed-tensors/NVFP4A16",
+            "--device",
+            "sm90",
+            "--partitions",
+            "3",
+            "--scales-differ",
+            "--json",
+        ],
+        capsys,
+    )
+    data = json.loads(out)
+    assert data["problem"]["partitions"] == 3 and data["problem"]["partition_scales_differ"] is True
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["resolve", "compressed-tensors/W4A16", "--shape", "4096"], "--shape '4096': expected N,K"),
+        (["resolve", "compressed-tensors/W4A16", "--dtype", "int8"], "activation dtype 'int8'"),
+        (["resolve", "compressed-tensors/W4A16", "--shape", "0,64"], "must be positive"),
+    ],
+)
+def test_usage_errors_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(argv, capsys)
+    assert code == 2 and message in err
+
+
+def test_unknown_scheme_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["resolve", "compressed-tensors/NVFP5"], capsys)
+    assert code == 1 and "unknown scheme 'compressed-tensors/NVFP5'" in err
+
+
+def test_kernels_lists_every_kernel_and_why_not(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["kernels", "--device", "sm90", "--json"], capsys)
+    assert code == 0
+    records = {r["name"]: r for r in json.loads(out)}
+    assert set(records) == {"reference", "triton", "marlin", "native_fp4"}
+    for record in records.values():
+        assert {"name", "provider", "priority", "available", "reason"} <= set(record)
+    assert records["reference"]["available"] is True and records["reference"]["reason"] is None
+    assert "needs compute capability 10.0-10.3 or 12.0-12.1; device is 9.0" in records["native_fp4"]["reason"]
+    assert records["marlin"]["provider"] == "vllm" and records["marlin"]["priority"] == 80
+    code, out, _ = run(["kernels", "--device", "sm120"], capsys)
+    assert code == 0
+    assert "runs on:    cuda (compute capability 10.0-10.3 or 12.0-12.1)" in out
+    assert "runs on:    cuda (compute capability 7.5 or newer)" in out
+    assert out.rstrip().endswith("4 kernels")
+
+
+def test_plugins_lists_builtins(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["plugins", "--json"], capsys)
+    assert code == 0
+    plugins = {p["name"]: p for p in json.loads(out)}
+    assert {"reference", "triton", "marlin", "native_fp4"} <= set(plugins)
+    assert plugins["reference"]["builtin"] is True and plugins["reference"]["kernels"] == ["reference"]
+    assert plugins["reference"]["distribution"] == "qscheme"
+    code, out, _ = run(["plugins"], capsys)
+    assert code == 0 and "0 error(s)" in out

@@ -1,0 +1,87 @@
+"""Device facts: probing never raises; simulated devices; the edge that fills modules and variables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qscheme.errors import UsageError
+from qscheme.kernels import devices
+from qscheme.kernels.devices import SIMULATED_DEVICES, device_facts, probe_device, simulated_device, with_environment
+
+
+@pytest.mark.parametrize(
+    ("name", "capability"),
+    [
+        ("sm80", (8, 0)),
+        ("sm86", (8, 6)),
+        ("sm89", (8, 9)),
+        ("sm90", (9, 0)),
+        ("sm100", (10, 0)),
+        ("sm103", (10, 3)),
+        ("sm120", (12, 0)),
+    ],
+)
+def test_simulated_devices(name: str, capability: tuple[int, int]) -> None:
+    facts = device_facts(name)
+    assert (facts.type, facts.capability, facts.simulated) == ("cuda", capability, True)
+    assert facts.label == f"cuda {name}"
+    assert facts.torch_version is not None and "+" not in facts.torch_version  # a CUDA build of the same release
+    assert any("checked in the local environment" in note for note in facts.notes)
+    assert f"compute capability {capability[0]}.{capability[1]}" in facts.describe()
+
+
+def test_every_documented_device_name_is_known() -> None:
+    assert set(SIMULATED_DEVICES) == {"sm80", "sm86", "sm89", "sm90", "sm100", "sm103", "sm120"}
+    with pytest.raises(UsageError, match="unknown device 'sm70'"):
+        device_facts("sm70")
+    with pytest.raises(UsageError, match="unknown simulated device"):
+        simulated_device("h100")
+
+
+def test_probe_is_the_cpu_here_and_reports_versions() -> None:
+    facts = probe_device()
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert facts.type == "cpu" and not facts.simulated and facts.capability is None
+    assert facts.torch_version and facts.torch_version.startswith("2.")
+    assert device_facts("cpu").type == "cpu"
+
+
+def test_probe_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> bool:
+        raise RuntimeError("driver exploded")
+
+    monkeypatch.setattr(torch.cuda, "is_available", broken)
+    facts = probe_device()
+    assert facts.type == "cpu"
+    assert facts.notes == ("probing the GPU failed: RuntimeError: driver exploded",)
+
+
+def test_cuda_without_a_gpu_is_a_clear_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UsageError, match=r"--device cuda: no GPU is visible here .*--device sm80 \| sm86"):
+        device_facts("cuda")
+
+
+def test_a_probed_gpu_reports_its_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    facts = device_facts("cuda")
+    assert (facts.type, facts.name, facts.capability, facts.simulated) == ("cuda", "NVIDIA H200", (9, 0), False)
+
+
+def test_with_environment_checks_modules_and_variables() -> None:
+    facts = with_environment(
+        device_facts("sm90"),
+        modules=["pluggy", "qscheme_no_such_module", "vllm.nonexistent.sub"],
+        variables=["TRITON_INTERPRET", "UNSET_VARIABLE_FOR_TEST"],
+        environ={"TRITON_INTERPRET": "1"},
+    )
+    assert facts.modules == frozenset({"pluggy"})
+    assert facts.environment == (("TRITON_INTERPRET", "1"),)
+    assert facts.env("TRITON_INTERPRET") == "1" and facts.env("UNSET_VARIABLE_FOR_TEST") is None
+    assert devices.module_available("qscheme_no_such_module") is False
+    assert facts.as_json()["capability"] == "9.0"

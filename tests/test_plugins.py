@@ -1,0 +1,386 @@
+"""Plugins: built-ins through entry points, fault isolation, strict mode, allow lists, and the
+example packages in examples/ (installed by .ci/install-example-plugins.sh; skipped without)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import tomllib
+from kernel_fakes import builtin_scheme, isolated_plugins
+
+from qscheme.catalog import load_catalog
+from qscheme.errors import PluginError
+from qscheme.kernels import registry
+from qscheme.kernels.declaration import ANY_DEVICE, DeviceSupport, KernelDeclaration, Supports
+from qscheme.kernels.problem import Problem
+from qscheme.plugins import BUILTIN_PLUGINS, Plugins, hookimpl, load_plugins, register_plugin
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILTIN_KERNELS = {"reference", "triton", "marlin", "native_fp4"}
+NO_AUTOLOAD = {"QSCHEME_DISABLE_PLUGIN_AUTOLOAD": "1"}
+EXTRA = KernelDeclaration(
+    "extra_kernel",
+    "test",
+    3,
+    (Supports(("int4",)),),
+    (DeviceSupport(ANY_DEVICE),),
+    "qscheme_plugins.reference_kernel:ReferenceKernel",
+)
+
+
+class RaisingPlugin:
+    @hookimpl
+    def qscheme_kernels(self) -> list[KernelDeclaration]:
+        raise RuntimeError("boom in a hook")
+
+
+class MalformedPlugin:
+    @hookimpl
+    def qscheme_kernels(self) -> list[object]:
+        return [EXTRA, "not a declaration"]
+
+
+class MisspelledPlugin:
+    @hookimpl
+    def qscheme_kernelz(self) -> list[KernelDeclaration]:
+        return [EXTRA]
+
+
+class DuplicatePlugin:
+    @hookimpl
+    def qscheme_kernels(self) -> list[KernelDeclaration]:
+        from qscheme_plugins.reference import REFERENCE
+
+        return [REFERENCE]
+
+
+def builtins_only() -> Plugins:
+    return load_plugins(environ=NO_AUTOLOAD)
+
+
+def test_builtin_entry_points_match_pyproject() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["entry-points"]["qscheme"] == BUILTIN_PLUGINS
+
+
+def test_builtins_load_and_declare_their_kernels() -> None:
+    plugins = builtins_only()
+    assert {d.name for d in plugins.kernel_declarations()} == BUILTIN_KERNELS
+    assert plugins.failures() == ()
+    infos = {i.name: i for i in plugins.infos()}
+    assert infos["reference"].builtin and infos["reference"].kernels == ("reference",)
+    assert all(d.plugin for d in plugins.kernel_declarations())
+
+
+def test_declarations_load_without_importing_torch() -> None:
+    code = (
+        "import sys\n"
+        "from qscheme.plugins import load_plugins\n"
+        "plugins = load_plugins(environ={'QSCHEME_DISABLE_PLUGIN_AUTOLOAD': '1'})\n"
+        "assert len(plugins.kernel_declarations()) == 4\n"
+        "assert 'torch' not in sys.modules, 'declarations imported torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_a_raising_hook_is_recorded_and_others_keep_working() -> None:
+    plugins = builtins_only()
+    assert plugins.register(RaisingPlugin(), "raiser")
+    assert plugins.register(MalformedPlugin(), "malformed")
+    names = {d.name for d in plugins.kernel_declarations()}
+    assert names == BUILTIN_KERNELS | {"extra_kernel"}
+    failures = {f.plugin: f for f in plugins.failures()}
+    assert failures["raiser"].stage == "hook qscheme_kernels"
+    assert failures["raiser"].error == "RuntimeError: boom in a hook"
+    assert failures["malformed"].error == "returned 'not a declaration' (str), not a KernelDeclaration"
+    infos = {i.name: i for i in plugins.infos()}
+    assert infos["malformed"].kernels == ("extra_kernel",)
+    assert infos["raiser"].failures[0].error == "RuntimeError: boom in a hook"
+
+
+def test_unknown_hooks_and_duplicate_kernels_are_refused() -> None:
+    plugins = builtins_only()
+    assert not plugins.register(MisspelledPlugin(), "misspelled")
+    assert plugins.register(DuplicatePlugin(), "duplicate")
+    assert {d.name for d in plugins.kernel_declarations()} == BUILTIN_KERNELS
+    errors = {f.plugin: f.error for f in plugins.failures()}
+    assert errors["misspelled"] == "unknown hook qscheme_kernelz; known hooks: qscheme_kernels, qscheme_schemes"
+    assert errors["duplicate"] == "kernel 'reference' is already declared by plugin 'reference'; rename it"
+
+
+def test_strict_mode_makes_failures_fatal() -> None:
+    plugins = load_plugins(environ={**NO_AUTOLOAD, "QSCHEME_STRICT_PLUGINS": "1"})
+    plugins.register(RaisingPlugin(), "raiser")
+    with pytest.raises(PluginError, match=r"raiser .* RuntimeError: boom in a hook .*QSCHEME_STRICT_PLUGINS=1"):
+        plugins.kernel_declarations()
+
+
+class GoodPlugin:
+    @hookimpl
+    def qscheme_kernels(self) -> list[KernelDeclaration]:
+        return [EXTRA]
+
+
+class FakeEntryPoint:
+    """An entry point of a distribution that is not installed (what loading reads of one)."""
+
+    def __init__(self, name: str, value: str, distribution: str, target: object = None) -> None:
+        self.name, self.value, self.group = name, value, "qscheme"
+        self.dist = SimpleNamespace(metadata={"Name": distribution}, version="9.9")
+        self.target = target
+
+    def load(self) -> object:
+        return self.target if self.target is not None else importlib.import_module(self.value)
+
+
+FAKE_POINTS = [
+    FakeEntryPoint("importfail", "qscheme_no_such_module_for_tests", "fake-dist"),
+    FakeEntryPoint("good", "tests:GoodPlugin", "other-dist", GoodPlugin()),
+]
+
+
+def test_an_entry_point_that_fails_to_import_is_recorded() -> None:
+    plugins = load_plugins(environ={}, entry_points=FAKE_POINTS)
+    failure = next(f for f in plugins.failures() if f.plugin == "importfail")
+    assert (failure.distribution, failure.version, failure.stage) == ("fake-dist", "9.9", "import")
+    assert failure.error == "ModuleNotFoundError: No module named 'qscheme_no_such_module_for_tests'"
+    assert str(failure).startswith("importfail (fake-dist 9.9) import: ModuleNotFoundError")
+    # The built-ins (loaded directly: no qscheme entry points were given) and the good plugin work.
+    assert {d.name for d in plugins.kernel_declarations()} == BUILTIN_KERNELS | {"extra_kernel"}
+    assert [f.plugin for f in plugins.failures()] == ["importfail"]
+
+
+def test_autoload_can_be_disabled_or_limited_to_named_plugins() -> None:
+    disabled = load_plugins(environ=NO_AUTOLOAD, entry_points=FAKE_POINTS)
+    assert disabled.failures() == ()
+    skipped = {i.name: i.skipped for i in disabled.infos() if not i.builtin}
+    assert skipped == {"importfail": "QSCHEME_DISABLE_PLUGIN_AUTOLOAD=1", "good": "QSCHEME_DISABLE_PLUGIN_AUTOLOAD=1"}
+    only_good = load_plugins(environ={"QSCHEME_PLUGINS": "other-dist"}, entry_points=FAKE_POINTS)
+    assert only_good.failures() == ()
+    assert "extra_kernel" in {d.name for d in only_good.kernel_declarations()}
+    assert {i.name: i.skipped for i in only_good.infos()}["importfail"] == "not named in QSCHEME_PLUGINS"
+    none = load_plugins(environ={"QSCHEME_PLUGINS": ""}, entry_points=FAKE_POINTS)
+    assert none.failures() == ()
+
+
+VALID = textwrap.dedent(
+    """\
+    name: plugin-test/W8A16
+    description: int8 weights per channel, 16-bit activations
+    weight:
+      format: int8
+      tensor: {name: weight, dtype: int8, shape: [N, K]}
+      scale:
+        granularity: channel
+        format: fp32
+        stored: multiplier
+        tensor: {name: weight_scale, dtype: float32, shape: [N, 1]}
+    activation: none
+    """
+)
+
+
+def test_plugin_schemes_reach_the_catalog_and_bad_ones_are_isolated(tmp_path: Path) -> None:
+    folder = tmp_path / "schemes"
+    folder.mkdir()
+    (folder / "good.yaml").write_text(VALID)
+    (folder / "bad.yaml").write_text("name: plugin-test/bad\nweight: 3\n")
+    (folder / "clash.yaml").write_text(VALID.replace("plugin-test/W8A16", "compressed-tensors/W4A16"))
+
+    class SchemePlugin:
+        @hookimpl
+        def qscheme_schemes(self) -> list[Path]:
+            return [folder]
+
+    with isolated_plugins() as plugins:
+        register_plugin(SchemePlugin(), "scheme-plugin")
+        catalog = load_catalog()
+        assert catalog.get("plugin-test/W8A16").source == "plugin:scheme-plugin"
+        errors = [f.error for f in plugins.failures()]  # type: ignore[attr-defined]
+        assert any(e.startswith("invalid descriptor:") and "bad.yaml" in e for e in errors)
+        assert any("'compressed-tensors/W4A16'" in e and "already defined" in e for e in errors)
+        info = next(i for i in plugins.infos() if i.name == "scheme-plugin")  # type: ignore[attr-defined]
+        assert info.schemes == ("plugin-test/W8A16",)
+
+
+def test_a_plugin_kernel_for_nvfp4_weights_with_fp8_inputs_resolves_that_scheme() -> None:
+    from qscheme.kernels.declaration import ActivationSupport
+
+    pair = KernelDeclaration(
+        "w4a8_test",
+        "test",
+        1,
+        (Supports(("nvfp4",), activations=(ActivationSupport("fp8", "tensor", dynamic=False),)),),
+        (DeviceSupport(ANY_DEVICE),),
+        "qscheme_plugins.reference_kernel:ReferenceKernel",
+    )
+
+    class PairPlugin:
+        @hookimpl
+        def qscheme_kernels(self) -> list[KernelDeclaration]:
+            return [pair]
+
+    scheme = builtin_scheme("modelopt/W4A8_NVFP4_FP8")
+    with isolated_plugins():
+        before = registry.resolve_layer(scheme, Problem(256, 512), "cpu", environ={})
+        assert before.kernel is None
+        message = str(registry.no_kernel_error(before))
+        assert "No kernel implements nvfp4 weights with fp8 static per tensor activations." in message
+        assert "none (16-bit)" in message and "marlin, triton, reference" in message
+        register_plugin(PairPlugin(), "pair-plugin")
+        after = registry.resolve_layer(scheme, Problem(256, 512), "cpu", environ={})
+        assert after.kernel is not None and after.kernel.name == "w4a8_test"
+        assert after.kernel.plugin == "pair-plugin"
+
+
+def test_an_implementation_that_fails_to_import_is_rejected_not_fatal() -> None:
+    broken = KernelDeclaration(
+        "broken_code",
+        "test",
+        99,
+        (Supports(("int4",)),),
+        (DeviceSupport(ANY_DEVICE),),
+        "qscheme_plugins.reference:NoSuchKernel",
+    )
+
+    class BrokenCodePlugin:
+        @hookimpl
+        def qscheme_kernels(self) -> list[KernelDeclaration]:
+            return [broken]
+
+    scheme = builtin_scheme("compressed-tensors/W4A16")
+    with isolated_plugins():
+        register_plugin(BrokenCodePlugin(), "broken-code")
+        environ = {"QSCHEME_DISABLED_KERNELS": "triton"}
+        problem = Problem(256, 512)
+        assert registry.resolve_layer(scheme, problem, "cpu", environ=environ).kernel.name == "broken_code"  # type: ignore[union-attr]
+        resolution, declaration, _ = registry.select_kernel(scheme, problem, "cpu", environ=environ)
+        assert declaration.name == "reference"
+        rejected = resolution.candidate("broken_code")
+        assert rejected.stage == "device"
+        assert "failed to load: AttributeError" in rejected.reason
+
+
+# --- the example packages, installed with pip (CI: .ci/install-example-plugins.sh) -----------------
+
+EXAMPLE_INSTALLED = importlib.util.find_spec("qscheme_example_plugin") is not None
+BROKEN_SITE = ROOT / "build" / "qscheme-broken-plugin-site"
+
+
+@pytest.fixture
+def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):  # type: ignore[no-untyped-def]
+    """Run `qscheme` commands in-process with plugins loaded afresh from the real entry points."""
+    from qscheme.cli.main import main
+    from qscheme.plugins import reset_plugins
+
+    monkeypatch.delenv("QSCHEME_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+
+    def run(argv: list[str], **env: str) -> dict[str, object]:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        reset_plugins(None)
+        registry.reset()
+        code = main(argv)
+        captured = capsys.readouterr()
+        for name in env:
+            monkeypatch.delenv(name)
+        return {"code": code, "out": captured.out, "err": captured.err}
+
+    yield run
+    reset_plugins(None)
+    registry.reset()
+
+
+@pytest.mark.skipif(
+    not EXAMPLE_INSTALLED, reason="qscheme-example-plugin is not installed (.ci/install-example-plugins.sh)"
+)
+def test_installed_example_plugin_appears_and_wins_with_higher_priority(cli) -> None:  # type: ignore[no-untyped-def]
+    env = {"QSCHEME_DISABLED_KERNELS": "triton"}
+    listed = cli(["kernels", "--device", "cpu", "--json"], **env)
+    kernels = {k["name"]: k for k in json.loads(str(listed["out"]))}
+    assert kernels["example_dequant"]["provider"] == "qscheme-example-plugin"
+    assert kernels["example_dequant"]["priority"] == -10
+    assert kernels["example_dequant"]["available"] is True
+    low = cli(["resolve", "compressed-tensors/W4A16", "--device", "cpu", "--json"], **env)
+    assert json.loads(str(low["out"]))["kernel"] == "reference"
+    high = cli(
+        ["resolve", "compressed-tensors/W4A16", "--device", "cpu", "--json"], QSCHEME_EXAMPLE_PRIORITY="1000", **env
+    )
+    assert json.loads(str(high["out"]))["kernel"] == "example_dequant"
+    shipped = cli(["resolve", "example/W4A16_G64", "--device", "cpu", "--json"], **env)
+    assert shipped["code"] == 0 and json.loads(str(shipped["out"]))["scheme"] == "example/W4A16_G64"
+    plugins = cli(["plugins", "--json"])
+    example = next(p for p in json.loads(str(plugins["out"])) if p["name"] == "example")
+    assert example["distribution"] == "qscheme-example-plugin" and example["version"] == "0.1.0"
+    assert example["kernels"] == ["example_dequant"] and example["schemes"] == ["example/W4A16_G64"]
+
+    # The example kernel's code really runs a layer (through QuantLinear, as a loader would).
+    import torch
+
+    from qscheme.linear import QuantLinear
+
+    weight = torch.randn(64, 128)
+    scale = weight.abs().amax() / 448
+    tensors = {"weight": (weight / scale).to(torch.float8_e4m3fn), "weight_scale": scale}
+    layer = QuantLinear.from_tensors("modelopt/fp8_pb_wo", tensors, kernel="example_dequant")
+    assert layer.kernel.name == "example_dequant" and layer.kernel.plugin == "example"
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(layer(x), x @ layer.dequantize().t())
+
+
+def _broken_site(tmp_path: Path) -> Path:
+    """The pip-installed broken plugin if CI installed it, else the same package laid out by hand."""
+    if (BROKEN_SITE / "qscheme_broken_plugin").is_dir():
+        return BROKEN_SITE
+    source = ROOT / "examples" / "qscheme-broken-plugin"
+    project = tomllib.loads((source / "pyproject.toml").read_text())["project"]
+    shutil.copytree(source / "qscheme_broken_plugin", tmp_path / "qscheme_broken_plugin")
+    info = tmp_path / f"qscheme_broken_plugin-{project['version']}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    points = "".join(f"{name} = {value}\n" for name, value in project["entry-points"]["qscheme"].items())
+    (info / "entry_points.txt").write_text(f"[qscheme]\n{points}")
+    return tmp_path
+
+
+def test_broken_plugins_are_reported_and_resolve_keeps_working(
+    cli,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    monkeypatch.syspath_prepend(str(_broken_site(tmp_path)))
+    env = {"QSCHEME_PLUGINS": "qscheme-broken-plugin"}
+    plugins = cli(["plugins", "--json"], **env)
+    assert plugins["code"] == 0
+    reported = {p["name"]: p for p in json.loads(str(plugins["out"]))}
+    assert reported["broken-import"]["loaded"] is False
+    assert reported["broken-import"]["errors"][0]["stage"] == "import"
+    assert "qscheme_example_missing_dependency" in reported["broken-import"]["errors"][0]["error"]
+    assert reported["broken-import"]["distribution"] == "qscheme-broken-plugin"
+    assert reported["broken-hook"]["errors"][0]["error"].startswith("RuntimeError: the broken-hook")
+    assert reported["broken-malformed"]["errors"]
+    text = str(cli(["plugins"], **env)["out"])
+    assert any(line.startswith("broken-import ") and line.endswith(" failed") for line in text.splitlines())
+    assert "broken-hook (qscheme-broken-plugin 0.1.0) hook qscheme_kernels: RuntimeError" in text
+
+    resolved = cli(["resolve", "compressed-tensors/W4A16", "--device", "sm90", "--json"], **env)
+    assert resolved["code"] == 0
+    decision = json.loads(str(resolved["out"]))
+    assert decision["kernel"] is not None and decision["plugin_failures"]
+    unresolved = cli(["resolve", "modelopt/W4A8_NVFP4_FP8", "--device", "sm90"], **env)
+    assert unresolved["code"] == 1
+    assert "plugin errors (see `qscheme plugins`):" in str(unresolved["out"])
+    assert "broken-import (qscheme-broken-plugin 0.1.0) import: ModuleNotFoundError" in str(unresolved["out"])
+
+    strict = cli(["resolve", "compressed-tensors/W4A16", "--device", "sm90"], QSCHEME_STRICT_PLUGINS="1", **env)
+    assert strict["code"] == 1
+    assert "QSCHEME_STRICT_PLUGINS=1 makes plugin failures fatal" in str(strict["err"])

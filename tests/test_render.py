@@ -1,0 +1,107 @@
+"""Snapshots of rendered resolutions and no-kernel messages (tests/snapshots/*.txt).
+
+Regenerate after an intended change with ``QSCHEME_UPDATE_SNAPSHOTS=1 pytest tests/test_render.py``
+and review the diff: these messages are what users read when nothing runs their layer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from kernel_fakes import AS_IF_IMPLEMENTED, builtin_scheme, fake_device, implemented
+from qscheme_plugins.marlin import MARLIN
+from qscheme_plugins.native_fp4 import NATIVE_FP4
+
+from qscheme.errors import NoKernelError
+from qscheme.kernels.declaration import KernelDeclaration
+from qscheme.kernels.hints import suggest
+from qscheme.kernels.problem import Problem
+from qscheme.kernels.render import render_resolution, resolution_json
+from qscheme.kernels.resolver import Resolution, resolve
+from qscheme.plugins import PluginFailure
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+UPDATE = os.environ.get("QSCHEME_UPDATE_SNAPSHOTS") == "1"
+ALTERNATIVE_DEVICES = [fake_device(name) for name in ("sm80", "sm90", "sm100", "sm120")]
+ALTERNATIVE_SCHEMES = ["modelopt/NVFP4", "modelopt/W4A16_NVFP4", "compressed-tensors/NVFP4A16"]
+BROKEN = PluginFailure(
+    "broken-import",
+    "qscheme-broken-plugin",
+    "0.1.0",
+    "import",
+    "ModuleNotFoundError: No module named 'qscheme_example_missing_dependency'",
+)
+
+
+def check_snapshot(name: str, text: str) -> None:
+    path = SNAPSHOTS / f"{name}.txt"
+    if UPDATE or not path.exists():
+        if not UPDATE and os.environ.get("CI"):
+            pytest.fail(f"snapshot {path} is missing; generate it with QSCHEME_UPDATE_SNAPSHOTS=1")
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text + "\n")
+    assert text + "\n" == path.read_text(), f"{path} differs; QSCHEME_UPDATE_SNAPSHOTS=1 regenerates it"
+
+
+def error_text(
+    resolution: Resolution, declarations: Sequence[KernelDeclaration], failures: Sequence[object] = ()
+) -> str:
+    schemes = [builtin_scheme(name) for name in ALTERNATIVE_SCHEMES]
+    hint = suggest(resolution, declarations, ALTERNATIVE_DEVICES, schemes)
+    with pytest.raises(NoKernelError) as caught:
+        resolution.require(failures, hint, declarations)
+    return str(caught.value)
+
+
+def test_nvfp4_weights_with_fp8_inputs() -> None:
+    problem = Problem(4096, 14336, layer="model.layers.0.mlp.down_proj")
+    resolution = resolve(builtin_scheme("modelopt/W4A8_NVFP4_FP8"), problem, fake_device("sm100"), AS_IF_IMPLEMENTED)
+    check_snapshot("no_kernel_nvfp4_weights_fp8_inputs", error_text(resolution, AS_IF_IMPLEMENTED, [BROKEN]))
+
+
+def test_forced_kernel_that_cannot_run() -> None:
+    problem = Problem(4096, 4096, layer="model.layers.3.self_attn.o_proj")
+    resolution = resolve(
+        builtin_scheme("compressed-tensors/W4A16"), problem, fake_device("cpu"), AS_IF_IMPLEMENTED, force="marlin"
+    )
+    check_snapshot("no_kernel_forced_marlin_on_cpu", error_text(resolution, AS_IF_IMPLEMENTED))
+
+
+def test_fused_partitions_with_different_scales_and_disabled_kernels() -> None:
+    problem = Problem(6144, 4096, partitions=3, partition_scales_differ=True, layer="model.layers.0.self_attn.qkv_proj")
+    resolution = resolve(
+        builtin_scheme("compressed-tensors/NVFP4A16"),
+        problem,
+        fake_device("sm90"),
+        AS_IF_IMPLEMENTED,
+        disabled={"triton", "reference"},
+    )
+    check_snapshot("no_kernel_fused_partitions_disabled", error_text(resolution, AS_IF_IMPLEMENTED))
+
+
+def test_problem_stage_hint() -> None:
+    declarations = [implemented(MARLIN)]
+    problem = Problem(4096, 4000, layer="model.layers.7.mlp.down_proj")
+    resolution = resolve(builtin_scheme("compressed-tensors/W4A16"), problem, fake_device("sm90"), declarations)
+    check_snapshot("no_kernel_unaligned_shape", error_text(resolution, declarations))
+
+
+def test_device_stage_hint_names_a_device_that_would_work() -> None:
+    declarations = [implemented(NATIVE_FP4)]
+    resolution = resolve(builtin_scheme("modelopt/NVFP4"), Problem(8192, 8192), fake_device("sm90"), declarations)
+    check_snapshot("no_kernel_wrong_device", error_text(resolution, declarations))
+
+
+def test_rendered_resolution() -> None:
+    resolution = resolve(
+        builtin_scheme("compressed-tensors/NVFP4"), Problem(4096, 4096), fake_device("sm100"), AS_IF_IMPLEMENTED
+    )
+    check_snapshot("resolve_nvfp4_sm100", render_resolution(resolution))
+    data = resolution_json(resolution)
+    assert data["kernel"] == "native_fp4"
+    trace: list[dict[str, object]] = data["trace"]  # type: ignore[assignment]
+    assert [entry["kernel"] for entry in trace] == ["native_fp4", "marlin", "triton", "reference"]
+    assert set(trace[0]) >= {"kernel", "accepted", "stage", "reason"}

@@ -1,0 +1,318 @@
+"""The pure resolver over schemes x simulated devices, with fake device facts (no GPU, no plugins)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from kernel_fakes import (
+    AS_IF_IMPLEMENTED,
+    BUILTIN_DECLARATIONS,
+    all_modules,
+    builtin_scheme,
+    fake_device,
+    implemented,
+)
+
+from qscheme.descriptor import parse_scheme_file
+from qscheme.errors import NoKernelError, UsageError
+from qscheme.kernels.declaration import (
+    ANY_DEVICE,
+    WEIGHT_ONLY,
+    ActivationSupport,
+    DeviceSupport,
+    KernelDeclaration,
+    Supports,
+)
+from qscheme.kernels.problem import Problem
+from qscheme.kernels.render import activation_pairings, no_kernel_message
+from qscheme.kernels.resolver import Resolver, resolve
+
+SQUARE = Problem(4096, 4096)
+INTERPRETED = (("TRITON_INTERPRET", "1"),)
+NO_VLLM = all_modules() - {"vllm"}
+
+# (scheme, device, expected kernel) with every built-in kernel as if its code were installed.
+EXPECTED: list[tuple[str, str, str | None]] = [
+    # W4A4 NVFP4: native FP4 on both Blackwell families, Triton elsewhere on CUDA 8.0+.
+    ("compressed-tensors/NVFP4", "sm100", "native_fp4"),
+    ("compressed-tensors/NVFP4", "sm103", "native_fp4"),
+    ("compressed-tensors/NVFP4", "sm120", "native_fp4"),
+    ("compressed-tensors/NVFP4", "sm90", "triton"),
+    ("compressed-tensors/NVFP4", "sm89", "triton"),
+    ("compressed-tensors/NVFP4", "sm80", "triton"),
+    ("compressed-tensors/NVFP4", "cpu", "reference"),
+    ("modelopt/NVFP4", "sm100", "native_fp4"),
+    ("modelopt/NVFP4", "sm90", "triton"),
+    # W4A16: Marlin wherever CUDA 7.5+ (native FP4 needs FP4 activations).
+    ("compressed-tensors/NVFP4A16", "sm100", "marlin"),
+    ("compressed-tensors/NVFP4A16", "sm80", "marlin"),
+    ("modelopt/W4A16_NVFP4", "sm120", "marlin"),
+    ("compressed-tensors/MXFP4A16", "sm90", "marlin"),
+    ("compressed-tensors/W4A16", "sm86", "marlin"),
+    ("compressed-tensors/W4A16_ASYM", "sm90", "marlin"),
+    ("compressed-tensors/W4A16", "cpu", "reference"),
+    ("modelopt/fp8_pb_wo", "sm90", "triton"),  # Marlin takes per-tensor/channel fp8 scales, not blocks
+    # MXFP4 W4A4: native on Blackwell, else only the reference emulates MXFP4 activations.
+    ("compressed-tensors/MXFP4", "sm100", "native_fp4"),
+    ("compressed-tensors/MXFP4", "sm90", "reference"),
+    ("modelopt/mxfp4", "sm120", "native_fp4"),
+    # Activation-quantized FP8 and int8: no declared GPU kernel yet, the reference emulates them.
+    ("compressed-tensors/FP8", "sm90", "reference"),
+    ("compressed-tensors/FP8_DYNAMIC", "sm89", "reference"),
+    ("compressed-tensors/FP8_BLOCK", "sm100", "reference"),
+    ("compressed-tensors/W8A8", "sm80", "reference"),
+    ("modelopt/FP8", "sm90", "reference"),
+    # AWQ with an always-present pre-scale would exclude Marlin; its pre-scale is optional.
+    ("modelopt/W4A16_AWQ", "sm90", "marlin"),
+    # NVFP4 weights with FP8 inputs: no kernel, anywhere.
+    ("modelopt/W4A8_NVFP4_FP8", "sm100", None),
+    ("modelopt/W4A8_NVFP4_FP8", "sm90", None),
+    ("modelopt/W4A8_NVFP4_FP8", "cpu", None),
+]
+
+
+@pytest.mark.parametrize(("scheme_name", "device_name", "expected"), EXPECTED)
+def test_expected_kernel(scheme_name: str, device_name: str, expected: str | None) -> None:
+    resolution = resolve(builtin_scheme(scheme_name), SQUARE, fake_device(device_name), AS_IF_IMPLEMENTED)
+    chosen = resolution.kernel.name if resolution.kernel else None
+    assert chosen == expected, no_kernel_message(resolution) if chosen is None else resolution.trace
+    assert len(resolution.trace) == len(AS_IF_IMPLEMENTED)
+    assert sum(c.chosen for c in resolution.trace) == (expected is not None)
+
+
+def test_triton_on_cpu_needs_the_interpreter() -> None:
+    scheme = builtin_scheme("compressed-tensors/W4A16")
+    plain = resolve(scheme, SQUARE, fake_device("cpu"), AS_IF_IMPLEMENTED)
+    assert plain.kernel is not None and plain.kernel.name == "reference"
+    triton = plain.candidate("triton")
+    assert (triton.stage, triton.reason) == ("device", "on cpu needs TRITON_INTERPRET=1 (unset)")
+    interpreted = resolve(scheme, SQUARE, fake_device("cpu", environment=INTERPRETED), AS_IF_IMPLEMENTED)
+    assert interpreted.kernel is not None and interpreted.kernel.name == "triton"
+    rocm = resolve(scheme, SQUARE, fake_device("rocm"), AS_IF_IMPLEMENTED)
+    assert rocm.kernel is not None and rocm.kernel.name == "triton"
+
+
+def test_capability_families_are_ranges_not_minimums() -> None:
+    scheme = builtin_scheme("compressed-tensors/NVFP4")
+    for name, accepted in [("sm90", False), ("sm100", True), ("sm103", True), ("sm120", True), ("sm89", False)]:
+        native = resolve(scheme, SQUARE, fake_device(name), AS_IF_IMPLEMENTED).candidate("native_fp4")
+        assert native.accepted is accepted, (name, native)
+    beyond = replace(fake_device("sm120"), capability=(11, 0))
+    native = resolve(scheme, SQUARE, beyond, AS_IF_IMPLEMENTED).candidate("native_fp4")
+    assert native.reason == "needs compute capability 10.0-10.3 or 12.0-12.1; device is 11.0"
+    hopper = resolve(scheme, SQUARE, fake_device("sm90"), AS_IF_IMPLEMENTED).candidate("native_fp4")
+    assert (hopper.stage, hopper.reason) == ("device", "needs compute capability 10.0-10.3 or 12.0-12.1; device is 9.0")
+
+
+def test_marlin_reasons_say_compute_capability() -> None:
+    turing = replace(fake_device("sm80"), capability=(7, 0))
+    marlin = resolve(builtin_scheme("compressed-tensors/W4A16"), SQUARE, turing, AS_IF_IMPLEMENTED).candidate("marlin")
+    assert marlin.reason == "needs compute capability 7.5 or newer; device is 7.0"
+    assert "CUDA>=" not in marlin.reason
+
+
+def test_problem_stage_alignment_dtype_and_partitions() -> None:
+    scheme = builtin_scheme("compressed-tensors/NVFP4A16")
+    device = fake_device("sm90")
+    ragged = resolve(scheme, Problem(4096, 4000), device, AS_IF_IMPLEMENTED)
+    marlin = ragged.candidate("marlin")
+    assert marlin.stage == "problem"
+    assert marlin.reason == (
+        "needs N % 64 == 0 and K % 128 == 0, or N % 128 == 0 and K % 64 == 0; layer has N=4096, K=4000"
+    )
+    assert marlin.hint == "pad the layer to N=4096, K=4096"
+    assert ragged.kernel is not None and ragged.kernel.name == "triton"
+
+    fp32 = resolve(scheme, Problem(4096, 4096, "fp32"), device, AS_IF_IMPLEMENTED)
+    assert fp32.candidate("marlin").reason == "takes bfloat16 or float16 activations; layer has float32"
+    assert fp32.kernel is not None and fp32.kernel.name == "triton"
+
+    fused = Problem(6144, 4096, partitions=3, partition_scales_differ=True, layer="model.layers.0.self_attn.qkv_proj")
+    resolution = resolve(scheme, fused, device, AS_IF_IMPLEMENTED)
+    assert resolution.candidate("marlin").reason == (
+        "takes one global scale per layer; its 3 fused partitions have different scales"
+    )
+    assert resolution.kernel is not None and resolution.kernel.name == "triton"
+    equal = resolve(scheme, replace(fused, partition_scales_differ=False), device, AS_IF_IMPLEMENTED)
+    assert equal.kernel is not None and equal.kernel.name == "marlin"
+
+
+def test_input_pre_scale_is_a_problem_fact() -> None:
+    scheme = builtin_scheme("modelopt/W4A16_AWQ")
+    with_pre_scale = resolve(scheme, Problem(4096, 4096, input_pre_scale=True), fake_device("sm90"), AS_IF_IMPLEMENTED)
+    assert with_pre_scale.candidate("marlin").stage == "problem"
+    assert "pre-scale" in with_pre_scale.candidate("marlin").reason
+    assert with_pre_scale.kernel is not None and with_pre_scale.kernel.name == "triton"
+
+
+def test_missing_library_and_implementation_are_device_stage() -> None:
+    scheme = builtin_scheme("compressed-tensors/W4A16")
+    no_vllm = resolve(scheme, SQUARE, fake_device("sm90", modules=NO_VLLM), AS_IF_IMPLEMENTED)
+    assert no_vllm.candidate("marlin").reason == (
+        "needs module vllm, not importable here (optional kernel libraries are checked in the local environment)"
+    )
+    declared_only = resolve(scheme, SQUARE, fake_device("sm90"), BUILTIN_DECLARATIONS)
+    assert "declared only: no implementation is installed" in declared_only.candidate("marlin").reason
+    no_triton_code = resolve(
+        scheme,
+        SQUARE,
+        fake_device("sm90", modules=all_modules() - {"qscheme_plugins.triton_kernel"}),
+        AS_IF_IMPLEMENTED,
+    )
+    assert no_triton_code.candidate("triton").reason == (
+        "implementation qscheme_plugins.triton_kernel:TritonKernel is not importable here"
+    )
+    failed = resolve(
+        scheme, SQUARE, fake_device("sm90"), AS_IF_IMPLEMENTED, unavailable={"triton": "ImportError: boom"}
+    )
+    assert failed.candidate("triton").reason == (
+        "implementation qscheme_plugins.triton_kernel:TritonKernel failed to load: ImportError: boom"
+    )
+    no_fp4_dtype = resolve(
+        builtin_scheme("compressed-tensors/NVFP4"),
+        SQUARE,
+        fake_device("sm100", features=frozenset({"_scaled_mm"})),
+        AS_IF_IMPLEMENTED,
+    )
+    assert no_fp4_dtype.candidate("native_fp4").reason == "needs torch.float4_e2m1fn_x2, which torch 2.13.0 lacks"
+
+
+def test_order_is_priority_then_name_whatever_the_input_order() -> None:
+    twins = [
+        KernelDeclaration("b_twin", "test", 5, (Supports(("int4",)),), (DeviceSupport(ANY_DEVICE),), "fake_kernels:x"),
+        KernelDeclaration("a_twin", "test", 5, (Supports(("int4",)),), (DeviceSupport(ANY_DEVICE),), "fake_kernels:x"),
+    ]
+    declarations = [*AS_IF_IMPLEMENTED, *twins]
+    scheme = builtin_scheme("compressed-tensors/W4A16")
+    first = resolve(scheme, SQUARE, fake_device("cpu"), declarations)
+    names = [c.kernel for c in first.trace]
+    assert names == ["native_fp4", "marlin", "triton", "a_twin", "b_twin", "reference"]
+    assert first.kernel is not None and first.kernel.name == "a_twin"
+    assert first.candidate("b_twin").reason == "not chosen: a_twin ranks higher"
+    for seed in range(5):
+        shuffled = list(declarations)
+        random.Random(seed).shuffle(shuffled)
+        again = resolve(scheme, SQUARE, fake_device("cpu"), shuffled)
+        assert again.trace == first.trace and again.kernel == first.kernel
+
+
+def test_forcing_and_disabling() -> None:
+    scheme = builtin_scheme("compressed-tensors/W4A16")
+    device = fake_device("sm90")
+    forced = resolve(scheme, SQUARE, device, AS_IF_IMPLEMENTED, force="reference")
+    assert forced.kernel is not None and forced.kernel.name == "reference"
+    assert forced.candidate("marlin").reason == "not chosen: kernel 'reference' is forced"
+
+    cannot = resolve(scheme, SQUARE, fake_device("cpu"), AS_IF_IMPLEMENTED, force="marlin")
+    assert cannot.kernel is None and cannot.forced == "marlin"
+    with pytest.raises(NoKernelError, match="forced kernel 'marlin' cannot run"):
+        cannot.require()
+
+    with pytest.raises(UsageError, match=r"unknown kernel 'marlinn' was forced\. Did you mean 'marlin'"):
+        resolve(scheme, SQUARE, device, AS_IF_IMPLEMENTED, force="marlinn")
+
+    disabled = resolve(scheme, SQUARE, device, AS_IF_IMPLEMENTED, disabled={"marlin", "triton"})
+    assert disabled.kernel is not None and disabled.kernel.name == "reference"
+    assert disabled.candidate("marlin").stage == "disabled"
+
+
+def test_memoising_resolver_shares_resolutions_across_layer_names() -> None:
+    resolver = Resolver(fake_device("sm90"), AS_IF_IMPLEMENTED)
+    scheme = builtin_scheme("compressed-tensors/W4A16")
+    first = resolver.resolve(scheme, Problem(4096, 4096, layer="layers.0.q_proj"))
+    second = resolver.resolve(scheme, Problem(4096, 4096, layer="layers.1.q_proj"))
+    assert first.trace is second.trace and first.kernel == second.kernel
+    assert second.problem.layer == "layers.1.q_proj"
+    assert resolver.resolve(scheme, Problem(4096, 4096, layer="layers.0.q_proj")) is first
+
+
+NVFP4_WEIGHTS_FP8_INPUTS = """\
+name: test/ct-nvfp4-weights-fp8-inputs
+producer: compressed-tensors
+description: a compressed-tensors config pairing NVFP4 weights with static FP8 input_activations
+weight:
+  format: e2m1
+  packing: nibbles_k
+  tensor: {name: weight_packed, dtype: uint8, shape: [N, K/2]}
+  scale:
+    granularity: group
+    group_size: 16
+    format: e4m3
+    stored: multiplier
+    tensor: {name: weight_scale, dtype: float8_e4m3fn, shape: [N, K/16]}
+  global_scale:
+    stored: reciprocal
+    tensor: {name: weight_global_scale, dtype: float32, shape: [1]}
+activation:
+  format: e4m3
+  granularity: tensor
+  dynamic: false
+  scale:
+    stored: multiplier
+    tensor: {name: input_scale, dtype: float32, shape: [1]}
+"""
+
+W4A8_PAIR_KERNEL = KernelDeclaration(
+    name="w4a8_nvfp4_fp8",
+    provider="test",
+    priority=10,
+    supports=(Supports(("nvfp4",), activations=(ActivationSupport("fp8", "tensor", dynamic=False),)),),
+    devices=(DeviceSupport(ANY_DEVICE),),
+    implementation="fake_kernels:w4a8",
+)
+
+
+def _nvfp4_fp8_schemes(tmp_path: Path) -> list:
+    file = tmp_path / "nvfp4_fp8.yaml"
+    file.write_text(NVFP4_WEIGHTS_FP8_INPUTS)
+    return [builtin_scheme("modelopt/W4A8_NVFP4_FP8"), parse_scheme_file(file)]
+
+
+def test_nvfp4_weights_with_fp8_inputs_fail_naming_both_formats(tmp_path: Path) -> None:
+    for scheme in _nvfp4_fp8_schemes(tmp_path):
+        for device in ("sm100", "sm90", "cpu"):
+            resolution = resolve(scheme, SQUARE, fake_device(device), AS_IF_IMPLEMENTED)
+            assert resolution.kernel is None
+            assert all(c.stage == "scheme" for c in resolution.trace)
+            message = no_kernel_message(resolution, declarations=AS_IF_IMPLEMENTED)
+            assert "No kernel implements nvfp4 weights with fp8 static per tensor activations." in message
+            assert "none (16-bit)                  marlin, triton, reference" in message
+            assert "nvfp4 dynamic per group of 16  native_fp4, triton, reference" in message
+    # The pairing table is computed from the declarations, not written down anywhere.
+    assert activation_pairings("nvfp4", AS_IF_IMPLEMENTED) == [
+        ("none (16-bit)", ["marlin", "triton", "reference"]),
+        ("nvfp4 dynamic per group of 16", ["native_fp4", "triton", "reference"]),
+    ]
+
+
+def test_nvfp4_weights_with_fp8_inputs_resolve_once_a_kernel_declares_the_pair(tmp_path: Path) -> None:
+    declarations = (*AS_IF_IMPLEMENTED, implemented(W4A8_PAIR_KERNEL))
+    for scheme in _nvfp4_fp8_schemes(tmp_path):
+        resolution = resolve(scheme, SQUARE, fake_device("sm90"), declarations)
+        assert resolution.kernel is not None and resolution.kernel.name == "w4a8_nvfp4_fp8"
+    pairings = dict(activation_pairings("nvfp4", declarations))
+    assert pairings["fp8 static per tensor"] == ["w4a8_nvfp4_fp8"]
+
+
+def test_scheme_stage_reasons() -> None:
+    device = fake_device("sm90")
+    int8 = resolve(builtin_scheme("compressed-tensors/W8A8"), SQUARE, device, AS_IF_IMPLEMENTED)
+    assert int8.candidate("native_fp4").reason == "implements mxfp4, nvfp4 weights; scheme has int8 weights"
+    assert int8.candidate("marlin").reason == (
+        "takes int8 weights with none (16-bit) activations; scheme has int8 dynamic per token activations"
+    )
+    block = resolve(builtin_scheme("modelopt/fp8_pb_wo"), SQUARE, device, AS_IF_IMPLEMENTED)
+    assert block.candidate("marlin").reason == "takes fp8 weights with tensor/channel scales; scheme has block scales"
+    group32 = KernelDeclaration(
+        "g32", "test", 1, (Supports(("int4",), group_sizes=(32,)),), (DeviceSupport(ANY_DEVICE),), "fake_kernels:x"
+    )
+    w4a16 = resolve(builtin_scheme("compressed-tensors/W4A16"), SQUARE, device, [group32])
+    assert w4a16.candidate("g32").reason == "takes int4 weight groups of 32; scheme has groups of 128"
+    symmetric = KernelDeclaration(
+        "sym", "test", 1, (Supports(("int4",), activations=(WEIGHT_ONLY,)),), (DeviceSupport(ANY_DEVICE),), "m:x"
+    )
+    asym = resolve(builtin_scheme("compressed-tensors/W4A16_ASYM"), SQUARE, device, [symmetric])
+    assert asym.candidate("sym").reason == "takes symmetric int4 weights only; scheme has zero points"
