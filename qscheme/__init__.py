@@ -18,12 +18,15 @@ from qscheme.errors import (
 )
 
 if TYPE_CHECKING:
+    from qscheme.checkpoint.load import Checkpoint, load_checkpoint
+    from qscheme.checkpoint.model import apply_to_model
     from qscheme.linear import QuantLinear
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Catalog",
+    "Checkpoint",
     "CheckpointError",
     "FormatError",
     "NoKernelError",
@@ -35,6 +38,8 @@ __all__ = [
     "SchemeError",
     "UsageError",
     "__version__",
+    "apply_to_model",
+    "load_checkpoint",
     "load_catalog",
     "load_scheme",
     "parse_scheme_file",
@@ -42,10 +47,19 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    # QuantLinear imports torch: load it on first use so that `import qscheme` stays light.
-    if name == "QuantLinear":
-        from qscheme.linear import QuantLinear
+# Names whose modules import torch: loaded on first use so that `import qscheme` stays light.
+_LAZY: dict[str, str] = {
+    "QuantLinear": "qscheme.linear",
+    "Checkpoint": "qscheme.checkpoint.load",
+    "load_checkpoint": "qscheme.checkpoint.load",
+    "apply_to_model": "qscheme.checkpoint.model",
+}
 
-        return QuantLinear
-    raise AttributeError(f"module 'qscheme' has no attribute {name!r}")
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'qscheme' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -100,9 +100,13 @@ class QuantLinear(torch.nn.Module):
             self.register_buffer("bias", bias.to(self.torch_device))
         else:
             self.bias = None
-        self._prepared: dict[str, tuple[Resolution, KernelDeclaration, Any, Any]] = {}
+        # Resolution happens now (a layer that cannot run fails at load time); the kernel's
+        # prepare (repack, or the reference kernel's float32 weight) waits for the first forward
+        # or an explicit prepare(), so that loading a checkpoint stays close to its file size.
+        self._resolved: dict[str, tuple[Resolution, KernelDeclaration, Any]] = {}
+        self._states: dict[str, Any] = {}
         self._default_dtype = normalize_dtype(activation_dtype)
-        self._prepare(self._default_dtype)
+        self._resolve(self._default_dtype)
 
     # -- construction --------------------------------------------------------------------------
 
@@ -147,28 +151,39 @@ class QuantLinear(torch.nn.Module):
             self._facts = device_for("cpu" if self.torch_device.type == "cpu" else None)
         return self._facts
 
-    def _prepare(self, activation_dtype: str) -> tuple[Resolution, KernelDeclaration, Any, Any]:
-        found = self._prepared.get(activation_dtype)
-        if found is not None:
-            return found
-        problem = problem_for(self.weight_canonical, activation_dtype, self.layer_name)
-        resolution, declaration, implementation = select_kernel(
-            self.weight_canonical.scheme, problem, self._device_facts(), self.forced_kernel
-        )
-        state = implementation.prepare(self.weight_canonical, self.torch_device)
-        found = (resolution, declaration, implementation, state)
-        self._prepared[activation_dtype] = found
+    def _resolve(self, activation_dtype: str) -> tuple[Resolution, KernelDeclaration, Any]:
+        found = self._resolved.get(activation_dtype)
+        if found is None:
+            problem = problem_for(self.weight_canonical, activation_dtype, self.layer_name)
+            found = select_kernel(self.weight_canonical.scheme, problem, self._device_facts(), self.forced_kernel)
+            self._resolved[activation_dtype] = found
         return found
+
+    def _prepare(self, activation_dtype: str) -> tuple[Any, Any]:
+        _, _, implementation = self._resolve(activation_dtype)
+        if activation_dtype not in self._states:
+            self._states[activation_dtype] = implementation.prepare(self.weight_canonical, self.torch_device)
+        return implementation, self._states[activation_dtype]
+
+    def prepare(self, activation_dtype: str | torch.dtype | None = None) -> QuantLinear:
+        """Run the kernel's prepare now (it otherwise runs on the first forward); returns self."""
+        self._prepare(normalize_dtype(activation_dtype) if activation_dtype is not None else self._default_dtype)
+        return self
+
+    @property
+    def prepared(self) -> bool:
+        """Whether the kernel state for the default activation dtype has been built."""
+        return self._default_dtype in self._states
 
     @property
     def kernel(self) -> KernelDeclaration:
         """The declaration of the kernel that runs this layer (for the default activation dtype)."""
-        return self._prepared[self._default_dtype][1]
+        return self._resolved[self._default_dtype][1]
 
     @property
     def resolution(self) -> Resolution:
         """The resolution (with its trace) behind ``kernel``."""
-        return self._prepared[self._default_dtype][0]
+        return self._resolved[self._default_dtype][0]
 
     @property
     def scheme(self) -> Scheme:
@@ -189,7 +204,7 @@ class QuantLinear(torch.nn.Module):
         dtype = normalize_dtype(x.dtype) if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else None
         if dtype is None:
             raise UsageError(f"input dtype {x.dtype} is not supported; use bfloat16, float16 or float32")
-        _, _, implementation, state = self._prepare(dtype)
+        implementation, state = self._prepare(dtype)
         y: Tensor = implementation.apply(state, x, self.bias)
         return y
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from qscheme.errors import QSchemeError
 
 # Command modules under qscheme.cli, in the order `qscheme --help` lists them.
-COMMANDS: tuple[str, ...] = ("schemes", "show", "validate")
+COMMANDS: tuple[str, ...] = ("schemes", "show", "validate", "kernels", "plugins", "resolve", "inspect", "run")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from qscheme.catalog import load_scheme
@@ -24,7 +25,9 @@ DEFAULT_SHAPE = (4096, 4096)
 def register(sub: Any) -> None:
     parser = sub.add_parser("resolve", help="show which kernel runs a scheme on a device, and why the others do not")
     parser.add_argument(
-        "target", metavar="NAME|FILE", help="a scheme name (see `qscheme schemes`) or a descriptor file"
+        "target",
+        metavar="NAME|FILE|CHECKPOINT",
+        help="a scheme name (see `qscheme schemes`), a descriptor file, or a checkpoint folder",
     )
     parser.add_argument(
         "--device",
@@ -64,6 +67,10 @@ def parse_shape(text: str | None) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if Path(args.target).is_dir():  # a checkpoint folder: one decision per layer
+        from qscheme.checkpoint.resolve import resolve_command
+
+        return resolve_command(args)
     n, k = parse_shape(args.shape)
     try:
         problem = Problem(

@@ -1,0 +1,322 @@
+"""Read a checkpoint's producer config (config.json / hf_quant_config.json) into typed values.
+
+Three outcomes: ``CompressedTensorsConfig`` (config.json ``quant_method: compressed-tensors``),
+``ModeloptConfig`` (hf_quant_config.json, or config.json ``quant_method: modelopt``) or
+``NoQuantization``. Both the 0.19 and 0.20 JSON forms of compressed-tensors are accepted; the
+argument objects are kept as written (normalisation for matching is detect.py's job).
+Malformed JSON and wrongly typed fields raise CheckpointError naming the file, the line and
+column (for JSON syntax) or the key path (for types).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qscheme.errors import CheckpointError
+
+CONFIG_FILE = "config.json"
+MODELOPT_FILE = "hf_quant_config.json"
+
+
+@dataclass(frozen=True)
+class ConfigGroup:
+    """One compressed-tensors ``config_groups`` entry."""
+
+    name: str
+    targets: tuple[str, ...]
+    weights: Mapping[str, Any] | None
+    input_activations: Mapping[str, Any] | None
+    output_activations: Mapping[str, Any] | None
+    format: str | None
+
+    @property
+    def key_path(self) -> str:
+        return f"quantization_config.config_groups.{self.name}"
+
+
+@dataclass(frozen=True)
+class CompressedTensorsConfig:
+    """config.json ``quantization_config`` written by compressed-tensors (or llm-compressor)."""
+
+    file: str
+    groups: tuple[ConfigGroup, ...]
+    ignore: tuple[str, ...]
+    format: str | None
+    version: str | None
+    quantization_status: str | None
+    kv_cache_scheme: Mapping[str, Any] | None
+    producer: str = "compressed-tensors"
+    producer_version: str | None = None
+    producer_note: str | None = None
+
+    @property
+    def has_kv_cache(self) -> bool:
+        return bool(self.kv_cache_scheme)
+
+
+@dataclass(frozen=True)
+class MixedPrecisionLayer:
+    quant_algo: str
+    group_size: int | None
+
+
+@dataclass(frozen=True)
+class ModeloptConfig:
+    """NVIDIA ModelOpt's quantization section (hf_quant_config.json or config.json)."""
+
+    file: str
+    quant_algo: str
+    group_size: int | None
+    exclude_modules: tuple[str, ...]
+    kv_cache_quant_algo: str | None
+    quantized_layers: Mapping[str, MixedPrecisionLayer] | None = None
+    producer: str = "modelopt"
+    producer_version: str | None = None
+    producer_note: str | None = None
+
+    @property
+    def has_kv_cache(self) -> bool:
+        return bool(self.kv_cache_quant_algo)
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.quantized_layers is not None
+
+
+@dataclass(frozen=True)
+class NoQuantization:
+    """A checkpoint without a quantization config: every tensor is a plain tensor."""
+
+    file: str | None
+    producer: str = "none"
+    producer_version: str | None = None
+    producer_note: str | None = None
+    has_kv_cache: bool = False
+
+
+ProducerConfig = CompressedTensorsConfig | ModeloptConfig | NoQuantization
+
+
+@dataclass
+class _Fields:
+    """Typed access to one JSON object, failing with the file and key path."""
+
+    file: str
+    path: str
+    items: Mapping[str, Any] = field(default_factory=dict)
+
+    def _fail(self, key: str, expected: str, value: Any) -> CheckpointError:
+        where = f"{self.path}.{key}" if self.path else key
+        return CheckpointError(f"{self.file}: {where}: expected {expected}, found {json.dumps(value)}")
+
+    def string(self, key: str, required: bool = False) -> str | None:
+        value = self.items.get(key)
+        if value is None:
+            if required:
+                raise self._fail(key, "a string", value)
+            return None
+        if not isinstance(value, str):
+            raise self._fail(key, "a string", value)
+        return value
+
+    def integer(self, key: str) -> int | None:
+        value = self.items.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self._fail(key, "an integer", value)
+        return value
+
+    def strings(self, key: str) -> tuple[str, ...]:
+        value = self.items.get(key)
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            return (value,)
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise self._fail(key, "a list of strings", value)
+        return tuple(value)
+
+    def mapping(self, key: str) -> Mapping[str, Any] | None:
+        value = self.items.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, Mapping):
+            raise self._fail(key, "an object", value)
+        return value
+
+    def child(self, key: str) -> _Fields | None:
+        value = self.mapping(key)
+        if value is None:
+            return None
+        return _Fields(self.file, f"{self.path}.{key}" if self.path else key, value)
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file; CheckpointError with file:line:column on a syntax error."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read: {exc.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
+
+
+def _json_object(path: Path) -> Mapping[str, Any]:
+    value = read_json(path)
+    if not isinstance(value, Mapping):
+        raise CheckpointError(f"{path}: expected a JSON object at the top level, found {type(value).__name__}")
+    return value
+
+
+def read_producer_config(folder: str | Path) -> ProducerConfig:
+    """The quantization config of a checkpoint folder.
+
+    hf_quant_config.json (ModelOpt) wins when present; config.json's ``quantization_config``
+    must then not name another method. Without either, the checkpoint is unquantized.
+    """
+    folder = Path(folder)
+    config_path = folder / CONFIG_FILE
+    modelopt_path = folder / MODELOPT_FILE
+    config = _json_object(config_path) if config_path.is_file() else None
+    quant = None
+    if config is not None:
+        quant = _Fields(str(config_path), "", config).mapping("quantization_config")
+    method = None
+    if quant is not None:
+        method = _Fields(str(config_path), "quantization_config", quant).string("quant_method", required=True)
+
+    if modelopt_path.is_file():
+        if method is not None and method != "modelopt":
+            raise CheckpointError(
+                f"{config_path}: quantization_config.quant_method is {method!r} but {modelopt_path.name} "
+                f"(a ModelOpt export) is also present; remove the file that does not describe these weights"
+            )
+        hf_quant = _json_object(modelopt_path)
+        section = _Fields(str(modelopt_path), "", hf_quant).child("quantization")
+        if section is None:
+            raise CheckpointError(f"{modelopt_path}: has no 'quantization' object; is it a ModelOpt export?")
+        producer = _Fields(str(modelopt_path), "", hf_quant).child("producer")
+        return _modelopt(section, producer, exclude_key="exclude_modules")
+
+    if quant is None or method is None:
+        return NoQuantization(str(config_path) if config is not None else None)
+    fields = _Fields(str(config_path), "quantization_config", quant)
+    if method == "compressed-tensors":
+        return _compressed_tensors(fields)
+    if method == "modelopt":
+        return _modelopt(fields, fields.child("producer"), exclude_key="ignore")
+    raise CheckpointError(
+        f"{config_path}: quantization_config.quant_method {method!r} is not supported; qscheme reads "
+        "'compressed-tensors' and 'modelopt' checkpoints (convert others with llm-compressor or ModelOpt)"
+    )
+
+
+def _argument_object(group: _Fields, key: str) -> Mapping[str, Any] | None:
+    value = group.mapping(key)
+    return dict(value) if value is not None else None
+
+
+def _compressed_tensors(fields: _Fields) -> CompressedTensorsConfig:
+    groups_node = fields.child("config_groups")
+    if groups_node is None or not groups_node.items:
+        raise CheckpointError(f"{fields.file}: quantization_config.config_groups is missing or empty")
+    groups = []
+    for name in groups_node.items:
+        group = groups_node.child(name)
+        if group is None:
+            raise CheckpointError(f"{fields.file}: quantization_config.config_groups.{name}: expected an object")
+        targets = group.strings("targets")
+        if not targets:
+            raise CheckpointError(f"{fields.file}: {group.path}.targets: expected a non-empty list of strings")
+        groups.append(
+            ConfigGroup(
+                name=name,
+                targets=targets,
+                weights=_argument_object(group, "weights"),
+                input_activations=_argument_object(group, "input_activations"),
+                output_activations=_argument_object(group, "output_activations"),
+                format=group.string("format"),
+            )
+        )
+    status = fields.string("quantization_status")
+    if status is not None and status != "compressed":
+        raise CheckpointError(
+            f"{fields.file}: quantization_config.quantization_status is {status!r}; qscheme reads compressed "
+            "checkpoints ('compressed'): save the model with compression (save_compressed=True)"
+        )
+    for unsupported in ("sparsity_config", "transform_config"):
+        value = fields.mapping(unsupported)
+        if value:
+            raise CheckpointError(
+                f"{fields.file}: quantization_config.{unsupported} is set ({json.dumps(value)[:80]}); "
+                f"checkpoints with a {unsupported.split('_')[0]} config are not supported"
+            )
+    producer = fields.child("producer")
+    return CompressedTensorsConfig(
+        file=fields.file,
+        groups=tuple(groups),
+        ignore=fields.strings("ignore"),
+        format=fields.string("format"),
+        version=fields.string("version"),
+        quantization_status=status,
+        kv_cache_scheme=fields.mapping("kv_cache_scheme"),
+        producer=(producer.string("name") if producer else None) or "compressed-tensors",
+        producer_version=(producer.string("version") if producer else None) or fields.string("version"),
+        producer_note=producer.string("note") if producer else None,
+    )
+
+
+def _modelopt(section: _Fields, producer: _Fields | None, exclude_key: str) -> ModeloptConfig:
+    quant_algo = section.string("quant_algo", required=True)
+    assert quant_algo is not None  # required=True raised otherwise
+    layers = None
+    raw_layers = section.child("quantized_layers")
+    if raw_layers is not None:
+        layers = {}
+        for module in raw_layers.items:
+            entry = raw_layers.child(module)
+            if entry is None:
+                raise CheckpointError(f"{section.file}: {raw_layers.path}.{module}: expected an object")
+            algo = entry.string("quant_algo", required=True)
+            assert algo is not None
+            layers[module] = MixedPrecisionLayer(quant_algo=algo, group_size=entry.integer("group_size"))
+    elif quant_algo.upper() == "MIXED_PRECISION":
+        raise CheckpointError(
+            f"{section.file}: {section.path + '.' if section.path else ''}quant_algo is MIXED_PRECISION "
+            "but there is no quantized_layers object naming each layer's algorithm"
+        )
+    excludes = section.strings(exclude_key) or section.strings("exclude_modules")
+    kv_cache = section.string("kv_cache_quant_algo")
+    if kv_cache is None and section.mapping("kv_cache_scheme"):
+        kv_cache = "kv_cache_scheme"
+    return ModeloptConfig(
+        file=section.file,
+        quant_algo=quant_algo,
+        group_size=section.integer("group_size") or _modelopt_group_size(section),
+        exclude_modules=excludes,
+        kv_cache_quant_algo=kv_cache,
+        quantized_layers=layers,
+        producer=(producer.string("name") if producer else None) or "modelopt",
+        producer_version=producer.string("version") if producer else None,
+    )
+
+
+def _modelopt_group_size(section: _Fields) -> int | None:
+    """config.json's ModelOpt section may carry the group size only in its config_groups."""
+    groups = section.mapping("config_groups") or {}
+    sizes = set()
+    for group in groups.values():
+        weights = group.get("weights") if isinstance(group, Mapping) else None
+        size = weights.get("group_size") if isinstance(weights, Mapping) else None
+        if isinstance(size, int) and not isinstance(size, bool):
+            sizes.add(size)
+    return sizes.pop() if len(sizes) == 1 else None

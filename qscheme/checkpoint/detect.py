@@ -1,0 +1,476 @@
+"""Which scheme each checkpoint module uses, from the producer config and the descriptors' rules.
+
+There is no format table here: a compressed-tensors config group is matched against every
+scheme's ``detect.compressed-tensors`` rule (format + the arguments the rule lists), and a
+ModelOpt quant_algo against every ``detect.modelopt`` rule.
+
+Targets. A checkpoint stores tensors, not module classes, so a class-name target ("Linear",
+or any name ending in "Linear") means "every module that stores quantized-linear tensors":
+a tensor named like one any catalog scheme declares (weight_packed, weight_scale, ...) other
+than a plain ``weight``, or a ``weight`` whose dtype is not a float type (fp8, int8, ...).
+Name targets follow compressed-tensors: an exact module name, or ``re:<regex>`` matched with
+``re.match`` from the start of the name; they apply to modules with a 2-D ``weight`` or
+quantized-linear tensors. When several groups target a module the most specific wins (exact
+name, then regex, then class), as in compressed-tensors. ModelOpt's exclude_modules and ignore
+lists are fnmatch wildcards.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from qscheme.checkpoint.config import (
+    CompressedTensorsConfig,
+    ConfigGroup,
+    ModeloptConfig,
+    NoQuantization,
+    ProducerConfig,
+)
+from qscheme.checkpoint.reader import TensorInfo
+from qscheme.descriptor import CompressedTensorsRule, Scheme
+from qscheme.errors import CheckpointError
+
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+# Per-layer tensors that belong to the KV cache, not to the linear (kept as plain tensors when
+# the config declares KV-cache quantization).
+KV_CACHE_TENSORS = frozenset({"k_scale", "v_scale", "q_scale", "prob_scale"})
+BIAS = "bias"
+
+# compressed-tensors QuantizationArgs defaults, applied to what a config leaves out.
+_ARGUMENT_DEFAULTS: dict[str, Any] = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False}
+_IGNORED_ARGUMENTS = frozenset({"observer", "observer_kwargs"})
+
+
+@dataclass(frozen=True)
+class ModuleAssignment:
+    """A quantized module: its scheme, why (config origin), and its tensors by short name."""
+
+    module: str
+    scheme: Scheme
+    origin: str
+    tensors: Mapping[str, TensorInfo]
+
+
+@dataclass(frozen=True)
+class Detection:
+    """Every module's fate: quantized with a scheme, ignored, or plain tensors."""
+
+    producer: ProducerConfig
+    modules: dict[str, ModuleAssignment]
+    ignored: dict[str, str]  # module -> the ignore / exclude entry that matched
+    plain: tuple[str, ...]  # tensor names returned as plain tensors (embeddings, norms, ignored, ...)
+    kv_cache: tuple[str, ...] = ()
+    unused_targets: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def scheme_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for assignment in self.modules.values():
+            counts[assignment.scheme.name] = counts.get(assignment.scheme.name, 0) + 1
+        return dict(sorted(counts.items()))
+
+
+# ---------------------------------------------------------------------------- module grouping
+
+
+def natural_key(name: str) -> tuple[object, ...]:
+    """Sort ``layers.2`` before ``layers.10``."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def split_name(tensor: str) -> tuple[str, str]:
+    """``model.layers.0.q_proj.weight_scale`` -> (``model.layers.0.q_proj``, ``weight_scale``)."""
+    module, _, short = tensor.rpartition(".")
+    return module, short
+
+
+def group_by_module(tensors: Mapping[str, TensorInfo]) -> dict[str, dict[str, TensorInfo]]:
+    modules: dict[str, dict[str, TensorInfo]] = {}
+    for name, info in tensors.items():
+        module, short = split_name(name)
+        modules.setdefault(module, {})[short] = info
+    return modules
+
+
+def quantized_tensor_names(schemes: Iterable[Scheme]) -> frozenset[str]:
+    """Every tensor name a scheme declares for a quantized linear, except the plain ``weight``."""
+    names: set[str] = set()
+    for scheme in schemes:
+        names.update(spec.name for spec in scheme.tensor_specs().values())
+        names.update(scheme.tolerated)
+    names.discard("weight")
+    return frozenset(names)
+
+
+def looks_quantized(tensors: Mapping[str, TensorInfo], quantized_names: frozenset[str]) -> bool:
+    """Does a module store quantized-linear tensors (see the module docstring)?"""
+    if any(short in quantized_names for short in tensors):
+        return True
+    weight = tensors.get("weight")
+    return weight is not None and weight.dtype not in FLOAT_DTYPES
+
+
+def looks_linear(tensors: Mapping[str, TensorInfo], quantized_names: frozenset[str]) -> bool:
+    weight = tensors.get("weight")
+    return looks_quantized(tensors, quantized_names) or (weight is not None and len(weight.shape) == 2)
+
+
+def _is_class_target(target: str) -> bool:
+    return not target.startswith("re:") and "." not in target and target[:1].isupper()
+
+
+def _is_linear_class(target: str) -> bool:
+    return target.endswith("Linear")
+
+
+def _match_rank(module: str, target: str, quantized: bool) -> int | None:
+    """0 exact name, 1 regex, 2 class name; None when the target does not match."""
+    if target.startswith("re:"):
+        return 1 if re.match(target[3:], module) else None
+    if target == module:
+        return 0
+    if _is_class_target(target) and _is_linear_class(target) and quantized:
+        return 2
+    return None
+
+
+# ---------------------------------------------------------------------------- argument matching
+
+
+def normalize_arguments(arguments: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A compressed-tensors argument object in one comparable form (0.19 and 0.20 alike).
+
+    Nulls and observer settings are dropped, defaults filled in, the strategy inferred as the
+    library does, dtype strings lose their ``torch.`` prefix, ``dynamic: "local"`` and
+    ``dynamic: true`` both read "dynamic", block structures become [rows, columns].
+    """
+    if arguments is None:
+        return None
+    out: dict[str, Any] = {}
+    for key, value in arguments.items():
+        if value is None or key in _IGNORED_ARGUMENTS:
+            continue
+        out[key] = value
+    for key, value in _ARGUMENT_DEFAULTS.items():
+        out.setdefault(key, value)
+    if "strategy" not in out:
+        size = out.get("group_size")
+        out["strategy"] = "tensor" if size is None else "channel" if size == -1 else "group"
+    for key in ("strategy", "type"):
+        if isinstance(out.get(key), str):
+            out[key] = out[key].lower()
+    for key in ("scale_dtype", "zp_dtype"):
+        if isinstance(out.get(key), str):
+            out[key] = out[key].removeprefix("torch.")
+    if out.get("dynamic") in (True, "local", "true", "True"):
+        out["dynamic"] = "dynamic"
+    elif out.get("dynamic") in (False, "false", "False"):
+        out["dynamic"] = False
+    block = out.get("block_structure")
+    if isinstance(block, str) and "x" in block:
+        out["block_structure"] = [int(part) for part in block.split("x")]
+    elif isinstance(block, (list, tuple)):
+        out["block_structure"] = [int(part) for part in block]
+    return out
+
+
+def argument_differences(rule: Mapping[str, Any] | None, found: Mapping[str, Any] | None, what: str) -> list[str]:
+    """How a config's argument object differs from a rule's (empty when it matches)."""
+    if rule is None and found is None:
+        return []
+    if rule is None:
+        return [f"{what} present but the scheme has none"]
+    if found is None:
+        return [f"{what} absent but the scheme quantizes them"]
+    expected = normalize_arguments(rule) or {}
+    actual = normalize_arguments(found) or {}
+    return [
+        f"{what}.{key} is {_show(actual.get(key))}, scheme has {_show(expected[key])}"
+        for key in rule
+        if expected.get(key) != actual.get(key)
+    ]
+
+
+def _show(value: Any) -> str:
+    if value == "dynamic":
+        return "dynamic"
+    return json.dumps(value)
+
+
+def rule_differences(
+    rule: CompressedTensorsRule, group: ConfigGroup, fallback_format: str | None
+) -> tuple[int, list[str]]:
+    """(distance, differences) of a config group from a rule: 0 and [] when it matches.
+
+    The distance ranks the nearest schemes: a different format counts most, then each
+    weight argument, then the presence of activation quantization, then each input argument.
+    """
+    differences: list[str] = []
+    distance = 0
+    fmt = group.format or fallback_format
+    if fmt is not None and fmt != "mixed-precision" and fmt not in rule.formats:
+        differences.append(f"format is {fmt!r}, scheme has {' or '.join(repr(f) for f in rule.formats)}")
+        distance += 20
+    weights = argument_differences(rule.weights, group.weights, "weights")
+    inputs = argument_differences(rule.input_activations, group.input_activations, "input_activations")
+    presence = (rule.input_activations is None) != (group.input_activations is None)
+    distance += 4 * len(weights) + (3 if presence else len(inputs))
+    return distance, differences + weights + inputs
+
+
+def describe_arguments(arguments: Mapping[str, Any] | None) -> str:
+    if arguments is None:
+        return "none"
+    normalized = normalize_arguments(arguments) or {}
+    shown = {k: v for k, v in normalized.items() if k not in ("scale_dtype", "zp_dtype")}
+    return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in shown.items()) + "}"
+
+
+def match_config_group(
+    group: ConfigGroup, config: CompressedTensorsConfig, schemes: Iterable[Scheme], module: str
+) -> Scheme:
+    """The one scheme whose compressed-tensors rule matches a config group; CheckpointError otherwise."""
+    if group.output_activations is not None:
+        raise CheckpointError(
+            f"{config.file}: {group.key_path}: output_activations quantization is not supported "
+            f"(module {module}); no scheme describes it"
+        )
+    if group.weights is None:
+        raise CheckpointError(f"{config.file}: {group.key_path}: no weights arguments (module {module})")
+    scored: list[tuple[int, str, list[str]]] = []
+    matches: list[Scheme] = []
+    candidates = {scheme.name: scheme for scheme in schemes}
+    for scheme in candidates.values():
+        rule = scheme.detect.compressed_tensors
+        if rule is None:
+            continue
+        distance, differences = rule_differences(rule, group, config.format)
+        if not differences:
+            matches.append(scheme)
+        scored.append((distance, scheme.name, differences))
+    if len(matches) == 1:
+        return matches[0]
+    if len(matches) > 1:
+        names = ", ".join(sorted(s.name for s in matches))
+        raise CheckpointError(
+            f"{config.file}: {group.key_path} (module {module}) matches several schemes: {names}; "
+            "their detect rules overlap: make one of them more specific"
+        )
+    scored.sort()
+    nearest = "; ".join(f"{name} ({', '.join(diff)})" for _, name, diff in scored[:3])
+    raise CheckpointError(
+        f"{config.file}: module {module} ({group.key_path}, format {group.format or config.format!r}): no scheme "
+        f"matches weights {describe_arguments(group.weights)} with input_activations "
+        f"{describe_arguments(group.input_activations)}. Nearest schemes: {nearest}. "
+        "Add a scheme descriptor for this combination (see docs/schemes.md) or re-export the checkpoint."
+    )
+
+
+def match_modelopt_algo(
+    quant_algo: str, group_size: int | None, schemes: Iterable[Scheme], file: str, where: str
+) -> Scheme:
+    """The scheme whose ModelOpt rule names ``quant_algo`` (case-insensitive)."""
+    import difflib
+
+    known: dict[str, list[Scheme]] = {}
+    for scheme in schemes:
+        rule = scheme.detect.modelopt
+        if rule is None:
+            continue
+        for algo in rule.quant_algos:
+            known.setdefault(algo.upper(), []).append(scheme)
+    candidates = known.get(quant_algo.upper(), [])
+    if not candidates:
+        close = difflib.get_close_matches(quant_algo.upper(), list(known), n=3, cutoff=0.4)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise CheckpointError(
+            f"{file}: {where}quant_algo {quant_algo!r} is not known to any scheme.{hint} Known: "
+            f"{', '.join(sorted(known))}. Add a scheme descriptor with detect.modelopt.quant_algo: {quant_algo}."
+        )
+    fitting = [
+        s
+        for s in candidates
+        if s.detect.modelopt is not None
+        and (s.detect.modelopt.group_size is None or group_size is None or s.detect.modelopt.group_size == group_size)
+    ]
+    if not fitting:
+        sizes = ", ".join(f"{s.name}: group {s.detect.modelopt.group_size}" for s in candidates if s.detect.modelopt)
+        raise CheckpointError(
+            f"{file}: {where}quant_algo {quant_algo!r} with group_size {group_size} matches no scheme ({sizes})"
+        )
+    if len(fitting) > 1:
+        exact = [s for s in fitting if s.detect.modelopt is not None and s.detect.modelopt.group_size == group_size]
+        if len(exact) == 1:
+            return exact[0]
+        raise CheckpointError(
+            f"{file}: {where}quant_algo {quant_algo!r} matches several schemes: "
+            f"{', '.join(s.name for s in fitting)}; make their detect rules distinct"
+        )
+    return fitting[0]
+
+
+# ---------------------------------------------------------------------------- detection
+
+
+def detect(config: ProducerConfig, tensors: Mapping[str, TensorInfo], schemes: Iterable[Scheme]) -> Detection:
+    """Assign every module of a checkpoint its scheme (or none); CheckpointError on conflicts."""
+    schemes = list(schemes)
+    modules = group_by_module(tensors)
+    quantized_names = quantized_tensor_names(schemes)
+    if isinstance(config, NoQuantization):
+        return Detection(producer=config, modules={}, ignored={}, plain=tuple(sorted(tensors)))
+    if isinstance(config, CompressedTensorsConfig):
+        assigned, ignored, unused = _detect_compressed_tensors(config, modules, schemes, quantized_names)
+    else:
+        assigned, ignored = _detect_modelopt(config, modules, schemes, quantized_names)
+        unused = []
+    plain: list[str] = []
+    kv_cache: list[str] = []
+    for module, members in modules.items():
+        for short in members:
+            full = f"{module}.{short}" if module else short
+            if config.has_kv_cache and short in KV_CACHE_TENSORS:
+                kv_cache.append(full)
+            elif module not in assigned:
+                plain.append(full)
+    final = {
+        module: ModuleAssignment(
+            module=module,
+            scheme=scheme,
+            origin=origin,
+            tensors={
+                short: info
+                for short, info in modules[module].items()
+                if not (config.has_kv_cache and short in KV_CACHE_TENSORS)
+            },
+        )
+        for module, (scheme, origin) in sorted(assigned.items(), key=lambda item: natural_key(item[0]))
+    }
+    return Detection(
+        producer=config,
+        modules=final,
+        ignored=dict(sorted(ignored.items(), key=lambda item: natural_key(item[0]))),
+        plain=tuple(sorted(plain, key=natural_key)),
+        kv_cache=tuple(sorted(kv_cache, key=natural_key)),
+        unused_targets=tuple(unused),
+    )
+
+
+def _detect_compressed_tensors(
+    config: CompressedTensorsConfig,
+    modules: Mapping[str, Mapping[str, TensorInfo]],
+    schemes: list[Scheme],
+    quantized_names: frozenset[str],
+) -> tuple[dict[str, tuple[Scheme, str]], dict[str, str], list[str]]:
+    assigned: dict[str, tuple[Scheme, str]] = {}
+    ignored: dict[str, str] = {}
+    group_schemes: dict[str, Scheme] = {}
+    used_targets: set[tuple[str, str]] = set()
+    for module, members in sorted(modules.items()):
+        quantized = looks_quantized(members, quantized_names)
+        if not module or not looks_linear(members, quantized_names):
+            continue
+        ignore_entry = next((t for t in config.ignore if _match_rank(module, t, quantized) is not None), None)
+        if ignore_entry is not None:
+            if quantized:
+                raise CheckpointError(
+                    f"{config.file}: module {module} is in quantization_config.ignore ({ignore_entry!r}) but "
+                    f"stores quantized tensors ({', '.join(sorted(members))}); the config does not describe "
+                    "these weights"
+                )
+            ignored[module] = ignore_entry
+            continue
+        best: list[tuple[int, ConfigGroup, str]] = []
+        for group in config.groups:
+            for target in group.targets:
+                rank = _match_rank(module, target, quantized)
+                if rank is not None:
+                    best.append((rank, group, target))
+        if not best:
+            if quantized:
+                raise CheckpointError(
+                    f"{config.file}: module {module} stores quantized tensors ({', '.join(sorted(members))}) but no "
+                    "config group targets it and it is not in ignore"
+                )
+            continue
+        top = min(rank for rank, _, _ in best)
+        winners = {group.name: (group, target) for rank, group, target in best if rank == top}
+        if len(winners) > 1:
+            raise CheckpointError(
+                f"{config.file}: module {module} is targeted equally by config groups "
+                f"{', '.join(sorted(winners))}; make one target more specific"
+            )
+        group, target = next(iter(winners.values()))
+        used_targets.add((group.name, target))
+        scheme = group_schemes.get(group.name)
+        if scheme is None:
+            scheme = match_config_group(group, config, schemes, module)
+            group_schemes[group.name] = scheme
+        assigned[module] = (scheme, f"{group.key_path} (target {target!r})")
+    unused = [
+        f"{group.key_path} target {target!r}"
+        for group in config.groups
+        for target in group.targets
+        if (group.name, target) not in used_targets
+    ]
+    return assigned, ignored, unused
+
+
+def _detect_modelopt(
+    config: ModeloptConfig,
+    modules: Mapping[str, Mapping[str, TensorInfo]],
+    schemes: list[Scheme],
+    quantized_names: frozenset[str],
+) -> tuple[dict[str, tuple[Scheme, str]], dict[str, str]]:
+    assigned: dict[str, tuple[Scheme, str]] = {}
+    ignored: dict[str, str] = {}
+    layers = config.quantized_layers
+    default_scheme = None
+    if layers is None:
+        default_scheme = match_modelopt_algo(config.quant_algo, config.group_size, schemes, config.file, "")
+    else:
+        for module in layers:
+            if module not in modules:
+                raise CheckpointError(
+                    f"{config.file}: quantized_layers names {module!r}, but the checkpoint has no tensors under it"
+                )
+    layer_schemes: dict[str, Scheme] = {}
+    for module, members in sorted(modules.items()):
+        quantized = looks_quantized(members, quantized_names)
+        if not module:
+            continue
+        excluded = next((p for p in config.exclude_modules if fnmatch.fnmatchcase(module, p)), None)
+        if layers is not None:
+            entry = layers.get(module)
+            if entry is None:
+                if quantized:
+                    raise CheckpointError(
+                        f"{config.file}: module {module} stores quantized tensors ({', '.join(sorted(members))}) "
+                        "but is not listed in quantized_layers"
+                    )
+                continue
+            key = f"{entry.quant_algo}/{entry.group_size}"
+            if key not in layer_schemes:
+                layer_schemes[key] = match_modelopt_algo(
+                    entry.quant_algo, entry.group_size, schemes, config.file, f"quantized_layers.{module}: "
+                )
+            assigned[module] = (layer_schemes[key], f"quantized_layers.{module} ({entry.quant_algo})")
+            continue
+        if excluded is not None:
+            if quantized:
+                raise CheckpointError(
+                    f"{config.file}: module {module} is excluded ({excluded!r}) but stores quantized tensors "
+                    f"({', '.join(sorted(members))}); the config does not describe these weights"
+                )
+            if looks_linear(members, quantized_names):
+                ignored[module] = excluded
+            continue
+        if quantized:
+            assert default_scheme is not None
+            assigned[module] = (default_scheme, f"quant_algo {config.quant_algo}")
+    return assigned, ignored

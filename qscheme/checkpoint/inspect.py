@@ -1,0 +1,211 @@
+"""``inspect_checkpoint``: what a checkpoint holds and what is wrong with it, without loading it.
+
+Unlike ``load_checkpoint`` it never raises on a bad checkpoint: a config or detection error
+becomes the one fatal problem, and every tensor problem (layout and scale values) is listed.
+Only the small scale tensors are read.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qscheme.checkpoint.plan import FuseSpec, Plan, plan_checkpoint
+from qscheme.checkpoint.validate import check_values
+from qscheme.errors import CheckpointError
+
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
+def module_pattern(name: str) -> str:
+    """``model.layers.12.mlp.up_proj`` -> ``model.layers.*.mlp.up_proj`` (for grouping)."""
+    return _INDEX.sub(".*", name)
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    module: str
+    scheme: str
+    n: int
+    k: int
+    origin: str
+
+    def as_json(self) -> dict[str, object]:
+        return {"module": self.module, "scheme": self.scheme, "n": self.n, "k": self.k, "origin": self.origin}
+
+
+@dataclass
+class Inspection:
+    """The data ``qscheme inspect`` prints."""
+
+    path: str
+    producer: str = "?"
+    producer_version: str | None = None
+    producer_note: str | None = None
+    config_file: str | None = None
+    files: tuple[str, ...] = ()
+    total_bytes: int = 0
+    modules: list[ModuleRow] = field(default_factory=list)
+    ignored: dict[str, str] = field(default_factory=dict)
+    plain: tuple[str, ...] = ()
+    kv_cache: tuple[str, ...] = ()
+    tolerated: tuple[str, ...] = ()
+    unused_targets: tuple[str, ...] = ()
+    fused: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def scheme_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for row in self.modules:
+            counts[row.scheme] = counts.get(row.scheme, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def grouped(self) -> list[tuple[str, str, int, int, int]]:
+        """(module pattern, scheme, N, K, count), in first-seen order."""
+        groups: dict[tuple[str, str, int, int], int] = {}
+        for row in self.modules:
+            key = (module_pattern(row.module), row.scheme, row.n, row.k)
+            groups[key] = groups.get(key, 0) + 1
+        return [(*key, count) for key, count in groups.items()]
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "path": self.path,
+            "producer": {
+                "name": self.producer,
+                "version": self.producer_version,
+                "note": self.producer_note,
+                "config": self.config_file,
+            },
+            "files": list(self.files),
+            "total_bytes": self.total_bytes,
+            "schemes": self.scheme_counts(),
+            "modules": [row.as_json() for row in self.modules],
+            "ignored": self.ignored,
+            "plain_tensors": list(self.plain),
+            "kv_cache_tensors": list(self.kv_cache),
+            "tolerated_tensors": list(self.tolerated),
+            "unused_targets": list(self.unused_targets),
+            "fused": [{"module": name, "members": list(members)} for name, members in self.fused],
+            "notes": self.notes,
+            "problems": self.problems,
+            "ok": self.ok,
+        }
+
+
+def _fill(inspection: Inspection, plan: Plan, read_values: bool) -> None:
+    config = plan.config
+    inspection.producer = config.producer
+    inspection.producer_version = config.producer_version
+    inspection.producer_note = config.producer_note
+    inspection.config_file = getattr(config, "file", None)
+    detection = plan.detection
+    inspection.modules = [
+        ModuleRow(
+            module=module,
+            scheme=layout.scheme.name,
+            n=layout.n,
+            k=layout.k,
+            origin=detection.modules[module].origin,
+        )
+        for module, layout in plan.layouts.items()
+    ]
+    inspection.ignored = detection.ignored
+    inspection.plain = detection.plain
+    inspection.kv_cache = detection.kv_cache
+    inspection.tolerated = tuple(f"{m}.{t}" for m, layout in plan.layouts.items() for t in layout.tolerated)
+    inspection.unused_targets = detection.unused_targets
+    inspection.fused = [(group.name, group.members) for group in plan.fuse_groups]
+    inspection.notes = list(plan.notes)
+    inspection.problems = [str(p) for p in plan.problems]
+    if read_values:
+        for layout in plan.layouts.values():
+            if layout.problems:
+                continue
+            try:
+                tensors = plan.files.get_many({short: info.name for short, info in layout.declared.items()})
+            except CheckpointError as exc:
+                inspection.problems.append(str(exc))
+                continue
+            inspection.problems.extend(str(p) for p in check_values(layout, tensors))
+
+
+def inspect_checkpoint(path: str | Path, *, fuse: FuseSpec | None = None, read_values: bool = True) -> Inspection:
+    """Everything ``qscheme inspect`` shows; problems are collected, never raised."""
+    inspection = Inspection(path=str(path))
+    try:
+        plan = plan_checkpoint(path, fuse=fuse)
+    except CheckpointError as exc:
+        inspection.problems.append(str(exc))
+        return inspection
+    inspection.files = tuple(p.name for p in plan.files.files)
+    inspection.total_bytes = plan.files.total_bytes
+    _fill(inspection, plan, read_values)
+    return inspection
+
+
+def _size(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1024 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GB"
+
+
+def _listing(names: tuple[str, ...] | list[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def render_inspection(inspection: Inspection) -> str:
+    """The text ``qscheme inspect`` prints."""
+    from qscheme.kernels.render import text_table
+
+    lines = [f"checkpoint: {inspection.path}"]
+    if inspection.files:
+        lines.append(f"files: {_listing(list(inspection.files), 3)} ({_size(inspection.total_bytes)})")
+    if inspection.config_file is not None or inspection.producer != "?":
+        version = f" {inspection.producer_version}" if inspection.producer_version else ""
+        lines.append(f"producer: {inspection.producer}{version} ({Path(inspection.config_file or '-').name})")
+    if inspection.producer_note:
+        lines.append(f"  {inspection.producer_note}")
+    if inspection.modules:
+        counts = inspection.scheme_counts()
+        lines.append(
+            f"quantized modules: {len(inspection.modules)} ("
+            + ", ".join(f"{name}: {count}" for name, count in counts.items())
+            + ")"
+        )
+        rows = [(pattern, scheme, f"{n}x{k}", str(count)) for pattern, scheme, n, k, count in inspection.grouped()]
+        lines.extend(["", text_table(rows, ("module", "scheme", "N x K", "count"), "  "), ""])
+    elif inspection.config_file is not None:
+        lines.append("quantized modules: 0")
+    if inspection.ignored:
+        entries = [f"{m} ({p!r})" for m, p in inspection.ignored.items()]
+        lines.append(f"ignored modules ({len(entries)}): {_listing(entries)}")
+    if inspection.plain:
+        lines.append(f"plain tensors ({len(inspection.plain)}): {_listing(list(inspection.plain))}")
+    if inspection.kv_cache:
+        lines.append(f"kv-cache tensors ({len(inspection.kv_cache)}): {_listing(list(inspection.kv_cache))}")
+    lines.append(
+        f"tolerated tensors dropped ({len(inspection.tolerated)})"
+        + (f": {_listing(list(inspection.tolerated))}" if inspection.tolerated else "")
+    )
+    for name, members in inspection.fused:
+        lines.append(f"fused: {name} = {' + '.join(members)}")
+    for target in inspection.unused_targets:
+        lines.append(f"note: {target} matches no module")
+    lines.extend(f"note: {note}" for note in inspection.notes)
+    if inspection.problems:
+        lines.append(f"problems ({len(inspection.problems)}):")
+        lines.extend(f"  - {problem}" for problem in inspection.problems)
+    else:
+        lines.append("problems: none")
+    return "\n".join(lines)

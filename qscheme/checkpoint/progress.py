@@ -1,0 +1,56 @@
+"""A one-line progress bar on stderr, shown only on a terminal (and only for large jobs)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+LARGE_CHECKPOINT_BYTES = 256 * 1024 * 1024
+
+
+class Progress:
+    """``with Progress(total, "loading") as bar: bar.advance()``; silent when disabled."""
+
+    def __init__(self, total: int, label: str, enabled: bool | None = None, stream: TextIO | None = None) -> None:
+        self.total = max(total, 1)
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.done = 0
+        self._last = 0.0
+
+    def __enter__(self) -> Progress:
+        self._draw(force=True)
+        return self
+
+    def advance(self, count: int = 1, item: str = "") -> None:
+        self.done += count
+        self._draw(item=item)
+
+    def _draw(self, item: str = "", force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < 0.1 and self.done < self.total:
+            return
+        self._last = now
+        width = 30
+        filled = int(width * self.done / self.total)
+        shown = item if len(item) <= 40 else "..." + item[-37:]
+        self.stream.write(
+            f"\r{self.label} [{'#' * filled}{' ' * (width - filled)}] {self.done}/{self.total} {shown:<40}"
+        )
+        self.stream.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self.stream.write("\r" + " " * 100 + "\r")
+            self.stream.flush()
+
+
+def auto_enabled(total_bytes: int, requested: bool | None) -> bool:
+    """Show progress when asked, or by default for large checkpoints on a terminal."""
+    if requested is not None:
+        return requested
+    return total_bytes >= LARGE_CHECKPOINT_BYTES and sys.stderr.isatty()

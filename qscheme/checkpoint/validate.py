@@ -1,0 +1,290 @@
+"""Check one module's tensors against its scheme's declaration, before anything is built.
+
+Two pure steps: ``check_layout`` (names, dtypes, shapes, from the headers alone) and
+``check_values`` (global and static scales > 0 and finite, block scales finite, once the
+small scale tensors are read). Each returns every problem it finds, each naming the file,
+the tensor, what was expected and what was found; the loader raises them together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from qscheme.checkpoint.detect import BIAS, ModuleAssignment
+from qscheme.checkpoint.reader import TensorInfo
+from qscheme.descriptor import Scheme, TensorSpec
+
+
+@dataclass(frozen=True)
+class TensorProblem:
+    """One thing wrong with one tensor (or a missing one) of a module."""
+
+    file: str
+    tensor: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: tensor {self.tensor!r}: {self.message}"
+
+
+@dataclass(frozen=True)
+class ModuleLayout:
+    """What the headers say about one quantized module, and what is wrong with it."""
+
+    module: str
+    scheme: Scheme
+    n: int
+    k: int
+    declared: dict[str, TensorInfo]  # checkpoint short name -> header, declared by the scheme
+    tolerated: tuple[str, ...]  # short names dropped because the scheme tolerates them
+    bias: TensorInfo | None
+    problems: list[TensorProblem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _full(module: str, short: str) -> str:
+    return f"{module}.{short}"
+
+
+def infer_layer_shape(scheme: Scheme, weight: TensorInfo, weight_shape: tuple[int, int] | None) -> tuple[int, int]:
+    """N, K from the stored weight's header (and the weight_shape tensor where declared)."""
+    if weight_shape is not None:
+        return weight_shape
+    rows, columns = weight.shape[0], weight.shape[-1]
+    packing = scheme.weight.packing
+    if packing == "nibbles_k":
+        return rows, columns * 2
+    if packing == "int4_n":
+        return rows * 2, columns
+    if packing == "int32_k":
+        return rows, columns * 8
+    return rows, columns
+
+
+def _shape_list(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def check_layout(assignment: ModuleAssignment, weight_shape: tuple[int, int] | None = None) -> ModuleLayout:
+    """Names, dtypes and shapes of one module's tensors against its scheme (headers only)."""
+    scheme, module, tensors = assignment.scheme, assignment.module, assignment.tensors
+    specs = scheme.tensor_specs()
+    problems: list[TensorProblem] = []
+    any_file = str(next(iter(tensors.values())).file) if tensors else "?"
+    weight_spec = scheme.weight.tensor
+    weight = tensors.get(weight_spec.name)
+    n = k = 0
+    if weight is None:
+        problems.append(
+            TensorProblem(
+                any_file,
+                _full(module, weight_spec.name),
+                f"missing: scheme {scheme.name} stores the weight as {weight_spec.name!r}; "
+                f"found only {', '.join(sorted(tensors)) or 'nothing'}",
+            )
+        )
+    elif len(weight.shape) != 2:
+        problems.append(
+            TensorProblem(
+                str(weight.file),
+                weight.name,
+                f"expected a 2-D weight {weight_spec.describe_shapes()}, found shape {_shape_list(weight.shape)}",
+            )
+        )
+    else:
+        n, k = infer_layer_shape(scheme, weight, weight_shape)
+    origin = f"N={n}, K={k}"
+    if weight is not None and weight_shape is None:
+        origin += f" from {weight_spec.name} {_shape_list(weight.shape)}"
+    elif weight_shape is not None:
+        origin += " from weight_shape"
+
+    declared: dict[str, TensorInfo] = {}
+    for role, spec in specs.items():
+        info = tensors.get(spec.name)
+        if info is None:
+            if not spec.optional and role != "weight":
+                problems.append(
+                    TensorProblem(
+                        any_file,
+                        _full(module, spec.name),
+                        f"missing: scheme {scheme.name} declares {spec.name} ({role}) as "
+                        f"{'/'.join(spec.dtypes)} {spec.describe_shapes()}",
+                    )
+                )
+            continue
+        declared[spec.name] = info
+        problems.extend(_check_tensor(spec, info, n, k, origin, weight is not None and len(weight.shape) == 2))
+
+    tolerated = tuple(sorted(short for short in tensors if short in scheme.tolerated and short not in declared))
+    bias = tensors.get(BIAS)
+    if bias is not None and bias.shape != (n,) and n:
+        problems.append(
+            TensorProblem(
+                str(bias.file), bias.name, f"expected bias shape [{n}] ({origin}), found {_shape_list(bias.shape)}"
+            )
+        )
+    known = set(declared) | set(tolerated) | {BIAS}
+    for short in sorted(set(tensors) - known):
+        info = tensors[short]
+        allowed = sorted({spec.name for spec in specs.values()} | set(scheme.tolerated) | {BIAS})
+        problems.append(
+            TensorProblem(
+                str(info.file),
+                info.name,
+                f"unexpected for scheme {scheme.name} ({assignment.origin}); the scheme declares {', '.join(allowed)}",
+            )
+        )
+    return ModuleLayout(
+        module=module,
+        scheme=scheme,
+        n=n,
+        k=k,
+        declared=declared,
+        tolerated=tolerated,
+        bias=bias,
+        problems=problems,
+    )
+
+
+def _check_tensor(
+    spec: TensorSpec, info: TensorInfo, n: int, k: int, origin: str, shape_known: bool
+) -> list[TensorProblem]:
+    problems = []
+    if info.dtype not in spec.dtypes:
+        problems.append(
+            TensorProblem(str(info.file), info.name, f"expected dtype {' or '.join(spec.dtypes)}, found {info.dtype}")
+        )
+    if shape_known:
+        expected = spec.expected_shapes(n, k)
+        if not expected:
+            problems.append(
+                TensorProblem(
+                    str(info.file),
+                    info.name,
+                    f"shape {spec.describe_shapes()} does not divide for {origin}; found {_shape_list(info.shape)}",
+                )
+            )
+        elif info.shape not in expected:
+            shown = " or ".join(_shape_list(s) for s in expected)
+            problems.append(
+                TensorProblem(
+                    str(info.file),
+                    info.name,
+                    f"expected shape {spec.describe_shapes()} = {shown} for {origin}, found {_shape_list(info.shape)}",
+                )
+            )
+    return problems
+
+
+# ---------------------------------------------------------------------------- values
+
+
+def _nonfinite_mask(value: Tensor) -> Tensor:
+    """True where a stored scale is NaN or infinite (fp8 and e8m0 bytes included)."""
+    if value.dtype == torch.float8_e4m3fn:  # NaN is 0x7F / 0xFF; there is no inf
+        raw = value.view(torch.uint8)
+        return (raw == 0x7F) | (raw == 0xFF)
+    if value.dtype == torch.float8_e5m2:
+        return (value.view(torch.uint8) & 0x7C) == 0x7C
+    if value.dtype == torch.uint8:  # e8m0: 0xFF is NaN
+        return value == 0xFF
+    if value.is_floating_point():
+        return ~torch.isfinite(value)
+    return torch.zeros_like(value, dtype=torch.bool)
+
+
+def _any_nonfinite(value: Tensor) -> bool:
+    """Fast ``_nonfinite_mask(value).any()``: one vectorised min/max pass over the bytes.
+
+    e4m3 NaN is 0x7F (127 as int8, the largest byte) or 0xFF (-1 as int8, only possible when
+    some byte has its sign bit set); e8m0 NaN is 0xFF, the largest byte.
+    """
+    if value.numel() == 0:
+        return False
+    if value.dtype == torch.float8_e4m3fn:
+        low, high = torch.aminmax(value.reshape(-1).view(torch.int8))
+        if int(high) == 0x7F:
+            return True
+        return int(low) < 0 and bool((value.reshape(-1).view(torch.int8) == -1).any())
+    if value.dtype == torch.uint8:
+        return int(value.max()) == 0xFF
+    return bool(_nonfinite_mask(value).any())
+
+
+def _first(value: Tensor, mask: Tensor) -> str:
+    index = int(mask.reshape(-1).nonzero()[0, 0])
+    element = value.reshape(-1)[index]
+    shown = element.to(torch.float32).item() if element.dtype != torch.uint8 else f"byte 0x{int(element):02X}"
+    position = list(torch.unravel_index(torch.tensor(index), value.shape)) if value.dim() else []
+    where = f" at {[int(p) for p in position]}" if position else ""
+    return f"{shown}{where}"
+
+
+def _value_roles(scheme: Scheme) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(positive scales: global and static activation scales; finite-only scales)."""
+    positive: list[TensorSpec] = []
+    finite: list[TensorSpec] = [scheme.weight.scale.tensor]
+    if scheme.weight.global_scale is not None:
+        positive.append(scheme.weight.global_scale.tensor)
+    activation = scheme.activation
+    if activation is not None:
+        if activation.global_scale is not None:
+            positive.append(activation.global_scale.tensor)
+        if activation.scale is not None:
+            positive.append(activation.scale.tensor)
+    if scheme.input_pre_scale is not None:
+        finite.append(scheme.input_pre_scale)
+    return positive, finite
+
+
+def value_tensor_names(scheme: Scheme) -> list[str]:
+    """The tensors whose values ``check_values`` reads."""
+    positive, finite = _value_roles(scheme)
+    return [spec.name for spec in positive + finite]
+
+
+def check_values(layout: ModuleLayout, tensors: Mapping[str, Tensor]) -> list[TensorProblem]:
+    """Global / static scales finite and > 0; every scale finite (no NaN, no inf)."""
+    problems: list[TensorProblem] = []
+    positive, finite = _value_roles(layout.scheme)
+    for spec in positive:
+        value = tensors.get(spec.name)
+        info = layout.declared.get(spec.name)
+        if value is None or info is None:
+            continue
+        as_float = value.to(torch.float32)
+        bad = ~torch.isfinite(as_float) | (as_float <= 0)
+        if bool(bad.any()):
+            problems.append(
+                TensorProblem(
+                    str(info.file),
+                    info.name,
+                    f"expected a finite scale > 0, found {_first(as_float, bad)}; a zero, negative or "
+                    "non-finite global or static scale cannot be dequantized: re-export the layer",
+                )
+            )
+    for spec in finite:
+        value = tensors.get(spec.name)
+        info = layout.declared.get(spec.name)
+        if value is None or info is None:
+            continue
+        if _any_nonfinite(value):
+            bad = _nonfinite_mask(value)
+            count = int(bad.sum())
+            problems.append(
+                TensorProblem(
+                    str(info.file),
+                    info.name,
+                    f"expected finite scales, found {count} NaN/inf value{'s' if count > 1 else ''} "
+                    f"(first: {_first(value, bad)})",
+                )
+            )
+    return problems

@@ -1,0 +1,159 @@
+"""Write a tiny NVFP4 checkpoint in compressed-tensors format, with qscheme's own quantizer.
+
+    python -m qscheme.examples.make_checkpoint OUT [--layers 2] [--scheme compressed-tensors/NVFP4]
+
+The model is a small Llama-shaped stack of random weights (seeded, so every run writes the
+same bytes): embeddings, ``--layers`` decoder layers (q/k/v/o and gate/up/down projections,
+RMSNorm weights), a final norm and an unquantized lm_head. Every projection is quantized with
+``qscheme.quantize.weight.quantize_weight``; k_proj weights are 3x larger, so q/k/v carry
+different global scales, as checkpoints from some producers do. config.json says who wrote
+it: the quantization_config is in compressed-tensors form, with ``producer`` naming this
+generator, not the compressed-tensors library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from qscheme import __version__
+from qscheme.catalog import load_scheme
+from qscheme.errors import UsageError
+
+HIDDEN = 256
+INTERMEDIATE = 512
+HEADS = 4
+KV_HEADS = 2
+VOCAB = 512
+SEED = 2024
+INPUT_ABSMAX = 4.0  # nominal calibrated input range, for the static input global scales
+PROJECTIONS = {
+    "self_attn.q_proj": (HIDDEN, HIDDEN),
+    "self_attn.k_proj": (HIDDEN * KV_HEADS // HEADS, HIDDEN),
+    "self_attn.v_proj": (HIDDEN * KV_HEADS // HEADS, HIDDEN),
+    "self_attn.o_proj": (HIDDEN, HIDDEN),
+    "mlp.gate_proj": (INTERMEDIATE, HIDDEN),
+    "mlp.up_proj": (INTERMEDIATE, HIDDEN),
+    "mlp.down_proj": (HIDDEN, INTERMEDIATE),
+}
+WEIGHT_MULTIPLIERS = {"self_attn.k_proj": 3.0}
+
+
+def _llama_config(layers: int) -> dict[str, object]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HIDDEN // HEADS,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+    }
+
+
+def _quantization_config(scheme_name: str) -> dict[str, object]:
+    """The scheme's own compressed-tensors detection rule, written as a config group."""
+    scheme = load_scheme(scheme_name)
+    rule = scheme.detect.compressed_tensors
+    if rule is None:
+        raise UsageError(
+            f"scheme {scheme.name} has no compressed-tensors detection rule; pick a compressed-tensors scheme"
+        )
+    return {
+        "quant_method": "compressed-tensors",
+        "format": rule.formats[0],
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "format": rule.formats[0],
+                "weights": dict(rule.weights),
+                "input_activations": None if rule.input_activations is None else dict(rule.input_activations),
+                "output_activations": None,
+            }
+        },
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "producer": {
+            "name": "qscheme.examples.make_checkpoint",
+            "version": __version__,
+            "note": "written by qscheme's example generator in compressed-tensors format (random weights)",
+        },
+    }
+
+
+def _static_inputs(scheme_name: str) -> dict[str, torch.Tensor]:
+    """Static activation scales for the nominal input range, in the scheme's stored convention."""
+    scheme = load_scheme(scheme_name)
+    activation = scheme.activation
+    given: dict[str, torch.Tensor] = {}
+    if activation is None:
+        return given
+    if activation.global_scale is not None:
+        multiplier = INPUT_ABSMAX / (6.0 * 448.0)
+        stored = multiplier if activation.global_scale.stored == "multiplier" else 1.0 / multiplier
+        given[activation.global_scale.tensor.name] = torch.tensor([stored], dtype=torch.float32)
+    if activation.scale is not None:
+        multiplier = INPUT_ABSMAX / 448.0
+        stored = multiplier if activation.scale.stored == "multiplier" else 1.0 / multiplier
+        given[activation.scale.tensor.name] = torch.tensor([stored], dtype=torch.float32)
+    return given
+
+
+def make_checkpoint(out: str | Path, layers: int = 2, scheme: str = "compressed-tensors/NVFP4") -> Path:
+    """Write config.json and model.safetensors into ``out`` (created); returns the folder."""
+    from qscheme.quantize.weight import quantize_weight
+
+    folder = Path(out)
+    generator = torch.Generator().manual_seed(SEED)
+    tensors: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": (torch.randn(VOCAB, HIDDEN, generator=generator) * 0.02).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+        "lm_head.weight": (torch.randn(VOCAB, HIDDEN, generator=generator) * 0.02).to(torch.bfloat16),
+    }
+    given = _static_inputs(scheme)
+    for index in range(layers):
+        prefix = f"model.layers.{index}"
+        tensors[f"{prefix}.input_layernorm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+        tensors[f"{prefix}.post_attention_layernorm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+        for name, (n, k) in PROJECTIONS.items():
+            weight = torch.randn(n, k, generator=generator) * (0.02 * WEIGHT_MULTIPLIERS.get(name, 1.0))
+            for short, value in quantize_weight(weight.to(torch.bfloat16), scheme, **given).items():
+                tensors[f"{prefix}.{name}.{short}"] = value.clone().contiguous()
+    config = _llama_config(layers)
+    config["quantization_config"] = _quantization_config(scheme)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m qscheme.examples.make_checkpoint", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("out", help="folder to write (created if missing)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    parser.add_argument(
+        "--scheme", default="compressed-tensors/NVFP4", help="a compressed-tensors scheme (default NVFP4)"
+    )
+    args = parser.parse_args(argv)
+    folder = make_checkpoint(args.out, layers=args.layers, scheme=args.scheme)
+    size = sum(p.stat().st_size for p in folder.iterdir())
+    print(f"wrote {folder} ({size / 1024:.0f} KB): {args.layers} layers of {args.scheme}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""`qscheme inspect`, `qscheme resolve CHECKPOINT`, `qscheme run`, and the README's example."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_cache import (
+    copy_checkpoint,
+    ct_checkpoint,
+    modelopt_fixture,
+    single_threaded_torch,  # noqa: F401  (autouse)
+)
+from safetensors.torch import load_file, save_file
+
+from qscheme.cli.main import main
+from qscheme.examples.make_checkpoint import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("example") / "tiny-nvfp4", layers=1)
+
+
+def test_inspect_text(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(modelopt_fixture("nvfp4_exclude"))]) == 0
+    out = capsys.readouterr().out
+    assert "producer: modelopt 0.47.0 (hf_quant_config.json)" in out
+    assert "quantized modules: 6 (modelopt/NVFP4: 6)" in out
+    assert "model.layers.*.self_attn.q_proj  modelopt/NVFP4  128x128  1" in out
+    assert "ignored modules (10): lm_head ('lm_head')" in out
+    assert "problems: none" in out
+
+
+def test_inspect_json_lists_every_module(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(ct_checkpoint("W4A16")), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["producer"]["name"] == "compressed-tensors" and data["ok"] is True
+    assert data["schemes"] == {"compressed-tensors/W4A16": 7}
+    row = next(m for m in data["modules"] if m["module"] == "model.layers.0.mlp.down_proj")
+    assert (row["n"], row["k"], row["scheme"]) == (128, 256, "compressed-tensors/W4A16")
+
+
+def test_inspect_lists_problems_and_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = copy_checkpoint(ct_checkpoint("NVFP4"), tmp_path / "broken")
+    tensors = {k: v.clone() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    tensors["model.layers.0.mlp.up_proj.weight_global_scale"] = torch.tensor([0.0])
+    del tensors["model.layers.0.self_attn.o_proj.weight_scale"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    assert main(["inspect", str(folder)]) == 1
+    out = capsys.readouterr().out
+    assert "problems (2):" in out
+    assert "tensor 'model.layers.0.self_attn.o_proj.weight_scale': missing" in out
+    assert "tensor 'model.layers.0.mlp.up_proj.weight_global_scale': expected a finite scale > 0, found 0.0" in out
+
+
+def test_inspect_of_an_unreadable_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = copy_checkpoint(ct_checkpoint("NVFP4"), tmp_path / "broken")
+    (folder / "config.json").write_text("{")
+    assert main(["inspect", str(folder)]) == 1
+    assert "config.json:1:2: invalid JSON" in capsys.readouterr().out
+
+
+def test_resolve_checkpoint_groups_identical_decisions(example: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["resolve", str(example), "--device", "sm100"]) == 0
+    out = capsys.readouterr().out
+    assert "device: cuda (simulated sm100" in out
+    assert "model.layers.*.self_attn.q_proj  compressed-tensors/NVFP4  256x256  1" in out
+    assert "7 of 7 layers have a kernel" in out and "NONE" not in out
+
+
+def test_resolve_checkpoint_without_kernel_explains(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qscheme.kernels.registry import declarations
+
+    monkeypatch.setenv("QSCHEME_DISABLED_KERNELS", ",".join(d.name for d in declarations()))
+    assert main(["resolve", str(modelopt_fixture("w4a8_nvfp4_fp8")), "--device", "sm90"]) == 1
+    out = capsys.readouterr().out
+    assert "0 of 7 layers have a kernel" in out
+    assert out.count("no kernel can run layer") == 1  # one explanation for the whole scheme
+    assert "(the same kernels reject the other 6 layer(s) of this scheme at the same stages)" in out
+
+
+def test_resolve_checkpoint_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["resolve", str(ct_checkpoint("W4A16")), "--device", "sm90", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["layers"]) == 7 and None not in {layer["kernel"] for layer in data["layers"]}
+    assert data["groups"][0]["problem"]["n"] == 128 and data["groups"][0]["count"] == 1
+
+
+def test_run_example_with_reference_kernel(example: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(example), "--kernel", "reference"]) == 0
+    out = capsys.readouterr().out
+    assert "7 of 7 layers within tolerance 0.02 (bfloat16 inputs, 8 rows, device cpu)" in out
+    assert "model.layers.0.self_attn.q_proj  compressed-tensors/NVFP4  reference  256x256" in out
+
+
+def test_run_json_and_failure_beyond_tolerance(capsys: pytest.CaptureFixture[str]) -> None:
+    folder = str(ct_checkpoint("FP8_DYNAMIC"))
+    assert main(["run", folder, "--kernel", "reference", "--dtype", "fp32", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["failed"] == 0 and all(layer["max_relative_error"] == 0.0 for layer in data["layers"])
+    # bf16 outputs are rounded: a zero tolerance fails every layer
+    assert main(["run", folder, "--kernel", "reference", "--tolerance", "0"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_run_refuses_a_simulated_device(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(ct_checkpoint("FP8")), "--device", "sm90"]) == 2
+    assert "needs a real device" in capsys.readouterr().err
+
+
+def test_example_generator_writes_a_deterministic_compressed_tensors_checkpoint(example: Path, tmp_path: Path) -> None:
+    again = make_checkpoint(tmp_path / "again", layers=1)
+    assert (again / "model.safetensors").read_bytes() == (example / "model.safetensors").read_bytes()
+    config = json.loads((example / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors"
+    assert config["producer"]["name"] == "qscheme.examples.make_checkpoint"

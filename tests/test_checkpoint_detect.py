@@ -1,0 +1,255 @@
+"""qscheme.checkpoint.detect: module -> scheme from the descriptors' rules (no format table)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from checkpoint_cache import (
+    ct_checkpoint,
+    modelopt_fixture,
+    single_threaded_torch,  # noqa: F401  (autouse)
+)
+from checkpoint_factory import CT_PRESETS
+
+from qscheme.catalog import load_catalog
+from qscheme.checkpoint.config import (
+    CompressedTensorsConfig,
+    ConfigGroup,
+    MixedPrecisionLayer,
+    ModeloptConfig,
+    read_producer_config,
+)
+from qscheme.checkpoint.detect import detect, normalize_arguments
+from qscheme.checkpoint.reader import CheckpointFiles, TensorInfo
+from qscheme.errors import CheckpointError
+
+SCHEMES = list(load_catalog())
+NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}
+FP8_INPUTS = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def _nvfp4_module(prefix: str, n: int = 64, k: int = 128, inputs: bool = False) -> dict[str, TensorInfo]:
+    file = Path("model.safetensors")
+    tensors = {
+        f"{prefix}.weight_packed": TensorInfo(f"{prefix}.weight_packed", "uint8", (n, k // 2), file),
+        f"{prefix}.weight_scale": TensorInfo(f"{prefix}.weight_scale", "float8_e4m3fn", (n, k // 16), file),
+        f"{prefix}.weight_global_scale": TensorInfo(f"{prefix}.weight_global_scale", "float32", (1,), file),
+    }
+    if inputs:
+        tensors[f"{prefix}.input_global_scale"] = TensorInfo(f"{prefix}.input_global_scale", "float32", (1,), file)
+    return tensors
+
+
+def _plain(name: str, shape: tuple[int, ...]) -> dict[str, TensorInfo]:
+    return {name: TensorInfo(name, "float32", shape, Path("model.safetensors"))}
+
+
+def _ct(groups: list[ConfigGroup], ignore: tuple[str, ...] = ()) -> CompressedTensorsConfig:
+    return CompressedTensorsConfig(
+        file="config.json",
+        groups=tuple(groups),
+        ignore=ignore,
+        format="nvfp4-pack-quantized",
+        version="0.20.1",
+        quantization_status="compressed",
+        kv_cache_scheme=None,
+    )
+
+
+@pytest.mark.parametrize("preset", CT_PRESETS)
+def test_every_builtin_compressed_tensors_preset_is_detected(preset: str) -> None:
+    folder = ct_checkpoint(preset)
+    detection = detect(read_producer_config(folder), CheckpointFiles(folder).tensors, SCHEMES)
+    assert detection.scheme_counts() == {f"compressed-tensors/{preset}": 7}
+    assert detection.ignored == {"lm_head": "lm_head"}
+    assert "model.embed_tokens.weight" in detection.plain
+    assert (
+        detection.modules["model.layers.0.self_attn.q_proj"].origin
+        == "quantization_config.config_groups.group_0 (target 'Linear')"
+    )
+
+
+@pytest.mark.parametrize(
+    ("fixture", "scheme"),
+    [
+        ("nvfp4", "modelopt/NVFP4"),
+        ("w4a16_nvfp4", "modelopt/W4A16_NVFP4"),
+        ("fp8", "modelopt/FP8"),
+        ("w4a16_awq", "modelopt/W4A16_AWQ"),
+        ("w4a8_nvfp4_fp8", "modelopt/W4A8_NVFP4_FP8"),
+        ("fp8_pb_wo", "modelopt/fp8_pb_wo"),
+        ("mxfp4", "modelopt/mxfp4"),
+    ],
+)
+def test_modelopt_fixtures_are_detected(fixture: str, scheme: str) -> None:
+    folder = modelopt_fixture(fixture)
+    detection = detect(read_producer_config(folder), CheckpointFiles(folder).tensors, SCHEMES)
+    assert detection.scheme_counts() == {scheme: 7}
+    assert set(detection.ignored) == {"lm_head", "model.embed_tokens"}
+
+
+def test_modelopt_exclude_modules_are_fnmatch_wildcards() -> None:
+    folder = modelopt_fixture("nvfp4_exclude")
+    detection = detect(read_producer_config(folder), CheckpointFiles(folder).tensors, SCHEMES)
+    assert detection.scheme_counts() == {"modelopt/NVFP4": 6}
+    assert detection.ignored["model.layers.0.mlp.down_proj"] == "model.layers.0.mlp.down_proj"
+    assert detection.ignored["model.layers.1.self_attn.q_proj"] == "model.layers.1*"
+    assert "model.layers.1.mlp.up_proj.weight" in detection.plain
+
+
+def test_nvfp4_weights_with_fp8_inputs_match_no_scheme_and_list_the_nearest() -> None:
+    group = ConfigGroup("group_0", ("Linear",), NVFP4_WEIGHTS, FP8_INPUTS, None, "nvfp4-pack-quantized")
+    tensors = _nvfp4_module("model.layers.0.self_attn.q_proj", inputs=True)
+    with pytest.raises(CheckpointError) as caught:
+        detect(_ct([group]), tensors, SCHEMES)
+    message = str(caught.value)
+    assert "module model.layers.0.self_attn.q_proj (quantization_config.config_groups.group_0" in message
+    assert 'no scheme matches weights {num_bits: 4, type: "float", strategy: "tensor_group", group_size: 16' in message
+    assert 'input_activations {num_bits: 8, type: "float", strategy: "tensor", dynamic: false' in message
+    nearest = message.split("Nearest schemes: ")[1]
+    assert nearest.startswith("compressed-tensors/NVFP4A16 (input_activations present but the scheme has none); ")
+    assert "compressed-tensors/NVFP4 (input_activations.num_bits is 8, scheme has 4, " in nearest
+
+
+def test_argument_forms_019_and_020_normalise_alike() -> None:
+    v019 = {**NVFP4_WEIGHTS, "actorder": None, "block_structure": None, "zp_dtype": None, "observer_kwargs": {}}
+    v020 = {**NVFP4_WEIGHTS, "scale_dtype": "torch.float8_e4m3fn", "observer": "memoryless_minmax"}
+    normalized_019, normalized_020 = normalize_arguments(v019), normalize_arguments(v020)
+    assert normalized_019 is not None and normalized_020 is not None
+    normalized_020.pop("scale_dtype")
+    assert normalized_019 == normalized_020
+    assert normalize_arguments({"dynamic": "local"}) == normalize_arguments({"dynamic": True})
+    assert normalize_arguments({"group_size": 128})["strategy"] == "group"  # type: ignore[index]
+    assert normalize_arguments({"block_structure": "128x128"})["block_structure"] == [128, 128]  # type: ignore[index]
+
+
+def test_regex_targets_win_over_class_targets_and_ignore_applies() -> None:
+    fp8 = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
+    dynamic = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    groups = [
+        ConfigGroup("group_0", ("Linear",), NVFP4_WEIGHTS, None, None, "nvfp4-pack-quantized"),
+        ConfigGroup("group_1", ("re:.*mlp.down_proj$",), fp8, dynamic, None, "float-quantized"),
+    ]
+    file = Path("model.safetensors")
+    down = "model.layers.0.mlp.down_proj"
+    tensors = {
+        **_nvfp4_module("model.layers.0.self_attn.q_proj"),
+        f"{down}.weight": TensorInfo(f"{down}.weight", "float8_e4m3fn", (64, 128), file),
+        f"{down}.weight_scale": TensorInfo(f"{down}.weight_scale", "float32", (64, 1), file),
+        **_plain("lm_head.weight", (256, 64)),
+        **_plain("model.norm.weight", (64,)),
+    }
+    detection = detect(_ct(groups, ignore=("re:^lm_head$",)), tensors, SCHEMES)
+    assert detection.modules[down].scheme.name == "compressed-tensors/FP8_DYNAMIC"
+    assert detection.modules[down].origin.endswith("(target 're:.*mlp.down_proj$')")
+    assert detection.modules["model.layers.0.self_attn.q_proj"].scheme.name == "compressed-tensors/NVFP4A16"
+    assert detection.ignored == {"lm_head": "re:^lm_head$"}
+    assert detection.plain == ("lm_head.weight", "model.norm.weight")
+
+
+def test_quantized_tensors_under_an_ignored_module_are_an_error() -> None:
+    group = ConfigGroup("group_0", ("Linear",), NVFP4_WEIGHTS, None, None, "nvfp4-pack-quantized")
+    with pytest.raises(
+        CheckpointError, match=r"module lm_head is in quantization_config.ignore \('lm_head'\) but stores"
+    ):
+        detect(_ct([group], ignore=("lm_head",)), _nvfp4_module("lm_head"), SCHEMES)
+
+
+def test_quantized_module_no_group_targets_is_an_error() -> None:
+    group = ConfigGroup("group_0", ("re:.*q_proj$",), NVFP4_WEIGHTS, None, None, "nvfp4-pack-quantized")
+    tensors = {**_nvfp4_module("model.q_proj"), **_nvfp4_module("model.k_proj")}
+    with pytest.raises(
+        CheckpointError, match=r"module model\.k_proj stores quantized tensors .* but no config group targets it"
+    ):
+        detect(_ct([group]), tensors, SCHEMES)
+
+
+def test_equally_specific_groups_are_ambiguous() -> None:
+    groups = [
+        ConfigGroup("group_0", ("Linear",), NVFP4_WEIGHTS, None, None, "nvfp4-pack-quantized"),
+        ConfigGroup("group_1", ("Linear",), NVFP4_WEIGHTS, None, None, "nvfp4-pack-quantized"),
+    ]
+    with pytest.raises(CheckpointError, match="targeted equally by config groups group_0, group_1"):
+        detect(_ct(groups), _nvfp4_module("model.q_proj"), SCHEMES)
+
+
+def _modelopt(**kwargs: object) -> ModeloptConfig:
+    base: dict[str, object] = {
+        "file": "hf_quant_config.json",
+        "quant_algo": "NVFP4",
+        "group_size": 16,
+        "exclude_modules": (),
+        "kv_cache_quant_algo": None,
+    }
+    return ModeloptConfig(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
+def test_unknown_quant_algo_names_the_known_ones() -> None:
+    with pytest.raises(CheckpointError) as caught:
+        detect(_modelopt(quant_algo="NVFP5"), _nvfp4_module("model.q_proj"), SCHEMES)
+    message = str(caught.value)
+    assert "quant_algo 'NVFP5' is not known to any scheme. Did you mean NVFP4" in message
+    assert "W4A16_AWQ" in message
+
+
+def test_lower_case_quant_algo_matches() -> None:
+    file = Path("model.safetensors")
+    tensors = {
+        "m.weight": TensorInfo("m.weight", "float8_e4m3fn", (128, 128), file),
+        "m.weight_scale": TensorInfo("m.weight_scale", "float32", (1, 1, 1, 1), file),
+    }
+    detection = detect(_modelopt(quant_algo="FP8_PB_WO", group_size=None), tensors, SCHEMES)
+    assert detection.modules["m"].scheme.name == "modelopt/fp8_pb_wo"
+
+
+def test_modelopt_mixed_precision_assigns_per_layer() -> None:
+    file = Path("model.safetensors")
+    tensors = {
+        **_nvfp4_module("model.q_proj"),
+        "model.down.weight": TensorInfo("model.down.weight", "float8_e4m3fn", (64, 128), file),
+        "model.down.weight_scale": TensorInfo("model.down.weight_scale", "float32", (), file),
+        "model.down.input_scale": TensorInfo("model.down.input_scale", "float32", (), file),
+    }
+    layers = {"model.q_proj": MixedPrecisionLayer("NVFP4", 16), "model.down": MixedPrecisionLayer("FP8", None)}
+    detection = detect(_modelopt(quant_algo="MIXED_PRECISION", quantized_layers=layers), tensors, SCHEMES)
+    assert detection.modules["model.down"].scheme.name == "modelopt/FP8"
+    assert detection.modules["model.q_proj"].scheme.name == "modelopt/NVFP4"
+    assert detection.modules["model.q_proj"].origin == "quantized_layers.model.q_proj (NVFP4)"
+
+
+def test_modelopt_excluded_module_with_quantized_tensors_is_an_error() -> None:
+    with pytest.raises(CheckpointError, match=r"module model.q_proj is excluded \('model.\*'\) but stores quantized"):
+        detect(_modelopt(exclude_modules=("model.*",)), _nvfp4_module("model.q_proj"), SCHEMES)
+
+
+def test_kv_cache_scales_are_plain_when_the_config_declares_kv_cache() -> None:
+    file = Path("model.safetensors")
+    tensors = {
+        **_nvfp4_module("model.k_proj"),
+        "model.k_proj.k_scale": TensorInfo("model.k_proj.k_scale", "float32", (), file),
+    }
+    detection = detect(_modelopt(kv_cache_quant_algo="FP8"), tensors, SCHEMES)
+    assert detection.kv_cache == ("model.k_proj.k_scale",)
+    assert "k_scale" not in detection.modules["model.k_proj"].tensors
+
+
+def test_a_checkpoint_with_its_config_in_the_019_form_detects_alike(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    source = ct_checkpoint("W4A16_ASYM")
+    folder = tmp_path / "v019"
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    quant = config["quantization_config"]
+    group = quant["config_groups"]["group_0"]
+    group.pop("format")  # 0.19: the format only at the top level
+    group["weights"].update({"actorder": None, "block_structure": None, "zp_dtype": None, "observer_kwargs": {}})
+    group["weights"]["observer"] = "minmax"
+    quant["version"] = "0.19.0"
+    (folder / "config.json").write_text(json.dumps(config))
+    old = detect(read_producer_config(folder), CheckpointFiles(folder).tensors, SCHEMES)
+    new = detect(read_producer_config(source), CheckpointFiles(source).tensors, SCHEMES)
+    assert {m: a.scheme.name for m, a in old.modules.items()} == {m: a.scheme.name for m, a in new.modules.items()}
+    assert old.scheme_counts() == {"compressed-tensors/W4A16_ASYM": 7}

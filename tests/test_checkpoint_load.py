@@ -1,0 +1,128 @@
+"""qscheme.load_checkpoint: the Checkpoint object, plain tensors, bias, kernels, the report."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_cache import (
+    FUSE,
+    ct_checkpoint,
+    modelopt_fixture,
+    single_threaded_torch,  # noqa: F401  (autouse)
+)
+from safetensors.torch import load_file, save_file
+
+import qscheme
+from qscheme.checkpoint import Checkpoint, load_checkpoint
+from qscheme.checkpoint.progress import Progress
+from qscheme.errors import UsageError
+from qscheme.linear import QuantLinear
+
+
+def test_public_entry_points() -> None:
+    from qscheme.checkpoint import apply_to_model as checkpoint_apply_to_model
+
+    assert callable(checkpoint_apply_to_model)
+    if hasattr(qscheme, "load_checkpoint"):  # exported from the package root by qscheme/__init__.py
+        assert qscheme.load_checkpoint is load_checkpoint
+
+
+def test_checkpoint_maps_module_names_to_quant_linear() -> None:
+    folder = ct_checkpoint("NVFP4")
+    checkpoint = load_checkpoint(folder, kernel="reference")
+    assert isinstance(checkpoint, Checkpoint)
+    assert list(checkpoint) == [
+        "model.layers.0.mlp.down_proj",
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.0.mlp.up_proj",
+        "model.layers.0.self_attn.k_proj",
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.v_proj",
+    ]
+    layer = checkpoint["model.layers.0.self_attn.k_proj"]
+    assert isinstance(layer, QuantLinear)
+    assert (layer.out_features, layer.in_features) == (64, 128)
+    assert layer.kernel.name == "reference"
+    plain = load_file(str(folder / "model.safetensors"))
+    assert set(checkpoint.tensors) == {
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.norm.weight",
+    }
+    for name, value in checkpoint.tensors.items():
+        assert torch.equal(value, plain[name])
+    assert repr(checkpoint).endswith("7 quantized modules, 5 plain tensors)")
+
+
+def test_report_says_what_was_done() -> None:
+    checkpoint = load_checkpoint(modelopt_fixture("nvfp4_exclude"), kernel="reference", fuse=FUSE)
+    report = checkpoint.report
+    assert (report.producer, report.producer_version) == ("modelopt", "0.47.0")
+    assert report.scheme_counts == {"modelopt/NVFP4": 6}
+    assert report.ignored["model.layers.0.mlp.down_proj"] == "model.layers.0.mlp.down_proj"
+    fused = {layer.name: layer.fuse.policy for layer in report.fused if layer.fuse is not None}
+    assert fused == {"model.layers.0.mlp.gate_up_proj": "shared", "model.layers.0.self_attn.qkv_proj": "shared"}
+    assert any("model.layers.1.self_attn.qkv_proj" in note and "left unfused" in note for note in report.notes)
+    data = report.as_json()
+    json.dumps(data)
+    assert data["schemes"] == {"modelopt/NVFP4": 6}
+    text = report.render()
+    assert "producer: modelopt 0.47.0" in text and "kernels: reference: 3" in text
+
+
+def test_bias_is_loaded_and_concatenated_for_fused_modules() -> None:
+    folder = ct_checkpoint("FP8_DYNAMIC", attention_bias=True)
+    state = load_file(str(folder / "model.safetensors"))
+    separate = load_checkpoint(folder, kernel="reference", activation_dtype="float32")
+    assert torch.equal(separate["model.layers.0.self_attn.q_proj"].bias, state["model.layers.0.self_attn.q_proj.bias"])
+    fused = load_checkpoint(folder, kernel="reference", fuse=FUSE, activation_dtype="float32")
+    qkv = fused["model.layers.0.self_attn.qkv_proj"]
+    names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    assert torch.equal(qkv.bias, torch.cat([state[f"{n}.bias"] for n in names]))
+    x = torch.randn(1, 3, 128, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(qkv(x), torch.cat([separate[n](x) for n in names], dim=-1))
+    reference = load_file(str(folder / "reference.safetensors"))
+    name = "model.layers.0.self_attn.o_proj"
+    expected = reference[f"{name}.output"]
+    error = (separate[name](reference[f"{name}.input"]) - expected).abs().max()
+    assert float(error) <= 1e-6 * float(expected.abs().max())
+
+
+def test_unquantized_checkpoint_returns_only_plain_tensors(tmp_path: Path) -> None:
+    save_file(
+        {"model.embed.weight": torch.zeros(4, 2), "model.proj.weight": torch.ones(2, 2)},
+        str(tmp_path / "model.safetensors"),
+    )
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 2}))
+    checkpoint = load_checkpoint(tmp_path)
+    assert len(checkpoint) == 0 and set(checkpoint.tensors) == {"model.embed.weight", "model.proj.weight"}
+    assert checkpoint.report.producer == "none"
+
+
+def test_unknown_forced_kernel_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="unknown kernel 'nope' was forced"):
+        load_checkpoint(ct_checkpoint("NVFP4A16"), kernel="nope")
+
+
+def test_unknown_fuse_policy_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match=r"fuse policy 'max' for model\.layers\.0\.mlp\.gate_up_proj is not one of"):
+        load_checkpoint(ct_checkpoint("NVFP4A16"), kernel="reference", fuse=FUSE, fuse_policy="max")
+
+
+def test_progress_bar_draws_only_when_enabled() -> None:
+    stream = io.StringIO()
+    with Progress(3, "loading", enabled=True, stream=stream) as bar:
+        for name in ("a", "b", "c"):
+            bar.advance(item=name)
+    assert "loading [" in stream.getvalue() and "3/3" in stream.getvalue()
+    quiet = io.StringIO()
+    with Progress(3, "loading", enabled=False, stream=quiet) as bar:
+        bar.advance()
+    assert quiet.getvalue() == ""

@@ -1,0 +1,100 @@
+"""qscheme.checkpoint.validate: layout and value checks of one module against its scheme."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from checkpoint_cache import single_threaded_torch  # noqa: F401  (autouse)
+
+from qscheme.catalog import load_scheme
+from qscheme.checkpoint.detect import ModuleAssignment
+from qscheme.checkpoint.reader import TensorInfo
+from qscheme.checkpoint.validate import _any_nonfinite, _nonfinite_mask, check_layout, check_values
+
+FILE = Path("model.safetensors")
+
+
+def _assignment(scheme_name: str, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> ModuleAssignment:
+    infos = {short: TensorInfo(f"m.{short}", dtype, shape, FILE) for short, (dtype, shape) in tensors.items()}
+    return ModuleAssignment("m", load_scheme(scheme_name), "test", infos)
+
+
+AWQ = {
+    "weight": ("uint8", (64, 256)),
+    "weight_scale": ("float32", (128, 2)),
+}
+
+
+def test_a_valid_layout_has_no_problems_and_infers_n_k() -> None:
+    layout = check_layout(_assignment("modelopt/W4A16_AWQ", AWQ))
+    assert layout.ok and (layout.n, layout.k) == (128, 256)
+    assert set(layout.declared) == {"weight", "weight_scale"}  # the optional pre_quant_scale may be absent
+
+
+def test_optional_tensor_shape_is_still_checked() -> None:
+    layout = check_layout(_assignment("modelopt/W4A16_AWQ", {**AWQ, "pre_quant_scale": ("float32", (128,))}))
+    (problem,) = layout.problems
+    assert str(problem) == (
+        "model.safetensors: tensor 'm.pre_quant_scale': expected shape [K] = [256] for N=128, K=256 from "
+        "weight [64, 256], found [128]"
+    )
+
+
+def test_bias_is_allowed_but_shape_checked() -> None:
+    layout = check_layout(_assignment("modelopt/W4A16_AWQ", {**AWQ, "bias": ("float32", (128,))}))
+    assert layout.ok and layout.bias is not None
+    layout = check_layout(_assignment("modelopt/W4A16_AWQ", {**AWQ, "bias": ("float32", (64,))}))
+    assert "expected bias shape [128]" in str(layout.problems[0])
+
+
+def test_missing_weight_and_indivisible_shapes() -> None:
+    layout = check_layout(_assignment("modelopt/W4A16_AWQ", {"weight_scale": ("float32", (128, 2))}))
+    assert "missing: scheme modelopt/W4A16_AWQ stores the weight as 'weight'" in str(layout.problems[0])
+    odd = check_layout(
+        _assignment("modelopt/W4A16_AWQ", {"weight": ("uint8", (64, 100)), "weight_scale": ("float32", (128, 1))})
+    )
+    assert "shape [N, K/128] does not divide for N=128, K=100" in str(odd.problems[0])
+
+
+def test_weight_shape_tensor_gives_n_and_k() -> None:
+    tensors = {
+        "weight_packed": ("int32", (128, 17)),
+        "weight_scale": ("float32", (128, 2)),
+        "weight_shape": ("int64", (2,)),
+    }
+    layout = check_layout(_assignment("compressed-tensors/W4A16", tensors), weight_shape=(128, 130))
+    assert layout.ok and (layout.n, layout.k) == (128, 130)
+
+
+def test_nonfinite_detection_per_storage_format() -> None:
+    e4m3 = torch.tensor([1.0, 2.0, 448.0], dtype=torch.float8_e4m3fn)
+    assert not _any_nonfinite(e4m3)
+    negative_nan = e4m3.view(torch.uint8).clone()
+    negative_nan[1] = 0xFF
+    assert _any_nonfinite(negative_nan.view(torch.float8_e4m3fn))
+    assert _nonfinite_mask(negative_nan.view(torch.float8_e4m3fn)).tolist() == [False, True, False]
+    negative = torch.tensor([-1.0, 2.0], dtype=torch.float8_e4m3fn)
+    assert not _any_nonfinite(negative)
+    assert _any_nonfinite(torch.tensor([127, 255], dtype=torch.uint8))  # e8m0 NaN
+    assert not _any_nonfinite(torch.tensor([0, 254], dtype=torch.uint8))
+    assert _any_nonfinite(torch.tensor([1.0, float("inf")], dtype=torch.bfloat16))
+
+
+def test_value_checks_on_a_layout() -> None:
+    tensors = {
+        "weight": ("float8_e4m3fn", (64, 128)),
+        "weight_scale": ("float32", ()),
+        "input_scale": ("float32", ()),
+    }
+    layout = check_layout(_assignment("modelopt/FP8", tensors))
+    assert layout.ok
+    good = {"weight_scale": torch.tensor(0.01), "input_scale": torch.tensor(0.02)}
+    assert check_values(layout, good) == []
+    bad = {"weight_scale": torch.tensor(float("nan")), "input_scale": torch.tensor(-1.0)}
+    messages = sorted(str(p) for p in check_values(layout, bad))
+    assert messages == [
+        "model.safetensors: tensor 'm.input_scale': expected a finite scale > 0, found -1.0; a zero, negative or "
+        "non-finite global or static scale cannot be dequantized: re-export the layer",
+        "model.safetensors: tensor 'm.weight_scale': expected finite scales, found 1 NaN/inf value (first: nan)",
+    ]
