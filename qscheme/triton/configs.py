@@ -1,0 +1,225 @@
+"""Tile configurations: a heuristic per problem size, optional autotuning on a GPU, and a cache.
+
+The heuristic is a pure function of the problem (M, N, K), the weight's bit width and the
+device's multiprocessor count and shared memory. Small M (decode) is memory bound: one 16-row
+tile of x, narrow column tiles, deep pipelining, and K split (partial sums in float32, a second
+small kernel adds them) until there are two programs per multiprocessor, as long as the extra
+traffic stays small. Larger M uses square-ish tiles.
+
+Interpreted (``TRITON_INTERPRET=1``) runs cost about 10 ms per program and K step whatever the
+tile size, so they get the largest tiles that cover the problem.
+
+With ``QSCHEME_TRITON_AUTOTUNE=1`` the first call for a key times a few candidates around the
+heuristic and keeps the fastest; choices are cached in memory per (device, specialisation,
+dtype, M bucket, N, K) and, when ``QSCHEME_TRITON_CACHE`` names a JSON file, on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+AUTOTUNE_VARIABLE = "QSCHEME_TRITON_AUTOTUNE"
+CACHE_FILE_VARIABLE = "QSCHEME_TRITON_CACHE"
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch parameters of one GEMM call."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+
+    def describe(self) -> str:
+        text = f"{self.block_m}x{self.block_n}x{self.block_k}"
+        if self.split_k > 1:
+            text += f" split-k {self.split_k}"
+        return f"{text} warps {self.num_warps} stages {self.num_stages}"
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the heuristic needs to know about the GPU."""
+
+    name: str
+    multiprocessors: int
+    shared_memory: int  # bytes one program may use
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << max(0, value - 1).bit_length()
+
+
+def _clamp_power_of_two(value: int, low: int, high: int) -> int:
+    return max(low, min(high, _next_power_of_two(value)))
+
+
+def interpreted_config(m: int, n: int, k: int) -> TileConfig:
+    """The largest tiles that cover the problem (the interpreter's cost is per program and step)."""
+    return TileConfig(
+        block_m=_clamp_power_of_two(m, 16, 64),
+        block_n=_clamp_power_of_two(n, 16, 256),
+        block_k=_clamp_power_of_two(k, 32, 512),
+        num_warps=4,
+        num_stages=1,
+    )
+
+
+def m_bucket(m: int) -> int:
+    """The M a config is chosen for: powers of two from 16 to 512 (decode shapes share one)."""
+    return _clamp_power_of_two(m, 16, 512)
+
+
+def _shared_memory_bytes(config: TileConfig, weight_bits: int, input_bytes: int) -> int:
+    """A rough upper bound: pipelined input and code tiles, plus the decoded tile and x tile
+    staged for the dot."""
+    per_stage = config.block_m * config.block_k * input_bytes
+    per_stage += config.block_n * config.block_k * weight_bits // 8
+    staged = (config.block_n + config.block_m) * config.block_k * input_bytes
+    return per_stage * config.num_stages + staged
+
+
+def _tiles(config: TileConfig, m: int, n: int) -> int:
+    return -(-m // config.block_m) * -(-n // config.block_n)
+
+
+def heuristic_config(m: int, n: int, k: int, weight_bits: int, input_bytes: int, device: DeviceFacts) -> TileConfig:
+    """A sensible config without timing anything (see the module docstring)."""
+    if input_bytes == 4:  # float32 activations: an FMA dot, large in registers and shared memory
+        config = TileConfig(_clamp_power_of_two(m, 16, 32), 64, 32, num_warps=4, num_stages=2)
+    elif m <= 16:
+        config = TileConfig(16, 64, 128, num_warps=4, num_stages=4)
+    elif m <= 64:
+        config = TileConfig(_clamp_power_of_two(m, 32, 64), 64, 128, num_warps=4, num_stages=4)
+    else:
+        config = TileConfig(128, 128, 64, num_warps=8, num_stages=3)
+    target = 2 * device.multiprocessors
+    if m <= 64:  # narrower column tiles give more programs at no cost in traffic
+        while _tiles(config, m, n) < target and config.block_n > 32:
+            config = replace(config, block_n=config.block_n // 2)
+    # Then split K, while each split keeps >= 4 K steps and the float32 partial sums (written
+    # and read once more) stay under an eighth of the weight's bytes.
+    k_tiles = -(-k // config.block_k)
+    weight_bytes = n * k * weight_bits // 8
+    split_k = 1
+    while (
+        _tiles(config, m, n) * split_k < target
+        and k_tiles // (split_k * 2) >= 4
+        and split_k < 8
+        and 2 * (split_k * 2) * m * n * 4 <= weight_bytes // 8
+    ):
+        split_k *= 2
+    config = replace(config, split_k=split_k)
+    while config.num_stages > 2 and _shared_memory_bytes(config, weight_bits, input_bytes) > device.shared_memory:
+        config = replace(config, num_stages=config.num_stages - 1)
+    while config.block_k > 32 and _shared_memory_bytes(config, weight_bits, input_bytes) > device.shared_memory:
+        config = replace(config, block_k=config.block_k // 2)
+    return config
+
+
+def candidate_configs(base: TileConfig, k: int) -> list[TileConfig]:
+    """A few configs around ``base`` for autotuning (base first)."""
+    options = [base]
+    for change in (
+        {"block_n": max(16, base.block_n // 2)},
+        {"block_n": base.block_n * 2},
+        {"block_k": base.block_k * 2},
+        {"block_k": max(32, base.block_k // 2)},
+        {"split_k": base.split_k * 2},
+        {"split_k": max(1, base.split_k // 2)},
+        {"num_stages": base.num_stages + 1},
+        {"num_warps": 8 if base.num_warps == 4 else 4},
+    ):
+        option = replace(base, **change)  # type: ignore[arg-type]
+        if option not in options and option.block_k <= max(32, _next_power_of_two(k)):
+            options.append(option)
+    return options
+
+
+class ConfigCache:
+    """Chosen configs by key, in memory and optionally in a JSON file; thread-safe."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self._lock = threading.Lock()
+        self._path = path
+        self._entries: dict[str, TileConfig] = {}
+        if path is not None and path.is_file():
+            try:
+                raw = json.loads(path.read_text(encoding="utf-8"))
+                self._entries = {key: TileConfig(**value) for key, value in raw.items()}
+            except (OSError, ValueError, TypeError):
+                self._entries = {}  # a corrupt cache is rebuilt, never fatal
+
+    def get(self, key: str) -> TileConfig | None:
+        with self._lock:
+            return self._entries.get(key)
+
+    def put(self, key: str, config: TileConfig) -> None:
+        with self._lock:
+            self._entries[key] = config
+            if self._path is not None:
+                try:
+                    self._path.parent.mkdir(parents=True, exist_ok=True)
+                    data = {name: asdict(value) for name, value in self._entries.items()}
+                    self._path.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+                except OSError:
+                    pass  # the disk cache is an optimisation only
+
+
+_cache: ConfigCache | None = None
+
+
+def config_cache() -> ConfigCache:
+    """The process-wide cache (file from QSCHEME_TRITON_CACHE, read once)."""
+    global _cache
+    if _cache is None:
+        path = os.environ.get(CACHE_FILE_VARIABLE)
+        _cache = ConfigCache(Path(path) if path else None)
+    return _cache
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get(AUTOTUNE_VARIABLE, "").strip().lower() in ("1", "true", "yes")
+
+
+def choose_config(
+    key: str,
+    m: int,
+    n: int,
+    k: int,
+    weight_bits: int,
+    input_bytes: int,
+    device: DeviceFacts,
+    time_config: Callable[[TileConfig], float] | None = None,
+) -> TileConfig:
+    """The cached config for ``key``, else the heuristic's (timed against neighbours if asked).
+
+    ``time_config`` runs the GEMM with a config and returns its time (seconds or any unit); a
+    config that fails to compile or launch is skipped.
+    """
+    cache = config_cache()
+    cached = cache.get(key)
+    if cached is not None:
+        return cached
+    base = heuristic_config(m, n, k, weight_bits, input_bytes, device)
+    chosen = base
+    if time_config is not None and autotune_enabled():
+        best = float("inf")
+        for option in candidate_configs(base, k):
+            try:
+                elapsed = time_config(option)
+            except Exception:  # e.g. out of shared memory: not a candidate
+                continue
+            if elapsed < best:
+                best, chosen = elapsed, option
+    cache.put(key, chosen)
+    return chosen

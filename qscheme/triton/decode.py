@@ -1,0 +1,151 @@
+"""Element and scale decoders as ``@triton.jit`` functions: integer codes in, float32 out.
+
+Every decoder works from integer bits with integer operations and a bitcast, so it needs no
+fp8 hardware type (compute capability 8.0 has none) and is exact on every target and in the
+interpreter. The format ids are the constants of ``qscheme.triton.spec``; they are repeated
+here as constexprs because a jitted function can only read module-level ``tl.constexpr``s.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Element formats (keep equal to qscheme.triton.spec.ELEMENT_IDS).
+E2M1: tl.constexpr = tl.constexpr(0)
+INT4: tl.constexpr = tl.constexpr(1)
+UINT4: tl.constexpr = tl.constexpr(2)
+E4M3: tl.constexpr = tl.constexpr(3)
+E5M2: tl.constexpr = tl.constexpr(4)
+INT8: tl.constexpr = tl.constexpr(5)
+UINT8: tl.constexpr = tl.constexpr(6)
+
+# Scale formats (keep equal to qscheme.triton.spec.SCALE_FORMAT_IDS).
+SCALE_FLOAT: tl.constexpr = tl.constexpr(0)
+SCALE_E4M3: tl.constexpr = tl.constexpr(1)
+SCALE_E8M0: tl.constexpr = tl.constexpr(2)
+
+_F32_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)
+# e2m1 nibbles at bits 12-15 and 28-31 of a word become bf16 bit patterns worth 2**-126 times
+# their value: the sign stays at bit 15 (31) and the three magnitude bits move to 6-8 (22-24),
+# the low exponent bits and the top mantissa bit (code 1, 0.5, becomes a bf16 subnormal).
+_E2M1_PAIR_SIGNS: tl.constexpr = tl.constexpr(0x80008000 - (1 << 32))
+_E2M1_PAIR_MAGNITUDES: tl.constexpr = tl.constexpr(0x01C001C0)
+_TWO_POW_126: tl.constexpr = tl.constexpr(2.0**126)
+_HIGH_HALF: tl.constexpr = tl.constexpr(0xFFFF0000 - (1 << 32))
+# Nibble i holds twice the e2m1 magnitude of code i: 0xC8643210 as a signed int32 (the shifts
+# are masked, so the sign extension does not matter).
+_E2M1_TWICE_TABLE: tl.constexpr = tl.constexpr(0xC8643210 - (1 << 32))
+
+
+@triton.jit
+def decode_e2m1(codes):
+    """e2m1 nibbles (0..15, any integer dtype) -> float32; 0x8 (negative zero) gives +0.0."""
+    bits = codes.to(tl.int32)
+    # Twice the eight magnitudes [0, 0.5, 1, 1.5, 2, 3, 4, 6] are 4-bit integers: a table in one int32.
+    twice = (_E2M1_TWICE_TABLE >> ((bits & 0x7) << 2)) & 0xF
+    twice = tl.where((bits & 0x8) != 0, -twice, twice)  # an integer has no negative zero
+    return twice.to(tl.float32) * 0.5
+
+
+@triton.jit
+def _e2m1_pair(words, BF16: tl.constexpr, USE_PTX: tl.constexpr):
+    """The codes at bits 12-15 and 28-31 -> two tensors worth 2**-126 times their values.
+
+    Bits become a bfloat16 pattern per 16-bit half; ``BF16`` returns the halves as bfloat16
+    (split by a register move under ``USE_PTX``), else as float32 (the pattern shifted up).
+    """
+    pair = (words & _E2M1_PAIR_SIGNS) | ((words >> 6) & _E2M1_PAIR_MAGNITUDES)
+    if BF16:
+        if USE_PTX:
+            low, high = tl.inline_asm_elementwise(
+                "mov.b32 {$0, $1}, $2;", "=h,=h,r", [pair], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1
+            )
+        else:
+            low = pair.to(tl.int16).to(tl.bfloat16, bitcast=True)
+            high = (pair >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        low = (pair << 16).to(tl.float32, bitcast=True)
+        high = (pair & _HIGH_HALF).to(tl.float32, bitcast=True)
+    return low, high
+
+
+@triton.jit
+def decode_e2m1_words(words, ROWS: tl.constexpr, WORDS: tl.constexpr, BF16: tl.constexpr, USE_PTX: tl.constexpr):
+    """[ROWS, WORDS] int32 words of eight e2m1 codes (code j at bits 4j..4j+3) -> [ROWS, 8*WORDS].
+
+    Two codes per integer operation: each word gives four pairs of bfloat16 bit patterns that a
+    multiply by 2**126 (exact, subnormals included) turns into the values. ``BF16`` returns
+    bfloat16 (the GPU's bf16 dot path), else float32. Code 0x8 gives -0.0, equal to +0.0.
+    """
+    e3, e7 = _e2m1_pair(words, BF16, USE_PTX)
+    e2, e6 = _e2m1_pair(words << 4, BF16, USE_PTX)
+    e1, e5 = _e2m1_pair(words << 8, BF16, USE_PTX)
+    e0, e4 = _e2m1_pair(words << 12, BF16, USE_PTX)
+    # tl.join appends an axis: [.., a, b, c] holds code 4a + 2b + c, so the last join splits
+    # even codes from odd ones and the first pairs the two halves of one word.
+    even = tl.join(tl.join(e0, e4), tl.join(e2, e6))
+    odd = tl.join(tl.join(e1, e5), tl.join(e3, e7))
+    return tl.reshape(tl.join(even, odd), (ROWS, WORDS * 8)) * _TWO_POW_126
+
+
+@triton.jit
+def decode_e4m3(codes):
+    """float8_e4m3fn bits (uint8) -> float32, NaN for 0x7F/0xFF."""
+    bits = codes.to(tl.int32) & 0xFF
+    exponent = (bits >> 3) & 0xF
+    mantissa = bits & 0x7
+    normal = tl.where((exponent == 15) & (mantissa == 7), _F32_NAN_BITS, ((exponent + 120) << 23) | (mantissa << 20))
+    subnormal = mantissa.to(tl.float32) * 0.001953125  # m * 2**-9, exact
+    magnitude = tl.where(exponent == 0, subnormal, normal.to(tl.float32, bitcast=True))
+    return tl.where((bits & 0x80) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def decode_e5m2(codes):
+    """float8_e5m2 bits (uint8) -> float32: e5m2 is the upper byte of a float16."""
+    half = ((codes.to(tl.int32) & 0xFF) << 8).to(tl.int16).to(tl.float16, bitcast=True)
+    return half.to(tl.float32)
+
+
+@triton.jit
+def decode_e8m0(codes):
+    """e8m0 bytes -> float32 2**(byte-127); byte 0 is 2**-127 (subnormal), 255 is NaN."""
+    exponent = codes.to(tl.int32) & 0xFF
+    bits = tl.where(exponent == 0, 0x00400000, exponent << 23)
+    bits = tl.where(exponent == 255, _F32_NAN_BITS, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def decode_element(codes, FORMAT: tl.constexpr, NATIVE_FP8: tl.constexpr = False):
+    """Codes of an element format -> float32 (4-bit codes already unpacked, one per value).
+
+    ``NATIVE_FP8`` decodes e4m3 with the hardware conversion (compute capability 8.9 or newer):
+    one instruction for two values instead of a dozen integer operations per value.
+    """
+    if FORMAT == E4M3 and NATIVE_FP8:
+        return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    elif FORMAT == E2M1:
+        return decode_e2m1(codes)
+    elif FORMAT == INT4:
+        return (((codes.to(tl.int32) & 0xF) ^ 0x8) - 0x8).to(tl.float32)
+    elif FORMAT == UINT4:
+        return (codes.to(tl.int32) & 0xF).to(tl.float32)
+    elif FORMAT == E4M3:
+        return decode_e4m3(codes)
+    elif FORMAT == E5M2:
+        return decode_e5m2(codes)
+    else:  # INT8 and UINT8 are loaded with their own signedness
+        return codes.to(tl.float32)
+
+
+@triton.jit
+def decode_scale(stored, FORMAT: tl.constexpr):
+    """A loaded scale -> float32: e4m3 and e8m0 come as uint8 bits, floats as themselves."""
+    if FORMAT == SCALE_E4M3:
+        return decode_e4m3(stored)
+    elif FORMAT == SCALE_E8M0:
+        return decode_e8m0(stored)
+    else:
+        return stored.to(tl.float32)

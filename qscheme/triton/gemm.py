@@ -1,0 +1,440 @@
+"""The generic quantized GEMM: y = x @ W^T with W decoded in registers from its canonical form.
+
+One kernel, specialised by the constexprs of ``qscheme.triton.spec.Specialization``:
+
+- weight codes: 4-bit (two per byte along K, low nibble first; e2m1 read as int32 words of
+  eight and decoded two per integer operation, in bf16 on the GPU's bf16 path) or 8-bit, any
+  element format (e4m3 by the hardware conversion where there is one, ``NATIVE_FP8``);
+- weight scale decoded in the K loop when tiled (group or block, index
+  ``[n // W_SCALE_ROWS, k // W_SCALE_COLS]``, stored as e4m3 bits, e8m0 bytes or a float
+  dtype), with zero points laid out the same way or one per row;
+- activations as given (16- or 32-bit floats), or quantized codes from the pre-pass with
+  per-group scales decoded in the loop or per-token scales applied in the epilogue;
+- epilogue: per-token multiplier, per-output-row float32 multiplier (channel or tensor scales
+  times the global scale of each fused partition, times static activation scales), bias.
+
+The dot runs in x's dtype for fp16 and bf16 on a GPU (decoded values rounded to it; e2m1
+times an e4m3 scale is exact there) and in float32 ("ieee") otherwise, always in float32 when
+interpreted (the interpreter computes bf16 wrongly). With ``SPLIT_K > 1`` programs write float32
+partial sums and ``split_k_epilogue_kernel`` adds them and applies the epilogue. ``USE_PTX``
+(CUDA only) lets the e2m1 decoder split registers with one ``mov``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from qscheme.triton.decode import SCALE_FLOAT, decode_e2m1_words, decode_element, decode_scale
+from qscheme.triton.spec import ACT_SCALE_PER_TOKEN, ACT_SCALE_TILED, ZERO_PER_ROW, ZERO_TILED
+
+_ZERO_TILED: tl.constexpr = tl.constexpr(ZERO_TILED)
+_ZERO_PER_ROW: tl.constexpr = tl.constexpr(ZERO_PER_ROW)
+_ACT_PER_TOKEN: tl.constexpr = tl.constexpr(ACT_SCALE_PER_TOKEN)
+_ACT_TILED: tl.constexpr = tl.constexpr(ACT_SCALE_TILED)
+
+# DOT_DTYPE values
+DOT_FP32: tl.constexpr = tl.constexpr(0)
+DOT_FP16: tl.constexpr = tl.constexpr(1)
+DOT_BF16: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def _scale_as(values, scale, FORMAT: tl.constexpr):
+    """The float32 scale in the dtype ``values`` are multiplied in.
+
+    bfloat16 values (the GPU's bf16 path for e2m1 weights) keep e4m3 and e8m0 scales exactly,
+    and e2m1 times either is exact in bfloat16. Float scales would be rounded first, so those
+    values are multiplied in float32 instead (the caller's values are then promoted).
+    """
+    if values.dtype == tl.bfloat16 and FORMAT != SCALE_FLOAT:
+        return scale.to(tl.bfloat16)
+    else:
+        return scale
+
+
+@triton.jit
+def apply_tiled_scale(
+    values,
+    scale_ptr,
+    zero_ptr,
+    scale_rows,
+    row_mask,
+    k0,
+    stride_scale,
+    scale_cols_total,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    FORMAT: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+):
+    """(values - zero) * scale for a [ROWS, BLOCK_K] tile whose scales are [rows, ceil(K/GROUP_K)].
+
+    ``scale_rows`` [ROWS] is each tile row's scale row; three layouts of groups along K: several
+    per tile (broadcast through a reshape), one per tile, or neither (a gather per element).
+    """
+    if BLOCK_K % GROUP_K == 0:
+        GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+        columns = k0 // GROUP_K + tl.arange(0, GROUPS)
+        offsets = scale_rows[:, None] * stride_scale + columns[None, :]
+        mask = row_mask[:, None] & (columns[None, :] < scale_cols_total)
+        scale = _scale_as(values, decode_scale(tl.load(scale_ptr + offsets, mask=mask, other=0), FORMAT), FORMAT)
+        grouped = tl.reshape(values, (ROWS, GROUPS, GROUP_K))
+        if HAS_ZERO:
+            zero = tl.load(zero_ptr + offsets, mask=mask, other=0).to(tl.float32)
+            grouped = grouped - zero[:, :, None]
+        return tl.reshape(grouped * scale[:, :, None], (ROWS, BLOCK_K))
+    elif GROUP_K % BLOCK_K == 0:
+        offsets = scale_rows * stride_scale + k0 // GROUP_K
+        scale = _scale_as(values, decode_scale(tl.load(scale_ptr + offsets, mask=row_mask, other=0), FORMAT), FORMAT)
+        if HAS_ZERO:
+            values = values - tl.load(zero_ptr + offsets, mask=row_mask, other=0).to(tl.float32)[:, None]
+        return values * scale[:, None]
+    else:
+        columns = (k0 + tl.arange(0, BLOCK_K)) // GROUP_K
+        offsets = scale_rows[:, None] * stride_scale + columns[None, :]
+        mask = row_mask[:, None] & (columns[None, :] < scale_cols_total)
+        scale = _scale_as(values, decode_scale(tl.load(scale_ptr + offsets, mask=mask, other=0), FORMAT), FORMAT)
+        if HAS_ZERO:
+            values = values - tl.load(zero_ptr + offsets, mask=mask, other=0).to(tl.float32)
+        return values * scale
+
+
+@triton.jit
+def load_weight_tile(
+    w_ptr,
+    w_scale_ptr,
+    w_zero_ptr,
+    offs_n,
+    k0,
+    N,
+    K,
+    stride_wn,
+    stride_ws,
+    zero_per_row,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    W_FORMAT: tl.constexpr,
+    W_FOUR_BIT: tl.constexpr,
+    W_SCALE_TILED: tl.constexpr,
+    W_SCALE_FORMAT: tl.constexpr,
+    W_SCALE_ROWS: tl.constexpr,
+    W_SCALE_COLS: tl.constexpr,
+    W_ZERO: tl.constexpr,
+    W_E2M1_WORDS: tl.constexpr,
+    W_BF16_DECODE: tl.constexpr,
+    USE_PTX: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+):
+    """The [BLOCK_N, BLOCK_K] tile of decoded weights (zero points and tiled scales applied).
+
+    float32, or bfloat16 for e2m1 words decoded with ``W_BF16_DECODE`` (e4m3 / e8m0 scales).
+    """
+    n_mask = offs_n < N
+    if W_E2M1_WORDS:
+        offs_word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        mask = n_mask[:, None] & (offs_word[None, :] < stride_wn)
+        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_word[None, :], mask=mask, other=0)
+        values = decode_e2m1_words(words, BLOCK_N, BLOCK_K // 8, W_BF16_DECODE, USE_PTX)
+    elif W_FOUR_BIT:
+        offs_byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        mask = n_mask[:, None] & (offs_byte[None, :] < (K + 1) // 2)
+        packed = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_byte[None, :], mask=mask, other=0)
+        codes = tl.interleave(packed & 0xF, packed >> 4)  # element 2j is the low nibble
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = n_mask[:, None] & (offs_k[None, :] < K)
+        codes = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0)
+    if not W_E2M1_WORDS:
+        values = decode_element(codes, W_FORMAT, NATIVE_FP8)
+    if W_ZERO == _ZERO_PER_ROW:
+        values = values - zero_per_row[:, None]
+    if W_SCALE_TILED:
+        values = apply_tiled_scale(
+            values,
+            w_scale_ptr,
+            w_zero_ptr,
+            offs_n // W_SCALE_ROWS,
+            n_mask,
+            k0,
+            stride_ws,
+            tl.cdiv(K, W_SCALE_COLS),
+            BLOCK_N,
+            BLOCK_K,
+            W_SCALE_COLS,
+            W_SCALE_FORMAT,
+            W_ZERO == _ZERO_TILED,
+        )
+    return values
+
+
+@triton.jit
+def load_input_tile(
+    x_ptr,
+    x_scale_ptr,
+    pre_scale_ptr,
+    offs_m,
+    k0,
+    M,
+    K,
+    stride_xm,
+    stride_xs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    A_QUANTIZED: tl.constexpr,
+    A_FORMAT: tl.constexpr,
+    A_SCALE: tl.constexpr,
+    A_SCALE_FORMAT: tl.constexpr,
+    A_GROUP: tl.constexpr,
+    HAS_PRE_SCALE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+):
+    """The [BLOCK_M, BLOCK_K] input tile: x itself (upcast when asked) or decoded quantized codes."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    mask = m_mask[:, None] & (offs_k[None, :] < K)
+    loaded = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0)
+    if A_QUANTIZED:
+        values = decode_element(loaded, A_FORMAT, NATIVE_FP8)
+        if A_SCALE == _ACT_TILED:
+            values = apply_tiled_scale(
+                values,
+                x_scale_ptr,
+                x_scale_ptr,
+                offs_m,
+                m_mask,
+                k0,
+                stride_xs,
+                tl.cdiv(K, A_GROUP),
+                BLOCK_M,
+                BLOCK_K,
+                A_GROUP,
+                A_SCALE_FORMAT,
+                False,
+            )
+        return values
+    elif HAS_PRE_SCALE:
+        pre_scale = tl.load(pre_scale_ptr + offs_k, mask=offs_k < K, other=0).to(tl.float32)
+        return loaded.to(tl.float32) * pre_scale[None, :]
+    elif UPCAST:
+        return loaded.to(tl.float32)
+    else:
+        return loaded
+
+
+@triton.jit
+def epilogue(
+    acc,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    x_scale_ptr,
+    row_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    stride_om,
+    A_SCALE: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """Per-token and per-row multipliers, bias, cast to the output dtype, masked store."""
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    if A_SCALE == _ACT_PER_TOKEN:
+        acc = acc * tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+    if HAS_ROW_SCALE:
+        acc = acc * tl.load(row_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def quantized_gemm_kernel(
+    x_ptr,
+    x_scale_ptr,
+    pre_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    w_zero_ptr,
+    row_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xs,
+    stride_wn,
+    stride_ws,
+    stride_om,
+    stride_split,
+    W_FORMAT: tl.constexpr,
+    W_FOUR_BIT: tl.constexpr,
+    W_SCALE_TILED: tl.constexpr,
+    W_SCALE_FORMAT: tl.constexpr,
+    W_SCALE_ROWS: tl.constexpr,
+    W_SCALE_COLS: tl.constexpr,
+    W_ZERO: tl.constexpr,
+    W_E2M1_WORDS: tl.constexpr,
+    A_QUANTIZED: tl.constexpr,
+    A_FORMAT: tl.constexpr,
+    A_SCALE: tl.constexpr,
+    A_SCALE_FORMAT: tl.constexpr,
+    A_GROUP: tl.constexpr,
+    HAS_PRE_SCALE: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    USE_PTX: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] output tile (over one K split); see the module docstring."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: GROUP_M row tiles share each weight tile while it is in L2.
+    group_width = GROUP_M * num_pid_n
+    first_m = (pid // group_width) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_width) % group_rows
+    pid_n = (pid % group_width) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    zero_per_row = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if W_ZERO == _ZERO_PER_ROW:
+        zero_per_row = tl.load(w_zero_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
+
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    split = tl.program_id(1)
+    k_begin = split * tiles_per_split * BLOCK_K
+    k_end = tl.minimum(k_begin + tiles_per_split * BLOCK_K, K)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        a = load_input_tile(
+            x_ptr,
+            x_scale_ptr,
+            pre_scale_ptr,
+            offs_m,
+            k0,
+            M,
+            K,
+            stride_xm,
+            stride_xs,
+            BLOCK_M,
+            BLOCK_K,
+            A_QUANTIZED,
+            A_FORMAT,
+            A_SCALE,
+            A_SCALE_FORMAT,
+            A_GROUP,
+            HAS_PRE_SCALE,
+            DOT_DTYPE == DOT_FP32,
+            NATIVE_FP8,
+        )
+        w = load_weight_tile(
+            w_ptr,
+            w_scale_ptr,
+            w_zero_ptr,
+            offs_n,
+            k0,
+            N,
+            K,
+            stride_wn,
+            stride_ws,
+            zero_per_row,
+            BLOCK_N,
+            BLOCK_K,
+            W_FORMAT,
+            W_FOUR_BIT,
+            W_SCALE_TILED,
+            W_SCALE_FORMAT,
+            W_SCALE_ROWS,
+            W_SCALE_COLS,
+            W_ZERO,
+            W_E2M1_WORDS,
+            DOT_DTYPE == DOT_BF16,
+            USE_PTX,
+            NATIVE_FP8,
+        )
+        if DOT_DTYPE == DOT_FP16:
+            acc = tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+        elif DOT_DTYPE == DOT_BF16:
+            acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+
+    if SPLIT_K == 1:
+        epilogue(
+            acc,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            x_scale_ptr,
+            row_scale_ptr,
+            bias_ptr,
+            out_ptr,
+            stride_om,
+            A_SCALE,
+            HAS_ROW_SCALE,
+            HAS_BIAS,
+        )
+    else:
+        partial = out_ptr + split * stride_split + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(partial, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def split_k_epilogue_kernel(
+    partial_ptr,
+    x_scale_ptr,
+    row_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_split,
+    stride_om,
+    A_SCALE: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Sum the SPLIT_K float32 partial tiles in a fixed order, then the epilogue."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    offsets = offs_m[:, None] * N + offs_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for split in range(SPLIT_K):
+        acc += tl.load(partial_ptr + split * stride_split + offsets, mask=mask, other=0.0)
+    epilogue(
+        acc,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        x_scale_ptr,
+        row_scale_ptr,
+        bias_ptr,
+        out_ptr,
+        stride_om,
+        A_SCALE,
+        HAS_ROW_SCALE,
+        HAS_BIAS,
+    )

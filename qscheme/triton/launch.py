@@ -1,0 +1,28 @@
+"""One kernel launch as data: the kernel, its grid, arguments and compile-time options.
+
+The host code builds ``Launch`` values and runs them; the compile-only check builds the same
+values from CPU tensors and compiles them for GPUs this machine does not have, so what is
+compiled there is exactly what would be launched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Launch:
+    """``kernel[grid](**args, **constexprs, num_warps=..., num_stages=...)``."""
+
+    kernel: Any  # a triton JITFunction (or InterpretedFunction)
+    grid: tuple[int, ...]
+    args: Mapping[str, Any]  # runtime arguments by name: tensors and integers
+    constexprs: Mapping[str, Any]
+    num_warps: int = 4
+    num_stages: int = 3
+    label: str = field(default="", compare=False)
+
+    def run(self) -> None:
+        self.kernel[self.grid](**self.args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)

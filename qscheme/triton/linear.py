@@ -1,0 +1,444 @@
+"""Host side of the Triton kernels: canonical tensors -> kernel layout, and the launches.
+
+``prepare_weight`` turns a ``CanonicalWeight`` into a ``PreparedWeight``: fp8 codes and e4m3 /
+e8m0 scales viewed as their uint8 bits, group and block scales kept in their stored layout,
+channel and tensor scales folded with the per-partition global scales (and static activation
+scales) into one float32 multiplier per output row. ``linear`` runs the activation pre-pass
+when the scheme quantizes its inputs and then the GEMM.
+
+A fused layer whose partitions carry different static activation scales quantizes its input
+once per run of partitions sharing a scale and runs the GEMM on those output rows only.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+from qscheme.canonical import CanonicalWeight
+from qscheme.errors import QuantizeError
+from qscheme.formats import decode
+from qscheme.triton import configs
+from qscheme.triton.act_quant import quantize_input
+from qscheme.triton.gemm import DOT_BF16, DOT_FP16, DOT_FP32, quantized_gemm_kernel, split_k_epilogue_kernel
+from qscheme.triton.launch import Launch
+from qscheme.triton.spec import (
+    ACT_RULE_NVFP4,
+    ACT_RULE_STATIC,
+    Specialization,
+    specialize,
+)
+
+_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DOT_DTYPES = {torch.float16: DOT_FP16.value, torch.bfloat16: DOT_BF16.value, torch.float32: DOT_FP32.value}
+
+
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return isinstance(quantized_gemm_kernel, InterpretedFunction)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Output rows [start, end) whose input is quantized with one static scale (None: no scale)."""
+
+    start: int
+    end: int
+    static_scale: Tensor | None
+
+
+@dataclass(frozen=True)
+class PreparedWeight:
+    """A layer in the Triton kernels' layout (see the module docstring)."""
+
+    scheme_name: str
+    spec: Specialization
+    n: int
+    k: int
+    codes: Tensor
+    scale: Tensor | None  # tiled (group / block) scales, stored layout
+    zero_point: Tensor | None  # tiled like the scale, or [N] per row
+    row_scale: Tensor | None  # float32 [N]
+    pre_scale: Tensor | None  # float32 [K]
+    segments: tuple[Segment, ...]
+    divisor: bool  # NVFP4 activations: the static scale is compressed-tensors' divisor
+
+    @property
+    def weight_bits(self) -> int:
+        return 4 if self.spec.W_FOUR_BIT else 8
+
+
+def _bits(tensor: Tensor) -> Tensor:
+    """fp8 tensors as their uint8 bits; other tensors unchanged."""
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return tensor.view(torch.uint8)
+    return tensor
+
+
+def _kernel_codes(codes: Tensor, spec: Specialization) -> Tensor:
+    """Codes as the GEMM reads them: e2m1 as int32 words (rows zero-padded to whole words)."""
+    codes = _bits(codes)
+    if spec.W_E2M1_WORDS:
+        padding = -codes.shape[1] % 4
+        if padding:
+            codes = torch.nn.functional.pad(codes, (0, padding))
+        return codes.contiguous().view(torch.int32)
+    return codes.contiguous()
+
+
+def _per_row(values: Tensor, partitions: tuple[int, ...], what: str, scheme: str) -> Tensor:
+    """A [1] or [P] float tensor -> float32 [N], each partition's value over its rows."""
+    flat = values.reshape(-1).to(torch.float32)
+    if flat.numel() == 1:
+        return flat.expand(sum(partitions)).contiguous()
+    if flat.numel() != len(partitions):
+        raise QuantizeError(
+            f"scheme {scheme}: {what} has {flat.numel()} values for {len(partitions)} fused partitions "
+            f"{partitions}; give one per partition"
+        )
+    sizes = torch.tensor(partitions, device=flat.device)
+    return flat.repeat_interleave(sizes)
+
+
+def _row_multiplier(weight: CanonicalWeight, spec: Specialization) -> Tensor | None:
+    """float32 [N]: channel or tensor scale x global scale x static activation scales."""
+    scheme = weight.scheme
+    partitions = weight.partitions or (weight.n,)
+    factors: list[Tensor] = []
+    if not spec.W_SCALE_TILED:
+        scale_format = scheme.weight.scale.format
+        scale = decode(weight.scale, scale_format) if scale_format in ("e4m3", "e8m0") else weight.scale.float()
+        if scheme.weight.scale.granularity == "channel":
+            factors.append(scale.reshape(-1))
+        else:
+            factors.append(_per_row(scale, partitions, "the tensor scale", scheme.name))
+    if weight.global_scale is not None:
+        factors.append(_per_row(weight.global_scale, partitions, "global_scale", scheme.name))
+    if spec.A_QUANTIZED and spec.A_RULE == ACT_RULE_STATIC:
+        factors.append(_per_row(_required(weight, "input_scale"), partitions, "input_scale", scheme.name))
+    if spec.A_QUANTIZED and spec.A_RULE == ACT_RULE_NVFP4:
+        divisor = _input_divisor(weight, spec)
+        global_scale = weight.input_global_scale
+        if global_scale is None and divisor is not None:
+            global_scale = torch.reciprocal(divisor.float())
+        if global_scale is None:
+            global_scale = _required(weight, "input_global_scale")
+        factors.append(_per_row(global_scale, partitions, "input_global_scale", scheme.name))
+    if not factors:
+        return None
+    product = factors[0]
+    for factor in factors[1:]:
+        product = product * factor  # float32, in the reference's order (scale * global first)
+    return product.contiguous()
+
+
+def _required(weight: CanonicalWeight, name: str) -> Tensor:
+    value = getattr(weight, name)
+    if value is None:
+        raise QuantizeError(
+            f"scheme {weight.scheme.name}: activation quantization needs {name}, but the layer has none; "
+            "the checkpoint is missing the calibrated activation scale"
+        )
+    return value
+
+
+def _segments(weight: CanonicalWeight, spec: Specialization, device: torch.device) -> tuple[Segment, ...]:
+    """Runs of partitions sharing one static activation scale (one segment when there is none)."""
+    if not spec.A_QUANTIZED or spec.A_RULE not in (ACT_RULE_STATIC, ACT_RULE_NVFP4):
+        return (Segment(0, weight.n, None),)
+    name = "input_scale" if spec.A_RULE == ACT_RULE_STATIC else "input_global_scale"
+    if _input_divisor(weight, spec) is not None:
+        name = "input_global_scale_divisor"
+    values = _required(weight, name).reshape(-1).to(device=device, dtype=torch.float32)
+    partitions = weight.partitions or (weight.n,)
+    if values.numel() == 1 or bool((values == values[0]).all()):
+        return (Segment(0, weight.n, values[:1].clone()),)
+    segments: list[Segment] = []
+    start = 0
+    for index, size in enumerate(partitions):
+        value = values[index : index + 1].clone()
+        previous = segments[-1] if segments else None
+        if previous is not None and previous.static_scale is not None and torch.equal(previous.static_scale, value):
+            segments[-1] = Segment(previous.start, start + size, previous.static_scale)
+        else:
+            segments.append(Segment(start, start + size, value))
+        start += size
+    rows = spec.W_SCALE_ROWS
+    misaligned = [s.start for s in segments if s.start % rows]
+    if spec.W_SCALE_TILED and misaligned:
+        raise QuantizeError(
+            f"scheme {weight.scheme.name}: partitions with different {name} start at row {misaligned[0]}, "
+            f"inside a {rows}-row scale block; give the partitions one {name}"
+        )
+    return tuple(segments)
+
+
+def _input_divisor(weight: CanonicalWeight, spec: Specialization) -> Tensor | None:
+    """compressed-tensors' stored NVFP4 input global scale (a divisor), where the layer keeps it.
+
+    With it the pre-pass reproduces compressed-tensors' rounding, as the reference kernel does.
+    """
+    if not spec.A_QUANTIZED or spec.A_RULE != ACT_RULE_NVFP4:
+        return None
+    return getattr(weight, "input_global_scale_divisor", None)
+
+
+def prepare_weight(weight: CanonicalWeight, device: torch.device | str) -> PreparedWeight:
+    """Canonical tensors -> the Triton kernels' layout on ``device`` (see the module docstring)."""
+    device = torch.device(device)
+    spec = specialize(weight.scheme)
+    weight = weight.to(device)
+    scale = zero_point = None
+    if spec.W_SCALE_TILED:
+        scale = _bits(weight.scale).contiguous()
+        if weight.zero_point is not None:
+            zero_point = weight.zero_point.to(torch.int8).reshape(scale.shape).contiguous()
+    elif weight.zero_point is not None:  # channel or tensor zero points: one per output row
+        zero_point = weight.zero_point.reshape(-1).to(torch.float32)
+        if zero_point.numel() != weight.n:
+            zero_point = _per_row(zero_point, weight.partitions or (weight.n,), "zero_point", weight.scheme.name)
+    pre_scale = None
+    if weight.input_pre_scale is not None:
+        pre_scale = weight.input_pre_scale.reshape(-1).to(torch.float32).contiguous()
+    return PreparedWeight(
+        scheme_name=weight.scheme.name,
+        spec=spec,
+        n=weight.n,
+        k=weight.k,
+        codes=_kernel_codes(weight.codes, spec),
+        scale=scale,
+        zero_point=zero_point,
+        row_scale=_row_multiplier(weight, spec),
+        pre_scale=pre_scale,
+        segments=_segments(weight, spec, device),
+        divisor=_input_divisor(weight, spec) is not None,
+    )
+
+
+def _native_fp8(backend: str, device: torch.device) -> bool:
+    """Whether e4m3 can be decoded by a hardware conversion: CUDA compute capability 8.9 or
+    newer, and the interpreter (exact there for every code but NaN, which checkpoints lack)."""
+    if backend == "interpreter":
+        return True
+    if backend != "cuda":
+        return False
+    return _capability(_device_index(device)) >= (8, 9)
+
+
+def _device_index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return int(major), int(minor)
+
+
+@functools.cache
+def _device_facts(index: int) -> configs.DeviceFacts:
+    properties = torch.cuda.get_device_properties(index)
+    shared = int(getattr(properties, "shared_memory_per_block_optin", 0) or 48 * 1024)
+    return configs.DeviceFacts(properties.name, int(properties.multi_processor_count), shared)
+
+
+def _config(
+    prepared: PreparedWeight, x: Tensor, rows: int, launch: Callable[[configs.TileConfig], None]
+) -> configs.TileConfig:
+    """The tile config for x [M, K] (the layer input, before any quantization) on ``rows`` rows."""
+    m, k = x.shape
+    if interpreted():
+        return configs.interpreted_config(m, rows, k)
+    device = _device_facts(_device_index(x.device))
+    key = "|".join(str(part) for part in (device.name, prepared.spec, x.dtype, configs.m_bucket(m), rows, k))
+
+    def time_config(config: configs.TileConfig) -> float:
+        from triton.testing import do_bench
+
+        return float(do_bench(lambda: launch(config), warmup=5, rep=20))
+
+    # The dot runs in x's dtype whether or not x is quantized first: size tiles for it.
+    return configs.choose_config(key, m, rows, k, prepared.weight_bits, x.element_size(), device, time_config)
+
+
+def linear(
+    prepared: PreparedWeight, x: Tensor, bias: Tensor | None = None, config: configs.TileConfig | None = None
+) -> Tensor:
+    """y = x @ W^T (+ bias) for x [..., K] in float16, bfloat16 or float32; y has x's dtype.
+
+    ``config`` forces a tile configuration (tests); by default one is chosen per problem size.
+    """
+    if x.dtype not in _INPUT_DTYPES:
+        raise QuantizeError(f"the Triton kernel takes float16, bfloat16 or float32 inputs, not {x.dtype}")
+    if x.shape[-1] != prepared.k:
+        raise QuantizeError(
+            f"scheme {prepared.scheme_name}: input has {x.shape[-1]} features, the layer takes K={prepared.k}"
+        )
+    if bias is not None and bias.shape != (prepared.n,):
+        raise QuantizeError(f"bias has shape {tuple(bias.shape)}, expected [{prepared.n}]")
+    leading = x.shape[:-1]
+    x2 = x.reshape(-1, prepared.k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    # The interpreter stores float32 -> bfloat16 by truncation: keep float32 and round in torch.
+    out_dtype = torch.float32 if interpreted() and x.dtype == torch.bfloat16 else x.dtype
+    out = torch.empty((m, prepared.n), dtype=out_dtype, device=x.device)
+    if m > 0:
+        for segment in prepared.segments:
+            _run_segment(prepared, segment, x2, bias, out, config)
+    return out.to(x.dtype).reshape(*leading, prepared.n)
+
+
+def _run_segment(
+    prepared: PreparedWeight,
+    segment: Segment,
+    x: Tensor,
+    bias: Tensor | None,
+    out: Tensor,
+    config: configs.TileConfig | None,
+) -> None:
+    spec = prepared.spec
+    x_scale: Tensor | None = None
+    inputs = x
+    if spec.A_QUANTIZED:
+        quantized = quantize_input(
+            x, spec, static_scale=segment.static_scale, divisor=prepared.divisor, pre_scale=prepared.pre_scale
+        )
+        inputs, x_scale = quantized.codes, quantized.scale
+    rows = segment.end - segment.start
+
+    def launch(tile: configs.TileConfig) -> None:
+        for step in gemm_launches(prepared, segment, inputs, x_scale, bias, out, tile, x.dtype):
+            step.run()
+
+    launch(config or _config(prepared, x, rows, launch))
+
+
+def gemm_launches(
+    prepared: PreparedWeight,
+    segment: Segment,
+    inputs: Tensor,
+    x_scale: Tensor | None,
+    bias: Tensor | None,
+    out: Tensor,
+    tile: configs.TileConfig,
+    input_dtype: torch.dtype,
+    backend: str | None = None,
+    native_fp8: bool | None = None,
+) -> list[Launch]:
+    """The GEMM (and split-K epilogue) launches for one segment of output rows.
+
+    ``inputs`` is x [M, K] or its quantized codes, ``input_dtype`` the dtype of x (it picks the
+    dot's dtype), ``out`` the whole [M, N] output. ``backend`` ("cuda", "hip" or "interpreter")
+    defaults to the one this process runs; ``native_fp8`` (decode e4m3 with the hardware
+    conversion) to whether ``inputs``' device has it.
+    """
+    if backend is None:
+        backend = "interpreter" if interpreted() else ("hip" if torch.version.hip else "cuda")
+    if native_fp8 is None:
+        native_fp8 = _native_fp8(backend, inputs.device)
+    spec = prepared.spec
+    start, end = segment.start, segment.end
+    rows = end - start
+    m = inputs.shape[0]
+    scale_start = start // spec.W_SCALE_ROWS
+    w_scale = None if prepared.scale is None else prepared.scale[scale_start:]
+    if prepared.zero_point is None:
+        w_zero = None
+    elif spec.W_SCALE_TILED:
+        w_zero = prepared.zero_point[scale_start:]
+    else:
+        w_zero = prepared.zero_point[start:end]
+    row_scale = None if prepared.row_scale is None else prepared.row_scale[start:end]
+    bias_rows = None if bias is None else bias[start:end]
+    out_rows = out[:, start:end]
+    pre_scale = prepared.pre_scale if not spec.A_QUANTIZED else None
+    on_gpu = backend != "interpreter"
+    placeholder = prepared.codes  # any pointer, for arguments a specialisation does not read
+
+    partial = out_rows
+    stride_split = 0
+    if tile.split_k > 1:
+        partial = torch.empty((tile.split_k, m, rows), dtype=torch.float32, device=inputs.device)
+        stride_split = partial.stride(0)
+    gemm = Launch(
+        kernel=quantized_gemm_kernel,
+        grid=(triton.cdiv(m, tile.block_m) * triton.cdiv(rows, tile.block_n), tile.split_k),
+        args={
+            "x_ptr": inputs,
+            "x_scale_ptr": placeholder if x_scale is None else x_scale,
+            "pre_scale_ptr": placeholder if pre_scale is None else pre_scale,
+            "w_ptr": prepared.codes[start:end],
+            "w_scale_ptr": placeholder if w_scale is None else w_scale,
+            "w_zero_ptr": placeholder if w_zero is None else w_zero,
+            "row_scale_ptr": placeholder if row_scale is None else row_scale,
+            "bias_ptr": placeholder if bias_rows is None else bias_rows,
+            "out_ptr": partial,
+            "M": m,
+            "N": rows,
+            "K": prepared.k,
+            "stride_xm": inputs.stride(0),
+            "stride_xs": 0 if x_scale is None else x_scale.stride(0),
+            "stride_wn": prepared.codes.stride(0),
+            "stride_ws": 0 if w_scale is None else w_scale.stride(0),
+            "stride_om": out_rows.stride(0),
+            "stride_split": stride_split,
+        },
+        constexprs={
+            **spec.gemm_constexprs(),
+            "HAS_PRE_SCALE": pre_scale is not None,
+            "HAS_ROW_SCALE": row_scale is not None,
+            "HAS_BIAS": bias_rows is not None,
+            "DOT_DTYPE": _DOT_DTYPES[input_dtype] if on_gpu else DOT_FP32.value,
+            "USE_PTX": backend == "cuda",
+            "NATIVE_FP8": native_fp8,
+            "BLOCK_M": tile.block_m,
+            "BLOCK_N": tile.block_n,
+            "BLOCK_K": tile.block_k,
+            "SPLIT_K": tile.split_k,
+            "GROUP_M": tile.group_m,
+        },
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+        label=f"gemm {prepared.scheme_name} {tile.describe()}",
+    )
+    if tile.split_k == 1:
+        return [gemm]
+    block_m, block_n = min(tile.block_m, 32), 128
+    epilogue = Launch(
+        kernel=split_k_epilogue_kernel,
+        grid=(triton.cdiv(m, block_m), triton.cdiv(rows, block_n)),
+        args={
+            "partial_ptr": partial,
+            "x_scale_ptr": placeholder if x_scale is None else x_scale,
+            "row_scale_ptr": placeholder if row_scale is None else row_scale,
+            "bias_ptr": placeholder if bias_rows is None else bias_rows,
+            "out_ptr": out_rows,
+            "M": m,
+            "N": rows,
+            "stride_split": stride_split,
+            "stride_om": out_rows.stride(0),
+        },
+        constexprs={
+            "A_SCALE": spec.A_SCALE,
+            "HAS_ROW_SCALE": row_scale is not None,
+            "HAS_BIAS": bias_rows is not None,
+            "SPLIT_K": tile.split_k,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+        },
+        num_warps=4,
+        num_stages=1,
+        label=f"split-k epilogue {prepared.scheme_name}",
+    )
+    return [gemm, epilogue]
+
+
+__all__ = ["PreparedWeight", "Segment", "gemm_launches", "interpreted", "linear", "prepare_weight"]

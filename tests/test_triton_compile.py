@@ -1,0 +1,60 @@
+"""Compile-only: the Triton kernels compile to cubins for compute capability 8.0, 9.0, 10.0 and
+12.0 without a GPU (triton.compile with explicit GPUTargets, in a subprocess that is not
+interpreted and has its own cache). CI compiles the subset ``qscheme.triton.compile_check``'s
+``ci_plan`` describes: the NVFP4 kernels on every target, every other specialisation of the
+built-in and YAML-only schemes on one target each."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qscheme.catalog import load_catalog
+
+TARGETS = ("sm80", "sm90", "sm100", "sm120")
+YAML_SCHEMES = sorted(Path(__file__).parent.joinpath("data", "triton_schemes").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
+    environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    command = [sys.executable, "-m", "qscheme.triton.compile_check", "--subset", "ci", "--json"]
+    command += ["--targets", ",".join(TARGETS)]
+    for path in YAML_SCHEMES:
+        command += ["--extra-scheme", str(path)]
+    completed = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+    lines = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"compile_check printed no results (exit {completed.returncode}):\n{completed.stderr[-3000:]}"
+    return lines
+
+
+def test_every_variant_compiles_within_the_targets_shared_memory(results: list[dict[str, object]]) -> None:
+    failed = [f"{r['target']} {r['variant']}: {r['error']}" for r in results if not r["ok"]]
+    assert not failed, "\n".join(failed)
+
+
+def test_every_target_compiles_the_nvfp4_kernels(results: list[dict[str, object]]) -> None:
+    for target in TARGETS:
+        names = {str(r["variant"]) for r in results if r["target"] == target}
+        assert any(n.startswith("compressed-tensors/NVFP4A16 gemm bf16 M=16") for n in names), target
+        assert any(n.startswith("compressed-tensors/NVFP4 pre-pass") for n in names), target
+        assert any(n.startswith("compressed-tensors/NVFP4 gemm") for n in names), target
+
+
+def test_every_scheme_is_compiled_somewhere(results: list[dict[str, object]]) -> None:
+    compiled = {str(r["variant"]).split(" ")[0] for r in results}
+    # Schemes that share a specialisation with one compiled earlier are deduplicated.
+    from qscheme.descriptor import parse_scheme_file
+    from qscheme.triton.spec import specialize
+
+    schemes = list(load_catalog(include_plugins=False)) + [parse_scheme_file(p) for p in YAML_SCHEMES]
+    compiled_specs = {specialize(s) for s in schemes if s.name in compiled}
+    missing = [s.name for s in schemes if specialize(s) not in compiled_specs]
+    assert not missing, f"no compiled variant covers {missing}"

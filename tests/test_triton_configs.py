@@ -1,0 +1,73 @@
+"""Tile configurations: the heuristic (pure), the cache and autotuning (with fake timings)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qscheme.triton import configs
+from qscheme.triton.configs import ConfigCache, DeviceFacts, TileConfig, heuristic_config
+
+H100 = DeviceFacts("H100-like", 132, 227 * 1024)
+SMALL = DeviceFacts("small shared memory", 60, 99 * 1024)
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (8192, 8192), (14336, 4096), (4096, 14336)])
+def test_decode_shapes_get_one_row_tile_and_enough_programs_with_little_extra_traffic(m: int, n: int, k: int) -> None:
+    config = heuristic_config(m, n, k, weight_bits=4, input_bytes=2, device=H100)
+    assert config.block_m == 16
+    programs = -(-n // config.block_n) * config.split_k
+    assert programs >= H100.multiprocessors
+    partial_sums = 2 * config.split_k * m * n * 4 if config.split_k > 1 else 0
+    assert partial_sums <= n * k // 2 // 8  # at most an eighth of the 4-bit weight's bytes
+    assert -(-k // config.block_k) // config.split_k >= 4  # each split keeps 4 K steps
+
+
+def test_large_m_uses_large_tiles_and_fits_shared_memory() -> None:
+    config = heuristic_config(256, 8192, 8192, weight_bits=4, input_bytes=2, device=H100)
+    assert (config.block_m, config.block_n, config.split_k) == (128, 128, 1)
+    small = heuristic_config(256, 8192, 8192, weight_bits=8, input_bytes=4, device=SMALL)
+    assert configs._shared_memory_bytes(small, 8, 4) <= SMALL.shared_memory
+
+
+def test_interpreted_config_covers_small_problems_in_one_program() -> None:
+    config = configs.interpreted_config(33, 200, 301)
+    assert (config.block_m, config.block_n, config.block_k) == (64, 256, 512)
+
+
+def test_the_cache_round_trips_through_its_file(tmp_path: Path) -> None:
+    path = tmp_path / "configs.json"
+    ConfigCache(path).put("key", TileConfig(16, 32, 128, split_k=2))
+    assert ConfigCache(path).get("key") == TileConfig(16, 32, 128, split_k=2)
+    path.write_text("not json")
+    assert ConfigCache(path).get("key") is None  # a corrupt cache is ignored, not fatal
+
+
+def test_autotuning_keeps_the_fastest_candidate_and_caches_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(configs, "_cache", ConfigCache(None))
+    monkeypatch.setenv(configs.AUTOTUNE_VARIABLE, "1")
+    timed: list[TileConfig] = []
+
+    def time_config(config: TileConfig) -> float:
+        timed.append(config)
+        if config.num_warps == 8:
+            raise RuntimeError("out of resources")  # skipped, not fatal
+        return 1.0 / config.block_n  # wider is faster here
+
+    chosen = configs.choose_config("k1", 1, 4096, 4096, 4, 2, H100, time_config)
+    assert len(timed) > 1 and chosen.block_n == max(c.block_n for c in timed if c.num_warps != 8)
+    assert configs.choose_config("k1", 1, 4096, 4096, 4, 2, H100, time_config) == chosen
+    assert len(timed) == len(set(timed))  # the second call came from the cache
+
+
+def test_without_autotuning_the_heuristic_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(configs, "_cache", ConfigCache(None))
+    monkeypatch.delenv(configs.AUTOTUNE_VARIABLE, raising=False)
+
+    def never(config: TileConfig) -> float:
+        raise AssertionError("timed without QSCHEME_TRITON_AUTOTUNE")
+
+    chosen = configs.choose_config("k2", 1, 4096, 4096, 4, 2, H100, never)
+    assert chosen == heuristic_config(1, 4096, 4096, 4, 2, H100)

@@ -1,0 +1,217 @@
+"""The Triton GEMM under the interpreter (TRITON_INTERPRET=1, set by conftest.py) against the
+reference kernel and a float64 product of the exact emulation, for every built-in scheme and
+for YAML-only schemes, on ragged shapes with fused partitions and 16/32-bit activations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from qscheme_plugins.reference_kernel import ReferenceKernel
+from triton_samples import assert_matches, reference_output, with_shared_activation_scales
+
+from qscheme.canonical import CanonicalWeight
+from qscheme.catalog import load_catalog
+from qscheme.descriptor import Scheme, parse_scheme_file
+from qscheme.errors import QuantizeError
+from qscheme.formats import decode
+from qscheme.triton.configs import TileConfig
+from qscheme.triton.decode import decode_e2m1_words, decode_element, decode_scale
+from qscheme.triton.linear import interpreted, linear, prepare_weight
+from qscheme.triton.samples import random_weight
+from qscheme.triton.spec import ELEMENT_IDS, SCALE_FORMAT_IDS
+
+YAML_SCHEMES = sorted(Path(__file__).parent.joinpath("data", "triton_schemes").glob("*.yaml"))
+BUILTIN = list(load_catalog(include_plugins=False))
+SCHEMES: list[Scheme] = BUILTIN + [parse_scheme_file(path) for path in YAML_SCHEMES]
+
+# (label, input shape without K, dtype, bias): M=1 decode in bf16, a 3-D fp32 batch of 33
+# tokens, fp16 with 5 tokens; N=200 and K=301 are not multiples of any tile or group.
+CASES = [
+    ("m1-bf16", (1,), torch.bfloat16, True),
+    ("m33-fp32", (3, 11), torch.float32, True),
+    ("m5-fp16", (5,), torch.float16, False),
+]
+N, K = 200, 301
+
+
+def test_runs_interpreted() -> None:
+    assert interpreted(), "tests/conftest.py must set TRITON_INTERPRET=1 before qscheme is imported"
+
+
+def _partitions(scheme: Scheme, n: int) -> tuple[int, ...]:
+    # The reference dequantization takes per-partition global scales with group or channel
+    # scales only; the kernel takes them with any (one float32 multiplier per output row).
+    if scheme.weight.global_scale is not None and scheme.weight.scale.granularity in ("block", "tensor"):
+        return (n,)
+    return (72, n - 72)
+
+
+def _check(scheme: Scheme, weight, x: torch.Tensor, bias: torch.Tensor | None, config=None) -> None:  # type: ignore[no-untyped-def]
+    prepared = prepare_weight(weight, "cpu")
+    actual = linear(prepared, x, bias, config)
+    assert_matches(actual, reference_output(weight, x, bias), x.dtype, f"{scheme.name} vs float64")
+    reference = ReferenceKernel()
+    expected = reference.apply(reference.prepare(weight, torch.device("cpu")), x, bias)
+    # Both round once to x's dtype from float32 sums: one more unit in the last place apart.
+    assert_matches(actual, expected.double(), x.dtype, f"{scheme.name} vs the reference kernel")
+
+
+@pytest.mark.parametrize("label, leading, dtype, with_bias", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("scheme", SCHEMES, ids=[s.name for s in SCHEMES])
+def test_matches_reference(
+    scheme: Scheme, label: str, leading: tuple[int, ...], dtype: torch.dtype, with_bias: bool
+) -> None:
+    generator = torch.Generator().manual_seed(7)
+    weight = random_weight(scheme, N, K, partitions=_partitions(scheme, N), seed=11)
+    x = torch.randn((*leading, K), generator=generator).to(dtype)
+    bias = torch.randn(N, generator=generator).to(dtype) if with_bias else None
+    _check(scheme, weight, x, bias)
+
+
+TILED = [
+    # scheme, forced tiles, M: every way a scale group meets a K tile, split-K, many tiles.
+    ("compressed-tensors/NVFP4", TileConfig(16, 32, 64, split_k=2), 20),  # groups of 16 inside a tile
+    ("compressed-tensors/W4A16_ASYM", TileConfig(16, 64, 64, split_k=3), 3),  # a group spans tiles
+    ("compressed-tensors/FP8_BLOCK", TileConfig(16, 64, 32, split_k=2), 4),  # 128x128 blocks, per-group input
+    ("test/UINT4_G48_ZP", TileConfig(16, 32, 64), 2),  # groups of 48: gathered per element
+    ("modelopt/mxfp4", TileConfig(32, 32, 32), 40),  # group == tile
+    ("compressed-tensors/W8A8", TileConfig(16, 128, 64, split_k=2), 70),  # per-token epilogue after split-K
+    ("test/E5M2_BLOCK_E8M0", TileConfig(16, 16, 64, group_m=2), 50),  # grouped tile order, 32-row blocks
+]
+
+
+@pytest.mark.parametrize("name, config, m", TILED, ids=[f"{t[0]}-{t[1].describe()}" for t in TILED])
+def test_small_tiles(name: str, config: TileConfig, m: int) -> None:
+    scheme = next(s for s in SCHEMES if s.name == name)
+    n, k = 100, 333
+    weight = random_weight(scheme, n, k, partitions=_partitions(scheme, n), seed=5)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
+    _check(scheme, weight, x, torch.randn(n), config)
+
+
+def test_partitions_with_different_input_scales_quantize_the_input_per_partition() -> None:
+    scheme = load_catalog(include_plugins=False).get("modelopt/NVFP4")
+    weight = random_weight(scheme, 96, 128, partitions=(32, 32, 32), seed=2)
+    assert len(set(weight.input_global_scale.tolist())) == 3  # type: ignore[union-attr]
+    assert len(prepare_weight(weight, "cpu").segments) == 3
+    _check(scheme, weight, torch.randn(4, 128), None)
+
+    shared = with_shared_activation_scales(weight)
+    assert len(prepare_weight(shared, "cpu").segments) == 1
+    _check(scheme, shared, torch.randn(4, 128), None)
+
+
+@dataclass(frozen=True)
+class _WithInputDivisor(CanonicalWeight):
+    """A layer that also keeps compressed-tensors' stored input global scale (a divisor)."""
+
+    input_global_scale_divisor: torch.Tensor | None = None
+
+
+def test_nvfp4_input_divisor_reproduces_compressed_tensors_rounding() -> None:
+    scheme = load_catalog(include_plugins=False).get("compressed-tensors/NVFP4")
+    sample = random_weight(scheme, 64, 256, seed=4)
+    divisor = torch.tensor([2688.0 / 3.7])
+    fields = {**sample.__dict__, "input_global_scale": torch.reciprocal(divisor)}
+    weight = _WithInputDivisor(**fields, input_global_scale_divisor=divisor)
+    prepared = prepare_weight(weight, "cpu")
+    assert prepared.divisor
+    x = torch.randn(6, 256) * 3
+    reference = ReferenceKernel()
+    expected = reference.apply(reference.prepare(weight, torch.device("cpu")), x, None)
+    assert_matches(linear(prepared, x), expected.double(), torch.float32, "divisor path")
+
+
+def test_empty_input_and_leading_dimensions() -> None:
+    scheme = load_catalog(include_plugins=False).get("compressed-tensors/NVFP4A16")
+    prepared = prepare_weight(random_weight(scheme, 32, 64), "cpu")
+    assert linear(prepared, torch.zeros(0, 64)).shape == (0, 32)
+    assert linear(prepared, torch.zeros(2, 0, 64, dtype=torch.bfloat16)).shape == (2, 0, 32)
+    assert linear(prepared, torch.randn(64)).shape == (32,)
+
+
+def test_bad_inputs_are_refused_with_the_reason() -> None:
+    scheme = load_catalog(include_plugins=False).get("compressed-tensors/NVFP4A16")
+    prepared = prepare_weight(random_weight(scheme, 32, 64), "cpu")
+    with pytest.raises(QuantizeError, match="input has 63 features, the layer takes K=64"):
+        linear(prepared, torch.randn(2, 63))
+    with pytest.raises(QuantizeError, match=r"float16, bfloat16 or float32 inputs, not torch\.float64"):
+        linear(prepared, torch.randn(2, 64, dtype=torch.float64))
+    with pytest.raises(QuantizeError, match=r"bias has shape \(31,\), expected \[32\]"):
+        linear(prepared, torch.randn(2, 64), torch.randn(31))
+
+
+# --- decoders ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_all(src, dst, FORMAT: tl.constexpr, SCALE: tl.constexpr):
+    offsets = tl.arange(0, 256)
+    codes = tl.load(src + offsets)
+    if SCALE:
+        values = decode_scale(codes, FORMAT)
+    else:
+        values = decode_element(codes, FORMAT)
+    tl.store(dst + offsets, values)
+
+
+def _decoded(codes: torch.Tensor, format_id: int, scale: bool = False) -> torch.Tensor:
+    out = torch.empty(256)
+    _decode_all[(1,)](codes, out, format_id, scale)
+    return out
+
+
+def _same_bits(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    both_nan = actual.isnan() & expected.isnan()
+    return bool(((actual.view(torch.int32) == expected.view(torch.int32)) | both_nan).all())
+
+
+BYTES = torch.arange(256, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("element", ["e2m1", "int4", "uint4", "e4m3", "e5m2", "int8", "uint8"])
+def test_element_decoders_match_the_formats_module_on_every_code(element: str) -> None:
+    if element in ("e2m1", "int4", "uint4"):
+        codes = BYTES & 0xF
+        expected = {
+            "e2m1": decode(codes, "e2m1"),
+            "int4": ((codes.to(torch.int16) ^ 8) - 8).float(),
+            "uint4": codes.float(),
+        }[element]
+    elif element == "int8":
+        codes = BYTES.view(torch.int8)
+        expected = codes.float()
+    else:
+        codes = BYTES
+        expected = decode(codes, element)
+    if element == "e2m1":
+        expected = expected + 0.0  # code 0x8 decodes to +0.0
+    assert _same_bits(_decoded(codes, ELEMENT_IDS[element]), expected)
+
+
+@pytest.mark.parametrize("scale_format", ["e4m3", "e8m0"])
+def test_scale_decoders_match_the_formats_module_on_every_byte(scale_format: str) -> None:
+    assert _same_bits(_decoded(BYTES, SCALE_FORMAT_IDS[scale_format], scale=True), decode(BYTES, scale_format))
+
+
+@triton.jit
+def _decode_words(src, dst, WORDS: tl.constexpr):
+    rows = tl.arange(0, 16)
+    words = tl.load(src + rows[:, None] * WORDS + tl.arange(0, WORDS)[None, :])
+    values = decode_e2m1_words(words, 16, WORDS, False, False)
+    tl.store(dst + rows[:, None] * (8 * WORDS) + tl.arange(0, 8 * WORDS)[None, :], values)
+
+
+def test_e2m1_word_decoder_keeps_the_canonical_nibble_order() -> None:
+    packed = torch.randint(0, 256, (16, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed[0, :8] = torch.tensor([0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE], dtype=torch.uint8)  # all 16 codes
+    out = torch.empty(16, 64)
+    _decode_words[(1,)](packed.view(torch.int32), out, 8)
+    low, high = packed & 0xF, packed >> 4
+    expected = decode(torch.stack([low, high], dim=-1).reshape(16, 64), "e2m1")
+    assert torch.equal(out, expected)  # -0.0 == +0.0

@@ -1,0 +1,72 @@
+"""Reference outputs for the Triton tests: float64 products of the exact emulation."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from qscheme.canonical import CanonicalWeight, dequantize
+from qscheme.emulation import apply_pre_scale, fake_quantize_activation
+
+
+def with_shared_activation_scales(weight: CanonicalWeight) -> CanonicalWeight:
+    """The same layer with every partition's static activation scale set to the first one's."""
+    shared = {}
+    for name in ("input_scale", "input_global_scale"):
+        value = getattr(weight, name)
+        if value is not None:
+            shared[name] = value[:1].expand(value.numel()).clone()
+    return replace(weight, **shared)
+
+
+def reference_output(weight: CanonicalWeight, x: Tensor, bias: Tensor | None = None) -> Tensor:
+    """float64 [..., N]: (pre-scaled, fake-quantized) x @ dequantize(weight)^T (+ bias).
+
+    Activations are quantized per fused partition with that partition's static scales.
+    """
+    values = x.float()
+    if weight.input_pre_scale is not None:
+        values = apply_pre_scale(x, weight.input_pre_scale)
+    w = dequantize(weight).double()
+    activation = weight.scheme.activation
+    partitions = weight.partitions or (weight.n,)
+    outputs = []
+    start = 0
+    for index, size in enumerate(partitions):
+        rows = w[start : start + size]
+        inputs = values
+        if activation is not None:
+            static = {}
+            if weight.input_scale is not None and activation.scale is not None:
+                static["input_scale"] = weight.input_scale.reshape(-1)[index : index + 1]
+            if weight.input_global_scale is not None and activation.global_scale is not None:
+                static["input_global_scale"] = weight.input_global_scale.reshape(-1)[index : index + 1]
+            inputs = fake_quantize_activation(values, activation, **static)
+        outputs.append(inputs.double() @ rows.T)
+        start += size
+    out = torch.cat(outputs, dim=-1)
+    if bias is not None:
+        out = out + bias.double()
+    return out
+
+
+_ULP = {torch.float32: 0.0, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+def assert_matches(actual: Tensor, expected: Tensor, dtype: torch.dtype, what: str = "") -> None:
+    """``actual`` (in ``dtype``) equals the float64 ``expected`` up to float32 accumulation
+    (1e-5 of the output's largest magnitude) plus one unit in the last place of ``dtype``."""
+    assert actual.dtype == dtype, f"{what}: output dtype {actual.dtype}, expected {dtype}"
+    assert actual.shape == expected.shape, (
+        f"{what}: output shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    )
+    error = (actual.double() - expected).abs()
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    allowed = 1e-5 * scale + _ULP[dtype] * expected.abs()
+    worst = float((error - allowed).max()) if expected.numel() else 0.0
+    assert worst <= 0, (
+        f"{what}: max error {float(error.max()):.3e} exceeds the tolerance "
+        f"(output scale {scale:.3e}, dtype {dtype}) by {worst:.3e}"
+    )
