@@ -1,10 +1,11 @@
 """The Triton fallback kernel's declaration (its code is ``qscheme_plugins.triton_kernel``).
 
 Weight-only for every weight family (e2m1 with e4m3/e8m0/float scales, int4/uint4 with zero
-points, int8, fp8), plus NVFP4 x NVFP4; one global scale per fused partition; 16-bit and fp32
-activations. Runs on CUDA compute capability 8.0 or newer, on ROCm, and on a CPU only under
-the Triton interpreter (TRITON_INTERPRET=1). Until the implementation module exists the
-resolver rejects this kernel at stage device, naming the missing implementation.
+points, int8, fp8), plus the activation-quantized pairs deployed kernels run: NVFP4 x NVFP4,
+FP8 x FP8 (static per tensor, dynamic per token, dynamic per group of 128), int8 x int8 per
+token and MXFP4 x MXFP4; one global scale per fused partition; 16-bit and fp32 activations.
+NVFP4 weights with FP8 activations are deliberately not claimed. Runs on CUDA compute capability
+8.0 or newer, on ROCm, and on a CPU only under the Triton interpreter (TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -39,6 +40,28 @@ TRITON = KernelDeclaration(
             granularities=("group",),
             group_sizes=(16,),
             scale_formats=("e4m3",),
+            per_partition_scales=True,
+            input_pre_scale=True,
+        ),
+        Supports(
+            weights=("fp8",),
+            activations=(
+                ActivationSupport("fp8", "tensor", dynamic=False),
+                ActivationSupport("fp8", "token", dynamic=True),
+                ActivationSupport("fp8", "group", 128, dynamic=True),
+            ),
+            per_partition_scales=True,
+            input_pre_scale=True,
+        ),
+        Supports(
+            weights=("int8",),
+            activations=(ActivationSupport("int8", "token", dynamic=True),),
+            per_partition_scales=True,
+            input_pre_scale=True,
+        ),
+        Supports(
+            weights=("mxfp4",),
+            activations=(ActivationSupport("mxfp4", "group", 32, dynamic=True),),
             per_partition_scales=True,
             input_pre_scale=True,
         ),

@@ -55,16 +55,18 @@ EXPECTED: list[tuple[str, str, str | None]] = [
     ("compressed-tensors/W4A16_ASYM", "sm90", "marlin"),
     ("compressed-tensors/W4A16", "cpu", "reference"),
     ("modelopt/fp8_pb_wo", "sm90", "triton"),  # Marlin takes per-tensor/channel fp8 scales, not blocks
-    # MXFP4 W4A4: native on Blackwell, else only the reference emulates MXFP4 activations.
+    # MXFP4 W4A4: native on Blackwell, else Triton quantizes the activations itself.
     ("compressed-tensors/MXFP4", "sm100", "native_fp4"),
-    ("compressed-tensors/MXFP4", "sm90", "reference"),
+    ("compressed-tensors/MXFP4", "sm90", "triton"),
+    ("compressed-tensors/MXFP4", "cpu", "reference"),
     ("modelopt/mxfp4", "sm120", "native_fp4"),
-    # Activation-quantized FP8 and int8: no declared GPU kernel yet, the reference emulates them.
-    ("compressed-tensors/FP8", "sm90", "reference"),
-    ("compressed-tensors/FP8_DYNAMIC", "sm89", "reference"),
-    ("compressed-tensors/FP8_BLOCK", "sm100", "reference"),
-    ("compressed-tensors/W8A8", "sm80", "reference"),
-    ("modelopt/FP8", "sm90", "reference"),
+    # Activation-quantized FP8 and int8: Triton on CUDA 8.0+, the reference emulation on a CPU.
+    ("compressed-tensors/FP8", "sm90", "triton"),
+    ("compressed-tensors/FP8_DYNAMIC", "sm89", "triton"),
+    ("compressed-tensors/FP8_BLOCK", "sm100", "triton"),
+    ("compressed-tensors/W8A8", "sm80", "triton"),
+    ("compressed-tensors/W8A8", "cpu", "reference"),
+    ("modelopt/FP8", "sm90", "triton"),
     # AWQ with an always-present pre-scale would exclude Marlin; its pre-scale is optional.
     ("modelopt/W4A16_AWQ", "sm90", "marlin"),
     # NVFP4 weights with FP8 inputs: no kernel, anywhere.
