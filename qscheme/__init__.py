@@ -20,6 +20,8 @@ from qscheme.errors import (
 if TYPE_CHECKING:
     from qscheme.checkpoint.load import Checkpoint, load_checkpoint
     from qscheme.checkpoint.model import apply_to_model
+    from qscheme.dequantize import dequantize_weight
+    from qscheme.quantize import quantize_weight
     from qscheme.linear import QuantLinear
 
 __version__ = "0.1.0"
@@ -39,7 +41,9 @@ __all__ = [
     "UsageError",
     "__version__",
     "apply_to_model",
+    "dequantize_weight",
     "load_checkpoint",
+    "quantize_weight",
     "load_catalog",
     "load_scheme",
     "parse_scheme_file",
@@ -53,6 +57,8 @@ _LAZY: dict[str, str] = {
     "Checkpoint": "qscheme.checkpoint.load",
     "load_checkpoint": "qscheme.checkpoint.load",
     "apply_to_model": "qscheme.checkpoint.model",
+    "quantize_weight": "qscheme.quantize",
+    "dequantize_weight": "qscheme.dequantize",
 }
 
 

@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# Install, then run the main job on the shipped example.
+# Install, then run the main job on the shipped examples: detect, resolve and run every
+# quantized layer of (1) a checkpoint exported by NVIDIA ModelOpt itself (tests/fixtures) and
+# (2) a small NVFP4 checkpoint in compressed-tensors form that qscheme's example generator writes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 . .venv/bin/activate
 set -x
-qscheme schemes
-qscheme show compressed-tensors/NVFP4
+qscheme inspect tests/fixtures/modelopt/nvfp4
+qscheme resolve tests/fixtures/modelopt/nvfp4 --device sm90
+qscheme run tests/fixtures/modelopt/nvfp4
+python -m qscheme.examples.make_checkpoint out/tiny-nvfp4
+qscheme inspect out/tiny-nvfp4
+qscheme resolve out/tiny-nvfp4 --device sm100
+qscheme run out/tiny-nvfp4

@@ -9,6 +9,7 @@ library picks for the preset (compress_module).
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -57,10 +58,10 @@ def ct_quantize(weight: Tensor, preset: str, global_scale: Tensor | None = None)
     """The compressed state dict of a Linear with this weight, and the preset's QuantizationScheme."""
     n, k = weight.shape
     model = nn.Sequential(nn.Linear(k, n, bias=False, dtype=weight.dtype))
-    model[0].weight.data.copy_(weight)
+    model[0].weight.data.copy_(weight)  # type: ignore[operator]
     config = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])})
     apply_quantization_config(model, config, show_progress=False)
-    layer = model[0]
+    layer: Any = model[0]
     args = layer.quantization_scheme.weights
     if args.strategy == "tensor_group":
         if global_scale is None:

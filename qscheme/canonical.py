@@ -1,0 +1,384 @@
+"""Canonical layer tensors: one form per format family, free of producer names and conventions.
+
+Kernels see only ``CanonicalWeight``. The conversion from checkpoint tensors (keyed by their
+checkpoint names, as a scheme declares them) is here, and so is the exact reference
+dequantization that every kernel is tested against.
+
+Canonical form
+--------------
+- ``codes``: 4-bit elements (e2m1, int4, uint4) as uint8 [N, ceil(K/2)], two per byte along K,
+  element 2j in the low nibble (int4 as a two's-complement nibble); 8-bit elements as [N, K] in
+  their storage dtype (float8_e4m3fn, float8_e5m2, int8, uint8).
+- ``scale``: dequant multipliers in the stored element type (float8_e4m3fn, e8m0 bytes as
+  uint8, or a float dtype): group [N, ceil(K/G)], channel [N, 1], block
+  [ceil(N/R), ceil(K/C)], tensor [P] (one per fused partition).
+- ``global_scale``: float32 [P] dequant multipliers, one per fused partition (None if the scheme
+  has none). ``global_scale_divisor`` keeps the stored divisor when the file stored the
+  reciprocal, only so that the reference dequantization reproduces the producer's rounding
+  (block_scale / divisor) bit for bit; kernels use ``global_scale``.
+- ``zero_point``: int8 [N, ceil(K/G)] (same layout as a group scale), or None.
+- ``partitions``: output sizes of fused partitions, summing to N (``(N,)`` for a plain layer).
+- ``input_scale`` / ``input_global_scale``: float32 [P] multipliers of static activation scales.
+- ``input_pre_scale``: [K] float multiplier applied to the input before anything else (AWQ).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qscheme.descriptor import Scheme
+from qscheme.errors import QuantizeError
+from qscheme.formats import (
+    decode,
+    pack_fp4_k,
+    unpack_int4_n,
+    unpack_int32_k,
+    unpack_int32_n,
+)
+
+FOUR_BIT = ("e2m1", "int4", "uint4")
+
+
+@dataclass(frozen=True)
+class CanonicalWeight:
+    """The kernel-facing tensors of one linear layer (see the module docstring)."""
+
+    scheme: Scheme
+    n: int
+    k: int
+    codes: Tensor
+    scale: Tensor
+    global_scale: Tensor | None = None
+    global_scale_divisor: Tensor | None = None
+    zero_point: Tensor | None = None
+    partitions: tuple[int, ...] = ()
+    input_scale: Tensor | None = None
+    input_global_scale: Tensor | None = None
+    input_pre_scale: Tensor | None = None
+
+    @property
+    def num_partitions(self) -> int:
+        return len(self.partitions)
+
+    def kernel_tensors(self) -> dict[str, Tensor]:
+        """The tensors a kernel consumes (excludes the exact-rounding provenance)."""
+        fields = {
+            "codes": self.codes,
+            "scale": self.scale,
+            "global_scale": self.global_scale,
+            "zero_point": self.zero_point,
+            "input_scale": self.input_scale,
+            "input_global_scale": self.input_global_scale,
+            "input_pre_scale": self.input_pre_scale,
+        }
+        return {name: value for name, value in fields.items() if value is not None}
+
+    def to(self, device: torch.device | str) -> CanonicalWeight:
+        """The same tensors on another device."""
+        moved: dict[str, Any] = {
+            name: (value.to(device) if isinstance(value, Tensor) else value) for name, value in self.__dict__.items()
+        }
+        return replace(self, **moved)
+
+
+def _as_multiplier(value: Tensor, stored: str) -> Tensor:
+    """A float32 multiplier from a stored scale (reciprocal conventions are inverted)."""
+    value = value.to(torch.float32)
+    return value if stored == "multiplier" else torch.reciprocal(value)
+
+
+def _per_partition(value: Tensor) -> Tensor:
+    return value.reshape(-1).to(torch.float32)
+
+
+def layer_shape(scheme: Scheme, tensors: Mapping[str, Tensor]) -> tuple[int, int]:
+    """N, K of a layer from its stored weight (and weight_shape where declared)."""
+    weight = scheme.weight
+    stored = tensors[weight.tensor.name]
+    if weight.shape_tensor is not None and weight.shape_tensor.name in tensors:
+        n, k = (int(v) for v in tensors[weight.shape_tensor.name].reshape(-1).tolist())
+        return n, k
+    rows, columns = stored.shape[0], stored.shape[-1]
+    if weight.packing == "nibbles_k":
+        return rows, columns * 2
+    if weight.packing == "int4_n":
+        return rows * 2, columns
+    if weight.packing == "int32_k":
+        return rows, columns * 8
+    return rows, columns
+
+
+def canonicalize(
+    scheme: Scheme, tensors: Mapping[str, Tensor], n: int | None = None, k: int | None = None
+) -> CanonicalWeight:
+    """Checkpoint tensors (by checkpoint name) of one layer -> CanonicalWeight.
+
+    The tensors must already have been validated against the scheme (names, dtypes, shapes).
+    """
+    weight = scheme.weight
+    if weight.tensor.name not in tensors:
+        raise QuantizeError(f"scheme {scheme.name}: tensor {weight.tensor.name!r} is missing")
+    if n is None or k is None:
+        n, k = layer_shape(scheme, tensors)
+    stored = tensors[weight.tensor.name]
+
+    if weight.packing == "nibbles_k":
+        codes = stored.to(torch.uint8)
+    elif weight.packing == "int32_k":
+        codes = _int32_k_to_codes(stored, weight.format, k)
+    elif weight.packing == "int4_n":
+        codes = _int_to_codes(unpack_int4_n(stored, n), weight.format)
+    else:
+        codes = stored
+    if weight.format in FOUR_BIT and codes.shape != (n, (k + 1) // 2):
+        raise QuantizeError(f"scheme {scheme.name}: codes of shape {tuple(codes.shape)} do not fit N={n}, K={k}")
+
+    scale_spec = weight.scale
+    scale = tensors[scale_spec.tensor.name]
+    if scale_spec.granularity == "block":
+        assert scale_spec.block is not None
+        rows, cols = -(-n // scale_spec.block[0]), -(-k // scale_spec.block[1])
+        if scale.numel() != rows * cols:
+            raise QuantizeError(
+                f"scheme {scheme.name}: block scale {scale_spec.tensor.name!r} has {scale.numel()} values, "
+                f"expected {rows}x{cols} for a {n}x{k} weight in {scale_spec.block[0]}x{scale_spec.block[1]} blocks"
+            )
+        scale = scale.reshape(rows, cols)
+    elif scale_spec.granularity == "tensor":
+        scale = scale.reshape(1)
+    elif scale_spec.granularity == "channel":
+        scale = scale.reshape(n, 1)
+    if scale_spec.stored == "reciprocal":
+        scale = torch.reciprocal(scale.to(torch.float32))
+
+    global_scale = divisor = None
+    if weight.global_scale is not None:
+        raw = tensors[weight.global_scale.tensor.name]
+        global_scale = _per_partition(_as_multiplier(raw, weight.global_scale.stored))
+        if weight.global_scale.stored == "reciprocal":
+            divisor = _per_partition(raw)
+
+    zero_point = None
+    if weight.zero_point is not None:
+        raw_zp = tensors[weight.zero_point.tensor.name]
+        if weight.zero_point.packing == "int32_n":
+            bits = 4 if weight.zero_point.format in FOUR_BIT else 8
+            zero_point = unpack_int32_n(raw_zp, bits, n)
+            if weight.zero_point.format.startswith("uint"):  # unsigned values are stored as they are
+                zero_point = (zero_point.to(torch.int16) + (1 << (bits - 1))).to(torch.int8)
+        else:
+            zero_point = raw_zp.to(torch.int8)
+        zero_point = zero_point.reshape(scale.shape)
+
+    input_scale = input_global = pre_scale = None
+    activation = scheme.activation
+    if activation is not None and activation.scale is not None and activation.scale.tensor.name in tensors:
+        input_scale = _per_partition(_as_multiplier(tensors[activation.scale.tensor.name], activation.scale.stored))
+    if activation is not None and activation.global_scale is not None:
+        name = activation.global_scale.tensor.name
+        if name in tensors:
+            input_global = _per_partition(_as_multiplier(tensors[name], activation.global_scale.stored))
+    if scheme.input_pre_scale is not None and scheme.input_pre_scale.name in tensors:
+        pre_scale = tensors[scheme.input_pre_scale.name].reshape(-1)
+
+    return CanonicalWeight(
+        scheme=scheme,
+        n=n,
+        k=k,
+        codes=codes,
+        scale=scale,
+        global_scale=global_scale,
+        global_scale_divisor=divisor,
+        zero_point=zero_point,
+        partitions=(n,),
+        input_scale=input_scale,
+        input_global_scale=input_global,
+        input_pre_scale=pre_scale,
+    )
+
+
+def _int_to_codes(values: Tensor, element: str) -> Tensor:
+    """Integer values [N, K] of ``element`` (int4 in [-8, 7], uint4 in [0, 15], ...) -> canonical codes."""
+    if element in ("int4", "uint4"):
+        return pack_fp4_k((values.to(torch.int16) & 0xF).to(torch.uint8))
+    if element == "int8":
+        return values.to(torch.int8)
+    return values.to(torch.uint8)
+
+
+def _int32_k_to_codes(stored: Tensor, element: str, k: int) -> Tensor:
+    """compressed-tensors ``pack-quantized`` words -> canonical codes.
+
+    Signed values are stored offset by 2**(bits-1) and unsigned ones as they are. With 4 or 8
+    bits no value straddles a byte, so on a little-endian host the words' bytes already hold
+    the values in order (element 2j in the low nibble): flipping the offset bit of every
+    value turns offset binary into two's complement without unpacking.
+    """
+    bits = 4 if element in FOUR_BIT else 8
+    signed = not element.startswith("uint")
+    if sys.byteorder == "little" and stored.dtype == torch.int32 and stored.ndim == 2:
+        width = -(-k // 2) if bits == 4 else k
+        raw = stored.contiguous().view(torch.uint8)
+        if raw.shape[-1] >= width:
+            codes = raw[:, :width]
+            codes = codes ^ (0x88 if bits == 4 else 0x80) if signed else codes.clone()
+            if bits == 4 and k % 2:
+                codes[:, -1] &= 0x0F  # the padding nibble of an odd K is zero in canonical codes
+            return codes.view(torch.int8) if element == "int8" else codes
+    values = unpack_int32_k(stored, bits, k)  # signed: stored value - 2**(bits-1)
+    if not signed:
+        values = values.to(torch.int16) + (1 << (bits - 1))
+    return _int_to_codes(values, element)
+
+
+# Decoded values of both nibbles of every byte, per 4-bit element format: [256, 2] float32.
+def _nibble_pair_table(element: str) -> Tensor:
+    nibbles = torch.arange(16, dtype=torch.uint8)
+    if element == "int4":
+        values = ((nibbles.to(torch.int16) ^ 8) - 8).to(torch.float32)
+    elif element == "uint4":
+        values = nibbles.to(torch.float32)
+    else:
+        values = decode(nibbles, element)
+    low = values.repeat(16)  # byte b: low nibble b & 15
+    high = values.repeat_interleave(16)  # high nibble b >> 4
+    return torch.stack((low, high), dim=1).contiguous()
+
+
+_NIBBLE_PAIR_TABLES: dict[tuple[str, torch.device], Tensor] = {}
+
+
+def _decode_nibbles(codes: Tensor, element: str, k: int) -> Tensor:
+    """uint8 [rows, ceil(k/2)] of two 4-bit codes -> float32 [rows, k]."""
+    key = (element, codes.device)
+    if key not in _NIBBLE_PAIR_TABLES:
+        _NIBBLE_PAIR_TABLES[key] = _nibble_pair_table(element).to(codes.device)
+    table = _NIBBLE_PAIR_TABLES[key]
+    pairs = table.index_select(0, codes.reshape(-1).to(torch.int32))
+    return pairs.view(codes.shape[0], -1)[:, :k]
+
+
+def _decode_rows(weight: CanonicalWeight, rows: slice) -> Tensor:
+    element = weight.scheme.weight.format
+    if element in FOUR_BIT:
+        return _decode_nibbles(weight.codes[rows], element, weight.k)
+    return weight.codes[rows].to(torch.float32)
+
+
+def element_values(weight: CanonicalWeight) -> Tensor:
+    """The decoded elements as float32 [N, K] (before zero points and scales); e2m1's negative
+    zero (code 0x8) decodes to +0.0."""
+    return _decode_rows(weight, slice(0, weight.n))
+
+
+def _expand_rows(per_partition: Tensor, partitions: tuple[int, ...]) -> Tensor:
+    """[P] -> [N, 1] by repeating each partition's value over its rows."""
+    sizes = torch.tensor(partitions, device=per_partition.device)
+    return per_partition.repeat_interleave(sizes).reshape(-1, 1)
+
+
+def effective_scale(weight: CanonicalWeight) -> Tensor:
+    """float32 scale in its own layout with the global scale folded in as the producer does.
+
+    For a stored divisor this is ``block_scale / divisor`` and for a multiplier
+    ``block_scale * multiplier``, each rounded once in float32, exactly as compressed-tensors
+    and ModelOpt compute it.
+    """
+    spec = weight.scheme.weight.scale
+    if spec.format == "e8m0":
+        scale = decode(weight.scale, "e8m0")
+    else:
+        scale = weight.scale.to(torch.float32)
+    if weight.global_scale is None:
+        if spec.granularity == "tensor":
+            return _expand_rows(scale.expand(len(weight.partitions)), weight.partitions)
+        return scale
+    rows = _global_rows(weight, scale)
+    if weight.global_scale_divisor is not None:
+        return scale / rows(weight.global_scale_divisor)
+    return scale * rows(weight.global_scale)
+
+
+def _global_rows(weight: CanonicalWeight, scale: Tensor):  # type: ignore[no-untyped-def]
+    spec = weight.scheme.weight.scale
+    if spec.granularity in ("group", "channel"):
+        return lambda value: _expand_rows(value, weight.partitions)
+    if len(weight.partitions) != 1:
+        raise QuantizeError(
+            f"scheme {weight.scheme.name}: per-partition global scales need a group or channel scale, "
+            f"not {spec.granularity!r}"
+        )
+    return lambda value: value.reshape(1)
+
+
+def _scale_tile(weight: CanonicalWeight, scale: Tensor) -> tuple[int, int]:
+    """Weight rows and columns under one element of ``effective_scale``'s result."""
+    spec = weight.scheme.weight.scale
+    if spec.granularity == "group":
+        assert spec.group_size is not None
+        return 1, spec.group_size
+    if spec.granularity == "block":
+        assert spec.block is not None
+        return spec.block
+    return 1, weight.k  # channel, or tensor scales as one per row
+
+
+def _expand(value: Tensor, tile: tuple[int, int], rows: slice, k: int) -> Tensor:
+    """The per-tile ``value`` over weight rows ``rows`` as [rows, k] (or broadcastable)."""
+    tile_rows, tile_columns = tile
+    first, last = rows.start // tile_rows, -(-rows.stop // tile_rows)
+    part = value[first:last]
+    if tile_rows > 1:
+        offset = rows.start - first * tile_rows
+        part = part.repeat_interleave(tile_rows, dim=0)[offset : offset + rows.stop - rows.start]
+    if part.shape[-1] == 1:
+        return part
+    return part.repeat_interleave(tile_columns, dim=1)[:, :k]
+
+
+def dequantize(weight: CanonicalWeight) -> Tensor:
+    """The float32 [N, K] weight, bit-identical to the producer's own float32 dequantization.
+
+    ``(element - zero_point) * effective_scale``, one rounding, computed slab by slab of rows
+    (see qscheme.quantize.slabs; imported here, not at the top, to keep this core module's
+    imports free of the quantize package).
+    """
+    from qscheme.quantize import slabs
+
+    with slabs.single_threaded_caller():
+        return _dequantize_slabs(weight, slabs)
+
+
+def _dequantize_slabs(weight: CanonicalWeight, slabs: types.ModuleType) -> Tensor:
+    n, k = weight.n, weight.k
+    scale = effective_scale(weight)
+    if weight.scheme.weight.scale.granularity == "tensor" and scale.numel() == 1:
+        scale = scale.reshape(1, 1).expand(n, 1)  # one scale, broadcast as one per row
+    tile = _scale_tile(weight, scale)
+    zero = None if weight.zero_point is None else weight.zero_point.to(torch.float32)
+    out = torch.empty(n, k, dtype=torch.float32, device=weight.codes.device)
+    # group scales over whole groups multiply through a view, without expanding the scale
+    grouped = tile[0] == 1 and tile[1] < k and k % tile[1] == 0
+
+    def work(rows: slice) -> None:
+        values = _decode_rows(weight, rows)
+        if grouped:
+            groups = (rows.stop - rows.start, k // tile[1], tile[1])
+            values = values.reshape(groups)
+            if zero is not None:
+                values = values - zero[rows].unsqueeze(-1)
+            torch.mul(values, scale[rows].unsqueeze(-1), out=out[rows].view(groups))
+            return
+        if zero is not None:
+            values = values - _expand(zero, tile, rows, k)
+        torch.mul(values, _expand(scale, tile, rows, k), out=out[rows])
+
+    slabs.run_slabs(work, slabs.slabs_for(out.device, n, k, tile[0]), out.device)
+    return out
