@@ -63,7 +63,7 @@ def _partition_value(values: Tensor | None, index: int) -> Tensor | None:
 
 def input_scalings(weight: CanonicalWeight, device: torch.device) -> tuple[InputScaling, ...]:
     """One InputScaling per run of adjacent partitions that share their static input scales."""
-    divisor = getattr(weight, "input_global_scale_divisor", None)
+    divisor = weight.input_global_scale_divisor
     partitions = weight.partitions or (weight.n,)
     runs: list[InputScaling] = []
     start = 0

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from qscheme.checkpoint.load import Checkpoint, load_checkpoint
     from qscheme.checkpoint.model import apply_to_model
     from qscheme.dequantize import dequantize_weight
-    from qscheme.quantize import quantize_weight
     from qscheme.linear import QuantLinear
+    from qscheme.quantize import quantize_weight
 
 __version__ = "0.1.0"
 
@@ -42,12 +42,12 @@ __all__ = [
     "__version__",
     "apply_to_model",
     "dequantize_weight",
-    "load_checkpoint",
-    "quantize_weight",
     "load_catalog",
+    "load_checkpoint",
     "load_scheme",
     "parse_scheme_file",
     "parse_scheme_text",
+    "quantize_weight",
 ]
 
 

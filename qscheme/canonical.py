@@ -18,7 +18,9 @@ Canonical form
   (block_scale / divisor) bit for bit; kernels use ``global_scale``.
 - ``zero_point``: int8 [N, ceil(K/G)] (same layout as a group scale), or None.
 - ``partitions``: output sizes of fused partitions, summing to N (``(N,)`` for a plain layer).
-- ``input_scale`` / ``input_global_scale``: float32 [P] multipliers of static activation scales.
+- ``input_scale`` / ``input_global_scale``: float32 [P] multipliers of static activation scales;
+  ``input_global_scale_divisor`` keeps a stored divisor, as ``global_scale_divisor`` does, so
+  that activation emulation rounds exactly as compressed-tensors does.
 - ``input_pre_scale``: [K] float multiplier applied to the input before anything else (AWQ).
 """
 
@@ -61,6 +63,7 @@ class CanonicalWeight:
     partitions: tuple[int, ...] = ()
     input_scale: Tensor | None = None
     input_global_scale: Tensor | None = None
+    input_global_scale_divisor: Tensor | None = None
     input_pre_scale: Tensor | None = None
 
     @property
@@ -177,7 +180,7 @@ def canonicalize(
             zero_point = raw_zp.to(torch.int8)
         zero_point = zero_point.reshape(scale.shape)
 
-    input_scale = input_global = pre_scale = None
+    input_scale = input_global = input_divisor = pre_scale = None
     activation = scheme.activation
     if activation is not None and activation.scale is not None and activation.scale.tensor.name in tensors:
         input_scale = _per_partition(_as_multiplier(tensors[activation.scale.tensor.name], activation.scale.stored))
@@ -185,6 +188,8 @@ def canonicalize(
         name = activation.global_scale.tensor.name
         if name in tensors:
             input_global = _per_partition(_as_multiplier(tensors[name], activation.global_scale.stored))
+            if activation.global_scale.stored == "reciprocal":
+                input_divisor = _per_partition(tensors[name])
     if scheme.input_pre_scale is not None and scheme.input_pre_scale.name in tensors:
         pre_scale = tensors[scheme.input_pre_scale.name].reshape(-1)
 
@@ -200,6 +205,7 @@ def canonicalize(
         partitions=(n,),
         input_scale=input_scale,
         input_global_scale=input_global,
+        input_global_scale_divisor=input_divisor,
         input_pre_scale=pre_scale,
     )
 

@@ -108,9 +108,8 @@ class _Module(torch.nn.Module):
 def test_activation_emulation_is_bit_identical_to_compressed_tensors(scheme_name: str) -> None:
     scheme = builtin_scheme(scheme_name)
     # compressed-tensors stores NVFP4's input global scale as a divisor (2688 / amax) and rounds
-    # with it; until CanonicalWeight carries that divisor (as it does the weight's), only a
-    # power-of-two amax keeps the reciprocal exact so that both orders of operations agree.
-    amax = 5.37 if "input_global_scale_divisor" in CanonicalWeight.__dataclass_fields__ else 4.0
+    # with it; CanonicalWeight carries that divisor, so a non-power-of-two amax must agree too.
+    amax = 5.37
     weight = canonicalize(scheme, layer_tensors(scheme, n=32, k=256, input_amax=amax))
     kernel = ReferenceKernel()
     state = kernel.prepare(weight, CPU)
@@ -124,7 +123,7 @@ def test_activation_emulation_is_bit_identical_to_compressed_tensors(scheme_name
     if weight.input_scale is not None:
         module.input_scale = torch.nn.Parameter(weight.input_scale.clone(), requires_grad=False)
     if weight.input_global_scale is not None:
-        divisor = getattr(weight, "input_global_scale_divisor", None)
+        divisor = weight.input_global_scale_divisor
         stored = divisor if divisor is not None else torch.reciprocal(weight.input_global_scale)
         module.input_global_scale = torch.nn.Parameter(stored.clone(), requires_grad=False)
     theirs = forward_quantize(module, x.clone(), "input", args)

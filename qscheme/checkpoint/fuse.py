@@ -156,6 +156,7 @@ def concatenate(members: Sequence[CanonicalWeight]) -> CanonicalWeight:
         partitions=partitions,
         input_scale=_cat([m.input_scale for m in members]),
         input_global_scale=_cat([m.input_global_scale for m in members]),
+        input_global_scale_divisor=_cat([m.input_global_scale_divisor for m in members]),
         input_pre_scale=first.input_pre_scale,
     )
 
@@ -169,7 +170,13 @@ def _unify_inputs(fused: CanonicalWeight) -> tuple[CanonicalWeight, str]:
         notes.append(f"input_scale unified to the largest multiplier {float(value.max()):.6g} (lossy)")
     value = fused.input_global_scale
     if value is not None and not bool((value == value[0]).all()):
-        fused = replace(fused, input_global_scale=torch.full_like(value, float(value.max())))
+        top = int(value.argmax())
+        divisor = fused.input_global_scale_divisor
+        fused = replace(
+            fused,
+            input_global_scale=torch.full_like(value, float(value.max())),
+            input_global_scale_divisor=None if divisor is None else divisor[top].repeat(len(value)),
+        )
         notes.append(f"input_global_scale unified to the largest multiplier {float(value.max()):.6g} (lossy)")
     return fused, "; ".join(notes)
 
