@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from qscheme.kernels.declaration import (
     ANY_DEVICE,
+    DEPLOYED_ACTIVATION_PAIRS,
     WEIGHT_ONLY,
     ActivationDtypes,
     ActivationSupport,
@@ -39,28 +40,7 @@ REFERENCE = KernelDeclaration(
             per_partition_scales=True,
             input_pre_scale=True,
         ),
-        Supports(
-            weights=("fp8",),
-            activations=(
-                ActivationSupport("fp8", "tensor", dynamic=False),
-                ActivationSupport("fp8", "token", dynamic=True),
-                ActivationSupport("fp8", "group", 128, dynamic=True),
-            ),
-            per_partition_scales=True,
-            input_pre_scale=True,
-        ),
-        Supports(
-            weights=("int8",),
-            activations=(ActivationSupport("int8", "token", dynamic=True),),
-            per_partition_scales=True,
-            input_pre_scale=True,
-        ),
-        Supports(
-            weights=("mxfp4",),
-            activations=(ActivationSupport("mxfp4", "group", 32, dynamic=True),),
-            per_partition_scales=True,
-            input_pre_scale=True,
-        ),
+        *DEPLOYED_ACTIVATION_PAIRS,
     ),
     devices=(DeviceSupport(ANY_DEVICE),),
     implementation="qscheme_plugins.reference_kernel:ReferenceKernel",

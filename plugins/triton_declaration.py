@@ -11,6 +11,7 @@ NVFP4 weights with FP8 activations are deliberately not claimed. Runs on CUDA co
 from __future__ import annotations
 
 from qscheme.kernels.declaration import (
+    DEPLOYED_ACTIVATION_PAIRS,
     WEIGHT_ONLY,
     ActivationDtypes,
     ActivationSupport,
@@ -43,28 +44,7 @@ TRITON = KernelDeclaration(
             per_partition_scales=True,
             input_pre_scale=True,
         ),
-        Supports(
-            weights=("fp8",),
-            activations=(
-                ActivationSupport("fp8", "tensor", dynamic=False),
-                ActivationSupport("fp8", "token", dynamic=True),
-                ActivationSupport("fp8", "group", 128, dynamic=True),
-            ),
-            per_partition_scales=True,
-            input_pre_scale=True,
-        ),
-        Supports(
-            weights=("int8",),
-            activations=(ActivationSupport("int8", "token", dynamic=True),),
-            per_partition_scales=True,
-            input_pre_scale=True,
-        ),
-        Supports(
-            weights=("mxfp4",),
-            activations=(ActivationSupport("mxfp4", "group", 32, dynamic=True),),
-            per_partition_scales=True,
-            input_pre_scale=True,
-        ),
+        *DEPLOYED_ACTIVATION_PAIRS,
     ),
     devices=(
         DeviceSupport("cuda", capabilities=(CapabilityRange((8, 0)),)),

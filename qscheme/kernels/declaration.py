@@ -213,6 +213,36 @@ class Supports:
         return f"{weights} x {', '.join(a.describe() for a in self.activations)}"
 
 
+# The activation-quantized pairs that deployed W8A8-style kernels run besides NVFP4 x NVFP4 (whose
+# block-scale limits differ per kernel): FP8 x FP8 static per tensor, dynamic per token and per
+# group of 128; int8 x int8 per token; MXFP4 x MXFP4. A kernel implementing all of them (with
+# per-partition scales and AWQ pre-scales) lists these entries as they are.
+DEPLOYED_ACTIVATION_PAIRS: tuple[Supports, ...] = (
+    Supports(
+        weights=("fp8",),
+        activations=(
+            ActivationSupport("fp8", "tensor", dynamic=False),
+            ActivationSupport("fp8", "token", dynamic=True),
+            ActivationSupport("fp8", "group", 128, dynamic=True),
+        ),
+        per_partition_scales=True,
+        input_pre_scale=True,
+    ),
+    Supports(
+        weights=("int8",),
+        activations=(ActivationSupport("int8", "token", dynamic=True),),
+        per_partition_scales=True,
+        input_pre_scale=True,
+    ),
+    Supports(
+        weights=("mxfp4",),
+        activations=(ActivationSupport("mxfp4", "group", 32, dynamic=True),),
+        per_partition_scales=True,
+        input_pre_scale=True,
+    ),
+)
+
+
 @dataclass(frozen=True)
 class CheckResult:
     """The outcome of one problem check: ok, or the reason it failed and what would fix it."""
