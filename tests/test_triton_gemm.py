@@ -4,7 +4,7 @@ for YAML-only schemes, on ragged shapes with fused partitions and 16/32-bit acti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +14,6 @@ import triton.language as tl
 from qscheme_plugins.reference_kernel import ReferenceKernel
 from triton_samples import assert_matches, reference_output, with_shared_activation_scales
 
-from qscheme.canonical import CanonicalWeight
 from qscheme.catalog import load_catalog
 from qscheme.descriptor import Scheme, parse_scheme_file
 from qscheme.errors import QuantizeError
@@ -106,19 +105,11 @@ def test_partitions_with_different_input_scales_quantize_the_input_per_partition
     _check(scheme, shared, torch.randn(4, 128), None)
 
 
-@dataclass(frozen=True)
-class _WithInputDivisor(CanonicalWeight):
-    """A layer that also keeps compressed-tensors' stored input global scale (a divisor)."""
-
-    input_global_scale_divisor: torch.Tensor | None = None
-
-
 def test_nvfp4_input_divisor_reproduces_compressed_tensors_rounding() -> None:
     scheme = load_catalog(include_plugins=False).get("compressed-tensors/NVFP4")
     sample = random_weight(scheme, 64, 256, seed=4)
     divisor = torch.tensor([2688.0 / 3.7])
-    fields = {**sample.__dict__, "input_global_scale": torch.reciprocal(divisor)}
-    weight = _WithInputDivisor(**fields, input_global_scale_divisor=divisor)
+    weight = replace(sample, input_global_scale=torch.reciprocal(divisor), input_global_scale_divisor=divisor)
     prepared = prepare_weight(weight, "cpu")
     assert prepared.divisor
     x = torch.randn(6, 256) * 3
