@@ -13,4 +13,4 @@ mypy qscheme plugins
 echo "== wheel"
 bash scripts/check-wheel.sh
 echo "== pytest"
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -p no:cacheprovider "$@"
