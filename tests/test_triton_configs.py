@@ -71,3 +71,16 @@ def test_without_autotuning_the_heuristic_is_used(monkeypatch: pytest.MonkeyPatc
 
     chosen = configs.choose_config("k2", 1, 4096, 4096, 4, 2, H100, never)
     assert chosen == heuristic_config(1, 4096, 4096, 4, 2, H100)
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (8192, 8192), (14336, 4096), (4096, 14336)])
+def test_wide_decode_keeps_64_columns_and_splits_k(m: int, n: int, k: int) -> None:
+    config = heuristic_config(m, n, k, weight_bits=4, input_bytes=2, device=H100, wide_decode=True)
+    assert (config.block_m, config.block_n) == (16, 64)
+    assert config == heuristic_config(16, n, k, weight_bits=4, input_bytes=2, device=H100, wide_decode=True)
+    assert -(-n // config.block_n) * config.split_k >= H100.multiprocessors
+    assert 2 * config.split_k * 16 * n * 4 <= n * k // 2 // 4  # a quarter of the weight's bytes
+    assert -(-k // config.block_k) // config.split_k >= 4
+    if (n, k) == (8192, 8192):
+        assert config.split_k == 4  # the config measured fastest on an H200

@@ -37,7 +37,7 @@ from qscheme.descriptor import Scheme
 from qscheme.triton import configs
 from qscheme.triton.act_quant import quantize_launch
 from qscheme.triton.launch import Launch
-from qscheme.triton.linear import Segment, gemm_launches, prepare_weight
+from qscheme.triton.linear import Segment, gemm_launches, prepare_weight, wide_decode
 from qscheme.triton.samples import random_weight
 
 TARGETS: dict[str, tuple[str, int | str, int]] = {
@@ -117,7 +117,8 @@ def scheme_variants(
                 )
                 variants.append(Variant(f"{scheme.name} pre-pass {dtype_name(dtype)} M={m}", pre_pass))
                 inputs, x_scale = quantized.codes, quantized.scale
-            tile = configs.heuristic_config(m, 4096, 4096, prepared.weight_bits, x.element_size(), device)
+            wide = wide_decode(prepared.spec, dtype)
+            tile = configs.heuristic_config(m, 4096, 4096, prepared.weight_bits, x.element_size(), device, wide)
             if not split_k:
                 tile = replace(tile, split_k=1)
             out = torch.empty((m, _N), dtype=dtype)

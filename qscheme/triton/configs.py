@@ -92,8 +92,15 @@ def _tiles(config: TileConfig, m: int, n: int) -> int:
     return -(-m // config.block_m) * -(-n // config.block_n)
 
 
-def heuristic_config(m: int, n: int, k: int, weight_bits: int, input_bytes: int, device: DeviceFacts) -> TileConfig:
-    """A sensible config without timing anything (see the module docstring)."""
+def heuristic_config(
+    m: int, n: int, k: int, weight_bits: int, input_bytes: int, device: DeviceFacts, wide_decode: bool = False
+) -> TileConfig:
+    """A sensible config without timing anything (see the module docstring).
+
+    ``wide_decode``: the caller's kernel variant was measured faster at M <= 16 with 64-wide
+    column tiles and more K splits (see below); the linear layer asks for it for e2m1 weights
+    with e4m3 group scales and bf16 inputs (NVFP4 weight-only).
+    """
     if input_bytes == 4:  # float32 activations: an FMA dot, large in registers and shared memory
         config = TileConfig(_clamp_power_of_two(m, 16, 32), 64, 32, num_warps=4, num_stages=2)
     elif m <= 16:
@@ -103,19 +110,26 @@ def heuristic_config(m: int, n: int, k: int, weight_bits: int, input_bytes: int,
     else:
         config = TileConfig(128, 128, 64, num_warps=8, num_stages=3)
     target = 2 * device.multiprocessors
-    if m <= 64:  # narrower column tiles give more programs at no cost in traffic
+    # Wide decode (M <= 16, 16-bit inputs) keeps 64-wide column tiles and splits K instead: on
+    # an H200 (NVFP4 weight-only, 8192x8192 and 4096x4096) 16x64x128 split-k 4 ran 15-20% faster
+    # than 16x32x128 split-k 2, the kernel being far from bandwidth bound, so partial sums may
+    # take a quarter of the weight's bytes. Otherwise narrower column tiles come first.
+    decode = wide_decode and m <= 16 and input_bytes != 4
+    if m <= 64 and not decode:
         while _tiles(config, m, n) < target and config.block_n > 32:
             config = replace(config, block_n=config.block_n // 2)
     # Then split K, while each split keeps >= 4 K steps and the float32 partial sums (written
-    # and read once more) stay under an eighth of the weight's bytes.
+    # and read once more) stay under an eighth of the weight's bytes (a quarter for decode).
     k_tiles = -(-k // config.block_k)
     weight_bytes = n * k * weight_bits // 8
+    traffic_share = 4 if decode else 8
+    rows = 16 if decode else m  # M 1..16 share a cached config (one bucket): size it for 16
     split_k = 1
     while (
         _tiles(config, m, n) * split_k < target
         and k_tiles // (split_k * 2) >= 4
         and split_k < 8
-        and 2 * (split_k * 2) * m * n * 4 <= weight_bytes // 8
+        and 2 * (split_k * 2) * rows * n * 4 <= weight_bytes // traffic_share
     ):
         split_k *= 2
     config = replace(config, split_k=split_k)
@@ -200,6 +214,7 @@ def choose_config(
     input_bytes: int,
     device: DeviceFacts,
     time_config: Callable[[TileConfig], float] | None = None,
+    wide_decode: bool = False,
 ) -> TileConfig:
     """The cached config for ``key``, else the heuristic's (timed against neighbours if asked).
 
@@ -210,7 +225,7 @@ def choose_config(
     cached = cache.get(key)
     if cached is not None:
         return cached
-    base = heuristic_config(m, n, k, weight_bits, input_bytes, device)
+    base = heuristic_config(m, n, k, weight_bits, input_bytes, device, wide_decode)
     chosen = base
     if time_config is not None and autotune_enabled():
         best = float("inf")

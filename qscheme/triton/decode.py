@@ -71,12 +71,21 @@ def _e2m1_pair(words, BF16: tl.constexpr, USE_PTX: tl.constexpr):
 
 
 @triton.jit
-def decode_e2m1_words(words, ROWS: tl.constexpr, WORDS: tl.constexpr, BF16: tl.constexpr, USE_PTX: tl.constexpr):
+def decode_e2m1_words(
+    words,
+    ROWS: tl.constexpr,
+    WORDS: tl.constexpr,
+    BF16: tl.constexpr,
+    USE_PTX: tl.constexpr,
+    UNSCALED: tl.constexpr = False,
+):
     """[ROWS, WORDS] int32 words of eight e2m1 codes (code j at bits 4j..4j+3) -> [ROWS, 8*WORDS].
 
     Two codes per integer operation: each word gives four pairs of bfloat16 bit patterns that a
     multiply by 2**126 (exact, subnormals included) turns into the values. ``BF16`` returns
     bfloat16 (the GPU's bf16 dot path), else float32. Code 0x8 gives -0.0, equal to +0.0.
+    ``UNSCALED`` leaves the multiply out (values 2**-126 times the codes') for a caller that
+    folds the power of two into its own scale.
     """
     e3, e7 = _e2m1_pair(words, BF16, USE_PTX)
     e2, e6 = _e2m1_pair(words << 4, BF16, USE_PTX)
@@ -86,7 +95,11 @@ def decode_e2m1_words(words, ROWS: tl.constexpr, WORDS: tl.constexpr, BF16: tl.c
     # even codes from odd ones and the first pairs the two halves of one word.
     even = tl.join(tl.join(e0, e4), tl.join(e2, e6))
     odd = tl.join(tl.join(e1, e5), tl.join(e3, e7))
-    return tl.reshape(tl.join(even, odd), (ROWS, WORDS * 8)) * _TWO_POW_126
+    values = tl.reshape(tl.join(even, odd), (ROWS, WORDS * 8))
+    if UNSCALED:
+        return values
+    else:
+        return values * _TWO_POW_126
 
 
 @triton.jit
@@ -141,9 +154,14 @@ def decode_element(codes, FORMAT: tl.constexpr, NATIVE_FP8: tl.constexpr = False
 
 
 @triton.jit
-def decode_scale(stored, FORMAT: tl.constexpr):
-    """A loaded scale -> float32: e4m3 and e8m0 come as uint8 bits, floats as themselves."""
-    if FORMAT == SCALE_E4M3:
+def decode_scale(stored, FORMAT: tl.constexpr, NATIVE_FP8: tl.constexpr = False):
+    """A loaded scale -> float32: e4m3 and e8m0 come as uint8 bits, floats as themselves.
+
+    ``NATIVE_FP8`` decodes e4m3 with the hardware conversion (compute capability 8.9 or newer).
+    """
+    if FORMAT == SCALE_E4M3 and NATIVE_FP8:
+        return stored.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    elif FORMAT == SCALE_E4M3:
         return decode_e4m3(stored)
     elif FORMAT == SCALE_E8M0:
         return decode_e8m0(stored)

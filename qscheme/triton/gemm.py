@@ -38,16 +38,24 @@ DOT_FP32: tl.constexpr = tl.constexpr(0)
 DOT_FP16: tl.constexpr = tl.constexpr(1)
 DOT_BF16: tl.constexpr = tl.constexpr(2)
 
+# W_FOLD_SCALE: the decoded e2m1 tile is 2**-7 times the weights; the accumulator is scaled back.
+_TWO_POW_119: tl.constexpr = tl.constexpr(2.0**119)
+_FOLD_RESTORE: tl.constexpr = tl.constexpr(128.0)
+
 
 @triton.jit
-def _scale_as(values, scale, FORMAT: tl.constexpr):
+def _scale_as(values, scale, FORMAT: tl.constexpr, FOLD: tl.constexpr):
     """The float32 scale in the dtype ``values`` are multiplied in.
 
     bfloat16 values (the GPU's bf16 path for e2m1 weights) keep e4m3 and e8m0 scales exactly,
     and e2m1 times either is exact in bfloat16. Float scales would be rounded first, so those
     values are multiplied in float32 instead (the caller's values are then promoted).
+    ``FOLD`` (e2m1 bit patterns worth 2**-126 times their values, e4m3 scales): the scale times
+    2**119 (below 2**128), so the products are the weights times 2**-7, exact and normal.
     """
-    if values.dtype == tl.bfloat16 and FORMAT != SCALE_FLOAT:
+    if FOLD:
+        return (scale * _TWO_POW_119).to(tl.bfloat16)
+    elif values.dtype == tl.bfloat16 and FORMAT != SCALE_FLOAT:
         return scale.to(tl.bfloat16)
     else:
         return scale
@@ -68,6 +76,8 @@ def apply_tiled_scale(
     GROUP_K: tl.constexpr,
     FORMAT: tl.constexpr,
     HAS_ZERO: tl.constexpr,
+    FOLD: tl.constexpr = False,
+    NATIVE_FP8: tl.constexpr = False,
 ):
     """(values - zero) * scale for a [ROWS, BLOCK_K] tile whose scales are [rows, ceil(K/GROUP_K)].
 
@@ -79,7 +89,9 @@ def apply_tiled_scale(
         columns = k0 // GROUP_K + tl.arange(0, GROUPS)
         offsets = scale_rows[:, None] * stride_scale + columns[None, :]
         mask = row_mask[:, None] & (columns[None, :] < scale_cols_total)
-        scale = _scale_as(values, decode_scale(tl.load(scale_ptr + offsets, mask=mask, other=0), FORMAT), FORMAT)
+        scale = _scale_as(
+            values, decode_scale(tl.load(scale_ptr + offsets, mask=mask, other=0), FORMAT, NATIVE_FP8), FORMAT, FOLD
+        )
         grouped = tl.reshape(values, (ROWS, GROUPS, GROUP_K))
         if HAS_ZERO:
             zero = tl.load(zero_ptr + offsets, mask=mask, other=0).to(tl.float32)
@@ -87,7 +99,9 @@ def apply_tiled_scale(
         return tl.reshape(grouped * scale[:, :, None], (ROWS, BLOCK_K))
     elif GROUP_K % BLOCK_K == 0:
         offsets = scale_rows * stride_scale + k0 // GROUP_K
-        scale = _scale_as(values, decode_scale(tl.load(scale_ptr + offsets, mask=row_mask, other=0), FORMAT), FORMAT)
+        scale = _scale_as(
+            values, decode_scale(tl.load(scale_ptr + offsets, mask=row_mask, other=0), FORMAT, NATIVE_FP8), FORMAT, FOLD
+        )
         if HAS_ZERO:
             values = values - tl.load(zero_ptr + offsets, mask=row_mask, other=0).to(tl.float32)[:, None]
         return values * scale[:, None]
@@ -95,7 +109,9 @@ def apply_tiled_scale(
         columns = (k0 + tl.arange(0, BLOCK_K)) // GROUP_K
         offsets = scale_rows[:, None] * stride_scale + columns[None, :]
         mask = row_mask[:, None] & (columns[None, :] < scale_cols_total)
-        scale = _scale_as(values, decode_scale(tl.load(scale_ptr + offsets, mask=mask, other=0), FORMAT), FORMAT)
+        scale = _scale_as(
+            values, decode_scale(tl.load(scale_ptr + offsets, mask=mask, other=0), FORMAT, NATIVE_FP8), FORMAT, FOLD
+        )
         if HAS_ZERO:
             values = values - tl.load(zero_ptr + offsets, mask=mask, other=0).to(tl.float32)
         return values * scale
@@ -126,6 +142,7 @@ def load_weight_tile(
     W_BF16_DECODE: tl.constexpr,
     USE_PTX: tl.constexpr,
     NATIVE_FP8: tl.constexpr,
+    W_FOLD_SCALE: tl.constexpr,
 ):
     """The [BLOCK_N, BLOCK_K] tile of decoded weights (zero points and tiled scales applied).
 
@@ -136,7 +153,7 @@ def load_weight_tile(
         offs_word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         mask = n_mask[:, None] & (offs_word[None, :] < stride_wn)
         words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_word[None, :], mask=mask, other=0)
-        values = decode_e2m1_words(words, BLOCK_N, BLOCK_K // 8, W_BF16_DECODE, USE_PTX)
+        values = decode_e2m1_words(words, BLOCK_N, BLOCK_K // 8, W_BF16_DECODE, USE_PTX, W_FOLD_SCALE)
     elif W_FOUR_BIT:
         offs_byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         mask = n_mask[:, None] & (offs_byte[None, :] < (K + 1) // 2)
@@ -165,6 +182,8 @@ def load_weight_tile(
             W_SCALE_COLS,
             W_SCALE_FORMAT,
             W_ZERO == _ZERO_TILED,
+            W_FOLD_SCALE,
+            NATIVE_FP8,
         )
     return values
 
@@ -281,6 +300,7 @@ def quantized_gemm_kernel(
     W_SCALE_COLS: tl.constexpr,
     W_ZERO: tl.constexpr,
     W_E2M1_WORDS: tl.constexpr,
+    W_FOLD_SCALE: tl.constexpr,
     A_QUANTIZED: tl.constexpr,
     A_FORMAT: tl.constexpr,
     A_SCALE: tl.constexpr,
@@ -368,6 +388,7 @@ def quantized_gemm_kernel(
             DOT_DTYPE == DOT_BF16,
             USE_PTX,
             NATIVE_FP8,
+            W_FOLD_SCALE,
         )
         if DOT_DTYPE == DOT_FP16:
             acc = tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
@@ -375,6 +396,8 @@ def quantized_gemm_kernel(
             acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
         else:
             acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    if W_FOLD_SCALE:
+        acc = acc * _FOLD_RESTORE
 
     if SPLIT_K == 1:
         epilogue(

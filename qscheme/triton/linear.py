@@ -31,6 +31,8 @@ from qscheme.triton.launch import Launch
 from qscheme.triton.spec import (
     ACT_RULE_NVFP4,
     ACT_RULE_STATIC,
+    SCALE_FORMAT_IDS,
+    ZERO_NONE,
     Specialization,
     specialize,
 )
@@ -264,7 +266,23 @@ def _config(
         return float(do_bench(lambda: launch(config), warmup=5, rep=20))
 
     # The dot runs in x's dtype whether or not x is quantized first: size tiles for it.
-    return configs.choose_config(key, m, rows, k, prepared.weight_bits, x.element_size(), device, time_config)
+    return configs.choose_config(
+        key,
+        m,
+        rows,
+        k,
+        prepared.weight_bits,
+        x.element_size(),
+        device,
+        time_config,
+        wide_decode(prepared.spec, x.dtype),
+    )
+
+
+def wide_decode(spec: Specialization, input_dtype: torch.dtype) -> bool:
+    """Whether the tile heuristic uses its wide decode tiles (``configs.heuristic_config``): NVFP4
+    weight-only with bf16 inputs, where they were measured faster."""
+    return _fold_scale(spec, input_dtype, True) and not spec.A_QUANTIZED
 
 
 def linear(
@@ -319,6 +337,18 @@ def _run_segment(
             step.run()
 
     launch(config or _config(prepared, x, rows, launch))
+
+
+def _fold_scale(spec: Specialization, input_dtype: torch.dtype, on_gpu: bool) -> bool:
+    """Whether the e2m1 decoder's power of two goes into the e4m3 group scale (bf16 dot path)."""
+    return (
+        on_gpu
+        and input_dtype == torch.bfloat16
+        and spec.W_E2M1_WORDS
+        and spec.W_SCALE_TILED
+        and spec.W_ZERO == ZERO_NONE
+        and spec.W_SCALE_FORMAT == SCALE_FORMAT_IDS["e4m3"]
+    )
 
 
 def gemm_launches(
@@ -398,6 +428,7 @@ def gemm_launches(
             "HAS_BIAS": bias_rows is not None,
             "DOT_DTYPE": _DOT_DTYPES[input_dtype] if on_gpu else DOT_FP32.value,
             "USE_PTX": backend == "cuda",
+            "W_FOLD_SCALE": _fold_scale(spec, input_dtype, on_gpu),
             "NATIVE_FP8": native_fp8,
             "BLOCK_M": tile.block_m,
             "BLOCK_N": tile.block_n,
@@ -441,4 +472,4 @@ def gemm_launches(
     return [gemm, epilogue]
 
 
-__all__ = ["PreparedWeight", "Segment", "gemm_launches", "interpreted", "linear", "prepare_weight"]
+__all__ = ["PreparedWeight", "Segment", "gemm_launches", "interpreted", "linear", "prepare_weight", "wide_decode"]
