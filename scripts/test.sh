@@ -12,5 +12,8 @@ echo "== mypy"
 mypy qscheme plugins
 echo "== wheel"
 bash scripts/check-wheel.sh
+echo "== modelopt oracle"
+bash scripts/install-modelopt-oracle.sh
+export QSCHEME_MODELOPT_PYTHON="$PWD/.venv-modelopt/bin/python"
 echo "== pytest"
 python -m pytest -p no:cacheprovider "$@"
