@@ -110,12 +110,35 @@ def catalog_sources(
     return sources
 
 
+_CATALOG_CACHE: dict[tuple[tuple[str, str, int, int], ...], Catalog] = {}
+
+
 def load_catalog(extra_dirs: Iterable[Path] = (), include_plugins: bool = True) -> Catalog:
-    """The full catalog as the environment and installed plugins define it now."""
+    """The full catalog as the environment and installed plugins define it now.
+
+    Parsing every descriptor costs ~0.1 s, so the last catalog is reused while its sources are
+    unchanged: the key is every source file with its size and modification time, so edited,
+    added or removed descriptors (and a changed QSCHEME_SCHEME_PATH) are always seen.
+    """
     plugin_files: list[tuple[str, Path]] = []
     if include_plugins:
         plugin_files = _plugin_scheme_files()
-    return build_catalog(catalog_sources(extra_dirs, plugin_files))
+    sources = catalog_sources(extra_dirs, plugin_files)
+    key = tuple((source, str(path), *_stamp(path)) for source, path in sources)
+    catalog = _CATALOG_CACHE.get(key)
+    if catalog is None:
+        catalog = build_catalog(sources)  # raises on any problem: nothing is cached then
+        _CATALOG_CACHE.clear()
+        _CATALOG_CACHE[key] = catalog
+    return catalog
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    try:
+        stat = path.stat()
+    except OSError:
+        return (-1, -1)  # parse_scheme_file reports the unreadable file
+    return (stat.st_mtime_ns, stat.st_size)
 
 
 def _plugin_scheme_files() -> list[tuple[str, Path]]:

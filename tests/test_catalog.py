@@ -113,3 +113,17 @@ def test_load_scheme_from_file(tmp_path: Path) -> None:
     assert load_scheme(str(path)).name == "test/fp8-e5m2-weight-only"
     with pytest.raises(SchemeError, match="does not exist"):
         load_scheme(str(tmp_path / "missing.yaml"))
+
+
+def test_catalog_is_reused_until_a_descriptor_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "e5m2.yaml"
+    path.write_text(E5M2_TEXT)
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path))
+    first = load_catalog(include_plugins=False)
+    assert load_catalog(include_plugins=False) is first
+    path.write_text(E5M2_TEXT.replace("test/fp8-e5m2-weight-only", "test/renamed") + "\n")
+    second = load_catalog(include_plugins=False)
+    assert second is not first
+    assert "test/renamed" in second and "test/fp8-e5m2-weight-only" not in second
+    (tmp_path / "extra.yaml").write_text(E5M2_TEXT)
+    assert "test/fp8-e5m2-weight-only" in load_catalog(include_plugins=False)

@@ -125,38 +125,11 @@ def plan_fuse(fuse: FuseSpec | None, detection: Detection) -> tuple[tuple[FuseGr
     return tuple(groups), notes
 
 
-_CATALOG_CACHE: dict[tuple[object, ...], list[Scheme]] = {}
-
-
 def catalog_schemes() -> list[Scheme]:
-    """The catalog's schemes, parsed again only when a descriptor file changes.
+    """The catalog's schemes (``load_catalog`` reparses only when a descriptor file changes)."""
+    from qscheme.catalog import load_catalog
 
-    Parsing every YAML descriptor costs ~0.1 s; the key is every source file with its size and
-    modification time, so edited, added or removed descriptors are always seen.
-    """
-    from qscheme.catalog import build_catalog, catalog_sources, load_catalog
-
-    try:
-        from qscheme.catalog import _plugin_scheme_files
-
-        sources = catalog_sources((), _plugin_scheme_files())
-    except Exception:  # anything unusual: let load_catalog report it the normal way
-        return list(load_catalog())
-    key = tuple((source, str(path), *_stamp(path)) for source, path in sources)
-    found = _CATALOG_CACHE.get(key)
-    if found is None:
-        found = list(build_catalog(sources))
-        _CATALOG_CACHE.clear()
-        _CATALOG_CACHE[key] = found
-    return found
-
-
-def _stamp(path: Path) -> tuple[int, int]:
-    try:
-        stat = path.stat()
-    except OSError:
-        return (-1, -1)
-    return (stat.st_mtime_ns, stat.st_size)
+    return list(load_catalog())
 
 
 def plan_checkpoint(
