@@ -30,17 +30,17 @@ SCHEMES = ("compressed-tensors/NVFP4", "compressed-tensors/W4A16", "modelopt/FP8
 def layout() -> list[Problem]:
     """The linears of a Llama-3-70B-shaped model, each fused variant with per-partition scales."""
     problems: list[Problem] = []
+    shapes = {
+        "self_attn.q_proj": (HIDDEN, HIDDEN),
+        "self_attn.k_proj": (KV, HIDDEN),
+        "self_attn.v_proj": (KV, HIDDEN),
+        "self_attn.o_proj": (HIDDEN, HIDDEN),
+        "mlp.gate_proj": (INTERMEDIATE, HIDDEN),
+        "mlp.up_proj": (INTERMEDIATE, HIDDEN),
+        "mlp.down_proj": (HIDDEN, INTERMEDIATE),
+    }
     for block in range(BLOCKS):
         prefix = f"model.layers.{block}"
-        shapes = {
-            "self_attn.q_proj": (HIDDEN, HIDDEN),
-            "self_attn.k_proj": (KV, HIDDEN),
-            "self_attn.v_proj": (KV, HIDDEN),
-            "self_attn.o_proj": (HIDDEN, HIDDEN),
-            "mlp.gate_proj": (INTERMEDIATE, HIDDEN),
-            "mlp.up_proj": (INTERMEDIATE, HIDDEN),
-            "mlp.down_proj": (HIDDEN, INTERMEDIATE),
-        }
         problems.extend(Problem(n, k, layer=f"{prefix}.{name}") for name, (n, k) in shapes.items())
         problems.append(
             Problem(

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from qscheme.kernels.declaration import (
     ANY_DEVICE,
+    ANY_WEIGHT_ONLY,
     DEPLOYED_ACTIVATION_PAIRS,
-    WEIGHT_ONLY,
     ActivationDtypes,
     ActivationSupport,
     DeviceSupport,
@@ -27,13 +27,7 @@ REFERENCE = KernelDeclaration(
     # Every entry takes per-partition scales (canonical dequantization handles them) and AWQ
     # pre-scales (applied before the activation is quantized).
     supports=(
-        Supports(
-            weights=("nvfp4", "mxfp4", "fp4", "int4", "int8", "fp8"),
-            activations=(WEIGHT_ONLY,),
-            zero_points=True,
-            per_partition_scales=True,
-            input_pre_scale=True,
-        ),
+        ANY_WEIGHT_ONLY,
         Supports(
             weights=("nvfp4",),
             activations=(ActivationSupport("nvfp4", "group", 16, dynamic=True),),

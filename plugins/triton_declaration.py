@@ -11,8 +11,8 @@ NVFP4 weights with FP8 activations are deliberately not claimed. Runs on CUDA co
 from __future__ import annotations
 
 from qscheme.kernels.declaration import (
+    ANY_WEIGHT_ONLY,
     DEPLOYED_ACTIVATION_PAIRS,
-    WEIGHT_ONLY,
     ActivationDtypes,
     ActivationSupport,
     CapabilityRange,
@@ -28,13 +28,7 @@ TRITON = KernelDeclaration(
     priority=50,
     description="Triton dequantize-in-register GEMM, portable across CUDA, ROCm and the Triton interpreter",
     supports=(
-        Supports(
-            weights=("nvfp4", "mxfp4", "fp4", "int4", "int8", "fp8"),
-            activations=(WEIGHT_ONLY,),
-            zero_points=True,
-            per_partition_scales=True,
-            input_pre_scale=True,
-        ),
+        ANY_WEIGHT_ONLY,
         Supports(
             weights=("nvfp4",),
             activations=(ActivationSupport("nvfp4", "group", 16, dynamic=True),),

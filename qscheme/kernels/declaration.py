@@ -213,6 +213,16 @@ class Supports:
         return f"{weights} x {', '.join(a.describe() for a in self.activations)}"
 
 
+# Every weight family with 16-bit activations, zero points included: the entry of a kernel that
+# dequantizes any weight a descriptor can declare (with per-partition scales and AWQ pre-scales).
+ANY_WEIGHT_ONLY = Supports(
+    weights=("nvfp4", "mxfp4", "fp4", "int4", "int8", "fp8"),
+    activations=(WEIGHT_ONLY,),
+    zero_points=True,
+    per_partition_scales=True,
+    input_pre_scale=True,
+)
+
 # The activation-quantized pairs that deployed W8A8-style kernels run besides NVFP4 x NVFP4 (whose
 # block-scale limits differ per kernel): FP8 x FP8 static per tensor, dynamic per token and per
 # group of 128; int8 x int8 per token; MXFP4 x MXFP4. A kernel implementing all of them (with
