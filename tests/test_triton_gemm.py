@@ -20,6 +20,7 @@ from qscheme.errors import QuantizeError
 from qscheme.formats import decode
 from qscheme.triton.configs import TileConfig
 from qscheme.triton.decode import decode_e2m1_words, decode_element, decode_scale
+from qscheme.triton.layout import e2m1_words
 from qscheme.triton.linear import interpreted, linear, prepare_weight
 from qscheme.triton.samples import random_weight
 from qscheme.triton.spec import ELEMENT_IDS, SCALE_FORMAT_IDS
@@ -198,11 +199,11 @@ def _decode_words(src, dst, WORDS: tl.constexpr):
     tl.store(dst + rows[:, None] * (8 * WORDS) + tl.arange(0, 8 * WORDS)[None, :], values)
 
 
-def test_e2m1_word_decoder_keeps_the_canonical_nibble_order() -> None:
+def test_e2m1_word_decoder_reads_the_reordered_words_in_canonical_order() -> None:
     packed = torch.randint(0, 256, (16, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     packed[0, :8] = torch.tensor([0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE], dtype=torch.uint8)  # all 16 codes
     out = torch.empty(16, 64)
-    _decode_words[(1,)](packed.view(torch.int32), out, 8)
+    _decode_words[(1,)](e2m1_words(packed), out, 8)
     low, high = packed & 0xF, packed >> 4
     expected = decode(torch.stack([low, high], dim=-1).reshape(16, 64), "e2m1")
     assert torch.equal(out, expected)  # -0.0 == +0.0

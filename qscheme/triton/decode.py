@@ -26,11 +26,12 @@ SCALE_E4M3: tl.constexpr = tl.constexpr(1)
 SCALE_E8M0: tl.constexpr = tl.constexpr(2)
 
 _F32_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)
-# e2m1 nibbles at bits 12-15 and 28-31 of a word become bf16 bit patterns worth 2**-126 times
-# their value: the sign stays at bit 15 (31) and the three magnitude bits move to 6-8 (22-24),
-# the low exponent bits and the top mantissa bit (code 1, 0.5, becomes a bf16 subnormal).
-_E2M1_PAIR_SIGNS: tl.constexpr = tl.constexpr(0x80008000 - (1 << 32))
-_E2M1_PAIR_MAGNITUDES: tl.constexpr = tl.constexpr(0x01C001C0)
+# The e2m1 word layout of qscheme.triton.layout: each pair of codes is cut out as two bfloat16
+# bit patterns (sign at bit 15 / 31, exponent and mantissa bits at 6-8 / 22-24), worth 2**-126
+# times the codes' values (code 1, 0.5, becomes a bf16 subnormal).
+_E2M1_PAIR_BITS: tl.constexpr = tl.constexpr(0x81C081C0 - (1 << 32))
+_E2M1_SPREAD_BITS: tl.constexpr = tl.constexpr(0x00D800D8)
+_E2M1_SPREAD: tl.constexpr = tl.constexpr(1 + (1 << 5) + (1 << 11))
 _TWO_POW_126: tl.constexpr = tl.constexpr(2.0**126)
 _HIGH_HALF: tl.constexpr = tl.constexpr(0xFFFF0000 - (1 << 32))
 # Nibble i holds twice the e2m1 magnitude of code i: 0xC8643210 as a signed int32 (the shifts
@@ -49,13 +50,12 @@ def decode_e2m1(codes):
 
 
 @triton.jit
-def _e2m1_pair(words, BF16: tl.constexpr, USE_PTX: tl.constexpr):
-    """The codes at bits 12-15 and 28-31 -> two tensors worth 2**-126 times their values.
+def _split_pair(pair, BF16: tl.constexpr, USE_PTX: tl.constexpr):
+    """A 32-bit register of two bfloat16 patterns -> its low and high halves.
 
-    Bits become a bfloat16 pattern per 16-bit half; ``BF16`` returns the halves as bfloat16
-    (split by a register move under ``USE_PTX``), else as float32 (the pattern shifted up).
+    ``BF16`` returns them as bfloat16 (split by a register move under ``USE_PTX``), else as
+    float32 (the pattern shifted into the upper half: a bfloat16 is a truncated float32).
     """
-    pair = (words & _E2M1_PAIR_SIGNS) | ((words >> 6) & _E2M1_PAIR_MAGNITUDES)
     if BF16:
         if USE_PTX:
             low, high = tl.inline_asm_elementwise(
@@ -79,20 +79,24 @@ def decode_e2m1_words(
     USE_PTX: tl.constexpr,
     UNSCALED: tl.constexpr = False,
 ):
-    """[ROWS, WORDS] int32 words of eight e2m1 codes (code j at bits 4j..4j+3) -> [ROWS, 8*WORDS].
+    """[ROWS, WORDS] int32 words of eight e2m1 codes -> [ROWS, 8*WORDS] values in code order.
 
-    Two codes per integer operation: each word gives four pairs of bfloat16 bit patterns that a
-    multiply by 2**126 (exact, subnormals included) turns into the values. ``BF16`` returns
-    bfloat16 (the GPU's bf16 dot path), else float32. Code 0x8 gives -0.0, equal to +0.0.
-    ``UNSCALED`` leaves the multiply out (values 2**-126 times the codes') for a caller that
-    folds the power of two into its own scale.
+    Words are laid out by ``qscheme.triton.layout.e2m1_words``: each pair of consecutive codes
+    (the tensor cores' operand pair) comes out of a word as one 32-bit register of two bfloat16
+    patterns, in 9 integer operations per word and with no byte permutes. A multiply by 2**126
+    (exact, subnormals included) turns the patterns into the values. ``BF16`` returns bfloat16
+    (the GPU's bf16 dot path), else float32. Code 0x8 gives -0.0, equal to +0.0. ``UNSCALED``
+    leaves the multiply out (values 2**-126 times the codes') for a caller that folds the power
+    of two into its own scale.
     """
-    e3, e7 = _e2m1_pair(words, BF16, USE_PTX)
-    e2, e6 = _e2m1_pair(words << 4, BF16, USE_PTX)
-    e1, e5 = _e2m1_pair(words << 8, BF16, USE_PTX)
-    e0, e4 = _e2m1_pair(words << 12, BF16, USE_PTX)
-    # tl.join appends an axis: [.., a, b, c] holds code 4a + 2b + c, so the last join splits
-    # even codes from odd ones and the first pairs the two halves of one word.
+    e0, e1 = _split_pair(words & _E2M1_PAIR_BITS, BF16, USE_PTX)
+    e2, e3 = _split_pair((words << 3) & _E2M1_PAIR_BITS, BF16, USE_PTX)
+    e4, e5 = _split_pair((words << 6) & _E2M1_PAIR_BITS, BF16, USE_PTX)
+    # The arithmetic shift's sign copies are masked off; the multiply's copies never overlap.
+    spread = ((words >> 7) & _E2M1_SPREAD_BITS) * _E2M1_SPREAD
+    e6, e7 = _split_pair(spread & _E2M1_PAIR_BITS, BF16, USE_PTX)
+    # tl.join appends an axis: [.., a, b, c] holds code 4a + 2b + c, so the last join puts the
+    # two halves of each pair (codes 2i and 2i + 1) next to each other.
     even = tl.join(tl.join(e0, e4), tl.join(e2, e6))
     odd = tl.join(tl.join(e1, e5), tl.join(e3, e7))
     values = tl.reshape(tl.join(even, odd), (ROWS, WORDS * 8))

@@ -83,6 +83,10 @@ def apply_tiled_scale(
 
     ``scale_rows`` [ROWS] is each tile row's scale row; three layouts of groups along K: several
     per tile (broadcast through a reshape), one per tile, or neither (a gather per element).
+    ``scale_cols_total`` is a kernel argument, not computed from K, so Triton knows when it is a
+    multiple of 16: the mask is then constant over runs of columns, the load is vectorised and
+    the pipeliner streams the scales through shared memory with the codes (a byte-wise load
+    would stall every K step on global memory).
     """
     if BLOCK_K % GROUP_K == 0:
         GROUPS: tl.constexpr = BLOCK_K // GROUP_K
@@ -128,6 +132,7 @@ def load_weight_tile(
     K,
     stride_wn,
     stride_ws,
+    w_scale_cols,
     zero_per_row,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -156,7 +161,9 @@ def load_weight_tile(
         values = decode_e2m1_words(words, BLOCK_N, BLOCK_K // 8, W_BF16_DECODE, USE_PTX, W_FOLD_SCALE)
     elif W_FOUR_BIT:
         offs_byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        mask = n_mask[:, None] & (offs_byte[None, :] < (K + 1) // 2)
+        # Rows are ceil(K / 2) bytes and contiguous, so the row stride bounds them: unlike a
+        # bound computed in the kernel, Triton knows its divisibility and vectorises the load.
+        mask = n_mask[:, None] & (offs_byte[None, :] < stride_wn)
         packed = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_byte[None, :], mask=mask, other=0)
         codes = tl.interleave(packed & 0xF, packed >> 4)  # element 2j is the low nibble
     else:
@@ -176,7 +183,7 @@ def load_weight_tile(
             n_mask,
             k0,
             stride_ws,
-            tl.cdiv(K, W_SCALE_COLS),
+            w_scale_cols,
             BLOCK_N,
             BLOCK_K,
             W_SCALE_COLS,
@@ -199,6 +206,7 @@ def load_input_tile(
     K,
     stride_xm,
     stride_xs,
+    x_scale_cols,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     A_QUANTIZED: tl.constexpr,
@@ -226,7 +234,7 @@ def load_input_tile(
                 m_mask,
                 k0,
                 stride_xs,
-                tl.cdiv(K, A_GROUP),
+                x_scale_cols,
                 BLOCK_M,
                 BLOCK_K,
                 A_GROUP,
@@ -292,6 +300,8 @@ def quantized_gemm_kernel(
     stride_ws,
     stride_om,
     stride_split,
+    w_scale_cols,
+    x_scale_cols,
     W_FORMAT: tl.constexpr,
     W_FOUR_BIT: tl.constexpr,
     W_SCALE_TILED: tl.constexpr,
@@ -353,6 +363,7 @@ def quantized_gemm_kernel(
             K,
             stride_xm,
             stride_xs,
+            x_scale_cols,
             BLOCK_M,
             BLOCK_K,
             A_QUANTIZED,
@@ -374,6 +385,7 @@ def quantized_gemm_kernel(
             K,
             stride_wn,
             stride_ws,
+            w_scale_cols,
             zero_per_row,
             BLOCK_N,
             BLOCK_K,

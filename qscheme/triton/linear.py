@@ -28,6 +28,7 @@ from qscheme.triton import configs
 from qscheme.triton.act_quant import quantize_input
 from qscheme.triton.gemm import DOT_BF16, DOT_FP16, DOT_FP32, quantized_gemm_kernel, split_k_epilogue_kernel
 from qscheme.triton.launch import Launch
+from qscheme.triton.layout import e2m1_words
 from qscheme.triton.spec import (
     ACT_RULE_NVFP4,
     ACT_RULE_STATIC,
@@ -84,13 +85,10 @@ def _bits(tensor: Tensor) -> Tensor:
 
 
 def _kernel_codes(codes: Tensor, spec: Specialization) -> Tensor:
-    """Codes as the GEMM reads them: e2m1 as int32 words (rows zero-padded to whole words)."""
+    """Codes as the GEMM reads them: e2m1 as reordered int32 words (``qscheme.triton.layout``)."""
     codes = _bits(codes)
     if spec.W_E2M1_WORDS:
-        padding = -codes.shape[1] % 4
-        if padding:
-            codes = torch.nn.functional.pad(codes, (0, padding))
-        return codes.contiguous().view(torch.int32)
+        return e2m1_words(codes)
     return codes.contiguous()
 
 
@@ -420,6 +418,8 @@ def gemm_launches(
             "stride_ws": 0 if w_scale is None else w_scale.stride(0),
             "stride_om": out_rows.stride(0),
             "stride_split": stride_split,
+            "w_scale_cols": 0 if w_scale is None else w_scale.shape[1],
+            "x_scale_cols": 0 if x_scale is None or x_scale.dim() < 2 else x_scale.shape[1],
         },
         constexprs={
             **spec.gemm_constexprs(),
