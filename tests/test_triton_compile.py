@@ -58,3 +58,29 @@ def test_every_scheme_is_compiled_somewhere(results: list[dict[str, object]]) ->
     compiled_specs = {specialize(s) for s in schemes if s.name in compiled}
     missing = [s.name for s in schemes if specialize(s) not in compiled_specs]
     assert not missing, f"no compiled variant covers {missing}"
+
+
+# Weight-only decode kernels whose K loop must wait on no global load: every load (input,
+# codes, scales, zero points) is streamed ahead through shared memory by the pipeliner. A
+# byte-wise scale or code load (a bound Triton cannot prove divisible) would stall every K step
+# on a memory latency; this is read from the cubin's SASS (qscheme.triton.sass).
+PIPELINED = (
+    "compressed-tensors/NVFP4A16 gemm bf16 M=16",
+    "compressed-tensors/W4A16 gemm bf16 M=16",
+    "modelopt/W4A16_AWQ gemm bf16 M=16",
+    "modelopt/W4A16_NVFP4 gemm bf16 M=16",
+)
+
+
+def test_weight_only_decode_loops_wait_on_no_global_load(results: list[dict[str, object]]) -> None:
+    checked = [r for r in results if str(r["variant"]).startswith(PIPELINED)]
+    nvfp4_targets = {r["target"] for r in checked if "NVFP4A16" in str(r["variant"])}
+    assert nvfp4_targets == set(TARGETS)
+    assert {str(r["variant"]).split(" ")[0] for r in checked} == {name.split(" ")[0] for name in PIPELINED}
+    for result in checked:
+        classes = result["loop_classes"]
+        assert isinstance(classes, dict), f"{result['target']} {result['variant']}: no loop read from the SASS"
+        where = f"{result['target']} {result['variant']}: {classes}"
+        assert classes.get("mma", 0) > 0 and classes.get("async_copy", 0) > 0, where
+        assert classes.get("global_load", 0) == 0, where
+        assert classes.get("shared_store", 0) == 0, where  # no register tile staged through shared memory

@@ -39,6 +39,7 @@ from qscheme.triton.act_quant import quantize_launch
 from qscheme.triton.launch import Launch
 from qscheme.triton.linear import Segment, gemm_launches, prepare_weight, wide_decode
 from qscheme.triton.samples import random_weight
+from qscheme.triton.sass import profile_cubin
 
 TARGETS: dict[str, tuple[str, int | str, int]] = {
     "sm80": ("cuda", 80, 32),
@@ -78,6 +79,10 @@ class CompileResult:
     registers: int | None = None
     spill_bytes: int | None = None
     error: str = ""
+    # The main loop's static instruction counts per pass (qscheme.triton.sass); None on ROCm
+    # or when the loop cannot be read.
+    loop_instructions: int | None = None
+    loop_classes: dict[str, int] | None = None
 
 
 def _input_dtypes(names: Iterable[str]) -> list[torch.dtype]:
@@ -199,12 +204,24 @@ def compile_variant(variant: Variant, target: str) -> CompileResult:
             variant.name, target, False, time.perf_counter() - start, error=f"{type(exc).__name__}: {message[-1:]}"
         )
     shared = int(compiled.metadata.shared)
-    registers = spill = None
+    registers = spill = loop = None
     if "cubin" in compiled.asm:
         registers, spill = _resource_usage(compiled.asm["cubin"])
+        loop = profile_cubin(compiled.asm["cubin"])
     limit = SHARED_MEMORY[target]
     error = "" if shared <= limit else f"needs {shared} bytes of shared memory; {target} has {limit}"
-    return CompileResult(variant.name, target, not error, time.perf_counter() - start, shared, registers, spill, error)
+    return CompileResult(
+        variant.name,
+        target,
+        not error,
+        time.perf_counter() - start,
+        shared,
+        registers,
+        spill,
+        error,
+        None if loop is None else loop.instructions,
+        None if loop is None else loop.classes,
+    )
 
 
 # Jobs for worker processes (forked: the launches are not picklable).
@@ -347,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             usage = f"shared {result.shared_bytes:>6}"
             if result.registers is not None:
                 usage += f" regs {result.registers:>3} spill {result.spill_bytes}"
+            if result.loop_instructions is not None:
+                usage += f" loop {result.loop_instructions:>4}"
             print(f"{status} {result.target:<6} {result.seconds:5.2f}s {usage}  {result.variant}  {result.error}")
     failed = [r for r in results if not r.ok]
     summary = f"{len(results) - len(failed)}/{len(results)} compiled in {time.perf_counter() - started:.1f}s"
