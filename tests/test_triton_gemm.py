@@ -19,8 +19,8 @@ from qscheme.descriptor import Scheme, parse_scheme_file
 from qscheme.errors import QuantizeError
 from qscheme.formats import decode
 from qscheme.triton.configs import TileConfig
-from qscheme.triton.decode import decode_e2m1_words, decode_element, decode_scale
-from qscheme.triton.layout import e2m1_words
+from qscheme.triton.decode import decode_e2m1_words, decode_element, decode_int4_words, decode_scale
+from qscheme.triton.layout import four_bit_words
 from qscheme.triton.linear import interpreted, linear, prepare_weight
 from qscheme.triton.samples import random_weight
 from qscheme.triton.spec import ELEMENT_IDS, SCALE_FORMAT_IDS
@@ -192,18 +192,81 @@ def test_scale_decoders_match_the_formats_module_on_every_byte(scale_format: str
 
 
 @triton.jit
-def _decode_words(src, dst, WORDS: tl.constexpr):
+def _decode_words(src, dst, WORDS: tl.constexpr, FORMAT: tl.constexpr):
     rows = tl.arange(0, 16)
     words = tl.load(src + rows[:, None] * WORDS + tl.arange(0, WORDS)[None, :])
-    values = decode_e2m1_words(words, 16, WORDS, False, False)
+    if FORMAT == 0:  # e2m1 (decode ids: 0 is float32, the interpreter's dtype)
+        values = decode_e2m1_words(words, 16, WORDS, 0, False)
+    else:
+        values = decode_int4_words(words, 16, WORDS, FORMAT == 1, 0, False)
     tl.store(dst + rows[:, None] * (8 * WORDS) + tl.arange(0, 8 * WORDS)[None, :], values)
 
 
-def test_e2m1_word_decoder_reads_the_reordered_words_in_canonical_order() -> None:
+@pytest.mark.parametrize("element", ["e2m1", "int4", "uint4"])
+def test_word_decoders_read_the_laid_out_words_in_canonical_order(element: str) -> None:
     packed = torch.randint(0, 256, (16, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     packed[0, :8] = torch.tensor([0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE], dtype=torch.uint8)  # all 16 codes
     out = torch.empty(16, 64)
-    _decode_words[(1,)](e2m1_words(packed), out, 8)
-    low, high = packed & 0xF, packed >> 4
-    expected = decode(torch.stack([low, high], dim=-1).reshape(16, 64), "e2m1")
-    assert torch.equal(out, expected)  # -0.0 == +0.0
+    _decode_words[(1,)](four_bit_words(packed, element), out, 8, ELEMENT_IDS[element])
+    nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(16, 64)
+    if element == "int4":  # two's complement nibbles
+        nibbles = ((nibbles.to(torch.int8) ^ 8) - 8).to(torch.int8)
+    assert torch.equal(out, decode(nibbles, element))  # -0.0 == +0.0
+
+
+def _run_forced(prepared, x: torch.Tensor, constexprs: dict[str, int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The GEMM for x with some constexprs forced (the interpreter's own choice otherwise)."""
+    from qscheme.triton.configs import interpreted_config
+    from qscheme.triton.linear import gemm_launches
+
+    out = torch.empty((x.shape[0], prepared.n), dtype=x.dtype)
+    tile = interpreted_config(x.shape[0], prepared.n, prepared.k)
+    segment = prepared.segments[0]
+    for launch in gemm_launches(prepared, segment, x, None, None, out, tile, x.dtype, "interpreter"):
+        replace(launch, constexprs={**launch.constexprs, **constexprs}).run()
+    return out
+
+
+@pytest.mark.parametrize(
+    "scheme_name", ["compressed-tensors/W4A16", "compressed-tensors/W4A16_ASYM", "modelopt/W4A16_AWQ"]
+)
+def test_int4_decoded_in_float16_equals_float32_decode_rounded_once(scheme_name: str) -> None:
+    """The GPU's float16 path for int4 / uint4 weights with float16 scales decodes, subtracts
+    zero points and multiplies by the scale in float16 (``decode_dtype``); each weight must come
+    out as the float32 product rounded once to float16, as when decoded in float32. Run under
+    the interpreter with the same float16 dot (the PTX register split aside)."""
+    from qscheme.triton.gemm import DOT_FP16
+    from qscheme.triton.linear import decode_dtype
+    from qscheme.triton.spec import DECODE_FP16, DECODE_FP32
+
+    scheme = next(s for s in BUILTIN if s.name == scheme_name)
+    prepared = prepare_weight(random_weight(scheme, 96, 512, seed=3, scale_dtype="float16"), "cpu")
+    assert prepared.scale is not None and prepared.scale.dtype == torch.float32  # widened for the load
+    assert decode_dtype(prepared.spec, torch.float16, prepared.scale_dtype, True) == DECODE_FP16
+    x = (torch.randn(5, 512, generator=torch.Generator().manual_seed(4))).to(torch.float16)
+    half = _run_forced(prepared, x, {"W_DECODE": DECODE_FP16, "DOT_DTYPE": DOT_FP16.value})
+    single = _run_forced(prepared, x, {"W_DECODE": DECODE_FP32, "DOT_DTYPE": DOT_FP16.value})
+    assert torch.equal(half, single)
+    assert float(half.float().abs().max()) > 0
+
+
+def test_decode_dtype_is_16_bit_only_where_every_scaled_weight_is_exact_before_one_rounding() -> None:
+    from qscheme.triton.linear import decode_dtype
+    from qscheme.triton.spec import DECODE_BF16, DECODE_FP16, DECODE_FP32, specialize
+
+    by_name = {s.name: specialize(s) for s in BUILTIN}
+    w4a16, nvfp4, mx = (
+        by_name["compressed-tensors/W4A16"],
+        by_name["compressed-tensors/NVFP4A16"],
+        by_name["compressed-tensors/MXFP4A16"],
+    )
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert decode_dtype(w4a16, bf16, bf16, True) == DECODE_BF16
+    assert decode_dtype(w4a16, fp16, fp16, True) == DECODE_FP16
+    assert decode_dtype(w4a16, bf16, fp16, True) == DECODE_FP32  # an fp16 scale is not exact in bf16
+    assert decode_dtype(w4a16, bf16, fp32, True) == DECODE_FP32
+    assert decode_dtype(w4a16, bf16, bf16, False) == DECODE_FP32  # the interpreter
+    assert decode_dtype(nvfp4, bf16, None, True) == DECODE_BF16  # e4m3 scales
+    assert decode_dtype(nvfp4, fp16, None, True) == DECODE_FP32  # e2m1 patterns need bf16's range
+    assert decode_dtype(mx, bf16, None, True) == DECODE_BF16  # e8m0 is exact in bf16 ...
+    assert decode_dtype(by_name["compressed-tensors/FP8"], bf16, None, True) == DECODE_FP32  # 8-bit codes

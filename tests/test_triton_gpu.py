@@ -57,3 +57,34 @@ def test_triton_on_gpu_matches_the_reference(scheme: Scheme, m: int, n: int, k: 
     error = float((actual.double() - expected).abs().max())
     scale = float(expected.abs().max())
     assert error <= 1e-2 * scale, f"{scheme.name} {m}x{n}x{k} {dtype}: max error {error:.3e}, output scale {scale:.3e}"
+
+
+# int4 / uint4 weight-only schemes whose quantizer keeps scales in the weight's dtype
+# (ModelOpt's W4A16_AWQ keeps float32 scales: the float32 decode of the test above).
+INT4_WEIGHT_ONLY = [s for s in BUILTIN if s.name in ("compressed-tensors/W4A16", "compressed-tensors/W4A16_ASYM")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+@pytest.mark.parametrize("scheme", INT4_WEIGHT_ONLY, ids=[s.name for s in INT4_WEIGHT_ONLY])
+def test_int4_with_scales_in_the_model_dtype_decodes_in_16_bit(
+    scheme: Scheme, m: int, n: int, k: int, dtype: torch.dtype
+) -> None:
+    """Checkpoints keep int4 group scales in the model's dtype; with inputs in that dtype the
+    kernel decodes, subtracts zero points and scales in 16-bit registers (the PTX paths)."""
+    from qscheme.triton.linear import decode_dtype, prepare_weight
+    from qscheme.triton.spec import DECODE_FP32
+
+    generator = torch.Generator().manual_seed(m + n + k)
+    weight = (torch.randn(n, k, generator=generator) * 0.05).to(dtype)
+    canonical = canonicalize(scheme, quantize_weight(weight, scheme, **static_inputs(scheme, k)))
+    assert canonical.scale.dtype == dtype
+    device = torch.device("cuda")
+    assert decode_dtype(prepare_weight(canonical, device).spec, dtype, dtype, True) != DECODE_FP32
+    x = (torch.randn(m, k, generator=generator) * 2).to(dtype).to(device)
+    triton_kernel, reference = TritonKernel(), ReferenceKernel()
+    actual = triton_kernel.apply(triton_kernel.prepare(canonical, device), x, None)
+    expected = reference.apply(reference.prepare(canonical, device), x.float(), None).double()
+    error = float((actual.double() - expected).abs().max())
+    scale = float(expected.abs().max())
+    assert error <= 1e-2 * scale, f"{scheme.name} {m}x{n}x{k} {dtype}: max error {error:.3e}, output scale {scale:.3e}"

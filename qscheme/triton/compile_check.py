@@ -38,7 +38,7 @@ from qscheme.triton import configs
 from qscheme.triton.act_quant import quantize_launch
 from qscheme.triton.launch import Launch
 from qscheme.triton.linear import Segment, gemm_launches, prepare_weight, wide_decode
-from qscheme.triton.samples import random_weight
+from qscheme.triton.samples import model_scale_dtype, random_weight
 from qscheme.triton.sass import profile_cubin
 
 TARGETS: dict[str, tuple[str, int | str, int]] = {
@@ -98,17 +98,18 @@ def scheme_variants(
     split_k: bool = True,
 ) -> list[Variant]:
     """The launches one scheme makes on ``target``: the pre-pass (if any) and the GEMM, with the
-    tile the heuristic picks for a K=4096 layer, for each M and input dtype.
+    tile the heuristic picks for a K=4096 layer, for each M and input dtype. Float scales are
+    stored in the input's dtype where the scheme allows it, as checkpoints keep them.
 
     ``split_k=False`` keeps the GEMM in one pass (no split-K epilogue launch).
     """
     backend = TARGETS[target][0]
     device = configs.DeviceFacts(f"compile-check {target}", 132, SHARED_MEMORY[target])
-    weight = random_weight(scheme, _N, _K)
-    prepared = prepare_weight(weight, "cpu")
-    segment = Segment(0, _N, prepared.segments[0].static_scale)
     variants: list[Variant] = []
     for dtype in input_dtypes:
+        weight = random_weight(scheme, _N, _K, scale_dtype=model_scale_dtype(scheme, dtype))
+        prepared = prepare_weight(weight, "cpu")
+        segment = Segment(0, _N, prepared.segments[0].static_scale)
         for m in m_values:
             x = torch.zeros((m, _K), dtype=dtype)
             inputs, x_scale = x, None
@@ -122,7 +123,7 @@ def scheme_variants(
                 )
                 variants.append(Variant(f"{scheme.name} pre-pass {dtype_name(dtype)} M={m}", pre_pass))
                 inputs, x_scale = quantized.codes, quantized.scale
-            wide = wide_decode(prepared.spec, dtype)
+            wide = wide_decode(prepared.spec, dtype, prepared.scale_dtype)
             tile = configs.heuristic_config(m, 4096, 4096, prepared.weight_bits, x.element_size(), device, wide)
             if not split_k:
                 tile = replace(tile, split_k=1)

@@ -33,6 +33,17 @@ _E2M1_PAIR_BITS: tl.constexpr = tl.constexpr(0x81C081C0 - (1 << 32))
 _E2M1_SPREAD_BITS: tl.constexpr = tl.constexpr(0x00D800D8)
 _E2M1_SPREAD: tl.constexpr = tl.constexpr(1 + (1 << 5) + (1 << 11))
 _TWO_POW_126: tl.constexpr = tl.constexpr(2.0**126)
+# int4 / uint4 words (qscheme.triton.layout.INT4_WORD_BITS): a pair of codes at bits 0-3 and
+# 16-19, ORed with the exponent of 128 (bfloat16) or 1024 (float16), whose lowest mantissa
+# bits then hold the code; int4's sign bit is flipped (offset binary) by the same operation.
+_INT4_PAIR: tl.constexpr = tl.constexpr(0x000F000F)
+_BF16_128: tl.constexpr = tl.constexpr(0x43004300)
+_FP16_1024: tl.constexpr = tl.constexpr(0x64006400)
+_INT4_FLIP: tl.constexpr = tl.constexpr(0x00080008)
+# decode dtypes (keep equal to qscheme.triton.spec.DECODE_IDS)
+DECODE_FP32: tl.constexpr = tl.constexpr(0)
+DECODE_FP16: tl.constexpr = tl.constexpr(1)
+DECODE_BF16: tl.constexpr = tl.constexpr(2)
 _HIGH_HALF: tl.constexpr = tl.constexpr(0xFFFF0000 - (1 << 32))
 # Nibble i holds twice the e2m1 magnitude of code i: 0xC8643210 as a signed int32 (the shifts
 # are masked, so the sign extension does not matter).
@@ -50,24 +61,70 @@ def decode_e2m1(codes):
 
 
 @triton.jit
-def _split_pair(pair, BF16: tl.constexpr, USE_PTX: tl.constexpr):
-    """A 32-bit register of two bfloat16 patterns -> its low and high halves.
+def _split_pair(pair, DTYPE: tl.constexpr, USE_PTX: tl.constexpr):
+    """A 32-bit register of two 16-bit float patterns -> its low and high halves.
 
-    ``BF16`` returns them as bfloat16 (split by a register move under ``USE_PTX``), else as
-    float32 (the pattern shifted into the upper half: a bfloat16 is a truncated float32).
+    ``DTYPE`` (a decode id) bfloat16 or float16: the halves as that type, split by a register
+    move under ``USE_PTX``; float32: bfloat16 patterns read as the upper half of a float32 (a
+    bfloat16 is a truncated float32).
     """
-    if BF16:
-        if USE_PTX:
-            low, high = tl.inline_asm_elementwise(
-                "mov.b32 {$0, $1}, $2;", "=h,=h,r", [pair], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1
-            )
-        else:
-            low = pair.to(tl.int16).to(tl.bfloat16, bitcast=True)
-            high = (pair >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
+    if DTYPE == DECODE_FP32:
         low = (pair << 16).to(tl.float32, bitcast=True)
         high = (pair & _HIGH_HALF).to(tl.float32, bitcast=True)
+    elif USE_PTX and DTYPE == DECODE_BF16:
+        low, high = tl.inline_asm_elementwise(
+            "mov.b32 {$0, $1}, $2;", "=h,=h,r", [pair], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1
+        )
+    elif USE_PTX:
+        low, high = tl.inline_asm_elementwise(
+            "mov.b32 {$0, $1}, $2;", "=h,=h,r", [pair], dtype=(tl.float16, tl.float16), is_pure=True, pack=1
+        )
+    elif DTYPE == DECODE_BF16:
+        low = pair.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        high = (pair >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        low = pair.to(tl.int16).to(tl.float16, bitcast=True)
+        high = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     return low, high
+
+
+@triton.jit
+def _join_pairs(e0, e1, e2, e3, e4, e5, e6, e7, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """Eight [ROWS, WORDS] tensors (code j of each word) -> [ROWS, 8*WORDS] in code order.
+
+    tl.join appends an axis: [.., a, b, c] holds code 4a + 2b + c, so the last join puts the two
+    halves of each pair (codes 2i and 2i + 1, one register) next to each other.
+    """
+    even = tl.join(tl.join(e0, e4), tl.join(e2, e6))
+    odd = tl.join(tl.join(e1, e5), tl.join(e3, e7))
+    return tl.reshape(tl.join(even, odd), (ROWS, WORDS * 8))
+
+
+@triton.jit
+def decode_int4_words(
+    words,
+    ROWS: tl.constexpr,
+    WORDS: tl.constexpr,
+    SIGNED: tl.constexpr,
+    DTYPE: tl.constexpr,
+    USE_PTX: tl.constexpr,
+):
+    """[ROWS, WORDS] int32 words of eight int4 (``SIGNED``) or uint4 codes -> [ROWS, 8*WORDS]
+    integers in code order, as float32, float16 or bfloat16 (``DTYPE``, exact in each).
+
+    Words are laid out by ``qscheme.triton.layout.four_bit_words``: pair i (codes 2i, 2i+1) is
+    ``(word >> 4i) & 0x000F000F``; one more logical operation makes it two 16-bit floats worth
+    128 (1024 for float16) plus the code (plus 8 for int4, whose sign bit it flips), and one
+    subtraction per pair gives the integers. float32 is read from the bfloat16 patterns.
+    """
+    bits = (_FP16_1024 if DTYPE == DECODE_FP16 else _BF16_128) | (_INT4_FLIP if SIGNED else 0)
+    offset = (1024.0 if DTYPE == DECODE_FP16 else 128.0) + (8.0 if SIGNED else 0.0)
+    e0, e1 = _split_pair((words & _INT4_PAIR) ^ bits, DTYPE, USE_PTX)
+    e2, e3 = _split_pair(((words >> 4) & _INT4_PAIR) ^ bits, DTYPE, USE_PTX)
+    e4, e5 = _split_pair(((words >> 8) & _INT4_PAIR) ^ bits, DTYPE, USE_PTX)
+    e6, e7 = _split_pair(((words >> 12) & _INT4_PAIR) ^ bits, DTYPE, USE_PTX)
+    values = _join_pairs(e0, e1, e2, e3, e4, e5, e6, e7, ROWS, WORDS)
+    return values - tl.full(values.shape, offset, values.dtype)  # in the decode dtype, exact
 
 
 @triton.jit
@@ -75,31 +132,27 @@ def decode_e2m1_words(
     words,
     ROWS: tl.constexpr,
     WORDS: tl.constexpr,
-    BF16: tl.constexpr,
+    DTYPE: tl.constexpr,
     USE_PTX: tl.constexpr,
     UNSCALED: tl.constexpr = False,
 ):
     """[ROWS, WORDS] int32 words of eight e2m1 codes -> [ROWS, 8*WORDS] values in code order.
 
-    Words are laid out by ``qscheme.triton.layout.e2m1_words``: each pair of consecutive codes
+    Words are laid out by ``qscheme.triton.layout.four_bit_words``: each pair of consecutive codes
     (the tensor cores' operand pair) comes out of a word as one 32-bit register of two bfloat16
     patterns, in 9 integer operations per word and with no byte permutes. A multiply by 2**126
-    (exact, subnormals included) turns the patterns into the values. ``BF16`` returns bfloat16
-    (the GPU's bf16 dot path), else float32. Code 0x8 gives -0.0, equal to +0.0. ``UNSCALED``
-    leaves the multiply out (values 2**-126 times the codes') for a caller that folds the power
-    of two into its own scale.
+    (exact, subnormals included) turns the patterns into the values. ``DTYPE`` (a decode id):
+    bfloat16 (the GPU's bf16 dot path) or float32 (float16 cannot hold the patterns). Code 0x8
+    gives -0.0, equal to +0.0. ``UNSCALED`` leaves the multiply out (values 2**-126 times the
+    codes') for a caller that folds the power of two into its own scale.
     """
-    e0, e1 = _split_pair(words & _E2M1_PAIR_BITS, BF16, USE_PTX)
-    e2, e3 = _split_pair((words << 3) & _E2M1_PAIR_BITS, BF16, USE_PTX)
-    e4, e5 = _split_pair((words << 6) & _E2M1_PAIR_BITS, BF16, USE_PTX)
+    e0, e1 = _split_pair(words & _E2M1_PAIR_BITS, DTYPE, USE_PTX)
+    e2, e3 = _split_pair((words << 3) & _E2M1_PAIR_BITS, DTYPE, USE_PTX)
+    e4, e5 = _split_pair((words << 6) & _E2M1_PAIR_BITS, DTYPE, USE_PTX)
     # The arithmetic shift's sign copies are masked off; the multiply's copies never overlap.
     spread = ((words >> 7) & _E2M1_SPREAD_BITS) * _E2M1_SPREAD
-    e6, e7 = _split_pair(spread & _E2M1_PAIR_BITS, BF16, USE_PTX)
-    # tl.join appends an axis: [.., a, b, c] holds code 4a + 2b + c, so the last join puts the
-    # two halves of each pair (codes 2i and 2i + 1) next to each other.
-    even = tl.join(tl.join(e0, e4), tl.join(e2, e6))
-    odd = tl.join(tl.join(e1, e5), tl.join(e3, e7))
-    values = tl.reshape(tl.join(even, odd), (ROWS, WORDS * 8))
+    e6, e7 = _split_pair(spread & _E2M1_PAIR_BITS, DTYPE, USE_PTX)
+    values = _join_pairs(e0, e1, e2, e3, e4, e5, e6, e7, ROWS, WORDS)
     if UNSCALED:
         return values
     else:

@@ -2,9 +2,11 @@
 
 One kernel, specialised by the constexprs of ``qscheme.triton.spec.Specialization``:
 
-- weight codes: 4-bit (two per byte along K, low nibble first; e2m1 read as int32 words of
-  eight and decoded two per integer operation, in bf16 on the GPU's bf16 path) or 8-bit, any
-  element format (e4m3 by the hardware conversion where there is one, ``NATIVE_FP8``);
+- weight codes: 4-bit (e2m1, int4, uint4: int32 words of eight laid out by
+  ``qscheme.triton.layout``, each pair of codes cut out of a word as one register of two
+  16-bit floats) or 8-bit, any element format (e4m3 by the hardware conversion where there is
+  one, ``NATIVE_FP8``). ``W_DECODE`` (chosen by the host) decodes 4-bit codes in the dot's
+  16-bit dtype where every scaled weight is then rounded once, as in float32; else float32;
 - weight scale decoded in the K loop when tiled (group or block, index
   ``[n // W_SCALE_ROWS, k // W_SCALE_COLS]``, stored as e4m3 bits, e8m0 bytes or a float
   dtype), with zero points laid out the same way or one per row;
@@ -17,7 +19,7 @@ The dot runs in x's dtype for fp16 and bf16 on a GPU (decoded values rounded to 
 times an e4m3 scale is exact there) and in float32 ("ieee") otherwise, always in float32 when
 interpreted (the interpreter computes bf16 wrongly). With ``SPLIT_K > 1`` programs write float32
 partial sums and ``split_k_epilogue_kernel`` adds them and applies the epilogue. ``USE_PTX``
-(CUDA only) lets the e2m1 decoder split registers with one ``mov``.
+(CUDA only) lets the 4-bit decoders split registers with one ``mov``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qscheme.triton.decode import SCALE_FLOAT, decode_e2m1_words, decode_element, decode_scale
+from qscheme.triton.decode import (
+    E2M1,
+    INT4,
+    SCALE_FLOAT,
+    decode_e2m1_words,
+    decode_element,
+    decode_int4_words,
+    decode_scale,
+)
 from qscheme.triton.spec import ACT_SCALE_PER_TOKEN, ACT_SCALE_TILED, ZERO_PER_ROW, ZERO_TILED
 
 _ZERO_TILED: tl.constexpr = tl.constexpr(ZERO_TILED)
@@ -44,21 +54,25 @@ _FOLD_RESTORE: tl.constexpr = tl.constexpr(128.0)
 
 
 @triton.jit
-def _scale_as(values, scale, FORMAT: tl.constexpr, FOLD: tl.constexpr):
-    """The float32 scale in the dtype ``values`` are multiplied in.
+def _scale_as(values, stored, FORMAT: tl.constexpr, FOLD: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """A loaded scale in the dtype ``values`` are multiplied in, so each product is rounded
+    once, as it is when both are float32 and the result is cast to the dot's dtype.
 
-    bfloat16 values (the GPU's bf16 path for e2m1 weights) keep e4m3 and e8m0 scales exactly,
-    and e2m1 times either is exact in bfloat16. Float scales would be rounded first, so those
-    values are multiplied in float32 instead (the caller's values are then promoted).
-    ``FOLD`` (e2m1 bit patterns worth 2**-126 times their values, e4m3 scales): the scale times
-    2**119 (below 2**128), so the products are the weights times 2**-7, exact and normal.
+    16-bit values (the GPU's 16-bit dot paths for 4-bit weights) come only with scales exact in
+    their dtype (the host's ``decode_dtype``: stored in it, possibly widened to float32 for the
+    load, or e4m3, or e8m0 with bfloat16), so the cast is exact and each product is exact before
+    its one rounding. float32 values take the scale as float32. ``FOLD`` (e2m1 bit patterns
+    worth 2**-126 times their values, e4m3 scales): the scale times 2**119 (below 2**128), so
+    the products are the weights times 2**-7, exact and normal.
     """
     if FOLD:
-        return (scale * _TWO_POW_119).to(tl.bfloat16)
-    elif values.dtype == tl.bfloat16 and FORMAT != SCALE_FLOAT:
-        return scale.to(tl.bfloat16)
+        return (decode_scale(stored, FORMAT, NATIVE_FP8) * _TWO_POW_119).to(tl.bfloat16)
+    elif values.dtype == tl.float32:
+        return decode_scale(stored, FORMAT, NATIVE_FP8)
+    elif FORMAT == SCALE_FLOAT:
+        return stored.to(values.dtype)
     else:
-        return scale
+        return decode_scale(stored, FORMAT, NATIVE_FP8).to(values.dtype)
 
 
 @triton.jit
@@ -69,7 +83,8 @@ def apply_tiled_scale(
     scale_rows,
     row_mask,
     k0,
-    stride_scale,
+    stride_row,
+    stride_col,
     scale_cols_total,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -79,45 +94,42 @@ def apply_tiled_scale(
     FOLD: tl.constexpr = False,
     NATIVE_FP8: tl.constexpr = False,
 ):
-    """(values - zero) * scale for a [ROWS, BLOCK_K] tile whose scales are [rows, ceil(K/GROUP_K)].
+    """(values - zero) * scale for a [ROWS, BLOCK_K] tile whose scales are [rows, ceil(K/GROUP_K)]
+    (element [r, c] at ``r * stride_row + c * stride_col``; zero points laid out alike).
 
     ``scale_rows`` [ROWS] is each tile row's scale row; three layouts of groups along K: several
     per tile (broadcast through a reshape), one per tile, or neither (a gather per element).
+    Weight scales too narrow for an asynchronous copy come widened to 4 bytes (see
+    ``qscheme.triton.linear``).
     ``scale_cols_total`` is a kernel argument, not computed from K, so Triton knows when it is a
     multiple of 16: the mask is then constant over runs of columns, the load is vectorised and
     the pipeliner streams the scales through shared memory with the codes (a byte-wise load
     would stall every K step on global memory).
     """
-    if BLOCK_K % GROUP_K == 0:
+    if BLOCK_K % GROUP_K == 0 and BLOCK_K > GROUP_K:
         GROUPS: tl.constexpr = BLOCK_K // GROUP_K
         columns = k0 // GROUP_K + tl.arange(0, GROUPS)
-        offsets = scale_rows[:, None] * stride_scale + columns[None, :]
+        offsets = scale_rows[:, None] * stride_row + columns[None, :] * stride_col
         mask = row_mask[:, None] & (columns[None, :] < scale_cols_total)
-        scale = _scale_as(
-            values, decode_scale(tl.load(scale_ptr + offsets, mask=mask, other=0), FORMAT, NATIVE_FP8), FORMAT, FOLD
-        )
+        scale = _scale_as(values, tl.load(scale_ptr + offsets, mask=mask, other=0), FORMAT, FOLD, NATIVE_FP8)
         grouped = tl.reshape(values, (ROWS, GROUPS, GROUP_K))
         if HAS_ZERO:
-            zero = tl.load(zero_ptr + offsets, mask=mask, other=0).to(tl.float32)
+            zero = tl.load(zero_ptr + offsets, mask=mask, other=0).to(values.dtype)
             grouped = grouped - zero[:, :, None]
         return tl.reshape(grouped * scale[:, :, None], (ROWS, BLOCK_K))
     elif GROUP_K % BLOCK_K == 0:
-        offsets = scale_rows * stride_scale + k0 // GROUP_K
-        scale = _scale_as(
-            values, decode_scale(tl.load(scale_ptr + offsets, mask=row_mask, other=0), FORMAT, NATIVE_FP8), FORMAT, FOLD
-        )
+        offsets = scale_rows * stride_row + (k0 // GROUP_K) * stride_col
+        scale = _scale_as(values, tl.load(scale_ptr + offsets, mask=row_mask, other=0), FORMAT, FOLD, NATIVE_FP8)
         if HAS_ZERO:
-            values = values - tl.load(zero_ptr + offsets, mask=row_mask, other=0).to(tl.float32)[:, None]
+            values = values - tl.load(zero_ptr + offsets, mask=row_mask, other=0).to(values.dtype)[:, None]
         return values * scale[:, None]
     else:
         columns = (k0 + tl.arange(0, BLOCK_K)) // GROUP_K
-        offsets = scale_rows[:, None] * stride_scale + columns[None, :]
+        offsets = scale_rows[:, None] * stride_row + columns[None, :] * stride_col
         mask = row_mask[:, None] & (columns[None, :] < scale_cols_total)
-        scale = _scale_as(
-            values, decode_scale(tl.load(scale_ptr + offsets, mask=mask, other=0), FORMAT, NATIVE_FP8), FORMAT, FOLD
-        )
+        scale = _scale_as(values, tl.load(scale_ptr + offsets, mask=mask, other=0), FORMAT, FOLD, NATIVE_FP8)
         if HAS_ZERO:
-            values = values - tl.load(zero_ptr + offsets, mask=mask, other=0).to(tl.float32)
+            values = values - tl.load(zero_ptr + offsets, mask=mask, other=0).to(values.dtype)
         return values * scale
 
 
@@ -143,46 +155,49 @@ def load_weight_tile(
     W_SCALE_ROWS: tl.constexpr,
     W_SCALE_COLS: tl.constexpr,
     W_ZERO: tl.constexpr,
-    W_E2M1_WORDS: tl.constexpr,
-    W_BF16_DECODE: tl.constexpr,
+    W_DECODE: tl.constexpr,
     USE_PTX: tl.constexpr,
     NATIVE_FP8: tl.constexpr,
     W_FOLD_SCALE: tl.constexpr,
 ):
     """The [BLOCK_N, BLOCK_K] tile of decoded weights (zero points and tiled scales applied).
 
-    float32, or bfloat16 for e2m1 words decoded with ``W_BF16_DECODE`` (e4m3 / e8m0 scales).
+    4-bit codes come as int32 words of eight (``qscheme.triton.layout``) decoded in the dtype
+    ``W_DECODE`` names (float32, or the 16-bit dot dtype when every product is rounded as in
+    float32); 8-bit codes are decoded to float32.
     """
     n_mask = offs_n < N
-    if W_E2M1_WORDS:
+    if W_FOUR_BIT:
         offs_word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        # Rows are whole words and contiguous, so the row stride bounds them: unlike a bound
+        # computed in the kernel, Triton knows its divisibility and vectorises the load.
         mask = n_mask[:, None] & (offs_word[None, :] < stride_wn)
         words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_word[None, :], mask=mask, other=0)
-        values = decode_e2m1_words(words, BLOCK_N, BLOCK_K // 8, W_BF16_DECODE, USE_PTX, W_FOLD_SCALE)
-    elif W_FOUR_BIT:
-        offs_byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        # Rows are ceil(K / 2) bytes and contiguous, so the row stride bounds them: unlike a
-        # bound computed in the kernel, Triton knows its divisibility and vectorises the load.
-        mask = n_mask[:, None] & (offs_byte[None, :] < stride_wn)
-        packed = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_byte[None, :], mask=mask, other=0)
-        codes = tl.interleave(packed & 0xF, packed >> 4)  # element 2j is the low nibble
+        if W_FORMAT == E2M1:
+            values = decode_e2m1_words(words, BLOCK_N, BLOCK_K // 8, W_DECODE, USE_PTX, W_FOLD_SCALE)
+        else:
+            values = decode_int4_words(words, BLOCK_N, BLOCK_K // 8, W_FORMAT == INT4, W_DECODE, USE_PTX)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = n_mask[:, None] & (offs_k[None, :] < K)
         codes = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0)
-    if not W_E2M1_WORDS:
         values = decode_element(codes, W_FORMAT, NATIVE_FP8)
     if W_ZERO == _ZERO_PER_ROW:
-        values = values - zero_per_row[:, None]
+        values = values - zero_per_row[:, None].to(values.dtype)
     if W_SCALE_TILED:
+        if W_SCALE_ROWS == 1:
+            scale_rows = offs_n  # not offs_n // 1: Triton's analysis would lose its contiguity
+        else:
+            scale_rows = offs_n // W_SCALE_ROWS
         values = apply_tiled_scale(
             values,
             w_scale_ptr,
             w_zero_ptr,
-            offs_n // W_SCALE_ROWS,
+            scale_rows,
             n_mask,
             k0,
             stride_ws,
+            1,
             w_scale_cols,
             BLOCK_N,
             BLOCK_K,
@@ -234,6 +249,7 @@ def load_input_tile(
                 m_mask,
                 k0,
                 stride_xs,
+                1,
                 x_scale_cols,
                 BLOCK_M,
                 BLOCK_K,
@@ -309,7 +325,7 @@ def quantized_gemm_kernel(
     W_SCALE_ROWS: tl.constexpr,
     W_SCALE_COLS: tl.constexpr,
     W_ZERO: tl.constexpr,
-    W_E2M1_WORDS: tl.constexpr,
+    W_DECODE: tl.constexpr,
     W_FOLD_SCALE: tl.constexpr,
     A_QUANTIZED: tl.constexpr,
     A_FORMAT: tl.constexpr,
@@ -396,8 +412,7 @@ def quantized_gemm_kernel(
             W_SCALE_ROWS,
             W_SCALE_COLS,
             W_ZERO,
-            W_E2M1_WORDS,
-            DOT_DTYPE == DOT_BF16,
+            W_DECODE,
             USE_PTX,
             NATIVE_FP8,
             W_FOLD_SCALE,

@@ -1,10 +1,12 @@
 """Host side of the Triton kernels: canonical tensors -> kernel layout, and the launches.
 
-``prepare_weight`` turns a ``CanonicalWeight`` into a ``PreparedWeight``: fp8 codes and e4m3 /
-e8m0 scales viewed as their uint8 bits, group and block scales kept in their stored layout,
-channel and tensor scales folded with the per-partition global scales (and static activation
-scales) into one float32 multiplier per output row. ``linear`` runs the activation pre-pass
-when the scheme quantizes its inputs and then the GEMM.
+``prepare_weight`` turns a ``CanonicalWeight`` into a ``PreparedWeight``: 4-bit codes as int32
+words laid out for their decoder (``qscheme.triton.layout``), fp8 codes and e4m3 / e8m0 scales
+viewed as their uint8 bits, group and block scales (and their zero points) in their stored
+layout (widened where a tile's would be too narrow to stream), channel and tensor scales
+folded with the per-partition global scales (and static activation scales) into one float32
+multiplier per output row. ``linear`` runs the activation pre-pass when the scheme quantizes
+its inputs and then the GEMM.
 
 A fused layer whose partitions carry different static activation scales quantizes its input
 once per run of partitions sharing a scale and runs the GEMM on those output rows only.
@@ -28,10 +30,14 @@ from qscheme.triton import configs
 from qscheme.triton.act_quant import quantize_input
 from qscheme.triton.gemm import DOT_BF16, DOT_FP16, DOT_FP32, quantized_gemm_kernel, split_k_epilogue_kernel
 from qscheme.triton.launch import Launch
-from qscheme.triton.layout import e2m1_words
+from qscheme.triton.layout import four_bit_words
 from qscheme.triton.spec import (
     ACT_RULE_NVFP4,
     ACT_RULE_STATIC,
+    DECODE_BF16,
+    DECODE_FP16,
+    DECODE_FP32,
+    ELEMENT_IDS,
     SCALE_FORMAT_IDS,
     ZERO_NONE,
     Specialization,
@@ -65,7 +71,8 @@ class PreparedWeight:
     n: int
     k: int
     codes: Tensor
-    scale: Tensor | None  # tiled (group / block) scales, stored layout
+    scale: Tensor | None  # tiled (group / block) scales [N / rows, ceil(K / cols)], see _tiled_layout
+    scale_dtype: torch.dtype | None  # the checkpoint's dtype of float tiled scales (before widening)
     zero_point: Tensor | None  # tiled like the scale, or [N] per row
     row_scale: Tensor | None  # float32 [N]
     pre_scale: Tensor | None  # float32 [K]
@@ -84,12 +91,33 @@ def _bits(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def _kernel_codes(codes: Tensor, spec: Specialization) -> Tensor:
-    """Codes as the GEMM reads them: e2m1 as reordered int32 words (``qscheme.triton.layout``)."""
+def _kernel_codes(codes: Tensor, element: str, spec: Specialization) -> Tensor:
+    """Codes as the GEMM reads them: 4-bit codes as int32 words (``qscheme.triton.layout``)."""
     codes = _bits(codes)
-    if spec.W_E2M1_WORDS:
-        return e2m1_words(codes)
+    if spec.W_FOUR_BIT:
+        return four_bit_words(codes, element)
     return codes.contiguous()
+
+
+# A K tile is at least this wide when the GEMM streams scales (see _tiled_layout).
+_MIN_TILE_K = 128
+
+
+def _tiled_layout(values: Tensor, spec: Specialization) -> Tensor:
+    """Group scales or zero points [N, ceil(K / cols)] as the GEMM loads them: row-major, and
+    widened to 4-byte elements (float32, int32; exact) when a 128-wide K tile would hold under
+    4 bytes of a row's values (int4 group-128 with 16-bit scales: one 2-byte scale per row and
+    tile). The pipeliner copies a load asynchronously only in runs of 4 bytes or more; a
+    narrower load would be waited on in every K step. e4m3 and e8m0 bits stay bytes (their
+    decoders read 8-bit values); block scales (rows > 1) are a value or two per tile anyway.
+    """
+    per_tile = max(1, _MIN_TILE_K // spec.W_SCALE_COLS) * values.element_size()
+    if spec.W_SCALE_ROWS == 1 and per_tile < 4:
+        if values.is_floating_point():
+            values = values.float()
+        elif values.dtype in (torch.int8, torch.int16):
+            values = values.int()
+    return values.contiguous()
 
 
 def _per_row(values: Tensor, partitions: tuple[int, ...], what: str, scheme: str) -> Tensor:
@@ -195,10 +223,12 @@ def prepare_weight(weight: CanonicalWeight, device: torch.device | str) -> Prepa
     spec = specialize(weight.scheme)
     weight = weight.to(device)
     scale = zero_point = None
+    scale_dtype = None
     if spec.W_SCALE_TILED:
-        scale = _bits(weight.scale).contiguous()
+        scale_dtype = weight.scale.dtype
+        scale = _tiled_layout(_bits(weight.scale), spec)
         if weight.zero_point is not None:
-            zero_point = weight.zero_point.to(torch.int8).reshape(scale.shape).contiguous()
+            zero_point = _tiled_layout(weight.zero_point.to(torch.int8).reshape(weight.scale.shape), spec)
     elif weight.zero_point is not None:  # channel or tensor zero points: one per output row
         zero_point = weight.zero_point.reshape(-1).to(torch.float32)
         if zero_point.numel() != weight.n:
@@ -211,8 +241,9 @@ def prepare_weight(weight: CanonicalWeight, device: torch.device | str) -> Prepa
         spec=spec,
         n=weight.n,
         k=weight.k,
-        codes=_kernel_codes(weight.codes, spec),
+        codes=_kernel_codes(weight.codes, weight.scheme.weight.format, spec),
         scale=scale,
+        scale_dtype=scale_dtype,
         zero_point=zero_point,
         row_scale=_row_multiplier(weight, spec),
         pre_scale=pre_scale,
@@ -273,14 +304,20 @@ def _config(
         x.element_size(),
         device,
         time_config,
-        wide_decode(prepared.spec, x.dtype),
+        wide_decode(prepared.spec, x.dtype, prepared.scale_dtype),
     )
 
 
-def wide_decode(spec: Specialization, input_dtype: torch.dtype) -> bool:
-    """Whether the tile heuristic uses its wide decode tiles (``configs.heuristic_config``): NVFP4
-    weight-only with bf16 inputs, where they were measured faster."""
-    return _fold_scale(spec, input_dtype, True) and not spec.A_QUANTIZED
+def wide_decode(spec: Specialization, input_dtype: torch.dtype, scale_dtype: torch.dtype | None = None) -> bool:
+    """Whether the tile heuristic uses its wide decode tiles (``configs.heuristic_config``):
+    4-bit weight-only layers decoded in the 16-bit dot dtype on a GPU. Measured faster on an
+    H200 for NVFP4 with bf16 inputs; int4 and uint4 run the same decode structure, and their
+    static loop cost per weight drops from 165 to 125 warp instructions per 1K weights at the
+    64-wide tile (benchmarks/triton_sass.py). ``scale_dtype``: the checkpoint's dtype of float
+    tiled scales (``PreparedWeight.scale_dtype``)."""
+    if spec.A_QUANTIZED or not spec.W_FOUR_BIT:
+        return False
+    return decode_dtype(spec, input_dtype, scale_dtype, True) != DECODE_FP32
 
 
 def linear(
@@ -342,11 +379,38 @@ def _fold_scale(spec: Specialization, input_dtype: torch.dtype, on_gpu: bool) ->
     return (
         on_gpu
         and input_dtype == torch.bfloat16
-        and spec.W_E2M1_WORDS
+        and spec.W_FORMAT == ELEMENT_IDS["e2m1"]
         and spec.W_SCALE_TILED
         and spec.W_ZERO == ZERO_NONE
         and spec.W_SCALE_FORMAT == SCALE_FORMAT_IDS["e4m3"]
     )
+
+
+_HALF_DECODE = {torch.bfloat16: DECODE_BF16, torch.float16: DECODE_FP16}
+
+
+def decode_dtype(spec: Specialization, input_dtype: torch.dtype, scale_dtype: torch.dtype | None, on_gpu: bool) -> int:
+    """The dtype 4-bit weights are decoded in (a ``DECODE_*`` id): the 16-bit dot dtype where
+    every decoded weight, times its tiled scale, is rounded once as it is in float32, else
+    float32 (8-bit codes and the interpreter always).
+
+    4-bit values are exact in either 16-bit dtype, but e2m1 needs bfloat16's exponent range
+    (its bit patterns are 2**-126 times the values). A tiled scale must be exact in the dtype
+    too: stored in it (``scale_dtype``, the checkpoint's), or e4m3, or e8m0 (bfloat16 only);
+    the kernel then casts it to the decode dtype.
+    """
+    half = _HALF_DECODE.get(input_dtype)
+    if not on_gpu or not spec.W_FOUR_BIT or half is None:
+        return DECODE_FP32
+    if spec.W_FORMAT == ELEMENT_IDS["e2m1"] and half != DECODE_BF16:
+        return DECODE_FP32
+    if not spec.W_SCALE_TILED:
+        return half
+    if spec.W_SCALE_FORMAT == SCALE_FORMAT_IDS["e4m3"]:
+        return half
+    if spec.W_SCALE_FORMAT == SCALE_FORMAT_IDS["e8m0"]:
+        return half if half == DECODE_BF16 else DECODE_FP32
+    return half if scale_dtype == input_dtype else DECODE_FP32
 
 
 def gemm_launches(
@@ -428,6 +492,7 @@ def gemm_launches(
             "HAS_BIAS": bias_rows is not None,
             "DOT_DTYPE": _DOT_DTYPES[input_dtype] if on_gpu else DOT_FP32.value,
             "USE_PTX": backend == "cuda",
+            "W_DECODE": decode_dtype(spec, input_dtype, prepared.scale_dtype, on_gpu),
             "W_FOLD_SCALE": _fold_scale(spec, input_dtype, on_gpu),
             "NATIVE_FP8": native_fp8,
             "BLOCK_M": tile.block_m,

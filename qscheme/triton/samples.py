@@ -119,4 +119,12 @@ def random_weight(
     )
 
 
-__all__ = ["random_weight"]
+def model_scale_dtype(scheme: Scheme, input_dtype: torch.dtype) -> str | None:
+    """The name of ``input_dtype`` when the scheme allows float scales stored in it (as
+    checkpoints keep them in the model's dtype), else None (``random_weight``'s default)."""
+    names = {dtype: name for name, dtype in _FLOAT_DTYPES.items()}
+    name = names.get(input_dtype)
+    return name if name in scheme.weight.scale.tensor.dtypes else None
+
+
+__all__ = ["model_scale_dtype", "random_weight"]

@@ -3,8 +3,8 @@
 Every choice the kernels make at compile time comes from the scheme descriptor through this
 module, so a scheme added as YAML alone runs on the Triton kernels with no new code:
 
-- weight: element format id, 4-bit packing (e2m1 codes are read as int32 words of eight and
-  decoded two per integer operation), whether the scale is decoded in the K loop
+- weight: element format id, 4-bit packing (4-bit codes are read as int32 words of eight, laid
+  out by ``qscheme.triton.layout``, and decoded a pair per register), whether the scale is decoded in the K loop
   ("tiled": group and block scales, indexed ``[n // scale_rows, k // scale_cols]``) or folded
   into a per-output-row float32 multiplier with the global scale (channel and tensor scales),
   the scale's storage format, and where zero points live (tiled like the scale, or per row);
@@ -31,6 +31,9 @@ FOUR_BIT_ELEMENTS = frozenset({"e2m1", "int4", "uint4"})
 
 # Scale storage: uint8 bits for e4m3 and e8m0, any float dtype otherwise (loaded as is).
 SCALE_FORMAT_IDS = MappingProxyType({"float": 0, "fp32": 0, "fp16": 0, "bf16": 0, "e4m3": 1, "e8m0": 2})
+
+# The dtype 4-bit weights are decoded in (equal to the DECODE_* constants of qscheme.triton.decode).
+DECODE_FP32, DECODE_FP16, DECODE_BF16 = 0, 1, 2
 
 # Zero points: none, laid out like a tiled (group or block) scale, or one per output row.
 ZERO_NONE, ZERO_TILED, ZERO_PER_ROW = 0, 1, 2
@@ -66,7 +69,6 @@ class Specialization:
     W_SCALE_ROWS: int
     W_SCALE_COLS: int
     W_ZERO: int
-    W_E2M1_WORDS: bool
     A_QUANTIZED: bool
     A_FORMAT: int
     A_SCALE: int
@@ -162,7 +164,6 @@ def specialize(scheme: Scheme) -> Specialization:
         W_SCALE_ROWS=rows,
         W_SCALE_COLS=cols,
         W_ZERO=zero,
-        W_E2M1_WORDS=weight.format == "e2m1",
         A_QUANTIZED=activation is not None,
         A_FORMAT=a_format,
         A_SCALE=a_scale,
