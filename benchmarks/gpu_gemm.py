@@ -17,8 +17,9 @@ bandwidth from a table of known parts (override with --peak-bandwidth GB/s); the
 device-to-device copy reaches is printed beside it. Targets checked for NVFP4 weight-only on
 H100/H200: at M <= 16 and 8192x8192, at least 2.5x faster than bf16 and 60% of the roofline.
 
-Random weights of the scheme (``qscheme.triton.samples.random_weight``) are used: timing does
-not depend on the values. Each (N, K) is first checked against the reference kernel at M=16.
+Random weights of the scheme (``qscheme.triton.samples.random_weight``, float scales in bf16
+where the scheme allows, as checkpoints keep them) are used: timing does not depend on the
+values. Each (N, K) is first checked against the reference kernel at M=16.
 """
 
 from __future__ import annotations
@@ -163,9 +164,10 @@ def check(scheme: object, n: int, k: int, device: str) -> float:
     from qscheme_plugins.reference_kernel import ReferenceKernel
 
     from qscheme.triton.linear import linear, prepare_weight
-    from qscheme.triton.samples import random_weight
+    from qscheme.triton.samples import model_scale_dtype, random_weight
 
-    weight = random_weight(scheme, n, k, seed=1)  # type: ignore[arg-type]
+    scale_dtype = model_scale_dtype(scheme, torch.bfloat16)  # type: ignore[arg-type]
+    weight = random_weight(scheme, n, k, seed=1, scale_dtype=scale_dtype)  # type: ignore[arg-type]
     x = torch.randn(16, k, device=device, dtype=torch.bfloat16)
     actual = linear(prepare_weight(weight, device), x).float()
     reference = ReferenceKernel()
@@ -176,9 +178,10 @@ def check(scheme: object, n: int, k: int, device: str) -> float:
 def run(args: argparse.Namespace) -> int:
     from qscheme.catalog import load_scheme
     from qscheme.triton.linear import linear, prepare_weight
-    from qscheme.triton.samples import random_weight
+    from qscheme.triton.samples import model_scale_dtype, random_weight
 
     scheme = load_scheme(args.scheme)
+    scale_dtype = model_scale_dtype(scheme, torch.bfloat16)  # float scales as checkpoints keep them
     smoke = args.smoke
     device = "cpu" if smoke else "cuda"
     m_values = SMOKE_M_VALUES if smoke else M_VALUES
@@ -197,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     errors: dict[tuple[int, int], float] = {}
     for n, k in shapes:
         errors[(n, k)] = check(scheme, n, k, device)
-        weight = random_weight(scheme, n, k)
+        weight = random_weight(scheme, n, k, scale_dtype=scale_dtype)
         prepared = [prepare_weight(weight, device)]
         dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16)]
         if not smoke:  # distinct copies, so each call reads its weights from memory, not L2

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU checks of the Triton kernel as one prepared run (for a lent GPU machine, e.g. the
+# device tool): the GPU tests, then the GEMM benchmark for NVFP4 and int4 weight-only, then a
+# tile sweep, each under its own time limit so the whole fits in about 9 minutes. Logs and
+# tables go to $OUT (default ./gpu-check-out).
+#
+#   bash scripts/gpu-check.sh            # on a machine with CUDA, torch and triton installed
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-check-out}
+mkdir -p "$OUT"
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+PYTHON=${PYTHON:-python3}
+
+step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, report the status
+    local name=$1 seconds=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$seconds" "$@" >"$OUT/$name.log" 2>&1
+    local status=$?
+    echo "== $name: exit $status in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+    tail -n 4 "$OUT/$name.log"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/summary.txt"
+"$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/summary.txt"
+step install 120 "$PYTHON" -m pip install -q --no-deps --no-build-isolation --no-index -e .
+step gpu-tests 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py tests/test_quantize_gpu.py
+step gemm-nvfp4 120 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/NVFP4A16 --markdown "$OUT/gemm-nvfp4.md"
+step gemm-w4a16 90 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/W4A16 --markdown "$OUT/gemm-w4a16.md"
+step sweep 60 "$PYTHON" benchmarks/triton_sweep.py 45
