@@ -3,8 +3,9 @@
     python benchmarks/triton_sass.py [--scheme NAME ...] [--targets sm80,sm90,sm100,sm120]
                                      [--baseline GIT-REV] [--markdown FILE]
 
-For each scheme (default: NVFP4 weight-only, int4 group-128 weight-only, ModelOpt's AWQ), the
-GEMM launch the host code makes for a decode step (M=16, bf16 inputs, the heuristic's tile for
+For each scheme (default: NVFP4 weight-only, int4 group-128 weight-only, ModelOpt's AWQ, NVFP4
+W4A4, FP8 per-token W8A8), the GEMM launch the host code makes for a decode step (M=16, bf16
+inputs, the activation pre-pass's outputs where the scheme has one, the heuristic's tile for
 8192x8192 on an H100-like device) is compiled for each target and its main loop read from the
 cubin (``qscheme.triton.sass``): instructions per pass, warp instructions per 1024 weights
 (the loop's cost per byte the kernel streams), global loads waited on inside the loop (should
@@ -32,7 +33,13 @@ os.environ.pop("TRITON_INTERPRET", None)  # must compile real kernels
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_SCHEMES = ("compressed-tensors/NVFP4A16", "compressed-tensors/W4A16", "modelopt/W4A16_AWQ")
+DEFAULT_SCHEMES = (
+    "compressed-tensors/NVFP4A16",
+    "compressed-tensors/W4A16",
+    "modelopt/W4A16_AWQ",
+    "compressed-tensors/NVFP4",
+    "compressed-tensors/FP8_DYNAMIC",
+)
 SHAPE = (8192, 8192)
 
 
@@ -78,7 +85,11 @@ def measure(schemes: list[str], targets: list[str]) -> list[dict[str, Any]]:
             out = torch.empty((16, 256), dtype=torch.bfloat16)
             segment = Segment(0, 256, prepared.segments[0].static_scale)
             native = backend == "cuda" and int(arch) >= 89
-            launch = gemm_launches(prepared, segment, x, None, None, out, tile, torch.bfloat16, backend, native)[0]
+            inputs, x_scale, decoded = _pre_pass_outputs(prepared, segment, x)
+            more = {"decoded_input": True} if decoded else {}
+            launch = gemm_launches(
+                prepared, segment, inputs, x_scale, None, out, tile, torch.bfloat16, backend, native, **more
+            )[0]
             signature, constants, attributes = cc._signature(launch)
             options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
             compiled = triton.compile(
@@ -105,6 +116,20 @@ def measure(schemes: list[str], targets: list[str]) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def _pre_pass_outputs(prepared: Any, segment: Any, x: Any) -> tuple[Any, Any, bool]:
+    """What the GEMM reads for x: x itself, or the activation pre-pass's outputs (decoded values
+    where the tree has that mode and the scheme allows it, else codes and scales)."""
+    if not prepared.spec.A_QUANTIZED:
+        return x, None, False
+    from qscheme.triton import act_quant
+
+    options = {"static_scale": segment.static_scale, "divisor": prepared.divisor, "pre_scale": prepared.pre_scale}
+    if hasattr(act_quant, "decoded_dtype"):  # a baseline may lack it
+        options["decoded"] = act_quant.decoded_dtype(prepared.spec, x.dtype)
+    _, quantized = act_quant.quantize_launch(x, prepared.spec, **options)
+    return quantized.codes, quantized.scale, bool(getattr(quantized, "decoded", False))
 
 
 def _baseline(revision: str, schemes: list[str], targets: list[str]) -> list[dict[str, Any]]:

@@ -150,3 +150,61 @@ def test_pre_scale_is_applied_before_quantizing() -> None:
     actual = quantize_input(x, specialize(scheme), static_scale=static, divisor=divisor, pre_scale=pre_scale)
     assert torch.equal(actual.codes, expected.codes)
     assert torch.equal(actual.scale, expected.scale.view(torch.uint8))  # type: ignore[arg-type]
+
+
+def _value_of(codes: torch.Tensor, element: str) -> torch.Tensor:
+    """float32 values of the pre-pass's codes (e2m1 / e4m3 as uint8 bits, int8 as int8)."""
+    from qscheme.formats import decode
+
+    if element == "e4m3":
+        return codes.view(torch.float8_e4m3fn).float()
+    return decode(codes, element).float() + 0.0  # e2m1 0x8 -> +0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("scheme", QUANTIZED, ids=[s.name for s in QUANTIZED])
+def test_decoded_output_is_each_code_times_its_group_scale_exactly(scheme: Scheme, dtype: torch.dtype) -> None:
+    """The pre-pass's decoded mode (the GEMM then reads the values like a 16-bit input): each
+    value equals the code's value times its stored group scale (or alone for per-token and
+    static scales), in the dot's dtype, wherever ``decoded_dtype`` allows that dtype."""
+    from qscheme.formats import decode
+    from qscheme.triton.act_quant import decoded_dtype
+
+    spec = specialize(scheme)
+    activation = scheme.activation
+    assert activation is not None
+    allowed = decoded_dtype(spec, dtype)
+    if activation.granularity == "group" and activation.format == "e4m3":
+        assert allowed is None  # e4m3 times a float group scale is exact in no float dtype
+        return
+    if activation.scale_format == "e8m0" and dtype == torch.float16:
+        assert allowed is None  # e8m0 scales reach beyond float16's range
+        return
+    assert allowed == dtype
+    generator = torch.Generator().manual_seed(5)
+    x = (torch.randn(5, 300, generator=generator) * torch.logspace(-3, 2, 300)).to(torch.bfloat16)
+    x[1, :64] = 0
+    _, static, divisor = _static_scales(scheme)
+    codes = quantize_input(x, spec, static_scale=static, divisor=divisor)
+    decoded = quantize_input(x, spec, static_scale=static, divisor=divisor, decoded=dtype)
+    assert decoded.decoded and decoded.codes.dtype == dtype
+    expected = _value_of(codes.codes, activation.format)
+    if activation.granularity == "group":
+        assert codes.scale is not None and decoded.scale is None
+        scale = decode(
+            codes.scale.view(torch.float8_e4m3fn) if activation.scale_format == "e4m3" else codes.scale,
+            activation.scale_format,
+        )
+        expected = expected * scale.float().repeat_interleave(activation.group_size or 1, dim=1)[:, : x.shape[1]]
+    elif activation.dynamic:  # per token: the scale stays with the GEMM's epilogue
+        assert decoded.scale is not None and torch.equal(decoded.scale, codes.scale)
+    assert torch.equal(expected.to(dtype).float(), expected)  # exact in the dtype
+    assert torch.equal(decoded.codes.float(), expected)
+
+
+def test_decoded_output_refuses_a_dtype_it_is_not_exact_in() -> None:
+    from qscheme.errors import QuantizeError
+
+    scheme = _scheme("compressed-tensors/MXFP4")
+    with pytest.raises(QuantizeError, match=r"cannot decode this activation quantization exactly in torch\.float16"):
+        quantize_input(torch.ones(2, 64), specialize(scheme), decoded=torch.float16)

@@ -270,3 +270,60 @@ def test_decode_dtype_is_16_bit_only_where_every_scaled_weight_is_exact_before_o
     assert decode_dtype(nvfp4, fp16, None, True) == DECODE_FP32  # e2m1 patterns need bf16's range
     assert decode_dtype(mx, bf16, None, True) == DECODE_BF16  # e8m0 is exact in bf16 ...
     assert decode_dtype(by_name["compressed-tensors/FP8"], bf16, None, True) == DECODE_FP32  # 8-bit codes
+
+
+ACT_QUANTIZED = [s for s in SCHEMES if s.activation is not None]
+
+
+@pytest.mark.parametrize("scheme", ACT_QUANTIZED, ids=[s.name for s in ACT_QUANTIZED])
+def test_gemm_on_decoded_inputs_equals_the_gemm_decoding_codes(scheme: Scheme) -> None:
+    """Where the pre-pass hands the GEMM decoded values (``act_quant.decoded_dtype``), the
+    output is bit for bit the one the GEMM gives decoding the codes itself (the path FP8 per
+    group keeps, and MX with float16 inputs on a GPU)."""
+    from qscheme.triton.act_quant import decoded_dtype, quantize_input
+    from qscheme.triton.configs import interpreted_config
+    from qscheme.triton.linear import gemm_launches
+
+    weight = random_weight(scheme, 96, 160, seed=8)
+    prepared = prepare_weight(weight, "cpu")
+    spec = prepared.spec
+    x = torch.randn(5, 160, generator=torch.Generator().manual_seed(9)) * 3
+    segment = prepared.segments[0]
+    tile = interpreted_config(5, segment.end - segment.start, 160)
+    modes = [None] + ([torch.float32] if decoded_dtype(spec, torch.float32) is not None else [])
+    outputs = []
+    for mode in modes:
+        quantized = quantize_input(
+            x,
+            spec,
+            static_scale=segment.static_scale,
+            divisor=prepared.divisor,
+            pre_scale=prepared.pre_scale,
+            decoded=mode,
+        )
+        out = torch.zeros(5, prepared.n)
+        inputs, x_scale = quantized.codes, quantized.scale
+        launches = gemm_launches(
+            prepared,
+            segment,
+            inputs,
+            x_scale,
+            None,
+            out,
+            tile,
+            torch.float32,
+            "interpreter",
+            decoded_input=quantized.decoded,
+        )
+        for launch in launches:
+            launch.run()
+        outputs.append(out)
+    if (
+        scheme.activation is not None
+        and scheme.activation.granularity == "group"
+        and scheme.activation.format == "e4m3"
+    ):
+        assert len(outputs) == 1  # FP8 per group: codes only
+    else:
+        assert len(outputs) == 2 and torch.equal(outputs[0], outputs[1])
+    assert float(outputs[0][:, segment.start : segment.end].abs().max()) > 0

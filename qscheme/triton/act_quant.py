@@ -16,6 +16,13 @@ exactly upcast input with correctly rounded division (``tl.div_rn``), in the ord
 Outputs, in the layout the GEMM consumes: codes [M, K] one per element (e2m1 and e4m3 as uint8
 bits, int8 as int8) and scales [M, ceil(K/G)] (e4m3 / e8m0 bits as uint8, float32 otherwise)
 or [M] float32 per token; static scales are not written (the GEMM folds them per output row).
+
+Or, where the GEMM's dot dtype holds them exactly (``decoded_dtype``), the decoded values
+instead of codes: each code's value times its group's stored scale (e2m1 times an e4m3 or e8m0
+scale), or the code's value alone when the scale is per token or static (the GEMM's epilogue
+or row multiplier applies it). These are the values the GEMM would decode from the codes in
+every program of a row of output tiles; decoded once here, the GEMM reads them like a 16-bit
+input. The codes behind them are the same.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from qscheme.errors import QuantizeError
-from qscheme.triton.decode import decode_e4m3, decode_e8m0
+from qscheme.triton.decode import decode_e2m1, decode_e4m3, decode_e8m0
 from qscheme.triton.launch import Launch
 from qscheme.triton.spec import (
     ACT_RULE_MX,
@@ -136,6 +143,28 @@ def _encode(quotient, FORMAT: tl.constexpr):
 
 
 @triton.jit
+def _code_value(codes, FORMAT: tl.constexpr):
+    """Codes (int32) -> float32 values."""
+    if FORMAT == _E2M1:
+        return decode_e2m1(codes)
+    elif FORMAT == _E4M3:
+        return decode_e4m3(codes)
+    else:
+        return codes.to(tl.float32)
+
+
+@triton.jit
+def _store_row(out_row, offsets, mask, codes, scale, DECODED: tl.constexpr, FORMAT: tl.constexpr):
+    """Codes, or (``DECODED``) their values times ``scale`` (a float32 broadcastable to them;
+    exact in the output dtype, which the host checked) in the output's dtype."""
+    if DECODED:
+        values = _code_value(codes, FORMAT) * scale
+        tl.store(out_row + offsets, values.to(out_row.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_row + offsets, codes.to(out_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _quotient(values, multiplier):
     zero = multiplier == 0
     return tl.where(zero, 0.0, tl.div_rn(values, tl.where(zero, 1.0, multiplier)))
@@ -167,9 +196,13 @@ def quantize_activation_kernel(
     A_RANGE_HALF: tl.constexpr,
     HAS_PRE_SCALE: tl.constexpr,
     HAS_DIVISOR: tl.constexpr,
+    DECODED: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Quantize row ``program_id(0)`` of x; per-group and static programs cover one K chunk."""
+    """Quantize row ``program_id(0)`` of x; per-group and static programs cover one K chunk.
+
+    ``DECODED``: ``codes_ptr`` receives the decoded values (see the module docstring) and tiled
+    scales are not written (they are in the values)."""
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_x
     codes_row = codes_ptr + row * stride_codes
@@ -182,10 +215,19 @@ def quantize_activation_kernel(
         amax = tl.max(tl.abs(values), axis=1)
         stored, multiplier = _multiplier(amax, static_ptr, A_RULE, A_RANGE_HALF, HAS_DIVISOR)
         codes = _encode(_quotient(values, multiplier[:, None]), A_FORMAT)
-        tl.store(codes_row + offsets, codes.to(codes_ptr.dtype.element_ty), mask=mask)
-        tl.store(
-            scale_ptr + row * stride_scale + group, stored.to(scale_ptr.dtype.element_ty), mask=group * A_GROUP < K
-        )
+        if DECODED:  # times the stored scale's value (the NVFP4 global part is the GEMM's)
+            if A_RULE == _RULE_NVFP4:
+                stored_value = decode_e4m3(stored)
+            elif A_RULE == _RULE_MX:
+                stored_value = decode_e8m0(stored)
+            else:
+                stored_value = stored
+            _store_row(codes_row, offsets, mask, codes, stored_value[:, None], True, A_FORMAT)
+        else:
+            _store_row(codes_row, offsets, mask, codes, 1.0, False, A_FORMAT)
+            tl.store(
+                scale_ptr + row * stride_scale + group, stored.to(scale_ptr.dtype.element_ty), mask=group * A_GROUP < K
+            )
     elif A_SCALE == _SCALE_PER_TOKEN:
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -199,26 +241,51 @@ def quantize_activation_kernel(
             mask = offsets < K
             values = _load_row(x_row, pre_scale_ptr, offsets, mask, HAS_PRE_SCALE)
             codes = _encode(_quotient(values, multiplier), A_FORMAT)
-            tl.store(codes_row + offsets, codes.to(codes_ptr.dtype.element_ty), mask=mask)
+            _store_row(codes_row, offsets, mask, codes, 1.0, DECODED, A_FORMAT)
     else:
         offsets = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         mask = offsets < K
         values = _load_row(x_row, pre_scale_ptr, offsets, mask, HAS_PRE_SCALE)
         multiplier = tl.load(static_ptr)
         codes = _encode(_quotient(values, multiplier), A_FORMAT)
-        tl.store(codes_row + offsets, codes.to(codes_ptr.dtype.element_ty), mask=mask)
+        _store_row(codes_row, offsets, mask, codes, 1.0, DECODED, A_FORMAT)
 
 
 @dataclass(frozen=True)
 class QuantizedInput:
-    """The pre-pass output: codes [M, K], scales ([M, ceil(K/G)], [M] or None)."""
+    """The pre-pass output: codes [M, K] (or their decoded values: ``decoded``), scales
+    ([M, ceil(K/G)], [M] or None; tiled scales are None when decoded)."""
 
     codes: Tensor
     scale: Tensor | None
+    decoded: bool = False
 
 
 _CODE_DTYPES = {ELEMENT_IDS["e2m1"]: torch.uint8, ELEMENT_IDS["e4m3"]: torch.uint8, ELEMENT_IDS["int8"]: torch.int8}
 _SCALE_DTYPES = {SCALE_FORMAT_IDS["e4m3"]: torch.uint8, SCALE_FORMAT_IDS["e8m0"]: torch.uint8}
+
+
+# The products of an activation format and its tiled scale format that are exact in a float
+# dtype (e2m1: 2 significant bits, e4m3 4; e8m0 is a power of two beyond float16's range).
+_EXACT_TILED = {
+    (ELEMENT_IDS["e2m1"], SCALE_FORMAT_IDS["e4m3"]): (torch.float32, torch.bfloat16, torch.float16),
+    (ELEMENT_IDS["e2m1"], SCALE_FORMAT_IDS["e8m0"]): (torch.float32, torch.bfloat16),
+}
+# Code values alone (per-token and static scales stay outside): e4m3 and int8 are exact in all.
+_EXACT_CODES = (ELEMENT_IDS["e4m3"], ELEMENT_IDS["int8"], ELEMENT_IDS["e2m1"])
+
+
+def decoded_dtype(spec: Specialization, dot_dtype: torch.dtype) -> torch.dtype | None:
+    """``dot_dtype`` when the pre-pass can hand the GEMM decoded values exactly in it (see the
+    module docstring), else None (codes: FP8 per group with float scales, whose products are
+    not exact in any float dtype, and e8m0 scales with a float16 dot)."""
+    if not spec.A_QUANTIZED:
+        return None
+    if spec.A_SCALE == ACT_SCALE_TILED:
+        exact = _EXACT_TILED.get((spec.A_FORMAT, spec.A_SCALE_FORMAT), ())
+    else:
+        exact = (torch.float32, torch.bfloat16, torch.float16) if spec.A_FORMAT in _EXACT_CODES else ()
+    return dot_dtype if dot_dtype in exact else None
 
 
 def quantize_launch(
@@ -229,20 +296,24 @@ def quantize_launch(
     divisor: bool = False,
     pre_scale: Tensor | None = None,
     block_k: int = 1024,
+    decoded: torch.dtype | None = None,
 ) -> tuple[Launch, QuantizedInput]:
     """The pre-pass launch for ``x`` [M, K] and the (empty) outputs it fills; see ``quantize_input``."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise QuantizeError(f"the activation pre-pass takes [M, K] with contiguous rows, got shape {tuple(x.shape)}")
     if spec.A_RULE in (ACT_RULE_NVFP4, ACT_RULE_STATIC) and static_scale is None:
         raise QuantizeError("this activation quantization needs its static scale (global scale or input scale)")
+    if decoded is not None and decoded_dtype(spec, decoded) != decoded:
+        raise QuantizeError(f"the pre-pass cannot decode this activation quantization exactly in {decoded}")
     m, k = x.shape
-    codes = torch.empty((m, k), dtype=_CODE_DTYPES[spec.A_FORMAT], device=x.device)
+    codes = torch.empty((m, k), dtype=decoded or _CODE_DTYPES[spec.A_FORMAT], device=x.device)
     scale: Tensor | None = None
     if spec.A_SCALE == ACT_SCALE_TILED:
         group = spec.A_GROUP
         block_k = max(group, min(block_k, triton.next_power_of_2(k)))
         scale_dtype = _SCALE_DTYPES.get(spec.A_SCALE_FORMAT, torch.float32)
-        scale = torch.empty((m, triton.cdiv(k, group)), dtype=scale_dtype, device=x.device)
+        if decoded is None:
+            scale = torch.empty((m, triton.cdiv(k, group)), dtype=scale_dtype, device=x.device)
         grid = (m, triton.cdiv(k, block_k))
     elif spec.A_SCALE == ACT_SCALE_PER_TOKEN:
         block_k = min(block_k, triton.next_power_of_2(k))
@@ -274,13 +345,14 @@ def quantize_launch(
             "A_RANGE_HALF": spec.A_RANGE_HALF,
             "HAS_PRE_SCALE": pre_scale is not None,
             "HAS_DIVISOR": divisor,
+            "DECODED": decoded is not None,
             "BLOCK_K": block_k,
         },
         num_warps=4,
         num_stages=1,
         label="activation pre-pass",
     )
-    return launch, QuantizedInput(codes, scale)
+    return launch, QuantizedInput(codes, scale, decoded is not None)
 
 
 def quantize_input(
@@ -290,17 +362,21 @@ def quantize_input(
     static_scale: Tensor | None = None,
     divisor: bool = False,
     pre_scale: Tensor | None = None,
+    decoded: torch.dtype | None = None,
 ) -> QuantizedInput:
     """Quantize ``x`` [M, K] (contiguous rows) as ``spec`` says.
 
     ``static_scale`` is a float32 [1] tensor: the static input scale, or for NVFP4 the global
     multiplier (``divisor=False``) or compressed-tensors' divisor (``divisor=True``).
-    ``pre_scale`` [K] multiplies x first (AWQ).
+    ``pre_scale`` [K] multiplies x first (AWQ). ``decoded`` (a dtype ``decoded_dtype`` allows):
+    write the decoded values in it instead of codes.
     """
-    launch, outputs = quantize_launch(x, spec, static_scale=static_scale, divisor=divisor, pre_scale=pre_scale)
+    launch, outputs = quantize_launch(
+        x, spec, static_scale=static_scale, divisor=divisor, pre_scale=pre_scale, decoded=decoded
+    )
     if x.shape[0] > 0:
         launch.run()
     return outputs
 
 
-__all__ = ["QuantizedInput", "quantize_activation_kernel", "quantize_input", "quantize_launch"]
+__all__ = ["QuantizedInput", "decoded_dtype", "quantize_activation_kernel", "quantize_input", "quantize_launch"]

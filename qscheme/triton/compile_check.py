@@ -35,7 +35,7 @@ import torch
 from qscheme.catalog import load_catalog, load_scheme
 from qscheme.descriptor import Scheme
 from qscheme.triton import configs
-from qscheme.triton.act_quant import quantize_launch
+from qscheme.triton.act_quant import decoded_dtype, quantize_launch
 from qscheme.triton.launch import Launch
 from qscheme.triton.linear import Segment, gemm_launches, prepare_weight, wide_decode
 from qscheme.triton.samples import model_scale_dtype, random_weight
@@ -112,7 +112,7 @@ def scheme_variants(
         segment = Segment(0, _N, prepared.segments[0].static_scale)
         for m in m_values:
             x = torch.zeros((m, _K), dtype=dtype)
-            inputs, x_scale = x, None
+            inputs, x_scale, decoded = x, None, False
             if prepared.spec.A_QUANTIZED:
                 pre_pass, quantized = quantize_launch(
                     x,
@@ -120,9 +120,10 @@ def scheme_variants(
                     static_scale=segment.static_scale,
                     divisor=prepared.divisor,
                     pre_scale=prepared.pre_scale,
+                    decoded=decoded_dtype(prepared.spec, dtype),  # the GPU's dot dtype is x's
                 )
                 variants.append(Variant(f"{scheme.name} pre-pass {dtype_name(dtype)} M={m}", pre_pass))
-                inputs, x_scale = quantized.codes, quantized.scale
+                inputs, x_scale, decoded = quantized.codes, quantized.scale, quantized.decoded
             wide = wide_decode(prepared.spec, dtype, prepared.scale_dtype)
             tile = configs.heuristic_config(m, 4096, 4096, prepared.weight_bits, x.element_size(), device, wide)
             if not split_k:
@@ -130,7 +131,9 @@ def scheme_variants(
             out = torch.empty((m, _N), dtype=dtype)
             bias = torch.zeros((_N,), dtype=dtype)
             native_fp8 = backend == "cuda" and int(TARGETS[target][1]) >= 89
-            launches = gemm_launches(prepared, segment, inputs, x_scale, bias, out, tile, dtype, backend, native_fp8)
+            launches = gemm_launches(
+                prepared, segment, inputs, x_scale, bias, out, tile, dtype, backend, native_fp8, decoded
+            )
             for launch in launches:
                 kind = launch.label.split(" ")[0]
                 variants.append(Variant(f"{scheme.name} {kind} {dtype_name(dtype)} M={m} {tile.describe()}", launch))

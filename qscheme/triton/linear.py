@@ -27,7 +27,7 @@ from qscheme.canonical import CanonicalWeight
 from qscheme.errors import QuantizeError
 from qscheme.formats import decode
 from qscheme.triton import configs
-from qscheme.triton.act_quant import quantize_input
+from qscheme.triton.act_quant import decoded_dtype, quantize_input
 from qscheme.triton.gemm import DOT_BF16, DOT_FP16, DOT_FP32, quantized_gemm_kernel, split_k_epilogue_kernel
 from qscheme.triton.launch import Launch
 from qscheme.triton.layout import four_bit_words
@@ -310,12 +310,13 @@ def _config(
 
 def wide_decode(spec: Specialization, input_dtype: torch.dtype, scale_dtype: torch.dtype | None = None) -> bool:
     """Whether the tile heuristic uses its wide decode tiles (``configs.heuristic_config``):
-    4-bit weight-only layers decoded in the 16-bit dot dtype on a GPU. Measured faster on an
+    4-bit weights decoded in the 16-bit dot dtype on a GPU, with 16-bit inputs or inputs the
+    pre-pass hands over decoded (``act_quant.decoded_dtype``). Measured faster on an
     H200 for NVFP4 with bf16 inputs; int4 and uint4 run the same decode structure, and their
     static loop cost per weight drops from 165 to 125 warp instructions per 1K weights at the
     64-wide tile (benchmarks/triton_sass.py). ``scale_dtype``: the checkpoint's dtype of float
     tiled scales (``PreparedWeight.scale_dtype``)."""
-    if spec.A_QUANTIZED or not spec.W_FOUR_BIT:
+    if not spec.W_FOUR_BIT or (spec.A_QUANTIZED and decoded_dtype(spec, input_dtype) is None):
         return False
     return decode_dtype(spec, input_dtype, scale_dtype, True) != DECODE_FP32
 
@@ -360,15 +361,21 @@ def _run_segment(
     spec = prepared.spec
     x_scale: Tensor | None = None
     inputs = x
+    decoded = False
     if spec.A_QUANTIZED:
         quantized = quantize_input(
-            x, spec, static_scale=segment.static_scale, divisor=prepared.divisor, pre_scale=prepared.pre_scale
+            x,
+            spec,
+            static_scale=segment.static_scale,
+            divisor=prepared.divisor,
+            pre_scale=prepared.pre_scale,
+            decoded=decoded_dtype(spec, torch.float32 if interpreted() else x.dtype),
         )
-        inputs, x_scale = quantized.codes, quantized.scale
+        inputs, x_scale, decoded = quantized.codes, quantized.scale, quantized.decoded
     rows = segment.end - segment.start
 
     def launch(tile: configs.TileConfig) -> None:
-        for step in gemm_launches(prepared, segment, inputs, x_scale, bias, out, tile, x.dtype):
+        for step in gemm_launches(prepared, segment, inputs, x_scale, bias, out, tile, x.dtype, decoded_input=decoded):
             step.run()
 
     launch(config or _config(prepared, x, rows, launch))
@@ -424,10 +431,12 @@ def gemm_launches(
     input_dtype: torch.dtype,
     backend: str | None = None,
     native_fp8: bool | None = None,
+    decoded_input: bool = False,
 ) -> list[Launch]:
     """The GEMM (and split-K epilogue) launches for one segment of output rows.
 
-    ``inputs`` is x [M, K] or its quantized codes, ``input_dtype`` the dtype of x (it picks the
+    ``inputs`` is x [M, K], its quantized codes, or (``decoded_input``) the pre-pass's decoded
+    values in the dot's dtype, read like x; ``input_dtype`` is the dtype of x (it picks the
     dot's dtype), ``out`` the whole [M, N] output. ``backend`` ("cuda", "hip" or "interpreter")
     defaults to the one this process runs; ``native_fp8`` (decode e4m3 with the hardware
     conversion) to whether ``inputs``' device has it.
@@ -487,6 +496,7 @@ def gemm_launches(
         },
         constexprs={
             **spec.gemm_constexprs(),
+            "A_QUANTIZED": spec.A_QUANTIZED and not decoded_input,
             "HAS_PRE_SCALE": pre_scale is not None,
             "HAS_ROW_SCALE": row_scale is not None,
             "HAS_BIAS": bias_rows is not None,
