@@ -131,7 +131,7 @@ def graph_time(calls: Sequence[Callable[[], object]], replays: int = 20) -> floa
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):  # the warm-up's stream: per-stream state is ready
         for call in calls:
             call()
     graph.replay()

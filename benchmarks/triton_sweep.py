@@ -1,6 +1,7 @@
 """Time a few tile configs of the Triton GEMM at small M (NVFP4 weight-only by default, SCHEME
 to change; bf16 activations), each call's weights read from memory (L2 defeated), outputs
-checked against the first config's.
+checked against the first config's; the heuristic's tile also with the split-K reduction
+fused into the GEMM (QSCHEME_TRITON_SPLIT_K=fused).
 
     python benchmarks/triton_sweep.py [seconds]     # on a CUDA GPU; stops starting configs after
 """
@@ -32,6 +33,10 @@ CONFIGS = [C(16, 64, 128, 4, 4, 4), C(16, 128, 128, 4, 4, 4), C(16, 128, 128, 4,
 EXTRA = [C(16, 32, 128, 2, 4, 4), C(16, 64, 256, 4, 4, 4), C(16, 128, 256, 4, 8, 3), C(16, 64, 128, 4, 4, 6)]
 
 
+def label(tile: TileConfig, mode: str) -> str:
+    return tile.describe() + (" fused" if mode == "fused" and tile.split_k > 1 else "")
+
+
 def main() -> None:
     for n, k in ((8192, 8192), (4096, 4096)):
         weight = random_weight(scheme, n, k, scale_dtype=model_scale_dtype(scheme, torch.bfloat16))
@@ -44,11 +49,14 @@ def main() -> None:
             ref = graph_time([functools.partial(torch.nn.functional.linear, x, w) for w in dense])
             print(f"== {n}x{k} M={m} torch bf16 {ref * 1e6:.1f} us", flush=True)
             expected = None
-            plan = CONFIGS + EXTRA if m == 16 and n == 8192 else CONFIGS
-            for tile in plan:
+            tiles = CONFIGS + EXTRA if m == 16 and n == 8192 else CONFIGS
+            # the heuristic's tile with the split-K reduction fused into the GEMM, then the rest
+            plan = [(tiles[0], "two-pass"), (tiles[0], "fused")] + [(tile, "two-pass") for tile in tiles[1:]]
+            for tile, mode in plan:
                 if time.time() > DEADLINE:
                     print("deadline", flush=True)
                     break
+                os.environ[lin.SPLIT_K_VARIABLE] = mode
                 try:
                     y = lin.linear(prepared[0], x, config=tile).float()
                     if expected is None:
@@ -56,10 +64,10 @@ def main() -> None:
                     error = float((y - expected).abs().max() / expected.abs().max())
                     t = graph_time([functools.partial(lin.linear, p, x, config=tile) for p in prepared])
                 except Exception as exc:
-                    print(f"{tile.describe():40s} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    print(f"{label(tile, mode):48s} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     continue
                 print(
-                    f"{tile.describe():40s} {t * 1e6:7.1f} us {ref / t:5.2f}x {nbytes / t / 1e9:6.0f} GB/s"
+                    f"{label(tile, mode):48s} {t * 1e6:7.1f} us {ref / t:5.2f}x {nbytes / t / 1e9:6.0f} GB/s"
                     f" err {error:.1e}",
                     flush=True,
                 )

@@ -44,6 +44,7 @@ def test_every_target_compiles_the_nvfp4_kernels(results: list[dict[str, object]
     for target in TARGETS:
         names = {str(r["variant"]) for r in results if r["target"] == target}
         assert any(n.startswith("compressed-tensors/NVFP4A16 gemm bf16 M=16") for n in names), target
+        assert any(n.startswith("compressed-tensors/NVFP4A16 gemm fused bf16 M=16") for n in names), target
         assert any(n.startswith("compressed-tensors/NVFP4 pre-pass") for n in names), target
         assert any(n.startswith("compressed-tensors/NVFP4 gemm") for n in names), target
 

@@ -327,3 +327,46 @@ def test_gemm_on_decoded_inputs_equals_the_gemm_decoding_codes(scheme: Scheme) -
     else:
         assert len(outputs) == 2 and torch.equal(outputs[0], outputs[1])
     assert float(outputs[0][:, segment.start : segment.end].abs().max()) > 0
+
+
+@pytest.mark.parametrize(
+    "scheme_name", ["compressed-tensors/NVFP4A16", "compressed-tensors/W4A16_ASYM", "compressed-tensors/NVFP4"]
+)
+def test_fused_split_k_reduction_gives_the_two_pass_bits(scheme_name: str) -> None:
+    """QSCHEME_TRITON_SPLIT_K=fused: the last program of each output tile adds the partial sums
+    in split order and applies the epilogue (bias, row and token multipliers): the same bits
+    as the second kernel, and the arrival counters are back to zero afterwards."""
+    from qscheme.triton import linear as lin
+
+    scheme = next(s for s in BUILTIN if s.name == scheme_name)
+    prepared = prepare_weight(random_weight(scheme, 80, 512, seed=6), "cpu")
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2))
+    bias = torch.randn(80, generator=torch.Generator().manual_seed(3))
+    tile = TileConfig(16, 32, 64, split_k=4, num_warps=4, num_stages=1)  # 3 column tiles x 4 splits
+    outputs = {}
+    for mode in ("two-pass", "fused"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(lin.SPLIT_K_VARIABLE, mode)
+            expected = 1 if mode == "fused" else 2  # the GEMM, and the split-K epilogue kernel
+            assert all(len(_segment_launches(prepared, seg, x, bias, tile)) == expected for seg in prepared.segments)
+            outputs[mode] = lin.linear(prepared, x, bias, tile)
+    assert torch.equal(outputs["fused"], outputs["two-pass"])
+    assert float(outputs["fused"].abs().max()) > 0
+    assert all(int(c.abs().max()) == 0 for c in lin._COUNTERS.values())
+
+
+def _segment_launches(prepared, segment, x, bias, tile):  # type: ignore[no-untyped-def]
+    from qscheme.triton.linear import gemm_launches
+
+    out = torch.empty((x.shape[0], prepared.n))
+    return gemm_launches(prepared, segment, x, None, bias, out, tile, x.dtype, "interpreter")
+
+
+def test_split_k_mode_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qscheme.triton import linear as lin
+
+    monkeypatch.setenv(lin.SPLIT_K_VARIABLE, "fast")
+    with pytest.raises(QuantizeError, match=r"QSCHEME_TRITON_SPLIT_K='fast' is not one of two-pass, fused"):
+        lin.split_k_mode()
+    monkeypatch.setenv(lin.SPLIT_K_VARIABLE, " Fused ")
+    assert lin.split_k_mode() == "fused"

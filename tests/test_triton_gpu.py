@@ -88,3 +88,36 @@ def test_int4_with_scales_in_the_model_dtype_decodes_in_16_bit(
     error = float((actual.double() - expected).abs().max())
     scale = float(expected.abs().max())
     assert error <= 1e-2 * scale, f"{scheme.name} {m}x{n}x{k} {dtype}: max error {error:.3e}, output scale {scale:.3e}"
+
+
+FUSED_SPLIT_K = [
+    s
+    for s in BUILTIN
+    if s.name in ("compressed-tensors/NVFP4A16", "compressed-tensors/W4A16", "compressed-tensors/NVFP4")
+]
+
+
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("scheme", FUSED_SPLIT_K, ids=[s.name for s in FUSED_SPLIT_K])
+def test_fused_split_k_gives_the_two_pass_bits_on_gpu(scheme: Scheme, m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """QSCHEME_TRITON_SPLIT_K=fused (the last program of each tile reduces, behind an arrival
+    counter): bit for bit the two-pass result, over repeated calls (the counters reset)."""
+    from qscheme.triton import linear as lin
+    from qscheme.triton.configs import TileConfig
+
+    generator = torch.Generator().manual_seed(m)
+    n = k = 4096
+    weight = (torch.randn(n, k, generator=generator) * 0.05).to(torch.bfloat16)
+    canonical = canonicalize(scheme, quantize_weight(weight, scheme, **static_inputs(scheme, k)))
+    device = torch.device("cuda")
+    prepared = lin.prepare_weight(canonical, device)
+    x = (torch.randn(m, k, generator=generator) * 2).to(torch.bfloat16).to(device)
+    bias = torch.randn(n, generator=generator).to(torch.bfloat16).to(device)
+    tile = TileConfig(16, 64, 128, split_k=4, num_warps=4, num_stages=4)
+    monkeypatch.setenv(lin.SPLIT_K_VARIABLE, "two-pass")
+    expected = lin.linear(prepared, x, bias, tile)
+    monkeypatch.setenv(lin.SPLIT_K_VARIABLE, "fused")
+    for _ in range(3):
+        assert torch.equal(lin.linear(prepared, x, bias, tile), expected)
+    torch.cuda.synchronize()
+    assert all(int(c.abs().max()) == 0 for c in lin._COUNTERS.values())

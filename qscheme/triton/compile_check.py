@@ -96,12 +96,14 @@ def scheme_variants(
     input_dtypes: Sequence[torch.dtype] = (torch.bfloat16,),
     m_values: Sequence[int] = (16, 256),
     split_k: bool = True,
+    fused_split_k: bool = False,
 ) -> list[Variant]:
     """The launches one scheme makes on ``target``: the pre-pass (if any) and the GEMM, with the
     tile the heuristic picks for a K=4096 layer, for each M and input dtype. Float scales are
     stored in the input's dtype where the scheme allows it, as checkpoints keep them.
 
-    ``split_k=False`` keeps the GEMM in one pass (no split-K epilogue launch).
+    ``split_k=False`` keeps the GEMM in one pass (no split-K epilogue launch);
+    ``fused_split_k`` reduces split-K partial sums in the GEMM launch (QSCHEME_TRITON_SPLIT_K=fused).
     """
     backend = TARGETS[target][0]
     device = configs.DeviceFacts(f"compile-check {target}", 132, SHARED_MEMORY[target])
@@ -132,11 +134,13 @@ def scheme_variants(
             bias = torch.zeros((_N,), dtype=dtype)
             native_fp8 = backend == "cuda" and int(TARGETS[target][1]) >= 89
             launches = gemm_launches(
-                prepared, segment, inputs, x_scale, bias, out, tile, dtype, backend, native_fp8, decoded
+                prepared, segment, inputs, x_scale, bias, out, tile, dtype, backend, native_fp8, decoded, fused_split_k
             )
             for launch in launches:
                 kind = launch.label.split(" ")[0]
-                variants.append(Variant(f"{scheme.name} {kind} {dtype_name(dtype)} M={m} {tile.describe()}", launch))
+                fused = " fused" if fused_split_k and tile.split_k > 1 else ""
+                name = f"{scheme.name} {kind}{fused} {dtype_name(dtype)} M={m} {tile.describe()}"
+                variants.append(Variant(name, launch))
     return variants
 
 
@@ -287,8 +291,9 @@ CI_CORE = ("compressed-tensors/NVFP4A16", "compressed-tensors/NVFP4")
 def ci_plan(schemes: Sequence[Scheme], targets: Sequence[str]) -> list[tuple[Variant, str]]:
     """What CI affords (about a minute on two cores).
 
-    - every target: NVFP4 weight-only (bf16, decode tile, with its split-K epilogue) and NVFP4
-      W4A4 (pre-pass and GEMM), the kernels that matter most;
+    - every target: NVFP4 weight-only (bf16, decode tile, with its split-K epilogue, and with
+      the split-K reduction fused into the GEMM) and NVFP4 W4A4 (pre-pass and GEMM), the
+      kernels that matter most;
     - the first target also: NVFP4 weight-only with fp16 and fp32 inputs (the other dot paths)
       and the bf16 prefill tile (M=256);
     - every other distinct specialisation of ``schemes`` (bf16, decode tile, no split-K) on one
@@ -301,6 +306,9 @@ def ci_plan(schemes: Sequence[Scheme], targets: Sequence[str]) -> list[tuple[Var
         variants: list[Variant] = []
         for scheme in core:
             variants.extend(scheme_variants(scheme, target, (torch.bfloat16,), (16,)))
+            if scheme.activation is None:  # the opt-in single-launch split-K reduction
+                fused = scheme_variants(scheme, target, (torch.bfloat16,), (16,), fused_split_k=True)
+                variants.extend(v for v in fused if " gemm fused " in v.name)
             if index == 0 and scheme.activation is None:
                 variants.extend(scheme_variants(scheme, target, (torch.float16, torch.float32), (16,), split_k=False))
                 variants.extend(scheme_variants(scheme, target, (torch.bfloat16,), (256,), split_k=False))

@@ -18,7 +18,9 @@ One kernel, specialised by the constexprs of ``qscheme.triton.spec.Specializatio
 The dot runs in x's dtype for fp16 and bf16 on a GPU (decoded values rounded to it; e2m1
 times an e4m3 scale is exact there) and in float32 ("ieee") otherwise, always in float32 when
 interpreted (the interpreter computes bf16 wrongly). With ``SPLIT_K > 1`` programs write float32
-partial sums and ``split_k_epilogue_kernel`` adds them and applies the epilogue. ``USE_PTX``
+partial sums and ``split_k_epilogue_kernel`` adds them and applies the epilogue, or, with
+``FUSED_SPLIT_K``, the last program of each output tile does (one launch instead of two; a
+per-tile arrival counter in ``counter_ptr``, zero between launches). ``USE_PTX``
 (CUDA only) lets the 4-bit decoders split registers with one ``mov``.
 """
 
@@ -307,6 +309,8 @@ def quantized_gemm_kernel(
     row_scale_ptr,
     bias_ptr,
     out_ptr,
+    final_ptr,
+    counter_ptr,
     M,
     N,
     K,
@@ -318,6 +322,7 @@ def quantized_gemm_kernel(
     stride_split,
     w_scale_cols,
     x_scale_cols,
+    FUSED_SPLIT_K: tl.constexpr,
     W_FORMAT: tl.constexpr,
     W_FOUR_BIT: tl.constexpr,
     W_SCALE_TILED: tl.constexpr,
@@ -443,8 +448,39 @@ def quantized_gemm_kernel(
             HAS_BIAS,
         )
     else:
-        partial = out_ptr + split * stride_split + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(partial, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        tile_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        offsets = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(out_ptr + split * stride_split + offsets, acc, mask=tile_mask)
+        if FUSED_SPLIT_K:
+            # The last of the tile's SPLIT_K programs to finish adds the partial sums in split
+            # order (as split_k_epilogue_kernel does: same bits, deterministic), applies the
+            # epilogue and resets the tile's counter to zero for the next launch. The barrier
+            # orders every thread's partial store before the counter's release; the acquire
+            # (broadcast to the program by the scalar atomic) orders the reads after it.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for other in range(SPLIT_K):
+                    total += tl.load(
+                        out_ptr + other * stride_split + offsets, mask=tile_mask, other=0.0, cache_modifier=".cg"
+                    )
+                epilogue(
+                    total,
+                    offs_m,
+                    offs_n,
+                    M,
+                    N,
+                    x_scale_ptr,
+                    row_scale_ptr,
+                    bias_ptr,
+                    final_ptr,
+                    stride_om,
+                    A_SCALE,
+                    HAS_ROW_SCALE,
+                    HAS_BIAS,
+                )
+                tl.atomic_xchg(counter_ptr + pid, 0)
 
 
 @triton.jit

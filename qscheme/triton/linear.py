@@ -15,6 +15,7 @@ once per run of partitions sharing a scale and runs the GEMM on those output row
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -395,6 +396,38 @@ def _fold_scale(spec: Specialization, input_dtype: torch.dtype, on_gpu: bool) ->
 
 _HALF_DECODE = {torch.bfloat16: DECODE_BF16, torch.float16: DECODE_FP16}
 
+SPLIT_K_VARIABLE = "QSCHEME_TRITON_SPLIT_K"
+SPLIT_K_MODES = ("two-pass", "fused")
+
+
+def split_k_mode() -> str:
+    """How split-K partial sums are reduced, from ``QSCHEME_TRITON_SPLIT_K``: ``two-pass`` (the
+    default: a second small kernel adds them) or ``fused`` (the last program of each output
+    tile adds them in the GEMM launch: one launch fewer per call; not yet timed or tested on a
+    GPU, hence opt-in). Both sum in split order: the outputs are bit for bit the same."""
+    value = os.environ.get(SPLIT_K_VARIABLE, "").strip().lower() or SPLIT_K_MODES[0]
+    if value not in SPLIT_K_MODES:
+        raise QuantizeError(
+            f"{SPLIT_K_VARIABLE}={value!r} is not one of {', '.join(SPLIT_K_MODES)}; unset it for the default"
+        )
+    return value
+
+
+# Per (device, stream): int32 arrival counters of the fused split-K reduction, zero between
+# launches (each tile's last program resets its own). Launches on one stream run in order, so
+# they can share one buffer; another stream gets its own.
+_COUNTERS: dict[tuple[str, int], Tensor] = {}
+
+
+def _split_k_counters(device: torch.device, tiles: int) -> Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), int(stream))
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = counters
+    return counters
+
 
 def decode_dtype(spec: Specialization, input_dtype: torch.dtype, scale_dtype: torch.dtype | None, on_gpu: bool) -> int:
     """The dtype 4-bit weights are decoded in (a ``DECODE_*`` id): the 16-bit dot dtype where
@@ -432,12 +465,15 @@ def gemm_launches(
     backend: str | None = None,
     native_fp8: bool | None = None,
     decoded_input: bool = False,
+    fused_split_k: bool | None = None,
 ) -> list[Launch]:
     """The GEMM (and split-K epilogue) launches for one segment of output rows.
 
     ``inputs`` is x [M, K], its quantized codes, or (``decoded_input``) the pre-pass's decoded
     values in the dot's dtype, read like x; ``input_dtype`` is the dtype of x (it picks the
-    dot's dtype), ``out`` the whole [M, N] output. ``backend`` ("cuda", "hip" or "interpreter")
+    dot's dtype), ``out`` the whole [M, N] output. ``fused_split_k`` (default: the
+    ``QSCHEME_TRITON_SPLIT_K`` setting, see ``split_k_mode``) reduces split-K partial sums in
+    the GEMM launch itself instead of a second one. ``backend`` ("cuda", "hip" or "interpreter")
     defaults to the one this process runs; ``native_fp8`` (decode e4m3 with the hardware
     conversion) to whether ``inputs``' device has it.
     """
@@ -466,9 +502,15 @@ def gemm_launches(
 
     partial = out_rows
     stride_split = 0
+    if fused_split_k is None:
+        fused_split_k = split_k_mode() == "fused"
+    fused = fused_split_k and tile.split_k > 1
+    counters = placeholder
     if tile.split_k > 1:
         partial = torch.empty((tile.split_k, m, rows), dtype=torch.float32, device=inputs.device)
         stride_split = partial.stride(0)
+        if fused:
+            counters = _split_k_counters(inputs.device, triton.cdiv(m, tile.block_m) * triton.cdiv(rows, tile.block_n))
     gemm = Launch(
         kernel=quantized_gemm_kernel,
         grid=(triton.cdiv(m, tile.block_m) * triton.cdiv(rows, tile.block_n), tile.split_k),
@@ -482,6 +524,8 @@ def gemm_launches(
             "row_scale_ptr": placeholder if row_scale is None else row_scale,
             "bias_ptr": placeholder if bias_rows is None else bias_rows,
             "out_ptr": partial,
+            "final_ptr": out_rows,
+            "counter_ptr": counters,
             "M": m,
             "N": rows,
             "K": prepared.k,
@@ -497,6 +541,7 @@ def gemm_launches(
         constexprs={
             **spec.gemm_constexprs(),
             "A_QUANTIZED": spec.A_QUANTIZED and not decoded_input,
+            "FUSED_SPLIT_K": fused,
             "HAS_PRE_SCALE": pre_scale is not None,
             "HAS_ROW_SCALE": row_scale is not None,
             "HAS_BIAS": bias_rows is not None,
@@ -515,7 +560,7 @@ def gemm_launches(
         num_stages=tile.num_stages,
         label=f"gemm {prepared.scheme_name} {tile.describe()}",
     )
-    if tile.split_k == 1:
+    if tile.split_k == 1 or fused:
         return [gemm]
     block_m, block_n = min(tile.block_m, 32), 128
     epilogue = Launch(
