@@ -215,14 +215,27 @@ def test_word_decoders_read_the_laid_out_words_in_canonical_order(element: str) 
 
 
 def _run_forced(prepared, x: torch.Tensor, constexprs: dict[str, int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """The GEMM for x with some constexprs forced (the interpreter's own choice otherwise)."""
+    """The GEMM for x with some constexprs forced (the interpreter's own choice otherwise);
+    a scheme that quantizes its inputs gets them from the pre-pass, decoded in x's dtype."""
+    from qscheme.triton.act_quant import decoded_dtype, quantize_input
     from qscheme.triton.configs import interpreted_config
     from qscheme.triton.linear import gemm_launches
 
     out = torch.empty((x.shape[0], prepared.n), dtype=x.dtype)
     tile = interpreted_config(x.shape[0], prepared.n, prepared.k)
     segment = prepared.segments[0]
-    for launch in gemm_launches(prepared, segment, x, None, None, out, tile, x.dtype, "interpreter"):
+    inputs, x_scale, decoded = x, None, False
+    if prepared.spec.A_QUANTIZED:
+        dtype = decoded_dtype(prepared.spec, x.dtype)
+        assert dtype is not None
+        quantized = quantize_input(
+            x, prepared.spec, static_scale=segment.static_scale, divisor=prepared.divisor, decoded=dtype
+        )
+        inputs, x_scale, decoded = quantized.codes, quantized.scale, True
+    launches = gemm_launches(
+        prepared, segment, inputs, x_scale, None, out, tile, x.dtype, "interpreter", decoded_input=decoded
+    )
+    for launch in launches:
         replace(launch, constexprs={**launch.constexprs, **constexprs}).run()
     return out
 
@@ -250,6 +263,28 @@ def test_int4_decoded_in_float16_equals_float32_decode_rounded_once(scheme_name:
     assert float(half.float().abs().max()) > 0
 
 
+@pytest.mark.parametrize(("scheme_name", "fold"), [("compressed-tensors/NVFP4A16", True), ("test/FP4_G64_FP16", False)])
+def test_e2m1_decoded_in_float16_equals_float32_decode_rounded_once(scheme_name: str, fold: bool) -> None:
+    """The GPU's float16 path for e2m1 weights: float16 bit patterns worth 2**-14 times the
+    values, times an e4m3 group scale folded in (the accumulator scaled back by 2**14) or, for
+    float16 group scales, times 2**14 and then the scale; the same output as decoding in
+    float32 and rounding each weight once to float16. Under the interpreter, same dot."""
+    from qscheme.triton.gemm import DOT_FP16
+    from qscheme.triton.linear import _fold_scale, decode_dtype
+    from qscheme.triton.spec import DECODE_FP16, DECODE_FP32
+
+    scheme = next(s for s in SCHEMES if s.name == scheme_name)
+    prepared = prepare_weight(random_weight(scheme, 96, 512, seed=3, scale_dtype="float16"), "cpu")
+    assert decode_dtype(prepared.spec, torch.float16, prepared.scale_dtype, True) == DECODE_FP16
+    assert _fold_scale(prepared.spec, torch.float16, True) == fold
+    x = (torch.randn(5, 512, generator=torch.Generator().manual_seed(4))).to(torch.float16)
+    forced = {"W_DECODE": DECODE_FP16, "DOT_DTYPE": DOT_FP16.value, "W_FOLD_SCALE": fold}
+    half = _run_forced(prepared, x, forced)
+    single = _run_forced(prepared, x, {"W_DECODE": DECODE_FP32, "DOT_DTYPE": DOT_FP16.value, "W_FOLD_SCALE": False})
+    assert torch.equal(half, single)
+    assert float(half.float().abs().max()) > 0
+
+
 def test_decode_dtype_is_16_bit_only_where_every_scaled_weight_is_exact_before_one_rounding() -> None:
     from qscheme.triton.linear import decode_dtype
     from qscheme.triton.spec import DECODE_BF16, DECODE_FP16, DECODE_FP32, specialize
@@ -267,7 +302,7 @@ def test_decode_dtype_is_16_bit_only_where_every_scaled_weight_is_exact_before_o
     assert decode_dtype(w4a16, bf16, fp32, True) == DECODE_FP32
     assert decode_dtype(w4a16, bf16, bf16, False) == DECODE_FP32  # the interpreter
     assert decode_dtype(nvfp4, bf16, None, True) == DECODE_BF16  # e4m3 scales
-    assert decode_dtype(nvfp4, fp16, None, True) == DECODE_FP32  # e2m1 patterns need bf16's range
+    assert decode_dtype(nvfp4, fp16, None, True) == DECODE_FP16  # e2m1 x e4m3 is exact in fp16 too
     assert decode_dtype(mx, bf16, None, True) == DECODE_BF16  # e8m0 is exact in bf16 ...
     assert decode_dtype(by_name["compressed-tensors/FP8"], bf16, None, True) == DECODE_FP32  # 8-bit codes
 

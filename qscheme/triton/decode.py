@@ -33,6 +33,11 @@ _E2M1_PAIR_BITS: tl.constexpr = tl.constexpr(0x81C081C0 - (1 << 32))
 _E2M1_SPREAD_BITS: tl.constexpr = tl.constexpr(0x00D800D8)
 _E2M1_SPREAD: tl.constexpr = tl.constexpr(1 + (1 << 5) + (1 << 11))
 _TWO_POW_126: tl.constexpr = tl.constexpr(2.0**126)
+# The same codes as float16 patterns (sign at bit 15 / 31, exponent and mantissa bits at 11-9 /
+# 27-25), worth 2**-14 times the values (code 1 a float16 subnormal).
+_PAIR_SIGNS: tl.constexpr = tl.constexpr(0x80008000 - (1 << 32))
+_FP16_E2M1_BITS: tl.constexpr = tl.constexpr(0x0E000E00)
+_TWO_POW_14: tl.constexpr = tl.constexpr(2.0**14)
 # int4 / uint4 words (qscheme.triton.layout.INT4_WORD_BITS): a pair of codes at bits 0-3 and
 # 16-19, ORed with the exponent of 128 (bfloat16) or 1024 (float16), whose lowest mantissa
 # bits then hold the code; int4's sign bit is flipped (offset binary) by the same operation.
@@ -142,21 +147,33 @@ def decode_e2m1_words(
     (the tensor cores' operand pair) comes out of a word as one 32-bit register of two bfloat16
     patterns, in 9 integer operations per word and with no byte permutes. A multiply by 2**126
     (exact, subnormals included) turns the patterns into the values. ``DTYPE`` (a decode id):
-    bfloat16 (the GPU's bf16 dot path) or float32 (float16 cannot hold the patterns). Code 0x8
-    gives -0.0, equal to +0.0. ``UNSCALED`` leaves the multiply out (values 2**-126 times the
-    codes') for a caller that folds the power of two into its own scale.
+    bfloat16 (the GPU's bf16 dot path), float32, or float16, whose patterns (worth 2**-14 times
+    the values) take two more operations per pair. Code 0x8 gives -0.0, equal to +0.0.
+    ``UNSCALED`` leaves the multiply by 2**126 (2**14) out for a caller that folds the power of
+    two into its own scale.
     """
-    e0, e1 = _split_pair(words & _E2M1_PAIR_BITS, DTYPE, USE_PTX)
-    e2, e3 = _split_pair((words << 3) & _E2M1_PAIR_BITS, DTYPE, USE_PTX)
-    e4, e5 = _split_pair((words << 6) & _E2M1_PAIR_BITS, DTYPE, USE_PTX)
     # The arithmetic shift's sign copies are masked off; the multiply's copies never overlap.
     spread = ((words >> 7) & _E2M1_SPREAD_BITS) * _E2M1_SPREAD
-    e6, e7 = _split_pair(spread & _E2M1_PAIR_BITS, DTYPE, USE_PTX)
+    if DTYPE == DECODE_FP16:  # the sign stays, the other three bits move 3 higher
+        shifted3 = words << 3
+        shifted6 = words << 6
+        spread = spread & _E2M1_PAIR_BITS
+        e0, e1 = _split_pair((words & _PAIR_SIGNS) | (shifted3 & _FP16_E2M1_BITS), DTYPE, USE_PTX)
+        e2, e3 = _split_pair((shifted3 & _PAIR_SIGNS) | (shifted6 & _FP16_E2M1_BITS), DTYPE, USE_PTX)
+        e4, e5 = _split_pair((shifted6 & _PAIR_SIGNS) | ((words << 9) & _FP16_E2M1_BITS), DTYPE, USE_PTX)
+        e6, e7 = _split_pair((spread & _PAIR_SIGNS) | ((spread << 3) & _FP16_E2M1_BITS), DTYPE, USE_PTX)
+    else:
+        e0, e1 = _split_pair(words & _E2M1_PAIR_BITS, DTYPE, USE_PTX)
+        e2, e3 = _split_pair((words << 3) & _E2M1_PAIR_BITS, DTYPE, USE_PTX)
+        e4, e5 = _split_pair((words << 6) & _E2M1_PAIR_BITS, DTYPE, USE_PTX)
+        e6, e7 = _split_pair(spread & _E2M1_PAIR_BITS, DTYPE, USE_PTX)
     values = _join_pairs(e0, e1, e2, e3, e4, e5, e6, e7, ROWS, WORDS)
     if UNSCALED:
         return values
+    elif DTYPE == DECODE_FP16:  # constants as tensors of the values' dtype: no promotion
+        return values * tl.full(values.shape, _TWO_POW_14, values.dtype)
     else:
-        return values * _TWO_POW_126
+        return values * tl.full(values.shape, _TWO_POW_126, values.dtype)
 
 
 @triton.jit

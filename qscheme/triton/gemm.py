@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from qscheme.triton.decode import (
+    DECODE_FP16,
     E2M1,
     INT4,
     SCALE_FLOAT,
@@ -50,9 +51,11 @@ DOT_FP32: tl.constexpr = tl.constexpr(0)
 DOT_FP16: tl.constexpr = tl.constexpr(1)
 DOT_BF16: tl.constexpr = tl.constexpr(2)
 
-# W_FOLD_SCALE: the decoded e2m1 tile is 2**-7 times the weights; the accumulator is scaled back.
+# W_FOLD_SCALE: the decoded e2m1 tile is 2**-7 (bfloat16) or 2**-14 (float16) times the
+# weights; the accumulator is scaled back.
 _TWO_POW_119: tl.constexpr = tl.constexpr(2.0**119)
-_FOLD_RESTORE: tl.constexpr = tl.constexpr(128.0)
+_FOLD_RESTORE_BF16: tl.constexpr = tl.constexpr(128.0)
+_FOLD_RESTORE_FP16: tl.constexpr = tl.constexpr(16384.0)
 
 
 @triton.jit
@@ -64,10 +67,14 @@ def _scale_as(values, stored, FORMAT: tl.constexpr, FOLD: tl.constexpr, NATIVE_F
     their dtype (the host's ``decode_dtype``: stored in it, possibly widened to float32 for the
     load, or e4m3, or e8m0 with bfloat16), so the cast is exact and each product is exact before
     its one rounding. float32 values take the scale as float32. ``FOLD`` (e2m1 bit patterns
-    worth 2**-126 times their values, e4m3 scales): the scale times 2**119 (below 2**128), so
-    the products are the weights times 2**-7, exact and normal.
+    worth 2**-126 (bfloat16) or 2**-14 (float16) times their values, e4m3 scales): in bfloat16
+    the scale times 2**119 (below 2**128), so the products are the weights times 2**-7, exact
+    and normal; in float16 the scale itself, the products the weights times 2**-14, exact too
+    (multiples of 2**-24 with at most 6 significant bits, below 0.17).
     """
-    if FOLD:
+    if FOLD and values.dtype == tl.float16:
+        return decode_scale(stored, FORMAT, NATIVE_FP8).to(tl.float16)
+    elif FOLD:
         return (decode_scale(stored, FORMAT, NATIVE_FP8) * _TWO_POW_119).to(tl.bfloat16)
     elif values.dtype == tl.float32:
         return decode_scale(stored, FORMAT, NATIVE_FP8)
@@ -428,8 +435,10 @@ def quantized_gemm_kernel(
             acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
         else:
             acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-    if W_FOLD_SCALE:
-        acc = acc * _FOLD_RESTORE
+    if W_FOLD_SCALE and W_DECODE == DECODE_FP16:
+        acc = acc * _FOLD_RESTORE_FP16
+    elif W_FOLD_SCALE:
+        acc = acc * _FOLD_RESTORE_BF16
 
     if SPLIT_K == 1:
         epilogue(

@@ -383,10 +383,11 @@ def _run_segment(
 
 
 def _fold_scale(spec: Specialization, input_dtype: torch.dtype, on_gpu: bool) -> bool:
-    """Whether the e2m1 decoder's power of two goes into the e4m3 group scale (bf16 dot path)."""
+    """Whether the e2m1 decoder's power of two goes into the e4m3 group scale (the 16-bit dot
+    paths; ``gemm._scale_as``)."""
     return (
         on_gpu
-        and input_dtype == torch.bfloat16
+        and input_dtype in (torch.bfloat16, torch.float16)
         and spec.W_FORMAT == ELEMENT_IDS["e2m1"]
         and spec.W_SCALE_TILED
         and spec.W_ZERO == ZERO_NONE
@@ -434,15 +435,12 @@ def decode_dtype(spec: Specialization, input_dtype: torch.dtype, scale_dtype: to
     every decoded weight, times its tiled scale, is rounded once as it is in float32, else
     float32 (8-bit codes and the interpreter always).
 
-    4-bit values are exact in either 16-bit dtype, but e2m1 needs bfloat16's exponent range
-    (its bit patterns are 2**-126 times the values). A tiled scale must be exact in the dtype
+    4-bit values are exact in either 16-bit dtype. A tiled scale must be exact in the dtype
     too: stored in it (``scale_dtype``, the checkpoint's), or e4m3, or e8m0 (bfloat16 only);
     the kernel then casts it to the decode dtype.
     """
     half = _HALF_DECODE.get(input_dtype)
     if not on_gpu or not spec.W_FOUR_BIT or half is None:
-        return DECODE_FP32
-    if spec.W_FORMAT == ELEMENT_IDS["e2m1"] and half != DECODE_BF16:
         return DECODE_FP32
     if not spec.W_SCALE_TILED:
         return half
