@@ -285,28 +285,6 @@ def test_e2m1_decoded_in_float16_equals_float32_decode_rounded_once(scheme_name:
     assert float(half.float().abs().max()) > 0
 
 
-def test_decode_dtype_is_16_bit_only_where_every_scaled_weight_is_exact_before_one_rounding() -> None:
-    from qscheme.triton.linear import decode_dtype
-    from qscheme.triton.spec import DECODE_BF16, DECODE_FP16, DECODE_FP32, specialize
-
-    by_name = {s.name: specialize(s) for s in BUILTIN}
-    w4a16, nvfp4, mx = (
-        by_name["compressed-tensors/W4A16"],
-        by_name["compressed-tensors/NVFP4A16"],
-        by_name["compressed-tensors/MXFP4A16"],
-    )
-    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
-    assert decode_dtype(w4a16, bf16, bf16, True) == DECODE_BF16
-    assert decode_dtype(w4a16, fp16, fp16, True) == DECODE_FP16
-    assert decode_dtype(w4a16, bf16, fp16, True) == DECODE_FP32  # an fp16 scale is not exact in bf16
-    assert decode_dtype(w4a16, bf16, fp32, True) == DECODE_FP32
-    assert decode_dtype(w4a16, bf16, bf16, False) == DECODE_FP32  # the interpreter
-    assert decode_dtype(nvfp4, bf16, None, True) == DECODE_BF16  # e4m3 scales
-    assert decode_dtype(nvfp4, fp16, None, True) == DECODE_FP16  # e2m1 x e4m3 is exact in fp16 too
-    assert decode_dtype(mx, bf16, None, True) == DECODE_BF16  # e8m0 is exact in bf16 ...
-    assert decode_dtype(by_name["compressed-tensors/FP8"], bf16, None, True) == DECODE_FP32  # 8-bit codes
-
-
 ACT_QUANTIZED = [s for s in SCHEMES if s.activation is not None]
 
 
@@ -395,13 +373,3 @@ def _segment_launches(prepared, segment, x, bias, tile):  # type: ignore[no-unty
 
     out = torch.empty((x.shape[0], prepared.n))
     return gemm_launches(prepared, segment, x, None, bias, out, tile, x.dtype, "interpreter")
-
-
-def test_split_k_mode_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    from qscheme.triton import linear as lin
-
-    monkeypatch.setenv(lin.SPLIT_K_VARIABLE, "fast")
-    with pytest.raises(QuantizeError, match=r"QSCHEME_TRITON_SPLIT_K='fast' is not one of two-pass, fused"):
-        lin.split_k_mode()
-    monkeypatch.setenv(lin.SPLIT_K_VARIABLE, " Fused ")
-    assert lin.split_k_mode() == "fused"

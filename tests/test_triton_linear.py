@@ -1,0 +1,83 @@
+"""Host-side choices of the Triton kernels (qscheme.triton.linear): the dtype 4-bit weights are
+decoded in, the layout of tiled scales, the decode tiles, and the split-K mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qscheme.catalog import load_catalog
+from qscheme.errors import QuantizeError
+from qscheme.triton import linear as lin
+from qscheme.triton.samples import random_weight
+from qscheme.triton.spec import DECODE_BF16, DECODE_FP16, DECODE_FP32, specialize
+
+BUILTIN = {s.name: s for s in load_catalog(include_plugins=False)}
+SPECS = {name: specialize(scheme) for name, scheme in BUILTIN.items()}
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def test_decode_dtype_is_16_bit_only_where_every_scaled_weight_is_exact_before_one_rounding() -> None:
+    w4a16, nvfp4, mx = (
+        SPECS["compressed-tensors/W4A16"],
+        SPECS["compressed-tensors/NVFP4A16"],
+        SPECS["compressed-tensors/MXFP4A16"],
+    )
+    assert lin.decode_dtype(w4a16, BF16, BF16, True) == DECODE_BF16
+    assert lin.decode_dtype(w4a16, FP16, FP16, True) == DECODE_FP16
+    assert lin.decode_dtype(w4a16, BF16, FP16, True) == DECODE_FP32  # an fp16 scale is not exact in bf16
+    assert lin.decode_dtype(w4a16, BF16, FP32, True) == DECODE_FP32
+    assert lin.decode_dtype(w4a16, FP32, FP32, True) == DECODE_FP32  # a float32 dot
+    assert lin.decode_dtype(w4a16, BF16, BF16, False) == DECODE_FP32  # the interpreter
+    assert lin.decode_dtype(nvfp4, BF16, None, True) == DECODE_BF16  # e4m3 scales
+    assert lin.decode_dtype(nvfp4, FP16, None, True) == DECODE_FP16  # e2m1 x e4m3 is exact in fp16 too
+    assert lin.decode_dtype(mx, BF16, None, True) == DECODE_BF16  # e8m0 is exact in bf16 ...
+    assert lin.decode_dtype(mx, FP16, None, True) == DECODE_FP32  # ... not in fp16
+    assert lin.decode_dtype(SPECS["compressed-tensors/FP8"], BF16, None, True) == DECODE_FP32  # 8-bit codes
+
+
+def test_wide_decode_tiles_for_4_bit_weights_decoded_in_16_bit() -> None:
+    assert lin.wide_decode(SPECS["compressed-tensors/NVFP4A16"], BF16)
+    assert lin.wide_decode(SPECS["compressed-tensors/W4A16"], BF16, BF16)
+    assert not lin.wide_decode(SPECS["compressed-tensors/W4A16"], BF16, FP32)  # float32 decode
+    assert lin.wide_decode(SPECS["compressed-tensors/NVFP4"], BF16)  # inputs arrive decoded
+    assert not lin.wide_decode(SPECS["compressed-tensors/MXFP4"], FP16)  # e8m0: neither side in fp16
+    assert not lin.wide_decode(SPECS["compressed-tensors/FP8_DYNAMIC"], BF16)  # 8-bit weights
+
+
+@pytest.mark.parametrize(
+    ("name", "scale_dtype", "stored", "widened"),
+    [
+        ("compressed-tensors/W4A16", "bfloat16", torch.float32, True),  # one 2-byte scale per row and tile
+        ("compressed-tensors/W4A16", "float32", torch.float32, False),
+        ("compressed-tensors/NVFP4A16", None, torch.uint8, False),  # 8 e4m3 bytes per row and tile
+        ("compressed-tensors/MXFP4A16", None, torch.uint8, False),  # e8m0 bits stay bytes
+    ],
+)
+def test_tiled_scales_are_widened_only_where_a_tile_would_hold_under_4_bytes_of_a_row(
+    name: str, scale_dtype: str | None, stored: torch.dtype, widened: bool
+) -> None:
+    weight = random_weight(BUILTIN[name], 64, 512, scale_dtype=scale_dtype)
+    prepared = lin.prepare_weight(weight, "cpu")
+    assert prepared.scale is not None and prepared.scale.dtype == stored and prepared.scale.is_contiguous()
+    assert prepared.scale_dtype == weight.scale.dtype
+    original = weight.scale.view(torch.uint8) if weight.scale.dtype == torch.float8_e4m3fn else weight.scale
+    assert torch.equal(prepared.scale, original.to(stored))  # exact either way
+    assert (prepared.scale.element_size() != original.element_size()) == widened
+
+
+def test_asymmetric_zero_points_are_widened_with_their_scales() -> None:
+    weight = random_weight(BUILTIN["compressed-tensors/W4A16_ASYM"], 64, 512, scale_dtype="bfloat16")
+    prepared = lin.prepare_weight(weight, "cpu")
+    assert prepared.zero_point is not None and prepared.zero_point.dtype == torch.int32
+    assert torch.equal(prepared.zero_point, weight.zero_point.to(torch.int32).reshape(weight.scale.shape))
+
+
+def test_split_k_mode_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(lin.SPLIT_K_VARIABLE, raising=False)
+    assert lin.split_k_mode() == "two-pass"
+    monkeypatch.setenv(lin.SPLIT_K_VARIABLE, "fast")
+    with pytest.raises(QuantizeError, match=r"QSCHEME_TRITON_SPLIT_K='fast' is not one of two-pass, fused"):
+        lin.split_k_mode()
+    monkeypatch.setenv(lin.SPLIT_K_VARIABLE, " Fused ")
+    assert lin.split_k_mode() == "fused"
