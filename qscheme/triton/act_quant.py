@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from qscheme.errors import QuantizeError
-from qscheme.triton.decode import decode_e2m1, decode_e4m3, decode_e8m0
+from qscheme.triton.decode import decode_e4m3, decode_e8m0, decode_element
 from qscheme.triton.launch import Launch
 from qscheme.triton.spec import (
     ACT_RULE_MX,
@@ -143,22 +143,11 @@ def _encode(quotient, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def _code_value(codes, FORMAT: tl.constexpr):
-    """Codes (int32) -> float32 values."""
-    if FORMAT == _E2M1:
-        return decode_e2m1(codes)
-    elif FORMAT == _E4M3:
-        return decode_e4m3(codes)
-    else:
-        return codes.to(tl.float32)
-
-
-@triton.jit
 def _store_row(out_row, offsets, mask, codes, scale, DECODED: tl.constexpr, FORMAT: tl.constexpr):
     """Codes, or (``DECODED``) their values times ``scale`` (a float32 broadcastable to them;
     exact in the output dtype, which the host checked) in the output's dtype."""
     if DECODED:
-        values = _code_value(codes, FORMAT) * scale
+        values = decode_element(codes, FORMAT) * scale
         tl.store(out_row + offsets, values.to(out_row.dtype.element_ty), mask=mask)
     else:
         tl.store(out_row + offsets, codes.to(out_row.dtype.element_ty), mask=mask)
