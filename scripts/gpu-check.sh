@@ -26,7 +26,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/summary.txt"
 # Limits add up to 580 s, under a 10-minute command.
 step install 60 "$PYTHON" -m pip install -q --no-deps --no-build-isolation --no-index -e .
-step gpu-tests 230 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py tests/test_quantize_gpu.py
+step gpu-tests 230 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 tests/test_triton_gpu.py tests/test_quantize_gpu.py
 step gemm-nvfp4 100 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/NVFP4A16 --markdown "$OUT/gemm-nvfp4.md"
 step gemm-w4a4 70 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/NVFP4 --markdown "$OUT/gemm-w4a4.md"
 step gemm-w4a16 70 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/W4A16 --markdown "$OUT/gemm-w4a16.md"
