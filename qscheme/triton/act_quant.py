@@ -27,6 +27,7 @@ input. The codes behind them are the same.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ from qscheme.triton.spec import (
     ACT_SCALE_PER_TOKEN,
     ACT_SCALE_TILED,
     ELEMENT_IDS,
+    SCALE_EXACT_IN,
     SCALE_FORMAT_IDS,
     Specialization,
 )
@@ -254,12 +256,6 @@ _CODE_DTYPES = {ELEMENT_IDS["e2m1"]: torch.uint8, ELEMENT_IDS["e4m3"]: torch.uin
 _SCALE_DTYPES = {SCALE_FORMAT_IDS["e4m3"]: torch.uint8, SCALE_FORMAT_IDS["e8m0"]: torch.uint8}
 
 
-# The products of an activation format and its tiled scale format that are exact in a float
-# dtype (e2m1: 2 significant bits, e4m3 4; e8m0 is a power of two beyond float16's range).
-_EXACT_TILED = {
-    (ELEMENT_IDS["e2m1"], SCALE_FORMAT_IDS["e4m3"]): (torch.float32, torch.bfloat16, torch.float16),
-    (ELEMENT_IDS["e2m1"], SCALE_FORMAT_IDS["e8m0"]): (torch.float32, torch.bfloat16),
-}
 # Code values alone (per-token and static scales stay outside): e4m3 and int8 are exact in all.
 _EXACT_CODES = (ELEMENT_IDS["e4m3"], ELEMENT_IDS["int8"], ELEMENT_IDS["e2m1"])
 
@@ -270,10 +266,12 @@ def decoded_dtype(spec: Specialization, dot_dtype: torch.dtype) -> torch.dtype |
     not exact in any float dtype, and e8m0 scales with a float16 dot)."""
     if not spec.A_QUANTIZED:
         return None
-    if spec.A_SCALE == ACT_SCALE_TILED:
-        exact = _EXACT_TILED.get((spec.A_FORMAT, spec.A_SCALE_FORMAT), ())
-    else:
-        exact = (torch.float32, torch.bfloat16, torch.float16) if spec.A_FORMAT in _EXACT_CODES else ()
+    exact: Collection[torch.dtype] = ()
+    if spec.A_SCALE == ACT_SCALE_TILED:  # e2m1 codes times a bit-coded group scale
+        if spec.A_FORMAT == ELEMENT_IDS["e2m1"]:
+            exact = SCALE_EXACT_IN.get(spec.A_SCALE_FORMAT, ())
+    elif spec.A_FORMAT in _EXACT_CODES:
+        exact = (torch.float32, torch.bfloat16, torch.float16)
     return dot_dtype if dot_dtype in exact else None
 
 

@@ -469,17 +469,13 @@ def quantized_gemm_kernel(
             tl.debug_barrier()
             arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for other in range(SPLIT_K):
-                    total += tl.load(
-                        out_ptr + other * stride_split + offsets, mask=tile_mask, other=0.0, cache_modifier=".cg"
-                    )
-                epilogue(
-                    total,
+                reduce_partials(
+                    out_ptr,
                     offs_m,
                     offs_n,
                     M,
                     N,
+                    stride_split,
                     x_scale_ptr,
                     row_scale_ptr,
                     bias_ptr,
@@ -488,8 +484,54 @@ def quantized_gemm_kernel(
                     A_SCALE,
                     HAS_ROW_SCALE,
                     HAS_BIAS,
+                    SPLIT_K,
+                    ".cg",  # past the L1 cache: other programs wrote the partials
                 )
                 tl.atomic_xchg(counter_ptr + pid, 0)
+
+
+@triton.jit
+def reduce_partials(
+    partial_ptr,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    stride_split,
+    x_scale_ptr,
+    row_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    stride_om,
+    A_SCALE: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    CACHE_MODIFIER: tl.constexpr,
+):
+    """Sum a tile's SPLIT_K float32 partials ([split, M, N]) in split order, then the epilogue."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    offsets = offs_m[:, None] * N + offs_n[None, :]
+    acc = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
+    for split in range(SPLIT_K):
+        acc += tl.load(
+            partial_ptr + split * stride_split + offsets, mask=mask, other=0.0, cache_modifier=CACHE_MODIFIER
+        )
+    epilogue(
+        acc,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        x_scale_ptr,
+        row_scale_ptr,
+        bias_ptr,
+        out_ptr,
+        stride_om,
+        A_SCALE,
+        HAS_ROW_SCALE,
+        HAS_BIAS,
+    )
 
 
 @triton.jit
@@ -513,17 +555,13 @@ def split_k_epilogue_kernel(
     """Sum the SPLIT_K float32 partial tiles in a fixed order, then the epilogue."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    offsets = offs_m[:, None] * N + offs_n[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for split in range(SPLIT_K):
-        acc += tl.load(partial_ptr + split * stride_split + offsets, mask=mask, other=0.0)
-    epilogue(
-        acc,
+    reduce_partials(
+        partial_ptr,
         offs_m,
         offs_n,
         M,
         N,
+        stride_split,
         x_scale_ptr,
         row_scale_ptr,
         bias_ptr,
@@ -532,4 +570,6 @@ def split_k_epilogue_kernel(
         A_SCALE,
         HAS_ROW_SCALE,
         HAS_BIAS,
+        SPLIT_K,
+        "",
     )

@@ -39,6 +39,8 @@ from qscheme.triton.spec import (
     DECODE_FP16,
     DECODE_FP32,
     ELEMENT_IDS,
+    FOUR_BIT_ELEMENTS,
+    SCALE_EXACT_IN,
     SCALE_FORMAT_IDS,
     ZERO_NONE,
     Specialization,
@@ -92,10 +94,10 @@ def _bits(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def _kernel_codes(codes: Tensor, element: str, spec: Specialization) -> Tensor:
+def _kernel_codes(codes: Tensor, element: str) -> Tensor:
     """Codes as the GEMM reads them: 4-bit codes as int32 words (``qscheme.triton.layout``)."""
     codes = _bits(codes)
-    if spec.W_FOUR_BIT:
+    if element in FOUR_BIT_ELEMENTS:
         return four_bit_words(codes, element)
     return codes.contiguous()
 
@@ -242,7 +244,7 @@ def prepare_weight(weight: CanonicalWeight, device: torch.device | str) -> Prepa
         spec=spec,
         n=weight.n,
         k=weight.k,
-        codes=_kernel_codes(weight.codes, weight.scheme.weight.format, spec),
+        codes=_kernel_codes(weight.codes, weight.scheme.weight.format),
         scale=scale,
         scale_dtype=scale_dtype,
         zero_point=zero_point,
@@ -444,10 +446,9 @@ def decode_dtype(spec: Specialization, input_dtype: torch.dtype, scale_dtype: to
         return DECODE_FP32
     if not spec.W_SCALE_TILED:
         return half
-    if spec.W_SCALE_FORMAT == SCALE_FORMAT_IDS["e4m3"]:
-        return half
-    if spec.W_SCALE_FORMAT == SCALE_FORMAT_IDS["e8m0"]:
-        return half if half == DECODE_BF16 else DECODE_FP32
+    exact_in = SCALE_EXACT_IN.get(spec.W_SCALE_FORMAT)
+    if exact_in is not None:  # e4m3, e8m0
+        return half if input_dtype in exact_in else DECODE_FP32
     return half if scale_dtype == input_dtype else DECODE_FP32
 
 
@@ -503,24 +504,29 @@ def gemm_launches(
     if fused_split_k is None:
         fused_split_k = split_k_mode() == "fused"
     fused = fused_split_k and tile.split_k > 1
+    tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(rows, tile.block_n)
     counters = placeholder
     if tile.split_k > 1:
         partial = torch.empty((tile.split_k, m, rows), dtype=torch.float32, device=inputs.device)
         stride_split = partial.stride(0)
         if fused:
-            counters = _split_k_counters(inputs.device, triton.cdiv(m, tile.block_m) * triton.cdiv(rows, tile.block_n))
+            counters = _split_k_counters(inputs.device, tiles)
+    # What the epilogue reads, in the GEMM or in the split-K epilogue kernel.
+    epilogue_args = {
+        "x_scale_ptr": placeholder if x_scale is None else x_scale,
+        "row_scale_ptr": placeholder if row_scale is None else row_scale,
+        "bias_ptr": placeholder if bias_rows is None else bias_rows,
+    }
     gemm = Launch(
         kernel=quantized_gemm_kernel,
-        grid=(triton.cdiv(m, tile.block_m) * triton.cdiv(rows, tile.block_n), tile.split_k),
+        grid=(tiles, tile.split_k),
         args={
+            **epilogue_args,
             "x_ptr": inputs,
-            "x_scale_ptr": placeholder if x_scale is None else x_scale,
             "pre_scale_ptr": placeholder if pre_scale is None else pre_scale,
             "w_ptr": prepared.codes[start:end],
             "w_scale_ptr": placeholder if w_scale is None else w_scale,
             "w_zero_ptr": placeholder if w_zero is None else w_zero,
-            "row_scale_ptr": placeholder if row_scale is None else row_scale,
-            "bias_ptr": placeholder if bias_rows is None else bias_rows,
             "out_ptr": partial,
             "final_ptr": out_rows,
             "counter_ptr": counters,
@@ -565,10 +571,8 @@ def gemm_launches(
         kernel=split_k_epilogue_kernel,
         grid=(triton.cdiv(m, block_m), triton.cdiv(rows, block_n)),
         args={
+            **epilogue_args,
             "partial_ptr": partial,
-            "x_scale_ptr": placeholder if x_scale is None else x_scale,
-            "row_scale_ptr": placeholder if row_scale is None else row_scale,
-            "bias_ptr": placeholder if bias_rows is None else bias_rows,
             "out_ptr": out_rows,
             "M": m,
             "N": rows,

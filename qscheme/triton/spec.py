@@ -18,9 +18,12 @@ problem check behind the kernel declaration.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import Any
+
+import torch
 
 from qscheme.descriptor import Scheme
 from qscheme.errors import QuantizeError
@@ -34,6 +37,16 @@ SCALE_FORMAT_IDS = MappingProxyType({"float": 0, "fp32": 0, "fp16": 0, "bf16": 0
 
 # The dtype 4-bit weights are decoded in (equal to the DECODE_* constants of qscheme.triton.decode).
 DECODE_FP32, DECODE_FP16, DECODE_BF16 = 0, 1, 2
+
+# The float dtypes that hold every value of a bit-coded scale format exactly (e4m3 fits float16's
+# range and precision; e8m0's powers of two reach beyond float16's range). A 4-bit e2m1 value
+# times such a scale (at most 6 significant bits) is exact in the same dtypes.
+SCALE_EXACT_IN: Mapping[int, frozenset[torch.dtype]] = MappingProxyType(
+    {
+        SCALE_FORMAT_IDS["e4m3"]: frozenset({torch.float32, torch.bfloat16, torch.float16}),
+        SCALE_FORMAT_IDS["e8m0"]: frozenset({torch.float32, torch.bfloat16}),
+    }
+)
 
 # Zero points: none, laid out like a tiled (group or block) scale, or one per output row.
 ZERO_NONE, ZERO_TILED, ZERO_PER_ROW = 0, 1, 2
