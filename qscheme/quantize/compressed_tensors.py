@@ -31,6 +31,7 @@ from qscheme.quantize.rules import (
     GivenScales,
     WeightParameters,
     WeightPlan,
+    divide_then_add_zero_point,
     register_rules,
     replace_zero_scales,
     require_finite,
@@ -38,13 +39,6 @@ from qscheme.quantize.rules import (
 
 _E4M3_MAX = 448.0
 _FLOAT_FORMAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _scale_elements_with_zero_point(tiles: Tensor, scale: Tensor, zero_point: Tensor | None) -> Tensor:
-    scaled = tiles / scale
-    if zero_point is not None:
-        scaled += zero_point.to(tiles.dtype)
-    return scaled
 
 
 class CompressedTensorsRules:
@@ -113,7 +107,7 @@ class CompressedTensorsRules:
         return WeightParameters(
             stored_scale=stored,
             division_scale=division,
-            scale_elements=_scale_elements_with_zero_point,
+            scale_elements=divide_then_add_zero_point,
             ties="even",
             # FP4 compressors pass no zero point; every other one adds the module's zero point,
             # zeros when symmetric, which turns -0.0 into +0.0 before the cast.

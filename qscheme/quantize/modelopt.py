@@ -27,18 +27,18 @@ from torch import Tensor
 from qscheme.errors import QuantizeError
 from qscheme.formats import decode, get_element_format
 from qscheme.quantize.observe import observe_absmax, observe_min_max
-from qscheme.quantize.rules import GivenScales, WeightParameters, WeightPlan, register_rules, require_finite
+from qscheme.quantize.rules import (
+    GivenScales,
+    WeightParameters,
+    WeightPlan,
+    divide_then_add_zero_point,
+    register_rules,
+    require_finite,
+)
 
 _E4M3_MAX = 448.0
 _E4M3_SMALLEST_SUBNORMAL = 2.0**-9
 _EIGHT_BIT_FLOATS = ("e4m3", "e5m2")
-
-
-def _scale_elements(tiles: Tensor, scale: Tensor, zero_point: Tensor | None) -> Tensor:
-    scaled = tiles / scale
-    if zero_point is not None:
-        scaled += zero_point.to(scaled.dtype)
-    return scaled
 
 
 class ModeloptRules:
@@ -96,7 +96,7 @@ class ModeloptRules:
         return WeightParameters(
             stored_scale=stored,
             division_scale=division,
-            scale_elements=_scale_elements,
+            scale_elements=divide_then_add_zero_point,
             ties=ties,
             sign_of_zero=sign_of_zero,
             global_scale=None if multiplier is None else multiplier.reshape(1),

@@ -24,6 +24,14 @@ ScaleElements = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
 """(weight tiles, scale tiles, zero-point tiles or None) -> the values to round."""
 
 
+def divide_then_add_zero_point(tiles: Tensor, scale: Tensor, zero_point: Tensor | None) -> Tensor:
+    """``tiles / scale + zero_point``: how both producers scale elements before rounding."""
+    scaled = tiles / scale
+    if zero_point is not None:
+        scaled += zero_point.to(scaled.dtype)
+    return scaled
+
+
 @dataclass(frozen=True)
 class WeightPlan:
     """Everything about one layer's weight that the rules may use."""
