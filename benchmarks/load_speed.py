@@ -35,19 +35,14 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(__file__))
+from llama_shapes import block_linears
+
 HIDDEN = 4096
 INTERMEDIATE = 11008
 KV = 1024
 GROUP = 16
-SHAPES = {
-    "self_attn.q_proj": (HIDDEN, HIDDEN),
-    "self_attn.k_proj": (KV, HIDDEN),
-    "self_attn.v_proj": (KV, HIDDEN),
-    "self_attn.o_proj": (HIDDEN, HIDDEN),
-    "mlp.gate_proj": (INTERMEDIATE, HIDDEN),
-    "mlp.up_proj": (INTERMEDIATE, HIDDEN),
-    "mlp.down_proj": (HIDDEN, INTERMEDIATE),
-}
+SHAPES = block_linears(HIDDEN, KV, INTERMEDIATE)
 LAYERS_PER_SHARD = 4
 
 

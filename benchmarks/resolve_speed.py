@@ -13,6 +13,8 @@ Plugin loading and device probing happen once, before timing.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -22,6 +24,9 @@ from qscheme.kernels import registry
 from qscheme.kernels.problem import Problem
 from qscheme.kernels.resolver import Resolver, resolve
 
+sys.path.insert(0, os.path.dirname(__file__))
+from llama_shapes import block_linears
+
 HIDDEN, INTERMEDIATE, KV = 8192, 28672, 1024
 BLOCKS = 80
 SCHEMES = ("compressed-tensors/NVFP4", "compressed-tensors/W4A16", "modelopt/FP8")
@@ -30,15 +35,7 @@ SCHEMES = ("compressed-tensors/NVFP4", "compressed-tensors/W4A16", "modelopt/FP8
 def layout() -> list[Problem]:
     """The linears of a Llama-3-70B-shaped model, each fused variant with per-partition scales."""
     problems: list[Problem] = []
-    shapes = {
-        "self_attn.q_proj": (HIDDEN, HIDDEN),
-        "self_attn.k_proj": (KV, HIDDEN),
-        "self_attn.v_proj": (KV, HIDDEN),
-        "self_attn.o_proj": (HIDDEN, HIDDEN),
-        "mlp.gate_proj": (INTERMEDIATE, HIDDEN),
-        "mlp.up_proj": (INTERMEDIATE, HIDDEN),
-        "mlp.down_proj": (HIDDEN, INTERMEDIATE),
-    }
+    shapes = block_linears(HIDDEN, KV, INTERMEDIATE)
     for block in range(BLOCKS):
         prefix = f"model.layers.{block}"
         problems.extend(Problem(n, k, layer=f"{prefix}.{name}") for name, (n, k) in shapes.items())
