@@ -86,4 +86,8 @@ def test_4_bit_decode_loops_wait_on_no_global_load(results: list[dict[str, objec
         assert classes.get("mma", 0) > 0 and classes.get("async_copy", 0) > 0, where
         assert classes.get("global_load", 0) == 0, where
         if "NVFP4" in str(result["variant"]):  # decoded straight into the tensor cores' registers
-            assert classes.get("shared_store", 0) == 0, where
+            # Weights first (Hopper), the input tile is restaged for the warpgroup MMA after
+            # mma_k_order: 16 x 128 bf16 over 128 threads, two 16-byte stores each.
+            # The decoded weights (64 x 128 bf16) would take eight more.
+            allowed = 2 if "weights-first" in str(result["variant"]) else 0
+            assert classes.get("shared_store", 0) <= allowed, where

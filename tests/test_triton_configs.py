@@ -32,6 +32,26 @@ def test_large_m_uses_large_tiles_and_fits_shared_memory() -> None:
     assert configs._shared_memory_bytes(small, 8, 4) <= SMALL.shared_memory
 
 
+@pytest.mark.parametrize(
+    "capability, expected",
+    [((9, 0), True), ((8, 0), False), ((10, 0), False), ((12, 0), False), (None, False)],
+)
+def test_weights_first_only_for_the_hopper_decode_tile(capability: tuple[int, int] | None, expected: bool) -> None:
+    device = DeviceFacts("gpu", 132, 227 * 1024, capability)
+    decode = heuristic_config(1, 8192, 8192, weight_bits=4, input_bytes=2, device=device, wide_decode=True)
+    assert (decode.block_n, decode.num_warps) == (64, 4)  # one warpgroup MMA spans the 64 weight rows
+    assert decode.weights_first is expected
+    assert ("weights-first" in decode.describe()) is expected
+    # Not for the other decode tile (8-bit or float32-decoded weights), nor for prefill.
+    assert not heuristic_config(1, 8192, 8192, weight_bits=8, input_bytes=2, device=device).weights_first
+    assert not heuristic_config(256, 8192, 8192, 4, 2, device, wide_decode=True).weights_first
+
+
+def test_autotuning_tries_the_other_operand_order() -> None:
+    base = TileConfig(16, 64, 128, split_k=4, num_stages=4, weights_first=True)
+    assert TileConfig(16, 64, 128, split_k=4, num_stages=4) in configs.candidate_configs(base, 8192)
+
+
 def test_interpreted_config_covers_small_problems_in_one_program() -> None:
     config = configs.interpreted_config(33, 200, 301)
     assert (config.block_m, config.block_n, config.block_k) == (64, 256, 512)
@@ -40,7 +60,9 @@ def test_interpreted_config_covers_small_problems_in_one_program() -> None:
 def test_the_cache_round_trips_through_its_file(tmp_path: Path) -> None:
     path = tmp_path / "configs.json"
     ConfigCache(path).put("key", TileConfig(16, 32, 128, split_k=2))
+    ConfigCache(path).put("first", TileConfig(16, 64, 128, split_k=4, weights_first=True))
     assert ConfigCache(path).get("key") == TileConfig(16, 32, 128, split_k=2)
+    assert ConfigCache(path).get("first") == TileConfig(16, 64, 128, split_k=4, weights_first=True)
     path.write_text("not json")
     assert ConfigCache(path).get("key") is None  # a corrupt cache is ignored, not fatal
 

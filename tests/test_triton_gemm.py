@@ -82,6 +82,14 @@ TILED = [
     ("modelopt/mxfp4", TileConfig(32, 32, 32), 40),  # group == tile
     ("compressed-tensors/W8A8", TileConfig(16, 128, 64, split_k=2), 70),  # per-token epilogue after split-K
     ("test/E5M2_BLOCK_E8M0", TileConfig(16, 16, 64, group_m=2), 50),  # grouped tile order, 32-row blocks
+    # weights first (y^T = W x^T, K permuted within 32 columns): every scale layout and input kind
+    ("compressed-tensors/NVFP4A16", TileConfig(16, 64, 128, split_k=2, weights_first=True), 1),
+    ("compressed-tensors/NVFP4", TileConfig(16, 32, 64, split_k=2, weights_first=True), 20),
+    ("compressed-tensors/W4A16_ASYM", TileConfig(16, 64, 64, split_k=3, weights_first=True), 3),
+    ("compressed-tensors/FP8_BLOCK", TileConfig(16, 64, 32, split_k=2, weights_first=True), 4),
+    ("test/UINT4_G48_ZP", TileConfig(16, 32, 64, weights_first=True), 2),
+    ("modelopt/mxfp4", TileConfig(32, 32, 32, weights_first=True), 40),
+    ("compressed-tensors/W8A8", TileConfig(16, 128, 64, split_k=2, weights_first=True), 70),
 ]
 
 

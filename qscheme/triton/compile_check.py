@@ -56,8 +56,6 @@ SHARED_MEMORY: dict[str, int] = {
     "sm120": 99 * 1024,
     "gfx942": 64 * 1024,
 }
-# The device the tile heuristic is asked about when choosing the configs to compile.
-_HEURISTIC_DEVICE = configs.DeviceFacts("compile-check (H100-like)", 132, 227 * 1024)
 _N, _K = 256, 512  # multiples of 16, like real layers, so pointers and sizes specialise alike
 
 
@@ -85,6 +83,14 @@ class CompileResult:
     loop_classes: dict[str, int] | None = None
 
 
+def target_device(target: str, name: str | None = None) -> configs.DeviceFacts:
+    """What the tile heuristic is told about ``target``: an H100-sized part with the target's
+    shared memory and compute capability."""
+    backend, arch, _ = TARGETS[target]
+    capability = (int(arch) // 10, int(arch) % 10) if backend == "cuda" else None
+    return configs.DeviceFacts(name or f"compile-check {target}", 132, SHARED_MEMORY[target], capability)
+
+
 def _input_dtypes(names: Iterable[str]) -> list[torch.dtype]:
     table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     return [table[name] for name in names]
@@ -106,7 +112,7 @@ def scheme_variants(
     ``fused_split_k`` reduces split-K partial sums in the GEMM launch (QSCHEME_TRITON_SPLIT_K=fused).
     """
     backend = TARGETS[target][0]
-    device = configs.DeviceFacts(f"compile-check {target}", 132, SHARED_MEMORY[target])
+    device = target_device(target)
     variants: list[Variant] = []
     for dtype in input_dtypes:
         weight = random_weight(scheme, _N, _K, scale_dtype=model_scale_dtype(scheme, dtype))

@@ -38,12 +38,14 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8
+    weights_first: bool = False  # the dot computes y^T = W x^T (see gemm.mma_k_order)
 
     def describe(self) -> str:
         text = f"{self.block_m}x{self.block_n}x{self.block_k}"
         if self.split_k > 1:
             text += f" split-k {self.split_k}"
-        return f"{text} warps {self.num_warps} stages {self.num_stages}"
+        text += f" warps {self.num_warps} stages {self.num_stages}"
+        return text + " weights-first" if self.weights_first else text
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,16 @@ class DeviceFacts:
     name: str
     multiprocessors: int
     shared_memory: int  # bytes one program may use
+    capability: tuple[int, int] | None = None  # CUDA compute capability; None on ROCm
+
+
+# CUDA compute capability majors whose decode tile computes y^T = W x^T (``weights_first``):
+# Hopper, whose warpgroup MMA then takes the decoded weights from registers and the inputs
+# from shared memory. Static counts (benchmarks/triton_sass.py; NVFP4, int4 and AWQ
+# weight-only, triton 3.6 and 3.9): 15-40% fewer instructions per weight on sm90. sm80 gains
+# less and not for every scheme, sm120 nothing; on sm100 Triton sends the decoded weights
+# through tensor memory instead, unmeasured: they keep x W^T.
+WEIGHTS_FIRST_MAJORS = (9,)
 
 
 def _next_power_of_two(value: int) -> int:
@@ -133,6 +145,14 @@ def heuristic_config(
     ):
         split_k *= 2
     config = replace(config, split_k=split_k)
+    if (
+        decode
+        and device.capability is not None
+        and device.capability[0] in WEIGHTS_FIRST_MAJORS
+        and config.block_n >= 64  # one warpgroup MMA spans 64 weight rows
+        and config.num_warps == 4
+    ):
+        config = replace(config, weights_first=True)
     while config.num_stages > 2 and _shared_memory_bytes(config, weight_bits, input_bytes) > device.shared_memory:
         config = replace(config, num_stages=config.num_stages - 1)
     while config.block_k > 32 and _shared_memory_bytes(config, weight_bits, input_bytes) > device.shared_memory:
@@ -152,6 +172,7 @@ def candidate_configs(base: TileConfig, k: int) -> list[TileConfig]:
         {"split_k": max(1, base.split_k // 2)},
         {"num_stages": base.num_stages + 1},
         {"num_warps": 8 if base.num_warps == 4 else 4},
+        {"weights_first": not base.weights_first},
     ):
         option = replace(base, **change)  # type: ignore[arg-type]
         if option not in options and option.block_k <= max(32, _next_power_of_two(k)):

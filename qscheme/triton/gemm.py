@@ -17,7 +17,10 @@ One kernel, specialised by the constexprs of ``qscheme.triton.spec.Specializatio
 
 The dot runs in x's dtype for fp16 and bf16 on a GPU (decoded values rounded to it; e2m1
 times an e4m3 scale is exact there) and in float32 ("ieee") otherwise, always in float32 when
-interpreted (the interpreter computes bf16 wrongly). With ``SPLIT_K > 1`` programs write float32
+interpreted (the interpreter computes bf16 wrongly). ``WEIGHTS_FIRST`` computes y^T = W x^T
+instead, both operands in the K order of ``mma_k_order``: on Hopper the warpgroup MMA then takes
+the decoded weights straight from registers (the tile heuristic's choice there for the 4-bit
+decode tile). With ``SPLIT_K > 1`` programs write float32
 partial sums and ``split_k_epilogue_kernel`` adds them and applies the epilogue, or, with
 ``FUSED_SPLIT_K``, the last program of each output tile does (one launch instead of two; a
 per-tile arrival counter in ``counter_ptr``, zero between launches). ``USE_PTX``
@@ -140,6 +143,23 @@ def apply_tiled_scale(
         if HAS_ZERO:
             values = values - tl.load(zero_ptr + offsets, mask=mask, other=0).to(values.dtype)
         return values * scale
+
+
+@triton.jit
+def mma_k_order(values, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A [ROWS, BLOCK_K] dot operand with its K order permuted within each 32 columns: column
+    32c + 8t + 2p + e goes to 32c + 8p + 2t + e (t, p < 4; e < 2).
+
+    Both operands take the same permutation, so the dot is unchanged. What it buys: a 16-bit
+    operand in registers is laid out by the tensor cores so that thread t of each quad holds
+    columns 2t, 2t + 1, 2t + 8 and 2t + 9 of every 16; after the permutation those are, over 32
+    columns, the eight consecutive columns 8t .. 8t + 7 of the original order: one word of
+    4-bit codes, inside one scale group of 16 or more. So a decoded word goes to the tensor
+    cores from the registers it was decoded in (Hopper's warpgroup MMA takes the weights as its
+    register operand) and each thread applies half the group scales it would otherwise.
+    """
+    chunks = tl.reshape(values, (ROWS, BLOCK_K // 32, 4, 4, 2))
+    return tl.reshape(tl.permute(chunks, (0, 1, 3, 2, 4)), (ROWS, BLOCK_K))
 
 
 @triton.jit
@@ -355,6 +375,7 @@ def quantized_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    WEIGHTS_FIRST: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile (over one K split); see the module docstring."""
     pid = tl.program_id(0)
@@ -379,7 +400,10 @@ def quantized_gemm_kernel(
     k_begin = split * tiles_per_split * BLOCK_K
     k_end = tl.minimum(k_begin + tiles_per_split * BLOCK_K, K)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if WEIGHTS_FIRST:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         a = load_input_tile(
             x_ptr,
@@ -429,12 +453,23 @@ def quantized_gemm_kernel(
             NATIVE_FP8,
             W_FOLD_SCALE,
         )
-        if DOT_DTYPE == DOT_FP16:
+        if WEIGHTS_FIRST:  # acc is y^T: W x^T
+            a = mma_k_order(a, BLOCK_M, BLOCK_K)
+            w = mma_k_order(w, BLOCK_N, BLOCK_K)
+            if DOT_DTYPE == DOT_FP16:
+                acc = tl.dot(w.to(tl.float16), tl.trans(a.to(tl.float16)), acc)
+            elif DOT_DTYPE == DOT_BF16:
+                acc = tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
+            else:
+                acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
+        elif DOT_DTYPE == DOT_FP16:
             acc = tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
         elif DOT_DTYPE == DOT_BF16:
             acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
         else:
             acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    if WEIGHTS_FIRST:
+        acc = tl.trans(acc)
     if W_FOLD_SCALE and W_DECODE == DECODE_FP16:
         acc = acc * _FOLD_RESTORE_FP16
     elif W_FOLD_SCALE:

@@ -279,7 +279,9 @@ def _capability(index: int) -> tuple[int, int]:
 def _device_facts(index: int) -> configs.DeviceFacts:
     properties = torch.cuda.get_device_properties(index)
     shared = int(getattr(properties, "shared_memory_per_block_optin", 0) or 48 * 1024)
-    return configs.DeviceFacts(properties.name, int(properties.multi_processor_count), shared)
+    # ROCm reports its gfx version as a capability: not a CUDA one
+    capability = None if torch.version.hip else _capability(index)
+    return configs.DeviceFacts(properties.name, int(properties.multi_processor_count), shared, capability)
 
 
 def _config(
@@ -559,6 +561,7 @@ def gemm_launches(
             "BLOCK_K": tile.block_k,
             "SPLIT_K": tile.split_k,
             "GROUP_M": tile.group_m,
+            "WEIGHTS_FIRST": tile.weights_first,
         },
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
