@@ -77,7 +77,10 @@ def measure(schemes: list[str], targets: list[str]) -> list[dict[str, Any]]:
         prepared = prepare_weight(random_weight(scheme, 256, 512, scale_dtype=scale_dtype), "cpu")
         for target in targets:
             backend, arch, _ = cc.TARGETS[target]
-            device = configs.DeviceFacts("H100-like", 132, cc.SHARED_MEMORY[target])
+            if hasattr(cc, "target_device"):
+                device = cc.target_device(target, "H100-like")
+            else:  # a baseline revision
+                device = configs.DeviceFacts("H100-like", 132, cc.SHARED_MEMORY[target])
             extra = [prepared.scale_dtype] if hasattr(prepared, "scale_dtype") else []  # a baseline may lack it
             wide = wide_decode(prepared.spec, torch.bfloat16, *extra)
             tile = configs.heuristic_config(16, *SHAPE, prepared.weight_bits, 2, device, wide)
@@ -191,7 +194,10 @@ def main() -> int:
         print(json.dumps(rows))
         return 0
     baseline = _baseline(args.baseline, schemes, targets) if args.baseline else None
-    text = table(rows, baseline, f"baseline {args.baseline}" if args.baseline else "")
+    import triton
+
+    label = f"baseline {args.baseline}" if args.baseline else ""
+    text = f"triton {triton.__version__}\n\n" + table(rows, baseline, label)  # codegen differs by version
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n", encoding="utf-8")

@@ -27,10 +27,21 @@ from qscheme.triton.samples import model_scale_dtype, random_weight
 DEADLINE = time.time() + float(sys.argv[1] if len(sys.argv) > 1 else 45)
 scheme = load_scheme(os.environ.get("SCHEME", "compressed-tensors/NVFP4A16"))
 C = TileConfig
-# The heuristic's decode tile first (outputs are checked against the first config's), then the
-# wider tiles whose static loop cost per weight is lower (benchmarks/triton_sass.py).
-CONFIGS = [C(16, 64, 128, 4, 4, 4), C(16, 128, 128, 4, 4, 4), C(16, 128, 128, 4, 8, 4), C(16, 64, 128, 8, 4, 4)]
-EXTRA = [C(16, 32, 128, 2, 4, 4), C(16, 64, 256, 4, 4, 4), C(16, 128, 256, 4, 8, 3), C(16, 64, 128, 4, 4, 6)]
+# The heuristic's decode tile on Hopper first (weights first; outputs are checked against the
+# first config's), the same tile as x W^T (the heuristic's elsewhere), then wider tiles whose
+# static loop cost per weight is lower (benchmarks/triton_sass.py).
+CONFIGS = [
+    C(16, 64, 128, 4, 4, 4, weights_first=True),
+    C(16, 64, 128, 4, 4, 4),
+    C(16, 128, 128, 8, 4, 4, weights_first=True),
+    C(16, 64, 256, 4, 4, 4, weights_first=True),
+]
+EXTRA = [
+    C(16, 128, 128, 4, 8, 4, weights_first=True),
+    C(16, 64, 128, 8, 4, 4, weights_first=True),
+    C(16, 128, 256, 8, 4, 3, weights_first=True),
+    C(16, 64, 128, 4, 4, 6, weights_first=True),
+]
 
 
 def label(tile: TileConfig, mode: str) -> str:

@@ -34,7 +34,9 @@ def test_baseline_revision_is_compiled_beside_the_tree(tmp_path: Path) -> None:
     markdown = tmp_path / "table.md"
     completed = _run(tmp_path, "--baseline", "HEAD", "--markdown", str(markdown))
     assert completed.returncode == 0, completed.stderr[-3000:]
-    lines = markdown.read_text().splitlines()
+    text = markdown.read_text().splitlines()
+    assert text[0].startswith("triton ")  # the version whose code generation was read
+    lines = text[text.index("") + 1 :]
     assert "baseline HEAD: per 1K weights" in lines[0] and "ratio" in lines[0]
     cells = [cell.strip() for cell in lines[2].strip("|").split("|")]
     assert cells[:2] == ["compressed-tensors/NVFP4A16", "sm90"]
