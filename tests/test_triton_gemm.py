@@ -350,10 +350,11 @@ def test_gemm_on_decoded_inputs_equals_the_gemm_decoding_codes(scheme: Scheme) -
     assert float(outputs[0][:, segment.start : segment.end].abs().max()) > 0
 
 
+@pytest.mark.parametrize("weights_first", [False, True], ids=["x-wt", "weights-first"])
 @pytest.mark.parametrize(
     "scheme_name", ["compressed-tensors/NVFP4A16", "compressed-tensors/W4A16_ASYM", "compressed-tensors/NVFP4"]
 )
-def test_fused_split_k_reduction_gives_the_two_pass_bits(scheme_name: str) -> None:
+def test_fused_split_k_reduction_gives_the_two_pass_bits(scheme_name: str, weights_first: bool) -> None:
     """QSCHEME_TRITON_SPLIT_K=fused: the last program of each output tile adds the partial sums
     in split order and applies the epilogue (bias, row and token multipliers): the same bits
     as the second kernel, and the arrival counters are back to zero afterwards."""
@@ -363,7 +364,7 @@ def test_fused_split_k_reduction_gives_the_two_pass_bits(scheme_name: str) -> No
     prepared = prepare_weight(random_weight(scheme, 80, 512, seed=6), "cpu")
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2))
     bias = torch.randn(80, generator=torch.Generator().manual_seed(3))
-    tile = TileConfig(16, 32, 64, split_k=4, num_warps=4, num_stages=1)  # 3 column tiles x 4 splits
+    tile = TileConfig(16, 32, 64, split_k=4, num_warps=4, num_stages=1, weights_first=weights_first)  # 3 x 4 tiles
     outputs = {}
     for mode in ("two-pass", "fused"):
         with pytest.MonkeyPatch.context() as patch:
