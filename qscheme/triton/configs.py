@@ -4,7 +4,8 @@ The heuristic is a pure function of the problem (M, N, K), the weight's bit widt
 device's multiprocessor count and shared memory. Small M (decode) is memory bound: one 16-row
 tile of x, narrow column tiles, deep pipelining, and K split (partial sums in float32, a second
 small kernel adds them) until there are two programs per multiprocessor, as long as the extra
-traffic stays small. Larger M uses square-ish tiles.
+traffic stays small; on Hopper the 4-bit decode tile puts the weights first (y^T = W x^T, see
+``WEIGHTS_FIRST_MAJORS``). Larger M uses square-ish tiles.
 
 Interpreted (``TRITON_INTERPRET=1``) runs cost about 10 ms per program and K step whatever the
 tile size, so they get the largest tiles that cover the problem.
