@@ -91,3 +91,6 @@ def test_4_bit_decode_loops_wait_on_no_global_load(results: list[dict[str, objec
             # The decoded weights (64 x 128 bf16) would take eight more.
             allowed = 2 if "weights-first" in str(result["variant"]) else 0
             assert classes.get("shared_store", 0) <= allowed, where
+        if "weights-first" in str(result["variant"]):  # one warpgroup MMA per 16 columns of K
+            block_k = int(str(result["variant"]).split(" M=16 ")[1].split(" ")[0].split("x")[2])
+            assert result["target"] == "sm90" and classes["mma"] == block_k // 16, where
