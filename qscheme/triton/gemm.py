@@ -146,6 +146,17 @@ def apply_tiled_scale(
 
 
 @triton.jit
+def dot_nt(first, second, acc, DOT_DTYPE: tl.constexpr):
+    """acc + first @ second^T, both operands [rows, K], the products in the dot's dtype."""
+    if DOT_DTYPE == DOT_FP16:
+        return tl.dot(first.to(tl.float16), tl.trans(second.to(tl.float16)), acc)
+    elif DOT_DTYPE == DOT_BF16:
+        return tl.dot(first.to(tl.bfloat16), tl.trans(second.to(tl.bfloat16)), acc)
+    else:
+        return tl.dot(first, tl.trans(second), acc, input_precision="ieee")
+
+
+@triton.jit
 def mma_k_order(values, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """A [ROWS, BLOCK_K] dot operand with its K order permuted within each 32 columns: column
     32c + 8t + 2p + e goes to 32c + 8p + 2t + e (t, p < 4; e < 2).
@@ -454,20 +465,9 @@ def quantized_gemm_kernel(
             W_FOLD_SCALE,
         )
         if WEIGHTS_FIRST:  # acc is y^T: W x^T
-            a = mma_k_order(a, BLOCK_M, BLOCK_K)
-            w = mma_k_order(w, BLOCK_N, BLOCK_K)
-            if DOT_DTYPE == DOT_FP16:
-                acc = tl.dot(w.to(tl.float16), tl.trans(a.to(tl.float16)), acc)
-            elif DOT_DTYPE == DOT_BF16:
-                acc = tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
-            else:
-                acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
-        elif DOT_DTYPE == DOT_FP16:
-            acc = tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
-        elif DOT_DTYPE == DOT_BF16:
-            acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+            acc = dot_nt(mma_k_order(w, BLOCK_N, BLOCK_K), mma_k_order(a, BLOCK_M, BLOCK_K), acc, DOT_DTYPE)
         else:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            acc = dot_nt(a, w, acc, DOT_DTYPE)
     if WEIGHTS_FIRST:
         acc = tl.trans(acc)
     if W_FOLD_SCALE and W_DECODE == DECODE_FP16:
