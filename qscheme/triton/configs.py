@@ -62,7 +62,7 @@ class DeviceFacts:
 # CUDA compute capability majors whose decode tile computes y^T = W x^T (``weights_first``):
 # Hopper, whose warpgroup MMA then takes the decoded weights from registers and the inputs
 # from shared memory. Static counts (benchmarks/triton_sass.py; NVFP4, int4 and AWQ
-# weight-only, triton 3.6 and 3.9): 15-40% fewer instructions per weight on sm90. sm80 gains
+# weight-only, triton 3.6 and 3.9): 9-40% fewer instructions per weight on sm90. sm80 gains
 # less and not for every scheme, sm120 nothing; on sm100 Triton sends the decoded weights
 # through tensor memory instead, unmeasured: they keep x W^T.
 WEIGHTS_FIRST_MAJORS = (9,)
