@@ -157,6 +157,15 @@ def test_a_given_weight_scale_is_used_and_stored_as_given() -> None:
     assert torch.equal(tensors["weight"].view(torch.uint8), expected.view(torch.uint8))
 
 
+def test_a_given_weight_scale_without_its_zero_points_is_refused() -> None:
+    weight = torch.randn(16, 256)
+    scale = quantize_weight(weight, "compressed-tensors/W4A16_ASYM")["weight_scale"]
+    assert _error(weight, "compressed-tensors/W4A16_ASYM", weight_scale=scale) == (
+        "scheme compressed-tensors/W4A16_ASYM: a given weight scale needs its zero points too; "
+        "leave the scale out to have both computed"
+    )
+
+
 def test_quantize_accepts_a_descriptor_path_and_a_scheme_object(scheme_folder: Path) -> None:
     weight = torch.randn(8, 64)
     path = scheme_folder / "fp8_e5m2_wo_modelopt.yaml"

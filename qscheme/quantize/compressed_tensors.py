@@ -71,11 +71,6 @@ class CompressedTensorsRules:
         divisor = self._global_divisor(plan, absmax, given) if plan.has_global_scale else None
         zero_point = None
         if given.scale is not None:
-            if plan.has_zero_point:
-                raise QuantizeError(
-                    f"scheme {plan.scheme.name}: a given weight scale needs its zero points too; "
-                    "leave the scale out to have both computed"
-                )
             stored = given.scale
             parameter = self._parameter_from_stored(plan, stored, dtype)
         else:

@@ -58,11 +58,6 @@ class ModeloptRules:
         zero_point = None
 
         if given.scale is not None:
-            if plan.has_zero_point:
-                raise QuantizeError(
-                    f"scheme {plan.scheme.name}: a given weight scale needs its zero points too; "
-                    "leave the scale out to have both computed"
-                )
             stored = given.scale
             division = self._multiplier_from_stored(plan, stored, multiplier)
         elif plan.has_zero_point:

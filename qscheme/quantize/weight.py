@@ -137,6 +137,11 @@ def _split_given(
             f"be given are {', '.join(repr(name) for name in allowed)}"
         )
     scale = given.get(weight.scale.tensor.name)
+    if scale is not None and plan.has_zero_point:
+        raise QuantizeError(
+            f"scheme {scheme.name}: a given weight scale needs its zero points too; "
+            "leave the scale out to have both computed"
+        )
     if scale is not None:
         scale = _given_weight_scale(plan, scale).to(device)
     global_scale = None
