@@ -80,7 +80,7 @@ class PluginError(QSchemeError):
     """A plugin failed to load or returned something malformed (fatal only in strict mode)."""
 
 
-class UsageError(QSchemeError):
+class UsageError(QSchemeError, ValueError):
     """A command-line or API argument is not one of the allowed values."""
 
     exit_code = 2

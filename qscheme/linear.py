@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qscheme.canonical import CanonicalWeight, canonicalize, dequantize, layer_shape
+from qscheme.canonical import CanonicalWeight, canonicalize, dequantize
+from qscheme.checkpoint.validate import require_valid_tensors
 from qscheme.descriptor import Scheme
-from qscheme.errors import QuantizeError, UsageError
+from qscheme.errors import UsageError
 from qscheme.kernels.declaration import KernelDeclaration
 from qscheme.kernels.devices import DeviceFacts
 from qscheme.kernels.problem import Problem, normalize_dtype
@@ -52,28 +53,30 @@ def problem_for(
     )
 
 
-def _check_tensors(scheme: Scheme, tensors: Mapping[str, Tensor]) -> None:
-    """Every required tensor present and shaped as the scheme declares, else QuantizeError."""
-    missing = [spec.name for spec in scheme.tensor_specs().values() if not spec.optional and spec.name not in tensors]
-    if missing:
-        raise QuantizeError(
-            f"scheme {scheme.name}: missing tensor(s) {', '.join(missing)}; got {', '.join(sorted(tensors)) or 'none'}"
+def as_torch_device(device: object) -> torch.device:
+    """A torch.device from "cpu", "cuda", "cuda:N" or a torch.device, else UsageError."""
+    try:
+        found = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError, ValueError):
+        raise UsageError(
+            f"device {device!r} is not a torch device; use 'cpu', 'cuda' or 'cuda:N' (or a torch.device)"
+        ) from None
+    if found.type == "meta":
+        raise UsageError(
+            "device 'meta': a quantized layer needs its tensors; load on 'cpu' or 'cuda' "
+            "(materialise a meta model first, e.g. model.to_empty(device='cpu'))"
         )
-    n, k = layer_shape(scheme, tensors)
-    for role, spec in scheme.tensor_specs().items():
-        if spec.name not in tensors:
-            continue
-        allowed = spec.expected_shapes(n, k)
-        shape = tuple(tensors[spec.name].shape)
-        if allowed and shape not in allowed:
-            raise QuantizeError(
-                f"scheme {scheme.name}: tensor {spec.name} ({role}) has shape {list(shape)}; for N={n}, K={k} "
-                f"it must be {' or '.join(str(list(a)) for a in allowed)}"
-            )
+    return found
 
 
 class QuantLinear(torch.nn.Module):
-    """y = x @ W^T + bias for a quantized W, computed by the kernel the resolver chose."""
+    """y = x @ W^T + bias for a quantized W, computed by the kernel the resolver chose.
+
+    For inference: the output carries no gradient, whatever kernel runs it. The quantized
+    weight lives outside ``state_dict`` (``weight_canonical``; a checkpoint is the way to save
+    it), and the layer stays on the device it was built for: ``module.to(...)`` does not move
+    it, and an input on another device is refused.
+    """
 
     def __init__(
         self,
@@ -87,7 +90,7 @@ class QuantLinear(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.weight_canonical = weight
-        self.torch_device = torch.device(device)
+        self.torch_device = as_torch_device(device)
         self.forced_kernel = kernel
         self.layer_name = layer_name
         self.in_features = weight.k
@@ -95,6 +98,8 @@ class QuantLinear(torch.nn.Module):
         self._facts = device_facts
         self.bias: Tensor | None
         if bias is not None:
+            if not isinstance(bias, Tensor):
+                raise UsageError(f"bias must be a torch.Tensor of shape [{weight.n}], not {type(bias).__name__}")
             if tuple(bias.shape) != (weight.n,):
                 raise UsageError(f"bias has shape {list(bias.shape)}; the layer has N={weight.n} outputs")
             self.register_buffer("bias", bias.to(self.torch_device))
@@ -135,20 +140,31 @@ class QuantLinear(torch.nn.Module):
         activation_dtype: str | torch.dtype = "bfloat16",
     ) -> QuantLinear:
         """A layer from a scheme (object, catalog name or descriptor file) and its checkpoint
-        tensors, keyed by the names the scheme declares (``weight_packed``, ``weight_scale``...)."""
+        tensors, keyed by the names the scheme declares (``weight_packed``, ``weight_scale``...).
+
+        The tensors get the checkpoint loader's checks: a missing or undeclared name (tolerated
+        ones pass), a wrong dtype or shape, or a zero, negative or non-finite scale raises
+        QuantizeError. A ``bias`` among them is the layer's bias (or pass ``bias=``, not both).
+        """
         if not isinstance(scheme, Scheme):
             from qscheme.catalog import load_scheme
 
             scheme = load_scheme(scheme)
-        _check_tensors(scheme, tensors)
+        require_valid_tensors(scheme, tensors, layer_name)
+        if "bias" in tensors:
+            if bias is not None:
+                raise UsageError(f"{layer_name or 'QuantLinear'}: bias given twice: in tensors and as bias=; pass one")
+            bias = tensors["bias"]
         return cls(canonicalize(scheme, tensors), device, kernel, bias, layer_name, activation_dtype)
 
     # -- kernel selection ----------------------------------------------------------------------
 
     def _device_facts(self) -> DeviceFacts:
         if self._facts is None:
-            # A GPU device: the probed one (the first GPU; mixed-GPU machines are not told apart yet).
-            self._facts = device_for("cpu" if self.torch_device.type == "cpu" else None)
+            # cuda: the probed GPU (the first one; mixed-GPU machines are not told apart yet), or
+            # UsageError where none is visible; another torch device type: whatever is probed.
+            kind = self.torch_device.type
+            self._facts = device_for(kind if kind in ("cpu", "cuda") else None)
         return self._facts
 
     def _resolve(self, activation_dtype: str) -> tuple[Resolution, KernelDeclaration, Any]:
@@ -196,16 +212,26 @@ class QuantLinear(torch.nn.Module):
         return dequantize(self.weight_canonical)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-1] != self.in_features:
+        name = self.layer_name or "QuantLinear"
+        if not isinstance(x, Tensor):
+            raise UsageError(f"{name}: the input must be a torch.Tensor, not {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise UsageError(
-                f"{self.layer_name or 'QuantLinear'}: input has {x.shape[-1]} features in its last dim, "
-                f"the layer takes K={self.in_features}"
+                f"{name}: input of shape {list(x.shape)} has {x.shape[-1] if x.dim() else 'no'} features in "
+                f"its last dim, the layer takes K={self.in_features}"
             )
         dtype = normalize_dtype(x.dtype) if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else None
         if dtype is None:
-            raise UsageError(f"input dtype {x.dtype} is not supported; use bfloat16, float16 or float32")
+            raise UsageError(f"{name}: input dtype {x.dtype} is not supported; use bfloat16, float16 or float32")
+        wanted = self.torch_device
+        if x.device.type != wanted.type or (wanted.index is not None and x.device.index != wanted.index):
+            raise UsageError(
+                f"{name}: the input is on {x.device}, the layer on {wanted}; move the input, or load the "
+                f"layer on the input's device (load_checkpoint(..., device=...)): module.to() does not move it"
+            )
         implementation, state = self._prepare(dtype)
-        y: Tensor = implementation.apply(state, x, self.bias)
+        with torch.no_grad():
+            y: Tensor = implementation.apply(state, x, self.bias)
         return y
 
     def extra_repr(self) -> str:

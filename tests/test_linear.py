@@ -124,9 +124,11 @@ def test_fused_layers_with_different_scales_need_per_partition_kernels() -> None
 def test_bad_inputs_are_typed_errors() -> None:
     scheme = builtin_scheme("compressed-tensors/W4A16")
     tensors = layer_tensors(scheme, n=64, k=256)
-    with pytest.raises(QuantizeError, match="missing tensor"):
+    with pytest.raises(QuantizeError, match="tensor 'weight_scale': missing: scheme compressed-tensors/W4A16 declares"):
         QuantLinear.from_tensors(scheme, {k: v for k, v in tensors.items() if k != "weight_scale"})
-    with pytest.raises(QuantizeError, match=r"weight_scale \(weight_scale\) has shape \[64, 3\]"):
+    with pytest.raises(
+        QuantizeError, match=r"'weight_scale': expected shape .* = \[64, 2\] for N=64, K=256.*\[64, 3\]"
+    ):
         QuantLinear.from_tensors(scheme, {**tensors, "weight_scale": torch.ones(64, 3)})
     with pytest.raises(UsageError, match="bias has shape"):
         QuantLinear.from_tensors(scheme, tensors, bias=torch.ones(63))
@@ -135,3 +137,119 @@ def test_bad_inputs_are_typed_errors() -> None:
         layer(torch.randn(2, 255))
     with pytest.raises(UsageError, match=r"dtype torch\.float64"):
         layer(torch.randn(2, 256, dtype=torch.float64))
+
+
+# -- given tensors get the checkpoint loader's checks -------------------------------------------
+
+
+def _nvfp4a16(n: int = 32, k: int = 64) -> dict[str, torch.Tensor]:
+    return qscheme.quantize_weight(torch.randn(n, k), "compressed-tensors/NVFP4A16")
+
+
+def test_a_misspelt_optional_tensor_is_refused_not_dropped() -> None:
+    tensors = qscheme.quantize_weight(torch.randn(32, 256), "modelopt/W4A16_AWQ", pre_quant_scale=torch.rand(256) + 0.5)
+    assert "pre_quant_scale" in tensors
+    misspelt = {("pre_quant_scales" if k == "pre_quant_scale" else k): v for k, v in tensors.items()}
+    with pytest.raises(QuantizeError, match=r"tensor 'pre_quant_scales': unexpected for scheme modelopt/W4A16_AWQ"):
+        QuantLinear.from_tensors("modelopt/W4A16_AWQ", misspelt)
+    with pytest.raises(QuantizeError, match="'pre_quant_scales': unexpected"):
+        dequantize_weight(misspelt, "modelopt/W4A16_AWQ")
+
+
+@pytest.mark.parametrize("value", [0.0, -2.0, float("nan"), float("inf")])
+def test_a_bad_global_scale_is_refused(value: float) -> None:
+    tensors = _nvfp4a16()
+    tensors["weight_global_scale"] = torch.full_like(tensors["weight_global_scale"], value)
+    pattern = (
+        r"layer q, scheme compressed-tensors/NVFP4A16: 1 problem.*"
+        r"tensor 'q.weight_global_scale': expected a finite scale > 0"
+    )
+    with pytest.raises(QuantizeError, match=re.compile(pattern, re.S)):
+        QuantLinear.from_tensors("compressed-tensors/NVFP4A16", tensors, layer_name="q")
+    with pytest.raises(QuantizeError, match="expected a finite scale > 0"):
+        dequantize_weight(tensors, "compressed-tensors/NVFP4A16")
+
+
+def test_nan_block_scales_wrong_dtypes_and_shapes_are_refused() -> None:
+    tensors = _nvfp4a16()
+    nan = tensors["weight_scale"].clone()
+    nan.view(torch.uint8)[0, 0] = 0x7F  # e4m3 NaN
+    with pytest.raises(
+        QuantizeError, match=r"'weight_scale': expected finite scales, found 1 NaN/inf value \(first: nan at \[0, 0\]\)"
+    ):
+        QuantLinear.from_tensors("compressed-tensors/NVFP4A16", {**tensors, "weight_scale": nan})
+    floats = tensors["weight_packed"].to(torch.float32)
+    with pytest.raises(QuantizeError, match="'weight_packed': expected dtype uint8, found float32"):
+        dequantize_weight({**tensors, "weight_packed": floats}, "compressed-tensors/NVFP4A16")
+    transposed = tensors["weight_scale"].t().contiguous()
+    with pytest.raises(QuantizeError, match=r"'weight_scale': expected shape .* = \[32, 4\] .*found \[4, 32\]"):
+        dequantize_weight({**tensors, "weight_scale": transposed}, "compressed-tensors/NVFP4A16")
+    with pytest.raises(QuantizeError, match=r"'weight_global_scale': expected shape"):
+        dequantize_weight({**tensors, "weight_global_scale": torch.ones(2)}, "compressed-tensors/NVFP4A16")
+
+
+def test_a_bad_weight_shape_tensor_is_refused() -> None:
+    tensors = qscheme.quantize_weight(torch.randn(24, 200), "compressed-tensors/W4A16")
+    with pytest.raises(QuantizeError, match="'weight_shape': expected shape"):
+        QuantLinear.from_tensors("compressed-tensors/W4A16", {**tensors, "weight_shape": torch.tensor([24, 200, 1])})
+    with pytest.raises(QuantizeError, match=r"'weight_shape' holds \[0, 200\]; expected two positive sizes"):
+        dequantize_weight({**tensors, "weight_shape": torch.tensor([0, 200])}, "compressed-tensors/W4A16")
+
+
+def test_given_tensors_must_be_a_mapping_of_tensors() -> None:
+    tensors = _nvfp4a16()
+    with pytest.raises(QuantizeError, match="tensors must be a mapping of checkpoint names to tensors"):
+        QuantLinear.from_tensors("compressed-tensors/NVFP4A16", list(tensors.values()))  # type: ignore[arg-type]
+    with pytest.raises(QuantizeError, match=r"'weight_scale' must be a torch\.Tensor, not list"):
+        dequantize_weight({**tensors, "weight_scale": [[1.0]]}, "compressed-tensors/NVFP4A16")  # type: ignore[dict-item]
+
+
+def test_a_bias_among_the_tensors_is_the_layers_bias() -> None:
+    tensors = _nvfp4a16()
+    bias = torch.randn(32)
+    layer = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", {**tensors, "bias": bias})
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), x @ layer.dequantize().t() + bias)
+    with pytest.raises(UsageError, match="bias given twice"):
+        QuantLinear.from_tensors("compressed-tensors/NVFP4A16", {**tensors, "bias": bias}, bias=bias)
+
+
+# -- devices and inputs --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["gpu", "bogus", None, "meta"])
+def test_a_bad_device_is_a_usage_error(device: object) -> None:
+    with pytest.raises(UsageError, match="device"):
+        QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16(), device=device)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_cuda_without_a_gpu_fails_when_the_layer_is_built() -> None:
+    with pytest.raises(UsageError, match="no GPU is visible here"):
+        QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16(), device="cuda")
+
+
+def test_a_bad_activation_dtype_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="activation dtype 'int8' is not supported"):
+        QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16(), activation_dtype="int8")
+
+
+def test_forward_refuses_what_it_cannot_compute() -> None:
+    layer = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16(), layer_name="q")
+    with pytest.raises(UsageError, match=r"q: the input must be a torch\.Tensor, not list"):
+        layer([[0.0] * 64])  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"q: input of shape \[\] has no features"):
+        layer(torch.tensor(1.0))
+    with pytest.raises(UsageError, match="q: the input is on meta, the layer on cpu"):
+        layer(torch.empty(2, 64, device="meta"))
+
+
+@pytest.mark.parametrize(
+    "scheme_name", ["compressed-tensors/NVFP4A16", "compressed-tensors/MXFP4A16", "compressed-tensors/FP8_DYNAMIC"]
+)
+def test_the_output_carries_no_gradient_whatever_the_scheme(scheme_name: str) -> None:
+    layer = QuantLinear.from_tensors(scheme_name, qscheme.quantize_weight(torch.randn(32, 64), scheme_name))
+    x = torch.randn(2, 64, requires_grad=True)
+    y = layer(x)
+    assert not y.requires_grad
+    torch.testing.assert_close(y, layer(x.detach()))

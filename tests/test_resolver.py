@@ -318,3 +318,38 @@ def test_scheme_stage_reasons() -> None:
     )
     asym = resolve(builtin_scheme("compressed-tensors/W4A16_ASYM"), SQUARE, device, [symmetric])
     assert asym.candidate("sym").reason == "takes symmetric int4 weights only; scheme has zero points"
+
+
+def test_facts_without_modules_say_how_to_build_complete_ones() -> None:
+    from qscheme.kernels.devices import device_facts
+
+    bare = resolve(builtin_scheme("compressed-tensors/W4A16"), SQUARE, device_facts("cpu"), BUILTIN_DECLARATIONS)
+    assert bare.kernel is None
+    assert "these device facts list no importable module at all: build them with " in (
+        bare.candidate("reference").reason
+    )
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (("compressed-tensors/W4A16", SQUARE, "sm90"), "resolve\\(\\) takes a Scheme, not str"),
+        ((None, SQUARE, "sm90"), "resolve\\(\\) takes a Scheme, not NoneType"),
+        (("scheme", (4096, 4096), "sm90"), "resolve\\(\\) takes a Problem, not tuple"),
+        (("scheme", SQUARE, "sm90"), "resolve\\(\\) takes a DeviceFacts, not str 'sm90'"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_usage_errors(arguments: tuple[object, ...], message: str) -> None:
+    scheme, problem, device = arguments
+    if scheme == "scheme":
+        scheme = builtin_scheme("compressed-tensors/W4A16")
+    with pytest.raises(UsageError, match=message):
+        resolve(scheme, problem, device, BUILTIN_DECLARATIONS)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("n", "message"), [(64.5, "Problem.n must be an int, not 64.5"), (True, "not True"), (0, "N >= 1")]
+)
+def test_problem_sizes_are_positive_ints(n: object, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        Problem(n, 128)  # type: ignore[arg-type]

@@ -4,12 +4,15 @@ Two pure steps: ``check_layout`` (names, dtypes, shapes, from the headers alone)
 ``check_values`` (global and static scales > 0 and finite, block scales finite, once the
 small scale tensors are read). Each returns every problem it finds, each naming the file,
 the tensor, what was expected and what was found; the loader raises them together.
+``check_given`` runs both over one layer's tensors given in memory (``QuantLinear.from_tensors``,
+``dequantize_weight``), so that the API refuses what the loader refuses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -17,6 +20,7 @@ from torch import Tensor
 from qscheme.checkpoint.detect import BIAS, ModuleAssignment
 from qscheme.checkpoint.reader import TensorInfo
 from qscheme.descriptor import Scheme, TensorSpec
+from qscheme.errors import QuantizeError
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class ModuleLayout:
 
 
 def _full(module: str, short: str) -> str:
-    return f"{module}.{short}"
+    return f"{module}.{short}" if module else short
 
 
 def infer_layer_shape(scheme: Scheme, weight: TensorInfo, weight_shape: tuple[int, int] | None) -> tuple[int, int]:
@@ -288,3 +292,82 @@ def check_values(layout: ModuleLayout, tensors: Mapping[str, Tensor]) -> list[Te
                 )
             )
     return problems
+
+
+# ---------------------------------------------------------------------------- given tensors
+
+
+def _given_weight_shape(scheme: Scheme, tensors: Mapping[str, Tensor]) -> tuple[int, int] | None:
+    """N, K from a declared weight_shape tensor of the right dtype and size (else None:
+    ``check_layout`` then reports it, or infers the shape from the stored weight)."""
+    spec = scheme.weight.shape_tensor
+    value = tensors.get(spec.name) if spec is not None else None
+    if spec is None or value is None or _dtype_name(value) not in spec.dtypes or value.numel() != 2:
+        return None
+    n, k = (int(v) for v in value.reshape(-1).tolist())
+    if n <= 0 or k <= 0:
+        raise QuantizeError(
+            f"scheme {scheme.name}: tensor {spec.name!r} holds [{n}, {k}]; expected two positive sizes [N, K]"
+        )
+    return n, k
+
+
+def _dtype_name(value: Tensor) -> str:
+    return str(value.dtype).removeprefix("torch.")
+
+
+_INPUT_ROLES = ("input_scale", "input_global_scale", "input_pre_scale")
+
+
+def check_given(
+    scheme: Scheme, tensors: Mapping[str, object], layer: str | None = None, weight_only: bool = False
+) -> list[TensorProblem]:
+    """Every problem of one layer's tensors given in memory, keyed by checkpoint short name:
+    names (missing, undeclared: a misspelt optional tensor would otherwise be dropped), dtypes,
+    shapes and values, as the checkpoint loader checks them. Tolerated names and ``bias`` pass.
+    ``weight_only``: the activation's tensors may be absent (only the weight is wanted).
+
+    Raises QuantizeError at once for a value that is not a tensor (nothing else can be checked).
+    """
+    source = f"scheme {scheme.name}"
+    for short, value in tensors.items():
+        if not isinstance(value, Tensor):
+            raise QuantizeError(
+                f"{source}: {short!r} must be a torch.Tensor, not {type(value).__name__}; "
+                "pass the layer's checkpoint tensors keyed by name"
+            )
+    given: dict[str, Tensor] = {short: value for short, value in tensors.items() if isinstance(value, Tensor)}
+    module = layer or ""
+    infos = {
+        short: TensorInfo(_full(module, short), _dtype_name(value), tuple(value.shape), Path(source))
+        for short, value in given.items()
+    }
+    assignment = ModuleAssignment(module, scheme, "given tensors", infos)
+    layout = check_layout(assignment, _given_weight_shape(scheme, given))
+    problems = layout.problems
+    if weight_only:
+        absent = {
+            _full(module, spec.name)
+            for role, spec in scheme.tensor_specs().items()
+            if role in _INPUT_ROLES and spec.name not in given
+        }
+        problems = [problem for problem in problems if problem.tensor not in absent]
+    if problems:
+        return problems
+    return check_values(layout, given)
+
+
+def require_valid_tensors(
+    scheme: Scheme, tensors: Mapping[str, Tensor], layer: str | None = None, weight_only: bool = False
+) -> None:
+    """``check_given``, raising QuantizeError that lists every problem found."""
+    if not isinstance(tensors, Mapping):
+        raise QuantizeError(
+            f"scheme {scheme.name}: tensors must be a mapping of checkpoint names to tensors "
+            f"(e.g. {{'{scheme.weight.tensor.name}': ...}}), not {type(tensors).__name__}"
+        )
+    problems = check_given(scheme, tensors, layer, weight_only)
+    if problems:
+        listed = "\n".join(f"  tensor {problem.tensor!r}: {problem.message}" for problem in problems)
+        where = f"layer {layer}, scheme {scheme.name}" if layer else f"scheme {scheme.name}"
+        raise QuantizeError(f"{where}: {len(problems)} problem(s) with the given tensors:\n{listed}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from qscheme.errors import UsageError
+
 ACTIVATION_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 DTYPE_ALIASES: dict[str, str] = {
     "bf16": "bfloat16",
@@ -21,11 +23,14 @@ DTYPE_ALIASES: dict[str, str] = {
 
 
 def normalize_dtype(name: object) -> str:
-    """``bf16`` / ``torch.bfloat16`` / ``"bfloat16"`` -> ``"bfloat16"``; ValueError for anything else."""
+    """``bf16`` / ``torch.bfloat16`` / ``"bfloat16"`` -> ``"bfloat16"``; UsageError for anything else."""
     key = str(name).lower()
     if key not in DTYPE_ALIASES:
         allowed = ", ".join(sorted({"bf16", "fp16", "fp32", *ACTIVATION_DTYPES}))
-        raise ValueError(f"activation dtype {name!r} is not one of {allowed}")
+        raise UsageError(
+            f"activation dtype {name!r} is not supported; use one of {allowed} "
+            "(the kernels take 16- or 32-bit float activations)"
+        )
     return DTYPE_ALIASES[key]
 
 
@@ -49,10 +54,14 @@ class Problem:
     layer: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        for name in ("n", "k", "partitions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise UsageError(f"Problem.{name} must be an int, not {value!r} ({type(value).__name__})")
         if self.n < 1 or self.k < 1:
-            raise ValueError(f"a layer needs N >= 1 and K >= 1, not N={self.n}, K={self.k}")
+            raise UsageError(f"a layer needs N >= 1 and K >= 1, not N={self.n}, K={self.k}")
         if self.partitions < 1:
-            raise ValueError(f"partitions must be >= 1, not {self.partitions}")
+            raise UsageError(f"partitions must be >= 1, not {self.partitions}")
         if self.activation_dtype not in ACTIVATION_DTYPES:
             object.__setattr__(self, "activation_dtype", normalize_dtype(self.activation_dtype))
 

@@ -241,7 +241,15 @@ def check_device(
         reasons.append(f"needs {names}, which torch {device.torch_version or '(not installed)'} lacks")
     missing_modules = [m for m in declaration.requires_modules if m not in device.modules]
     if missing_modules:
-        where = " (optional kernel libraries are checked in the local environment)" if device.simulated else ""
+        if not device.modules:
+            where = (
+                " (these device facts list no importable module at all: build them with "
+                "qscheme.kernels.registry.device_for(...), which checks the environment)"
+            )
+        elif device.simulated:
+            where = " (optional kernel libraries are checked in the local environment)"
+        else:
+            where = ""
         reasons.append(f"needs module {', '.join(missing_modules)}, not importable here{where}")
     if declaration.implementation is None:
         reasons.append("declared only: no implementation is installed")
@@ -338,8 +346,17 @@ def resolve(
 
     ``unavailable`` maps kernel names to reasons their implementation cannot be used (learned
     by the caller, e.g. an import that failed); those kernels are rejected at stage device.
-    Raises UsageError only when ``force`` names no declared kernel.
+    Raises UsageError when ``force`` names no declared kernel or an argument has the wrong type.
     """
+    from qscheme.descriptor import Scheme  # not at import time: descriptors import this package
+
+    for value, expected, fix in (
+        (scheme, Scheme, "qscheme.load_scheme(name)"),
+        (problem, Problem, "qscheme.kernels.Problem(n, k)"),
+        (device, DeviceFacts, "qscheme.kernels.registry.device_for('cpu' | 'cuda' | 'sm90' ...)"),
+    ):
+        if not isinstance(value, expected):
+            raise UsageError(f"resolve() takes a {expected.__name__}, not {type(value).__name__} {value!r}; use {fix}")
     candidates = ordered(declarations)
     if force is not None and not any(d.name == force for d in candidates):
         raise _unknown_kernel(force, candidates)
