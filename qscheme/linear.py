@@ -53,20 +53,45 @@ def problem_for(
     )
 
 
-def as_torch_device(device: object) -> torch.device:
-    """A torch.device from "cpu", "cuda", "cuda:N" or a torch.device, else UsageError."""
-    try:
-        found = torch.device(device)  # type: ignore[call-overload]
-    except (RuntimeError, TypeError, ValueError):
+DEVICE_FORMS = "'cpu', 'cuda', 'cuda:N' or a torch.device"
+
+
+def checked_device(device: object, caller: str = "load_checkpoint") -> torch.device:
+    """``device=`` as a torch.device; a UsageError naming the value and the allowed forms otherwise.
+
+    Checked before anything is read: the value must parse, must not be the meta device, and a
+    CUDA device must be visible.
+    """
+    if isinstance(device, torch.device):
+        torch_device = device
+    elif isinstance(device, str):
+        try:
+            torch_device = torch.device(device)
+        except (RuntimeError, ValueError):
+            raise UsageError(f"{caller}(device={device!r}): not a device; pass {DEVICE_FORMS}") from None
+    else:
+        example = f"'cuda:{device}'" if isinstance(device, int) and not isinstance(device, bool) else "'cpu'"
         raise UsageError(
-            f"device {device!r} is not a torch device; use 'cpu', 'cuda' or 'cuda:N' (or a torch.device)"
-        ) from None
-    if found.type == "meta":
-        raise UsageError(
-            "device 'meta': a quantized layer needs its tensors; load on 'cpu' or 'cuda' "
-            "(materialise a meta model first, e.g. model.to_empty(device='cpu'))"
+            f"{caller}(device={device!r}): a device is {DEVICE_FORMS}, not of type {type(device).__name__}; "
+            f"e.g. device={example}"
         )
-    return found
+    if torch_device.type == "meta":
+        raise UsageError(
+            f"{caller}(device={device!r}): nothing can be loaded onto the meta device; pass 'cpu' or 'cuda'"
+        )
+    if torch_device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(
+                f"{caller}(device={device!r}): no CUDA device is visible here (torch {torch.__version__}, "
+                "torch.cuda.is_available() is False); pass device='cpu', or run where a GPU is visible"
+            )
+        count = torch.cuda.device_count()
+        if torch_device.index is not None and torch_device.index >= count:
+            raise UsageError(
+                f"{caller}(device={device!r}): there is no CUDA device {torch_device.index} here; "
+                f"{count} visible: pass one of {', '.join(f'cuda:{i}' for i in range(count))}"
+            )
+    return torch_device
 
 
 class QuantLinear(torch.nn.Module):
@@ -90,7 +115,7 @@ class QuantLinear(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.weight_canonical = weight
-        self.torch_device = as_torch_device(device)
+        self.torch_device = checked_device(device, "QuantLinear")
         self.forced_kernel = kernel
         self.layer_name = layer_name
         self.in_features = weight.k

@@ -7,6 +7,9 @@ concatenation of the separately loaded members.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 import torch
 from checkpoint_cache import (
@@ -19,7 +22,8 @@ from checkpoint_cache import (
 from qscheme.checkpoint import load_checkpoint
 from qscheme.checkpoint.fuse import effective_block_scales, partition_scalars
 from qscheme.checkpoint.load import choose_fuse_policy
-from qscheme.errors import CheckpointError
+from qscheme.checkpoint.plan import FuseGroup, plan_checkpoint
+from qscheme.errors import CheckpointError, UsageError
 
 ATTN = "model.layers.0.self_attn"
 MLP = "model.layers.0.mlp"
@@ -185,3 +189,91 @@ def test_block_scales_that_straddle_partitions_are_refused() -> None:
 def test_fuse_members_must_all_be_quantized() -> None:
     with pytest.raises(CheckpointError, match="lm_head is not a quantized module"):
         load_checkpoint(ct_checkpoint("NVFP4A16"), fuse={"odd": ["q_proj", "lm_head"]}, kernel="reference")
+
+
+def test_a_fused_name_that_is_already_a_module_is_refused() -> None:
+    folder = ct_checkpoint("NVFP4A16")
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(folder, fuse={"o_proj": ["q_proj", "k_proj", "v_proj"]}, kernel="reference")
+    assert str(caught.value) == (
+        f"cannot fuse {', '.join(QKV)} as {ATTN}.o_proj: the checkpoint already has {ATTN}.o_proj, a quantized "
+        "module that is not one of the members; choose another fused name than 'o_proj' in fuse="
+    )
+    with pytest.raises(CheckpointError, match=rf"already has {MLP}\.down_proj, an unquantized \(ignored\) module"):
+        load_checkpoint(modelopt_fixture("nvfp4_exclude"), fuse={"down_proj": ["gate_proj", "up_proj"]})
+    # a fused module may take the name of one of its own members
+    fused = load_checkpoint(folder, fuse={"q_proj": ["q_proj", "k_proj", "v_proj"]}, kernel="reference")
+    assert fused[f"{ATTN}.q_proj"].out_features == 256 and f"{ATTN}.k_proj" not in fused
+
+
+def test_plan_layer_names_are_unique() -> None:
+    plan = plan_checkpoint(ct_checkpoint("NVFP4A16"))
+    clashing = replace(plan, fuse_groups=(FuseGroup(name=f"{ATTN}.o_proj", members=QKV),))
+    with pytest.raises(CheckpointError, match=rf"two layers would be named {ATTN}\.o_proj"):
+        clashing.layers()
+
+
+@pytest.mark.parametrize(
+    ("fuse", "error"),
+    [
+        (["q_proj", "k_proj"], "fuse must map each fused module name to its member module names"),
+        ({"": ["q_proj", "k_proj"]}, "fused name '' must be a non-empty module name without dots"),
+        ({"attn.qkv": ["q_proj", "k_proj"]}, "fused name 'attn.qkv' must be a non-empty module name without dots"),
+        ({"qkv_proj": "q_proj"}, r"fuse\['qkv_proj'\] must list the member module names"),
+        ({"qkv_proj": []}, r"fuse\['qkv_proj'\] must list the member module names"),
+        ({"qkv_proj": [1, 2]}, r"fuse\['qkv_proj'\]: member 1 must be a module's own name under its parent"),
+        ({"qkv_proj": ["self_attn.q_proj"]}, "member 'self_attn.q_proj' must be a module's own name"),
+        ({"qkv_proj": ["q_proj", "k_proj", "q_proj"]}, r"fuse\['qkv_proj'\] lists 'q_proj' more than once"),
+    ],
+)
+def test_a_malformed_fuse_is_a_usage_error_before_anything_is_read(fuse: object, error: str, tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match=error):
+        load_checkpoint(tmp_path / "missing", fuse=fuse)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("members", [["qq_proj", "k_proj", "v_proj"], ["q_proj", "kk_proj", "v_proj"]])
+def test_a_member_that_names_no_module_is_an_error_wherever_it_is(members: list[str]) -> None:
+    typo = next(member for member in members if member[0] == member[1])
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(ct_checkpoint("NVFP4A16"), fuse={"qkv_proj": members}, kernel="reference")
+    message = str(caught.value)
+    assert message.startswith(
+        f"cannot fuse 'qkv_proj' = {members}: member {typo!r} matches no quantized or ignored module of the "
+        "checkpoint; close module names: "
+    )
+    assert typo[1:] in message and message.endswith("Fix the member's name in fuse=")
+
+
+@pytest.mark.parametrize(
+    ("fuse", "policy", "error"),
+    [
+        (None, "rescale", "fuse_policy='rescale' applies to fused modules, but fuse= fuses none; pass fuse= too"),
+        (None, "bogus", "fuse_policy='bogus' applies to fused modules, but fuse= fuses none"),
+        ({}, {"qkv_proj": "rescale"}, "applies to fused modules, but fuse= fuses none"),
+        (FUSE, "max", "fuse_policy: 'max' is not one of per_partition, rescale, requantize, refuse"),
+        (FUSE, {"qkv_proj": "max"}, r"fuse_policy\['qkv_proj'\]: 'max' is not one of per_partition, rescale"),
+        (
+            FUSE,
+            {"qkv_projj": "refuse"},
+            r"fuse_policy\['qkv_projj'\]: 'qkv_projj' is not a fused name of fuse=.*"
+            r"did you mean 'qkv_proj'\?",
+        ),
+        (FUSE, ["rescale"], "fuse_policy must be one of per_partition, rescale, requantize, refuse or a mapping"),
+    ],
+)
+def test_a_fuse_policy_that_applies_to_nothing_is_a_usage_error(
+    fuse: object, policy: object, error: str, tmp_path: Path
+) -> None:
+    with pytest.raises(UsageError, match=error):
+        load_checkpoint(tmp_path / "missing", fuse=fuse, fuse_policy=policy)  # type: ignore[arg-type]
+
+
+def test_a_fuse_policy_for_a_full_module_name(nvfp4a16) -> None:  # type: ignore[no-untyped-def]
+    _, folder = nvfp4a16
+    with pytest.raises(
+        UsageError, match=r"fuse_policy\['model\.layers\.7\.self_attn\.qkv_proj'\] names no fused module"
+    ):
+        load_checkpoint(folder, fuse=FUSE, fuse_policy={"model.layers.7.self_attn.qkv_proj": "rescale"})
+    fused = load_checkpoint(folder, fuse=FUSE, fuse_policy={f"{ATTN}.qkv_proj": "rescale"}, kernel="reference")
+    policies = {r.name: r.fuse.policy for r in fused.report.layers if r.fuse is not None}
+    assert policies == {f"{ATTN}.qkv_proj": "rescale", f"{MLP}.gate_up_proj": "per_partition"}

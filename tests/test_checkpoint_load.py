@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file
 
 import qscheme
 from qscheme.checkpoint import Checkpoint, load_checkpoint
+from qscheme.checkpoint.load import UnknownModuleError
 from qscheme.checkpoint.progress import Progress
-from qscheme.errors import UsageError
+from qscheme.errors import CheckpointError, UsageError
 from qscheme.linear import QuantLinear
 
 
@@ -111,9 +112,75 @@ def test_unknown_forced_kernel_is_a_usage_error() -> None:
         load_checkpoint(ct_checkpoint("NVFP4A16"), kernel="nope")
 
 
-def test_unknown_fuse_policy_is_a_usage_error() -> None:
-    with pytest.raises(UsageError, match=r"fuse policy 'max' for model\.layers\.0\.mlp\.gate_up_proj is not one of"):
-        load_checkpoint(ct_checkpoint("NVFP4A16"), kernel="reference", fuse=FUSE, fuse_policy="max")
+def test_unknown_fuse_policy_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError) as caught:
+        load_checkpoint(tmp_path / "missing", kernel="reference", fuse=FUSE, fuse_policy="max")  # nothing is read
+    assert str(caught.value) == "fuse_policy: 'max' is not one of per_partition, rescale, requantize, refuse"
+
+
+def test_an_unknown_module_name_is_a_checkpoint_error_and_a_key_error() -> None:
+    folder = ct_checkpoint("NVFP4A16")
+    checkpoint = load_checkpoint(folder, kernel="reference")
+    with pytest.raises(UnknownModuleError) as caught:
+        checkpoint["model.layers.0.self_attn.q_projj"]
+    assert isinstance(caught.value, CheckpointError) and isinstance(caught.value, KeyError)
+    assert str(caught.value) == (
+        f"{folder}: no quantized module 'model.layers.0.self_attn.q_projj' among the checkpoint's 7. Did you mean "
+        "'model.layers.0.self_attn.q_proj' or 'model.layers.0.self_attn.v_proj' or 'model.layers.0.self_attn.o_proj'? "
+        "Module names carry no trailing '.weight' (e.g. 'model.layers.0.self_attn.q_proj'). Plain tensors "
+        "(embeddings, norms, ignored layers) are in checkpoint.tensors, by their full names."
+    )
+    with pytest.raises(KeyError, match=r"no trailing '\.weight': use checkpoint\['model\.layers\.0\.mlp\.up_proj'\]"):
+        checkpoint["model.layers.0.mlp.up_proj.weight"]
+    with pytest.raises(
+        CheckpointError, match=r"plain \(unquantized\) tensor: use checkpoint\.tensors\['lm_head\.weight'\]"
+    ):
+        checkpoint["lm_head.weight"]
+    with pytest.raises(UnknownModuleError, match=r"Did you mean 'model\.layers\.0\.self_attn\.q_proj'\?"):
+        checkpoint.canonical("q_proj")
+    assert "q_proj" not in checkpoint and checkpoint.get("q_proj") is None
+    assert checkpoint.get("model.layers.0.self_attn.q_proj") is checkpoint["model.layers.0.self_attn.q_proj"]
+    fused = load_checkpoint(folder, kernel="reference", fuse=FUSE)
+    with pytest.raises(UnknownModuleError, match=r"fused into 'model\.layers\.0\.self_attn\.qkv_proj' \(fuse=\)"):
+        fused["model.layers.0.self_attn.k_proj"]
+
+
+@pytest.mark.parametrize(
+    ("device", "error"),
+    [
+        ("bogus", "load_checkpoint(device='bogus'): not a device; pass 'cpu', 'cuda', 'cuda:N' or a torch.device"),
+        ("gpu", "load_checkpoint(device='gpu'): not a device; pass 'cpu', 'cuda', 'cuda:N' or a torch.device"),
+        (
+            None,
+            "load_checkpoint(device=None): a device is 'cpu', 'cuda', 'cuda:N' or a torch.device, not of type "
+            "NoneType; e.g. device='cpu'",
+        ),
+        (
+            5,
+            "load_checkpoint(device=5): a device is 'cpu', 'cuda', 'cuda:N' or a torch.device, not of type int; "
+            "e.g. device='cuda:5'",
+        ),
+        ("meta", "load_checkpoint(device='meta'): nothing can be loaded onto the meta device; pass 'cpu' or 'cuda'"),
+    ],
+)
+def test_a_bad_device_is_a_usage_error_before_anything_is_read(device: object, error: str, tmp_path: Path) -> None:
+    with pytest.raises(UsageError) as caught:
+        load_checkpoint(tmp_path / "missing", device=device)  # type: ignore[arg-type]
+    assert str(caught.value) == error
+
+
+def test_cuda_without_a_visible_gpu_is_a_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(
+        UsageError,
+        match=r"load_checkpoint\(device='cuda'\): no CUDA device is visible here .*"
+        r"pass device='cpu'",
+    ):
+        load_checkpoint(tmp_path / "missing", device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(UsageError, match=r"no CUDA device 7 here; 2 visible: pass one of cuda:0, cuda:1"):
+        load_checkpoint(tmp_path / "missing", device=torch.device("cuda:7"))
 
 
 def test_progress_bar_draws_only_when_enabled() -> None:

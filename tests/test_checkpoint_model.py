@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, LlamaForCausalLM
 
 from qscheme.checkpoint import apply_to_model
-from qscheme.errors import CheckpointError
+from qscheme.errors import CheckpointError, UsageError
 from qscheme.linear import QuantLinear
 
 
@@ -82,3 +82,75 @@ def test_bias_disagreement_is_an_error() -> None:
     folder = ct_checkpoint("NVFP4A16")
     with pytest.raises(CheckpointError, match="the model's Linear has bias but the checkpoint disagrees"):
         apply_to_model(_model(folder, attention_bias=True), folder, kernel="reference")
+
+
+def _snapshot(model: torch.nn.Module) -> tuple[dict[str, type], dict[str, torch.Tensor]]:
+    modules = {name: type(module) for name, module in model.named_modules()}
+    return modules, {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "options", "error"),
+    [
+        ({"attention_bias": True}, {}, "the model's Linear has bias but the checkpoint disagrees"),
+        ({"vocab_size": 1024}, {}, r"tensor 'lm_head.weight' is \[256, 128\] in the checkpoint but \[1024, 128\]"),
+        ({"num_hidden_layers": 2}, {}, "does not provide the model's model.layers.1"),
+        ({}, {"fuse": {"gate_up_proj": ["gate_proj", "up_proj"]}}, "the model has no module '.*gate_up_proj'"),
+    ],
+)
+def test_a_failed_apply_leaves_the_model_as_it_was(
+    overrides: dict[str, object], options: dict[str, object], error: str
+) -> None:
+    folder = ct_checkpoint("NVFP4A16")
+    model = _model(folder, **overrides)
+    modules, state = _snapshot(model)
+    with pytest.raises(CheckpointError, match=error):
+        apply_to_model(model, folder, kernel="reference", **options)  # type: ignore[arg-type]
+    after_modules, after_state = _snapshot(model)
+    assert after_modules == modules  # no nn.Linear was replaced
+    assert after_state.keys() == state.keys()
+    assert all(torch.equal(after_state[name], value) for name, value in state.items())  # nothing was copied in
+
+
+def test_strict_false_leaves_out_what_the_model_lacks() -> None:
+    folder = ct_checkpoint("NVFP4A16", num_layers=2)
+    with pytest.raises(CheckpointError, match=r"the model has no module 'model\.layers\.1\.mlp\.down_proj'"):
+        apply_to_model(_model(folder, num_hidden_layers=1), folder, kernel="reference")
+    model = _model(folder, num_hidden_layers=1)
+    checkpoint = apply_to_model(model, folder, kernel="reference", strict=False)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+    state = load_file(str(folder / "model.safetensors"))
+    assert torch.equal(model.model.norm.weight, state["model.norm.weight"])
+    notes = "\n".join(checkpoint.report.notes)
+    assert "the model has no module for model.layers.1.mlp.down_proj" in notes
+    assert "the model has no tensor model.layers.1.input_layernorm.weight" in notes
+
+
+def test_strict_false_keeps_the_models_own_linear_for_a_fused_module_it_lacks() -> None:
+    folder = ct_checkpoint("NVFP4A16")
+    model = _model(folder)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    checkpoint = apply_to_model(
+        model, folder, kernel="reference", fuse={"qkv_proj": ["q_proj", "k_proj", "v_proj"]}, strict=False
+    )
+    assert model.model.layers[0].self_attn.q_proj is q_proj
+    assert isinstance(model.model.layers[0].self_attn.o_proj, QuantLinear)
+    assert any("model.layers.0.self_attn.qkv_proj; left out" in note for note in checkpoint.report.notes)
+
+
+def test_a_model_on_the_meta_device_is_refused() -> None:
+    folder = ct_checkpoint("NVFP4A16")
+    config = AutoConfig.from_pretrained(str(folder))
+    del config.quantization_config
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    with pytest.raises(UsageError) as caught:
+        apply_to_model(model, folder, kernel="reference")
+    assert str(caught.value) == (
+        "apply_to_model: the model's 'model.embed_tokens.weight' is on the meta device, so nothing can be loaded "
+        "into it; materialise the model first, e.g. model.to_empty(device='cpu') (or 'cuda'), then call apply_to_model"
+    )
+    with pytest.raises(UsageError, match=r"apply_to_model\(device='meta'\): nothing can be loaded onto the meta"):
+        apply_to_model(_model(folder), folder, kernel="reference", device="meta")
+    with pytest.raises(UsageError, match=r"apply_to_model\(device='gpu'\): not a device"):
+        apply_to_model(_model(folder), folder, kernel="reference", device="gpu")

@@ -225,7 +225,7 @@ def test_a_bad_device_is_a_usage_error(device: object) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
 def test_cuda_without_a_gpu_fails_when_the_layer_is_built() -> None:
-    with pytest.raises(UsageError, match="no GPU is visible here"):
+    with pytest.raises(UsageError, match="no CUDA device is visible here"):
         QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16(), device="cuda")
 
 

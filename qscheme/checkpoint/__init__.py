@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from qscheme.checkpoint.detect import Detection, ModuleAssignment, detect
     from qscheme.checkpoint.fuse import FUSE_POLICIES, FuseOutcome, fuse_members
     from qscheme.checkpoint.inspect import Inspection, inspect_checkpoint
-    from qscheme.checkpoint.load import Checkpoint, load_checkpoint
+    from qscheme.checkpoint.load import Checkpoint, UnknownModuleError, load_checkpoint
     from qscheme.checkpoint.model import apply_to_model
     from qscheme.checkpoint.plan import FuseGroup, Plan, plan_checkpoint
     from qscheme.checkpoint.reader import CheckpointFiles, TensorInfo
@@ -44,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     "inspect_checkpoint": "inspect",
     "Checkpoint": "load",
     "load_checkpoint": "load",
+    "UnknownModuleError": "load",
     "apply_to_model": "model",
     "FuseGroup": "plan",
     "Plan": "plan",
@@ -72,6 +73,7 @@ __all__ = [
     "Plan",
     "ProducerConfig",
     "TensorInfo",
+    "UnknownModuleError",
     "apply_to_model",
     "detect",
     "fuse_members",

@@ -8,6 +8,7 @@ of its stage, before a single module is returned.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -16,15 +17,29 @@ from torch import Tensor
 
 from qscheme.canonical import CanonicalWeight, canonicalize
 from qscheme.checkpoint.fuse import FUSE_POLICIES, FuseOutcome, fuse_members, scales_differ
-from qscheme.checkpoint.plan import FuseSpec, Plan, format_problems, plan_checkpoint
+from qscheme.checkpoint.plan import FuseSpec, Plan, check_fuse_spec, format_problems, plan_checkpoint
 from qscheme.checkpoint.progress import Progress, auto_enabled
 from qscheme.checkpoint.report import CheckpointReport, LayerReport
 from qscheme.checkpoint.validate import TensorProblem, check_values
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, UsageError
-from qscheme.linear import QuantLinear, problem_for
+from qscheme.linear import QuantLinear, checked_device, problem_for
 
 FusePolicyChoice = str | Mapping[str, str] | None
+
+
+class UnknownModuleError(CheckpointError, KeyError):
+    """``checkpoint[name]`` for a name that is not one of the checkpoint's quantized modules.
+
+    A KeyError too, so that ``Mapping`` idioms (``in``, ``.get``, ``except KeyError``) keep working.
+    """
+
+    def __init__(self, message: str, name: object) -> None:
+        super().__init__(message)
+        self.name = name
+
+    def __str__(self) -> str:
+        return str(self.args[0])  # not KeyError's repr() of the message
 
 
 class Checkpoint(Mapping[str, QuantLinear]):
@@ -51,7 +66,13 @@ class Checkpoint(Mapping[str, QuantLinear]):
         self.plan = plan
 
     def __getitem__(self, name: str) -> QuantLinear:
-        return self.modules[name]
+        layer = self.modules.get(name)
+        if layer is None:
+            raise self._unknown(name)
+        return layer
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.modules
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.modules)
@@ -70,16 +91,85 @@ class Checkpoint(Mapping[str, QuantLinear]):
 
     def canonical(self, name: str) -> CanonicalWeight:
         """The canonical tensors behind one module (``module.weight_canonical``)."""
-        return self.modules[name].weight_canonical
+        return self[name].weight_canonical
+
+    def _unknown(self, name: object) -> UnknownModuleError:
+        """The error for a name that is not a module: the closest names, and where plain tensors are."""
+        hint = " Module names carry no trailing '.weight' (e.g. 'model.layers.0.self_attn.q_proj')."
+        if isinstance(name, str):
+            base = name.removesuffix(".weight")
+            fused_into = self.plan.fused_members.get(name)
+            if name in self.tensors:
+                hint = f" It is a plain (unquantized) tensor: use checkpoint.tensors[{name!r}]."
+            elif base != name and base in self.modules:
+                hint = f" Module names carry no trailing '.weight': use checkpoint[{base!r}]."
+            elif fused_into is not None:
+                hint = f" It was fused into {fused_into!r} (fuse=): use checkpoint[{fused_into!r}]."
+            else:
+                close = [module for module in self.modules if module.endswith(f".{base}")][:3]
+                close = close or difflib.get_close_matches(base, list(self.modules), n=3, cutoff=0.6)
+                if close:
+                    hint = f" Did you mean {' or '.join(map(repr, close))}?" + hint
+        return UnknownModuleError(
+            f"{self.path}: no quantized module {name!r} among the checkpoint's {len(self.modules)}.{hint} "
+            "Plain tensors (embeddings, norms, ignored layers) are in checkpoint.tensors, by their full names.",
+            name,
+        )
+
+
+def check_fuse_policy(choice: object, fuse: Mapping[str, Sequence[str]]) -> None:
+    """``fuse_policy=`` checked before anything is read, against the (checked) ``fuse=`` spec.
+
+    Every policy must be one of FUSE_POLICIES, every mapping key a fused name of ``fuse`` (or a
+    full fused module name ending in one), and a policy needs ``fuse=``; UsageError otherwise.
+    """
+    if choice is None:
+        return
+    example = "fuse_policy='rescale' or fuse_policy={'qkv_proj': 'rescale'}"
+    if not isinstance(choice, str | Mapping):
+        raise UsageError(
+            f"fuse_policy must be one of {', '.join(FUSE_POLICIES)} or a mapping fused name -> policy "
+            f"({example}); got a {type(choice).__name__}: {choice!r}"
+        )
+    if not fuse:
+        raise UsageError(
+            f"fuse_policy={choice!r} applies to fused modules, but fuse= fuses none; pass fuse= too "
+            "(e.g. fuse={'qkv_proj': ['q_proj', 'k_proj', 'v_proj']}) or drop fuse_policy"
+        )
+    entries: list[tuple[object, object]] = [(None, choice)] if isinstance(choice, str) else list(choice.items())
+    for key, policy in entries:
+        where = "fuse_policy" if key is None else f"fuse_policy[{key!r}]"
+        if policy not in FUSE_POLICIES:
+            raise UsageError(f"{where}: {policy!r} is not one of {', '.join(FUSE_POLICIES)}")
+        if key is not None and (not isinstance(key, str) or key.rpartition(".")[2] not in fuse):
+            close = difflib.get_close_matches(str(key).rpartition(".")[2], list(fuse), n=1)
+            suggestion = f"; did you mean {close[0]!r}?" if close else ""
+            raise UsageError(
+                f"{where}: {key!r} is not a fused name of fuse= ({', '.join(map(repr, fuse))}) nor a fused "
+                f"module named after one{suggestion}"
+            )
+
+
+def _check_policy_modules(choice: FusePolicyChoice, plan: Plan) -> None:
+    """Full-name fuse_policy keys must name a fused module the plan builds."""
+    if not isinstance(choice, Mapping):
+        return
+    fused = [group.name for group in plan.fuse_groups]
+    for key in choice:
+        if "." in key and key not in fused:
+            shown = ", ".join(fused[:6]) + (f" and {len(fused) - 6} more" if len(fused) > 6 else "")
+            raise UsageError(
+                f"{plan.path}: fuse_policy[{key!r}] names no fused module of this checkpoint (fused: "
+                f"{shown or 'none'}); give a full fused module name, or the fused name "
+                f"{key.rpartition('.')[2]!r} for all of them"
+            )
 
 
 def _policy_for(name: str, choice: FusePolicyChoice) -> str | None:
-    if choice is None:
-        return None
-    policy = choice.get(name, choice.get(name.rpartition(".")[2])) if isinstance(choice, Mapping) else choice
-    if policy is not None and policy not in FUSE_POLICIES:
-        raise UsageError(f"fuse policy {policy!r} for {name} is not one of {', '.join(FUSE_POLICIES)}")
-    return policy
+    """The policy asked for one fused module (its full name first, then its fused name)."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    return choice.get(name, choice.get(name.rpartition(".")[2]))
 
 
 def choose_fuse_policy(
@@ -164,14 +254,18 @@ def load_checkpoint(
 ) -> Checkpoint:
     """Load a compressed-tensors or ModelOpt checkpoint folder exactly.
 
-    ``kernel`` forces one kernel for every layer; ``fuse`` builds one module from several
-    (``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``); ``fuse_policy`` ("per_partition",
-    "rescale", "requantize", "refuse", or a mapping fused name -> policy) overrides what the
-    scheme and the kernels decide for fused members whose scales differ. Raises CheckpointError
-    (nothing loaded) on any malformed config, file or tensor.
+    ``device`` is "cpu", "cuda", "cuda:N" or a torch.device; ``kernel`` forces one kernel for
+    every layer; ``fuse`` builds one module from several (``{"qkv_proj": ["q_proj", "k_proj",
+    "v_proj"]}``); ``fuse_policy`` ("per_partition", "rescale", "requantize", "refuse", or a
+    mapping fused name -> policy; needs ``fuse``) overrides what the scheme and the kernels
+    decide for fused members whose scales differ. A bad ``device``, ``fuse`` or ``fuse_policy``
+    raises UsageError before anything is read; CheckpointError (nothing loaded) on any malformed
+    config, file or tensor, or on ``fuse`` members the checkpoint does not have.
     """
-    torch_device = torch.device(device)
+    torch_device = checked_device(device)
+    check_fuse_policy(fuse_policy, check_fuse_spec(fuse))
     plan = plan_checkpoint(path, schemes=schemes, fuse=fuse)
+    _check_policy_modules(fuse_policy, plan)
     show = auto_enabled(plan.files.total_bytes, progress)
     layers = plan.layers()
     with Progress(len(plan.layouts) + len(layers), "loading", enabled=show) as bar:

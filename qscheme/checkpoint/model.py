@@ -1,21 +1,30 @@
 """``apply_to_model``: put a checkpoint into a torch model built from its config.
 
 Every quantized module of the checkpoint replaces the model's ``nn.Linear`` of the same name
-(shapes must agree); every plain tensor is loaded into the model's state dict. Strict by
+(shapes and bias must agree); every plain tensor is loaded into the model's state dict. Strict by
 default: a checkpoint module or tensor the model lacks, or a model parameter the checkpoint
 does not provide, raises CheckpointError (tied weights, such as an lm_head tied to the
-embeddings, count as provided).
+embeddings, count as provided). With ``strict=False`` those are skipped instead: the
+checkpoint's extra modules and tensors are left out, the model keeps its own values for what
+the checkpoint does not provide, and the report's notes list both. A module or tensor that both
+have but that disagree (type, shape, bias) raises either way.
+
+Everything is checked before the model is changed: when apply_to_model raises, the model is
+left exactly as it was, never half-converted.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from pathlib import Path
 
 import torch
 
 from qscheme.checkpoint.load import Checkpoint, FusePolicyChoice, load_checkpoint
 from qscheme.checkpoint.plan import FuseSpec
-from qscheme.errors import CheckpointError
+from qscheme.errors import CheckpointError, UsageError
+from qscheme.linear import QuantLinear, checked_device
 
 _ACTIVATION_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -27,31 +36,48 @@ def _model_device_and_dtype(model: torch.nn.Module) -> tuple[torch.device, str]:
     return torch.device("cpu"), "bfloat16"
 
 
-def _replace(model: torch.nn.Module, name: str, layer: torch.nn.Module, path: Path) -> None:
+def _refuse_meta(model: torch.nn.Module) -> None:
+    """A model on the meta device has no storage to load into: say how to materialise it."""
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if tensor.is_meta:
+            raise UsageError(
+                f"apply_to_model: the model's {name!r} is on the meta device, so nothing can be loaded into it; "
+                "materialise the model first, e.g. model.to_empty(device='cpu') (or 'cuda'), then call "
+                "apply_to_model"
+            )
+
+
+def _listing(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _place(model: torch.nn.Module, name: str, layer: QuantLinear, path: Path) -> tuple[torch.nn.Module, str] | None:
+    """(parent, attribute) where ``layer`` replaces the model's Linear; None when the model has no such module.
+
+    Raises CheckpointError when the model's module is not an nn.Linear of the layer's shape and bias.
+    """
     parent_name, _, child = name.rpartition(".")
     try:
         target = model.get_submodule(name)
         parent = model.get_submodule(parent_name) if parent_name else model
     except AttributeError:
-        raise CheckpointError(
-            f"{path}: the model has no module {name!r} for the checkpoint's quantized layer; build the model "
-            "from the checkpoint's config.json (fused modules need a model with fused layers)"
-        ) from None
-    n = getattr(layer, "out_features", None)
-    k = getattr(layer, "in_features", None)
+        return None
     if not isinstance(target, torch.nn.Linear):
-        raise CheckpointError(f"{path}: model module {name!r} is a {type(target).__name__}, not an nn.Linear")
-    if (target.out_features, target.in_features) != (n, k):
+        raise CheckpointError(
+            f"{path}: model module {name!r} is a {type(target).__name__}, not an nn.Linear; build the model from "
+            "the checkpoint's config.json"
+        )
+    if (target.out_features, target.in_features) != (layer.out_features, layer.in_features):
         raise CheckpointError(
             f"{path}: module {name!r}: the model's Linear is [{target.out_features}, {target.in_features}] but the "
-            f"checkpoint's weight is [{n}, {k}]"
+            f"checkpoint's weight is [{layer.out_features}, {layer.in_features}]"
         )
-    if (target.bias is not None) != (getattr(layer, "bias", None) is not None):
+    if (target.bias is not None) != (layer.bias is not None):
         raise CheckpointError(
             f"{path}: module {name!r}: the model's Linear {'has' if target.bias is not None else 'has no'} bias "
             "but the checkpoint disagrees"
         )
-    setattr(parent, child, layer)
+    return parent, child
 
 
 def apply_to_model(
@@ -67,11 +93,14 @@ def apply_to_model(
 ) -> Checkpoint:
     """Replace the model's matching nn.Linear modules with QuantLinear and load the rest.
 
-    ``device`` defaults to the model's; the kernels are resolved for the model's dtype.
-    Returns the loaded Checkpoint (its ``report`` says what was done).
+    ``device`` defaults to the model's; the kernels are resolved for the model's dtype. The
+    model must be materialised (not on the meta device). ``strict`` is described in the module
+    docstring. Everything is checked before the model is changed, so on any error the model is
+    left as it was. Returns the loaded Checkpoint (its ``report`` says what was done).
     """
+    _refuse_meta(model)
     model_device, activation_dtype = _model_device_and_dtype(model)
-    torch_device = torch.device(device) if device is not None else model_device
+    torch_device = checked_device(device, "apply_to_model") if device is not None else model_device
     checkpoint = load_checkpoint(
         path,
         device=torch_device,
@@ -82,44 +111,72 @@ def apply_to_model(
         progress=progress,
     )
     folder = Path(path)
+
+    # 1. Check every quantized module against the model's.
+    swaps: list[tuple[torch.nn.Module, str, QuantLinear]] = []
+    absent: list[str] = []
     for name, layer in checkpoint.items():
-        _replace(model, name, layer, folder)
+        place = _place(model, name, layer, folder)
+        if place is None:
+            absent.append(name)
+        else:
+            swaps.append((*place, layer))
+    if absent and strict:
+        raise CheckpointError(
+            f"{folder}: the model has no module {_listing([repr(name) for name in absent])} for the checkpoint's "
+            "quantized layers; build the model from the checkpoint's config.json (fused modules need a model with "
+            "fused layers), or pass strict=False to leave them out"
+        )
+
+    # 2. Check every plain tensor; the replaced Linear modules' own weights are not loaded.
+    replaced = tuple(f"{name}." for name in checkpoint if name not in absent)
+    expected = {
+        name: value for name, value in model.state_dict(keep_vars=True).items() if not name.startswith(replaced)
+    }
     kv_cache = set(checkpoint.report.kv_cache_tensors)
     state = {name: value for name, value in checkpoint.tensors.items() if name not in kv_cache}
-    expected = model.state_dict(keep_vars=True)
     unexpected = sorted(set(state) - set(expected))
     if unexpected and strict:
         raise CheckpointError(
-            f"{folder}: the checkpoint has tensors the model lacks: {', '.join(unexpected[:5])}"
-            + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
-            + "; build the model from the checkpoint's config.json, or pass strict=False"
+            f"{folder}: the checkpoint has tensors the model lacks: {_listing(unexpected)}; build the model from "
+            "the checkpoint's config.json, or pass strict=False"
         )
-    for name in unexpected:
-        state.pop(name)
+    state = {name: value for name, value in state.items() if name in expected}
+    mismatched = [name for name, value in state.items() if tuple(expected[name].shape) != tuple(value.shape)]
+    if mismatched:
+        first = mismatched[0]
+        others = f" (and {_listing(mismatched[1:])})" if len(mismatched) > 1 else ""
+        raise CheckpointError(
+            f"{folder}: tensor {first!r} is {list(state[first].shape)} in the checkpoint but "
+            f"{list(expected[first].shape)} in the model{others}; build the model from the checkpoint's config.json"
+        )
+    loaded = {id(expected[name]) for name in state} | {expected[name].data_ptr() for name in state}
+    missing = [
+        name
+        for name, value in expected.items()
+        if name not in state and id(value) not in loaded and value.data_ptr() not in loaded
+    ]
+    if missing and strict:
+        raise CheckpointError(
+            f"{folder}: the checkpoint does not provide the model's {_listing(missing)}; pass strict=False to keep "
+            "the model's own values"
+        )
+
+    # 3. Only now change the model.
+    for parent, child, layer in swaps:
+        setattr(parent, child, layer)
     with torch.no_grad():
         for name, value in state.items():
             target = expected[name]
-            if tuple(target.shape) != tuple(value.shape):
-                raise CheckpointError(
-                    f"{folder}: tensor {name!r} is {list(value.shape)} in the checkpoint but {list(target.shape)} "
-                    "in the model"
-                )
             target.copy_(value.to(device=target.device, dtype=target.dtype))
-    if strict:
-        loaded = {id(expected[name]) for name in state} | {expected[name].data_ptr() for name in state}
-        quantized = tuple(f"{name}." for name in checkpoint)
-        missing = [
-            name
-            for name, value in expected.items()
-            if name not in state
-            and not name.startswith(quantized)
-            and id(value) not in loaded
-            and value.data_ptr() not in loaded
-        ]
-        if missing:
-            raise CheckpointError(
-                f"{folder}: the checkpoint does not provide the model's {', '.join(missing[:5])}"
-                + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-                + "; pass strict=False to keep the model's own values"
-            )
+
+    notes = []
+    if absent:
+        notes.append(f"apply_to_model: the model has no module for {_listing(absent)}; left out (strict=False)")
+    if unexpected:
+        notes.append(f"apply_to_model: the model has no tensor {_listing(unexpected)}; left out (strict=False)")
+    if missing:
+        notes.append(f"apply_to_model: the checkpoint does not provide {_listing(missing)}; the model keeps its own")
+    if notes:
+        checkpoint.report = dataclasses.replace(checkpoint.report, notes=(*checkpoint.report.notes, *notes))
     return checkpoint

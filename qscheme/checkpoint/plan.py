@@ -8,6 +8,7 @@ start from a Plan; only load turns problems into an exception.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +20,10 @@ from qscheme.checkpoint.detect import Detection, ModuleAssignment, detect, split
 from qscheme.checkpoint.reader import CheckpointFiles
 from qscheme.checkpoint.validate import ModuleLayout, TensorProblem, check_layout
 from qscheme.descriptor import Scheme
-from qscheme.errors import CheckpointError
+from qscheme.errors import CheckpointError, UsageError
 
 FuseSpec = Mapping[str, Sequence[str]]
+_FUSE_EXAMPLE = "fuse={'qkv_proj': ['q_proj', 'k_proj', 'v_proj']}"
 
 
 @dataclass(frozen=True)
@@ -51,18 +53,27 @@ class Plan:
         return {member: group.name for group in self.fuse_groups for member in group.members}
 
     def layers(self) -> list[tuple[str, tuple[str, ...]]]:
-        """(layer name, member modules) for every layer load builds, in checkpoint order."""
+        """(layer name, member modules) for every layer load builds, in checkpoint order.
+
+        Layer names are unique: a name that two layers would share raises CheckpointError.
+        """
         fused = self.fused_members
         out: list[tuple[str, tuple[str, ...]]] = []
-        seen: set[str] = set()
+        built: dict[str, tuple[str, ...]] = {}
         groups = {group.name: group for group in self.fuse_groups}
         for module in self.layouts:
             name = fused.get(module)
-            if name is None:
-                out.append((module, (module,)))
-            elif name not in seen:
-                seen.add(name)
-                out.append((name, groups[name].members))
+            members = (module,) if name is None else groups[name].members
+            name = module if name is None else name
+            if name in built:
+                if built[name] == members:
+                    continue  # a later member of a fused module already listed
+                raise CheckpointError(
+                    f"{self.path}: two layers would be named {name} (from {', '.join(built[name])} and from "
+                    f"{', '.join(members)}); choose a fused name in fuse= that is not a module of the checkpoint"
+                )
+            built[name] = members
+            out.append((name, members))
         return out
 
 
@@ -81,27 +92,100 @@ def _weight_shape(files: CheckpointFiles, assignment: ModuleAssignment) -> tuple
     return (n, k), None
 
 
+def check_fuse_spec(fuse: object) -> dict[str, tuple[str, ...]]:
+    """``fuse=`` checked before anything is read: fused name -> its distinct member names.
+
+    Raises UsageError unless ``fuse`` maps non-empty, dot-free fused names to non-empty
+    sequences of distinct, non-empty, dot-free member names (``{"qkv_proj": ["q_proj", ...]}``).
+    """
+    if fuse is None:
+        return {}
+    if not isinstance(fuse, Mapping):
+        raise UsageError(
+            f"fuse must map each fused module name to its member module names, e.g. {_FUSE_EXAMPLE}; "
+            f"got a {type(fuse).__name__}: {fuse!r}"
+        )
+    spec: dict[str, tuple[str, ...]] = {}
+    for fused_name, members in fuse.items():
+        if not isinstance(fused_name, str) or not fused_name or "." in fused_name:
+            raise UsageError(
+                f"fuse: fused name {fused_name!r} must be a non-empty module name without dots, e.g. 'qkv_proj' "
+                "(the fused module is placed under the members' parent)"
+            )
+        if isinstance(members, str | bytes) or not isinstance(members, Sequence) or not members:
+            raise UsageError(
+                f"fuse[{fused_name!r}] must list the member module names, e.g. ['q_proj', 'k_proj', 'v_proj']; "
+                f"got {members!r}"
+            )
+        for member in members:
+            if not isinstance(member, str) or not member or "." in member:
+                raise UsageError(
+                    f"fuse[{fused_name!r}]: member {member!r} must be a module's own name under its parent, "
+                    "a non-empty string without dots, e.g. 'q_proj'"
+                )
+        repeated = sorted({member for member in members if members.count(member) > 1})
+        if repeated:
+            raise UsageError(
+                f"fuse[{fused_name!r}] lists {', '.join(map(repr, repeated))} more than once; "
+                "each member may appear once"
+            )
+        spec[fused_name] = tuple(members)
+    return spec
+
+
+def _occupied_names(detection: Detection) -> dict[str, str]:
+    """Every module name the checkpoint already uses -> what it is (quantized, ignored, ...)."""
+    occupied: dict[str, str] = {}
+    tensor_modules = [split_name(tensor)[0] for tensor in (*detection.plain, *detection.kv_cache)]
+    for module in (*detection.modules, *detection.ignored, *tensor_modules):
+        parts = module.split(".")
+        for end in range(1, len(parts)):
+            occupied.setdefault(".".join(parts[:end]), "a module holding other modules")
+    for module in tensor_modules:
+        occupied[module] = "a module holding plain tensors"
+    for module in detection.ignored:
+        occupied[module] = "an unquantized (ignored) module"
+    for module in detection.modules:
+        occupied[module] = "a quantized module"
+    return occupied
+
+
+def _unknown_member_error(fused_name: str, members: tuple[str, ...], unknown: str, own_names: set[str]) -> str:
+    close = difflib.get_close_matches(unknown, sorted(own_names), n=3, cutoff=0.6)
+    hint = (
+        f"close module names: {', '.join(close)}"
+        if close
+        else f"the checkpoint's module names include {', '.join(sorted(own_names)[:8])}"
+    )
+    return (
+        f"cannot fuse {fused_name!r} = {list(members)}: member {unknown!r} matches no quantized or ignored "
+        f"module of the checkpoint; {hint}. Fix the member's name in fuse="
+    )
+
+
 def plan_fuse(fuse: FuseSpec | None, detection: Detection) -> tuple[tuple[FuseGroup, ...], list[str]]:
     """Fuse groups for ``fuse={"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}``.
 
-    A group forms under every parent module whose first member is a module of the
-    checkpoint. All members must then be quantized modules; members that are all
-    unquantized (ignored layers) stay separate plain tensors, which is noted.
+    A group forms under every parent module that has any of the members. All members must
+    then be quantized modules; members that are all unquantized (ignored layers) stay separate
+    plain tensors, which is noted. A member that names no module anywhere in the checkpoint,
+    or a fused name that is already a module of the checkpoint (other than one of its own
+    members), raises CheckpointError.
     """
-    if not fuse:
+    spec = check_fuse_spec(fuse)
+    if not spec:
         return (), []
     groups: list[FuseGroup] = []
     notes: list[str] = []
     claimed: dict[str, str] = {}
     known_modules = set(detection.modules) | set(detection.ignored)
-    for fused_name, members in fuse.items():
-        if not members or isinstance(members, str):
-            raise CheckpointError(f"fuse[{fused_name!r}] must list the member module names, e.g. ['q_proj', 'k_proj']")
-        first = members[0]
-        parents = sorted(
-            {split_name(module)[0] for module in known_modules if split_name(module)[1] == first}
-            | ({""} if first in known_modules else set())
-        )
+    own_names = {split_name(module)[1] for module in known_modules}
+    occupied = _occupied_names(detection)
+    for fused_name, members in spec.items():
+        for member in members:
+            if member not in own_names:
+                raise CheckpointError(_unknown_member_error(fused_name, members, member, own_names))
+        parents = sorted({split_name(module)[0] for module in known_modules if split_name(module)[1] in members})
         for parent in parents:
             prefix = f"{parent}." if parent else ""
             names = tuple(prefix + member for member in members)
@@ -116,6 +200,12 @@ def plan_fuse(fuse: FuseSpec | None, detection: Detection) -> tuple[tuple[FuseGr
                     f"cannot fuse {name}: {', '.join(missing)} "
                     f"{'is' if len(missing) == 1 else 'are'} not a quantized module of the checkpoint "
                     f"(found {', '.join(quantized)}); every member of a fused module must be quantized"
+                )
+            if name in occupied and name not in names:
+                raise CheckpointError(
+                    f"cannot fuse {', '.join(names)} as {name}: the checkpoint already has {name}, "
+                    f"{occupied[name]} that is not one of the members; choose another fused name than "
+                    f"{fused_name!r} in fuse="
                 )
             for member in names:
                 if member in claimed:
@@ -139,6 +229,7 @@ def plan_checkpoint(
     fuse: FuseSpec | None = None,
 ) -> Plan:
     """Config + headers + detection + layout checks for a checkpoint folder."""
+    check_fuse_spec(fuse)  # a malformed fuse= is a UsageError before any file is read
     folder = Path(path)
     files = CheckpointFiles(folder)
     config = read_producer_config(folder)
