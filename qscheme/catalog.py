@@ -1,6 +1,8 @@
 """The scheme catalog: built-in descriptors, folders on QSCHEME_SCHEME_PATH, and plugin ones.
 
-Two descriptors with one name are an error naming both files; nothing is silently shadowed.
+Two descriptors with one name are an error naming both files; nothing is silently shadowed. A
+plugin's descriptor whose name is already defined is refused as that plugin's failure instead
+(``qscheme plugins`` shows it), so one plugin cannot break the catalog of every other scheme.
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ def scheme_path_dirs(value: str | None = None) -> list[Path]:
     return [Path(part) for part in raw.split(os.pathsep) if part.strip()]
 
 
-def build_catalog(sources: Iterable[tuple[str, Path]]) -> Catalog:
-    """Parse every (source, file) pair; collect all problems; refuse duplicate names."""
-    schemes: dict[str, Scheme] = {}
+def build_catalog(sources: Iterable[tuple[str, Path]], base: Catalog | None = None) -> Catalog:
+    """Parse every (source, file) pair into ``base``'s schemes; collect all problems; refuse
+    duplicate names."""
+    schemes: dict[str, Scheme] = dict(base.schemes) if base is not None else {}
     problems: list[Problem] = []
     for source, path in sources:
         try:
@@ -110,25 +113,42 @@ def catalog_sources(
     return sources
 
 
-_CATALOG_CACHE: dict[tuple[tuple[str, str, int, int], ...], Catalog] = {}
+_CATALOG_CACHE: dict[tuple[object, ...], Catalog] = {}
+_CATALOG_CACHE_LIMIT = 8  # the catalog without plugins, with them, and a few recent variants
 
 
 def load_catalog(extra_dirs: Iterable[Path] = (), include_plugins: bool = True) -> Catalog:
     """The full catalog as the environment and installed plugins define it now.
 
-    Parsing every descriptor costs ~0.1 s, so the last catalog is reused while its sources are
+    The built-ins and folders come first; a plugin scheme whose name they already define is
+    refused as that plugin's failure (see ``qscheme.plugins``), never an error of the catalog.
+
+    Parsing every descriptor costs ~0.1 s, so catalogs are reused while their sources are
     unchanged: the key is every source file with its size and modification time, so edited,
     added or removed descriptors (and a changed QSCHEME_SCHEME_PATH) are always seen.
     """
-    plugin_files: list[tuple[str, Path]] = []
-    if include_plugins:
-        plugin_files = _plugin_scheme_files()
-    sources = catalog_sources(extra_dirs, plugin_files)
-    key = tuple((source, str(path), *_stamp(path)) for source, path in sources)
+    sources = catalog_sources(extra_dirs)
+    local = _cached_catalog(sources)
+    if not include_plugins:
+        return local
+    plugin_files = _plugin_scheme_files(scheme_origins(local))
+    return _cached_catalog(sources, plugin_files) if plugin_files else local
+
+
+def scheme_origins(catalog: Catalog) -> dict[str, str]:
+    """Where each scheme of a catalog is defined: ``file (source)`` by name."""
+    return {name: f"{scheme.path} ({scheme.source})" for name, scheme in catalog.schemes.items()}
+
+
+def _cached_catalog(sources: list[tuple[str, Path]], added: list[tuple[str, Path]] | None = None) -> Catalog:
+    """The catalog of ``sources`` (plus ``added`` on top of it), reused while no file changed."""
+    key = tuple((source, str(path), *_stamp(path)) for source, path in [*sources, *(added or [])])
     catalog = _CATALOG_CACHE.get(key)
     if catalog is None:
-        catalog = build_catalog(sources)  # raises on any problem: nothing is cached then
-        _CATALOG_CACHE.clear()
+        # raises on any problem: nothing is cached then
+        catalog = build_catalog(added, _cached_catalog(sources)) if added else build_catalog(sources)
+        if len(_CATALOG_CACHE) >= _CATALOG_CACHE_LIMIT:
+            _CATALOG_CACHE.clear()
         _CATALOG_CACHE[key] = catalog
     return catalog
 
@@ -141,13 +161,13 @@ def _stamp(path: Path) -> tuple[int, int]:
     return (stat.st_mtime_ns, stat.st_size)
 
 
-def _plugin_scheme_files() -> list[tuple[str, Path]]:
-    """Descriptor files contributed by plugins (``qscheme_schemes`` hook)."""
+def _plugin_scheme_files(taken: dict[str, str]) -> list[tuple[str, Path]]:
+    """Descriptor files contributed by plugins (``qscheme_schemes`` hook), less the names taken."""
     try:
         from qscheme.plugins import plugin_scheme_files
     except ImportError:
         return []
-    return plugin_scheme_files()
+    return plugin_scheme_files(taken)
 
 
 def load_scheme(name_or_path: str | Path | Scheme) -> Scheme:

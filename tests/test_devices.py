@@ -85,3 +85,65 @@ def test_with_environment_checks_modules_and_variables() -> None:
     assert facts.env("TRITON_INTERPRET") == "1" and facts.env("UNSET_VARIABLE_FOR_TEST") is None
     assert devices.module_available("qscheme_no_such_module") is False
     assert facts.as_json()["capability"] == "9.0"
+
+
+def test_declared_torch_features_are_probed_not_only_a_fixed_list() -> None:
+    from qscheme.kernels import registry
+    from qscheme.kernels.declaration import ANY_DEVICE, DeviceSupport, KernelDeclaration, Supports
+    from qscheme.kernels.resolver import check_device
+
+    declaration = KernelDeclaration(
+        "feature_test",
+        "test",
+        1,
+        (Supports(("fp8",)),),
+        (DeviceSupport(ANY_DEVICE),),
+        "qscheme_plugins.reference_kernel:ReferenceKernel",
+        torch_features=("float8_e5m2", "qscheme_no_such_torch_feature"),
+    )
+    assert "float8_e5m2" not in devices.KNOWN_TORCH_FEATURES and hasattr(torch, "float8_e5m2")
+    for name in ("cpu", "sm90"):
+        facts = registry.complete_facts(device_facts(name), [declaration])
+        assert "float8_e5m2" in facts.torch_features
+        assert "qscheme_no_such_torch_feature" not in facts.torch_features
+        assert check_device(declaration, facts) == (
+            f"needs torch.qscheme_no_such_torch_feature, which torch {facts.torch_version} lacks"
+        )
+
+
+def test_simulated_devices_report_the_known_features_of_the_local_torch() -> None:
+    expected = {name for name in devices.KNOWN_TORCH_FEATURES if hasattr(torch, name)}
+    assert simulated_device("sm100").torch_features == expected
+    assert device_facts("sm100").torch_features == expected
+
+
+def test_a_plugin_kernel_needing_a_torch_feature_torch_has_is_chosen() -> None:
+    from kernel_fakes import builtin_scheme, isolated_plugins
+
+    from qscheme.kernels import registry
+    from qscheme.kernels.declaration import ANY_DEVICE, DeviceSupport, KernelDeclaration, Supports
+    from qscheme.kernels.problem import Problem
+    from qscheme.plugins import hookimpl, register_plugin
+
+    declaration = KernelDeclaration(
+        "e5m2_feature_test",
+        "test",
+        1000,
+        (Supports(("int4",)),),
+        (DeviceSupport(ANY_DEVICE),),
+        "qscheme_plugins.reference_kernel:ReferenceKernel",
+        torch_features=("float8_e5m2",),
+    )
+
+    class FeaturePlugin:
+        @hookimpl
+        def qscheme_kernels(self) -> list[KernelDeclaration]:
+            return [declaration]
+
+    with isolated_plugins():
+        register_plugin(FeaturePlugin(), "feature-plugin")
+        for name in ("cpu", "sm90"):
+            resolution = registry.resolve_layer(
+                builtin_scheme("compressed-tensors/W4A16"), Problem(256, 512), name, environ={}
+            )
+            assert resolution.kernel is not None and resolution.kernel.name == "e5m2_feature_test"

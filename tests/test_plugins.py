@@ -3,9 +3,12 @@ example packages in examples/ (installed by .ci/install-example-plugins.sh; skip
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,6 +28,7 @@ from qscheme.kernels.problem import Problem
 from qscheme.plugins import BUILTIN_PLUGINS, Plugins, hookimpl, load_plugins, register_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "plugins.md"
 BUILTIN_KERNELS = {"reference", "triton", "marlin", "native_fp4"}
 NO_AUTOLOAD = {"QSCHEME_DISABLE_PLUGIN_AUTOLOAD": "1"}
 EXTRA = KernelDeclaration(
@@ -88,8 +92,12 @@ def test_declarations_load_without_importing_torch() -> None:
         "plugins = load_plugins(environ={'QSCHEME_DISABLE_PLUGIN_AUTOLOAD': '1'})\n"
         "assert len(plugins.kernel_declarations()) == 4\n"
         "assert 'torch' not in sys.modules, 'declarations imported torch'\n"
+        "from qscheme.cli.main import main\n"
+        "assert main(['plugins', '--json']) == 0\n"
+        "assert 'torch' not in sys.modules, '`qscheme plugins` imported torch'\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    environ = {**os.environ, "QSCHEME_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True, env=environ)
 
 
 def test_a_raising_hook_is_recorded_and_others_keep_working() -> None:
@@ -210,6 +218,51 @@ def test_plugin_schemes_reach_the_catalog_and_bad_ones_are_isolated(tmp_path: Pa
         assert any("'compressed-tensors/W4A16'" in e and "already defined" in e for e in errors)
         info = next(i for i in plugins.infos() if i.name == "scheme-plugin")  # type: ignore[attr-defined]
         assert info.schemes == ("plugin-test/W8A16",)
+
+
+def _scheme_plugin(folder: Path) -> object:
+    class SchemePlugin:
+        @hookimpl
+        def qscheme_schemes(self) -> list[Path]:
+            return [folder]
+
+    return SchemePlugin()
+
+
+def test_a_plugin_scheme_that_clashes_with_the_scheme_path_is_refused_not_fatal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    local, shipped = tmp_path / "path", tmp_path / "plugin"
+    local.mkdir()
+    shipped.mkdir()
+    (local / "mine.yaml").write_text(VALID)
+    (shipped / "same.yaml").write_text(VALID)
+    (shipped / "other.yaml").write_text(VALID.replace("plugin-test/W8A16", "plugin-test/other"))
+    monkeypatch.delenv("QSCHEME_SCHEME_PATH", raising=False)
+    with isolated_plugins() as plugins:
+        register_plugin(_scheme_plugin(shipped), "clashing")
+        assert load_catalog().get("plugin-test/W8A16").source == "plugin:clashing"
+        assert plugins.failures() == ()  # type: ignore[attr-defined]
+        monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(local))  # the folder is added later: still seen
+        catalog = load_catalog()
+        assert catalog.get("plugin-test/W8A16").source == f"path:{local}"
+        assert catalog.get("plugin-test/other").source == "plugin:clashing"
+        assert catalog.get("compressed-tensors/NVFP4").source == "builtin"
+        assert builtin_scheme("compressed-tensors/W4A16").name == "compressed-tensors/W4A16"
+        load_catalog()  # the refusal is recorded once, not on every load
+        failures = plugins.failures()  # type: ignore[attr-defined]
+        assert [(f.plugin, f.stage) for f in failures] == [("clashing", "hook qscheme_schemes")]
+        assert failures[0].error == (
+            f"scheme 'plugin-test/W8A16' in {shipped / 'same.yaml'} is already defined by {local / 'mine.yaml'} "
+            f"(path:{local}); scheme names must be unique: rename the plugin's scheme or the other one"
+        )
+        info = next(i for i in plugins.infos() if i.name == "clashing")  # type: ignore[attr-defined]
+        assert info.schemes == ("plugin-test/other",)
+    with isolated_plugins({**NO_AUTOLOAD, "QSCHEME_STRICT_PLUGINS": "1"}):
+        register_plugin(_scheme_plugin(shipped), "clashing")
+        strict = r"clashing \(in-process\) hook qscheme_schemes: scheme 'plugin-test/W8A16'"
+        with pytest.raises(PluginError, match=strict):
+            load_catalog()
 
 
 def test_a_plugin_kernel_for_nvfp4_weights_with_fp8_inputs_resolves_that_scheme() -> None:
@@ -384,3 +437,38 @@ def test_broken_plugins_are_reported_and_resolve_keeps_working(
     strict = cli(["resolve", "compressed-tensors/W4A16", "--device", "sm90"], QSCHEME_STRICT_PLUGINS="1", **env)
     assert strict["code"] == 1
     assert "QSCHEME_STRICT_PLUGINS=1 makes plugin failures fatal" in str(strict["err"])
+
+
+# --- docs/plugins.md stays true --------------------------------------------------------------------
+
+
+def test_the_documented_plugin_module_registers_as_written(tmp_path: Path) -> None:
+    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S)
+    sample = next(block for block in blocks if "def qscheme_kernels" in block)
+    (tmp_path / "doc_sample_plugin.py").write_text(sample)
+    example = ROOT / "examples" / "qscheme-example-plugin" / "qscheme_example_plugin"
+    shutil.copytree(example / "schemes", tmp_path / "schemes")
+    spec = importlib.util.spec_from_file_location("doc_sample_plugin", tmp_path / "doc_sample_plugin.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with isolated_plugins() as plugins:
+        assert register_plugin(module, "doc-sample")
+        declared = {d.name: d for d in plugins.kernel_declarations()}  # type: ignore[attr-defined]
+        assert declared["example_dequant"].plugin == "doc-sample"
+        assert load_catalog().get("example/W4A16_G64").source == "plugin:doc-sample"
+        assert plugins.failures() == ()  # type: ignore[attr-defined]
+
+
+def test_the_docs_say_which_builtin_kernels_are_declarations_only() -> None:
+    declared_only = sorted(d.name for d in builtins_only().kernel_declarations() if d.implementation is None)
+    introduction = " ".join(DOCS.read_text().split("## The contract")[0].split())
+    names = " and ".join(f"`{name}`" for name in declared_only)
+    assert f"{names} are declarations only" in introduction
+    assert "declared only" in introduction  # the reason the resolver gives, as `qscheme resolve` prints it
+
+
+def test_every_declaration_field_is_documented() -> None:
+    section = DOCS.read_text().split("## The declaration")[1].split("## The implementation")[0]
+    missing = [f.name for f in dataclasses.fields(KernelDeclaration) if f"`{f.name}`" not in section]
+    assert missing == []

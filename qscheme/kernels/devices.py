@@ -5,8 +5,9 @@ CPU device. ``simulated_device("sm90")`` describes a GPU this machine does not h
 a CUDA build of the local torch version; optional kernel libraries (vllm, sgl-kernel,
 flashinfer) are still checked in the local environment, and the facts say so.
 
-The resolver only ever sees ``DeviceFacts``; which modules are importable and which
-environment variables are set is filled in here, at the edge (``with_environment``).
+The resolver only ever sees ``DeviceFacts``; which modules are importable, which environment
+variables are set and which ``torch`` attributes the declared kernels need are filled in here,
+at the edge (``with_environment``).
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def _torch_features(names: Iterable[str]) -> frozenset[str]:
     return frozenset(name for name in names if hasattr(torch, name))
 
 
+# Probed for every device (and shown by `qscheme kernels --json`); the features a declaration
+# names are probed as well, by with_environment.
 KNOWN_TORCH_FEATURES: tuple[str, ...] = ("float4_e2m1fn_x2", "float8_e4m3fn", "float8_e8m0fnu", "_scaled_mm")
 
 
@@ -193,9 +196,15 @@ def with_environment(
     modules: Iterable[str] = (),
     variables: Iterable[str] = (),
     environ: Mapping[str, str] | None = None,
+    torch_features: Iterable[str] = (),
 ) -> DeviceFacts:
-    """The facts plus which of ``modules`` are importable and the values of ``variables``."""
+    """The facts plus which of ``modules`` are importable, the values of ``variables``, and which
+    of ``torch_features`` the local torch has (a simulated device assumes the same torch)."""
     env = os.environ if environ is None else environ
     found = frozenset(m for m in modules if module_available(m))
     values = tuple(sorted((v, env[v]) for v in set(variables) if v in env))
-    return replace(facts, modules=facts.modules | found, environment=values)
+    features = facts.torch_features
+    wanted = set(torch_features) - features
+    if wanted:  # only then is torch imported
+        features = features | _torch_features(sorted(wanted))
+    return replace(facts, modules=facts.modules | found, environment=values, torch_features=features)

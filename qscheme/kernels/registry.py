@@ -73,22 +73,25 @@ def overrides(kernel: str | None = None, environ: Mapping[str, str] | None = Non
     return forced, disabled
 
 
-def _modules_and_variables(decls: Sequence[KernelDeclaration]) -> tuple[set[str], set[str]]:
+def _requirements(decls: Sequence[KernelDeclaration]) -> tuple[set[str], set[str], set[str]]:
+    """The modules, environment variables and torch features the declarations ask about."""
     modules: set[str] = set()
     variables: set[str] = set()
+    features: set[str] = set()
     for declaration in decls:
         modules.update(declaration.requires_modules)
         if declaration.implementation_module:
             modules.add(declaration.implementation_module)
         for support in declaration.devices:
             variables.update(name for name, _ in support.environment)
-    return modules, variables
+        features.update(declaration.torch_features)
+    return modules, variables, features
 
 
 def complete_facts(facts: DeviceFacts, decls: Sequence[KernelDeclaration] | None = None) -> DeviceFacts:
-    """Device facts plus the modules and variables the declarations ask about."""
-    modules, variables = _modules_and_variables(declarations() if decls is None else decls)
-    return with_environment(facts, modules, variables)
+    """Device facts plus the modules, variables and torch features the declarations ask about."""
+    modules, variables, features = _requirements(declarations() if decls is None else decls)
+    return with_environment(facts, modules, variables, torch_features=features)
 
 
 def device_for(device: DeviceFacts | str | None = None) -> DeviceFacts:
@@ -104,7 +107,7 @@ def device_for(device: DeviceFacts | str | None = None) -> DeviceFacts:
     if name is not None and name.startswith("cuda:"):
         name = "cuda"
     decls = declarations()
-    _, variables = _modules_and_variables(decls)
+    _, variables, _ = _requirements(decls)
     key = (name, id(decls), tuple((v, os.environ.get(v)) for v in sorted(variables)))
     hit = _devices.get(key)
     if hit is not None and hit[0] is decls:

@@ -142,14 +142,19 @@ class Plugins:
         self._records: dict[str, _Record] = {}
         self._failures: list[PluginFailure] = []
         self._kernels: tuple[KernelDeclaration, ...] | None = None
-        self._scheme_files: list[tuple[str, Path]] | None = None
+        self._contributed: list[tuple[_Record, Path, str]] | None = None
+        self._recorded: set[tuple[str, str, str]] = set()
         self._lock = threading.RLock()
 
     # -- loading -------------------------------------------------------------------------------
 
-    def _fail(self, record: _Record, stage: str, error: str) -> None:
+    def _fail(self, record: _Record, stage: str, error: str, once: bool = False) -> None:
+        """Record a failure (``once``: unless this plugin already has the same one); strict: raise."""
         failure = PluginFailure(record.name, record.distribution, record.version, stage, error)
-        self._failures.append(failure)
+        key = (record.name, stage, error)
+        if not (once and key in self._recorded):
+            self._recorded.add(key)
+            self._failures.append(failure)
         if self.strict:
             raise PluginError(f"plugin {failure} ({STRICT_VARIABLE}=1 makes plugin failures fatal)")
 
@@ -230,7 +235,7 @@ class Plugins:
 
     def _invalidate(self) -> None:
         self._kernels = None
-        self._scheme_files = None
+        self._contributed = None
 
     def _call_each(self, hook: str) -> list[tuple[_Record, object]]:
         """Call every implementation of a hook on its own; failures are recorded, not raised."""
@@ -279,44 +284,64 @@ class Plugins:
             self._kernels = tuple(declarations.values())
             return self._kernels
 
-    def scheme_files(self) -> list[tuple[str, Path]]:
-        """(source, file) of every valid descriptor that plugins ship, for the catalog."""
-        with self._lock:
-            if self._scheme_files is not None:
-                return self._scheme_files
-            from qscheme.catalog import builtin_scheme_dir, descriptor_files
-            from qscheme.descriptor import parse_scheme_file
+    def _scheme_contributions(self) -> list[tuple[_Record, Path, str]]:
+        """(plugin, file, scheme name) of every descriptor the plugins ship that parses.
 
-            taken = _builtin_scheme_names(builtin_scheme_dir(), descriptor_files)
+        The hooks are called and the files parsed once per set of registered plugins; paths
+        that do not exist and descriptors that do not parse are recorded as failures here.
+        """
+        if self._contributed is not None:
+            return self._contributed
+        from qscheme.catalog import descriptor_files
+        from qscheme.descriptor import parse_scheme_file
+
+        contributed: list[tuple[_Record, Path, str]] = []
+        for record, result in self._call_each("qscheme_schemes"):
+            for item in _items(result, (str, Path)):
+                if not isinstance(item, (str, Path)):
+                    self._fail(record, "hook qscheme_schemes", f"returned {_short(item)}, not a path")
+                    continue
+                path = Path(item)
+                if not path.exists():
+                    self._fail(record, "hook qscheme_schemes", f"{path} does not exist")
+                    continue
+                for file in descriptor_files(path) if path.is_dir() else [path]:
+                    try:
+                        scheme = parse_scheme_file(file, source=f"plugin:{record.name}")
+                    except SchemeError as exc:
+                        self._fail(record, "hook qscheme_schemes", f"invalid descriptor: {exc}")
+                        continue
+                    contributed.append((record, file, scheme.name))
+        self._contributed = contributed
+        return contributed
+
+    def scheme_files(self, taken: Mapping[str, str] | None = None) -> list[tuple[str, Path]]:
+        """(source, file) of every valid descriptor that plugins ship, for the catalog.
+
+        ``taken`` maps the names the catalog already defines (built-ins, QSCHEME_SCHEME_PATH
+        folders) to where each is defined; by default the catalog is asked. A plugin scheme
+        whose name is taken, by those or by an earlier plugin, is refused as that plugin's
+        failure (recorded once), so it never breaks the catalog of the other schemes.
+        """
+        with self._lock:
+            contributed = self._scheme_contributions()
+            defined = dict(_local_scheme_names() if taken is None else taken)
             files: list[tuple[str, Path]] = []
             for record in self._records.values():
                 record.schemes.clear()
-            for record, result in self._call_each("qscheme_schemes"):
-                for item in _items(result, (str, Path)):
-                    if not isinstance(item, (str, Path)):
-                        self._fail(record, "hook qscheme_schemes", f"returned {_short(item)}, not a path")
-                        continue
-                    path = Path(item)
-                    if not path.exists():
-                        self._fail(record, "hook qscheme_schemes", f"{path} does not exist")
-                        continue
-                    for file in descriptor_files(path) if path.is_dir() else [path]:
-                        try:
-                            scheme = parse_scheme_file(file, source=f"plugin:{record.name}")
-                        except SchemeError as exc:
-                            self._fail(record, "hook qscheme_schemes", f"invalid descriptor: {exc}")
-                            continue
-                        if scheme.name in taken:
-                            self._fail(
-                                record,
-                                "hook qscheme_schemes",
-                                f"scheme {scheme.name!r} in {file} is already defined by {taken[scheme.name]}",
-                            )
-                            continue
-                        taken[scheme.name] = str(file)
-                        files.append((f"plugin:{record.name}", file))
-                        record.schemes.append(scheme.name)
-            self._scheme_files = files
+            for record, file, name in contributed:
+                if name in defined:
+                    self._fail(
+                        record,
+                        "hook qscheme_schemes",
+                        f"scheme {name!r} in {file} is already defined by {defined[name]}; "
+                        "scheme names must be unique: rename the plugin's scheme or the other one",
+                        once=True,
+                    )
+                    continue
+                defined[name] = f"{file} (plugin:{record.name})"
+                files.append((f"plugin:{record.name}", file))
+                record.schemes.append(name)
             return files
 
     # -- reports -------------------------------------------------------------------------------
@@ -350,13 +375,23 @@ class Plugins:
         return sorted(infos, key=lambda i: (not i.builtin, i.name))
 
 
-def _builtin_scheme_names(folder: Path, descriptor_files: Any) -> dict[str, str]:
+def _local_scheme_names() -> dict[str, str]:
+    """Where each scheme name the catalog defines without plugins is defined.
+
+    When that catalog is broken (a QSCHEME_SCHEME_PATH file that does not parse), the built-ins
+    that parse are used: the catalog itself reports the broken file.
+    """
+    from qscheme.catalog import builtin_scheme_dir, descriptor_files, load_catalog, scheme_origins
     from qscheme.descriptor import parse_scheme_file
 
+    try:
+        return scheme_origins(load_catalog(include_plugins=False))
+    except SchemeError:
+        pass
     names: dict[str, str] = {}
-    for file in descriptor_files(folder):
+    for file in descriptor_files(builtin_scheme_dir()):
         try:
-            names[parse_scheme_file(file).name] = str(file)
+            names[parse_scheme_file(file).name] = f"{file} (builtin)"
         except SchemeError:
             continue
     return names
@@ -466,9 +501,11 @@ def unregister_plugin(name: str) -> None:
     get_plugins().unregister(name)
 
 
-def plugin_scheme_files() -> list[tuple[str, Path]]:
-    """(source, descriptor file) pairs that plugins contribute, for ``qscheme.catalog``."""
-    return get_plugins().scheme_files()
+def plugin_scheme_files(taken: Mapping[str, str] | None = None) -> list[tuple[str, Path]]:
+    """(source, descriptor file) pairs that plugins contribute, for ``qscheme.catalog``.
+
+    ``taken``: scheme names already defined, and where (``Plugins.scheme_files``)."""
+    return get_plugins().scheme_files(taken)
 
 
 def kernel_declarations() -> tuple[KernelDeclaration, ...]:
