@@ -176,3 +176,146 @@ def test_loaded_yaml_equals_plain_yaml() -> None:
         root, problems = read_yaml(path.read_text(), str(path))
         assert not problems
         assert root is not None and root.plain() == yaml.safe_load(path.read_text())
+
+
+# --- "given or not" is decided from the value: omitted, null and none all mean absent ---------
+
+FP8_DYNAMIC_TEXT = (BUILTIN / "compressed-tensors" / "FP8_DYNAMIC.yaml").read_text()
+FP8_STATIC_TEXT = (BUILTIN / "compressed-tensors" / "FP8.yaml").read_text()
+FP8_BLOCK_TEXT = (BUILTIN / "compressed-tensors" / "FP8_BLOCK.yaml").read_text()
+INCOMPLETE = "the descriptor is incomplete"
+
+
+@pytest.mark.parametrize("written", ["none", "null", "~"])
+def test_packing_none_or_null_is_the_default(written: str) -> None:
+    text = FP8_DYNAMIC_TEXT.replace("  format: e4m3\n  tensor:", f"  format: e4m3\n  packing: {written}\n  tensor:", 1)
+    assert f"packing: {written}" in text
+    assert parse_scheme_text(text, "x.yaml") == parse_scheme_text(FP8_DYNAMIC_TEXT, "x.yaml")
+
+
+@pytest.mark.parametrize("written", ["none", "null"])
+def test_optional_sections_none_or_null_are_absent(written: str) -> None:
+    text = FP8_DYNAMIC_TEXT.replace(
+        "  format: e4m3\n  tensor:", f"  format: e4m3\n  global_scale: {written}\n  zero_point: {written}\n  tensor:", 1
+    )
+    text += f"fused: {written}\ntolerated: {written}\ninput_pre_scale: {written}\n"
+    scheme = parse_scheme_text(text, "x.yaml")
+    assert scheme == parse_scheme_text(FP8_DYNAMIC_TEXT, "x.yaml")
+    assert scheme.fused.policy == "per_partition" and scheme.fused.fallback == "refuse"
+
+
+def test_group_size_null_outside_group_granularity_is_absent() -> None:
+    text = FP8_DYNAMIC_TEXT.replace("granularity: channel\n", "granularity: channel\n    group_size: null\n", 1)
+    text = text.replace("granularity: token\n", "granularity: token\n  group_size: none\n", 1)
+    assert parse_scheme_text(text, "x.yaml").activation is not None
+
+
+STATIC_SCALE = (
+    "  scale:\n    stored: multiplier\n"
+    "    tensor: {name: input_scale, dtype: [float32, bfloat16, float16], shape: [1]}\n"
+)
+
+WEIGHT_GROUP, ACT_GROUP = "weight.scale.group_size", "activation.group_size"
+
+# (case, base text, the key's line as written, its replacement, key path, value as the message shows it)
+NEEDED_BUT_ABSENT: list[tuple[str, str, str, str, str, str]] = [
+    ("weight group_size null", NVFP4_TEXT, "    group_size: 16\n", "    group_size: null\n", WEIGHT_GROUP, "null"),
+    ("weight group_size none", NVFP4_TEXT, "    group_size: 16\n", "    group_size: none\n", WEIGHT_GROUP, "'none'"),
+    ("block null", FP8_BLOCK_TEXT, "    block: [128, 128]\n", "    block: null\n", "weight.scale.block", "null"),
+    ("block none", FP8_BLOCK_TEXT, "    block: [128, 128]\n", "    block: none\n", "weight.scale.block", "'none'"),
+    ("activation group_size null", FP8_BLOCK_TEXT, "  group_size: 128\n", "  group_size: ~\n", ACT_GROUP, "null"),
+    ("static scale none", FP8_STATIC_TEXT, STATIC_SCALE, "  scale: none\n", "activation.scale", "'none'"),
+    ("static scale null", FP8_STATIC_TEXT, STATIC_SCALE, "  scale: null\n", "activation.scale", "null"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "base", "old", "new", "path", "shown"), NEEDED_BUT_ABSENT, ids=[c[0] for c in NEEDED_BUT_ABSENT]
+)
+def test_needed_key_given_as_null_or_none_is_located(
+    case: str, base: str, old: str, new: str, path: str, shown: str
+) -> None:
+    assert old in base, case
+    text = base.replace(old, new, 1)
+    (line,) = parse_errors(text)
+    number = line_of(text, new.rstrip("\n"))
+    column = text.splitlines()[number - 1].index(": ") + 3  # the value's column
+    assert line.startswith(f"bad.yaml:{number}:{column}: {path}: "), line
+    assert line.endswith(f"; {shown} means absent"), line
+    assert "needs" in line and INCOMPLETE not in line
+
+
+@pytest.mark.parametrize(
+    ("base", "old", "path"),
+    [
+        (NVFP4_TEXT, "    group_size: 16\n", "weight.scale"),
+        (FP8_BLOCK_TEXT, "    block: [128, 128]\n", "weight.scale"),
+        (FP8_BLOCK_TEXT, "  group_size: 128\n", "activation"),
+        (FP8_STATIC_TEXT, STATIC_SCALE, "activation"),
+    ],
+    ids=["weight group_size", "block", "activation group_size", "static scale"],
+)
+def test_needed_key_omitted_is_located_at_its_section(base: str, old: str, path: str) -> None:
+    assert old in base
+    (line,) = parse_errors(base.replace(old, "", 1))
+    assert f": {path}: " in line and "needs" in line and INCOMPLETE not in line, line
+
+
+@pytest.mark.parametrize(
+    ("base", "old", "new"),
+    [
+        (FP8_DYNAMIC_TEXT, "granularity: token\n", "granularity: token\n  group_size: 64\n"),
+        (FP8_STATIC_TEXT, "granularity: tensor\n  dynamic", "granularity: tensor\n  group_size: 16\n  dynamic"),
+    ],
+    ids=["token", "tensor"],
+)
+def test_activation_group_size_outside_group_granularity_is_refused(base: str, old: str, new: str) -> None:
+    assert old in base
+    text = base.replace(old, new, 1)
+    (line,) = parse_errors(text)
+    number = line_of(text, "  group_size:")
+    column = text.splitlines()[number - 1].index(":") + 3
+    assert line.startswith(f"bad.yaml:{number}:{column}: activation.group_size: "), line
+    assert "only applies to granularity 'group'" in line and "remove group_size" in line
+
+
+def test_unknown_key_is_located_at_the_key() -> None:
+    text = NVFP4_TEXT.replace("  global_scale:\n", "  globl_scale:\n", 1)
+    lines = parse_errors(text)
+    number = line_of(text, "globl_scale:")
+    (line,) = [line for line in lines if "unknown key" in line]
+    assert line.startswith(f"bad.yaml:{number}:3: weight.globl_scale: unknown key 'globl_scale'; allowed keys are ")
+    assert line.endswith("did you mean 'global_scale'?")
+
+
+def test_unknown_key_in_a_flow_mapping_is_located_at_the_key() -> None:
+    text = NVFP4_TEXT.replace("{name: weight_packed,", "{nmae: weight_packed,", 1)
+    number = line_of(text, "nmae:")
+    column = text.splitlines()[number - 1].index("nmae") + 1
+    lines = parse_errors(text)
+    assert any(line.startswith(f"bad.yaml:{number}:{column}: weight.tensor.nmae: unknown key") for line in lines), lines
+
+
+def test_docs_validate_sample_is_what_validate_prints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/schemes.md's error sample: the worked example with the two edits the doc names."""
+    from qscheme.cli.main import main
+
+    doc = (BUILTIN.parent / "docs" / "schemes.md").read_text()
+    example = doc.split("annotated:\n\n```yaml\n", 1)[1].split("```", 1)[0]
+    sample = doc.split("$ qscheme validate my.yaml\n", 1)[1].split("```", 1)[0]
+    assert "stored: multiplier  " in example and "  global_scale:" in example
+    broken = example.replace("stored: multiplier  ", "stored: invert      ", 1)
+    (tmp_path / "my.yaml").write_text(broken.replace("  global_scale:", "  globl_scale:", 1))
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", "my.yaml"]) == 1
+    assert capsys.readouterr().err == sample
+
+
+@pytest.mark.parametrize("element", ["int4", "uint4"])
+def test_integer_4bit_activations_are_refused(element: str) -> None:
+    text = FP8_DYNAMIC_TEXT.replace("activation:\n  format: e4m3", f"activation:\n  format: {element}", 1)
+    (line,) = parse_errors(text)
+    number = line_of(text, f"format: {element}")
+    assert line.startswith(f"bad.yaml:{number}:11: activation.format: '{element}' is not one of 'e2m1', "), line

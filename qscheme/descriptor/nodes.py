@@ -6,7 +6,7 @@ a Python tag, an alias to a complex node or a duplicate key is a located problem
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -29,11 +29,16 @@ _PLAIN_TAGS = {
 
 @dataclass(frozen=True)
 class Node:
-    """A YAML value with where it was written. ``value`` is a dict, a list or a scalar."""
+    """A YAML value with where it was written. ``value`` is a dict, a list or a scalar.
+
+    ``keys`` gives, for a mapping, the line and column of each key (its value's position is the
+    child node's own), so that a problem with a key itself can point at the key.
+    """
 
     value: Any
     line: int
     column: int
+    keys: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def is_mapping(self) -> bool:
@@ -101,6 +106,7 @@ def _convert(
         return Node(INVALID, line, column)
     if isinstance(node, yaml.MappingNode):
         items: dict[str, Node] = {}
+        keys: dict[str, tuple[int, int]] = {}
         for key_node, value_node in node.value:
             key_line, key_column = key_node.start_mark.line + 1, key_node.start_mark.column + 1
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag not in _PLAIN_TAGS:
@@ -116,8 +122,9 @@ def _convert(
                     )
                 )
                 continue
+            keys[key] = (key_line, key_column)
             items[key] = _convert(value_node, file, constructor, problems, child_path, seen)
-        return Node(items, line, column)
+        return Node(items, line, column, keys)
     if isinstance(node, yaml.SequenceNode):
         return Node(
             [

@@ -47,6 +47,9 @@ DTYPES: tuple[str, ...] = (
     "float32",
 )
 ELEMENT_FORMATS: tuple[str, ...] = ("e2m1", "e4m3", "e5m2", "int4", "uint4", "int8", "uint8")
+# Activation element formats: those with a kernel activation family (nvfp4/mxfp4/fp4, fp8, int8;
+# see qscheme.kernels.declaration.ACTIVATION_FAMILIES). No kernel can declare int4 activations.
+ACTIVATION_FORMATS: tuple[str, ...] = ("e2m1", "e4m3", "e5m2", "int8", "uint8")
 FOUR_BIT: frozenset[str] = frozenset({"e2m1", "int4", "uint4"})
 INTEGER: frozenset[str] = frozenset({"int4", "uint4", "int8", "uint8"})
 # The dtype a weight tensor has for each packing (None: the element format's own storage dtype).
@@ -86,6 +89,16 @@ def _quote(values: tuple[str, ...] | list[str]) -> str:
     return ", ".join(repr(value) for value in values)
 
 
+def _absent(node: Node | None) -> bool:
+    """Whether an optional key counts as not given: omitted, ``null`` or ``none``."""
+    return node is None or node.value is None or node.value == "none"
+
+
+def _shown(node: Node) -> str:
+    """An absent-meaning value as it was written: ``null`` or ``'none'``."""
+    return "null" if node.value is None else repr(node.value)
+
+
 class _Reader:
     """Reads located nodes into values, recording a Problem for each bad one."""
 
@@ -103,6 +116,19 @@ class _Reader:
             location = Location(self.file, node.line, node.column, path)
         self.problems.append(Problem(location, message))
 
+    def fail_key(self, mapping: Node, key: str, path: str, message: str) -> None:
+        """A problem with the key itself (not its value): located at the key."""
+        line, column = mapping.keys.get(key, (mapping.line, mapping.column))
+        self.problems.append(Problem(Location(self.file, line, column, path or "<top>"), message))
+
+    def needs(self, node: Node, items: dict[str, Node], key: str, path: str, message: str) -> None:
+        """Report ``key`` as required by another value: at the mapping when omitted, else at its value."""
+        child = items.get(key)
+        if child is None:
+            self.fail(node, path, message)
+        else:
+            self.fail(child, f"{path}.{key}", f"{message}; {_shown(child)} means absent")
+
     def mapping(
         self, node: Node, path: str, required: tuple[str, ...], optional: tuple[str, ...]
     ) -> dict[str, Node] | None:
@@ -111,12 +137,13 @@ class _Reader:
             return None
         items: dict[str, Node] = node.value
         allowed = required + optional
-        for key, child in items.items():
+        for key in items:
             if key not in allowed:
                 close = difflib.get_close_matches(key, allowed, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                self.fail(
-                    child,
+                self.fail_key(
+                    node,
+                    key,
                     f"{path}.{key}" if path else key,
                     f"unknown key {key!r}; allowed keys are {_quote(allowed)}{hint}",
                 )
@@ -167,9 +194,15 @@ class _Reader:
         return tuple(out)
 
     def optional(self, items: dict[str, Node], key: str, path: str, read: Callable[[Node, str], T]) -> T | None:
+        """The value of an optional key; None when it is not given (omitted, null or none: see ``_absent``).
+
+        None is also returned for a given but bad value (then a problem is recorded): code that
+        must know whether the key was given tests ``_absent(items.get(key))``, never ``key in items``.
+        """
         node = items.get(key)
-        if node is None or node.value is None or node.value == "none":
+        if _absent(node):
             return None
+        assert node is not None
         return read(node, f"{path}.{key}" if path else key)
 
     def required(self, items: dict[str, Node], key: str, path: str, read: Callable[[Node, str], T]) -> T | None:
@@ -235,19 +268,16 @@ class _Reader:
         tensor = self.required(items, "tensor", path, self.tensor)
         group_size = self.optional(items, "group_size", path, self.integer)
         block = self.optional(items, "block", path, self.block)
-        if granularity == "group" and group_size is None and "group_size" not in items:
-            self.fail(node, path, "granularity 'group' needs group_size (e.g. group_size: 16)")
-        if granularity not in (None, "group") and "group_size" in items:
-            self.fail(
-                items["group_size"],
-                f"{path}.group_size",
-                f"group_size only applies to granularity 'group', not {granularity!r}",
+        self.check_group_size(node, items, path, granularity)
+        if granularity == "block" and _absent(items.get("block")):
+            self.needs(
+                node, items, "block", path, "granularity 'block' needs block: [rows, columns] (e.g. block: [128, 128])"
             )
-        if granularity == "block" and block is None and "block" not in items:
-            self.fail(node, path, "granularity 'block' needs block: [rows, columns] (e.g. [128, 128])")
-        if granularity not in (None, "block") and "block" in items:
+        if granularity not in (None, "block") and not _absent(items.get("block")):
             self.fail(
-                items["block"], f"{path}.block", f"block only applies to granularity 'block', not {granularity!r}"
+                items["block"],
+                f"{path}.block",
+                f"block only applies to granularity 'block', not {granularity!r}; remove block",
             )
         if tensor is not None and scale_format is not None:
             self.check_dtypes(node, path, tensor, SCALE_DTYPES[scale_format], f"scale format {scale_format!r}")
@@ -261,6 +291,19 @@ class _Reader:
             group_size=group_size,
             block=block,
         )
+
+    def check_group_size(self, node: Node, items: dict[str, Node], path: str, granularity: str | None) -> None:
+        """group_size is given exactly when the granularity is 'group' (weight and activation scales)."""
+        if granularity == "group" and _absent(items.get("group_size")):
+            self.needs(
+                node, items, "group_size", path, "granularity 'group' needs group_size >= 1 (e.g. group_size: 16)"
+            )
+        if granularity not in (None, "group") and not _absent(items.get("group_size")):
+            self.fail(
+                items["group_size"],
+                f"{path}.group_size",
+                f"group_size only applies to granularity 'group', not {granularity!r}; remove group_size",
+            )
 
     def block(self, node: Node, path: str) -> tuple[int, int] | None:
         if not node.is_sequence or len(node.value) != 2:
@@ -300,9 +343,11 @@ class _Reader:
         if items is None:
             return None
         element = self.required(items, "format", path, lambda n, p: self.choice(n, p, ELEMENT_FORMATS))
-        packing = self.optional(items, "packing", path, lambda n, p: self.choice(n, p, WEIGHT_PACKINGS))
-        if packing is None and "packing" not in items:
-            packing = "none"
+        packing = (
+            "none"
+            if _absent(items.get("packing"))
+            else self.required(items, "packing", path, lambda n, p: self.choice(n, p, WEIGHT_PACKINGS))
+        )
         tensor = self.required(items, "tensor", path, self.tensor)
         scale = self.required(items, "scale", path, self.scale)
         global_scale = self.optional(items, "global_scale", path, self.global_scale)
@@ -371,7 +416,7 @@ class _Reader:
         )
         if items is None:
             return None
-        element = self.required(items, "format", path, lambda n, p: self.choice(n, p, ELEMENT_FORMATS))
+        element = self.required(items, "format", path, lambda n, p: self.choice(n, p, ACTIVATION_FORMATS))
         granularity = self.required(
             items, "granularity", path, lambda n, p: self.choice(n, p, ACTIVATION_GRANULARITIES)
         )
@@ -382,11 +427,10 @@ class _Reader:
         )
         scale = self.optional(items, "scale", path, self.static_scale)
         global_scale = self.optional(items, "global_scale", path, self.global_scale)
-        if granularity == "group" and "group_size" not in items:
-            self.fail(node, path, "granularity 'group' needs group_size (e.g. group_size: 16)")
-        if dynamic is False and "scale" not in items:
-            self.fail(node, path, "a static activation (dynamic: false) needs scale: {stored, tensor}")
-        if dynamic is True and "scale" in items:
+        self.check_group_size(node, items, path, granularity)
+        if dynamic is False and _absent(items.get("scale")):
+            self.needs(node, items, "scale", path, "a static activation (dynamic: false) needs scale: {stored, tensor}")
+        if dynamic is True and not _absent(items.get("scale")):
             self.fail(
                 items["scale"],
                 f"{path}.scale",
