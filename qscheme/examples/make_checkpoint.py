@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -22,7 +24,7 @@ from safetensors.torch import save_file
 
 from qscheme import __version__
 from qscheme.catalog import load_scheme
-from qscheme.errors import UsageError
+from qscheme.errors import QSchemeError, UsageError
 
 HIDDEN = 256
 INTERMEDIATE = 512
@@ -134,8 +136,17 @@ def make_checkpoint(out: str | Path, layers: int = 2, scheme: str = "compressed-
     config = _llama_config(layers)
     config["quantization_config"] = _quantization_config(scheme)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    # Each file appears whole or not at all: written beside its final name, then renamed.
+    weights, settings = folder / "model.safetensors", folder / "config.json"
+    partial = [folder / f".{weights.name}.partial", folder / f".{settings.name}.partial"]
+    try:
+        save_file(tensors, str(partial[0]), metadata={"format": "pt"})
+        partial[1].write_text(json.dumps(config, indent=2) + "\n")
+        os.replace(partial[0], weights)
+        os.replace(partial[1], settings)
+    finally:
+        for path in partial:
+            path.unlink(missing_ok=True)
     return folder
 
 
@@ -149,7 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         "--scheme", default="compressed-tensors/NVFP4", help="a compressed-tensors scheme (default NVFP4)"
     )
     args = parser.parse_args(argv)
-    folder = make_checkpoint(args.out, layers=args.layers, scheme=args.scheme)
+    if args.layers < 1:
+        parser.error(f"--layers must be >= 1, not {args.layers}")
+    try:
+        folder = make_checkpoint(args.out, layers=args.layers, scheme=args.scheme)
+    except QSchemeError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     size = sum(p.stat().st_size for p in folder.iterdir())
     print(f"wrote {folder} ({size / 1024:.0f} KB): {args.layers} layers of {args.scheme}")
     return 0
