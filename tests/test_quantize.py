@@ -205,9 +205,70 @@ def test_error_messages_name_the_scheme_the_tensor_and_the_fix() -> None:
     assert _error(weight, "modelopt/FP8") == (
         "scheme modelopt/FP8: the 4x32 weight holds NaN or infinite values; quantize only finite weights"
     )
-    assert "must be positive and finite" in _error(
+    assert "the given weight_global_scale must be finite and > 0" in _error(
         torch.randn(4, 32), "compressed-tensors/NVFP4", weight_global_scale=torch.tensor([0.0])
     )
     assert "holds e8m0 bytes (uint8)" in _error(
         torch.randn(4, 32), "compressed-tensors/MXFP4", weight_scale=torch.ones(4, 1)
     )
+
+
+def test_a_meta_weight_is_refused_before_anything_reads_it() -> None:
+    assert _error(torch.empty(64, 128, device="meta"), "compressed-tensors/NVFP4") == (
+        "scheme compressed-tensors/NVFP4: the weight is a meta tensor, which has a shape but no values; meta "
+        "tensors cannot be quantized: materialise it first (load the real weights, e.g. "
+        "module.to_empty(device='cpu') then load_state_dict)"
+    )
+
+
+def test_a_float16_group_too_large_for_e8m0_scales_is_refused_not_written_as_nan() -> None:
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)).half()
+    weight[3, 40] = 60000.0  # finite in float16; compressed-tensors' exponent overflows to the NaN byte
+    assert _error(weight, "compressed-tensors/MXFP4A16") == (
+        "scheme compressed-tensors/MXFP4A16: the weight_scale computed for row 3, group 1 (columns 32-63, absmax "
+        "60000) is byte 0xFF (NaN), not a finite scale > 0 (1 of 256 scales); the weight is float16, and scales "
+        "computed in its dtype overflow: quantize weight.float(), or use a scheme with a global scale"
+    )
+    tensors = quantize_weight(weight.float(), "compressed-tensors/MXFP4A16")  # the fix works
+    assert bool(torch.isfinite(dequantize_weight(tensors, "compressed-tensors/MXFP4A16")).all())
+
+
+def test_a_float16_range_too_wide_for_an_asymmetric_scale_is_refused_not_written_as_inf() -> None:
+    weight = torch.zeros(8, 128, dtype=torch.float16)
+    weight[2, 5], weight[2, 6] = -40000.0, 40000.0  # max - min overflows float16
+    message = _error(weight, "compressed-tensors/W4A16_ASYM")
+    assert message.startswith(
+        "scheme compressed-tensors/W4A16_ASYM: the weight_scale computed for row 2, group 0 (columns 0-127, "
+        "min -40000, max 40000) is inf in float16, not a finite scale > 0 (1 of 8 scales)"
+    )
+    assert message.endswith("quantize weight.float(), or use a scheme with a global scale")
+    tensors = quantize_weight(weight.float(), "compressed-tensors/W4A16_ASYM")
+    assert bool(torch.isfinite(dequantize_weight(tensors, "compressed-tensors/W4A16_ASYM")).all())
+
+
+@pytest.mark.parametrize("scheme", ["compressed-tensors/MXFP4", "modelopt/mxfp4"])
+def test_float32_weights_whose_scales_or_dequantized_values_overflow_are_refused(scheme: str) -> None:
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    weight = weight / weight.abs().max() * 3e38  # finite, within 12% of the float32 maximum
+    message = _error(weight, scheme)
+    assert "not a finite scale > 0" in message or "to infinity in float32" in message
+    assert "scale the weight down" in message
+    quantize_weight(weight / 4, scheme)  # a little further from the limit, it works
+
+
+def test_a_scale_whose_largest_element_overflows_float32_names_the_region() -> None:
+    weight = torch.full((4, 64), 1.0)
+    weight[1, 40] = 3e38
+    assert _error(weight, "modelopt/mxfp4") == (
+        "scheme modelopt/mxfp4: the weight_scale of row 1, group 1 (columns 32-63, absmax 3e+38) dequantizes its "
+        "largest element, 6 x 8.50706e+37, to infinity in float32 (1 of 8 scales); the weight's values are too "
+        "close to the float32 maximum: scale the weight down"
+    )
+
+
+@pytest.mark.parametrize("scheme", sorted(load_catalog().schemes))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_an_all_zero_weight_gets_small_positive_scales_and_dequantizes_to_zero(scheme: str, dtype: torch.dtype) -> None:
+    # both producers replace a zero scale by a small positive one: nothing here is refused
+    tensors = quantize_weight(torch.zeros(64, 256, dtype=dtype), scheme)
+    assert bool((dequantize_weight(tensors, scheme) == 0).all())

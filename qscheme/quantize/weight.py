@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -15,11 +14,13 @@ from qscheme.errors import QuantizeError
 from qscheme.formats import get_element_format
 from qscheme.quantize import compressed_tensors as _compressed_tensors  # noqa: F401  (registers its rules)
 from qscheme.quantize import modelopt as _modelopt  # noqa: F401  (registers its rules)
+from qscheme.quantize.checks import require_materialised, require_usable_scales
+from qscheme.quantize.given import split_given
 from qscheme.quantize.observe import ScaleLayout
 from qscheme.quantize.rounding import round_to_codes, rounding_table
-from qscheme.quantize.rules import GivenScales, QuantizationRules, WeightParameters, WeightPlan, get_rules
+from qscheme.quantize.rules import QuantizationRules, WeightParameters, WeightPlan, get_rules
 from qscheme.quantize.slabs import run_slabs, single_threaded_caller, slabs_for
-from qscheme.quantize.write import allowed_dtype, input_tensor, pack_codes, packed_layout, packed_rows, write_tensors
+from qscheme.quantize.write import allowed_dtype, pack_codes, packed_layout, packed_rows, write_tensors
 
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FIXED_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -38,17 +39,25 @@ def quantize_weight(weight: Tensor, scheme: Scheme | str | Path, **given: Tensor
     shared by q/k/v); static activation scales (``input_scale``, ``input_global_scale``, ...)
     cannot be derived from a weight, so they appear in the result only when given. A pre-quant
     scale (AWQ) is passed through likewise; the weight must then be the smoothed weight.
+
+    Every scale in the result is finite and > 0. A given weight scale must have a shape the
+    descriptor declares and a float dtype (uint8 bytes for e8m0); every given scale must be finite
+    and > 0, as given and as stored. A weight whose computed scales or dequantized values would
+    overflow (a float16 weight near its limit, values near float32's), and a meta tensor, are
+    refused. Errors are QuantizeError, naming the tensor, the first bad value or region, and a fix.
     """
     scheme = load_scheme(scheme)
     _check_weight(weight, scheme)
     rules = get_rules(scheme.rules)
     plan = _plan(scheme, weight, rules)
-    given_scales, given_inputs = _split_given(plan, rules, given, weight.device)
+    given_scales, given_inputs = split_given(plan, rules, given, weight.device)
     with torch.no_grad(), single_threaded_caller():
         padded = plan.layout.pad(weight.detach())
         parameters = rules.parameters(plan, padded, given_scales)
         packed = _quantize_elements(plan, padded, parameters)
-        return write_tensors(plan, parameters, packed, given_inputs)
+        tensors = write_tensors(plan, parameters, packed, given_inputs)
+        require_usable_scales(plan, tensors, padded, given_scales)
+        return tensors
 
 
 def _check_weight(weight: Tensor, scheme: Scheme) -> None:
@@ -58,6 +67,7 @@ def _check_weight(weight: Tensor, scheme: Scheme) -> None:
         raise QuantizeError(
             f"scheme {scheme.name}: the weight must be a non-empty 2-D [N, K] tensor, got shape {tuple(weight.shape)}"
         )
+    require_materialised(weight, scheme, "the weight")
     if weight.dtype not in WEIGHT_DTYPES:
         raise QuantizeError(
             f"scheme {scheme.name}: the weight is {weight.dtype}; quantize float32, float16 or bfloat16 "
@@ -113,80 +123,6 @@ def _written_specs(scheme: Scheme) -> list[TensorSpec]:
     if weight.shape_tensor is not None:
         specs.append(weight.shape_tensor)
     return specs
-
-
-def _split_given(
-    plan: WeightPlan, rules: QuantizationRules, given: Mapping[str, Tensor], device: torch.device
-) -> tuple[GivenScales, dict[str, Tensor]]:
-    """Given tensors -> (weight scales in their stored form, activation tensors ready to write)."""
-    scheme, weight = plan.scheme, plan.scheme.weight
-    inputs: dict[str, tuple[TensorSpec, torch.dtype]] = {}
-    activation = scheme.activation
-    if activation is not None and activation.scale is not None:
-        inputs[activation.scale.tensor.name] = (activation.scale.tensor, rules.preferred_float_scale_dtype(plan.dtype))
-    if activation is not None and activation.global_scale is not None:
-        inputs[activation.global_scale.tensor.name] = (activation.global_scale.tensor, torch.float32)
-    if scheme.input_pre_scale is not None:
-        inputs[scheme.input_pre_scale.name] = (scheme.input_pre_scale, plan.dtype)
-    allowed = [weight.scale.tensor.name] + ([weight.global_scale.tensor.name] if weight.global_scale else [])
-    allowed += list(inputs)
-    unknown = sorted(set(given) - set(allowed))
-    if unknown:
-        raise QuantizeError(
-            f"scheme {scheme.name}: cannot take {', '.join(repr(name) for name in unknown)}; the scales it can "
-            f"be given are {', '.join(repr(name) for name in allowed)}"
-        )
-    scale = given.get(weight.scale.tensor.name)
-    if scale is not None and plan.has_zero_point:
-        raise QuantizeError(
-            f"scheme {scheme.name}: a given weight scale needs its zero points too; "
-            "leave the scale out to have both computed"
-        )
-    if scale is not None:
-        scale = _given_weight_scale(plan, scale).to(device)
-    global_scale = None
-    if weight.global_scale is not None and weight.global_scale.tensor.name in given:
-        global_scale = _given_scalar(plan, weight.global_scale.tensor, given[weight.global_scale.tensor.name]).to(
-            device
-        )
-    written = {
-        name: input_tensor(plan, spec, given[name], preferred).to(device)
-        for name, (spec, preferred) in inputs.items()
-        if name in given
-    }
-    return GivenScales(scale=scale, global_scale=global_scale), written
-
-
-def _given_scalar(plan: WeightPlan, spec: TensorSpec, value: Tensor) -> Tensor:
-    if not isinstance(value, Tensor) or not value.dtype.is_floating_point or value.numel() != 1:
-        raise QuantizeError(
-            f"scheme {plan.scheme.name}: {spec.name} must be a one-element float tensor, got "
-            f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}"
-        )
-    if not bool(torch.isfinite(value).all()) or float(value) <= 0:
-        raise QuantizeError(f"scheme {plan.scheme.name}: {spec.name} must be positive and finite, got {float(value)}")
-    return value.detach().to(torch.float32).reshape(1)
-
-
-def _given_weight_scale(plan: WeightPlan, value: Tensor) -> Tensor:
-    spec = plan.scheme.weight.scale
-    scale_shape = plan.layout.scale_shape
-    if not isinstance(value, Tensor) or value.numel() != scale_shape[0] * scale_shape[1]:
-        raise QuantizeError(
-            f"scheme {plan.scheme.name}: {spec.tensor.name} must hold {scale_shape[0]}x{scale_shape[1]} scales for a "
-            f"{plan.n}x{plan.k} weight, got {tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}"
-        )
-    value = value.detach().reshape(scale_shape)
-    if spec.format == "e8m0":
-        if value.dtype != torch.uint8:
-            raise QuantizeError(
-                f"scheme {plan.scheme.name}: {spec.tensor.name} holds e8m0 bytes (uint8), got {value.dtype}"
-            )
-        return value
-    if spec.format == "e4m3":
-        return value.to(torch.float8_e4m3fn)
-    value = value.to(plan.float_scale_dtype)
-    return torch.reciprocal(value.float()).to(value.dtype) if spec.stored == "reciprocal" else value
 
 
 def _quantize_elements(plan: WeightPlan, padded: Tensor, parameters: WeightParameters) -> Tensor:

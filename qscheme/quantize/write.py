@@ -173,14 +173,3 @@ def _zero_point_tensor(plan: WeightPlan, zero_point: Tensor) -> Tensor:
         return _finish(packed, spec.tensor, plan)
     dtype = dtype_of(spec.tensor.dtypes[0])
     return _finish(zero_point.to(dtype), spec.tensor, plan)
-
-
-def input_tensor(plan: WeightPlan, spec: TensorSpec, value: Tensor, preferred: torch.dtype) -> Tensor:
-    """A given activation (or pre-quantization) scale in a declared dtype and shape."""
-    if not isinstance(value, Tensor) or not value.dtype.is_floating_point:
-        raise QuantizeError(
-            f"scheme {plan.scheme.name}: {spec.name} must be a float tensor, got "
-            f"{value.dtype if isinstance(value, Tensor) else type(value).__name__}"
-        )
-    value = value.detach().to(allowed_dtype(spec, preferred), copy=True)
-    return _finish(value, spec, plan)
