@@ -119,3 +119,45 @@ def test_example_generator_writes_a_deterministic_compressed_tensors_checkpoint(
     config = json.loads((example / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors"
     assert config["producer"]["name"] == "qscheme.examples.make_checkpoint"
+
+
+@pytest.mark.parametrize(
+    ("extra", "flags"),
+    [(["--shape", "5,5"], "--shape"), (["--partitions", "3", "--scales-differ"], "--partitions and --scales-differ")],
+)
+def test_resolve_checkpoint_refuses_layer_options(
+    example: Path, extra: list[str], flags: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["resolve", str(example), *extra]) == 2
+    assert f"{flags}: not for a checkpoint folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["resolve", "{folder}", "--dtype", "int8"], "activation dtype 'int8' is not supported"),
+        (["run", "{folder}", "--dtype", "int8"], "activation dtype 'int8' is not supported"),
+    ],
+)
+def test_checkpoint_commands_report_bad_dtypes_without_a_traceback(
+    example: Path, arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([a.format(folder=example) for a in arguments]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_run_on_cuda_without_a_gpu_is_a_usage_error(example: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(example), "--device", "cuda"]) == 2
+    assert "no CUDA device is visible here" in capsys.readouterr().err
+
+
+def test_example_generator_reports_errors_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from qscheme.examples.make_checkpoint import main as generate
+
+    assert generate([str(tmp_path / "x"), "--scheme", "no/such"]) == 1
+    assert "unknown scheme 'no/such'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -42,12 +42,17 @@ def register(sub: Any) -> None:
         "--shape",
         default=None,
         metavar="N,K",
-        help=f"output and input features of the layer (default {DEFAULT_SHAPE[0]},{DEFAULT_SHAPE[1]})",
+        help=f"output and input features of the layer (default {DEFAULT_SHAPE[0]},{DEFAULT_SHAPE[1]}; "
+        "not for a checkpoint, whose layers have their own)",
     )
     parser.add_argument("--dtype", default="bf16", help="activation dtype: bf16, fp16 or fp32 (default bf16)")
-    parser.add_argument("--partitions", type=int, default=1, help="fused partitions forming the layer (default 1)")
     parser.add_argument(
-        "--scales-differ", action="store_true", help="the fused partitions have different global scales"
+        "--partitions", type=int, default=1, help="fused partitions forming the layer (default 1; not for a checkpoint)"
+    )
+    parser.add_argument(
+        "--scales-differ",
+        action="store_true",
+        help="the fused partitions have different global scales (not for a checkpoint)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(handler=run)
@@ -69,6 +74,21 @@ def parse_shape(text: str | None) -> tuple[int, int]:
 def run(args: argparse.Namespace) -> int:
     if Path(args.target).is_dir():  # a checkpoint folder: one decision per layer
         from qscheme.checkpoint.resolve import resolve_command
+
+        given = [
+            flag
+            for flag, value in (
+                ("--shape", args.shape is not None),
+                ("--partitions", args.partitions != 1),
+                ("--scales-differ", args.scales_differ),
+            )
+            if value
+        ]
+        if given:
+            raise UsageError(
+                f"{' and '.join(given)}: not for a checkpoint folder ({args.target}), whose layers have their own "
+                "shapes and partitions; drop them, or resolve a scheme name or descriptor file instead"
+            )
 
         return resolve_command(args)
     n, k = parse_shape(args.shape)
