@@ -176,6 +176,11 @@ def load_scheme(name_or_path: str | Path | Scheme) -> Scheme:
         return name_or_path
     text = str(name_or_path)
     if text.endswith((".yaml", ".yml")) or (os.sep in text and Path(text).exists()):
+        if Path(text).is_dir():
+            raise SchemeError(
+                f"{text!r} is a folder, not a descriptor file; pass a .yaml file, or put the folder on "
+                "QSCHEME_SCHEME_PATH and use its schemes' names"
+            )
         if not Path(text).is_file():
             raise SchemeError(f"descriptor file {text!r} does not exist; check the path")
         return parse_scheme_file(text)

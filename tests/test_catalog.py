@@ -127,3 +127,11 @@ def test_catalog_is_reused_until_a_descriptor_changes(tmp_path: Path, monkeypatc
     assert "test/renamed" in second and "test/fp8-e5m2-weight-only" not in second
     (tmp_path / "extra.yaml").write_text(E5M2_TEXT)
     assert "test/fp8-e5m2-weight-only" in load_catalog(include_plugins=False)
+
+
+def test_a_folder_is_not_a_descriptor_file(tmp_path: Path) -> None:
+    (tmp_path / "schemes.yaml").mkdir()
+    with pytest.raises(SchemeError, match="is a folder, not a descriptor file"):
+        load_scheme(str(tmp_path / "schemes.yaml"))
+    with pytest.raises(SchemeError, match="is a folder, not a descriptor file"):
+        load_scheme(str(tmp_path))

@@ -193,3 +193,10 @@ def test_progress_bar_draws_only_when_enabled() -> None:
     with Progress(3, "loading", enabled=False, stream=quiet) as bar:
         bar.advance()
     assert quiet.getvalue() == ""
+
+
+def test_a_path_that_is_not_a_path_and_an_empty_scheme_list_are_usage_errors() -> None:
+    with pytest.raises(UsageError, match="path must be a folder path \\(str or Path\\), not NoneType"):
+        load_checkpoint(None)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"schemes=\[\]\): no scheme to detect with"):
+        load_checkpoint(modelopt_fixture("nvfp4"), schemes=[])

@@ -154,3 +154,8 @@ def test_a_model_on_the_meta_device_is_refused() -> None:
         apply_to_model(_model(folder), folder, kernel="reference", device="meta")
     with pytest.raises(UsageError, match=r"apply_to_model\(device='gpu'\): not a device"):
         apply_to_model(_model(folder), folder, kernel="reference", device="gpu")
+
+
+def test_a_model_that_is_not_a_module_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match=r"model must be a torch\.nn\.Module, not dict"):
+        apply_to_model({}, "unused")  # type: ignore[arg-type]

@@ -319,3 +319,8 @@ def test_integer_4bit_activations_are_refused(element: str) -> None:
     (line,) = parse_errors(text)
     number = line_of(text, f"format: {element}")
     assert line.startswith(f"bad.yaml:{number}:11: activation.format: '{element}' is not one of 'e2m1', "), line
+
+
+def test_text_that_is_not_a_string_is_a_scheme_error() -> None:
+    with pytest.raises(SchemeError, match=r"<string>: a descriptor is YAML text \(str\), not NoneType"):
+        parse_scheme_text(None)  # type: ignore[arg-type]

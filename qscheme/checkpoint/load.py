@@ -262,6 +262,12 @@ def load_checkpoint(
     raises UsageError before anything is read; CheckpointError (nothing loaded) on any malformed
     config, file or tensor, or on ``fuse`` members the checkpoint does not have.
     """
+    if not isinstance(path, str | Path):
+        raise UsageError(f"load_checkpoint: path must be a folder path (str or Path), not {type(path).__name__}")
+    if schemes is not None:
+        schemes = list(schemes)
+        if not schemes:
+            raise UsageError("load_checkpoint(schemes=[]): no scheme to detect with; pass None for the whole catalog")
     torch_device = checked_device(device)
     check_fuse_policy(fuse_policy, check_fuse_spec(fuse))
     plan = plan_checkpoint(path, schemes=schemes, fuse=fuse)

@@ -98,6 +98,8 @@ def apply_to_model(
     docstring. Everything is checked before the model is changed, so on any error the model is
     left as it was. Returns the loaded Checkpoint (its ``report`` says what was done).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"apply_to_model: model must be a torch.nn.Module, not {type(model).__name__}")
     _refuse_meta(model)
     model_device, activation_dtype = _model_device_and_dtype(model)
     torch_device = checked_device(device, "apply_to_model") if device is not None else model_device

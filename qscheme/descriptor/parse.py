@@ -517,6 +517,8 @@ TOP_OPTIONAL: tuple[str, ...] = (
 
 def parse_scheme_text(text: str, file: str = "<string>", source: str = "file") -> Scheme:
     """Parse a descriptor's YAML text; raise SchemeError listing every problem found."""
+    if not isinstance(text, str):
+        raise SchemeError(f"{file}: a descriptor is YAML text (str), not {type(text).__name__}")
     root, problems = read_yaml(text, file)
     reader = _Reader(file)
     reader.problems.extend(problems)
