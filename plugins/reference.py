@@ -1,8 +1,11 @@
 """The torch reference kernel's declaration: every scheme on any device, at the lowest priority.
 
 Weight-only schemes run as dequantize-then-matmul; schemes that quantize activations run with
-an exact quantize-dequantize emulation of the pairs deployed kernels run. The code is in
-``qscheme_plugins.reference_kernel`` and is imported only when a layer uses it.
+an exact quantize-dequantize emulation of the pairs deployed kernels run, declared with the
+element and scale formats ``qscheme.emulation.SUPPORTED_ACTIVATIONS`` emulates (so a scheme
+with e5m2 or uint8 inputs, or 16-bit dynamic scales, is rejected at resolution rather than at
+its first forward). The code is in ``qscheme_plugins.reference_kernel`` and is imported only
+when a layer uses it.
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ from qscheme.kernels.declaration import (
     ANY_DEVICE,
     ANY_WEIGHT_ONLY,
     DEPLOYED_ACTIVATION_PAIRS,
+    NVFP4_ACTIVATIONS,
     ActivationDtypes,
-    ActivationSupport,
     DeviceSupport,
     KernelDeclaration,
     Supports,
@@ -30,7 +33,7 @@ REFERENCE = KernelDeclaration(
         ANY_WEIGHT_ONLY,
         Supports(
             weights=("nvfp4",),
-            activations=(ActivationSupport("nvfp4", "group", 16, dynamic=True),),
+            activations=(NVFP4_ACTIVATIONS,),
             per_partition_scales=True,
             input_pre_scale=True,
         ),

@@ -4,6 +4,10 @@ Weight-only for every weight family (e2m1 with e4m3/e8m0/float scales, int4/uint
 points, int8, fp8), plus the activation-quantized pairs deployed kernels run: NVFP4 x NVFP4,
 FP8 x FP8 (static per tensor, dynamic per token, dynamic per group of 128), int8 x int8 per
 token and MXFP4 x MXFP4; one global scale per fused partition; 16-bit and fp32 activations.
+Activations are claimed in the element and scale formats both the pre-pass
+(``qscheme.triton.spec``) and the reference emulation run: e2m1 with e4m3 or e8m0 scales, e4m3
+and int8 with float32 scales (any float for a static scale); not e5m2 or uint8 inputs, nor
+16-bit dynamic scales (the pre-pass would compute them in float32, which the emulation refuses).
 NVFP4 weights with FP8 activations are deliberately not claimed. Runs on CUDA compute capability
 8.0 or newer, on ROCm, and on a CPU only under the Triton interpreter (TRITON_INTERPRET=1).
 """
@@ -13,8 +17,8 @@ from __future__ import annotations
 from qscheme.kernels.declaration import (
     ANY_WEIGHT_ONLY,
     DEPLOYED_ACTIVATION_PAIRS,
+    NVFP4_ACTIVATIONS,
     ActivationDtypes,
-    ActivationSupport,
     CapabilityRange,
     DeviceSupport,
     KernelDeclaration,
@@ -31,7 +35,7 @@ TRITON = KernelDeclaration(
         ANY_WEIGHT_ONLY,
         Supports(
             weights=("nvfp4",),
-            activations=(ActivationSupport("nvfp4", "group", 16, dynamic=True),),
+            activations=(NVFP4_ACTIVATIONS,),
             granularities=("group",),
             group_sizes=(16,),
             scale_formats=("e4m3",),

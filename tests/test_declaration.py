@@ -120,6 +120,49 @@ def test_supports_validate_their_vocabulary() -> None:
     assert ActivationSupport("fp8", "tensor", dynamic=False).describe() == "fp8 static per tensor"
 
 
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"formats": "e4m3"}, "activation formats must be a tuple of str, not 'e4m3'"),
+        ({"formats": (4,)}, "activation formats must be a tuple of str"),
+        ({"formats": ("e4m3fn",)}, r"activation formats \['e4m3fn'\] are not fp8 element formats \(e4m3, e5m2\)"),
+        ({"formats": ("int8",)}, r"activation formats \['int8'\] are not fp8 element formats"),
+        ({"scale_formats": ["fp32"]}, "activation scale_formats must be a tuple of str"),
+        ({"scale_formats": ("float32",)}, r"activation scale_formats \['float32'\] are not among e4m3, e8m0, fp32"),
+    ],
+)
+def test_activation_formats_are_validated(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ActivationSupport("fp8", "token", dynamic=True, **changes)  # type: ignore[arg-type]
+
+
+def test_activation_formats_are_optional_and_described_on_request() -> None:
+    with pytest.raises(ValueError, match=r"family 'none' \(16-bit inputs\) takes no formats or scale_formats"):
+        ActivationSupport("none", formats=("e4m3",))
+    with pytest.raises(ValueError, match=r"activation formats \['e4m3'\] are not nvfp4 element formats \(e2m1\)"):
+        ActivationSupport("nvfp4", formats=("e4m3",))
+    support = ActivationSupport("fp8", "token", dynamic=True, formats=("e4m3",), scale_formats=("fp32", "float"))
+    assert support.describe() == "fp8 dynamic per token"  # unchanged where formats are not the point
+    assert support.describe(formats=True) == "fp8 dynamic per token (e4m3, fp32/float scales)"
+    assert ActivationSupport("int8", formats=("int8", "uint8")).describe(formats=True) == "int8 (int8/uint8)"
+    assert ActivationSupport("fp8", scale_formats=("bf16",)).describe(formats=True) == "fp8 (bf16 scales)"
+    assert ActivationSupport("fp8", "tensor").describe(formats=True) == "fp8 per tensor"
+    assert ActivationSupport("none").describe(formats=True) == "none (16-bit)"
+
+
+def test_activation_vocabulary_matches_the_descriptor_parser() -> None:
+    from qscheme.descriptor import parse
+    from qscheme.descriptor.model import weight_family
+    from qscheme.kernels.declaration import ACTIVATION_FORMATS, ACTIVATION_SCALE_FORMATS, FAMILY_FORMATS
+
+    assert ACTIVATION_FORMATS == parse.ACTIVATION_FORMATS
+    assert ACTIVATION_SCALE_FORMATS == parse.SCALE_FORMATS
+    # Every (element, scale format) pair a descriptor can declare falls in a family whose formats list the element.
+    for element in ACTIVATION_FORMATS:
+        for scale_format in ACTIVATION_SCALE_FORMATS:
+            assert element in FAMILY_FORMATS[weight_family(element, scale_format)]
+
+
 def test_builtin_declarations_serialize() -> None:
     for declaration in BUILTIN_DECLARATIONS:
         data = declaration.as_json()

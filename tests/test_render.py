@@ -15,6 +15,7 @@ from kernel_fakes import AS_IF_IMPLEMENTED, builtin_scheme, fake_device, impleme
 from qscheme_plugins.marlin import MARLIN
 from qscheme_plugins.native_fp4 import NATIVE_FP4
 
+from qscheme.descriptor import parse_scheme_file
 from qscheme.errors import NoKernelError
 from qscheme.kernels.declaration import KernelDeclaration
 from qscheme.kernels.hints import suggest
@@ -105,3 +106,33 @@ def test_rendered_resolution() -> None:
     trace: list[dict[str, object]] = data["trace"]  # type: ignore[assignment]
     assert [entry["kernel"] for entry in trace] == ["native_fp4", "marlin", "triton", "reference"]
     assert set(trace[0]) >= {"kernel", "accepted", "stage", "reason"}
+
+
+E5M2_PER_TOKEN = """
+name: test/fp8-e5m2-per-token
+weight:
+  format: e4m3
+  tensor: {name: weight, dtype: float8_e4m3fn, shape: [N, K]}
+  scale:
+    granularity: channel
+    format: fp32
+    stored: multiplier
+    tensor: {name: weight_scale, dtype: float32, shape: [N, 1]}
+activation: {format: e5m2, granularity: token, dynamic: true, scale_format: bf16}
+"""
+
+
+def test_activation_formats_no_kernel_takes(tmp_path: Path) -> None:
+    """Kernels take the activation's family, granularity and timing but not its element or scale
+    formats: the message names the formats, there only."""
+    file = tmp_path / "e5m2.yaml"
+    file.write_text(E5M2_PER_TOKEN)
+    problem = Problem(4096, 4096, layer="model.layers.0.mlp.down_proj")
+    resolution = resolve(parse_scheme_file(file), problem, fake_device("sm90"), AS_IF_IMPLEMENTED)
+    check_snapshot("no_kernel_activation_formats", error_text(resolution, AS_IF_IMPLEMENTED))
+    data = resolution_json(resolution, declarations=AS_IF_IMPLEMENTED)
+    assert data["kernel"] is None
+    pairings: list[dict[str, object]] = data["pairings"]  # type: ignore[assignment]
+    assert {"activations": "fp8 dynamic per token (e4m3, fp32/float scales)", "kernels": ["triton", "reference"]} in (
+        pairings
+    )

@@ -15,8 +15,10 @@ from kernel_fakes import (
     fake_device,
     implemented,
 )
+from qscheme_plugins.reference import REFERENCE
+from qscheme_plugins.triton_declaration import TRITON
 
-from qscheme.descriptor import parse_scheme_file
+from qscheme.descriptor import Scheme, parse_scheme_file
 from qscheme.errors import NoKernelError, UsageError
 from qscheme.kernels.declaration import (
     ANY_DEVICE,
@@ -353,3 +355,146 @@ def test_arguments_of_the_wrong_type_are_usage_errors(arguments: tuple[object, .
 def test_problem_sizes_are_positive_ints(n: object, message: str) -> None:
     with pytest.raises(UsageError, match=message):
         Problem(n, 128)  # type: ignore[arg-type]
+
+
+# --- activation element and scale formats ---------------------------------------------------
+
+E5M2_PER_TOKEN = """
+name: test/fp8-e5m2-per-token
+weight:
+  format: e4m3
+  tensor: {name: weight, dtype: float8_e4m3fn, shape: [N, K]}
+  scale:
+    granularity: channel
+    format: fp32
+    stored: multiplier
+    tensor: {name: weight_scale, dtype: float32, shape: [N, 1]}
+activation:
+  format: e5m2
+  granularity: token
+  dynamic: true
+  scale_format: bf16
+"""
+
+E5M2_KERNEL = KernelDeclaration(
+    name="e5m2_tokens",
+    provider="test",
+    priority=10,
+    supports=(
+        Supports(
+            ("fp8",),
+            activations=(ActivationSupport("fp8", "token", dynamic=True, formats=("e5m2",), scale_formats=("bf16",)),),
+        ),
+    ),
+    devices=(DeviceSupport(ANY_DEVICE),),
+    implementation="fake_kernels:e5m2",
+)
+
+
+def test_activation_formats_no_kernel_runs_fail_at_resolution_naming_the_format(tmp_path: Path) -> None:
+    file = tmp_path / "e5m2.yaml"
+    file.write_text(E5M2_PER_TOKEN)
+    scheme = parse_scheme_file(file)
+    devices = [fake_device(name) for name in ("sm100", "sm90", "sm80", "cpu")]
+    for device in (*devices, fake_device("cpu", environment=INTERPRETED)):
+        resolution = resolve(scheme, SQUARE, device, AS_IF_IMPLEMENTED)
+        assert resolution.kernel is None
+        assert all(c.stage == "scheme" for c in resolution.trace)
+        for name in ("triton", "reference"):
+            assert resolution.candidate(name).reason == (
+                "takes fp8 weights with fp8 dynamic per token (e4m3, fp32/float scales) activations; "
+                "scheme has fp8 dynamic per token (e5m2, bf16 scales) activations"
+            )
+        # Kernels that fail on more than the formats keep the usual wording.
+        assert resolution.candidate("marlin").reason == (
+            "takes fp8 weights with none (16-bit) activations; scheme has fp8 dynamic per token activations"
+        )
+        with pytest.raises(NoKernelError) as raised:
+            resolution.require(declarations=AS_IF_IMPLEMENTED)
+        message = str(raised.value)
+        assert "No kernel implements fp8 weights with fp8 dynamic per token (e5m2, bf16 scales) activations." in message
+        assert "fp8 dynamic per token (e4m3, fp32/float scales)            triton, reference" in message
+        assert "fp8 static per tensor (e4m3, fp32/float/fp16/bf16 scales)  triton, reference" in message
+    # A plugin kernel declaring the format takes the scheme.
+    declarations = (*AS_IF_IMPLEMENTED, implemented(E5M2_KERNEL))
+    resolution = resolve(scheme, SQUARE, fake_device("sm90"), declarations)
+    assert resolution.kernel is not None and resolution.kernel.name == "e5m2_tokens"
+    pairings = dict(activation_pairings("fp8", declarations, formats=True))
+    assert pairings["fp8 dynamic per token (e5m2, bf16 scales)"] == ["e5m2_tokens"]
+    # ... and only that format: e4m3 per-token activations with fp32 scales are not its.
+    e4m3 = builtin_scheme("compressed-tensors/FP8_DYNAMIC")
+    assert resolve(e4m3, SQUARE, fake_device("cpu"), [implemented(E5M2_KERNEL)]).candidate("e5m2_tokens").reason == (
+        "takes fp8 weights with fp8 dynamic per token (e5m2, bf16 scales) activations; "
+        "scheme has fp8 dynamic per token (e4m3, fp32 scales) activations"
+    )
+
+
+def _with_activation(base: str, **changes: object) -> Scheme:
+    scheme = builtin_scheme(base)
+    assert scheme.activation is not None
+    return replace(scheme, activation=replace(scheme.activation, **changes))
+
+
+def _activation_variants() -> list[Scheme]:
+    """Activation blocks around the supported ones, each with the weights the kernels pair it with."""
+    static_scale = builtin_scheme("compressed-tensors/FP8").activation.scale  # type: ignore[union-attr]
+    assert static_scale is not None
+    variants = []
+    scale_formats = ("e4m3", "e8m0", "fp32", "fp16", "bf16", "float")
+    for element, base in (("e4m3", "compressed-tensors/FP8_DYNAMIC"), ("e5m2", "compressed-tensors/FP8_DYNAMIC")):
+        for scale_format in scale_formats:
+            variants.append(_with_activation(base, format=element, scale_format=scale_format))
+            variants.append(
+                _with_activation(base, format=element, granularity="group", group_size=128, scale_format=scale_format)
+            )
+            variants.append(
+                _with_activation(base, format=element, granularity="group", group_size=64, scale_format=scale_format)
+            )
+            for static_format in scale_formats:
+                variants.append(
+                    _with_activation(
+                        base,
+                        format=element,
+                        granularity="tensor",
+                        dynamic=False,
+                        scale_format=scale_format,
+                        scale=replace(static_scale, format=static_format),
+                    )
+                )
+    for element in ("int8", "uint8"):
+        for scale_format in scale_formats:
+            variants.append(_with_activation("compressed-tensors/W8A8", format=element, scale_format=scale_format))
+    for size in (16, 32, 64):
+        variants.append(_with_activation("compressed-tensors/NVFP4", group_size=size))
+        variants.append(_with_activation("compressed-tensors/MXFP4", group_size=size))
+    return variants
+
+
+def test_builtin_activation_claims_agree_with_the_emulation_and_the_triton_pre_pass() -> None:
+    """The reference kernel takes exactly what qscheme.emulation runs (with a float static scale,
+    as the Triton pre-pass and the canonical float32 input_scale need); Triton nothing its
+    pre-pass lacks. No built-in kernel is ever chosen for a scheme whose first forward would fail."""
+    from qscheme.emulation import activation_rule
+    from qscheme.errors import QuantizeError
+    from qscheme.triton.spec import unsupported_reason
+
+    float_formats = ("fp32", "float", "fp16", "bf16")
+    reference_only = [implemented(REFERENCE)]
+    triton_only = [implemented(TRITON)]
+    taken = 0
+    for scheme in _activation_variants():
+        activation = scheme.activation
+        assert activation is not None
+        try:
+            activation_rule(activation)
+            emulated = activation.scale is None or activation.scale.format in float_formats
+        except QuantizeError:
+            emulated = False
+        reference = resolve(scheme, SQUARE, fake_device("cpu"), reference_only).kernel is not None
+        assert reference == emulated, activation
+        triton = resolve(scheme, SQUARE, fake_device("sm90"), triton_only).kernel is not None
+        if triton:
+            assert unsupported_reason(scheme) is None, activation
+            assert emulated, activation  # its tests compare it with the emulation
+        taken += reference
+    assert taken == 2 + 2 + 2 + 4 * 4 + 1 + 1  # per token, per group of 128, int8, static, NVFP4, MXFP4

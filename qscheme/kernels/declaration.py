@@ -29,6 +29,18 @@ WEIGHT_FAMILIES: tuple[str, ...] = ("nvfp4", "mxfp4", "fp4", "int4", "int8", "fp
 ACTIVATION_FAMILIES: tuple[str, ...] = ("none", "nvfp4", "mxfp4", "fp4", "int8", "fp8")
 WEIGHT_GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group", "block")
 ACTIVATION_GRANULARITIES: tuple[str, ...] = ("tensor", "token", "group")
+# The element and scale formats a descriptor's activation block may name (its ``format`` and
+# ``scale_format`` / ``scale.format``; equal to qscheme.descriptor.parse's lists), and the
+# element formats of each activation family.
+ACTIVATION_FORMATS: tuple[str, ...] = ("e2m1", "e4m3", "e5m2", "int8", "uint8")
+ACTIVATION_SCALE_FORMATS: tuple[str, ...] = ("e4m3", "e8m0", "fp32", "fp16", "bf16", "float")
+FAMILY_FORMATS: dict[str, tuple[str, ...]] = {
+    "nvfp4": ("e2m1",),
+    "mxfp4": ("e2m1",),
+    "fp4": ("e2m1",),
+    "int8": ("int8", "uint8"),
+    "fp8": ("e4m3", "e5m2"),
+}
 DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "rocm", "mps", "xpu")
 ANY_DEVICE = "any"
 
@@ -124,15 +136,22 @@ class DeviceSupport:
 class ActivationSupport:
     """An activation format a kernel takes: a family and, where it matters, how it is scaled.
 
-    ``none`` means the inputs are not quantized (16-bit or fp32). None in the other fields
-    means "any". FP8 static per tensor is ``("fp8", "tensor", dynamic=False)``; NVFP4's
-    dynamic groups of 16 (with a static global scale) ``("nvfp4", "group", 16, True)``.
+    ``none`` means the inputs are not quantized (16-bit or fp32). None in ``granularity``,
+    ``group_size`` and ``dynamic`` means "any"; so does an empty ``formats`` (element formats,
+    e.g. ``("e4m3",)`` where the family ``fp8`` would also take ``e5m2``) or ``scale_formats``
+    (the activation's ``scale_format``; a static activation's ``scale.format`` as well, and a
+    kernel must take both). FP8 static per tensor is ``("fp8", "tensor", dynamic=False)``;
+    NVFP4's dynamic groups of 16 (with a static global scale) ``("nvfp4", "group", 16, True)``;
+    FP8 e4m3 dynamic per token with float32 scales
+    ``("fp8", "token", dynamic=True, formats=("e4m3",), scale_formats=("fp32", "float"))``.
     """
 
     family: str
     granularity: str | None = None
     group_size: int | None = None
     dynamic: bool | None = None
+    formats: tuple[str, ...] = ()
+    scale_formats: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _require(
@@ -143,8 +162,25 @@ class ActivationSupport:
             self.granularity is None or self.granularity in ACTIVATION_GRANULARITIES,
             f"activation granularity {self.granularity!r} is not one of {', '.join(ACTIVATION_GRANULARITIES)}",
         )
+        _tuple_of(self.formats, str, "activation formats")
+        _tuple_of(self.scale_formats, str, "activation scale_formats")
+        if self.family == "none":
+            _require(
+                not self.formats and not self.scale_formats,
+                "activation family 'none' (16-bit inputs) takes no formats or scale_formats",
+            )
+            return
+        family_formats = FAMILY_FORMATS[self.family]
+        bad = [f for f in self.formats if f not in family_formats]
+        _require(
+            not bad,
+            f"activation formats {bad} are not {self.family} element formats ({', '.join(family_formats)})",
+        )
+        bad = [f for f in self.scale_formats if f not in ACTIVATION_SCALE_FORMATS]
+        _require(not bad, f"activation scale_formats {bad} are not among {', '.join(ACTIVATION_SCALE_FORMATS)}")
 
-    def describe(self) -> str:
+    def describe(self, formats: bool = False) -> str:
+        """``fp8 dynamic per token``; with ``formats``, ``fp8 dynamic per token (e4m3, fp32/float scales)``."""
         if self.family == "none":
             return "none (16-bit)"
         parts = [self.family]
@@ -154,7 +190,16 @@ class ActivationSupport:
             parts.append(f"per group of {self.group_size}" if self.group_size else "per group")
         elif self.granularity is not None:
             parts.append(f"per {self.granularity}")
-        return " ".join(parts)
+        text = " ".join(parts)
+        if formats:
+            details = []
+            if self.formats:
+                details.append("/".join(self.formats))
+            if self.scale_formats:
+                details.append("/".join(self.scale_formats) + " scales")
+            if details:
+                text += f" ({', '.join(details)})"
+        return text
 
 
 WEIGHT_ONLY = ActivationSupport("none")
@@ -224,33 +269,49 @@ ANY_WEIGHT_ONLY = Supports(
 )
 
 # The activation-quantized pairs that deployed W8A8-style kernels run besides NVFP4 x NVFP4 (whose
-# block-scale limits differ per kernel): FP8 x FP8 static per tensor, dynamic per token and per
-# group of 128; int8 x int8 per token; MXFP4 x MXFP4. A kernel implementing all of them (with
-# per-partition scales and AWQ pre-scales) lists these entries as they are.
+# block-scale limits differ per kernel): FP8 (e4m3) x FP8 static per tensor, dynamic per token and
+# per group of 128; int8 x int8 per token; MXFP4 x MXFP4. Element and scale formats are those
+# qscheme.emulation.SUPPORTED_ACTIVATIONS emulates and the Triton pre-pass quantizes
+# (qscheme.triton.spec): float scales of any width for a static scale (both the activation's
+# scale_format and its scale.format), float32 ones for dynamic scales; no e5m2 or uint8 inputs.
+# A kernel implementing all of them (with per-partition scales and AWQ pre-scales) lists these
+# entries as they are.
+FLOAT_SCALE_FORMATS: tuple[str, ...] = ("fp32", "float")
+STATIC_FLOAT_SCALE_FORMATS: tuple[str, ...] = ("fp32", "float", "fp16", "bf16")
 DEPLOYED_ACTIVATION_PAIRS: tuple[Supports, ...] = (
     Supports(
         weights=("fp8",),
         activations=(
-            ActivationSupport("fp8", "tensor", dynamic=False),
-            ActivationSupport("fp8", "token", dynamic=True),
-            ActivationSupport("fp8", "group", 128, dynamic=True),
+            ActivationSupport(
+                "fp8", "tensor", dynamic=False, formats=("e4m3",), scale_formats=STATIC_FLOAT_SCALE_FORMATS
+            ),
+            ActivationSupport("fp8", "token", dynamic=True, formats=("e4m3",), scale_formats=FLOAT_SCALE_FORMATS),
+            ActivationSupport("fp8", "group", 128, dynamic=True, formats=("e4m3",), scale_formats=FLOAT_SCALE_FORMATS),
         ),
         per_partition_scales=True,
         input_pre_scale=True,
     ),
     Supports(
         weights=("int8",),
-        activations=(ActivationSupport("int8", "token", dynamic=True),),
+        activations=(
+            ActivationSupport("int8", "token", dynamic=True, formats=("int8",), scale_formats=FLOAT_SCALE_FORMATS),
+        ),
         per_partition_scales=True,
         input_pre_scale=True,
     ),
     Supports(
         weights=("mxfp4",),
-        activations=(ActivationSupport("mxfp4", "group", 32, dynamic=True),),
+        activations=(
+            ActivationSupport("mxfp4", "group", 32, dynamic=True, formats=("e2m1",), scale_formats=("e8m0",)),
+        ),
         per_partition_scales=True,
         input_pre_scale=True,
     ),
 )
+
+# NVFP4 activations as the built-in kernels quantize them: e2m1 in dynamic groups of 16 with e4m3
+# block scales (and a static global scale).
+NVFP4_ACTIVATIONS = ActivationSupport("nvfp4", "group", 16, dynamic=True, formats=("e2m1",), scale_formats=("e4m3",))
 
 
 @dataclass(frozen=True)

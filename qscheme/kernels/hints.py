@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from qscheme.kernels.declaration import KernelDeclaration, format_capability
 from qscheme.kernels.devices import DeviceFacts
-from qscheme.kernels.resolver import Resolution, SchemeFeatures, resolve
+from qscheme.kernels.resolver import Resolution, SchemeFeatures, formats_differ, resolve
 
 if TYPE_CHECKING:
     from qscheme.descriptor import Scheme
@@ -69,7 +69,9 @@ def suggest(
                 f"scheme {other_scheme.name} ({features.weight_family} weights with {activation} activations) "
                 f"resolves to {alternative.kernel.name} here"
             )
+    supports = [support for declaration in declarations for support in declaration.supports]
+    named = formats_differ(features.weight_family, features.activation, supports)
     return (
         f"install or write a plugin that declares a kernel for {features.weight_family} weights with "
-        f"{features.activation.describe()} activations (docs/plugins.md)"
+        f"{features.activation.describe(named)} activations (docs/plugins.md)"
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from qscheme.kernels.declaration import KernelDeclaration
-from qscheme.kernels.resolver import Resolution, SchemeFeatures, activation_matches
+from qscheme.kernels.resolver import Resolution, SchemeFeatures, activation_matches, formats_differ
 
 TRACE_HEADER: tuple[str, ...] = ("kernel", "provider", "priority", "verdict", "stage", "reason")
 
@@ -72,10 +72,12 @@ def resolution_json(
 ) -> dict[str, object]:
     pairings = None
     if resolution.kernel is None and declarations is not None:
-        family = SchemeFeatures.of(resolution.scheme).weight_family
+        features = SchemeFeatures.of(resolution.scheme)
+        family = features.weight_family
+        formats = formats_differ(family, features.activation, (s for d in declarations for s in d.supports))
         pairings = [
             {"activations": described, "kernels": kernels}
-            for described, kernels in activation_pairings(family, declarations)
+            for described, kernels in activation_pairings(family, declarations, formats)
         ]
     return {
         "scheme": resolution.scheme.name,
@@ -91,15 +93,18 @@ def resolution_json(
     }
 
 
-def activation_pairings(weight_family: str, declarations: Iterable[KernelDeclaration]) -> list[tuple[str, list[str]]]:
-    """For one weight family: each activation format some kernel accepts, and which kernels."""
+def activation_pairings(
+    weight_family: str, declarations: Iterable[KernelDeclaration], formats: bool = False
+) -> list[tuple[str, list[str]]]:
+    """For one weight family: each activation format some kernel accepts, and which kernels
+    (described with element and scale formats when ``formats``)."""
     table: dict[str, list[str]] = {}
     for declaration in sorted(declarations, key=KernelDeclaration.sort_key):
         for supports in declaration.supports:
             if weight_family not in supports.weights:
                 continue
             for activation in supports.activations:
-                kernels = table.setdefault(activation.describe(), [])
+                kernels = table.setdefault(activation.describe(formats), [])
                 if declaration.name not in kernels:
                     kernels.append(declaration.name)
     return sorted(table.items(), key=lambda item: (item[0] != "none (16-bit)", item[0]))
@@ -116,8 +121,10 @@ def _pairing_section(resolution: Resolution, declarations: Sequence[KernelDeclar
     )
     if pairs:
         return []
-    pairings = activation_pairings(family, declarations)
-    head = f"No kernel implements {family} weights with {activation.describe()} activations."
+    # Formats are named only when they are what no kernel takes.
+    formats = formats_differ(family, activation, (s for d in declarations for s in d.supports))
+    pairings = activation_pairings(family, declarations, formats)
+    head = f"No kernel implements {family} weights with {activation.describe(formats)} activations."
     if not pairings:
         return [head, f"No kernel implements {family} weights at all."]
     rows = [(described, ", ".join(kernels)) for described, kernels in pairings]

@@ -139,6 +139,8 @@ class SchemeFeatures:
                 act.granularity,
                 act.group_size if act.granularity == "group" else None,
                 act.dynamic,
+                formats=(act.format,),
+                scale_formats=_activation_scale_formats(act.scale_format, act.scale.format if act.scale else None),
             )
         )
         scale = scheme.weight.scale
@@ -154,13 +156,40 @@ class SchemeFeatures:
         )
 
 
-def activation_matches(support: ActivationSupport, wanted: ActivationSupport) -> bool:
-    """Whether a declared activation format covers the scheme's (None fields match anything)."""
+def _activation_scale_formats(scale_format: str, static_format: str | None) -> tuple[str, ...]:
+    """The scale formats an activation declares: its ``scale_format``, and a static scale's
+    ``scale.format`` first (the Triton pre-pass reads that one, the emulation ``scale_format``)."""
+    if static_format is None or static_format == scale_format:
+        return (scale_format,)
+    return (static_format, scale_format)
+
+
+def activation_matches(support: ActivationSupport, wanted: ActivationSupport, formats: bool = True) -> bool:
+    """Whether a declared activation format covers the scheme's (None fields and empty format
+    tuples match anything; every element and scale format of ``wanted`` must be taken).
+    ``formats=False`` compares family, granularity, group size and timing only."""
     return (
         support.family == wanted.family
         and (support.granularity is None or support.granularity == wanted.granularity)
         and (support.group_size is None or support.group_size == wanted.group_size)
         and (support.dynamic is None or support.dynamic == wanted.dynamic)
+        and (not formats or _formats_match(support, wanted))
+    )
+
+
+def _formats_match(support: ActivationSupport, wanted: ActivationSupport) -> bool:
+    return (not support.formats or all(f in support.formats for f in wanted.formats)) and (
+        not support.scale_formats or all(f in support.scale_formats for f in wanted.scale_formats)
+    )
+
+
+def formats_differ(weight_family: str, wanted: ActivationSupport, supports: Iterable[Supports]) -> bool:
+    """Whether some entry for the weight family takes the scheme's activation but for its element
+    or scale formats: rejections then name the formats, which otherwise go unsaid."""
+    return any(
+        weight_family in s.weights and activation_matches(a, wanted, formats=False) and not _formats_match(a, wanted)
+        for s in supports
+        for a in s.activations
     )
 
 
@@ -214,12 +243,19 @@ def check_scheme(declaration: KernelDeclaration, features: SchemeFeatures) -> tu
         return tuple(matching), ""
     assert best is not None
     if best[0] == 1:
+        wanted = features.activation
+        # When the formats are what differs, only the entries that take the activation but for its
+        # formats are named, with their formats; otherwise every entry, without formats.
+        formats = formats_differ(family, wanted, same_family)
         taken: list[str] = []
         for supports in same_family:
-            taken.extend(a.describe() for a in supports.activations if a.describe() not in taken)
+            for a in supports.activations:
+                described = a.describe(formats)
+                if described not in taken and (not formats or activation_matches(a, wanted, formats=False)):
+                    taken.append(described)
         return (), (
             f"takes {family} weights with {' or '.join(taken)} activations; "
-            f"scheme has {features.activation.describe()} activations"
+            f"scheme has {wanted.describe(formats)} activations"
         )
     return (), best[1]
 
