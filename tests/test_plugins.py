@@ -472,3 +472,22 @@ def test_every_declaration_field_is_documented() -> None:
     section = DOCS.read_text().split("## The declaration")[1].split("## The implementation")[0]
     missing = [f.name for f in dataclasses.fields(KernelDeclaration) if f"`{f.name}`" not in section]
     assert missing == []
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"QSCHEME_DISABLED_KERNELS": "refrence"}, "names undeclared kernel(s) 'refrence' (did you mean 'reference'?)"),
+        ({"QSCHEME_DISABLED_KERNELS": "triton;reference"}, "names undeclared kernel(s) 'triton;reference'"),
+        ({"QSCHEME_KERNEL": "refrence"}, "QSCHEME_KERNEL='refrence' names no declared kernel; did you mean"),
+    ],
+)
+def test_kernel_names_from_the_environment_must_be_declared(variables: dict[str, str], message: str) -> None:
+    from qscheme.errors import UsageError
+    from qscheme.kernels.devices import simulated_device
+
+    with isolated_plugins():
+        with pytest.raises(UsageError, match=re.escape(message)):
+            registry.resolver(simulated_device("sm90"), environ=variables)
+        # an explicit kernel argument is checked where it is used, with its own message
+        assert registry.resolver(simulated_device("sm90"), "reference", environ={}).force == "reference"

@@ -8,6 +8,7 @@ resolution into a NoKernelError with a hint.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import threading
@@ -128,6 +129,7 @@ def resolver(device: DeviceFacts, kernel: str | None = None, environ: Mapping[st
     if hit is not None and hit[0] is decls and hit[1] is device:
         return hit[2]
     forced, disabled = overrides(kernel, env)
+    _check_override_names(decls, kernel, forced, disabled)
     with _lock:
         unavailable = dict(_implementation_failures)
         key = (id(decls), device, forced, disabled, tuple(sorted(unavailable.items())))
@@ -139,6 +141,31 @@ def resolver(device: DeviceFacts, kernel: str | None = None, environ: Mapping[st
             _quick.clear()
         _quick[quick] = (decls, device, found)
         return found
+
+
+def _check_override_names(
+    decls: Sequence[KernelDeclaration], kernel: str | None, forced: str | None, disabled: frozenset[str]
+) -> None:
+    """Kernel names read from the environment must be declared: a typo is an error, never ignored."""
+    names = {d.name for d in decls}
+    known = ", ".join(sorted(names)) or "none"
+    if forced is not None and kernel is None and forced not in names:
+        close = difflib.get_close_matches(forced, sorted(names), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else "."
+        raise UsageError(
+            f"{KERNEL_VARIABLE}={forced!r} names no declared kernel{hint} Known kernels: {known} "
+            f"(`qscheme kernels` lists them); fix or unset {KERNEL_VARIABLE}"
+        )
+    unknown = sorted(disabled - names)
+    if unknown:
+        guesses = [difflib.get_close_matches(name, sorted(names), n=1) for name in unknown]
+        hints = [
+            f"{name!r} (did you mean {g[0]!r}?)" if g else repr(name) for name, g in zip(unknown, guesses, strict=True)
+        ]
+        raise UsageError(
+            f"{DISABLED_VARIABLE} names undeclared kernel(s) {', '.join(hints)}; known kernels: {known}. "
+            f"Give a comma-separated list of declared names, or remove the unknown ones"
+        )
 
 
 def _raw_overrides(env: Mapping[str, str]) -> tuple[object, object]:
