@@ -63,8 +63,19 @@ def test_the_cache_round_trips_through_its_file(tmp_path: Path) -> None:
     ConfigCache(path).put("first", TileConfig(16, 64, 128, split_k=4, weights_first=True))
     assert ConfigCache(path).get("key") == TileConfig(16, 32, 128, split_k=2)
     assert ConfigCache(path).get("first") == TileConfig(16, 64, 128, split_k=4, weights_first=True)
-    path.write_text("not json")
-    assert ConfigCache(path).get("key") is None  # a corrupt cache is ignored, not fatal
+    assert not list(tmp_path.glob(".*partial"))  # written beside it, then renamed
+
+
+@pytest.mark.parametrize("content", ["not json", '{"precious": "not a cache"}', "[1, 2]"])
+def test_a_file_that_is_not_a_cache_is_never_overwritten(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "notes.json"
+    path.write_text(content)
+    with pytest.warns(UserWarning, match="not a qscheme Triton config cache"):
+        cache = ConfigCache(path)
+    assert cache.get("key") is None  # ignored, not fatal
+    cache.put("key", TileConfig(16, 32, 128))
+    assert cache.get("key") == TileConfig(16, 32, 128)  # kept in memory
+    assert path.read_text() == content
 
 
 def test_autotuning_keeps_the_fastest_candidate_and_caches_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -182,18 +183,31 @@ def candidate_configs(base: TileConfig, k: int) -> list[TileConfig]:
 
 
 class ConfigCache:
-    """Chosen configs by key, in memory and optionally in a JSON file; thread-safe."""
+    """Chosen configs by key, in memory and optionally in a JSON file; thread-safe.
+
+    The file is only ever replaced whole (written beside it, then renamed), and only when it is
+    absent, empty or already a cache: a file that holds anything else (QSCHEME_TRITON_CACHE
+    pointed at the wrong file) is left alone, with a warning, and the cache stays in memory.
+    """
 
     def __init__(self, path: Path | None = None) -> None:
         self._lock = threading.Lock()
         self._path = path
         self._entries: dict[str, TileConfig] = {}
-        if path is not None and path.is_file():
+        if path is not None and path.exists():
             try:
-                raw = json.loads(path.read_text(encoding="utf-8"))
+                text = path.read_text(encoding="utf-8")
+                raw = json.loads(text) if text.strip() else {}
+                if not isinstance(raw, dict):
+                    raise TypeError("not a JSON object")
                 self._entries = {key: TileConfig(**value) for key, value in raw.items()}
-            except (OSError, ValueError, TypeError):
-                self._entries = {}  # a corrupt cache is rebuilt, never fatal
+            except (OSError, ValueError, TypeError) as exc:
+                warnings.warn(
+                    f"{CACHE_FILE_VARIABLE}={path}: not a qscheme Triton config cache ({exc}); it is left "
+                    "untouched and choices are kept in memory only: point the variable at a new file",
+                    stacklevel=2,
+                )
+                self._path = None
 
     def get(self, key: str) -> TileConfig | None:
         with self._lock:
@@ -203,12 +217,14 @@ class ConfigCache:
         with self._lock:
             self._entries[key] = config
             if self._path is not None:
+                partial = self._path.with_name(f".{self._path.name}.{os.getpid()}.partial")
                 try:
                     self._path.parent.mkdir(parents=True, exist_ok=True)
                     data = {name: asdict(value) for name, value in self._entries.items()}
-                    self._path.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+                    partial.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+                    os.replace(partial, self._path)
                 except OSError:
-                    pass  # the disk cache is an optimisation only
+                    partial.unlink(missing_ok=True)  # the disk cache is an optimisation only
 
 
 _cache: ConfigCache | None = None
