@@ -491,3 +491,18 @@ def test_kernel_names_from_the_environment_must_be_declared(variables: dict[str,
             registry.resolver(simulated_device("sm90"), environ=variables)
         # an explicit kernel argument is checked where it is used, with its own message
         assert registry.resolver(simulated_device("sm90"), "reference", environ={}).force == "reference"
+
+
+class ExitingPlugin:
+    @hookimpl
+    def qscheme_kernels(self) -> list[KernelDeclaration]:
+        sys.exit(7)
+
+
+def test_a_hook_that_exits_is_recorded_not_fatal() -> None:
+    plugins = builtins_only()
+    assert plugins.register(ExitingPlugin(), "exiter")
+    assert {d.name for d in plugins.kernel_declarations()} == BUILTIN_KERNELS
+    failures = {f.plugin: f for f in plugins.failures()}
+    assert failures["exiter"].stage == "hook qscheme_kernels"
+    assert "SystemExit" in failures["exiter"].error

@@ -247,7 +247,9 @@ class Plugins:
                 continue
             try:
                 results.append((record, impl.function()))
-            except Exception as exc:
+            except BaseException as exc:  # SystemExit from a hook too, as at import
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
                 self._fail(record, f"hook {hook}", _describe_error(exc))
         return results
 
