@@ -120,3 +120,22 @@ def layer_tensors(
     if pre_scale and scheme.input_pre_scale is not None:
         given[scheme.input_pre_scale.name] = torch.rand(k, generator=generator) + 0.5
     return dict(quantize_weight(weight, scheme, **given))
+
+
+# A YAML-only scheme whose activations (e5m2, per token, bf16 scales) no built-in kernel takes.
+E5M2_PER_TOKEN = """
+name: test/fp8-e5m2-per-token
+weight:
+  format: e4m3
+  tensor: {name: weight, dtype: float8_e4m3fn, shape: [N, K]}
+  scale:
+    granularity: channel
+    format: fp32
+    stored: multiplier
+    tensor: {name: weight_scale, dtype: float32, shape: [N, 1]}
+activation:
+  format: e5m2
+  granularity: token
+  dynamic: true
+  scale_format: bf16
+"""

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from kernel_fakes import AS_IF_IMPLEMENTED, builtin_scheme, fake_device, implemented
+from kernel_fakes import AS_IF_IMPLEMENTED, E5M2_PER_TOKEN, builtin_scheme, fake_device, implemented
 from qscheme_plugins.marlin import MARLIN
 from qscheme_plugins.native_fp4 import NATIVE_FP4
 
@@ -106,20 +106,6 @@ def test_rendered_resolution() -> None:
     trace: list[dict[str, object]] = data["trace"]  # type: ignore[assignment]
     assert [entry["kernel"] for entry in trace] == ["native_fp4", "marlin", "triton", "reference"]
     assert set(trace[0]) >= {"kernel", "accepted", "stage", "reason"}
-
-
-E5M2_PER_TOKEN = """
-name: test/fp8-e5m2-per-token
-weight:
-  format: e4m3
-  tensor: {name: weight, dtype: float8_e4m3fn, shape: [N, K]}
-  scale:
-    granularity: channel
-    format: fp32
-    stored: multiplier
-    tensor: {name: weight_scale, dtype: float32, shape: [N, 1]}
-activation: {format: e5m2, granularity: token, dynamic: true, scale_format: bf16}
-"""
 
 
 def test_activation_formats_no_kernel_takes(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import pytest
 from kernel_fakes import (
     AS_IF_IMPLEMENTED,
     BUILTIN_DECLARATIONS,
+    E5M2_PER_TOKEN,
     all_modules,
     builtin_scheme,
     fake_device,
@@ -359,22 +360,6 @@ def test_problem_sizes_are_positive_ints(n: object, message: str) -> None:
 
 # --- activation element and scale formats ---------------------------------------------------
 
-E5M2_PER_TOKEN = """
-name: test/fp8-e5m2-per-token
-weight:
-  format: e4m3
-  tensor: {name: weight, dtype: float8_e4m3fn, shape: [N, K]}
-  scale:
-    granularity: channel
-    format: fp32
-    stored: multiplier
-    tensor: {name: weight_scale, dtype: float32, shape: [N, 1]}
-activation:
-  format: e5m2
-  granularity: token
-  dynamic: true
-  scale_format: bf16
-"""
 
 E5M2_KERNEL = KernelDeclaration(
     name="e5m2_tokens",
