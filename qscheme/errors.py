@@ -10,9 +10,23 @@ from dataclasses import dataclass
 
 
 class QSchemeError(Exception):
-    """Base class of every error qscheme raises on bad input or impossible requests."""
+    """Base class of every error qscheme raises on bad input or impossible requests.
+
+    ``exit_code`` is what the ``qscheme`` command exits with: 1 when a check ran and failed,
+    2 when the input or a usage is wrong (see InputError and UsageError).
+    """
 
     exit_code: int = 1
+
+
+class InputError(QSchemeError):
+    """The input named on the command line cannot be found or used (exit code 2).
+
+    Raised combined with the error type of the input (SchemeNotFoundError, CheckpointNotFoundError),
+    so that ``except SchemeError`` / ``except CheckpointError`` still catch it.
+    """
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,10 @@ class SchemeError(QSchemeError):
         super().__init__(text)
 
 
+class SchemeNotFoundError(SchemeError, InputError):
+    """No scheme of that name in the catalog, or no descriptor file at that path (exit code 2)."""
+
+
 class FormatError(QSchemeError, ValueError):
     """An unknown element format or packing, or a tensor that does not fit one."""
 
@@ -70,6 +88,14 @@ class QuantizeError(QSchemeError, ValueError):
 
 class CheckpointError(QSchemeError):
     """A checkpoint folder, config or tensor is missing, malformed or inconsistent."""
+
+
+class CheckpointNotFoundError(CheckpointError, InputError):
+    """The checkpoint path does not exist or is not a folder (exit code 2)."""
+
+
+class OutputError(QSchemeError):
+    """The command's output could not be written (a full disk, a closed stream): exit code 1."""
 
 
 class NoKernelError(QSchemeError):

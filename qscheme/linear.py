@@ -75,6 +75,8 @@ def checked_device(device: object, caller: str = "load_checkpoint") -> torch.dev
             f"{caller}(device={device!r}): a device is {DEVICE_FORMS}, not of type {type(device).__name__}; "
             f"e.g. device={example}"
         )
+    if torch_device.type == "cpu":
+        return torch.device("cpu")  # "cpu:0" is the one CPU device too
     if torch_device.type == "meta":
         raise UsageError(
             f"{caller}(device={device!r}): nothing can be loaded onto the meta device; pass 'cpu' or 'cuda'"

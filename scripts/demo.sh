@@ -10,6 +10,7 @@ set -x
 qscheme inspect tests/fixtures/modelopt/nvfp4
 qscheme resolve tests/fixtures/modelopt/nvfp4 --device sm90
 qscheme run tests/fixtures/modelopt/nvfp4
+rm -rf out/tiny-nvfp4  # the generator refuses to write into a folder that is not empty
 python -m qscheme.examples.make_checkpoint out/tiny-nvfp4
 qscheme inspect out/tiny-nvfp4
 qscheme resolve out/tiny-nvfp4 --device sm100

@@ -103,8 +103,8 @@ def test_run_json_and_failure_beyond_tolerance(capsys: pytest.CaptureFixture[str
     assert main(["run", folder, "--kernel", "reference", "--dtype", "fp32", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["failed"] == 0 and all(layer["max_relative_error"] == 0.0 for layer in data["layers"])
-    # bf16 outputs are rounded: a zero tolerance fails every layer
-    assert main(["run", folder, "--kernel", "reference", "--tolerance", "0"]) == 1
+    # bf16 outputs are rounded: a tiny tolerance fails every layer
+    assert main(["run", folder, "--kernel", "reference", "--tolerance", "1e-30"]) == 1
     assert "FAIL" in capsys.readouterr().out
 
 
@@ -158,6 +158,86 @@ def test_example_generator_reports_errors_without_a_traceback(
 ) -> None:
     from qscheme.examples.make_checkpoint import main as generate
 
-    assert generate([str(tmp_path / "x"), "--scheme", "no/such"]) == 1
+    assert generate([str(tmp_path / "x"), "--scheme", "no/such"]) == 2  # an input that cannot be found
     assert "unknown scheme 'no/such'" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_example_generator_never_overwrites(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from qscheme.examples.make_checkpoint import main as generate
+
+    before = {p.name: p.read_bytes() for p in example.iterdir()}
+    assert generate([str(example), "--layers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "the folder exists and is not empty; choose a new folder" in err and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in example.iterdir()} == before
+    assert generate([str(example / "config.json")]) == 2
+    assert "exists and is not a folder; choose a new folder" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert generate([str(empty), "--layers", "1"]) == 0  # an empty folder is fine
+    assert (empty / "config.json").is_file()
+
+
+def test_run_treats_cpu_n_as_cpu(example: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(example), "--kernel", "reference", "--device", "cpu:0"]) == 0
+    assert "7 of 7 layers within tolerance 0.02 (bfloat16 inputs, 8 rows, device cpu)" in capsys.readouterr().out
+
+
+class _RaisingKernel:
+    def prepare(self, weight: object, device: object) -> None:
+        raise ValueError("prepare exploded")
+
+    def apply(self, state: object, x: torch.Tensor, bias: object) -> torch.Tensor:
+        return x
+
+
+class _NarrowKernel:
+    def prepare(self, weight: object, device: object) -> None:
+        return None
+
+    def apply(self, state: object, x: torch.Tensor, bias: object) -> torch.Tensor:
+        return x[..., :3]
+
+
+def _kernel_plugin(name: str, implementation: str) -> object:
+    from dataclasses import replace
+
+    from qscheme_plugins.reference import REFERENCE
+
+    from qscheme.plugins import hookimpl
+
+    class Plugin:
+        @hookimpl
+        def qscheme_kernels(self) -> list[object]:
+            return [replace(REFERENCE, name=name, implementation=f"{__name__}:{implementation}")]
+
+    return Plugin()
+
+
+@pytest.mark.parametrize(
+    ("implementation", "reason"),
+    [
+        ("_RaisingKernel", "failed in prepare() for layer {layer}: ValueError: prepare exploded"),
+        ("_NarrowKernel", "returned [8, 3] torch.bfloat16 from apply() for layer {layer}; expected [8, 256]"),
+    ],
+)
+def test_run_reports_a_failing_kernel_per_layer(
+    example: Path, implementation: str, reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kernel_fakes import isolated_plugins
+
+    with isolated_plugins() as plugins:
+        plugins.register(_kernel_plugin("broken", implementation), "broken_plugin")  # type: ignore[attr-defined]
+        assert main(["run", str(example), "--kernel", "broken"]) == 1
+        captured = capsys.readouterr()
+        assert "Traceback" not in captured.err
+        layer = "model.layers.0.mlp.down_proj"
+        expected = "kernel 'broken' (plugin broken_plugin) " + reason.format(layer=layer)
+        assert expected in captured.out
+        assert captured.out.count("FAIL") == 7 and "0 of 7 layers within tolerance" in captured.out
+        assert main(["run", str(example), "--kernel", "broken", "--json"]) == 1
+        data = json.loads(capsys.readouterr().out)
+    assert data["failed"] == 7
+    row = data["layers"][0]
+    assert row["ok"] is False and row["max_relative_error"] is None and expected in row["failure"]

@@ -140,9 +140,11 @@ def test_usage_errors_exit_2(argv: list[str], message: str, capsys: pytest.Captu
     assert code == 2 and message in err
 
 
-def test_unknown_scheme_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_scheme_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(["resolve", "compressed-tensors/NVFP5"], capsys)
-    assert code == 1 and "unknown scheme 'compressed-tensors/NVFP5'" in err
+    assert code == 2 and "unknown scheme 'compressed-tensors/NVFP5'" in err
+    code, _, err = run(["resolve", "no/such/file.yaml"], capsys)
+    assert code == 2 and "descriptor file 'no/such/file.yaml' does not exist" in err
 
 
 def test_kernels_lists_every_kernel_and_why_not(capsys: pytest.CaptureFixture[str]) -> None:

@@ -253,3 +253,10 @@ def test_the_output_carries_no_gradient_whatever_the_scheme(scheme_name: str) ->
     y = layer(x)
     assert not y.requires_grad
     torch.testing.assert_close(y, layer(x.detach()))
+
+
+def test_cpu_with_an_index_is_the_cpu() -> None:
+    layer = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16(), device="cpu:0")
+    assert layer.torch_device == torch.device("cpu")
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(layer(x), x @ layer.dequantize().t())

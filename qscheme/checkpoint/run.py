@@ -5,10 +5,15 @@ dtype so the reference sees exactly the same numbers). The reference is the accu
 reference of the design: the exact dequantized weight and, for activation-quantized schemes,
 the exact activation emulation, all in float32 on the CPU (the ``reference`` kernel). The
 error is max |y - y_ref| / max |y_ref| over the layer's outputs.
+
+A kernel that raises in prepare() or apply(), or returns an output that is not [rows, N] in
+the input dtype, does not stop the run: that layer's result is a failure naming the kernel,
+its plugin and the exception, and the other layers still run.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,10 +43,11 @@ class LayerRun:
     max_relative_error: float
     milliseconds: float
     tolerance: float
+    failure: str = ""  # why the kernel could not compute the layer (then the error and time are NaN)
 
     @property
     def ok(self) -> bool:
-        return self.max_relative_error <= self.tolerance
+        return not self.failure and self.max_relative_error <= self.tolerance
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -54,6 +60,7 @@ class LayerRun:
             "milliseconds": self.milliseconds,
             "tolerance": self.tolerance,
             "ok": self.ok,
+            "failure": self.failure or None,
         }
 
 
@@ -70,7 +77,7 @@ def _reference_output(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 def _time(layer: QuantLinear, x: torch.Tensor, repeats: int) -> tuple[torch.Tensor, float]:
     with torch.no_grad():
-        y = layer(x)  # warm-up (and kernel preparation)
+        y = layer(x)  # warm-up
         if x.device.type == "cuda":
             torch.cuda.synchronize()
         times = []
@@ -108,10 +115,12 @@ def run_checkpoint(
         generator = torch.Generator().manual_seed(seed + index)
         x = torch.randn(rows, layer.in_features, generator=generator).to(_TORCH_DTYPES[dtype])
         reference = _reference_output(layer, x.to(torch.float32))
-        y, milliseconds = _time(layer, x.to(device), repeats)
-        peak = float(reference.abs().max())
-        error = float((y.to(device="cpu", dtype=torch.float32) - reference).abs().max())
-        relative = error / peak if peak > 0 else error
+        y, milliseconds, failure = _run_kernel(layer, name, x, device, repeats)
+        relative = math.nan
+        if y is not None:
+            peak = float(reference.abs().max())
+            error = float((y.to(device="cpu", dtype=torch.float32) - reference).abs().max())
+            relative = error / peak if peak > 0 else error
         result = LayerRun(
             name=name,
             scheme=layer.scheme.name,
@@ -121,8 +130,40 @@ def run_checkpoint(
             max_relative_error=relative,
             milliseconds=milliseconds,
             tolerance=limit,
+            failure=failure,
         )
         results.append(result)
         if on_layer is not None:
             on_layer(result)
     return results
+
+
+def _run_kernel(
+    layer: QuantLinear, name: str, x: torch.Tensor, device: str, repeats: int
+) -> tuple[torch.Tensor | None, float, str]:
+    """(output, milliseconds, "") or (None, NaN, why the layer's kernel failed)."""
+    stage = "prepare"
+    try:
+        layer.prepare(normalize_dtype(x.dtype))
+        stage = "apply"
+        y, milliseconds = _time(layer, x.to(device), repeats)
+    except Exception as exc:  # a kernel plugin's code: any exception fails this layer only
+        reason = f"{_kernel_text(layer)} failed in {stage}() for layer {name}: {type(exc).__name__}: {exc}"
+        return None, math.nan, reason
+    expected = [x.shape[0], layer.out_features]
+    if not isinstance(y, torch.Tensor):
+        found = f"a {type(y).__name__}"
+    elif list(y.shape) != expected or y.dtype != x.dtype:
+        found = f"{list(y.shape)} {y.dtype}"
+    else:
+        return y, milliseconds, ""
+    reason = (
+        f"{_kernel_text(layer)} returned {found} from apply() for layer {name}; expected {expected} {x.dtype} "
+        "(rows x N, in the input dtype)"
+    )
+    return None, math.nan, reason
+
+
+def _kernel_text(layer: QuantLinear) -> str:
+    kernel = layer.kernel
+    return f"kernel {kernel.name!r}" + (f" (plugin {kernel.plugin})" if kernel.plugin else "")

@@ -2,7 +2,8 @@
 
 Shows the producer, the detected scheme of every quantized module (grouped, with counts), the
 ignored modules, plain and tolerated tensors, and every problem found (layout and scale
-values). Reads only headers and the small scale tensors. Exit 1 when problems were found.
+values). Reads only headers and the small scale tensors. Exit 1 when problems were found, 2
+when the folder does not exist.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import sys
 from typing import Any
 
+from qscheme.cli.inputs import checkpoint_argument
 from qscheme.cli.output import print_json
 
 
@@ -24,6 +26,7 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from qscheme.checkpoint.inspect import inspect_checkpoint, render_inspection  # imports torch
 
+    checkpoint_argument(args.checkpoint)
     inspection = inspect_checkpoint(args.checkpoint)
     if args.json:
         print_json(inspection.as_json())

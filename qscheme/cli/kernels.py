@@ -14,12 +14,18 @@ from qscheme.kernels.resolver import check_device
 
 
 def register(sub: Any) -> None:
-    parser = sub.add_parser("kernels", help="list the declared kernels and whether each can run on a device")
+    parser = sub.add_parser(
+        "kernels",
+        help="list the declared kernels and whether each can run on a device",
+        description="List the declared kernels and whether each can run on a device. QSCHEME_KERNEL forces "
+        "one kernel and QSCHEME_DISABLED_KERNELS disables some, for `resolve` and `run`.",
+    )
     parser.add_argument(
         "--device",
         choices=DEVICE_CHOICES,
         default=None,
-        help="the device to judge against: cpu, cuda (the real GPU) or a simulated smXY (default: probe)",
+        help="the device to judge against: cpu, cuda (the real GPU) or a simulated smXY (default: probe); "
+        "only declarations are judged, so any GPU can be simulated",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list")
     parser.set_defaults(handler=run)

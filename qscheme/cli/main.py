@@ -1,31 +1,66 @@
 """Entry point of the `qscheme` command: dispatches to one module per command.
 
 Exit codes: 0 success, 1 the command's check failed (invalid descriptor, no kernel, ...),
-2 usage error. Errors go to stderr as one readable message, never a traceback.
+2 usage or input error (a bad argument, a path that does not exist, an unknown name). Errors
+go to stderr as one readable message, never a traceback; with ``--json`` a failing command
+also prints ``{"error": {"type", "message", "exit_code"}}`` on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import json
+import os
 import sys
 from collections.abc import Sequence
 
-from qscheme.errors import QSchemeError
+from qscheme import __version__
+from qscheme.cli.output import GuardedOutput, json_output
+from qscheme.errors import OutputError, QSchemeError
 
 # Command modules under qscheme.cli, in the order `qscheme --help` lists them.
 COMMANDS: tuple[str, ...] = ("schemes", "show", "validate", "kernels", "plugins", "resolve", "inspect", "run")
+
+EPILOG = """\
+exit codes:
+  0  success
+  1  the check failed: an invalid descriptor (validate), problems in a checkpoint (inspect),
+     no kernel for a layer (resolve, run), a layer beyond tolerance or whose kernel failed (run),
+     a plugin that failed to load (plugins), output that could not be written
+  2  usage or input error: a bad option value, a checkpoint folder or descriptor file that does
+     not exist, an unknown scheme or kernel name
+  With --json, a command that fails with an error also prints
+  {"error": {"type": ..., "message": ..., "exit_code": ...}} on stdout.
+
+environment:
+  QSCHEME_SCHEME_PATH               folders of extra scheme descriptors (*.yaml), separated by ':'
+  QSCHEME_KERNEL                    force this kernel for every layer (--kernel overrides it)
+  QSCHEME_DISABLED_KERNELS          kernels never to choose, comma-separated
+  QSCHEME_PLUGINS                   load only these third-party plugins (entry points or distributions, comma-separated)
+  QSCHEME_STRICT_PLUGINS=1          a plugin that fails is an error instead of being skipped
+  QSCHEME_DISABLE_PLUGIN_AUTOLOAD=1 load no third-party plugins (only the built-in ones)
+"""
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
         sys.stderr.write(f"qscheme: error: {message}\n")
-        raise SystemExit(2)
+        exit_error = SystemExit(2)
+        exit_error.usage_message = message  # type: ignore[attr-defined]  # for the --json error object
+        raise exit_error
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="qscheme", description="Declarative quantization schemes, kernels and checkpoints.")
+    parser = _Parser(
+        prog="qscheme",
+        description="Declarative quantization schemes, kernels and checkpoints.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"qscheme {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         module = importlib.import_module(f"qscheme.cli.{name}")
@@ -33,19 +68,60 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _error_json(kind: str, message: str, exit_code: int) -> None:
+    """The --json form of an error, on stdout (stderr has the text already)."""
+    record = {"error": {"type": kind, "message": message, "exit_code": exit_code}}
+    with contextlib.suppress(OSError):
+        sys.stdout.write(json.dumps(record, indent=2) + "\n")
+        sys.stdout.flush()
+
+
+def _discard_stdout() -> None:
+    """After a write error on the real stdout, point it at /dev/null: the final flush cannot fail then."""
+    real = sys.__stdout__
+    if real is None or sys.stdout is not real:
+        return
+    try:
+        descriptor = real.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError):
+        return
+    os.dup2(devnull, descriptor)
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(arguments)
+    except SystemExit as exc:
+        message = getattr(exc, "usage_message", None)
+        if message is not None and "--json" in arguments:
+            _error_json("UsageError", message, 2)
+        raise
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    wants_json = bool(getattr(args, "json", False))
+    stdout = GuardedOutput(sys.stdout)
     try:
-        code: int = args.handler(args)
+        with contextlib.redirect_stdout(stdout):
+            with json_output() if wants_json else contextlib.nullcontext():
+                code: int = args.handler(args)
+            stdout.flush()
         return code
+    except OutputError as exc:
+        _discard_stdout()
+        sys.stderr.write(f"qscheme {args.command}: error: {exc}\n")
+        return exc.exit_code
     except QSchemeError as exc:
         sys.stderr.write(f"qscheme {args.command}: error: {exc}\n")
-        return getattr(exc, "exit_code", 1)
+        if wants_json:
+            _error_json(type(exc).__name__, str(exc), exc.exit_code)
+        return exc.exit_code
     except BrokenPipeError:
+        _discard_stdout()
         return 0
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")

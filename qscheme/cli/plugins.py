@@ -1,4 +1,7 @@
-"""`qscheme plugins [--json]`: every plugin, what it adds, and why it failed if it did."""
+"""`qscheme plugins [--json]`: every plugin, what it adds, and why it failed if it did.
+
+Exit 1 when any plugin failed (the list is printed all the same), 0 otherwise.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,13 @@ from qscheme.plugins import get_plugins
 
 
 def register(sub: Any) -> None:
-    parser = sub.add_parser("plugins", help="list the plugins: distribution, version, kernels, schemes, errors")
+    parser = sub.add_parser(
+        "plugins",
+        help="list the plugins: distribution, version, kernels, schemes, errors",
+        description="List every plugin, what it adds and why it failed if it did. Exit 1 when any plugin "
+        "failed, 0 otherwise. QSCHEME_PLUGINS, QSCHEME_DISABLE_PLUGIN_AUTOLOAD and QSCHEME_STRICT_PLUGINS "
+        "choose which plugins load (see `qscheme --help`).",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON list")
     parser.set_defaults(handler=run)
 
@@ -21,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     infos = plugins.infos()
     if args.json:
         print_json([info.as_json() for info in infos])
-        return 0
+        return 1 if plugins.failures() else 0
     rows = []
     for info in infos:
         if info.failures:
@@ -47,4 +56,4 @@ def run(args: argparse.Namespace) -> int:
         out.extend(f"  {failure}" for failure in failures)
     out.append(f"\n{len(infos)} plugins, {len(failures)} error(s)")
     sys.stdout.write("\n".join(out) + "\n")
-    return 0
+    return 1 if failures else 0

@@ -1,7 +1,8 @@
 """`qscheme resolve TARGET [--device D] [--kernel K] [--shape N,K] [--dtype T] [--json]`.
 
 Which kernel would run a layer of the scheme (a catalog name or a descriptor file), and why
-every other kernel would not. Exit 0 when a kernel is chosen, 1 when none can run it.
+every other kernel would not. Exit 0 when a kernel is chosen, 1 when none can run it, 2 when the
+name or file is not found or an option is bad.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qscheme.catalog import load_scheme
+from qscheme.cli.inputs import scheme_argument
 from qscheme.cli.output import print_json
 from qscheme.errors import UsageError
 from qscheme.kernels import registry
@@ -33,7 +34,8 @@ def register(sub: Any) -> None:
         "--device",
         choices=DEVICE_CHOICES,
         default=None,
-        help="cpu, cuda (the real GPU) or a simulated smXY (default: probe this machine)",
+        help="cpu, cuda (the real GPU) or a simulated smXY (default: probe this machine); resolving only "
+        "judges declarations, so any GPU can be simulated (`qscheme run` needs a real device instead)",
     )
     parser.add_argument(
         "--kernel", default=None, help="force this kernel (fails if it cannot run; overrides QSCHEME_KERNEL)"
@@ -42,7 +44,7 @@ def register(sub: Any) -> None:
         "--shape",
         default=None,
         metavar="N,K",
-        help=f"output and input features of the layer (default {DEFAULT_SHAPE[0]},{DEFAULT_SHAPE[1]}; "
+        help=f"output and input features of the layer, as N,K or NxK (default {DEFAULT_SHAPE[0]},{DEFAULT_SHAPE[1]}; "
         "not for a checkpoint, whose layers have their own)",
     )
     parser.add_argument("--dtype", default="bf16", help="activation dtype: bf16, fp16 or fp32 (default bf16)")
@@ -65,7 +67,7 @@ def parse_shape(text: str | None) -> tuple[int, int]:
     try:
         n, k = (int(p) for p in parts)
     except ValueError:
-        raise UsageError(f"--shape {text!r}: expected N,K, two positive integers such as 4096,11008") from None
+        raise UsageError(f"--shape {text!r}: expected N,K (or NxK), two positive integers such as 4096,11008") from None
     if n < 1 or k < 1:
         raise UsageError(f"--shape {text!r}: N and K must be positive")
     return n, k
@@ -89,7 +91,6 @@ def run(args: argparse.Namespace) -> int:
                 f"{' and '.join(given)}: not for a checkpoint folder ({args.target}), whose layers have their own "
                 "shapes and partitions; drop them, or resolve a scheme name or descriptor file instead"
             )
-
         return resolve_command(args)
     n, k = parse_shape(args.shape)
     try:
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    scheme = load_scheme(args.target)
+    scheme = scheme_argument(args.target)
     device = registry.device_for(args.device)
     resolution = registry.resolve_layer(scheme, problem, device, args.kernel)
     failures = registry.plugin_failures()

@@ -6,13 +6,17 @@ import argparse
 import sys
 from typing import Any
 
-from qscheme.catalog import load_scheme
+from qscheme.cli.inputs import scheme_argument
 from qscheme.cli.output import print_json
 from qscheme.descriptor.summary import render_scheme, scheme_dict
 
 
 def register(sub: Any) -> None:
-    parser = sub.add_parser("show", help="show one scheme: formats, tensors, conventions, detection")
+    parser = sub.add_parser(
+        "show",
+        help="show one scheme: formats, tensors, conventions, detection",
+        description="Show one scheme. Exit 2 when the name is unknown or the file does not exist.",
+    )
     parser.add_argument(
         "target", metavar="NAME|FILE", help="a scheme name (see `qscheme schemes`) or a descriptor file"
     )
@@ -21,7 +25,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    scheme = load_scheme(args.target)
+    scheme = scheme_argument(args.target)
     if args.json:
         print_json(scheme_dict(scheme))
     else:

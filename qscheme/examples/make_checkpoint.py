@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from qscheme import __version__
 from qscheme.catalog import load_scheme
+from qscheme.cli.inputs import scheme_argument
 from qscheme.errors import QSchemeError, UsageError
 
 HIDDEN = 256
@@ -113,11 +114,27 @@ def _static_inputs(scheme_name: str) -> dict[str, torch.Tensor]:
     return given
 
 
+def _check_new_folder(folder: Path) -> None:
+    """Refuse an ``out`` that is a file or a folder with anything in it: never overwrite a checkpoint."""
+    if folder.is_dir():
+        if any(folder.iterdir()):
+            raise UsageError(
+                f"{folder}: the folder exists and is not empty; choose a new folder (this generator never "
+                "overwrites files), or remove this one first"
+            )
+    elif folder.exists() or folder.is_symlink():
+        raise UsageError(f"{folder}: exists and is not a folder; choose a new folder to write the checkpoint into")
+
+
 def make_checkpoint(out: str | Path, layers: int = 2, scheme: str = "compressed-tensors/NVFP4") -> Path:
-    """Write config.json and model.safetensors into ``out`` (created); returns the folder."""
+    """Write config.json and model.safetensors into ``out``, a new or empty folder; returns the folder.
+
+    UsageError, before anything is written, when ``out`` is a file or a folder that is not empty.
+    """
     from qscheme.quantize.weight import quantize_weight
 
     folder = Path(out)
+    _check_new_folder(folder)
     generator = torch.Generator().manual_seed(SEED)
     tensors: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": (torch.randn(VOCAB, HIDDEN, generator=generator) * 0.02).to(torch.bfloat16),
@@ -135,6 +152,7 @@ def make_checkpoint(out: str | Path, layers: int = 2, scheme: str = "compressed-
                 tensors[f"{prefix}.{name}.{short}"] = value.clone().contiguous()
     config = _llama_config(layers)
     config["quantization_config"] = _quantization_config(scheme)
+    _check_new_folder(folder)  # again: quantizing took a while
     folder.mkdir(parents=True, exist_ok=True)
     # Each file appears whole or not at all: written beside its final name, then renamed.
     weights, settings = folder / "model.safetensors", folder / "config.json"
@@ -154,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m qscheme.examples.make_checkpoint", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("out", help="folder to write (created if missing)")
+    parser.add_argument("out", help="a new folder to write (created; an existing one must be empty)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     parser.add_argument(
         "--scheme", default="compressed-tensors/NVFP4", help="a compressed-tensors scheme (default NVFP4)"
@@ -163,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers < 1:
         parser.error(f"--layers must be >= 1, not {args.layers}")
     try:
+        scheme_argument(args.scheme)  # an unknown name or a missing file: exit 2
         folder = make_checkpoint(args.out, layers=args.layers, scheme=args.scheme)
     except QSchemeError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
