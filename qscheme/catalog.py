@@ -25,9 +25,36 @@ def builtin_scheme_dir() -> Path:
     return Path(str(resources.files("qscheme_schemes")))
 
 
-def descriptor_files(folder: Path) -> list[Path]:
-    """Every *.yaml / *.yml below a folder, sorted."""
-    return sorted(p for p in folder.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file())
+def descriptor_files(folder: Path, problems: list[Problem] | None = None) -> list[Path]:
+    """Every *.yaml / *.yml below a folder, sorted; hidden files and folders (``.name``) are skipped.
+
+    A folder that cannot be read is a problem, never a silent skip: it is appended to
+    ``problems`` when given, else raised as a SchemeError.
+    """
+    unreadable: list[Problem] = []
+
+    def report(error: OSError) -> None:
+        where = error.filename or folder
+        reason = error.strerror or str(error)
+        unreadable.append(
+            Problem(
+                Location(str(where)),
+                f"cannot read this scheme folder: {reason}; make it readable (chmod +rx), or move it away",
+            )
+        )
+
+    files: list[Path] = []
+    for root, dirs, names in os.walk(folder, onerror=report):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in names:
+            path = Path(root) / name
+            if not name.startswith(".") and path.suffix in (".yaml", ".yml") and path.is_file():
+                files.append(path)
+    if unreadable:
+        if problems is None:
+            raise SchemeError(unreadable)
+        problems.extend(unreadable)
+    return sorted(files)
 
 
 @dataclass(frozen=True)
@@ -100,17 +127,36 @@ def build_catalog(sources: Iterable[tuple[str, Path]], base: Catalog | None = No
 def catalog_sources(
     extra_dirs: Iterable[Path] = (), plugin_files: Iterable[tuple[str, Path]] = ()
 ) -> list[tuple[str, Path]]:
-    """Built-ins, then QSCHEME_SCHEME_PATH folders, then extra folders, then plugin files."""
-    sources: list[tuple[str, Path]] = [("builtin", p) for p in descriptor_files(builtin_scheme_dir())]
+    """Built-ins, then QSCHEME_SCHEME_PATH folders, then extra folders, then plugin files.
+
+    A folder named twice (or the built-in folder named again) is read once; an unreadable
+    folder or subfolder is a SchemeError.
+    """
+    builtin = builtin_scheme_dir()
+    sources: list[tuple[str, Path]] = [("builtin", p) for p in descriptor_files(builtin)]
+    seen = {_resolved(builtin)}
+    problems: list[Problem] = []
     for folder in [*scheme_path_dirs(), *extra_dirs]:
         if not folder.is_dir():
             raise SchemeError(
                 f"{SCHEME_PATH_VARIABLE} names {str(folder)!r}, which is not a folder; "
                 "fix the path or remove it from the variable"
             )
-        sources.extend((f"path:{folder}", p) for p in descriptor_files(folder))
+        if _resolved(folder) in seen:
+            continue
+        seen.add(_resolved(folder))
+        sources.extend((f"path:{folder}", p) for p in descriptor_files(folder, problems))
+    if problems:
+        raise SchemeError(problems)
     sources.extend(plugin_files)
     return sources
+
+
+def _resolved(folder: Path) -> Path:
+    try:
+        return folder.resolve()
+    except (OSError, RuntimeError):
+        return folder.absolute()
 
 
 _CATALOG_CACHE: dict[tuple[object, ...], Catalog] = {}

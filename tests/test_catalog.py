@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 
-from qscheme.catalog import build_catalog, builtin_scheme_dir, load_catalog, load_scheme
+from qscheme.catalog import build_catalog, builtin_scheme_dir, descriptor_files, load_catalog, load_scheme
 from qscheme.errors import SchemeError
 
 BUILTIN = Path(__file__).resolve().parents[1] / "schemes"
@@ -135,3 +136,64 @@ def test_a_folder_is_not_a_descriptor_file(tmp_path: Path) -> None:
         load_scheme(str(tmp_path / "schemes.yaml"))
     with pytest.raises(SchemeError, match="is a folder, not a descriptor file"):
         load_scheme(str(tmp_path))
+
+
+def test_hidden_files_and_folders_are_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "mine.yaml").write_text(E5M2_TEXT)
+    (tmp_path / "._mine.yaml").write_bytes(b"\0\5\26\7AppleDouble")
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "copy.yaml").write_text(E5M2_TEXT)
+    assert descriptor_files(tmp_path) == [tmp_path / "mine.yaml"]
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path))
+    assert "test/fp8-e5m2-weight-only" in load_catalog(include_plugins=False)
+
+
+def test_unreadable_subfolder_is_a_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "mine.yaml").write_text(E5M2_TEXT)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_scandir = os.scandir
+
+    def scandir(path: object) -> object:  # chmod 000 does not stop root: refuse the folder here
+        if Path(str(path)) == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path))
+    with pytest.raises(SchemeError) as info:
+        load_catalog(include_plugins=False)
+    assert str(info.value) == f"{locked}: cannot read this scheme folder: Permission denied; make it readable " + (
+        "(chmod +rx), or move it away"
+    )
+    with pytest.raises(SchemeError, match="cannot read this scheme folder"):
+        descriptor_files(tmp_path)
+
+
+def test_a_folder_named_twice_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "e5m2.yaml").write_text(E5M2_TEXT)
+    again = tmp_path / "sub" / ".."
+    (tmp_path / "sub").mkdir()
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", os.pathsep.join([str(tmp_path), str(again), str(builtin_scheme_dir())]))
+    catalog = load_catalog(include_plugins=False)
+    assert catalog.get("test/fp8-e5m2-weight-only").source == f"path:{tmp_path}"
+    assert catalog.get("compressed-tensors/NVFP4").source == "builtin"
+
+
+def test_nul_byte_on_path_is_located(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "bad.yaml").write_text(E5M2_TEXT.replace("activation: none", "activation: no\0ne"))
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path))
+    with pytest.raises(SchemeError, match=r"bad\.yaml:11:15: not valid YAML: character U\+0000 is not allowed"):
+        load_catalog(include_plugins=False)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["name: " + "[" * 5000 + "]" * 5000 + "\n", E5M2_TEXT.replace("[N, K]", "[N, " + "9" * 5000 + "]")],
+    ids=["deep", "5000 digits"],
+)
+def test_yaml_python_cannot_read_is_a_scheme_error(text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "bad.yaml").write_text(text)
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path))
+    with pytest.raises(SchemeError, match=rf"^{re.escape(str(tmp_path / 'bad.yaml'))}:\d+:\d+: "):
+        load_catalog(include_plugins=False)

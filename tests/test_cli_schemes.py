@@ -49,7 +49,7 @@ def test_show_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_show_unknown_is_error_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     code, _out, err = run(["show", "modelopt/NVFP5"], capsys)
-    assert code == 1 and "Traceback" not in err and "modelopt/NVFP4" in err
+    assert code == 2 and "Traceback" not in err and "modelopt/NVFP4" in err
 
 
 def test_validate_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -72,3 +72,60 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["validate"])
     assert info.value.code == 2
     assert main([]) == 2
+
+
+def test_every_builtin_validates(capsys: pytest.CaptureFixture[str]) -> None:
+    files = sorted(str(path) for path in BUILTIN.rglob("*.yaml"))
+    code, out, err = run(["validate", *files], capsys)
+    assert code == 0 and err == "" and out.count(": ok (") == len(files) == 18
+
+
+def test_validate_reports_duplicate_names_and_catalog_clashes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nvfp4 = BUILTIN / "compressed-tensors" / "NVFP4.yaml"
+    text = nvfp4.read_text()
+    first, second, shadow = tmp_path / "a.yaml", tmp_path / "b.yaml", tmp_path / "shadow.yaml"
+    copy = text.replace("name: compressed-tensors/NVFP4", "name: copy/NVFP4", 1)
+    first.write_text(copy)
+    second.write_text(copy)
+    shadow.write_text(text)
+    monkeypatch.delenv("QSCHEME_SCHEME_PATH", raising=False)
+    code, out, err = run(["validate", str(first), str(second), str(shadow), str(nvfp4), str(first)], capsys)
+    assert code == 1
+    assert out == f"{nvfp4}: ok (compressed-tensors/NVFP4)\n"
+    assert (
+        f"{first}:1:7: name: scheme name 'copy/NVFP4' is also used by {second}; scheme names must be unique: "
+        "rename one of them\n"
+    ) in err
+    assert f"{second}:1:7: name: scheme name 'copy/NVFP4' is also used by {first}; " in err
+    assert (
+        f"{shadow}:1:7: name: scheme name 'compressed-tensors/NVFP4' is already defined by {nvfp4} (builtin); "
+        "the catalog refuses a second scheme of that name: rename this one\n"
+    ) in err
+    assert err.endswith("4 of 5 file(s) invalid\n")
+    code, out, err = run(["validate", str(first), str(first)], capsys)
+    assert code == 0 and err == ""
+
+
+def test_validate_knows_the_scheme_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "path"
+    folder.mkdir()
+    text = (BUILTIN / "modelopt" / "FP8.yaml").read_text().replace("name: modelopt/FP8", "name: mine/FP8", 1)
+    (folder / "mine.yaml").write_text(text)
+    (tmp_path / "draft.yaml").write_text(text)
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(folder))
+    code, out, _ = run(["validate", str(folder / "mine.yaml")], capsys)
+    assert code == 0 and out == f"{folder / 'mine.yaml'}: ok (mine/FP8)\n"
+    code, _, err = run(["validate", str(tmp_path / "draft.yaml")], capsys)
+    assert code == 1 and f"is already defined by {folder / 'mine.yaml'} (path:{folder})" in err
+
+
+def test_validate_deep_or_huge_yaml_has_no_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "deep.yaml").write_text("name: " + "[" * 5000 + "]" * 5000 + "\n")
+    (tmp_path / "huge.yaml").write_text("name: x\nweight: {format: " + "1" * 5000 + "}\n")
+    code, out, err = run(["validate", str(tmp_path / "deep.yaml"), str(tmp_path / "huge.yaml")], capsys)
+    assert code == 1 and out == "" and "Traceback" not in err
+    assert "nested too deeply" in err and "(a number of 5000 digits) is too large" in err

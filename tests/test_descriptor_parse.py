@@ -324,3 +324,201 @@ def test_integer_4bit_activations_are_refused(element: str) -> None:
 def test_text_that_is_not_a_string_is_a_scheme_error() -> None:
     with pytest.raises(SchemeError, match=r"<string>: a descriptor is YAML text \(str\), not NoneType"):
         parse_scheme_text(None)  # type: ignore[arg-type]
+
+
+# --- YAML Python cannot read: located problems, never a traceback (audit F4) ---------------
+
+
+@pytest.mark.parametrize("depth", [40, 300, 5000])
+def test_deep_nesting_is_a_located_problem(depth: int) -> None:
+    with pytest.raises(SchemeError) as info:
+        parse_scheme_text("name: " + "[" * depth + "]" * depth + "\n", "bad.yaml")
+    (line,) = str(info.value).splitlines()
+    assert re.match(r"^bad\.yaml:1:\d+: (name[\[\]0]*\.\.\.: )?mappings and lists are nested", line), line
+    assert "32 levels" in line and "object at" not in line
+
+
+def test_deep_mapping_nesting_is_a_located_problem() -> None:
+    text = "name: x\nweight:\n" + "".join("  " * (i + 1) + f"k{i}:\n" for i in range(60)) + "  " * 61 + "v: 1\n"
+    lines = parse_errors(text)
+    assert any("nested more than 32 levels" in line for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("written", "fragment"),
+    [("1" + "0" * 5000, "(a number of 5001 digits) is too large"), ("0x_", "'0x_' is not a valid number")],
+    ids=["5001 digits", "0x_"],
+)
+def test_unreadable_numbers_are_located(written: str, fragment: str) -> None:
+    text = NVFP4_TEXT.replace("    group_size: 16\n", f"    group_size: {written}\n", 1)
+    (line,) = parse_errors(text)
+    number = line_of(text, "    group_size: " + written[:5])
+    assert line.startswith(f"bad.yaml:{number}:17: weight.scale.group_size: "), line[:200]
+    assert fragment in line and len(line) < 300
+
+
+def test_unreadable_number_as_key_is_located() -> None:
+    lines = parse_errors(NVFP4_TEXT + "0x_: 1\n")
+    assert any("'0x_' is not a valid number" in line for line in lines), lines
+
+
+def test_nul_byte_is_located_by_its_position() -> None:
+    text = NVFP4_TEXT.replace("producer: compressed-tensors", "producer: compr\0essed-tensors", 1)
+    with pytest.raises(SchemeError) as info:
+        parse_scheme_text(text, "bad.yaml")
+    number = line_of(text, "\0")
+    column = text.splitlines()[number - 1].index("\0") + 1
+    assert str(info.value).startswith(f"bad.yaml:{number}:{column}: not valid YAML: character U+0000 is not allowed")
+
+
+# --- declared shapes must agree with packing and scale granularity (audit F5) ---------------
+
+
+W4A16_TEXT = (BUILTIN / "compressed-tensors" / "W4A16.yaml").read_text()
+AWQ_TEXT = (BUILTIN / "modelopt" / "W4A16_AWQ.yaml").read_text()
+PB_WO_TEXT = (BUILTIN / "modelopt" / "fp8_pb_wo.yaml").read_text()
+SCALE_PATH, WEIGHT_PATH = "weight.scale.tensor.shape", "weight.tensor.shape"
+
+# (case, base text, old, new, key path, fragment)
+INCONSISTENT: list[tuple[str, str, str, str, str, str]] = [
+    ("group size vs scale", NVFP4_TEXT, "group_size: 16\n    format", "group_size: 32\n    format", SCALE_PATH,
+     "[N, K/16] does not fit granularity 'group' with group_size 32 (one scale per 32 elements along K); "
+     "declare [N, K/32] (or [N, ceil(K/32)])"),
+    ("nibbles_k", NVFP4_TEXT, "shape: [N, K/2]", "shape: [N, K/3]", WEIGHT_PATH,
+     "[N, K/3] does not fit format 'e2m1' with packing 'nibbles_k' (two 4-bit elements per byte along K); "
+     "declare [N, K/2] (or [N, ceil(K/2)])"),
+    ("weight empty", NVFP4_TEXT, "shape: [N, K/2]", "shape: []", WEIGHT_PATH, "[] does not fit format 'e2m1'"),
+    ("weight 1-D", FP8_DYNAMIC_TEXT, "shape: [N, K]", "shape: [K]", WEIGHT_PATH, "declare [N, K]"),
+    ("int32_k", W4A16_TEXT, 'shape: [N, "ceil(K/8)"]', "shape: [N, K/4]", WEIGHT_PATH,
+     "(8 elements per int32 along K); declare [N, K/8] (or [N, ceil(K/8)])"),
+    ("int4_n", AWQ_TEXT, "shape: [N/2, K]", "shape: [N, K/2]", WEIGHT_PATH, "declare [N/2, K] (or [ceil(N/2), K])"),
+    ("channel", FP8_DYNAMIC_TEXT, "shape: [N, 1]", "shape: [1, N]", SCALE_PATH, "declare [N, 1] or [N]"),
+    ("tensor", FP8_STATIC_TEXT, "shape: [1]}\nactivation", "shape: [N]}\nactivation", SCALE_PATH,
+     "declare [] or [1]"),
+    ("block", FP8_BLOCK_TEXT, '"ceil(K/128)"]', '"ceil(K/64)"]', SCALE_PATH,
+     "declare [N/128, K/128] (or [ceil(N/128), ceil(K/128)]) or [N/128, 1, K/128, 1]"),
+    ("block only single", PB_WO_TEXT, '[["ceil(N/128)", 1, "ceil(K/128)", 1], []]', "[[], [1]]",
+     SCALE_PATH + ".any_of[0]", "[] does not fit granularity 'block'"),
+    ("global scale", NVFP4_TEXT, "name: weight_global_scale, dtype: [float32, bfloat16, float16], shape: [1]",
+     "name: weight_global_scale, dtype: [float32, bfloat16, float16], shape: [N]",
+     "weight.global_scale.tensor.shape", "[N] does not fit a global scale"),
+    ("zero point", W4A16_ASYM_TEXT, '["ceil(N/8)", "ceil(K/128)"]', '[N, "ceil(K/128)"]',
+     "weight.zero_point.tensor.shape", "declare [N/8, K/128] (or [ceil(N/8), ceil(K/128)])"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "base", "old", "new", "path", "fragment"), INCONSISTENT, ids=[c[0] for c in INCONSISTENT]
+)
+def test_shapes_that_contradict_the_layout_are_located(
+    case: str, base: str, old: str, new: str, path: str, fragment: str
+) -> None:
+    assert old in base, case
+    text = base.replace(old, new, 1)
+    lines = parse_errors(text)
+    assert any(f": {path}: " in line and fragment in line for line in lines), lines
+    assert len(lines) == 1 or case == "block only single", lines
+
+
+def test_every_ceil_form_is_accepted() -> None:
+    text = NVFP4_TEXT.replace("shape: [N, K/2]", 'shape: [N, "ceil(K/2)"]', 1)
+    text = text.replace("shape: [N, K/16]", 'shape: {any_of: [[N, K/16], [N, "ceil(K/16)"]]}', 1)
+    assert parse_scheme_text(text, "x.yaml").weight.scale.tensor.describe_shapes() == "[N, K/16] or [N, ceil(K/16)]"
+
+
+@pytest.mark.parametrize(
+    ("base", "old", "new", "path"),
+    [
+        (
+            NVFP4_TEXT,
+            "    group_size: 16\n",
+            "    group_size: 1000000000000000000000000000000000000000\n",
+            WEIGHT_GROUP,
+        ),
+        (FP8_BLOCK_TEXT, "block: [128, 128]", "block: [128, 2097152]", "weight.scale.block[1]"),
+        (FP8_BLOCK_TEXT, "  group_size: 128\n", "  group_size: 2097152\n", ACT_GROUP),
+    ],
+    ids=["group_size 10**39", "block", "activation group_size"],
+)
+def test_sizes_are_bounded(base: str, old: str, new: str, path: str) -> None:
+    assert old in base
+    lines = parse_errors(base.replace(old, new, 1))
+    assert any(f": {path}: " in line and "too large; use an integer from 1 to 1048576" in line for line in lines), lines
+
+
+def test_shape_divisor_is_bounded() -> None:
+    (line,) = parse_errors(NVFP4_TEXT.replace("shape: [N, K/16]", "shape: [N, K/99999999999]", 1))
+    assert ": weight.scale.tensor.shape[1]: 'K/99999999999': the divisor is larger than 1048576" in line, line
+
+
+# (case, weights as written, key, fragment)
+BAD_ARGUMENTS: list[tuple[str, str, str, str]] = [
+    ("num_bits word", "num_bits: four", "num_bits", "'four' is not one of 4, 8"),
+    ("num_bits 3", "num_bits: 3", "num_bits", "3 is not one of 4, 8"),
+    ("num_bits bool", "num_bits: true", "num_bits", "True is not one of 4, 8"),
+    ("type", "type: 7", "type", "7 is not one of 'int', 'float'"),
+    ("strategy", "strategy: nope", "strategy", "'nope' is not one of 'tensor', 'channel', 'group'"),
+    ("group_size 0", "group_size: 0", "group_size", "0 is not -1 (per channel) or an integer from 1 to 1048576"),
+    ("group_size str", "group_size: '16'", "group_size", "'16' is not -1"),
+    ("symmetric", "symmetric: maybe", "symmetric", "'maybe' is not one of true, false"),
+    ("dynamic", "dynamic: sometimes", "dynamic", "'sometimes' is not one of true, false, 'local'"),
+    ("block_structure", "block_structure: 128xabc", "block_structure", "'128xabc' is not [rows, columns]"),
+    ("actorder", "actorder: 3", "actorder", "3 is not true, false or one of 'group'"),
+]
+
+
+@pytest.mark.parametrize(("case", "written", "key", "fragment"), BAD_ARGUMENTS, ids=[c[0] for c in BAD_ARGUMENTS])
+def test_compressed_tensors_argument_values_are_checked(case: str, written: str, key: str, fragment: str) -> None:
+    rule = "weights: {num_bits: 4, type: float, strategy: tensor_group, group_size: 16, symmetric: true}"
+    assert rule in NVFP4_TEXT
+    arguments = dict(item.split(": ", 1) for item in rule[10:-1].split(", "))
+    arguments[written.split(": ")[0]] = written.split(": ", 1)[1]
+    text = NVFP4_TEXT.replace(rule, "weights: {" + ", ".join(f"{k}: {v}" for k, v in arguments.items()) + "}", 1)
+    (line,) = parse_errors(text)
+    number = line_of(text, "    weights:")
+    column = text.splitlines()[number - 1].index(written) + len(key) + 3
+    assert line.startswith(f"bad.yaml:{number}:{column}: detect.compressed-tensors.weights.{key}: {fragment}"), line
+
+
+def test_compressed_tensors_arguments_allow_null_and_library_spellings() -> None:
+    rule = "weights: {num_bits: 4, type: float, strategy: tensor_group, group_size: 16, symmetric: true}"
+    written = (
+        "weights: {num_bits: 4, type: FLOAT, strategy: TENSOR_GROUP, group_size: 16, symmetric: true, "
+        "dynamic: null, block_structure: 16x16, actorder: null, observer: minmax, scale_dtype: float8_e4m3fn}"
+    )
+    assert parse_scheme_text(NVFP4_TEXT.replace(rule, written, 1), "x.yaml").detect.compressed_tensors is not None
+
+
+# --- shape items and scheme names (audit F11, F15) -------------------------------------------
+
+
+def test_non_scalar_shape_item_shows_the_plain_value() -> None:
+    (line,) = parse_errors(NVFP4_TEXT.replace("shape: [N, K/2]", "shape: [{a: 1}, K/2]", 1))
+    assert ": weight.tensor.shape[0]: {'a': 1} is not a dimension" in line and "Node(" not in line, line
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [
+        ("'bad\\x1b[31mred\\x07'", "contains the character '\\x1b'"),
+        ("'a\\u202eb'", "contains the character '\\u202e'"),
+        ("'my scheme'", "contains whitespace"),
+        ("'../../etc/passwd'", "has an empty, '.' or '..' part"),
+        ("acme//W4", "has an empty, '.' or '..' part"),
+        ("/acme/W4", "has an empty, '.' or '..' part"),
+        ("acme/./W4", "has an empty, '.' or '..' part"),
+        ("none", "means absent"),
+    ],
+)
+def test_scheme_names_are_restricted(name: str, fragment: str) -> None:
+    text = NVFP4_TEXT.replace("name: compressed-tensors/NVFP4", f'name: "{name[1:-1]}"' if name[0] == "'" else
+                              f"name: {name}", 1)  # fmt: skip
+    (line,) = parse_errors(text)
+    assert line.startswith("bad.yaml:1:7: name: ") and fragment in line, line
+    assert "use letters, digits" in line or "choose another name" in line
+
+
+@pytest.mark.parametrize("name", ["acme/W4A16_G64", "a.b-c_d/E.F", "x"])
+def test_ordinary_scheme_names_are_accepted(name: str) -> None:
+    text = NVFP4_TEXT.replace("name: compressed-tensors/NVFP4", f"name: {name}", 1)
+    assert parse_scheme_text(text, "x.yaml").name == name

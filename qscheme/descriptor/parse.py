@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from qscheme.descriptor.arguments import argument_problem
+from qscheme.descriptor.consistency import (
+    SINGLE,
+    Form,
+    describe,
+    scale_forms,
+    scale_layout,
+    weight_forms,
+    weight_layout,
+    zero_point_forms,
+)
 from qscheme.descriptor.model import (
     ACTIVATION_GRANULARITIES,
     FUSED_POLICIES,
@@ -30,7 +42,7 @@ from qscheme.descriptor.model import (
     ZeroPointSpec,
 )
 from qscheme.descriptor.nodes import INVALID, Node, read_yaml
-from qscheme.descriptor.shapes import Shape, parse_shape
+from qscheme.descriptor.shapes import MAX_SIZE, Shape, format_shape, parse_shape
 from qscheme.errors import Location, Problem, SchemeError
 
 T = TypeVar("T")
@@ -70,6 +82,8 @@ SCALE_DTYPES: dict[str, tuple[str, ...]] = {
     "bf16": ("bfloat16",),
     "float": ("float16", "bfloat16", "float32"),
 }
+NAME = re.compile(r"^[A-Za-z0-9._/-]+$")
+"""The characters a scheme name may use; no segment between '/' may be empty, '.' or '..'."""
 COMPRESSED_TENSORS_ARGUMENTS: tuple[str, ...] = (
     "num_bits",
     "type",
@@ -165,10 +179,14 @@ class _Reader:
             return None
         return value
 
-    def integer(self, node: Node, path: str, minimum: int = 1) -> int | None:
+    def integer(self, node: Node, path: str, minimum: int = 1, maximum: int = MAX_SIZE) -> int | None:
         value = node.value
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             self.fail(node, path, f"{node.plain()!r} is not an integer >= {minimum}")
+            return None
+        if value > maximum:
+            shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:12]}... ({len(str(value))} digits)"
+            self.fail(node, path, f"{shown} is too large; use an integer from {minimum} to {maximum}")
             return None
         return value
 
@@ -220,7 +238,7 @@ class _Reader:
         dims = []
         for index, item in enumerate(node.value):
             try:
-                dims.append(parse_shape([item.value])[0])
+                dims.append(parse_shape([item.plain()])[0])
             except ValueError as exc:
                 self.fail(item, f"{path}[{index}]", str(exc))
                 return None
@@ -258,6 +276,27 @@ class _Reader:
             where = node.value.get("tensor", node) if node.is_mapping else node
             self.fail(where, f"{path}.tensor.dtype", f"{bad[0]!r} does not fit {why}; use {_quote(allowed)}")
 
+    def check_shapes(
+        self, node: Node, path: str, spec: TensorSpec, forms: tuple[Form, ...], why: str, single_block: bool = False
+    ) -> None:
+        """Every declared shape of ``node``'s tensor must be one of ``forms`` (what ``why`` implies).
+
+        ``single_block``: a block scale may also list ``[]``/``[1]`` next to a full form, for a
+        weight that is one block (as modelopt/fp8_pb_wo does).
+        """
+        if not forms:
+            return
+        declared = _shape_nodes(node, f"{path}.tensor.shape")
+        if len(declared) != len(spec.shapes):
+            return  # the tensor section had problems of its own
+        full = [any(form.admits(shape) for form in forms) for shape in spec.shapes]
+        for shape, admitted, (shape_node, shape_path) in zip(spec.shapes, full, declared, strict=True):
+            if admitted:
+                continue
+            if single_block and any(full) and any(form.admits(shape) for form in SINGLE):
+                continue
+            self.fail(shape_node, shape_path, f"{format_shape(shape)} does not fit {why}; declare {describe(forms)}")
+
     def scale(self, node: Node, path: str) -> ScaleSpec | None:
         items = self.mapping(node, path, ("granularity", "format", "stored", "tensor"), ("group_size", "block"))
         if items is None:
@@ -281,6 +320,15 @@ class _Reader:
             )
         if tensor is not None and scale_format is not None:
             self.check_dtypes(node, path, tensor, SCALE_DTYPES[scale_format], f"scale format {scale_format!r}")
+        if tensor is not None and granularity is not None:
+            self.check_shapes(
+                node,
+                path,
+                tensor,
+                scale_forms(granularity, group_size, block),
+                scale_layout(granularity, group_size, block),
+                single_block=granularity == "block",
+            )
         if granularity is None or scale_format is None or stored is None or tensor is None:
             return None
         return ScaleSpec(
@@ -321,6 +369,7 @@ class _Reader:
         tensor = self.required(items, "tensor", path, self.tensor)
         if tensor is not None:
             self.check_dtypes(node, path, tensor, SCALE_DTYPES["float"], "a global scale")
+            self.check_shapes(node, path, tensor, SINGLE, "a global scale (one value per tensor)")
         if stored is None or tensor is None:
             return None
         return GlobalScaleSpec(stored=stored, tensor=tensor)  # type: ignore[arg-type]
@@ -385,6 +434,25 @@ class _Reader:
                 f"{path}.zero_point",
                 f"zero points need an integer format, not {element!r}; use zero_point: none",
             )
+        if tensor is not None and element is not None and packing in WEIGHT_PACKINGS:
+            self.check_shapes(
+                node,
+                path,
+                tensor,
+                weight_forms(element, packing),
+                f"format {element!r} with packing {packing!r} ({weight_layout(element, packing)})",
+            )
+        if zero_point is not None and scale is not None:
+            forms = scale_forms(scale.granularity, scale.group_size, scale.block)
+            self.check_shapes(
+                items["zero_point"],
+                f"{path}.zero_point",
+                zero_point.tensor,
+                zero_point_forms(forms, zero_point.packing, zero_point.format),
+                f"one zero point per scale ({scale_layout(scale.granularity, scale.group_size, scale.block)}"
+                + (", packed along N" if zero_point.packing == "int32_n" else "")
+                + ")",
+            )
         if element is None or tensor is None or scale is None or packing is None:
             return None
         return WeightSpec(
@@ -406,6 +474,7 @@ class _Reader:
         scale_format = self.optional(items, "format", path, lambda n, p: self.choice(n, p, SCALE_FORMATS)) or "float"
         if tensor is not None:
             self.check_dtypes(node, path, tensor, SCALE_DTYPES[scale_format], f"scale format {scale_format!r}")
+            self.check_shapes(node, path, tensor, SINGLE, "a static activation scale (one value per tensor)")
         if stored is None or tensor is None:
             return None
         return ScaleSpec(granularity="tensor", format=scale_format, stored=stored, tensor=tensor)  # type: ignore[arg-type]
@@ -470,6 +539,10 @@ class _Reader:
         items = self.mapping(node, path, (), COMPRESSED_TENSORS_ARGUMENTS)
         if items is None:
             return None
+        for key, child in items.items():
+            problem = argument_problem(key, child.plain())
+            if problem is not None:
+                self.fail(child, f"{path}.{key}", problem)
         return {key: child.plain() for key, child in items.items()}
 
     def detect(self, node: Node, path: str) -> DetectSpec | None:
@@ -556,8 +629,8 @@ def _read_scheme(reader: _Reader, root: Node) -> Scheme | None:
     tolerated = reader.optional(items, "tolerated", "", reader.strings) or ()
     fused = reader.optional(items, "fused", "", reader.fused) or FusedSpec()
     detect = reader.optional(items, "detect", "", reader.detect) or DetectSpec()
-    if name is not None and any(ch.isspace() for ch in name):
-        reader.fail(items["name"], "name", f"{name!r} contains whitespace; use letters, digits, '-', '_', '.', '/'")
+    if name is not None:
+        _check_name(reader, items["name"], name)
     if weight is not None:
         names = [spec.name for spec in _tensor_names(weight, activation, pre_scale)]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -588,6 +661,33 @@ def _read_scheme(reader: _Reader, root: Node) -> Scheme | None:
         fused=fused,
         detect=detect,
     )
+
+
+def _check_name(reader: _Reader, node: Node, name: str) -> None:
+    """Scheme names are ASCII paths: letters, digits, '-', '_', '.', with '/' between segments."""
+    allowed = "use letters, digits, '-', '_', '.', and '/' between parts (e.g. 'acme/W4A16_G64')"
+    if not NAME.match(name):
+        bad = next(ch for ch in name if not NAME.match(ch))
+        what = "whitespace" if bad.isspace() else f"the character {bad!r}"
+        reader.fail(node, "name", f"{name!r} contains {what}; {allowed}")
+    elif any(part in ("", ".", "..") for part in name.split("/")):
+        reader.fail(node, "name", f"{name!r} has an empty, '.' or '..' part between '/'; {allowed}")
+    elif name.lower() == "none":
+        reader.fail(node, "name", f"{name!r} means absent in descriptors; choose another name")
+
+
+def _shape_nodes(section: Node, path: str) -> list[tuple[Node, str]]:
+    """The node of each declared shape of ``section``'s tensor (each any_of alternative), with its path."""
+    tensor = section.value.get("tensor") if section.is_mapping else None
+    shape = tensor.value.get("shape") if tensor is not None and tensor.is_mapping else None
+    if shape is None:
+        return []
+    if shape.is_mapping:
+        alternatives = shape.value.get("any_of")
+        if alternatives is None or not alternatives.is_sequence:
+            return []
+        return [(item, f"{path}.any_of[{index}]") for index, item in enumerate(alternatives.value)]
+    return [(shape, path)]
 
 
 def _tensor_names(

@@ -10,7 +10,21 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_DIM = re.compile(r"^\s*(?:(?P<int>\d+)|(?P<ceil>ceil\()?\s*(?P<var>[NK])\s*(?:/\s*(?P<div>\d+))?\s*(?(ceil)\)|)\s*)$")
+MAX_SIZE = 2**20
+"""Largest constant dimension, divisor, group size or block size a descriptor may declare."""
+
+_DIM = re.compile(
+    r"^\s*(?:(?P<int>[0-9]+)|(?P<ceil>ceil\()?\s*(?P<var>[NK])\s*(?:/\s*(?P<div>[0-9]+))?\s*(?(ceil)\)|)\s*)$"
+)
+
+
+def _bounded(text: str | int, number: str | int, what: str) -> int:
+    """An integer of a dimension (its constant or divisor); ValueError above MAX_SIZE."""
+    digits = number.lstrip("0") if isinstance(number, str) else str(number)
+    if len(digits) > len(str(MAX_SIZE)) or int(number) > MAX_SIZE:
+        shown = repr(text) if len(str(text)) <= 24 else repr(str(text)[:20] + "...")
+        raise ValueError(f"{shown}: the {what} is larger than {MAX_SIZE}; use at most {MAX_SIZE}")
+    return int(number)
 
 
 @dataclass(frozen=True)
@@ -31,13 +45,13 @@ class Dim:
         if isinstance(text, int):
             if text < 0:
                 raise ValueError(f"{text!r} is negative")
-            return Dim(text=str(text), constant=text)
+            return Dim(text=str(text), constant=_bounded(text, text, "size"))
         match = _DIM.match(str(text))
         if match is None:
             raise ValueError(f"{text!r} is not a dimension; use an integer, N, K, N/d, K/d, ceil(N/d) or ceil(K/d)")
         if match.group("int") is not None:
-            return Dim(text=str(text), constant=int(match.group("int")))
-        divisor = int(match.group("div") or 1)
+            return Dim(text=str(text), constant=_bounded(text, match.group("int"), "size"))
+        divisor = _bounded(text, match.group("div") or "1", "divisor")
         if divisor == 0:
             raise ValueError(f"{text!r} divides by zero")
         ceil = match.group("ceil") is not None

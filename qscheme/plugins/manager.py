@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import pluggy
 
-from qscheme.errors import PluginError, SchemeError
+from qscheme.errors import PluginError, Problem, SchemeError
 from qscheme.kernels.declaration import KernelDeclaration
 from qscheme.plugins import hookspecs
 
@@ -307,7 +307,11 @@ class Plugins:
                 if not path.exists():
                     self._fail(record, "hook qscheme_schemes", f"{path} does not exist")
                     continue
-                for file in descriptor_files(path) if path.is_dir() else [path]:
+                unreadable: list[Problem] = []
+                files = descriptor_files(path, problems=unreadable) if path.is_dir() else [path]
+                for problem in unreadable:
+                    self._fail(record, "hook qscheme_schemes", str(problem))
+                for file in files:
                     try:
                         scheme = parse_scheme_file(file, source=f"plugin:{record.name}")
                     except SchemeError as exc:
