@@ -522,3 +522,67 @@ def test_scheme_names_are_restricted(name: str, fragment: str) -> None:
 def test_ordinary_scheme_names_are_accepted(name: str) -> None:
     text = NVFP4_TEXT.replace("name: compressed-tensors/NVFP4", f"name: {name}", 1)
     assert parse_scheme_text(text, "x.yaml").name == name
+
+
+RECIPROCAL_E4M3 = """
+name: test/reciprocal-e4m3
+weight:
+  format: e2m1
+  packing: nibbles_k
+  tensor: {name: weight_packed, dtype: uint8, shape: [N, K/2]}
+  scale:
+    granularity: group
+    group_size: 16
+    format: e4m3
+    stored: reciprocal
+    tensor: {name: weight_scale, dtype: float8_e4m3fn, shape: [N, K/16]}
+"""
+
+
+@pytest.mark.parametrize(("scale_format", "dtype"), [("e4m3", "float8_e4m3fn"), ("e8m0", "uint8")])
+def test_a_reciprocal_e4m3_or_e8m0_scale_is_refused_at_its_stored_key(scale_format: str, dtype: str) -> None:
+    text = RECIPROCAL_E4M3.replace("format: e4m3", f"format: {scale_format}").replace("float8_e4m3fn", dtype)
+    with pytest.raises(SchemeError) as info:
+        parse_scheme_text(text, "r.yaml")
+    assert str(info.value) == (
+        f"r.yaml:11:13: weight.scale.stored: a {scale_format} scale is stored as the dequant multiplier; its "
+        f"reciprocal is not, in general, a {scale_format} value; use stored: multiplier (or a float scale format "
+        "for a reciprocal)"
+    )
+
+
+ZERO_POINTS = """
+name: test/zero-points
+weight:
+  format: {weight}
+  tensor: {{name: weight, dtype: {dtype}, shape: [N, K]}}
+  scale:
+    granularity: channel
+    format: float
+    stored: multiplier
+    tensor: {{name: weight_scale, dtype: float32, shape: [N, 1]}}
+  zero_point:
+    format: {zero}
+    tensor: {{name: weight_zero_point, dtype: {zdtype}, shape: [N, 1]}}
+"""
+
+
+@pytest.mark.parametrize(
+    ("weight", "dtype", "zero", "zdtype", "problem"),
+    [
+        ("uint8", "uint8", "int4", "int8", "zero points of uint8 weights lie in [0, 255], which 'int4'"),
+        ("uint8", "uint8", "int8", "int8", "zero points of uint8 weights lie in [0, 255], which 'int8'"),
+        ("int8", "int8", "uint8", "uint8", "zero points of int8 weights lie in [-128, 127], which 'uint8'"),
+        ("uint8", "uint8", "uint8", "uint8", None),
+        ("int8", "int8", "int8", "int8", None),
+    ],
+)
+def test_a_zero_point_format_must_hold_the_weights_range(
+    weight: str, dtype: str, zero: str, zdtype: str, problem: str | None
+) -> None:
+    text = ZERO_POINTS.format(weight=weight, dtype=dtype, zero=zero, zdtype=zdtype)
+    if problem is None:
+        assert parse_scheme_text(text, "z.yaml").weight.zero_point is not None
+        return
+    with pytest.raises(SchemeError, match=re.escape(f"z.yaml:12:13: weight.zero_point.format: {problem}")):
+        parse_scheme_text(text, "z.yaml")

@@ -64,6 +64,11 @@ ELEMENT_FORMATS: tuple[str, ...] = ("e2m1", "e4m3", "e5m2", "int4", "uint4", "in
 ACTIVATION_FORMATS: tuple[str, ...] = ("e2m1", "e4m3", "e5m2", "int8", "uint8")
 FOUR_BIT: frozenset[str] = frozenset({"e2m1", "int4", "uint4"})
 INTEGER: frozenset[str] = frozenset({"int4", "uint4", "int8", "uint8"})
+# The values each integer format holds: a weight's zero points range over its own format's.
+INTEGER_RANGE: dict[str, tuple[int, int]] = {"int4": (-8, 7), "uint4": (0, 15), "int8": (-128, 127), "uint8": (0, 255)}
+# Scale formats whose reciprocal is not, in general, a value of the format (a reciprocal e4m3
+# scale cannot be stored exactly, and an e8m0 byte holds a power of two only as a multiplier).
+NO_RECIPROCAL: frozenset[str] = frozenset({"e4m3", "e8m0"})
 # The dtype a weight tensor has for each packing (None: the element format's own storage dtype).
 PACKED_DTYPE: dict[str, str | None] = {"none": None, "nibbles_k": "uint8", "int32_k": "int32", "int4_n": "uint8"}
 UNPACKED_DTYPE: dict[str, str] = {
@@ -307,6 +312,7 @@ class _Reader:
         tensor = self.required(items, "tensor", path, self.tensor)
         group_size = self.optional(items, "group_size", path, self.integer)
         block = self.optional(items, "block", path, self.block)
+        self.check_reciprocal(items, path, scale_format, stored)
         self.check_group_size(node, items, path, granularity)
         if granularity == "block" and _absent(items.get("block")):
             self.needs(
@@ -374,6 +380,31 @@ class _Reader:
             return None
         return GlobalScaleSpec(stored=stored, tensor=tensor)  # type: ignore[arg-type]
 
+    def check_zero_point_range(self, node: Node, path: str, element: str, zp_format: str) -> None:
+        """A zero point lies in the weight format's range, so its format must hold all of it."""
+        if element not in INTEGER_RANGE:
+            return  # reported by weight(): zero points need an integer weight format
+        low, high = INTEGER_RANGE[element]
+        held_low, held_high = INTEGER_RANGE[zp_format]
+        if low < held_low or high > held_high:
+            fits = sorted(f for f, (a, b) in INTEGER_RANGE.items() if a <= low and b >= high)
+            self.fail(
+                node,
+                f"{path}.format",
+                f"zero points of {element} weights lie in [{low}, {high}], which {zp_format!r} "
+                f"([{held_low}, {held_high}]) cannot hold; use {' or '.join(repr(f) for f in fits)}",
+            )
+
+    def check_reciprocal(self, items: dict[str, Node], path: str, scale_format: str | None, stored: str | None) -> None:
+        """e4m3 / e8m0 scales are stored as the multiplier (their reciprocals are not such values)."""
+        if stored == "reciprocal" and scale_format in NO_RECIPROCAL:
+            self.fail(
+                items["stored"],
+                f"{path}.stored",
+                f"a {scale_format} scale is stored as the dequant multiplier; its reciprocal is not, in general, "
+                f"a {scale_format} value; use stored: multiplier (or a float scale format for a reciprocal)",
+            )
+
     def zero_point(self, node: Node, path: str) -> ZeroPointSpec | None:
         items = self.mapping(node, path, ("format", "tensor"), ("packing",))
         if items is None:
@@ -402,6 +433,10 @@ class _Reader:
         global_scale = self.optional(items, "global_scale", path, self.global_scale)
         zero_point = self.optional(items, "zero_point", path, self.zero_point)
         shape_tensor = self.optional(items, "shape_tensor", path, self.tensor)
+        if zero_point is not None and element is not None:
+            zp_items = items["zero_point"].value
+            zp_node = zp_items.get("format", items["zero_point"]) if isinstance(zp_items, dict) else items["zero_point"]
+            self.check_zero_point_range(zp_node, f"{path}.zero_point", element, zero_point.format)
         if element is not None and packing is not None:
             packing_node = items.get("packing", node)
             if packing in ("nibbles_k", "int4_n") and element not in FOUR_BIT:
@@ -472,6 +507,7 @@ class _Reader:
         stored = self.required(items, "stored", path, lambda n, p: self.choice(n, p, STORED_CHOICES))
         tensor = self.required(items, "tensor", path, self.tensor)
         scale_format = self.optional(items, "format", path, lambda n, p: self.choice(n, p, SCALE_FORMATS)) or "float"
+        self.check_reciprocal(items, path, scale_format, stored)
         if tensor is not None:
             self.check_dtypes(node, path, tensor, SCALE_DTYPES[scale_format], f"scale format {scale_format!r}")
             self.check_shapes(node, path, tensor, SINGLE, "a static activation scale (one value per tensor)")
