@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 
 from qscheme.descriptor import Scheme, parse_scheme_file
-from qscheme.errors import Location, Problem, SchemeError
+from qscheme.errors import Location, Problem, SchemeError, SchemeNotFoundError
 
 SCHEME_PATH_VARIABLE = "QSCHEME_SCHEME_PATH"
 
@@ -85,7 +85,7 @@ class Catalog:
             return scheme
         close = difflib.get_close_matches(name, list(self.schemes), n=3, cutoff=0.5)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        raise SchemeError(
+        raise SchemeNotFoundError(
             f"unknown scheme {name!r}.{hint} Run `qscheme schemes` to list the {len(self.schemes)} known schemes, "
             f"or pass a descriptor file path."
         )
@@ -228,6 +228,6 @@ def load_scheme(name_or_path: str | Path | Scheme) -> Scheme:
                 "QSCHEME_SCHEME_PATH and use its schemes' names"
             )
         if not Path(text).is_file():
-            raise SchemeError(f"descriptor file {text!r} does not exist; check the path")
+            raise SchemeNotFoundError(f"descriptor file {text!r} does not exist; check the path")
         return parse_scheme_file(text)
     return load_catalog().get(text)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qscheme.cli.inputs import scheme_argument
+from qscheme.catalog import load_scheme
 from qscheme.cli.output import print_json
 from qscheme.errors import UsageError
 from qscheme.kernels import registry
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    scheme = scheme_argument(args.target)
+    scheme = load_scheme(args.target)
     device = registry.device_for(args.device)
     resolution = registry.resolve_layer(scheme, problem, device, args.kernel)
     failures = registry.plugin_failures()

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from qscheme.cli.inputs import scheme_argument
+from qscheme.catalog import load_scheme
 from qscheme.cli.output import print_json
 from qscheme.descriptor.summary import render_scheme, scheme_dict
 
@@ -25,7 +25,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    scheme = scheme_argument(args.target)
+    scheme = load_scheme(args.target)
     if args.json:
         print_json(scheme_dict(scheme))
     else:

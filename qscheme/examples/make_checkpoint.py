@@ -24,7 +24,6 @@ from safetensors.torch import save_file
 
 from qscheme import __version__
 from qscheme.catalog import load_scheme
-from qscheme.cli.inputs import scheme_argument
 from qscheme.errors import QSchemeError, UsageError
 
 HIDDEN = 256
@@ -181,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers < 1:
         parser.error(f"--layers must be >= 1, not {args.layers}")
     try:
-        scheme_argument(args.scheme)  # an unknown name or a missing file: exit 2
+        load_scheme(args.scheme)  # an unknown name or a missing file: exit 2
         folder = make_checkpoint(args.out, layers=args.layers, scheme=args.scheme)
     except QSchemeError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
