@@ -16,7 +16,10 @@ Canonical form
   has none). ``global_scale_divisor`` keeps the stored divisor when the file stored the
   reciprocal, only so that the reference dequantization reproduces the producer's rounding
   (block_scale / divisor) bit for bit; kernels use ``global_scale``.
-- ``zero_point``: int8 [N, ceil(K/G)] (same layout as a group scale), or None.
+- ``zero_point``: int16 [N, ceil(K/G)] (same layout as a group scale; [N, 1] for channel
+  scales), or None. The values are the zero-point format's own: int4 in [-8, 7], uint4 in
+  [0, 15], int8 in [-128, 127], uint8 in [0, 255] (``canonical_zero_point`` checks the range),
+  so every zero-point format fits and a kernel may narrow them to the format's 8-bit dtype.
 - ``partitions``: output sizes of fused partitions, summing to N (``(N,)`` for a plain layer).
 - ``input_scale`` / ``input_global_scale``: float32 [P] multipliers of static activation scales;
   ``input_global_scale_divisor`` keeps a stored divisor, as ``global_scale_divisor`` does, so
@@ -39,6 +42,7 @@ from qscheme.descriptor import Scheme
 from qscheme.errors import QuantizeError
 from qscheme.formats import (
     decode,
+    get_element_format,
     pack_fp4_k,
     unpack_int4_n,
     unpack_int32_k,
@@ -101,21 +105,106 @@ def _per_partition(value: Tensor) -> Tensor:
     return value.reshape(-1).to(torch.float32)
 
 
+def values_per_column(element: str, packing: str) -> int:
+    """Weight values along K in one stored column: 2 for ``nibbles_k``, 32 / bits for
+    ``int32_k`` (8 for 4-bit, 4 for 8-bit elements), 1 otherwise."""
+    if packing == "nibbles_k":
+        return 2
+    if packing == "int32_k":
+        return 32 // get_element_format(element).bits
+    return 1
+
+
+def stored_layer_shape(
+    scheme: Scheme, stored_shape: tuple[int, ...], weight_shape: tuple[int, int] | None = None
+) -> tuple[int, int]:
+    """N, K of a layer from the shape of its stored weight (or the weight_shape tensor's values).
+
+    A packing that can hold padding (``int32_k``, ``nibbles_k``, ``int4_n``) admits several N or
+    K for one stored shape; the scheme's declared weight shapes pick among them (``K/8`` admits
+    one K, ``ceil(K/8)`` up to eight). Where more than one remains, the true size is only in the
+    weight_shape tensor: QuantizeError says the range and asks for it.
+    """
+    if weight_shape is not None:
+        return int(weight_shape[0]), int(weight_shape[1])
+    weight = scheme.weight
+    rows, columns = int(stored_shape[0]), int(stored_shape[-1])
+    per_row = 2 if weight.packing == "int4_n" else 1
+    per_column = values_per_column(weight.format, weight.packing)
+    n_range = range(max(1, (rows - 1) * per_row + 1), rows * per_row + 1) if rows else range(0, 1)
+    k_range = range(max(1, (columns - 1) * per_column + 1), columns * per_column + 1) if columns else range(0, 1)
+    shape = tuple(int(size) for size in stored_shape)
+    fits = [(n, k) for n in n_range for k in k_range if shape in weight.tensor.expected_shapes(n, k)]
+    if not fits:  # the stored shape fits no declaration: the validator says so for the padded size
+        return rows * per_row, columns * per_column
+    if len(fits) == 1:
+        return fits[0]
+    ns, ks = sorted({n for n, _ in fits}), sorted({k for _, k in fits})
+    sizes = []
+    if len(ns) > 1:
+        sizes.append(f"N may be anything in [{ns[0]}, {ns[-1]}]")
+    if len(ks) > 1:
+        sizes.append(f"K may be anything in [{ks[0]}, {ks[-1]}]")
+    if weight.shape_tensor is not None:
+        advice = f"pass the scheme's {weight.shape_tensor.name!r} tensor ([N, K])"
+    else:
+        advice = "declare a shape_tensor in the scheme and pass it ([N, K]), or declare the shape with exact division"
+    raise QuantizeError(
+        f"scheme {scheme.name}: the layer size is ambiguous: {weight.tensor.name!r} of shape "
+        f"[{', '.join(str(s) for s in shape)}] as declared {weight.tensor.describe_shapes()} means "
+        f"{' and '.join(sizes)}; {advice}"
+    )
+
+
 def layer_shape(scheme: Scheme, tensors: Mapping[str, Tensor]) -> tuple[int, int]:
-    """N, K of a layer from its stored weight (and weight_shape where declared)."""
+    """N, K of a layer from its stored weight (and weight_shape where declared and given);
+    QuantizeError where the stored weight leaves them ambiguous (see ``stored_layer_shape``)."""
     weight = scheme.weight
     stored = tensors[weight.tensor.name]
+    given = None
     if weight.shape_tensor is not None and weight.shape_tensor.name in tensors:
-        n, k = (int(v) for v in tensors[weight.shape_tensor.name].reshape(-1).tolist())
-        return n, k
-    rows, columns = stored.shape[0], stored.shape[-1]
-    if weight.packing == "nibbles_k":
-        return rows, columns * 2
-    if weight.packing == "int4_n":
-        return rows * 2, columns
-    if weight.packing == "int32_k":
-        return rows, columns * 8
-    return rows, columns
+        values = [int(v) for v in tensors[weight.shape_tensor.name].reshape(-1).tolist()]
+        if len(values) != 2:
+            raise QuantizeError(
+                f"scheme {scheme.name}: {weight.shape_tensor.name!r} holds {len(values)} values; expected [N, K]"
+            )
+        given = (values[0], values[1])
+    return stored_layer_shape(scheme, tuple(stored.shape), given)
+
+
+def canonical_zero_point(scheme: Scheme, raw: Tensor, rows: int) -> Tensor:
+    """Stored zero points -> int16 values of the zero-point format (not yet reshaped); ``rows``:
+    the scale's rows (N for group and channel scales), which ``int32_n`` words pack.
+
+    ``int32_n`` words hold signed values offset by 2**(bits-1) and unsigned ones as they are.
+    Unpacked 8-bit zero points stored in the 8-bit dtype of the other signedness (uint8 values
+    in an int8 tensor) are read by their bits. Values outside the format's range raise
+    QuantizeError: the kernels rely on the range.
+    """
+    spec = scheme.weight.zero_point
+    assert spec is not None
+    fmt = get_element_format(spec.format)
+    bits, signed = fmt.bits, fmt.signed
+    if spec.packing == "int32_n":
+        values = unpack_int32_n(raw, bits, rows).to(torch.int16)  # stored value - 2**(bits-1)
+        if not signed:
+            values = values + (1 << (bits - 1))
+        return values
+    if raw.dtype.is_floating_point or raw.dtype.is_complex or raw.dtype == torch.bool:
+        raise QuantizeError(
+            f"scheme {scheme.name}: zero points {spec.tensor.name!r} must be stored as integers, found {raw.dtype}"
+        )
+    if bits == 8 and raw.dtype == (torch.int8 if not signed else torch.uint8):
+        raw = raw.view(torch.uint8 if not signed else torch.int8)
+    low, high = int(fmt.min_value), int(fmt.max_value)
+    if raw.numel():
+        found_low, found_high = int(raw.min()), int(raw.max())
+        if found_low < low or found_high > high:
+            raise QuantizeError(
+                f"scheme {scheme.name}: zero points {spec.tensor.name!r} must lie in [{low}, {high}] "
+                f"({spec.format}), found values in [{found_low}, {found_high}]"
+            )
+    return raw.to(torch.int16)
 
 
 def canonicalize(
@@ -170,15 +259,8 @@ def canonicalize(
 
     zero_point = None
     if weight.zero_point is not None:
-        raw_zp = tensors[weight.zero_point.tensor.name]
-        if weight.zero_point.packing == "int32_n":
-            bits = 4 if weight.zero_point.format in FOUR_BIT else 8
-            zero_point = unpack_int32_n(raw_zp, bits, n)
-            if weight.zero_point.format.startswith("uint"):  # unsigned values are stored as they are
-                zero_point = (zero_point.to(torch.int16) + (1 << (bits - 1))).to(torch.int8)
-        else:
-            zero_point = raw_zp.to(torch.int8)
-        zero_point = zero_point.reshape(scale.shape)
+        rows = scale.shape[0] if scale.ndim == 2 else 1
+        zero_point = canonical_zero_point(scheme, tensors[weight.zero_point.tensor.name], rows).reshape(scale.shape)
 
     input_scale = input_global = input_divisor = pre_scale = None
     activation = scheme.activation

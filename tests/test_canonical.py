@@ -16,6 +16,7 @@ from qscheme import canonical
 from qscheme.canonical import CanonicalWeight, canonicalize, dequantize, effective_scale, element_values
 from qscheme.catalog import load_catalog, load_scheme
 from qscheme.descriptor import Scheme, parse_scheme_text
+from qscheme.errors import QuantizeError
 from qscheme.formats import decode, pack_int32_k, pack_int32_n, unpack_fp4_k
 from qscheme.quantize import quantize_weight
 
@@ -176,3 +177,172 @@ def test_dequantize_does_not_depend_on_the_number_of_threads() -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(single, dequantize(layer))
+
+
+def _uint8_scheme(zero_point: str, name: str = "test/UINT8_G32_ZP") -> Scheme:
+    return parse_scheme_text(
+        f"""
+name: {name}
+weight:
+  format: uint8
+  tensor: {{name: weight, dtype: uint8, shape: [N, K]}}
+  scale: {{granularity: group, group_size: 32, format: fp32, stored: multiplier,
+          tensor: {{name: weight_scale, dtype: float32, shape: [N, "ceil(K/32)"]}}}}
+  zero_point: {zero_point}
+activation: none
+"""
+    )
+
+
+UINT8_ZERO_POINTS = {
+    "uint8": "{format: uint8, tensor: {name: weight_zero_point, dtype: uint8, shape: [N, 'ceil(K/32)']}}",
+    "int32_n": "{format: uint8, packing: int32_n, "
+    "tensor: {name: weight_zero_point, dtype: int32, shape: ['ceil(N/4)', 'ceil(K/32)']}}",
+}
+
+
+def _mostly_negative_rows(n: int, k: int) -> Tensor:
+    """Weights whose rows lean negative (uint8 zero points above 127) or positive (below)."""
+    generator = torch.Generator().manual_seed(3)
+    lean = torch.where(torch.arange(n) % 2 == 0, -0.08, 0.08).reshape(n, 1)
+    return torch.randn(n, k, generator=generator) * 0.05 + lean
+
+
+@pytest.mark.parametrize("stored", sorted(UINT8_ZERO_POINTS))
+def test_uint8_zero_points_above_127_keep_their_value(stored: str) -> None:
+    from triton_samples import float64_weight
+
+    scheme = _uint8_scheme(UINT8_ZERO_POINTS[stored])
+    weight = _mostly_negative_rows(24, 64)
+    tensors = quantize_weight(weight, scheme)
+    exact = float64_weight(scheme, tensors, 24, 64)
+    layer = canonicalize(scheme, tensors)
+    assert layer.zero_point is not None and layer.zero_point.dtype == torch.int16
+    assert int(layer.zero_point.max()) > 127 and int(layer.zero_point.min()) >= 0
+    got = dequantize(layer)
+    assert torch.allclose(got.double(), exact, rtol=1e-6, atol=0)
+    assert float((got - weight).norm() / weight.norm()) < 0.01  # 8-bit accuracy, not garbage
+
+
+def test_uint8_zero_points_stored_as_int8_are_read_by_their_bits() -> None:
+    scheme = _uint8_scheme("{format: uint8, tensor: {name: weight_zero_point, dtype: int8, shape: [N, 'ceil(K/32)']}}")
+    zero_points = torch.tensor([[0, 127], [128, 255]])
+    tensors = {
+        "weight": torch.full((2, 64), 200, dtype=torch.uint8),
+        "weight_scale": torch.ones(2, 2),
+        "weight_zero_point": zero_points.to(torch.uint8).view(torch.int8),
+    }
+    layer = canonicalize(scheme, tensors)
+    assert layer.zero_point is not None and layer.zero_point.tolist() == zero_points.tolist()
+    assert dequantize(layer)[:, ::32].tolist() == (200 - zero_points).tolist()
+
+
+@pytest.mark.parametrize(
+    ("fmt", "dtype", "values"),
+    [("uint4", "uint8", [0, 16]), ("int4", "int8", [-9, 0]), ("uint8", "int32", [-1, 3]), ("int8", "int32", [128, 0])],
+)
+def test_zero_points_outside_their_format_are_refused(fmt: str, dtype: str, values: list[int]) -> None:
+    four_bit = fmt.endswith("4")  # 4-bit weights are packed: eight to an int32 word along K
+    if four_bit:
+        weight = "packing: int32_k\n  tensor: {name: weight_packed, dtype: int32, shape: [N, K/8]}"
+    else:
+        weight = f"tensor: {{name: weight, dtype: {fmt}, shape: [N, K]}}"
+    scheme = parse_scheme_text(
+        f"""
+name: test/ZP_RANGE
+weight:
+  format: {fmt}
+  {weight}
+  scale: {{granularity: channel, format: fp32, stored: multiplier,
+          tensor: {{name: weight_scale, dtype: float32, shape: [N, 1]}}}}
+  zero_point: {{format: {fmt}, tensor: {{name: weight_zero_point, dtype: {dtype}, shape: [N, 1]}}}}
+activation: none
+"""
+    )
+    stored = scheme.weight.tensor
+    tensors = {
+        stored.name: torch.zeros(2, 1 if four_bit else 8, dtype=getattr(torch, stored.dtypes[0])),
+        "weight_scale": torch.ones(2, 1),
+        "weight_zero_point": torch.tensor(values).reshape(2, 1).to(getattr(torch, dtype)),
+    }
+    with pytest.raises(QuantizeError, match=rf"zero points 'weight_zero_point' must lie in .*\({fmt}\)"):
+        canonicalize(scheme, tensors)
+
+
+def _int32_k_scheme(element: str, k_dim: str, shape_tensor: bool = False) -> Scheme:
+    extra = "\n  shape_tensor: {name: weight_shape, dtype: int64, shape: [2]}" if shape_tensor else ""
+    return parse_scheme_text(
+        f"""
+name: test/{element.upper()}_INT32K
+weight:
+  format: {element}
+  packing: int32_k
+  tensor: {{name: weight_packed, dtype: int32, shape: [N, "{k_dim}"]}}
+  scale: {{granularity: channel, format: float, stored: multiplier,
+          tensor: {{name: weight_scale, dtype: float32, shape: [N, 1]}}}}{extra}
+activation: none
+"""
+    )
+
+
+@pytest.mark.parametrize(("element", "k_dim"), [("int8", "K/4"), ("int4", "K/8")])
+def test_int32_k_words_hold_32_bits_of_values_whatever_the_element_width(element: str, k_dim: str) -> None:
+    scheme = _int32_k_scheme(element, k_dim)
+    weight = torch.randn(24, 64)
+    tensors = quantize_weight(weight, scheme)
+    assert canonical.layer_shape(scheme, tensors) == (24, 64)
+    layer = canonicalize(scheme, tensors)
+    assert (layer.n, layer.k) == (24, 64)
+    assert float((dequantize(layer) - weight).norm() / weight.norm()) < (0.01 if element.endswith("8") else 0.2)
+
+
+@pytest.mark.parametrize(
+    ("scheme_text", "n", "k", "message"),
+    [
+        (None, 24, 60, r"K may be anything in \[57, 64\]; declare a shape_tensor"),
+        ("odd_nibbles", 24, 63, r"K may be anything in \[63, 64\]; declare a shape_tensor"),
+        ("shape_tensor", 24, 60, r"K may be anything in \[57, 64\]; pass the scheme's 'weight_shape' tensor"),
+    ],
+)
+def test_a_ragged_k_without_the_shape_tensor_is_refused(scheme_text: str | None, n: int, k: int, message: str) -> None:
+    if scheme_text == "odd_nibbles":
+        scheme = parse_scheme_text(
+            """
+name: test/E2M1_ODD_K
+weight:
+  format: e2m1
+  packing: nibbles_k
+  tensor: {name: weight_packed, dtype: uint8, shape: [N, "ceil(K/2)"]}
+  scale: {granularity: group, group_size: 16, format: e4m3, stored: multiplier,
+          tensor: {name: weight_scale, dtype: float8_e4m3fn, shape: [N, "ceil(K/16)"]}}
+activation: none
+"""
+        )
+    else:
+        scheme = _int32_k_scheme("int4", "ceil(K/8)", shape_tensor=scheme_text == "shape_tensor")
+    tensors = quantize_weight(torch.randn(n, k), scheme)
+    tensors.pop("weight_shape", None)
+    with pytest.raises(QuantizeError, match=message):
+        canonical.layer_shape(scheme, tensors)
+    with pytest.raises(QuantizeError, match=message):
+        canonicalize(scheme, tensors)
+    assert canonicalize(scheme, tensors, n, k).k == k  # a caller that knows K
+
+
+def test_the_shape_tensor_or_an_exact_declaration_settles_k() -> None:
+    scheme = _builtin("compressed-tensors/W4A16")  # [N, ceil(K/8)] with weight_shape
+    tensors = quantize_weight(torch.randn(24, 300), scheme)
+    assert canonical.layer_shape(scheme, tensors) == (24, 300)
+    tensors = quantize_weight(torch.randn(24, 256), scheme)
+    del tensors["weight_shape"]
+    with pytest.raises(QuantizeError, match=r"K may be anything in \[249, 256\]; pass the scheme's 'weight_shape'"):
+        canonical.layer_shape(scheme, tensors)
+    exact = _int32_k_scheme("int4", "K/8")  # K/8 admits one K
+    assert canonical.layer_shape(exact, quantize_weight(torch.randn(24, 256), exact)) == (24, 256)
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_every_builtin_scheme_solves_its_layer_shape_from_its_own_tensors(name: str) -> None:
+    scheme = _builtin(name)
+    tensors = quantize_weight(torch.randn(256, 512) * 0.1, scheme)
+    assert canonical.layer_shape(scheme, tensors) == (256, 512)

@@ -12,12 +12,14 @@ import torch
 import triton
 import triton.language as tl
 from qscheme_plugins.reference_kernel import ReferenceKernel
-from triton_samples import assert_matches, reference_output, with_shared_activation_scales
+from triton_samples import assert_matches, float64_weight, reference_output, with_shared_activation_scales
 
+from qscheme.canonical import canonicalize
 from qscheme.catalog import load_catalog
-from qscheme.descriptor import Scheme, parse_scheme_file
+from qscheme.descriptor import Scheme, parse_scheme_file, parse_scheme_text
 from qscheme.errors import QuantizeError
 from qscheme.formats import decode
+from qscheme.quantize import quantize_weight
 from qscheme.triton.configs import TileConfig
 from qscheme.triton.decode import decode_e2m1_words, decode_element, decode_int4_words, decode_scale
 from qscheme.triton.layout import four_bit_words
@@ -100,6 +102,61 @@ def test_small_tiles(name: str, config: TileConfig, m: int) -> None:
     weight = random_weight(scheme, n, k, partitions=_partitions(scheme, n), seed=5)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
     _check(scheme, weight, x, torch.randn(n), config)
+
+
+def _uint8_zero_point_scheme(granularity: str, packing: str) -> Scheme:
+    """uint8 weights with uint8 zero points: tiled (groups of 32 or 128) or one per row."""
+    group = granularity.removeprefix("group")
+    columns = "1" if granularity == "channel" else f'"ceil(K/{group})"'
+    scale = "granularity: channel" if granularity == "channel" else f"granularity: group, group_size: {group}"
+    rows, dtype, packed = ("N", "uint8", "") if packing == "none" else ('"ceil(N/4)"', "int32", "packing: int32_n, ")
+    return parse_scheme_text(
+        f"""
+name: test/UINT8_{granularity.upper()}_{packing.upper()}
+weight:
+  format: uint8
+  tensor: {{name: weight, dtype: uint8, shape: [N, K]}}
+  scale:
+    {{{scale}, format: fp32, stored: multiplier,
+     tensor: {{name: weight_scale, dtype: float32, shape: [N, {columns}]}}}}
+  zero_point:
+    {{format: uint8, {packed}tensor: {{name: weight_zero_point, dtype: {dtype}, shape: [{rows}, {columns}]}}}}
+activation: none
+"""
+    )
+
+
+UINT8_ZERO_POINTS = [("group32", "none"), ("group32", "int32_n"), ("group128", "none"), ("channel", "none")]
+
+
+@pytest.mark.parametrize(("granularity", "packing"), UINT8_ZERO_POINTS)
+def test_uint8_zero_points_above_127_from_a_checkpoint_match_float64(granularity: str, packing: str) -> None:
+    # the real path: quantize_weight's tensors -> canonicalize -> both kernels, against the
+    # float64 dequantization written out from the same checkpoint tensors
+    scheme = _uint8_zero_point_scheme(granularity, packing)
+    n, k = 24, 160
+    lean = torch.where(torch.arange(n) % 2 == 0, -0.08, 0.08).reshape(n, 1)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1)) * 0.05 + lean
+    tensors = quantize_weight(w, scheme)
+    weight = canonicalize(scheme, tensors)
+    assert weight.zero_point is not None and int(weight.zero_point.max()) > 127
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2))
+    expected = x.double() @ float64_weight(scheme, tensors, n, k).T
+    actual = linear(prepare_weight(weight, "cpu"), x)
+    assert_matches(actual, expected, torch.float32, f"{scheme.name}: triton vs float64")
+    reference = ReferenceKernel()
+    output = reference.apply(reference.prepare(weight, torch.device("cpu")), x, None)
+    assert_matches(output, expected, torch.float32, f"{scheme.name}: reference vs float64")
+
+
+@pytest.mark.parametrize(("granularity", "packing"), UINT8_ZERO_POINTS)
+def test_uint8_zero_points_of_the_samples_cover_their_range(granularity: str, packing: str) -> None:
+    scheme = _uint8_zero_point_scheme(granularity, packing)
+    weight = random_weight(scheme, 40, 300, seed=3)
+    assert weight.zero_point is not None
+    assert (int(weight.zero_point.min()), int(weight.zero_point.max())) == (0, 255)
+    x = torch.randn(2, 300, generator=torch.Generator().manual_seed(4))
+    _check(scheme, weight, x, None)
 
 
 def test_partitions_with_different_input_scales_quantize_the_input_per_partition() -> None:

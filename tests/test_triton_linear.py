@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from qscheme.catalog import load_catalog
+from qscheme.descriptor import Scheme, parse_scheme_text
 from qscheme.errors import QuantizeError
 from qscheme.triton import linear as lin
 from qscheme.triton.samples import random_weight
@@ -71,6 +72,31 @@ def test_asymmetric_zero_points_are_widened_with_their_scales() -> None:
     prepared = lin.prepare_weight(weight, "cpu")
     assert prepared.zero_point is not None and prepared.zero_point.dtype == torch.int32
     assert torch.equal(prepared.zero_point, weight.zero_point.to(torch.int32).reshape(weight.scale.shape))
+
+
+def _uint8_group_scheme(group: int) -> Scheme:
+    return parse_scheme_text(
+        f"""
+name: test/UINT8_G{group}_ZP
+weight:
+  format: uint8
+  tensor: {{name: weight, dtype: uint8, shape: [N, K]}}
+  scale: {{granularity: group, group_size: {group}, format: fp32, stored: multiplier,
+          tensor: {{name: weight_scale, dtype: float32, shape: [N, "ceil(K/{group})"]}}}}
+  zero_point: {{format: uint8, tensor: {{name: weight_zero_point, dtype: uint8, shape: [N, "ceil(K/{group})"]}}}}
+activation: none
+"""
+    )
+
+
+@pytest.mark.parametrize(("group", "stored"), [(32, torch.uint8), (128, torch.int32)])
+def test_unsigned_zero_points_keep_values_above_127(group: int, stored: torch.dtype) -> None:
+    # uint8 zero points go to the GEMM as uint8 (widened to int32 where a tile holds under 4 bytes)
+    weight = random_weight(_uint8_group_scheme(group), 16, 512)
+    assert weight.zero_point is not None and int(weight.zero_point.max()) == 255
+    prepared = lin.prepare_weight(weight, "cpu")
+    assert prepared.zero_point is not None and prepared.zero_point.dtype == stored
+    assert torch.equal(prepared.zero_point.to(torch.int32), weight.zero_point.to(torch.int32))
 
 
 def test_split_k_mode_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:

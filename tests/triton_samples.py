@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from qscheme.canonical import CanonicalWeight, dequantize
+from qscheme.descriptor import Scheme
 from qscheme.emulation import apply_pre_scale, fake_quantize_activation
 
 
@@ -70,3 +71,35 @@ def assert_matches(actual: Tensor, expected: Tensor, dtype: torch.dtype, what: s
         f"{what}: max error {float(error.max()):.3e} exceeds the tolerance "
         f"(output scale {scale:.3e}, dtype {dtype}) by {worst:.3e}"
     )
+
+
+def float64_weight(scheme: Scheme, tensors: dict[str, Tensor], n: int, k: int) -> Tensor:
+    """float64 [n, k]: (value - zero point) * scale straight from the checkpoint tensors of an
+    unpacked 8-bit integer weight with float group or channel scales, zero points unpacked or
+    in ``int32_n`` words; written out here, apart from qscheme.canonical and qscheme.formats."""
+    spec = scheme.weight
+    assert spec.format in ("int8", "uint8") and spec.packing == "none", spec.format
+    assert spec.scale.granularity in ("group", "channel") and spec.scale.format in ("fp32", "fp16", "bf16", "float")
+    values = tensors[spec.tensor.name].to(torch.float64)
+    scale = tensors[spec.scale.tensor.name].to(torch.float64)
+    if spec.scale.stored == "reciprocal":
+        scale = 1.0 / scale
+    columns = spec.scale.group_size if spec.scale.granularity == "group" else k
+    assert columns is not None
+    zero = torch.zeros_like(scale)
+    if spec.zero_point is not None:
+        raw = tensors[spec.zero_point.tensor.name]
+        unsigned = spec.zero_point.format.startswith("u")
+        if spec.zero_point.packing == "int32_n":  # four bytes per word along N, value + 128 if signed
+            words = raw.to(torch.int64) & 0xFFFFFFFF
+            rows = [(words[i // 4] >> (8 * (i % 4))) & 0xFF for i in range(scale.shape[0])]
+            zero = torch.stack(rows).to(torch.float64) - (0 if unsigned else 128)
+        else:
+            wide = raw.to(torch.int64)
+            if raw.dtype in (torch.int8, torch.uint8):  # 8-bit storage: the value is in the bits
+                wide = wide & 0xFF
+                if not unsigned:
+                    wide = torch.where(wide > 127, wide - 256, wide)
+            zero = wide.to(torch.float64).reshape(scale.shape)
+    expand = [index // columns for index in range(k)]
+    return (values - zero[:, expand]) * scale[:, expand]

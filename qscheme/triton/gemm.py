@@ -9,7 +9,8 @@ One kernel, specialised by the constexprs of ``qscheme.triton.spec.Specializatio
   16-bit dtype where every scaled weight is then rounded once, as in float32; else float32;
 - weight scale decoded in the K loop when tiled (group or block, index
   ``[n // W_SCALE_ROWS, k // W_SCALE_COLS]``, stored as e4m3 bits, e8m0 bytes or a float
-  dtype), with zero points laid out the same way or one per row;
+  dtype), with zero points laid out the same way (int8, uint8 for unsigned formats, or widened
+  to int32) or one float32 per row;
 - activations as given (16- or 32-bit floats), or quantized codes from the pre-pass with
   per-group scales decoded in the loop or per-token scales applied in the epilogue;
 - epilogue: per-token multiplier, per-output-row float32 multiplier (channel or tensor scales

@@ -106,19 +106,20 @@ def _kernel_codes(codes: Tensor, element: str) -> Tensor:
 _MIN_TILE_K = 128
 
 
-def _tiled_layout(values: Tensor, spec: Specialization) -> Tensor:
+def _tiled_layout(values: Tensor, spec: Specialization, integers: bool = False) -> Tensor:
     """Group scales or zero points [N, ceil(K / cols)] as the GEMM loads them: row-major, and
     widened to 4-byte elements (float32, int32; exact) when a 128-wide K tile would hold under
     4 bytes of a row's values (int4 group-128 with 16-bit scales: one 2-byte scale per row and
     tile). The pipeliner copies a load asynchronously only in runs of 4 bytes or more; a
     narrower load would be waited on in every K step. e4m3 and e8m0 bits stay bytes (their
     decoders read 8-bit values); block scales (rows > 1) are a value or two per tile anyway.
+    ``integers``: the values are integers (zero points), uint8 ones included, widened alike.
     """
     per_tile = max(1, _MIN_TILE_K // spec.W_SCALE_COLS) * values.element_size()
     if spec.W_SCALE_ROWS == 1 and per_tile < 4:
         if values.is_floating_point():
             values = values.float()
-        elif values.dtype in (torch.int8, torch.int16):
+        elif values.dtype in (torch.int8, torch.int16) or (integers and values.dtype == torch.uint8):
             values = values.int()
     return values.contiguous()
 
@@ -220,6 +221,15 @@ def _input_divisor(weight: CanonicalWeight, spec: Specialization) -> Tensor | No
     return getattr(weight, "input_global_scale_divisor", None)
 
 
+def _zero_point_bytes(weight: CanonicalWeight) -> Tensor:
+    """Tiled zero points as the GEMM loads them: uint8 for unsigned zero-point formats (uint8
+    holds 0..255), int8 for signed ones; exact, as canonical zero points lie in their format's
+    range (``qscheme.canonical.canonical_zero_point``)."""
+    spec = weight.scheme.weight.zero_point
+    assert weight.zero_point is not None and spec is not None
+    return weight.zero_point.to(torch.uint8 if spec.format.startswith("uint") else torch.int8)
+
+
 def prepare_weight(weight: CanonicalWeight, device: torch.device | str) -> PreparedWeight:
     """Canonical tensors -> the Triton kernels' layout on ``device`` (see the module docstring)."""
     device = torch.device(device)
@@ -231,7 +241,7 @@ def prepare_weight(weight: CanonicalWeight, device: torch.device | str) -> Prepa
         scale_dtype = weight.scale.dtype
         scale = _tiled_layout(_bits(weight.scale), spec)
         if weight.zero_point is not None:
-            zero_point = _tiled_layout(weight.zero_point.to(torch.int8).reshape(weight.scale.shape), spec)
+            zero_point = _tiled_layout(_zero_point_bytes(weight).reshape(weight.scale.shape), spec, integers=True)
     elif weight.zero_point is not None:  # channel or tensor zero points: one per output row
         zero_point = weight.zero_point.reshape(-1).to(torch.float32)
         if zero_point.numel() != weight.n:

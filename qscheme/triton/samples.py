@@ -12,12 +12,11 @@ import math
 import torch
 from torch import Tensor
 
-from qscheme.canonical import CanonicalWeight
+from qscheme.canonical import CanonicalWeight, canonical_zero_point
 from qscheme.descriptor import Scheme
-from qscheme.formats import get_element_format
+from qscheme.formats import get_element_format, pack_int32_n
 
 _FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ZERO_POINT_RANGES = {"int4": (-8, 8), "uint4": (0, 16), "int8": (-128, 128), "uint8": (0, 256)}
 
 
 def _random_bytes(shape: tuple[int, ...], generator: torch.Generator, exclude: tuple[int, ...] = ()) -> Tensor:
@@ -66,6 +65,29 @@ def _scale_shape(scheme: Scheme, n: int, k: int, partitions: int) -> tuple[int, 
     return (partitions,)
 
 
+def _zero_points(scheme: Scheme, shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+    """Zero points over the whole range of their format (both ends included), stored as the
+    scheme stores them (its dtype, or ``int32_n`` words) and read back by the canonicalization."""
+    spec = scheme.weight.zero_point
+    assert spec is not None
+    fmt = get_element_format(spec.format)
+    low, high = int(fmt.min_value), int(fmt.max_value)
+    values = torch.randint(low, high + 1, shape, generator=generator, dtype=torch.int16)
+    flat = values.view(-1)
+    flat[0], flat[-1] = low, high
+    if spec.packing == "int32_n":
+        offset = 0 if fmt.signed else 1 << (fmt.bits - 1)
+        stored = pack_int32_n((values - offset).to(torch.int8), fmt.bits)
+    else:
+        dtype = getattr(torch, spec.tensor.dtypes[0])
+        if fmt.bits == 8 and dtype in (torch.int8, torch.uint8) and (dtype == torch.int8) != fmt.signed:
+            # 8-bit values in the 8-bit dtype of the other signedness: stored by their bits
+            stored = values.to(torch.int8 if fmt.signed else torch.uint8).view(dtype)
+        else:
+            stored = values.to(dtype)
+    return canonical_zero_point(scheme, stored, shape[0]).reshape(shape)
+
+
 def random_weight(
     scheme: Scheme,
     n: int,
@@ -93,9 +115,8 @@ def random_weight(
         global_scale = torch.exp2(torch.rand(count, generator=generator) * 4 - 6)
     zero_point = None
     if weight.zero_point is not None:
-        low, high = _ZERO_POINT_RANGES[weight.zero_point.format]
         zero_shape = scale_shape if weight.scale.granularity in ("group", "block") else (n, 1)
-        zero_point = torch.randint(low, high, zero_shape, generator=generator).to(torch.int8)
+        zero_point = _zero_points(scheme, zero_shape, generator)
     input_scale = input_global_scale = pre_scale = None
     activation = scheme.activation
     if activation is not None and activation.scale is not None:
