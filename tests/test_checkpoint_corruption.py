@@ -138,6 +138,64 @@ def modelopt_zero_input_scale(folder: Path) -> None:
     _rewrite(folder, lambda t: t.__setitem__(f"{Q}.input_scale", torch.tensor(0.0)))
 
 
+def negative_group_scale(folder: Path) -> None:
+    def change(tensors: dict[str, torch.Tensor]) -> None:
+        scale = tensors[f"{Q}.weight_scale"].to(torch.float32)
+        scale[1, 2] = -abs(float(scale[1, 2])) or -1.0
+        tensors[f"{Q}.weight_scale"] = scale.to(torch.float8_e4m3fn)
+
+    _rewrite(folder, change)
+
+
+def config_is_a_folder(folder: Path) -> None:
+    (folder / "config.json").unlink()
+    (folder / "config.json").mkdir()
+
+
+def config_removed(folder: Path) -> None:
+    (folder / "config.json").unlink()
+
+
+def _edit_config(folder: Path, change: Callable[[dict[str, object]], None]) -> None:
+    path = folder / "config.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def quantization_config_null(folder: Path) -> None:
+    _edit_config(folder, lambda data: data.__setitem__("quantization_config", None))
+
+
+def modelopt_without_any_config(folder: Path) -> None:
+    (folder / "hf_quant_config.json").unlink()
+    _edit_config(folder, lambda data: data.pop("quantization_config", None))
+
+
+def duplicate_config_key(folder: Path) -> None:
+    path = folder / "config.json"
+    text = path.read_text().rstrip()
+    assert text.endswith("}")
+    path.write_text(text[:-1] + ', "quantization_config": null}')
+
+
+def modelopt_group_size_32(folder: Path) -> None:
+    path = folder / "hf_quant_config.json"
+    path.write_text(path.read_text().replace('"group_size": 16', '"group_size": 32'))
+
+
+def index_next_to_single_file(folder: Path) -> None:
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file(tensors, str(folder / "model-00001-of-00001.safetensors"))
+    weight_map = dict.fromkeys(tensors, "model-00001-of-00001.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def stale_shard(folder: Path) -> None:
+    index_next_to_single_file(folder)
+    (folder / "model.safetensors").rename(folder / "model-00002-of-00002.safetensors")
+
+
 CT = ("compressed-tensors", "NVFP4")
 CASES: list[tuple[str, tuple[str, str], Callable[[Path], None], str]] = [
     ("truncated file", CT, truncated, r"model.safetensors: tensor '.*': data ends at byte \d+ .*file truncated"),
@@ -203,6 +261,37 @@ CASES: list[tuple[str, tuple[str, str], Callable[[Path], None], str]] = [
         unknown_quant_algo,
         r"hf_quant_config.json: quant_algo 'NVFP4_TURBO' is not known",
     ),
+    (
+        "negative group scale",
+        CT,
+        negative_group_scale,
+        rf"tensor '{Q}.weight_scale': expected weight scales >= 0, found 1 negative value .* at \[1, 2\]",
+    ),
+    ("config.json is a folder", CT, config_is_a_folder, r"config.json: is a folder, not a file"),
+    (
+        "config.json removed",
+        CT,
+        config_removed,
+        r"there is no config.json and no hf_quant_config.json, so every tensor would load as a plain tensor, "
+        r"but module model.layers.0.mlp.down_proj \(and 6 more modules\) stores quantized-looking tensors",
+    ),
+    ("quantization_config null", CT, quantization_config_null, r"config.json's quantization_config is null"),
+    (
+        "ModelOpt tensors without any config",
+        ("modelopt", "nvfp4"),
+        modelopt_without_any_config,
+        r"config.json has no quantization_config .* weight \(uint8 \[.*weight_scale_2 \(float32",
+    ),
+    ("duplicate key", CT, duplicate_config_key, r"config.json: key 'quantization_config' appears more than once"),
+    (
+        "ModelOpt group_size differs from the scheme's",
+        ("modelopt", "nvfp4"),
+        modelopt_group_size_32,
+        r"hf_quant_config.json: quant_algo 'NVFP4' with group_size 32: scheme modelopt/NVFP4 stores one weight "
+        r"scale per 16 weights",
+    ),
+    ("index next to model.safetensors", CT, index_next_to_single_file, r"has both model.safetensors.index.json"),
+    ("stale shard", CT, stale_shard, r"shard file model-00002-of-00002.safetensors is in the folder but the index"),
 ]
 
 
@@ -265,3 +354,17 @@ def test_tolerated_input_global_scale_is_reported(tmp_path: Path) -> None:
     checkpoint = load_checkpoint(folder)
     assert checkpoint.report.tolerated_tensors == (f"{Q}.input_global_scale",)
     assert f"{Q}.input_global_scale" not in checkpoint.tensors
+
+
+def test_bias_problems_are_reported_by_inspect(tmp_path: Path) -> None:
+    source = ct_checkpoint("NVFP4", attention_bias=True)
+    nan_bias = copy_checkpoint(source, tmp_path / "nan")
+    _rewrite(nan_bias, lambda t: t[f"{Q}.bias"].__setitem__(3, float("nan")))
+    (problem,) = inspect_checkpoint(nan_bias).problems
+    assert f"tensor '{Q}.bias': expected a finite bias, found 1 NaN/inf value (first: nan at [3])" in problem
+    int_bias = copy_checkpoint(source, tmp_path / "int")
+    _rewrite(int_bias, lambda t: t.__setitem__(f"{Q}.bias", t[f"{Q}.bias"].to(torch.int32)))
+    (problem,) = inspect_checkpoint(int_bias).problems
+    assert f"tensor '{Q}.bias': expected a float bias" in problem and "found int32" in problem
+    with pytest.raises(CheckpointError, match=r"expected a float bias"):
+        load_checkpoint(int_bias)

@@ -18,6 +18,7 @@ from qscheme.checkpoint.config import (
     ConfigGroup,
     MixedPrecisionLayer,
     ModeloptConfig,
+    NoQuantization,
     read_producer_config,
 )
 from qscheme.checkpoint.detect import detect, normalize_arguments
@@ -253,3 +254,89 @@ def test_a_checkpoint_with_its_config_in_the_019_form_detects_alike(tmp_path: Pa
     new = detect(read_producer_config(source), CheckpointFiles(source).tensors, SCHEMES)
     assert {m: a.scheme.name for m, a in old.modules.items()} == {m: a.scheme.name for m, a in new.modules.items()}
     assert old.scheme_counts() == {"compressed-tensors/W4A16_ASYM": 7}
+
+
+# ---------------------------------------------------------------------------- no config, yet quantized
+
+
+def _fp8_module(prefix: str) -> dict[str, TensorInfo]:
+    file = Path("ck/model.safetensors")
+    return {
+        f"{prefix}.weight": TensorInfo(f"{prefix}.weight", "float8_e4m3fn", (64, 128), file),
+        f"{prefix}.weight_scale": TensorInfo(f"{prefix}.weight_scale", "float32", (), file),
+    }
+
+
+@pytest.mark.parametrize(
+    ("tensors", "shown"),
+    [
+        (_nvfp4_module("model.layers.0.q_proj"), "weight_packed (uint8 [64, 64])"),
+        (_fp8_module("model.layers.0.q_proj"), "weight (float8_e4m3fn [64, 128])"),
+    ],
+    ids=["named like quantized tensors", "fp8 weight next to a scale"],
+)
+def test_quantized_tensors_without_a_quantization_config_are_refused(
+    tensors: dict[str, TensorInfo], shown: str
+) -> None:
+    config = NoQuantization("ck/config.json", reason="config.json has no quantization_config")
+    tensors = {**tensors, **_plain("model.embed_tokens.weight", (512, 128))}
+    with pytest.raises(CheckpointError) as caught:
+        detect(config, tensors, SCHEMES)
+    message = str(caught.value)
+    assert message.startswith("ck/config.json: config.json has no quantization_config, so every tensor would load")
+    assert "module model.layers.0.q_proj stores quantized-looking tensors" in message and shown in message
+    assert "Add the producer's quantization_config to config.json" in message and "hf_quant_config.json" in message
+
+
+def test_an_unquantized_checkpoint_still_loads_as_plain_tensors() -> None:
+    file = Path("model.safetensors")
+    tensors = {
+        "model.q_proj.weight": TensorInfo("model.q_proj.weight", "bfloat16", (64, 128), file),
+        "model.q_proj.bias": TensorInfo("model.q_proj.bias", "bfloat16", (64,), file),
+        "model.norm.weight": TensorInfo("model.norm.weight", "bfloat16", (128,), file),
+    }
+    detection = detect(NoQuantization(None), tensors, SCHEMES)
+    assert detection.modules == {} and set(detection.plain) == set(tensors)
+
+
+def test_a_quantized_tensor_without_a_module_prefix_is_refused() -> None:
+    file = Path("model.safetensors")
+    tensors = {**_nvfp4_module("model.q_proj"), "weight_packed": TensorInfo("weight_packed", "uint8", (4, 8), file)}
+    for config in (_ct([ConfigGroup("group_0", ("Linear",), NVFP4_WEIGHTS, None, None, None)]), NoQuantization(None)):
+        with pytest.raises(
+            CheckpointError, match=r"tensors weight_packed \(uint8 \[4, 8\]\) look quantized but have no"
+        ):
+            detect(config, tensors, SCHEMES)
+
+
+def test_a_bad_regular_expression_in_a_hand_built_config_is_a_checkpoint_error() -> None:
+    group = ConfigGroup("group_0", ("re:model.[0",), NVFP4_WEIGHTS, None, None, "nvfp4-pack-quantized")
+    with pytest.raises(CheckpointError, match=r"'re:model.\[0' is not a valid regular expression"):
+        detect(_ct([group]), _nvfp4_module("model.q_proj"), SCHEMES)
+
+
+def test_a_malformed_block_structure_matches_no_rule_instead_of_crashing() -> None:
+    normalized = normalize_arguments({"block_structure": "128xabc"})
+    assert normalized is not None and normalized["block_structure"] == "128xabc"
+    assert normalize_arguments({"block_structure": "128x64"})["block_structure"] == [128, 64]  # type: ignore[index]
+
+
+# ---------------------------------------------------------------------------- ModelOpt group_size
+
+
+def test_modelopt_group_size_must_equal_the_schemes() -> None:
+    with pytest.raises(CheckpointError) as caught:
+        detect(_modelopt(group_size=32), _nvfp4_module("model.q_proj"), SCHEMES)
+    message = str(caught.value)
+    assert message.startswith("hf_quant_config.json: quant_algo 'NVFP4' with group_size 32: scheme modelopt/NVFP4")
+    assert "stores one weight scale per 16 weights" in message and "detect.modelopt.group_size: 32" in message
+    with pytest.raises(CheckpointError, match=r"group_size is 0; expected a positive number"):
+        detect(_modelopt(group_size=0), _nvfp4_module("model.q_proj"), SCHEMES)
+    assert detect(_modelopt(group_size=16), _nvfp4_module("model.q_proj"), SCHEMES).modules
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4_exclude", "w4a16_awq", "w4a16_nvfp4", "w4a8_nvfp4_fp8", "mxfp4"])
+def test_the_modelopt_fixtures_group_sizes_agree_with_their_schemes(name: str) -> None:
+    folder = modelopt_fixture(name)
+    detection = detect(read_producer_config(folder), CheckpointFiles(folder).tensors, SCHEMES)
+    assert detection.modules

@@ -98,3 +98,65 @@ def test_value_checks_on_a_layout() -> None:
         "non-finite global or static scale cannot be dequantized: re-export the layer",
         "model.safetensors: tensor 'm.weight_scale': expected finite scales, found 1 NaN/inf value (first: nan)",
     ]
+
+
+NVFP4 = {
+    "weight_packed": ("uint8", (64, 64)),
+    "weight_scale": ("float8_e4m3fn", (64, 8)),
+    "weight_global_scale": ("float32", (1,)),
+    "input_global_scale": ("float32", (1,)),
+}
+
+
+def _nvfp4_values() -> dict[str, torch.Tensor]:
+    return {
+        "weight_scale": torch.full((64, 8), 2.0).to(torch.float8_e4m3fn),
+        "weight_global_scale": torch.tensor([100.0]),
+        "input_global_scale": torch.tensor([50.0]),
+    }
+
+
+def test_negative_group_scales_are_a_value_problem() -> None:
+    layout = check_layout(_assignment("compressed-tensors/NVFP4", NVFP4))
+    assert layout.ok
+    values = _nvfp4_values()
+    zero = values["weight_scale"].view(torch.uint8).clone()
+    zero[0, 0] = 0x00  # an all-zero group: scale 0 is fine
+    zero[0, 1] = 0x80  # -0.0 is zero too
+    assert check_values(layout, {**values, "weight_scale": zero.view(torch.float8_e4m3fn)}) == []
+    negative = values["weight_scale"].to(torch.float32)
+    negative[2, 3] = -4.0
+    negative[5, 0] = -1.0
+    (problem,) = check_values(layout, {**values, "weight_scale": negative.to(torch.float8_e4m3fn)})
+    assert str(problem) == (
+        "model.safetensors: tensor 'm.weight_scale': expected weight scales >= 0, found 2 negative values "
+        "(first: -4.0 at [2, 3]); producers store scale magnitudes, so the file is corrupt: re-export the layer"
+    )
+
+
+def test_negative_float_group_scales_are_a_value_problem() -> None:
+    layout = check_layout(_assignment("modelopt/W4A16_AWQ", AWQ))
+    scale = torch.full((128, 2), 0.01)
+    assert check_values(layout, {"weight_scale": scale}) == []
+    scale[7, 1] = -0.01
+    (problem,) = check_values(layout, {"weight_scale": scale})
+    assert "expected weight scales >= 0, found 1 negative value (first: -0.0099" in str(problem)
+
+
+def test_a_bias_that_is_not_a_float_is_a_dtype_problem() -> None:
+    layout = check_layout(_assignment("modelopt/W4A16_AWQ", {**AWQ, "bias": ("int32", (128,))}))
+    (problem,) = layout.problems
+    assert str(problem).startswith("model.safetensors: tensor 'm.bias': expected a float bias (bfloat16 or float16")
+    assert "found int32" in str(problem)
+
+
+def test_a_non_finite_bias_is_a_value_problem() -> None:
+    layout = check_layout(_assignment("modelopt/W4A16_AWQ", {**AWQ, "bias": ("bfloat16", (128,))}))
+    scale = torch.full((128, 2), 0.01)
+    bias = torch.zeros(128, dtype=torch.bfloat16)
+    assert check_values(layout, {"weight_scale": scale, "bias": bias}) == []
+    bias[9] = float("inf")
+    (problem,) = check_values(layout, {"weight_scale": scale, "bias": bias})
+    assert str(problem).startswith(
+        "model.safetensors: tensor 'm.bias': expected a finite bias, found 1 NaN/inf value (first: inf at [9])"
+    )

@@ -5,12 +5,18 @@ Three outcomes: ``CompressedTensorsConfig`` (config.json ``quant_method: compres
 ``NoQuantization``. Both the 0.19 and 0.20 JSON forms of compressed-tensors are accepted; the
 argument objects are kept as written (normalisation for matching is detect.py's job).
 Malformed JSON and wrongly typed fields raise CheckpointError naming the file, the line and
-column (for JSON syntax) or the key path (for types).
+column (for JSON syntax) or the key path (for types). A config file that exists but is not a
+regular file (a folder, a broken link, a FIFO) is an error, never "absent"; duplicate keys are
+refused; ``re:`` targets and ignore entries are compiled and ``block_structure`` checked here,
+so that a bad value fails with its key path instead of deep inside detection.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,9 +95,13 @@ class ModeloptConfig:
 
 @dataclass(frozen=True)
 class NoQuantization:
-    """A checkpoint without a quantization config: every tensor is a plain tensor."""
+    """A checkpoint without a quantization config: every tensor is a plain tensor.
+
+    ``reason`` says why there is none (for the error when the tensors look quantized anyway).
+    """
 
     file: str | None
+    reason: str = "the checkpoint has no quantization config"
     producer: str = "none"
     producer_version: str | None = None
     producer_note: str | None = None
@@ -156,18 +166,99 @@ class _Fields:
         return _Fields(self.file, f"{self.path}.{key}" if self.path else key, value)
 
 
-def read_json(path: Path) -> Any:
-    """Parse a JSON file; CheckpointError with file:line:column on a syntax error."""
+def file_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a regular file ("missing", "a folder", ...); None when it can.
+
+    Symbolic links to regular files are fine; a link whose target is gone is "a broken symbolic link".
+    """
     try:
-        text = path.read_text(encoding="utf-8")
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a broken symbolic link" if os.path.islink(path) else "missing"
+    except NotADirectoryError:
+        return "missing"
+    except OSError as exc:
+        return f"not accessible ({exc.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a folder, not a file"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe), not a regular file"
+    if stat.S_ISSOCK(mode):
+        return "a socket, not a regular file"
+    return "a device or other special file, not a regular file"
+
+
+def config_file_present(path: Path) -> bool:
+    """True for a regular file, False when nothing is there; CheckpointError for anything else."""
+    problem = file_problem(path)
+    if problem == "missing":
+        return False
+    if problem is not None:
+        raise CheckpointError(
+            f"{path}: is {problem}; a checkpoint's {path.name} must be a regular JSON file: "
+            "replace it with the producer's file, or remove it"
+        )
+    return True
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str, keys: list[str]) -> None:
+        super().__init__(key)
+        self.key = key
+        self.keys = keys
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key, [k for k, _ in pairs])
+        out[key] = value
+    return out
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file; CheckpointError with file:line:column on a syntax error.
+
+    A leading UTF-8 byte-order mark is accepted; a key repeated within one object, nesting
+    too deep for the parser and integers too long to convert are errors naming the file.
+    """
+    problem = file_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"{path}: cannot be read: it is {problem}")
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read: {exc.strerror}") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
+    except _DuplicateKey as exc:
+        others = [k for k in dict.fromkeys(exc.keys) if k != exc.key]
+        shown = ", ".join(repr(k) for k in others[:3]) + (", ..." if len(others) > 3 else "")
+        raise CheckpointError(
+            f"{path}: key {exc.key!r} appears more than once in one JSON object"
+            + (f" (the object holding {shown})" if others else "")
+            + "; JSON readers silently keep only the last one: keep the entry that describes these weights "
+            "and delete the other"
+        ) from None
+    except RecursionError:
+        raise CheckpointError(
+            f"{path}: invalid JSON: arrays or objects nested too deeply to parse; this is not a checkpoint "
+            "config: replace the file with the producer's"
+        ) from None
+    except ValueError as exc:  # an integer with more digits than Python converts (4300)
+        if "digits" in str(exc):
+            raise CheckpointError(
+                f"{path}: invalid JSON value: a number has more than 4300 digits; no config value is that "
+                "large: fix the number or replace the file with the producer's"
+            ) from None
+        raise CheckpointError(f"{path}: invalid JSON value: {exc}") from None
 
 
 def _json_object(path: Path) -> Mapping[str, Any]:
@@ -186,7 +277,7 @@ def read_producer_config(folder: str | Path) -> ProducerConfig:
     folder = Path(folder)
     config_path = folder / CONFIG_FILE
     modelopt_path = folder / MODELOPT_FILE
-    config = _json_object(config_path) if config_path.is_file() else None
+    config = _json_object(config_path) if config_file_present(config_path) else None
     quant = None
     if config is not None:
         quant = _Fields(str(config_path), "", config).mapping("quantization_config")
@@ -194,7 +285,7 @@ def read_producer_config(folder: str | Path) -> ProducerConfig:
     if quant is not None:
         method = _Fields(str(config_path), "quantization_config", quant).string("quant_method", required=True)
 
-    if modelopt_path.is_file():
+    if config_file_present(modelopt_path):
         if method is not None and method != "modelopt":
             raise CheckpointError(
                 f"{config_path}: quantization_config.quant_method is {method!r} but {modelopt_path.name} "
@@ -208,7 +299,13 @@ def read_producer_config(folder: str | Path) -> ProducerConfig:
         return _modelopt(section, producer, exclude_key="exclude_modules")
 
     if quant is None or method is None:
-        return NoQuantization(str(config_path) if config is not None else None)
+        if config is None:
+            reason = f"there is no {CONFIG_FILE} and no {MODELOPT_FILE}"
+        elif "quantization_config" in config:
+            reason = f"{config_path.name}'s quantization_config is null and there is no {MODELOPT_FILE}"
+        else:
+            reason = f"{config_path.name} has no quantization_config and there is no {MODELOPT_FILE}"
+        return NoQuantization(str(config_path) if config is not None else None, reason=reason)
     fields = _Fields(str(config_path), "quantization_config", quant)
     if method == "compressed-tensors":
         return _compressed_tensors(fields)
@@ -237,13 +334,19 @@ def _compressed_tensors(fields: _Fields) -> CompressedTensorsConfig:
         targets = group.strings("targets")
         if not targets:
             raise CheckpointError(f"{fields.file}: {group.path}.targets: expected a non-empty list of strings")
+        _check_patterns(fields.file, f"{group.path}.targets", targets)
+        arguments = {
+            key: _argument_object(group, key) for key in ("weights", "input_activations", "output_activations")
+        }
+        for key, value in arguments.items():
+            _check_block_structure(fields.file, f"{group.path}.{key}", value)
         groups.append(
             ConfigGroup(
                 name=name,
                 targets=targets,
-                weights=_argument_object(group, "weights"),
-                input_activations=_argument_object(group, "input_activations"),
-                output_activations=_argument_object(group, "output_activations"),
+                weights=arguments["weights"],
+                input_activations=arguments["input_activations"],
+                output_activations=arguments["output_activations"],
                 format=group.string("format"),
             )
         )
@@ -261,10 +364,12 @@ def _compressed_tensors(fields: _Fields) -> CompressedTensorsConfig:
                 f"checkpoints with a {unsupported.split('_')[0]} config are not supported"
             )
     producer = fields.child("producer")
+    ignore = fields.strings("ignore")
+    _check_patterns(fields.file, "quantization_config.ignore", ignore)
     return CompressedTensorsConfig(
         file=fields.file,
         groups=tuple(groups),
-        ignore=fields.strings("ignore"),
+        ignore=ignore,
         format=fields.string("format"),
         version=fields.string("version"),
         quantization_status=status,
@@ -273,6 +378,42 @@ def _compressed_tensors(fields: _Fields) -> CompressedTensorsConfig:
         producer_version=(producer.string("version") if producer else None) or fields.string("version"),
         producer_note=producer.string("note") if producer else None,
     )
+
+
+def _check_patterns(file: str, where: str, entries: tuple[str, ...]) -> None:
+    """Every ``re:`` entry must compile (compressed-tensors matches them with ``re.match``)."""
+    for position, entry in enumerate(entries):
+        if not entry.startswith("re:"):
+            continue
+        try:
+            re.compile(entry[3:])
+        except re.error as exc:
+            at = f" at {exc.pos}" if exc.pos is not None else ""
+            raise CheckpointError(
+                f"{file}: {where}[{position}]: {entry!r} is not a valid regular expression ({exc.msg}{at}); "
+                "write a Python regular expression after 're:', e.g. 're:.*q_proj$'"
+            ) from None
+
+
+_BLOCK_STRING = re.compile(r"([0-9]+)x([0-9]+)")
+
+
+def _check_block_structure(file: str, where: str, arguments: Mapping[str, Any] | None) -> None:
+    """``block_structure`` is absent, two positive sizes [rows, columns] or the string "RxC"."""
+    value = arguments.get("block_structure") if arguments is not None else None
+    if value is None:
+        return
+    sizes: list[Any] | None = None
+    if isinstance(value, str):
+        match = _BLOCK_STRING.fullmatch(value)
+        sizes = [int(match.group(1)), int(match.group(2))] if match else None
+    elif isinstance(value, list) and len(value) == 2:
+        sizes = value
+    if sizes is None or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
+        raise CheckpointError(
+            f"{file}: {where}.block_structure: expected two positive sizes [rows, columns] such as [128, 128] "
+            f'(or the string "128x128"), found {json.dumps(value)[:80]}'
+        )
 
 
 def _modelopt(section: _Fields, producer: _Fields | None, exclude_key: str) -> ModeloptConfig:
@@ -288,7 +429,7 @@ def _modelopt(section: _Fields, producer: _Fields | None, exclude_key: str) -> M
                 raise CheckpointError(f"{section.file}: {raw_layers.path}.{module}: expected an object")
             algo = entry.string("quant_algo", required=True)
             assert algo is not None
-            layers[module] = MixedPrecisionLayer(quant_algo=algo, group_size=entry.integer("group_size"))
+            layers[module] = MixedPrecisionLayer(quant_algo=algo, group_size=_group_size(entry))
     elif quant_algo.upper() == "MIXED_PRECISION":
         raise CheckpointError(
             f"{section.file}: {section.path + '.' if section.path else ''}quant_algo is MIXED_PRECISION "
@@ -301,13 +442,25 @@ def _modelopt(section: _Fields, producer: _Fields | None, exclude_key: str) -> M
     return ModeloptConfig(
         file=section.file,
         quant_algo=quant_algo,
-        group_size=section.integer("group_size") or _modelopt_group_size(section),
+        group_size=_group_size(section) or _modelopt_group_size(section),
         exclude_modules=excludes,
         kv_cache_quant_algo=kv_cache,
         quantized_layers=layers,
         producer=(producer.string("name") if producer else None) or "modelopt",
         producer_version=producer.string("version") if producer else None,
     )
+
+
+def _group_size(fields: _Fields) -> int | None:
+    """A ModelOpt ``group_size``: absent, or the positive number of weights sharing one scale."""
+    size = fields.integer("group_size")
+    if size is not None and size < 1:
+        where = f"{fields.path}.group_size" if fields.path else "group_size"
+        raise CheckpointError(
+            f"{fields.file}: {where}: expected a positive number of weights per scale (e.g. 16 for NVFP4), "
+            f"found {size}; re-export the checkpoint or fix the value"
+        )
+    return size
 
 
 def _modelopt_group_size(section: _Fields) -> int | None:
@@ -317,6 +470,6 @@ def _modelopt_group_size(section: _Fields) -> int | None:
     for group in groups.values():
         weights = group.get("weights") if isinstance(group, Mapping) else None
         size = weights.get("group_size") if isinstance(weights, Mapping) else None
-        if isinstance(size, int) and not isinstance(size, bool):
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
             sizes.add(size)
     return sizes.pop() if len(sizes) == 1 else None

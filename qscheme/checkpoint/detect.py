@@ -131,7 +131,13 @@ def _is_linear_class(target: str) -> bool:
 def _match_rank(module: str, target: str, quantized: bool) -> int | None:
     """0 exact name, 1 regex, 2 class name; None when the target does not match."""
     if target.startswith("re:"):
-        return 1 if re.match(target[3:], module) else None
+        try:
+            return 1 if re.match(target[3:], module) else None
+        except re.error as exc:  # config.py checks configs it reads; this guards hand-built ones
+            raise CheckpointError(
+                f"target or ignore entry {target!r} is not a valid regular expression ({exc.msg}); "
+                "write a Python regular expression after 're:'"
+            ) from None
     if target == module:
         return 0
     if _is_class_target(target) and _is_linear_class(target) and quantized:
@@ -172,11 +178,16 @@ def normalize_arguments(arguments: Mapping[str, Any] | None) -> dict[str, Any] |
     elif out.get("dynamic") in (False, "false", "False"):
         out["dynamic"] = False
     block = out.get("block_structure")
-    if isinstance(block, str) and "x" in block:
-        out["block_structure"] = [int(part) for part in block.split("x")]
-    elif isinstance(block, (list, tuple)):
-        out["block_structure"] = [int(part) for part in block]
+    parts = block.split("x") if isinstance(block, str) else block if isinstance(block, (list, tuple)) else None
+    if parts is not None and all(_is_size(part) for part in parts):
+        out["block_structure"] = [int(part) for part in parts]  # else kept as written: it matches no rule
     return out
+
+
+def _is_size(part: object) -> bool:
+    if isinstance(part, str):
+        return part.isascii() and part.isdigit()
+    return isinstance(part, int) and not isinstance(part, bool)
 
 
 def argument_differences(rule: Mapping[str, Any] | None, found: Mapping[str, Any] | None, what: str) -> list[str]:
@@ -305,13 +316,32 @@ def match_modelopt_algo(
         )
     if len(fitting) > 1:
         exact = [s for s in fitting if s.detect.modelopt is not None and s.detect.modelopt.group_size == group_size]
-        if len(exact) == 1:
-            return exact[0]
-        raise CheckpointError(
-            f"{file}: {where}quant_algo {quant_algo!r} matches several schemes: "
-            f"{', '.join(s.name for s in fitting)}; make their detect rules distinct"
-        )
+        if len(exact) != 1:
+            raise CheckpointError(
+                f"{file}: {where}quant_algo {quant_algo!r} matches several schemes: "
+                f"{', '.join(s.name for s in fitting)}; make their detect rules distinct"
+            )
+        fitting = exact
+    _check_modelopt_group_size(fitting[0], quant_algo, group_size, file, where)
     return fitting[0]
+
+
+def _check_modelopt_group_size(scheme: Scheme, quant_algo: str, group_size: int | None, file: str, where: str) -> None:
+    """A ModelOpt ``group_size`` must be positive and equal the scheme's weight group size."""
+    if group_size is None:
+        return
+    if group_size < 1:
+        raise CheckpointError(
+            f"{file}: {where}group_size is {group_size}; expected a positive number of weights per scale "
+            f"(scheme {scheme.name} uses {scheme.group_size or 'no groups'})"
+        )
+    if scheme.weight.scale.granularity == "group" and scheme.group_size != group_size:
+        raise CheckpointError(
+            f"{file}: {where}quant_algo {quant_algo!r} with group_size {group_size}: scheme {scheme.name} "
+            f"stores one weight scale per {scheme.group_size} weights, so these tensors cannot be read with "
+            f"group_size {group_size}. Fix group_size if it is wrong, or add a scheme descriptor with "
+            f"detect.modelopt.group_size: {group_size} (see docs/schemes.md)"
+        )
 
 
 # ---------------------------------------------------------------------------- detection
@@ -322,7 +352,15 @@ def detect(config: ProducerConfig, tensors: Mapping[str, TensorInfo], schemes: I
     schemes = list(schemes)
     modules = group_by_module(tensors)
     quantized_names = quantized_tensor_names(schemes)
+    top_level = modules.get("", {})
+    if looks_quantized(top_level, quantized_names):
+        raise CheckpointError(
+            f"{_file_of(top_level)}: tensors {_describe_tensors(top_level)} look quantized but have no module "
+            "prefix (expected names like 'model.layers.0.mlp.down_proj.weight_packed'), so no layer can be "
+            "built from them; re-export the checkpoint with the module names kept"
+        )
     if isinstance(config, NoQuantization):
+        _refuse_unconfigured(config, modules, quantized_names)
         return Detection(producer=config, modules={}, ignored={}, plain=tuple(sorted(tensors)))
     if isinstance(config, CompressedTensorsConfig):
         assigned, ignored, unused = _detect_compressed_tensors(config, modules, schemes, quantized_names)
@@ -358,6 +396,40 @@ def detect(config: ProducerConfig, tensors: Mapping[str, TensorInfo], schemes: I
         plain=tuple(sorted(plain, key=natural_key)),
         kv_cache=tuple(sorted(kv_cache, key=natural_key)),
         unused_targets=tuple(unused),
+    )
+
+
+def _file_of(tensors: Mapping[str, TensorInfo]) -> str:
+    return str(next(iter(tensors.values())).file) if tensors else "?"
+
+
+def _describe_tensors(tensors: Mapping[str, TensorInfo], limit: int = 6) -> str:
+    shown = [
+        f"{short} ({info.dtype} {list(info.shape)})"
+        for short, info in sorted(tensors.items(), key=lambda item: natural_key(item[0]))[:limit]
+    ]
+    more = f", ... ({len(tensors) - limit} more)" if len(tensors) > limit else ""
+    return ", ".join(shown) + more
+
+
+def _refuse_unconfigured(
+    config: NoQuantization, modules: Mapping[str, Mapping[str, TensorInfo]], quantized_names: frozenset[str]
+) -> None:
+    """Without a quantization config every tensor is plain: refuse modules that look quantized."""
+    suspects = sorted(
+        (module for module, members in modules.items() if module and looks_quantized(members, quantized_names)),
+        key=natural_key,
+    )
+    if not suspects:
+        return
+    first = modules[suspects[0]]
+    where = config.file or str(next(iter(first.values())).file.parent)
+    others = f" (and {len(suspects) - 1} more modules)" if len(suspects) > 1 else ""
+    raise CheckpointError(
+        f"{where}: {config.reason}, so every tensor would load as a plain tensor, but module {suspects[0]}"
+        f"{others} stores quantized-looking tensors: {_describe_tensors(first)}. Add the producer's "
+        "quantization_config to config.json (compressed-tensors / llm-compressor) or its hf_quant_config.json "
+        "(ModelOpt) next to the weights"
     )
 
 

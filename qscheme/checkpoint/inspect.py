@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qscheme.checkpoint.detect import BIAS
 from qscheme.checkpoint.plan import FuseSpec, Plan, plan_checkpoint
 from qscheme.checkpoint.validate import check_values
 from qscheme.errors import CheckpointError
@@ -122,14 +123,17 @@ def _fill(inspection: Inspection, plan: Plan, read_values: bool) -> None:
     inspection.tolerated = tuple(f"{m}.{t}" for m, layout in plan.layouts.items() for t in layout.tolerated)
     inspection.unused_targets = detection.unused_targets
     inspection.fused = [(group.name, group.members) for group in plan.fuse_groups]
-    inspection.notes = list(plan.notes)
+    inspection.notes = [*plan.files.notes, *plan.notes]
     inspection.problems = [str(p) for p in plan.problems]
     if read_values:
         for layout in plan.layouts.values():
             if layout.problems:
                 continue
+            names = {short: info.name for short, info in layout.declared.items()}
+            if layout.bias is not None:
+                names[BIAS] = layout.bias.name
             try:
-                tensors = plan.files.get_many({short: info.name for short, info in layout.declared.items()})
+                tensors = plan.files.get_many(names)
             except CheckpointError as exc:
                 inspection.problems.append(str(exc))
                 continue
@@ -143,6 +147,9 @@ def inspect_checkpoint(path: str | Path, *, fuse: FuseSpec | None = None, read_v
         plan = plan_checkpoint(path, fuse=fuse)
     except CheckpointError as exc:
         inspection.problems.append(str(exc))
+        return inspection
+    except (RecursionError, ValueError, OSError) as exc:  # a backstop: inspect reports, it never raises
+        inspection.problems.append(f"{path}: cannot be inspected: {type(exc).__name__}: {exc}")
         return inspection
     inspection.files = tuple(p.name for p in plan.files.files)
     inspection.total_bytes = plan.files.total_bytes

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from qscheme.canonical import CanonicalWeight, canonicalize
+from qscheme.checkpoint.detect import BIAS
 from qscheme.checkpoint.fuse import FUSE_POLICIES, FuseOutcome, fuse_members, scales_differ
 from qscheme.checkpoint.plan import FuseSpec, Plan, check_fuse_spec, format_problems, plan_checkpoint
 from qscheme.checkpoint.progress import Progress, auto_enabled
@@ -227,11 +228,15 @@ def load_canonical(plan: Plan, progress: Progress | None = None) -> dict[str, Ca
     canonical: dict[str, CanonicalWeight] = {}
     problems: list[TensorProblem] = []
     for module, layout in plan.layouts.items():
-        tensors = plan.files.get_many({short: info.name for short, info in layout.declared.items()})
+        names = {short: info.name for short, info in layout.declared.items()}
+        if layout.bias is not None:
+            names[BIAS] = layout.bias.name  # read again by the layer; small
+        tensors = plan.files.get_many(names)
         found = check_values(layout, tensors)
         problems.extend(found)
         if not found and not problems:
-            canonical[module] = canonicalize(layout.scheme, tensors, layout.n, layout.k)
+            declared = {short: value for short, value in tensors.items() if short != BIAS}
+            canonical[module] = canonicalize(layout.scheme, declared, layout.n, layout.k)
         if progress is not None:
             progress.advance(item=module)
     if problems:

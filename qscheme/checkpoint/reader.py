@@ -5,12 +5,19 @@ no overlaps, no duplicate names across shards, index and shards agreeing) before
 read, so that a corrupt file fails with a CheckpointError naming the file and the tensor.
 Tensor data is then read through ``safetensors.safe_open`` (memory-mapped, zero-copy on CPU):
 asking for one layer never reads the rest of the model.
+
+The folder holds either model.safetensors or an index with its shards, never both (which one
+the producer meant is unknown). An index must map at least one tensor, every shard it names
+must be a regular file, and a shard-named file (``*-00001-of-00002.safetensors``) that it does
+not mention is an error; other unmentioned .safetensors files are noted and not read.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
+import re
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -20,12 +27,13 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from qscheme.checkpoint.config import read_json
+from qscheme.checkpoint.config import file_problem, read_json
 from qscheme.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+SHARD_NAME = re.compile(r".+-[0-9]+-of-[0-9]+\.safetensors")
 
 # safetensors dtype codes -> (torch dtype name, bytes per element)
 SAFETENSORS_DTYPES: dict[str, tuple[str, float]] = {
@@ -147,20 +155,43 @@ class CheckpointFiles:
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
-        if not self.folder.is_dir():
+        try:
+            is_folder = self.folder.is_dir()
+        except OSError as exc:
+            raise CheckpointError(f"{self.folder}: cannot be accessed: {exc.strerror}") from None
+        if not is_folder:
             raise CheckpointError(f"{self.folder}: not a folder; pass a checkpoint folder holding {SINGLE_FILE}")
+        if not os.access(self.folder, os.R_OK | os.X_OK):
+            raise CheckpointError(
+                f"{self.folder}: folder is not readable (permission denied); give your user read and execute "
+                f"access to it (chmod u+rx {self.folder})"
+            )
         self.index_file: Path | None = None
         self.files: list[Path] = []
         self.tensors: dict[str, TensorInfo] = {}
+        self.notes: list[str] = []
         self._handles: dict[Path, Any] = {}
         index = self.folder / INDEX_FILE
         single = self.folder / SINGLE_FILE
-        if index.is_file():
+        index_problem, single_problem = file_problem(index), file_problem(single)
+        if index_problem not in (None, "missing"):
+            raise CheckpointError(f"{index}: is {index_problem}; the index must be a regular JSON file")
+        if index_problem is None and single_problem != "missing":
+            raise CheckpointError(
+                f"{self.folder}: has both {INDEX_FILE} (shards) and {SINGLE_FILE}; it is unknown which one holds "
+                f"the weights: remove {SINGLE_FILE} if the shards are current, else remove the index and its shards"
+            )
+        if index_problem is None:
             self.index_file = index
             self._read_index(index)
-        elif single.is_file():
+        elif single_problem is None:
             self.files = [single]
             self.tensors = read_header(single)
+        elif single_problem != "missing":
+            raise CheckpointError(
+                f"{single}: is {single_problem}; {SINGLE_FILE} must be a regular safetensors file "
+                f"(or use {INDEX_FILE} with shards)"
+            )
         else:
             found = sorted(p.name for p in self.folder.glob("*.safetensors*"))
             hint = f"; found {', '.join(found)}" if found else ""
@@ -171,18 +202,39 @@ class CheckpointFiles:
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: weight_map is missing or not an object of tensor name -> shard file")
+        if not weight_map:
+            raise CheckpointError(
+                f"{index}: weight_map is empty, so no tensor would be read; regenerate the index (save the model "
+                "again) or remove it and keep a single model.safetensors"
+            )
         by_shard: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
             by_shard.setdefault(shard, []).append(name)
         for shard, names in sorted(by_shard.items()):
-            path = self.folder / shard
-            if Path(shard).name != shard:
-                raise CheckpointError(f"{index}: shard {shard!r} is not a file name in the checkpoint folder")
-            if not path.is_file():
+            if not shard or shard in (".", "..") or Path(shard).name != shard:
+                raise CheckpointError(
+                    f"{index}: shard {shard!r} (for {len(names)} tensors, e.g. {sorted(names)[0]!r}) is not a file "
+                    "name in the checkpoint folder; the index must name shard files such as "
+                    "'model-00001-of-00002.safetensors'"
+                )
+            problem = file_problem(self.folder / shard)
+            if problem is not None:
+                state = "does not exist" if problem == "missing" else f"is {problem}"
                 raise CheckpointError(
                     f"{index}: names shard {shard!r} (for {len(names)} tensors, e.g. {sorted(names)[0]!r}) "
-                    f"but {path} does not exist"
+                    f"but {self.folder / shard} {state}"
                 )
+        for path in sorted(self.folder.glob("*.safetensors")):
+            if path.name in by_shard:
+                continue
+            if SHARD_NAME.fullmatch(path.name):
+                raise CheckpointError(
+                    f"{index}: shard file {path.name} is in the folder but the index never mentions it; "
+                    "its tensors would be skipped: regenerate the index, or delete the stale shard"
+                )
+            self.notes.append(f"{path.name} is not mentioned by {index.name}; it is not read")
+        for shard, names in sorted(by_shard.items()):
+            path = self.folder / shard
             header = read_header(path)
             missing = sorted(set(names) - set(header))
             if missing:

@@ -1,9 +1,9 @@
 """Check one module's tensors against its scheme's declaration, before anything is built.
 
 Two pure steps: ``check_layout`` (names, dtypes, shapes, from the headers alone) and
-``check_values`` (global and static scales > 0 and finite, block scales finite, once the
-small scale tensors are read). Each returns every problem it finds, each naming the file,
-the tensor, what was expected and what was found; the loader raises them together.
+``check_values`` (global and static scales > 0 and finite, weight group / block scales finite
+and not negative, a bias finite, once the small tensors are read). Each returns every problem
+it finds, each naming the file, the tensor, what was expected and what was found; the loader raises them together.
 ``check_given`` runs both over one layer's tensors given in memory (``QuantLinear.from_tensors``,
 ``dequantize_weight``), so that the API refuses what the loader refuses.
 """
@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from qscheme.checkpoint.detect import BIAS, ModuleAssignment
+from qscheme.canonical import stored_layer_shape
+from qscheme.checkpoint.detect import BIAS, FLOAT_DTYPES, ModuleAssignment
 from qscheme.checkpoint.reader import TensorInfo
 from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.errors import QuantizeError
@@ -57,21 +58,6 @@ def _full(module: str, short: str) -> str:
     return f"{module}.{short}" if module else short
 
 
-def infer_layer_shape(scheme: Scheme, weight: TensorInfo, weight_shape: tuple[int, int] | None) -> tuple[int, int]:
-    """N, K from the stored weight's header (and the weight_shape tensor where declared)."""
-    if weight_shape is not None:
-        return weight_shape
-    rows, columns = weight.shape[0], weight.shape[-1]
-    packing = scheme.weight.packing
-    if packing == "nibbles_k":
-        return rows, columns * 2
-    if packing == "int4_n":
-        return rows * 2, columns
-    if packing == "int32_k":
-        return rows, columns * 8
-    return rows, columns
-
-
 def _shape_list(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
@@ -103,7 +89,10 @@ def check_layout(assignment: ModuleAssignment, weight_shape: tuple[int, int] | N
             )
         )
     else:
-        n, k = infer_layer_shape(scheme, weight, weight_shape)
+        try:
+            n, k = stored_layer_shape(scheme, weight.shape, weight_shape)
+        except QuantizeError as exc:  # K (or N) is ambiguous without the weight_shape tensor
+            problems.append(TensorProblem(str(weight.file), weight.name, str(exc)))
     origin = f"N={n}, K={k}"
     if weight is not None and weight_shape is None:
         origin += f" from {weight_spec.name} {_shape_list(weight.shape)}"
@@ -129,6 +118,15 @@ def check_layout(assignment: ModuleAssignment, weight_shape: tuple[int, int] | N
 
     tolerated = tuple(sorted(short for short in tensors if short in scheme.tolerated and short not in declared))
     bias = tensors.get(BIAS)
+    if bias is not None and bias.dtype not in FLOAT_DTYPES:
+        problems.append(
+            TensorProblem(
+                str(bias.file),
+                bias.name,
+                f"expected a float bias ({' or '.join(sorted(FLOAT_DTYPES))}), found {bias.dtype}; "
+                "a bias is added to the float output: store it in the model's float dtype",
+            )
+        )
     if bias is not None and bias.shape != (n,) and n:
         problems.append(
             TensorProblem(
@@ -223,6 +221,35 @@ def _any_nonfinite(value: Tensor) -> bool:
     return bool(_nonfinite_mask(value).any())
 
 
+def _negative_mask(value: Tensor) -> Tensor:
+    """True where a stored scale is below zero (-0.0 and NaN excluded; e8m0 bytes have no sign)."""
+    if value.dtype == torch.float8_e4m3fn:
+        raw = value.view(torch.uint8)
+        return (raw >= 0x81) & (raw != 0xFF)
+    if value.dtype == torch.float8_e5m2:
+        raw = value.view(torch.uint8)
+        return (raw >= 0x81) & ((raw & 0x7C) != 0x7C)
+    if value.is_floating_point():
+        return value < 0
+    if value.dtype == torch.uint8:
+        return torch.zeros_like(value, dtype=torch.bool)
+    return value < 0
+
+
+def _any_negative(value: Tensor) -> bool:
+    """Fast ``_negative_mask(value).any()``: fp8 bytes with the sign bit set are negative
+    as int8, so one min pass decides the common all-positive case."""
+    if value.numel() == 0 or value.dtype == torch.uint8:
+        return False
+    if value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if int(value.reshape(-1).view(torch.int8).min()) >= 0:
+            return False
+        return bool(_negative_mask(value).any())
+    if value.dtype == torch.bool:
+        return False
+    return bool(value.min() < 0)
+
+
 def _first(value: Tensor, mask: Tensor) -> str:
     index = int(mask.reshape(-1).nonzero()[0, 0])
     element = value.reshape(-1)[index]
@@ -250,13 +277,15 @@ def _value_roles(scheme: Scheme) -> tuple[list[TensorSpec], list[TensorSpec]]:
 
 
 def value_tensor_names(scheme: Scheme) -> list[str]:
-    """The tensors whose values ``check_values`` reads."""
+    """The tensors whose values ``check_values`` reads (and ``bias`` when the module has one)."""
     positive, finite = _value_roles(scheme)
     return [spec.name for spec in positive + finite]
 
 
 def check_values(layout: ModuleLayout, tensors: Mapping[str, Tensor]) -> list[TensorProblem]:
-    """Global / static scales finite and > 0; every scale finite (no NaN, no inf)."""
+    """Global / static scales finite and > 0; every scale finite (no NaN, no inf); weight group
+    and block scales not negative (producers store magnitudes; a negative one is corrupt);
+    the bias, when given under ``bias``, finite."""
     problems: list[TensorProblem] = []
     positive, finite = _value_roles(layout.scheme)
     for spec in positive:
@@ -291,7 +320,38 @@ def check_values(layout: ModuleLayout, tensors: Mapping[str, Tensor]) -> list[Te
                     f"(first: {_first(value, bad)})",
                 )
             )
+    problems.extend(_negative_weight_scales(layout, tensors))
+    bias, bias_info = tensors.get(BIAS), layout.bias
+    if bias is not None and bias_info is not None and bias.is_floating_point() and _any_nonfinite(bias):
+        bad = _nonfinite_mask(bias)
+        count = int(bad.sum())
+        problems.append(
+            TensorProblem(
+                str(bias_info.file),
+                bias_info.name,
+                f"expected a finite bias, found {count} NaN/inf value{'s' if count > 1 else ''} "
+                f"(first: {_first(bias, bad)}); every output through it would be NaN/inf: re-export the layer",
+            )
+        )
     return problems
+
+
+def _negative_weight_scales(layout: ModuleLayout, tensors: Mapping[str, Tensor]) -> list[TensorProblem]:
+    spec = layout.scheme.weight.scale.tensor
+    value, info = tensors.get(spec.name), layout.declared.get(spec.name)
+    if value is None or info is None or not _any_negative(value):
+        return []
+    bad = _negative_mask(value)
+    count = int(bad.sum())
+    return [
+        TensorProblem(
+            str(info.file),
+            info.name,
+            f"expected weight scales >= 0, found {count} negative value{'s' if count > 1 else ''} "
+            f"(first: {_first(value, bad)}); producers store scale magnitudes, so the file is corrupt: "
+            "re-export the layer",
+        )
+    ]
 
 
 # ---------------------------------------------------------------------------- given tensors
