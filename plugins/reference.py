@@ -14,11 +14,10 @@ from qscheme.kernels.declaration import (
     ANY_DEVICE,
     ANY_WEIGHT_ONLY,
     DEPLOYED_ACTIVATION_PAIRS,
-    NVFP4_ACTIVATIONS,
+    NVFP4_ACTIVATION_PAIR,
     ActivationDtypes,
     DeviceSupport,
     KernelDeclaration,
-    Supports,
 )
 from qscheme.plugins import hookimpl
 
@@ -31,12 +30,7 @@ REFERENCE = KernelDeclaration(
     # pre-scales (applied before the activation is quantized).
     supports=(
         ANY_WEIGHT_ONLY,
-        Supports(
-            weights=("nvfp4",),
-            activations=(NVFP4_ACTIVATIONS,),
-            per_partition_scales=True,
-            input_pre_scale=True,
-        ),
+        NVFP4_ACTIVATION_PAIR,
         *DEPLOYED_ACTIVATION_PAIRS,
     ),
     devices=(DeviceSupport(ANY_DEVICE),),

@@ -1,9 +1,11 @@
 """The Triton fallback kernel's declaration (its code is ``qscheme_plugins.triton_kernel``).
 
 Weight-only for every weight family (e2m1 with e4m3/e8m0/float scales, int4/uint4 with zero
-points, int8, fp8), plus the activation-quantized pairs deployed kernels run: NVFP4 x NVFP4,
-FP8 x FP8 (static per tensor, dynamic per token, dynamic per group of 128), int8 x int8 per
-token and MXFP4 x MXFP4; one global scale per fused partition; 16-bit and fp32 activations.
+points, int8, fp8), plus the activation-quantized pairs deployed kernels run: NVFP4 x NVFP4
+(also e2m1 weights with float scales, any group size: the weight scales are decoded in the K
+loop independently of the input's groups of 16), FP8 x FP8 (static per tensor, dynamic per
+token, dynamic per group of 128), int8 x int8 per token (int8/uint8 weights, zero points
+included) and MXFP4 x MXFP4; one global scale per fused partition; 16-bit and fp32 activations.
 Activations are claimed in the element and scale formats both the pre-pass
 (``qscheme.triton.spec``) and the reference emulation run: e2m1 with e4m3 or e8m0 scales, e4m3
 and int8 with float32 scales (any float for a static scale); not e5m2 or uint8 inputs, nor
@@ -17,12 +19,11 @@ from __future__ import annotations
 from qscheme.kernels.declaration import (
     ANY_WEIGHT_ONLY,
     DEPLOYED_ACTIVATION_PAIRS,
-    NVFP4_ACTIVATIONS,
+    NVFP4_ACTIVATION_PAIR,
     ActivationDtypes,
     CapabilityRange,
     DeviceSupport,
     KernelDeclaration,
-    Supports,
 )
 from qscheme.plugins import hookimpl
 
@@ -33,15 +34,7 @@ TRITON = KernelDeclaration(
     description="Triton dequantize-in-register GEMM, portable across CUDA, ROCm and the Triton interpreter",
     supports=(
         ANY_WEIGHT_ONLY,
-        Supports(
-            weights=("nvfp4",),
-            activations=(NVFP4_ACTIVATIONS,),
-            granularities=("group",),
-            group_sizes=(16,),
-            scale_formats=("e4m3",),
-            per_partition_scales=True,
-            input_pre_scale=True,
-        ),
+        NVFP4_ACTIVATION_PAIR,
         *DEPLOYED_ACTIVATION_PAIRS,
     ),
     devices=(

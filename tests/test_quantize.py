@@ -272,3 +272,78 @@ def test_an_all_zero_weight_gets_small_positive_scales_and_dequantizes_to_zero(s
     # both producers replace a zero scale by a small positive one: nothing here is refused
     tensors = quantize_weight(torch.zeros(64, 256, dtype=dtype), scheme)
     assert bool((dequantize_weight(tensors, scheme) == 0).all())
+
+
+# --- zero points must fit their declared format -----------------------------------------------
+
+
+def _zero_point_scheme(element: str, zero_format: str, zero_tensor: str, packing: str = "none") -> str:
+    weight_tensor = (
+        "{name: weight_packed, dtype: uint8, shape: [N, K/2]}"
+        if element in ("int4", "uint4")
+        else f"{{name: weight, dtype: {element}, shape: [N, K]}}"
+    )
+    return f"""
+name: test/ZP_{element}_{zero_format}
+weight:
+  format: {element}
+  packing: {"nibbles_k" if element in ("int4", "uint4") else "none"}
+  tensor: {weight_tensor}
+  scale:
+    granularity: channel
+    format: fp32
+    stored: multiplier
+    tensor: {{name: weight_scale, dtype: float32, shape: [N, 1]}}
+  zero_point:
+    format: {zero_format}
+    packing: {packing}
+    tensor: {zero_tensor}
+activation: none
+"""
+
+
+@pytest.mark.parametrize(
+    ("element", "zero_format", "zero_tensor", "packing", "holds"),
+    [
+        ("uint4", "int4", '{name: weight_zero_point, dtype: int32, shape: ["N/8", 1]}', "int32_n", "[-8, 7]"),
+        ("uint8", "int4", "{name: weight_zero_point, dtype: int8, shape: [N, 1]}", "none", "[-8, 7]"),
+        ("uint8", "int8", "{name: weight_zero_point, dtype: int8, shape: [N, 1]}", "none", "[-128, 127]"),
+    ],
+)
+def test_a_zero_point_format_that_cannot_hold_the_zero_points_is_refused(
+    element: str, zero_format: str, zero_tensor: str, packing: str, holds: str
+) -> None:
+    """Not a raw FormatError from the packer, nor zero points silently wrapped into the format.
+    (The parser may refuse such a descriptor too; a Scheme built in code reaches quantize_weight.)"""
+    from dataclasses import replace
+
+    from qscheme.descriptor import parse_scheme_text
+
+    valid = parse_scheme_text(_zero_point_scheme(element, element, zero_tensor, packing))
+    assert valid.weight.zero_point is not None
+    zero_point = replace(valid.weight.zero_point, format=zero_format)
+    scheme = replace(valid, weight=replace(valid.weight, zero_point=zero_point))
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(0)) * 0.05 + 0.01
+    with pytest.raises(QuantizeError) as info:
+        quantize_weight(weight, scheme)
+    message = str(info.value)
+    assert f"zero_point format {zero_format!r} holds {holds}" in message
+    assert f"zero points computed for the {element} weight lie in [" in message
+    assert f"declare the zero point format {element!r}" in message
+
+
+def test_uint8_zero_points_stored_in_an_int8_tensor_keep_their_bits() -> None:
+    from qscheme.canonical import canonicalize, dequantize
+    from qscheme.descriptor import parse_scheme_text
+
+    scheme = parse_scheme_text(
+        _zero_point_scheme("uint8", "uint8", "{name: weight_zero_point, dtype: int8, shape: [N, 1]}")
+    )
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(0)) * 0.05 - 0.02  # zero points > 127
+    tensors = quantize_weight(weight, scheme)
+    stored = tensors["weight_zero_point"]
+    assert stored.dtype == torch.int8 and int(stored.min()) < 0
+    canonical = canonicalize(scheme, tensors, 48, 96)
+    assert canonical.zero_point is not None and int(canonical.zero_point.max()) > 127
+    assert torch.equal(canonical.zero_point.to(torch.uint8).view(torch.int8).reshape(stored.shape), stored)
+    assert float((dequantize(canonical) - weight).norm() / weight.norm()) < 0.01

@@ -131,6 +131,21 @@ def test_a_given_global_scale_is_used_as_the_library_uses_it(preset: str, dtype:
     assert torch.equal(ours["weight_global_scale"], shared)
 
 
+@pytest.mark.parametrize("preset", ["NVFP4", "NVFP4A16"])
+def test_a_float16_weight_of_small_absmax_gets_the_librarys_global_scale_of_one(preset: str) -> None:
+    """generate_gparam computes 448 * 6 / absmax in the weight's dtype: below absmax 2688 / 65504
+    it overflows float16 and becomes 1.0 (nan_to_num). qscheme writes the same tensors, bit for
+    bit (documented in qscheme.quantize.compressed_tensors), and the float32 weight gets the
+    library's float32 global scale."""
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(0)) * 0.004
+    half = weight.to(torch.float16)
+    _check(preset, half)
+    assert float(quantize_weight(half, _scheme(preset))["weight_global_scale"]) == 1.0
+    _check(preset, half.float())
+    expected = 2688.0 / float(half.float().abs().max())
+    assert float(quantize_weight(half.float(), _scheme(preset))["weight_global_scale"]) == pytest.approx(expected)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp8_block_edges_are_padded_like_the_library(dtype: torch.dtype) -> None:
     weight = (torch.randn(130, 257, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)

@@ -7,7 +7,9 @@ import pytest
 import torch
 from torch import Tensor
 
+from qscheme.canonical import canonicalize, dequantize
 from qscheme.catalog import load_catalog, load_scheme
+from qscheme.descriptor import Scheme, parse_scheme_text
 from qscheme.errors import QuantizeError
 from qscheme.quantize import quantize_weight
 
@@ -15,7 +17,7 @@ WEIGHT = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
 NAN, INF = float("nan"), float("inf")
 
 
-def _error(scheme: str, weight: Tensor = WEIGHT, **given: Tensor) -> str:
+def _error(scheme: str | Scheme, weight: Tensor = WEIGHT, **given: Tensor) -> str:
     with pytest.raises(QuantizeError) as info:
         quantize_weight(weight, scheme, **given)
     return str(info.value)
@@ -233,3 +235,88 @@ def test_a_given_meta_tensor_is_refused() -> None:
     assert "materialise it first" in message
     message = _error("compressed-tensors/NVFP4A16", weight_global_scale=torch.empty(1, device="meta"))
     assert "the given weight_global_scale is a meta tensor" in message
+
+
+# --- a given global scale with non-e4m3 weight scales -----------------------------------------
+
+
+def _global_scheme(rules: str, scale_format: str, stored: str = "multiplier", zero_point: bool = False) -> Scheme:
+    """e2m1 (int4/uint4 with zero points) group-32 weights under a declared global scale."""
+    scale_dtype = {"e8m0": "uint8", "fp16": "float16", "fp32": "float32"}[scale_format]
+    element = "uint4" if zero_point else "e2m1"
+    zero = (
+        "\n  zero_point: {format: uint4, tensor: {name: weight_zero_point, dtype: uint8, shape: [N, K/32]}}"
+        if zero_point
+        else ""
+    )
+    return parse_scheme_text(
+        f"""
+name: test/GLOBAL_{rules}_{scale_format}_{stored}_{element}
+rules: {rules}
+weight:
+  format: {element}
+  packing: nibbles_k
+  tensor: {{name: weight_packed, dtype: uint8, shape: [N, K/2]}}
+  scale:
+    granularity: group
+    group_size: 32
+    format: {scale_format}
+    stored: multiplier
+    tensor: {{name: weight_scale, dtype: {scale_dtype}, shape: [N, K/32]}}
+  global_scale:
+    stored: {stored}
+    tensor: {{name: weight_global_scale, dtype: float32, shape: [1]}}{zero}
+activation: none
+"""
+    )
+
+
+def _dequantized(scheme: Scheme, tensors: dict[str, Tensor]) -> Tensor:
+    return dequantize(canonicalize(scheme, tensors, *WEIGHT.shape))
+
+
+@pytest.mark.parametrize(
+    ("rules", "scale_format", "zero_point"),
+    [
+        ("modelopt", "fp16", False),
+        ("modelopt", "fp32", False),
+        ("modelopt", "e8m0", False),
+        ("modelopt", "fp16", True),
+        ("compressed-tensors", "fp16", False),
+        ("compressed-tensors", "fp16", True),
+    ],
+)
+@pytest.mark.parametrize("stored", ["multiplier", "reciprocal"])
+def test_a_given_global_scale_is_absorbed_by_the_weight_scales(
+    rules: str, scale_format: str, zero_point: bool, stored: str
+) -> None:
+    """The written checkpoint dequantizes to the same weight whatever global scale is given: the
+    weight scales are computed relative to it (ModelOpt's NVFP4 rule, applied to every format)."""
+    scheme = _global_scheme(rules, scale_format, stored, zero_point)
+    weight = WEIGHT * 0.05
+    results = {}
+    for multiplier in (1.0, 0.25, 4.0, 2.0**-20):
+        value = multiplier if stored == "multiplier" else 1 / multiplier
+        tensors = quantize_weight(weight, scheme, weight_global_scale=torch.tensor([value]))
+        dequantized = _dequantized(scheme, tensors)
+        results[multiplier] = float((dequantized - weight).norm() / weight.norm())
+    assert results[1.0] < 0.15, results
+    for error in results.values():
+        assert error == pytest.approx(results[1.0], rel=0.05, abs=1e-3), results
+
+
+def test_compressed_tensors_refuses_computing_e8m0_scales_under_a_global_scale() -> None:
+    """compressed-tensors multiplies the MX exponent bytes by the global scale (calculate_qparams),
+    which no checkpoint can hold: refused. Given e8m0 scales with the global scale are written."""
+    scheme = _global_scheme("compressed-tensors", "e8m0")
+    weight = WEIGHT * 0.05
+    message = _error(scheme, weight, weight_global_scale=torch.tensor([0.25]))
+    assert "compressed-tensors has no rule for e8m0 (MX) scales under a global scale" in message
+    assert "remove global_scale" in message
+    modelopt = quantize_weight(weight, _global_scheme("modelopt", "e8m0"), weight_global_scale=torch.tensor([0.25]))
+    given = quantize_weight(
+        weight, scheme, weight_scale=modelopt["weight_scale"], weight_global_scale=torch.tensor([0.25])
+    )
+    assert torch.equal(given["weight_scale"], modelopt["weight_scale"])
+    error = float((_dequantized(scheme, given) - weight).norm() / weight.norm())
+    assert error < 0.15

@@ -483,3 +483,45 @@ def test_builtin_activation_claims_agree_with_the_emulation_and_the_triton_pre_p
             assert emulated, activation  # its tests compare it with the emulation
         taken += reference
     assert taken == 2 + 2 + 2 + 4 * 4 + 1 + 1  # per token, per group of 128, int8, static, NVFP4, MXFP4
+
+
+# --- YAML-only schemes the kernels run (NVFP4 inputs with other e2m1 weights, zero points with int8 inputs)
+
+TRITON_SCHEMES = Path(__file__).parent / "data" / "triton_schemes"
+
+
+@pytest.mark.parametrize("file", ["fp4_g64_fp16_nvfp4_input.yaml", "uint8_channel_e4m3_int8_token.yaml"])
+@pytest.mark.parametrize("device_name", ["sm80", "sm90"])
+def test_the_repo_triton_test_schemes_resolve_to_triton(file: str, device_name: str) -> None:
+    """The Triton and reference kernels run e2m1 weights with float group scales under NVFP4 inputs,
+    and uint8 weights with zero points under int8 per-token inputs: both are declared."""
+    scheme = parse_scheme_file(TRITON_SCHEMES / file)
+    resolution = resolve(scheme, SQUARE, fake_device(device_name), AS_IF_IMPLEMENTED)
+    assert resolution.kernel is not None and resolution.kernel.name == "triton", resolution.trace
+    assert resolution.candidate("reference").accepted
+    on_cpu = resolve(scheme, SQUARE, fake_device("cpu"), AS_IF_IMPLEMENTED)
+    assert on_cpu.kernel is not None and on_cpu.kernel.name == "reference"
+
+
+def _nvfp4_group(size: int) -> Scheme:
+    scheme = builtin_scheme("compressed-tensors/NVFP4")
+    return replace(scheme, weight=replace(scheme.weight, scale=replace(scheme.weight.scale, group_size=size)))
+
+
+@pytest.mark.parametrize("group_size", [16, 24, 32, 64, 128])
+def test_nvfp4_weights_with_nvfp4_inputs_run_on_triton_for_any_group_size(group_size: int) -> None:
+    """The kernel decodes weight scales of any group size in the K loop, independently of the
+    input's groups of 16, so Triton declares no weight group size for the NVFP4 pair."""
+    resolution = resolve(_nvfp4_group(group_size), SQUARE, fake_device("sm90"), AS_IF_IMPLEMENTED)
+    assert resolution.kernel is not None and resolution.kernel.name == "triton", resolution.trace
+
+
+def test_int8_zero_points_with_int8_inputs_are_declared_by_both_builtin_kernels() -> None:
+    scheme = builtin_scheme("compressed-tensors/W8A8")
+    weight = scheme.weight
+    zero_point = parse_scheme_file(TRITON_SCHEMES / "uint8_channel_e4m3_int8_token.yaml").weight.zero_point
+    assert zero_point is not None
+    asymmetric = replace(scheme, weight=replace(weight, format="uint8", zero_point=zero_point))
+    for declaration, device_name in ((TRITON, "sm90"), (REFERENCE, "cpu")):
+        resolution = resolve(asymmetric, SQUARE, fake_device(device_name), [implemented(declaration)])
+        assert resolution.kernel is not None, resolution.trace

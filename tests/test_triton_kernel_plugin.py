@@ -80,6 +80,33 @@ def test_quant_linear_runs_the_triton_kernel_on_a_cpu_under_the_interpreter() ->
     assert_matches(layer(x), expected.double(), torch.bfloat16, "QuantLinear")
 
 
+@pytest.mark.parametrize("file", ["fp4_g64_fp16_nvfp4_input.yaml", "uint8_channel_e4m3_int8_token.yaml"])
+def test_the_repo_yaml_only_triton_schemes_run_through_quant_linear(file: str) -> None:
+    """e2m1 weights with float group-64 scales under NVFP4 inputs, and uint8 weights with zero
+    points under int8 per-token inputs: the declaration takes them, and the kernel the resolver
+    picks agrees with the reference kernel."""
+    from pathlib import Path
+
+    from qscheme.descriptor import parse_scheme_file
+
+    scheme = parse_scheme_file(Path(__file__).parent / "data" / "triton_schemes" / file)
+    # (a weight of absmax ~4: compressed-tensors' e4m3 channel scales (max - min) / 255 stay normal)
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(3))
+    given = _static_inputs(scheme, amax=4.0)
+    if scheme.weight.global_scale is not None:  # float group scales: the rules compute no global scale
+        given[scheme.weight.global_scale.tensor.name] = torch.tensor([0.5])
+    tensors = quantize_weight(weight, scheme, **given)
+    layer = QuantLinear.from_tensors(scheme, tensors, kernel="triton", activation_dtype="float32")
+    assert layer.kernel.name == "triton"
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4))
+    reference = ReferenceKernel()
+    expected = reference.apply(reference.prepare(canonicalize(scheme, tensors), torch.device("cpu")), x, None)
+    assert_matches(layer(x), expected.double(), torch.float32, "QuantLinear")
+    exact = x.double() @ weight.double().T
+    # W4A4 with FP4 inputs: ~15% of the largest output; wrapped zero points would be off by 100s of %
+    assert float((expected.double() - exact).abs().max()) < 0.3 * float(exact.abs().max())
+
+
 def test_a_scheme_without_a_pre_pass_is_refused_with_the_reason() -> None:
     from qscheme.descriptor import parse_scheme_text
     from qscheme.errors import QuantizeError

@@ -270,7 +270,9 @@ ANY_WEIGHT_ONLY = Supports(
 
 # The activation-quantized pairs that deployed W8A8-style kernels run besides NVFP4 x NVFP4 (whose
 # block-scale limits differ per kernel): FP8 (e4m3) x FP8 static per tensor, dynamic per token and
-# per group of 128; int8 x int8 per token; MXFP4 x MXFP4. Element and scale formats are those
+# per group of 128; int8 (and uint8, with or without zero points) x int8 per token; MXFP4 x MXFP4.
+# Both built-in kernels dequantize the weight (zero points included) independently of how the
+# input is quantized, so the weight side is as general as weight-only. Element and scale formats are those
 # qscheme.emulation.SUPPORTED_ACTIVATIONS emulates and the Triton pre-pass quantizes
 # (qscheme.triton.spec): float scales of any width for a static scale (both the activation's
 # scale_format and its scale.format), float32 ones for dynamic scales; no e5m2 or uint8 inputs.
@@ -296,6 +298,7 @@ DEPLOYED_ACTIVATION_PAIRS: tuple[Supports, ...] = (
         activations=(
             ActivationSupport("int8", "token", dynamic=True, formats=("int8",), scale_formats=FLOAT_SCALE_FORMATS),
         ),
+        zero_points=True,
         per_partition_scales=True,
         input_pre_scale=True,
     ),
@@ -312,6 +315,17 @@ DEPLOYED_ACTIVATION_PAIRS: tuple[Supports, ...] = (
 # NVFP4 activations as the built-in kernels quantize them: e2m1 in dynamic groups of 16 with e4m3
 # block scales (and a static global scale).
 NVFP4_ACTIVATIONS = ActivationSupport("nvfp4", "group", 16, dynamic=True, formats=("e2m1",), scale_formats=("e4m3",))
+
+# NVFP4 activations with e2m1 weights, as the built-in kernels (reference, triton) run them: NVFP4
+# weights (e4m3 scales) and FP4 weights with float scales, any scale granularity and group size
+# (the weight is dequantized, or its scales decoded in the K loop, independently of the input's
+# groups of 16).
+NVFP4_ACTIVATION_PAIR = Supports(
+    weights=("nvfp4", "fp4"),
+    activations=(NVFP4_ACTIVATIONS,),
+    per_partition_scales=True,
+    input_pre_scale=True,
+)
 
 
 @dataclass(frozen=True)

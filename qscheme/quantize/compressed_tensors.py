@@ -17,6 +17,17 @@ The weight path of compressed-tensors 0.20 (with llm-compressor's min/max observ
    weight's dtype), plus the zero point where the module has one (every non-FP4 scheme: zeros when
    symmetric, which only turns -0.0 into +0.0), clamped and rounded to the element format;
 6. the compressor casts scales to e4m3 / e8m0 bytes and packs the elements.
+
+Kept from the producer although lossy (it is what compressed-tensors 0.20.1 writes for the same
+weight, bit for bit): for a float16 weight whose absmax is below 2688 / 65504 (about 0.041),
+``448 * 6 / absmax`` overflows float16 and the global scale becomes 1.0; the e4m3 block scales
+``absmax_block / 6`` then lose precision or underflow (zeros become 0.125). Quantize
+``weight.float()`` to get compressed-tensors' float32 result (a global scale of ``2688 /
+absmax``), or give ``weight_global_scale``.
+
+A global scale with e8m0 (MX) scales is refused unless the e8m0 scales are given too:
+``calculate_qparams`` multiplies the MX exponent bytes by the global scale, so compressed-tensors
+has no rule that gives a usable checkpoint.
 """
 
 from __future__ import annotations
@@ -68,6 +79,14 @@ class CompressedTensorsRules:
             absmax = observe_absmax(padded, plan.layout)
             require_finite(absmax, absmax, plan)
 
+        if plan.has_global_scale and plan.scale_format == "e8m0" and given.scale is None:
+            # calculate_qparams multiplies the MX exponent bytes by the global scale
+            # (global_scale * generate_mx_scales(...)), so no checkpoint it writes dequantizes
+            raise QuantizeError(
+                f"scheme {plan.scheme.name}: compressed-tensors has no rule for e8m0 (MX) scales under a "
+                "global scale (it multiplies the exponent bytes by the global scale); remove global_scale, "
+                "use e4m3 or float scales, or give the e8m0 weight_scale as well"
+            )
         divisor = self._global_divisor(plan, absmax, given) if plan.has_global_scale else None
         zero_point = None
         if given.scale is not None:

@@ -17,6 +17,14 @@ Every ModelOpt scale is a float32 dequant multiplier computed from amax = max|w|
   smallest normal float32 as ``export_amax`` does; a per-tensor scale is the 0-dim
   ``torch.tensor(amax / 448)`` of the FP8 exporter, so a bf16 weight is divided in bf16 before the
   cast to e4m3, while block and channel scales divide in float32.
+
+ModelOpt writes a second-level scale (``weight_scale_2``, a multiplier) only with e4m3 block
+scales. A descriptor may declare one with other scale formats; its value must then be given
+(ModelOpt has no rule to compute it), and every scale is computed relative to it exactly as
+NVFP4's block scales are: the scale of ``amax / multiplier`` (e8m0: the exponent of
+``amax / (element max * multiplier)``; float: ``amax / (element max * multiplier)`` rounded to
+the stored dtype; min/max scales of zero points likewise), elements divided by scale x
+multiplier. So the written tensors dequantize to the weight whatever multiplier is given.
 """
 
 from __future__ import annotations
@@ -61,7 +69,9 @@ class ModeloptRules:
             stored = given.scale
             division = self._multiplier_from_stored(plan, stored, multiplier)
         elif plan.has_zero_point:
-            stored, division, zero_point = self._asymmetric(plan, *observe_min_max(padded, plan.layout))
+            stored, division, zero_point = self._asymmetric(
+                plan, *observe_min_max(padded, plan.layout), multiplier=multiplier
+            )
         elif plan.scale_format == "e4m3":
             block = amax / (element.max_value * multiplier) if multiplier is not None else amax / element.max_value
             block[block == 0] = 1.0
@@ -69,18 +79,25 @@ class ModeloptRules:
             division = self._multiplier_from_stored(plan, stored, multiplier)
         elif plan.scale_format == "e8m0":
             lowest = torch.tensor(-127.0, device=amax.device)
-            exponent = torch.ceil(torch.maximum(torch.log2(amax / element.max_value), lowest))
+            ratio = amax / element.max_value if multiplier is None else amax / (element.max_value * multiplier)
+            # 128 (byte 0xFF, NaN) at most: require_usable_scales then names the group
+            exponent = torch.ceil(torch.maximum(torch.log2(ratio), lowest)).clamp(max=128.0)
             stored = (exponent + 127).to(torch.uint8)
-            division = torch.exp2(exponent)
+            division = torch.exp2(exponent) if multiplier is None else torch.exp2(exponent) * multiplier
         elif plan.layout.granularity == "tensor":
             # the FP8 exporter: torch.tensor(amax.item() / maxbound), a 0-dim float32 tensor
             value = max(float(amax.reshape(())), torch.finfo(torch.float32).tiny) / element.max_value
-            stored = torch.tensor(value, dtype=torch.float32, device=padded.device).to(plan.float_scale_dtype)
-            division = stored.to(torch.float32).reshape(())
+            scale = torch.tensor(value, dtype=torch.float32, device=padded.device)
+            if multiplier is not None:
+                scale = scale / multiplier.reshape(())
+            stored = scale.to(plan.float_scale_dtype)
+            division = self._multiplier_from_stored(plan, stored, multiplier)
         else:
             scale = amax.clamp(min=torch.finfo(torch.float32).tiny) / element.max_value
+            if multiplier is not None:
+                scale = scale / multiplier
             stored = scale.to(plan.float_scale_dtype)
-            division = stored.to(torch.float32)
+            division = self._multiplier_from_stored(plan, stored, multiplier)
 
         if plan.element.name == "e2m1" and plan.scale_format == "e8m0":
             ties, sign_of_zero = "down", "not-positive"
@@ -126,8 +143,13 @@ class ModeloptRules:
             value = value.reshape(())
         return value if multiplier is None else value * multiplier
 
-    def _asymmetric(self, plan: WeightPlan, minimum: Tensor, maximum: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Min/max scales and zero points in float32 (ModelOpt exports none; a generic extension)."""
+    def _asymmetric(
+        self, plan: WeightPlan, minimum: Tensor, maximum: Tensor, multiplier: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Min/max scales and zero points in float32 (ModelOpt exports none; a generic extension).
+
+        Under a global multiplier the stored scales are relative to it, as NVFP4's block scales are.
+        """
         if plan.scale_format in ("e4m3", "e8m0"):
             raise QuantizeError(
                 f"scheme {plan.scheme.name}: zero points need a float scale format, not {plan.scale_format!r}"
@@ -137,8 +159,12 @@ class ModeloptRules:
         low, high = torch.min(minimum, zeros).float(), torch.max(maximum, zeros).float()
         scale = (high - low) / (element.max_value - element.min_value)
         scale = torch.where(scale == 0, torch.finfo(torch.float32).tiny, scale)
+        if multiplier is not None:
+            scale = scale / multiplier
         stored = scale.to(plan.float_scale_dtype)
         division = stored.to(torch.float32)
+        if multiplier is not None:
+            division = division * multiplier
         zero_point = torch.round(torch.clamp(element.min_value - low / division, element.min_value, element.max_value))
         return stored, division, zero_point.to(torch.int16)
 

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.errors import QuantizeError
-from qscheme.formats import pack_fp4_k, pack_int4_n, pack_int32_k, pack_int32_n
+from qscheme.formats import get_element_format, pack_fp4_k, pack_int4_n, pack_int32_k, pack_int32_n
 from qscheme.quantize.rules import WeightParameters, WeightPlan
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -163,13 +163,41 @@ def write_tensors(
 
 
 def _zero_point_tensor(plan: WeightPlan, zero_point: Tensor) -> Tensor:
+    """Zero points (int16 values in the weight element's range) as the descriptor stores them.
+
+    They must fit the zero-point format: a uint4 weight's zero points lie in [0, 15], which an
+    int4 zero point cannot hold, so that is a QuantizeError naming both ranges. Unpacked 8-bit
+    zero points in the 8-bit dtype of the other signedness keep their bits (uint8 200 in an int8
+    tensor is the byte 0xC8), as ``qscheme.canonical.canonical_zero_point`` reads them.
+    """
     spec = plan.scheme.weight.zero_point
     assert spec is not None
-    fmt_bits = 4 if spec.format in ("int4", "uint4") else 8
-    signed = spec.format.startswith("int")
+    fmt = get_element_format(spec.format)
+    values = zero_point.to(torch.int16)
+    found = (int(values.min()), int(values.max())) if values.numel() else (0, 0)
+    low, high = int(fmt.min_value), int(fmt.max_value)
+    if found[0] < low or found[1] > high:
+        raise QuantizeError(
+            f"scheme {plan.scheme.name}: zero_point format {spec.format!r} holds [{low}, {high}], but the "
+            f"zero points computed for the {plan.element.name} weight lie in [{found[0]}, {found[1]}]; "
+            f"declare the zero point format {plan.element.name!r} (the weight's)"
+        )
     if spec.packing == "int32_n":
-        values = zero_point if signed else zero_point - (1 << (fmt_bits - 1))
-        packed = pack_int32_n(values.to(torch.int8), fmt_bits)
+        offset = values if fmt.signed else values - (1 << (fmt.bits - 1))
+        packed = pack_int32_n(offset.to(torch.int8), fmt.bits)
         return _finish(packed, spec.tensor, plan)
     dtype = dtype_of(spec.tensor.dtypes[0])
-    return _finish(zero_point.to(dtype), spec.tensor, plan)
+    if fmt.bits == 8 and dtype == (torch.int8 if not fmt.signed else torch.uint8):
+        stored = (values & 0xFF).to(torch.uint8).view(dtype)
+    elif dtype.is_floating_point:
+        stored = values.to(dtype)
+    else:
+        info = torch.iinfo(dtype)
+        if found[0] < info.min or found[1] > info.max:
+            raise QuantizeError(
+                f"scheme {plan.scheme.name}: tensor {spec.tensor.name!r} is declared {_DTYPE_NAMES[dtype]}, "
+                f"which cannot hold the {spec.format} zero points found in [{found[0]}, {found[1]}]; "
+                "declare a dtype that holds the zero-point format"
+            )
+        stored = values.to(dtype)
+    return _finish(stored, spec.tensor, plan)
