@@ -147,6 +147,14 @@ def negative_group_scale(folder: Path) -> None:
     _rewrite(folder, change)
 
 
+def empty_weight(folder: Path) -> None:
+    def change(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[f"{Q}.weight_packed"] = tensors[f"{Q}.weight_packed"][:0].clone()
+        tensors[f"{Q}.weight_scale"] = tensors[f"{Q}.weight_scale"][:0].clone()
+
+    _rewrite(folder, change)
+
+
 def config_is_a_folder(folder: Path) -> None:
     (folder / "config.json").unlink()
     (folder / "config.json").mkdir()
@@ -225,6 +233,12 @@ CASES: list[tuple[str, tuple[str, str], Callable[[Path], None], str]] = [
         rf"tensor '{Q}.weight_scale': expected finite scales, found 1 NaN/inf value \(first: nan at \[3, 5\]\)",
     ),
     ("bad JSON", CT, bad_config_json, r"config.json:\d+:\d+: invalid JSON"),
+    (
+        "empty weight",
+        CT,
+        empty_weight,
+        rf"tensor '{Q}.weight_packed': expected a weight \[N, K/2\] with N >= 1 and K >= 1, found shape \[0, \d+\]",
+    ),
     (
         "index names a missing shard",
         CT,

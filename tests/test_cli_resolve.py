@@ -132,7 +132,10 @@ def test_fused_partitions_from_the_command_line(capsys: pytest.CaptureFixture[st
     [
         (["resolve", "compressed-tensors/W4A16", "--shape", "4096"], "--shape '4096': expected N,K"),
         (["resolve", "compressed-tensors/W4A16", "--dtype", "int8"], "activation dtype 'int8'"),
-        (["resolve", "compressed-tensors/W4A16", "--shape", "0,64"], "must be positive"),
+        (["resolve", "compressed-tensors/W4A16", "--shape", "0,64"], "N and K must lie in 1..16777216"),
+        (["resolve", "compressed-tensors/W4A16", "--shape", "99999999999,64"], "N and K must lie in 1..16777216"),
+        (["resolve", "compressed-tensors/W4A16", "--shape", "4_096,64"], "expected N,K (or NxK)"),
+        (["resolve", "compressed-tensors/W4A16", "--scales-differ"], "--scales-differ needs --partitions 2 or more"),
     ],
 )
 def test_usage_errors_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

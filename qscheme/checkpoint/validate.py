@@ -88,6 +88,15 @@ def check_layout(assignment: ModuleAssignment, weight_shape: tuple[int, int] | N
                 f"expected a 2-D weight {weight_spec.describe_shapes()}, found shape {_shape_list(weight.shape)}",
             )
         )
+    elif 0 in weight.shape:
+        problems.append(
+            TensorProblem(
+                str(weight.file),
+                weight.name,
+                f"expected a weight {weight_spec.describe_shapes()} with N >= 1 and K >= 1, found shape "
+                f"{_shape_list(weight.shape)}: an empty layer; re-export it, or drop the module",
+            )
+        )
     else:
         try:
             n, k = stored_layer_shape(scheme, weight.shape, weight_shape)
@@ -114,7 +123,7 @@ def check_layout(assignment: ModuleAssignment, weight_shape: tuple[int, int] | N
                 )
             continue
         declared[spec.name] = info
-        problems.extend(_check_tensor(spec, info, n, k, origin, weight is not None and len(weight.shape) == 2))
+        problems.extend(_check_tensor(spec, info, n, k, origin, n > 0 and k > 0))
 
     tolerated = tuple(sorted(short for short in tensors if short in scheme.tolerated and short not in declared))
     bias = tensors.get(BIAS)

@@ -8,6 +8,7 @@ name or file is not found or an option is bad.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,16 +61,19 @@ def register(sub: Any) -> None:
     parser.set_defaults(handler=run)
 
 
+MAX_FEATURES = 1 << 24  # 16M: larger than any linear layer; bounds what a typo can ask for
+_SHAPE = re.compile(r"\s*([0-9]+)\s*[,xX]\s*([0-9]+)\s*")
+
+
 def parse_shape(text: str | None) -> tuple[int, int]:
     if text is None:
         return DEFAULT_SHAPE
-    parts = text.replace("x", ",").split(",")
-    try:
-        n, k = (int(p) for p in parts)
-    except ValueError:
-        raise UsageError(f"--shape {text!r}: expected N,K (or NxK), two positive integers such as 4096,11008") from None
-    if n < 1 or k < 1:
-        raise UsageError(f"--shape {text!r}: N and K must be positive")
+    match = _SHAPE.fullmatch(text)
+    if match is None:
+        raise UsageError(f"--shape {text!r}: expected N,K (or NxK), two positive integers such as 4096,11008")
+    n, k = int(match[1]), int(match[2])
+    if not (1 <= n <= MAX_FEATURES and 1 <= k <= MAX_FEATURES):
+        raise UsageError(f"--shape {text!r}: N and K must lie in 1..{MAX_FEATURES}")
     return n, k
 
 
@@ -93,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
             )
         return resolve_command(args)
     n, k = parse_shape(args.shape)
+    if args.scales_differ and args.partitions < 2:
+        raise UsageError("--scales-differ needs --partitions 2 or more: one partition has one scale")
     try:
         problem = Problem(
             n,
