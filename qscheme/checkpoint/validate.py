@@ -123,7 +123,9 @@ def check_layout(assignment: ModuleAssignment, weight_shape: tuple[int, int] | N
                 )
             continue
         declared[spec.name] = info
-        problems.extend(_check_tensor(spec, info, n, k, origin, n > 0 and k > 0))
+        # the weight_shape tensor's own shape ([2]) does not depend on N and K
+        shape_known = (n > 0 and k > 0) or spec is scheme.weight.shape_tensor
+        problems.extend(_check_tensor(spec, info, n, k, origin, shape_known))
 
     tolerated = tuple(sorted(short for short in tensors if short in scheme.tolerated and short not in declared))
     bias = tensors.get(BIAS)
@@ -189,7 +191,8 @@ def _check_tensor(
                 TensorProblem(
                     str(info.file),
                     info.name,
-                    f"expected shape {spec.describe_shapes()} = {shown} for {origin}, found {_shape_list(info.shape)}",
+                    f"expected shape {spec.describe_shapes()} = {shown}{f' for {origin}' if n and k else ''}, "
+                    f"found {_shape_list(info.shape)}",
                 )
             )
     return problems
@@ -291,6 +294,18 @@ def value_tensor_names(scheme: Scheme) -> list[str]:
     return [spec.name for spec in positive + finite]
 
 
+def _nonfinite_problem(value: Tensor, info: TensorInfo, expected: str, advice: str = "") -> TensorProblem:
+    """``expected <what>, found N NaN/inf values (first: ...)`` for a tensor holding some."""
+    bad = _nonfinite_mask(value)
+    count = int(bad.sum())
+    return TensorProblem(
+        str(info.file),
+        info.name,
+        f"expected {expected}, found {count} NaN/inf value{'s' if count > 1 else ''} (first: {_first(value, bad)})"
+        + advice,
+    )
+
+
 def check_values(layout: ModuleLayout, tensors: Mapping[str, Tensor]) -> list[TensorProblem]:
     """Global / static scales finite and > 0; every scale finite (no NaN, no inf); weight group
     and block scales not negative (producers store magnitudes; a negative one is corrupt);
@@ -319,29 +334,12 @@ def check_values(layout: ModuleLayout, tensors: Mapping[str, Tensor]) -> list[Te
         if value is None or info is None:
             continue
         if _any_nonfinite(value):
-            bad = _nonfinite_mask(value)
-            count = int(bad.sum())
-            problems.append(
-                TensorProblem(
-                    str(info.file),
-                    info.name,
-                    f"expected finite scales, found {count} NaN/inf value{'s' if count > 1 else ''} "
-                    f"(first: {_first(value, bad)})",
-                )
-            )
+            problems.append(_nonfinite_problem(value, info, "finite scales"))
     problems.extend(_negative_weight_scales(layout, tensors))
     bias, bias_info = tensors.get(BIAS), layout.bias
     if bias is not None and bias_info is not None and bias.is_floating_point() and _any_nonfinite(bias):
-        bad = _nonfinite_mask(bias)
-        count = int(bad.sum())
-        problems.append(
-            TensorProblem(
-                str(bias_info.file),
-                bias_info.name,
-                f"expected a finite bias, found {count} NaN/inf value{'s' if count > 1 else ''} "
-                f"(first: {_first(bias, bad)}); every output through it would be NaN/inf: re-export the layer",
-            )
-        )
+        advice = "; every output through it would be NaN/inf: re-export the layer"
+        problems.append(_nonfinite_problem(bias, bias_info, "a finite bias", advice))
     return problems
 
 

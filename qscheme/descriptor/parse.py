@@ -314,16 +314,8 @@ class _Reader:
         block = self.optional(items, "block", path, self.block)
         self.check_reciprocal(items, path, scale_format, stored)
         self.check_group_size(node, items, path, granularity)
-        if granularity == "block" and _absent(items.get("block")):
-            self.needs(
-                node, items, "block", path, "granularity 'block' needs block: [rows, columns] (e.g. block: [128, 128])"
-            )
-        if granularity not in (None, "block") and not _absent(items.get("block")):
-            self.fail(
-                items["block"],
-                f"{path}.block",
-                f"block only applies to granularity 'block', not {granularity!r}; remove block",
-            )
+        needed = "granularity 'block' needs block: [rows, columns] (e.g. block: [128, 128])"
+        self.check_granularity_key(node, items, path, granularity, "block", needed)
         if tensor is not None and scale_format is not None:
             self.check_dtypes(node, path, tensor, SCALE_DTYPES[scale_format], f"scale format {scale_format!r}")
         if tensor is not None and granularity is not None:
@@ -348,15 +340,21 @@ class _Reader:
 
     def check_group_size(self, node: Node, items: dict[str, Node], path: str, granularity: str | None) -> None:
         """group_size is given exactly when the granularity is 'group' (weight and activation scales)."""
-        if granularity == "group" and _absent(items.get("group_size")):
-            self.needs(
-                node, items, "group_size", path, "granularity 'group' needs group_size >= 1 (e.g. group_size: 16)"
-            )
-        if granularity not in (None, "group") and not _absent(items.get("group_size")):
+        needed = "granularity 'group' needs group_size >= 1 (e.g. group_size: 16)"
+        self.check_granularity_key(node, items, path, granularity, "group_size", needed)
+
+    def check_granularity_key(
+        self, node: Node, items: dict[str, Node], path: str, granularity: str | None, key: str, needed: str
+    ) -> None:
+        """``group_size`` / ``block`` is given exactly when the granularity is 'group' / 'block'."""
+        owner = "group" if key == "group_size" else key
+        if granularity == owner and _absent(items.get(key)):
+            self.needs(node, items, key, path, needed)
+        if granularity not in (None, owner) and not _absent(items.get(key)):
             self.fail(
-                items["group_size"],
-                f"{path}.group_size",
-                f"group_size only applies to granularity 'group', not {granularity!r}; remove group_size",
+                items[key],
+                f"{path}.{key}",
+                f"{key} only applies to granularity {owner!r}, not {granularity!r}; remove {key}",
             )
 
     def block(self, node: Node, path: str) -> tuple[int, int] | None:
