@@ -117,3 +117,25 @@ def test_wide_decode_keeps_64_columns_and_splits_k(m: int, n: int, k: int) -> No
     assert -(-k // config.block_k) // config.split_k >= 4
     if (n, k) == (8192, 8192):
         assert config.split_k == 4  # the config measured fastest on an H200
+
+
+def test_scale_tiles_count_what_each_layout_pipelines() -> None:
+    scales = configs.ScaleTiles(group_k=16, value_bytes=4)
+    assert scales.bytes_per_stage(64, 128) == 64 * 8 * 4  # 8 groups a row per tile
+    assert configs.ScaleTiles(256, 4).bytes_per_stage(64, 128) == 64 * 4  # one group spans the tile
+    assert configs.ScaleTiles(48, 5).bytes_per_stage(64, 128) == 64 * 128 * 5  # gathered per weight
+
+
+@pytest.mark.parametrize("m", [16, 256])
+def test_gathered_scales_shrink_the_tile_to_fit_shared_memory(m: int) -> None:
+    # A uint4 group-48 scheme with zero points (tests/data/triton_schemes) needed 139264 bytes
+    # on sm120 (101376) at the decode tile, counted without its gathered scales.
+    sm120 = DeviceFacts("sm120-like", 84, 101376, (12, 0))
+    gathered = configs.ScaleTiles(group_k=48, value_bytes=5)
+    plain = heuristic_config(m, 8192, 8192, 4, 2, sm120, wide_decode=True)
+    fitted = heuristic_config(m, 8192, 8192, 4, 2, sm120, wide_decode=True, scales=gathered)
+    assert configs._shared_memory_bytes(plain, 4, 2, gathered) > sm120.shared_memory
+    assert configs._shared_memory_bytes(fitted, 4, 2, gathered) <= sm120.shared_memory
+    assert fitted.num_stages * fitted.block_k < plain.num_stages * plain.block_k  # fewer or narrower stages
+    aligned = configs.ScaleTiles(group_k=16, value_bytes=4)  # NVFP4-like: nothing changes
+    assert heuristic_config(m, 8192, 8192, 4, 2, sm120, wide_decode=True, scales=aligned) == plain

@@ -69,6 +69,24 @@ class DeviceFacts:
 WEIGHTS_FIRST_MAJORS = (9,)
 
 
+@dataclass(frozen=True)
+class ScaleTiles:
+    """A weight's tiled scales as the tile heuristic sizes shared memory for them: the group
+    along K, and the bytes each scale (plus its zero point) takes as the kernel loads it."""
+
+    group_k: int
+    value_bytes: int
+
+    def bytes_per_stage(self, block_n: int, block_k: int) -> int:
+        """Per pipeline stage: a few columns per row when groups tile BLOCK_K (one when a group
+        spans it), else one gathered value per weight (``gemm.apply_tiled_scale``)."""
+        if block_k % self.group_k == 0:
+            return block_n * (block_k // self.group_k) * self.value_bytes
+        if self.group_k % block_k == 0:
+            return block_n * self.value_bytes
+        return block_n * block_k * self.value_bytes
+
+
 def _next_power_of_two(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
 
@@ -93,11 +111,15 @@ def m_bucket(m: int) -> int:
     return _clamp_power_of_two(m, 16, 512)
 
 
-def _shared_memory_bytes(config: TileConfig, weight_bits: int, input_bytes: int) -> int:
-    """A rough upper bound: pipelined input and code tiles, plus the decoded tile and x tile
-    staged for the dot."""
+def _shared_memory_bytes(
+    config: TileConfig, weight_bits: int, input_bytes: int, scales: ScaleTiles | None = None
+) -> int:
+    """A rough upper bound: pipelined input, code and scale tiles, plus the decoded tile and x
+    tile staged for the dot."""
     per_stage = config.block_m * config.block_k * input_bytes
     per_stage += config.block_n * config.block_k * weight_bits // 8
+    if scales is not None:
+        per_stage += scales.bytes_per_stage(config.block_n, config.block_k)
     staged = (config.block_n + config.block_m) * config.block_k * input_bytes
     return per_stage * config.num_stages + staged
 
@@ -107,13 +129,22 @@ def _tiles(config: TileConfig, m: int, n: int) -> int:
 
 
 def heuristic_config(
-    m: int, n: int, k: int, weight_bits: int, input_bytes: int, device: DeviceFacts, wide_decode: bool = False
+    m: int,
+    n: int,
+    k: int,
+    weight_bits: int,
+    input_bytes: int,
+    device: DeviceFacts,
+    wide_decode: bool = False,
+    scales: ScaleTiles | None = None,
 ) -> TileConfig:
     """A sensible config without timing anything (see the module docstring).
 
     ``wide_decode``: the caller's kernel variant was measured faster at M <= 16 with 64-wide
     column tiles and more K splits (see below); the linear layer asks for it for e2m1 weights
-    with e4m3 group scales and bf16 inputs (NVFP4 weight-only).
+    with e4m3 group scales and bf16 inputs (NVFP4 weight-only). ``scales``: the weight's tiled
+    scales, whose pipelined tiles count against shared memory (a group that neither divides
+    nor spans BLOCK_K, e.g. 48, is gathered per weight: as large as the codes' tile or more).
     """
     if input_bytes == 4:  # float32 activations: an FMA dot, large in registers and shared memory
         config = TileConfig(_clamp_power_of_two(m, 16, 32), 64, 32, num_warps=4, num_stages=2)
@@ -155,9 +186,13 @@ def heuristic_config(
         and config.num_warps == 4
     ):
         config = replace(config, weights_first=True)
-    while config.num_stages > 2 and _shared_memory_bytes(config, weight_bits, input_bytes) > device.shared_memory:
+
+    def too_large(option: TileConfig) -> bool:
+        return _shared_memory_bytes(option, weight_bits, input_bytes, scales) > device.shared_memory
+
+    while config.num_stages > 2 and too_large(config):
         config = replace(config, num_stages=config.num_stages - 1)
-    while config.block_k > 32 and _shared_memory_bytes(config, weight_bits, input_bytes) > device.shared_memory:
+    while config.block_k > 32 and too_large(config):
         config = replace(config, block_k=config.block_k // 2)
     return config
 
@@ -253,6 +288,7 @@ def choose_config(
     device: DeviceFacts,
     time_config: Callable[[TileConfig], float] | None = None,
     wide_decode: bool = False,
+    scales: ScaleTiles | None = None,
 ) -> TileConfig:
     """The cached config for ``key``, else the heuristic's (timed against neighbours if asked).
 
@@ -263,7 +299,7 @@ def choose_config(
     cached = cache.get(key)
     if cached is not None:
         return cached
-    base = heuristic_config(m, n, k, weight_bits, input_bytes, device, wide_decode)
+    base = heuristic_config(m, n, k, weight_bits, input_bytes, device, wide_decode, scales)
     chosen = base
     if time_config is not None and autotune_enabled():
         best = float("inf")

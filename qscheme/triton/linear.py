@@ -43,6 +43,7 @@ from qscheme.triton.spec import (
     SCALE_EXACT_IN,
     SCALE_FORMAT_IDS,
     ZERO_NONE,
+    ZERO_TILED,
     Specialization,
     specialize,
 )
@@ -320,7 +321,18 @@ def _config(
         device,
         time_config,
         wide_decode(prepared.spec, x.dtype, prepared.scale_dtype),
+        scale_tiles(prepared),
     )
+
+
+def scale_tiles(prepared: PreparedWeight) -> configs.ScaleTiles | None:
+    """The weight's tiled scales (and zero points) as the tile heuristic sizes shared memory."""
+    if not prepared.spec.W_SCALE_TILED or prepared.scale is None:
+        return None
+    value_bytes = prepared.scale.element_size()
+    if prepared.spec.W_ZERO == ZERO_TILED and prepared.zero_point is not None:
+        value_bytes += prepared.zero_point.element_size()
+    return configs.ScaleTiles(prepared.spec.W_SCALE_COLS, value_bytes)
 
 
 def wide_decode(spec: Specialization, input_dtype: torch.dtype, scale_dtype: torch.dtype | None = None) -> bool:
@@ -607,4 +619,13 @@ def gemm_launches(
     return [gemm, epilogue]
 
 
-__all__ = ["PreparedWeight", "Segment", "gemm_launches", "interpreted", "linear", "prepare_weight", "wide_decode"]
+__all__ = [
+    "PreparedWeight",
+    "Segment",
+    "gemm_launches",
+    "interpreted",
+    "linear",
+    "prepare_weight",
+    "scale_tiles",
+    "wide_decode",
+]
