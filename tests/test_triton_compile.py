@@ -94,3 +94,20 @@ def test_4_bit_decode_loops_wait_on_no_global_load(results: list[dict[str, objec
         if "weights-first" in str(result["variant"]):  # one warpgroup MMA per 16 columns of K
             block_k = int(str(result["variant"]).split(" M=16 ")[1].split(" ")[0].split("x")[2])
             assert result["target"] == "sm90" and classes["mma"] == block_k // 16, where
+
+
+def test_gathered_scales_fit_the_smallest_shared_memories(tmp_path: Path) -> None:
+    """A scale group that neither divides nor spans BLOCK_K (48) is gathered per weight: every
+    tile the heuristic picks for it must fit sm120's and gfx942's shared memory too."""
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    scheme = Path(__file__).parent / "data" / "triton_schemes" / "uint4_g48_zero_points.yaml"
+    command = [sys.executable, "-m", "qscheme.triton.compile_check", "--json", "--targets", "sm120,gfx942"]
+    completed = subprocess.run(
+        [*command, "--scheme", str(scheme)], env=environment, capture_output=True, text=True, timeout=600
+    )
+    lines = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+    assert {r["target"] for r in lines} == {"sm120", "gfx942"}, completed.stderr[-3000:]
+    failed = [f"{r['target']} {r['variant']}: {r['error']}" for r in lines if not r["ok"]]
+    assert not failed, "\n".join(failed)
