@@ -65,7 +65,7 @@ def measure(schemes: list[str], targets: list[str]) -> list[dict[str, Any]]:
     from qscheme.triton import compile_check as cc
     from qscheme.triton import configs
     from qscheme.triton import linear as qscheme_linear
-    from qscheme.triton.linear import Segment, gemm_launches, prepare_weight, wide_decode
+    from qscheme.triton.linear import Segment, gemm_launches, prepare_weight
     from qscheme.triton.samples import random_weight
 
     sass = _sass_module()
@@ -82,12 +82,12 @@ def measure(schemes: list[str], targets: list[str]) -> list[dict[str, Any]]:
                 device = cc.target_device(target, "H100-like")
             else:  # a baseline revision
                 device = configs.DeviceFacts("H100-like", 132, cc.SHARED_MEMORY[target])
-            extra = [prepared.scale_dtype] if hasattr(prepared, "scale_dtype") else []  # a baseline may lack it
-            wide = wide_decode(prepared.spec, torch.bfloat16, *extra)
-            # a baseline revision may predate scale_tiles (shared memory of gathered scales)
-            tiles = getattr(qscheme_linear, "scale_tiles", lambda _: None)(prepared)
-            extra_args = (tiles,) if tiles is not None else ()
-            tile = configs.heuristic_config(16, *SHAPE, prepared.weight_bits, 2, device, wide, *extra_args)
+            if hasattr(qscheme_linear, "heuristic_for"):
+                tile = qscheme_linear.heuristic_for(prepared, 16, *SHAPE, torch.bfloat16, device)
+            else:  # a baseline revision from before heuristic_for
+                extra = [prepared.scale_dtype] if hasattr(prepared, "scale_dtype") else []
+                wide = qscheme_linear.wide_decode(prepared.spec, torch.bfloat16, *extra)
+                tile = configs.heuristic_config(16, *SHAPE, prepared.weight_bits, 2, device, wide)
             x = torch.zeros((16, 512), dtype=torch.bfloat16)
             out = torch.empty((16, 256), dtype=torch.bfloat16)
             segment = Segment(0, 256, prepared.segments[0].static_scale)

@@ -89,9 +89,9 @@ def test_autotuning_keeps_the_fastest_candidate_and_caches_it(monkeypatch: pytes
             raise RuntimeError("out of resources")  # skipped, not fatal
         return 1.0 / config.block_n  # wider is faster here
 
-    chosen = configs.choose_config("k1", 1, 4096, 4096, 4, 2, H100, time_config)
+    chosen = configs.choose_config("k1", 4096, lambda: heuristic_config(1, 4096, 4096, 4, 2, H100), time_config)
     assert len(timed) > 1 and chosen.block_n == max(c.block_n for c in timed if c.num_warps != 8)
-    assert configs.choose_config("k1", 1, 4096, 4096, 4, 2, H100, time_config) == chosen
+    assert configs.choose_config("k1", 4096, lambda: heuristic_config(1, 4096, 4096, 4, 2, H100), time_config) == chosen
     assert len(timed) == len(set(timed))  # the second call came from the cache
 
 
@@ -102,7 +102,7 @@ def test_without_autotuning_the_heuristic_is_used(monkeypatch: pytest.MonkeyPatc
     def never(config: TileConfig) -> float:
         raise AssertionError("timed without QSCHEME_TRITON_AUTOTUNE")
 
-    chosen = configs.choose_config("k2", 1, 4096, 4096, 4, 2, H100, never)
+    chosen = configs.choose_config("k2", 4096, lambda: heuristic_config(1, 4096, 4096, 4, 2, H100), never)
     assert chosen == heuristic_config(1, 4096, 4096, 4, 2, H100)
 
 

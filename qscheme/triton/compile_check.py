@@ -37,7 +37,7 @@ from qscheme.descriptor import Scheme
 from qscheme.triton import configs
 from qscheme.triton.act_quant import decoded_dtype, quantize_launch
 from qscheme.triton.launch import Launch
-from qscheme.triton.linear import Segment, gemm_launches, prepare_weight, scale_tiles, wide_decode
+from qscheme.triton.linear import Segment, gemm_launches, heuristic_for, prepare_weight
 from qscheme.triton.samples import model_scale_dtype, random_weight
 from qscheme.triton.sass import profile_cubin
 
@@ -132,10 +132,7 @@ def scheme_variants(
                 )
                 variants.append(Variant(f"{scheme.name} pre-pass {dtype_name(dtype)} M={m}", pre_pass))
                 inputs, x_scale, decoded = quantized.codes, quantized.scale, quantized.decoded
-            wide = wide_decode(prepared.spec, dtype, prepared.scale_dtype)
-            tile = configs.heuristic_config(
-                m, 4096, 4096, prepared.weight_bits, x.element_size(), device, wide, scale_tiles(prepared)
-            )
+            tile = heuristic_for(prepared, m, 4096, 4096, dtype, device)
             if not split_k:
                 tile = replace(tile, split_k=1)
             out = torch.empty((m, _N), dtype=dtype)

@@ -280,26 +280,21 @@ def autotune_enabled() -> bool:
 
 def choose_config(
     key: str,
-    m: int,
-    n: int,
     k: int,
-    weight_bits: int,
-    input_bytes: int,
-    device: DeviceFacts,
+    heuristic: Callable[[], TileConfig],
     time_config: Callable[[TileConfig], float] | None = None,
-    wide_decode: bool = False,
-    scales: ScaleTiles | None = None,
 ) -> TileConfig:
-    """The cached config for ``key``, else the heuristic's (timed against neighbours if asked).
+    """The cached config for ``key``, else ``heuristic()``'s (timed against neighbours if asked).
 
-    ``time_config`` runs the GEMM with a config and returns its time (seconds or any unit); a
-    config that fails to compile or launch is skipped.
+    ``heuristic`` is called only on a cache miss (``heuristic_config`` for the layer); ``k``
+    bounds the candidates' K tiles. ``time_config`` runs the GEMM with a config and returns its
+    time (seconds or any unit); a config that fails to compile or launch is skipped.
     """
     cache = config_cache()
     cached = cache.get(key)
     if cached is not None:
         return cached
-    base = heuristic_config(m, n, k, weight_bits, input_bytes, device, wide_decode, scales)
+    base = heuristic()
     chosen = base
     if time_config is not None and autotune_enabled():
         best = float("inf")

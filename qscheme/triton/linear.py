@@ -26,7 +26,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from qscheme.canonical import CanonicalWeight
 from qscheme.errors import QuantizeError
-from qscheme.formats import decode
+from qscheme.formats import decode, get_element_format
 from qscheme.triton import configs
 from qscheme.triton.act_quant import decoded_dtype, quantize_input
 from qscheme.triton.gemm import DOT_BF16, DOT_FP16, DOT_FP32, quantized_gemm_kernel, split_k_epilogue_kernel
@@ -228,7 +228,7 @@ def _zero_point_bytes(weight: CanonicalWeight) -> Tensor:
     range (``qscheme.canonical.canonical_zero_point``)."""
     spec = weight.scheme.weight.zero_point
     assert weight.zero_point is not None and spec is not None
-    return weight.zero_point.to(torch.uint8 if spec.format.startswith("uint") else torch.int8)
+    return weight.zero_point.to(torch.int8 if get_element_format(spec.format).signed else torch.uint8)
 
 
 def prepare_weight(weight: CanonicalWeight, device: torch.device | str) -> PreparedWeight:
@@ -310,17 +310,22 @@ def _config(
 
         return float(do_bench(lambda: launch(config), warmup=5, rep=20))
 
-    # The dot runs in x's dtype whether or not x is quantized first: size tiles for it.
-    return configs.choose_config(
-        key,
+    return configs.choose_config(key, k, lambda: heuristic_for(prepared, m, rows, k, x.dtype, device), time_config)
+
+
+def heuristic_for(
+    prepared: PreparedWeight, m: int, rows: int, k: int, input_dtype: torch.dtype, device: configs.DeviceFacts
+) -> configs.TileConfig:
+    """``configs.heuristic_config`` for this weight: its code width, decode variant and tiled
+    scales. The dot runs in x's dtype whether or not x is quantized first: tiles are sized for it."""
+    return configs.heuristic_config(
         m,
         rows,
         k,
         prepared.weight_bits,
-        x.element_size(),
+        input_dtype.itemsize,
         device,
-        time_config,
-        wide_decode(prepared.spec, x.dtype, prepared.scale_dtype),
+        wide_decode(prepared.spec, input_dtype, prepared.scale_dtype),
         scale_tiles(prepared),
     )
 
@@ -623,6 +628,7 @@ __all__ = [
     "PreparedWeight",
     "Segment",
     "gemm_launches",
+    "heuristic_for",
     "interpreted",
     "linear",
     "prepare_weight",
