@@ -395,7 +395,18 @@ def _check_patterns(file: str, where: str, entries: tuple[str, ...]) -> None:
             ) from None
 
 
-_BLOCK_STRING = re.compile(r"([0-9]+)x([0-9]+)")
+def block_sizes(value: object) -> list[int] | None:
+    """A ``block_structure`` ("RxC", or [R, C]) as two ints; None when it is not written so."""
+    parts = value.split("x") if isinstance(value, str) else value if isinstance(value, (list, tuple)) else None
+    if parts is None or len(parts) != 2 or not all(_is_size(part) for part in parts):
+        return None
+    return [int(part) for part in parts]
+
+
+def _is_size(part: object) -> bool:
+    if isinstance(part, str):
+        return part.isascii() and part.isdigit()
+    return isinstance(part, int) and not isinstance(part, bool)
 
 
 def _check_block_structure(file: str, where: str, arguments: Mapping[str, Any] | None) -> None:
@@ -403,13 +414,8 @@ def _check_block_structure(file: str, where: str, arguments: Mapping[str, Any] |
     value = arguments.get("block_structure") if arguments is not None else None
     if value is None:
         return
-    sizes: list[Any] | None = None
-    if isinstance(value, str):
-        match = _BLOCK_STRING.fullmatch(value)
-        sizes = [int(match.group(1)), int(match.group(2))] if match else None
-    elif isinstance(value, list) and len(value) == 2:
-        sizes = value
-    if sizes is None or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
+    sizes = block_sizes(value)
+    if sizes is None or min(sizes) < 1:
         raise CheckpointError(
             f"{file}: {where}.block_structure: expected two positive sizes [rows, columns] such as [128, 128] "
             f'(or the string "128x128"), found {json.dumps(value)[:80]}'

@@ -30,6 +30,7 @@ from qscheme.checkpoint.config import (
     ModeloptConfig,
     NoQuantization,
     ProducerConfig,
+    block_sizes,
 )
 from qscheme.checkpoint.reader import TensorInfo
 from qscheme.descriptor import CompressedTensorsRule, Scheme
@@ -177,17 +178,10 @@ def normalize_arguments(arguments: Mapping[str, Any] | None) -> dict[str, Any] |
         out["dynamic"] = "dynamic"
     elif out.get("dynamic") in (False, "false", "False"):
         out["dynamic"] = False
-    block = out.get("block_structure")
-    parts = block.split("x") if isinstance(block, str) else block if isinstance(block, (list, tuple)) else None
-    if parts is not None and all(_is_size(part) for part in parts):
-        out["block_structure"] = [int(part) for part in parts]  # else kept as written: it matches no rule
+    sizes = block_sizes(out.get("block_structure"))
+    if sizes is not None:
+        out["block_structure"] = sizes  # else kept as written: it matches no rule
     return out
-
-
-def _is_size(part: object) -> bool:
-    if isinstance(part, str):
-        return part.isascii() and part.isdigit()
-    return isinstance(part, int) and not isinstance(part, bool)
 
 
 def argument_differences(rule: Mapping[str, Any] | None, found: Mapping[str, Any] | None, what: str) -> list[str]:

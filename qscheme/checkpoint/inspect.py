@@ -11,9 +11,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qscheme.checkpoint.detect import BIAS
 from qscheme.checkpoint.plan import FuseSpec, Plan, plan_checkpoint
-from qscheme.checkpoint.validate import check_values
+from qscheme.checkpoint.validate import check_values, value_reads
 from qscheme.errors import CheckpointError
 
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
@@ -129,11 +128,8 @@ def _fill(inspection: Inspection, plan: Plan, read_values: bool) -> None:
         for layout in plan.layouts.values():
             if layout.problems:
                 continue
-            names = {short: info.name for short, info in layout.declared.items()}
-            if layout.bias is not None:
-                names[BIAS] = layout.bias.name
             try:
-                tensors = plan.files.get_many(names)
+                tensors = plan.files.get_many(value_reads(layout))
             except CheckpointError as exc:
                 inspection.problems.append(str(exc))
                 continue

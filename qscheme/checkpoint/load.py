@@ -21,7 +21,7 @@ from qscheme.checkpoint.fuse import FUSE_POLICIES, FuseOutcome, fuse_members, sc
 from qscheme.checkpoint.plan import FuseSpec, Plan, check_fuse_spec, format_problems, plan_checkpoint
 from qscheme.checkpoint.progress import Progress, auto_enabled
 from qscheme.checkpoint.report import CheckpointReport, LayerReport
-from qscheme.checkpoint.validate import TensorProblem, check_values
+from qscheme.checkpoint.validate import TensorProblem, check_values, value_reads
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.linear import QuantLinear, checked_device, problem_for
@@ -74,6 +74,9 @@ class Checkpoint(Mapping[str, QuantLinear]):
 
     def __contains__(self, name: object) -> bool:
         return name in self.modules
+
+    def get(self, name: str, default: QuantLinear | None = None) -> QuantLinear | None:  # type: ignore[override]
+        return self.modules.get(name, default)  # a miss builds no "did you mean" message
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.modules)
@@ -208,19 +211,23 @@ def _facts_device(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else device.type
 
 
-def _bias(plan: Plan, members: Sequence[str], n_by_member: Sequence[int]) -> Tensor | None:
-    biases = [plan.layouts[m].bias for m in members]
-    if all(b is None for b in biases):
+def _bias(biases: Mapping[str, Tensor], members: Sequence[str], n_by_member: Sequence[int]) -> Tensor | None:
+    """The layer's bias from its members' (zeros for a member without one), or None."""
+    found = [biases.get(m) for m in members]
+    dtype = next((b.dtype for b in found if b is not None), None)
+    if dtype is None:
         return None
-    values = []
-    dtype = next(plan.files.get(b.name).dtype for b in biases if b is not None)
-    for info, n in zip(biases, n_by_member, strict=True):
-        values.append(plan.files.get(info.name) if info is not None else torch.zeros(n, dtype=dtype))
-    return values[0] if len(values) == 1 else torch.cat([v.to(dtype) for v in values])
+    values = [
+        b.to(dtype) if b is not None else torch.zeros(n, dtype=dtype) for b, n in zip(found, n_by_member, strict=True)
+    ]
+    return values[0] if len(values) == 1 else torch.cat(values)
 
 
-def load_canonical(plan: Plan, progress: Progress | None = None) -> dict[str, CanonicalWeight]:
-    """Every planned module's canonical tensors, after the value checks; raises on any problem."""
+def load_canonical(
+    plan: Plan, progress: Progress | None = None, biases: dict[str, Tensor] | None = None
+) -> dict[str, CanonicalWeight]:
+    """Every planned module's canonical tensors, after the value checks; raises on any problem.
+    ``biases``, when given, receives each module's bias as read for the checks."""
     if plan.problems:
         raise CheckpointError(
             f"{plan.path}: {len(plan.problems)} problem(s) found, nothing was loaded:\n{format_problems(plan.problems)}"
@@ -228,15 +235,14 @@ def load_canonical(plan: Plan, progress: Progress | None = None) -> dict[str, Ca
     canonical: dict[str, CanonicalWeight] = {}
     problems: list[TensorProblem] = []
     for module, layout in plan.layouts.items():
-        names = {short: info.name for short, info in layout.declared.items()}
-        if layout.bias is not None:
-            names[BIAS] = layout.bias.name  # read again by the layer; small
-        tensors = plan.files.get_many(names)
+        tensors = plan.files.get_many(value_reads(layout, every_declared=True))
         found = check_values(layout, tensors)
         problems.extend(found)
+        bias = tensors.pop(BIAS, None)
+        if bias is not None and biases is not None:
+            biases[module] = bias
         if not found and not problems:
-            declared = {short: value for short, value in tensors.items() if short != BIAS}
-            canonical[module] = canonicalize(layout.scheme, declared, layout.n, layout.k)
+            canonical[module] = canonicalize(layout.scheme, tensors, layout.n, layout.k)
         if progress is not None:
             progress.advance(item=module)
     if problems:
@@ -280,7 +286,8 @@ def load_checkpoint(
     show = auto_enabled(plan.files.total_bytes, progress)
     layers = plan.layers()
     with Progress(len(plan.layouts) + len(layers), "loading", enabled=show) as bar:
-        canonical = load_canonical(plan, bar)
+        biases: dict[str, Tensor] = {}
+        canonical = load_canonical(plan, bar, biases)
         modules: dict[str, QuantLinear] = {}
         reports: list[LayerReport] = []
         for name, members in layers:
@@ -295,7 +302,7 @@ def load_checkpoint(
                     name, weights[0].scheme, weights, torch_device, kernel, activation_dtype, requested
                 )
                 weight, outcome = fuse_members(name, members, weights, policy)
-            bias = _bias(plan, members, [w.n for w in weights])
+            bias = _bias(biases, members, [w.n for w in weights])
             layer = QuantLinear.from_canonical(
                 weight,
                 device=torch_device,

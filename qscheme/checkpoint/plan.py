@@ -163,16 +163,15 @@ def _unknown_member_error(fused_name: str, members: tuple[str, ...], unknown: st
     )
 
 
-def plan_fuse(fuse: FuseSpec | None, detection: Detection) -> tuple[tuple[FuseGroup, ...], list[str]]:
+def plan_fuse(spec: Mapping[str, tuple[str, ...]], detection: Detection) -> tuple[tuple[FuseGroup, ...], list[str]]:
     """Fuse groups for ``fuse={"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}``.
 
     A group forms under every parent module that has any of the members. All members must
     then be quantized modules; members that are all unquantized (ignored layers) stay separate
     plain tensors, which is noted. A member that names no module anywhere in the checkpoint,
     or a fused name that is already a module of the checkpoint (other than one of its own
-    members), raises CheckpointError.
+    members), raises CheckpointError. ``spec`` is ``fuse=`` as ``check_fuse_spec`` returns it.
     """
-    spec = check_fuse_spec(fuse)
     if not spec:
         return (), []
     groups: list[FuseGroup] = []
@@ -229,7 +228,7 @@ def plan_checkpoint(
     fuse: FuseSpec | None = None,
 ) -> Plan:
     """Config + headers + detection + layout checks for a checkpoint folder."""
-    check_fuse_spec(fuse)  # a malformed fuse= is a UsageError before any file is read
+    fuse_spec = check_fuse_spec(fuse)  # a malformed fuse= is a UsageError before any file is read
     folder = Path(path)
     files = CheckpointFiles(folder)
     config = read_producer_config(folder)
@@ -248,7 +247,7 @@ def plan_checkpoint(
             layout.problems.append(TensorProblem(str(info.file), info.name, shape_problem))
         layouts[module] = layout
         problems.extend(layout.problems)
-    groups, notes = plan_fuse(fuse, detection)
+    groups, notes = plan_fuse(fuse_spec, detection)
     for group in groups:
         first = layouts[group.members[0]]
         for member in group.members[1:]:

@@ -10,9 +10,10 @@ it finds, each naming the file, the tensor, what was expected and what was found
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -62,8 +63,11 @@ def _shape_list(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
-def check_layout(assignment: ModuleAssignment, weight_shape: tuple[int, int] | None = None) -> ModuleLayout:
-    """Names, dtypes and shapes of one module's tensors against its scheme (headers only)."""
+def check_layout(
+    assignment: ModuleAssignment, weight_shape: tuple[int, int] | None = None, may_be_absent: Iterable[str] = ()
+) -> ModuleLayout:
+    """Names, dtypes and shapes of one module's tensors against its scheme (headers only);
+    the roles in ``may_be_absent`` are not required."""
     scheme, module, tensors = assignment.scheme, assignment.module, assignment.tensors
     specs = scheme.tensor_specs()
     problems: list[TensorProblem] = []
@@ -109,10 +113,11 @@ def check_layout(assignment: ModuleAssignment, weight_shape: tuple[int, int] | N
         origin += " from weight_shape"
 
     declared: dict[str, TensorInfo] = {}
+    optional_roles = {"weight", *may_be_absent}  # the weight's absence is reported above
     for role, spec in specs.items():
         info = tensors.get(spec.name)
         if info is None:
-            if not spec.optional and role != "weight":
+            if not spec.optional and role not in optional_roles:
                 problems.append(
                     TensorProblem(
                         any_file,
@@ -289,9 +294,19 @@ def _value_roles(scheme: Scheme) -> tuple[list[TensorSpec], list[TensorSpec]]:
 
 
 def value_tensor_names(scheme: Scheme) -> list[str]:
-    """The tensors whose values ``check_values`` reads (and ``bias`` when the module has one)."""
+    """The declared tensors whose values ``check_values`` reads (besides the bias)."""
     positive, finite = _value_roles(scheme)
     return [spec.name for spec in positive + finite]
+
+
+def value_reads(layout: ModuleLayout, every_declared: bool = False) -> dict[str, str]:
+    """Short name -> tensor name of what to read for ``check_values``: the scales it checks (or
+    every declared tensor, which canonicalization needs too) and the bias."""
+    shorts = layout.declared if every_declared else value_tensor_names(layout.scheme)
+    reads = {short: layout.declared[short].name for short in shorts if short in layout.declared}
+    if layout.bias is not None:
+        reads[BIAS] = layout.bias.name
+    return reads
 
 
 def _nonfinite_problem(value: Tensor, info: TensorInfo, expected: str, advice: str = "") -> TensorProblem:
@@ -403,24 +418,16 @@ def check_given(
                 f"{source}: {short!r} must be a torch.Tensor, not {type(value).__name__}; "
                 "pass the layer's checkpoint tensors keyed by name"
             )
-    given: dict[str, Tensor] = {short: value for short, value in tensors.items() if isinstance(value, Tensor)}
+    given = cast("dict[str, Tensor]", dict(tensors))
     module = layer or ""
     infos = {
         short: TensorInfo(_full(module, short), _dtype_name(value), tuple(value.shape), Path(source))
         for short, value in given.items()
     }
     assignment = ModuleAssignment(module, scheme, "given tensors", infos)
-    layout = check_layout(assignment, _given_weight_shape(scheme, given))
-    problems = layout.problems
-    if weight_only:
-        absent = {
-            _full(module, spec.name)
-            for role, spec in scheme.tensor_specs().items()
-            if role in _INPUT_ROLES and spec.name not in given
-        }
-        problems = [problem for problem in problems if problem.tensor not in absent]
-    if problems:
-        return problems
+    layout = check_layout(assignment, _given_weight_shape(scheme, given), _INPUT_ROLES if weight_only else ())
+    if layout.problems:
+        return layout.problems
     return check_values(layout, given)
 
 
