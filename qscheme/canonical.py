@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from qscheme.descriptor import Scheme
+from qscheme.descriptor.consistency import FOUR_BIT, element_bits, packing_divisors
 from qscheme.errors import QuantizeError
 from qscheme.formats import (
     decode,
@@ -48,8 +49,6 @@ from qscheme.formats import (
     unpack_int32_k,
     unpack_int32_n,
 )
-
-FOUR_BIT = ("e2m1", "int4", "uint4")
 
 
 @dataclass(frozen=True)
@@ -105,16 +104,6 @@ def _per_partition(value: Tensor) -> Tensor:
     return value.reshape(-1).to(torch.float32)
 
 
-def values_per_column(element: str, packing: str) -> int:
-    """Weight values along K in one stored column: 2 for ``nibbles_k``, 32 / bits for
-    ``int32_k`` (8 for 4-bit, 4 for 8-bit elements), 1 otherwise."""
-    if packing == "nibbles_k":
-        return 2
-    if packing == "int32_k":
-        return 32 // get_element_format(element).bits
-    return 1
-
-
 def stored_layer_shape(
     scheme: Scheme, stored_shape: tuple[int, ...], weight_shape: tuple[int, int] | None = None
 ) -> tuple[int, int]:
@@ -129,8 +118,7 @@ def stored_layer_shape(
         return int(weight_shape[0]), int(weight_shape[1])
     weight = scheme.weight
     rows, columns = int(stored_shape[0]), int(stored_shape[-1])
-    per_row = 2 if weight.packing == "int4_n" else 1
-    per_column = values_per_column(weight.format, weight.packing)
+    per_row, per_column = packing_divisors(weight.format, weight.packing)
     n_range = range(max(1, (rows - 1) * per_row + 1), rows * per_row + 1) if rows else range(0, 1)
     k_range = range(max(1, (columns - 1) * per_column + 1), columns * per_column + 1) if columns else range(0, 1)
     shape = tuple(int(size) for size in stored_shape)
@@ -309,7 +297,7 @@ def _int32_k_to_codes(stored: Tensor, element: str, k: int) -> Tensor:
     the values in order (element 2j in the low nibble): flipping the offset bit of every
     value turns offset binary into two's complement without unpacking.
     """
-    bits = 4 if element in FOUR_BIT else 8
+    bits = element_bits(element)
     signed = not element.startswith("uint")
     if sys.byteorder == "little" and stored.dtype == torch.int32 and stored.ndim == 2:
         width = -(-k // 2) if bits == 4 else k

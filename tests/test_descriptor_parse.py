@@ -586,3 +586,12 @@ def test_a_zero_point_format_must_hold_the_weights_range(
         return
     with pytest.raises(SchemeError, match=re.escape(f"z.yaml:12:13: weight.zero_point.format: {problem}")):
         parse_scheme_text(text, "z.yaml")
+
+
+def test_integer_ranges_are_the_formats_own() -> None:
+    from qscheme.descriptor.parse import INTEGER_RANGE
+    from qscheme.formats import get_element_format
+
+    for name, (low, high) in INTEGER_RANGE.items():
+        element = get_element_format(name)
+        assert (low, high) == (int(element.min_value), int(element.max_value)), name

@@ -53,25 +53,34 @@ SINGLE: tuple[Form, ...] = (Form(()), Form((1,)))
 """One value for the whole tensor: ``[]`` or ``[1]``."""
 
 
+FOUR_BIT: frozenset[str] = frozenset({"e2m1", "int4", "uint4"})
+"""The 4-bit element formats (every other weight format is 8-bit)."""
+
+
 def element_bits(element_format: str) -> int:
-    return 4 if element_format in ("e2m1", "int4", "uint4") else 8
+    return 4 if element_format in FOUR_BIT else 8
+
+
+def packing_divisors(element_format: str, packing: str) -> tuple[int, int]:
+    """(weight rows per stored row, weight values along K per stored column) of a packing."""
+    table = {
+        "none": (1, 1),
+        "nibbles_k": (1, 2),
+        "int32_k": (1, 32 // element_bits(element_format)),
+        "int4_n": (2, 1),
+    }
+    return table[packing]
 
 
 def weight_forms(element_format: str, packing: str) -> tuple[Form, ...]:
     """The stored weight: always 2-D, with the packed dimension divided."""
-    per_int32 = 32 // element_bits(element_format)
-    table: dict[str, Form] = {
-        "none": Form((("N", 1), ("K", 1))),
-        "nibbles_k": Form((("N", 1), ("K", 2))),
-        "int32_k": Form((("N", 1), ("K", per_int32))),
-        "int4_n": Form((("N", 2), ("K", 1))),
-    }
-    return (table[packing],)
+    per_row, per_column = packing_divisors(element_format, packing)
+    return (Form((("N", per_row), ("K", per_column))),)
 
 
 def weight_layout(element_format: str, packing: str) -> str:
     """How a packing stores the weight, in words (for messages)."""
-    per_int32 = 32 // element_bits(element_format)
+    per_int32 = packing_divisors(element_format, "int32_k")[1]
     table = {
         "none": "one element per value",
         "nibbles_k": "two 4-bit elements per byte along K",

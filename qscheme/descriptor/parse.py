@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from qscheme.descriptor.arguments import argument_problem
 from qscheme.descriptor.consistency import (
+    FOUR_BIT,
     SINGLE,
     Form,
     describe,
@@ -62,13 +63,18 @@ ELEMENT_FORMATS: tuple[str, ...] = ("e2m1", "e4m3", "e5m2", "int4", "uint4", "in
 # Activation element formats: those with a kernel activation family (nvfp4/mxfp4/fp4, fp8, int8;
 # see qscheme.kernels.declaration.ACTIVATION_FAMILIES). No kernel can declare int4 activations.
 ACTIVATION_FORMATS: tuple[str, ...] = ("e2m1", "e4m3", "e5m2", "int8", "uint8")
-FOUR_BIT: frozenset[str] = frozenset({"e2m1", "int4", "uint4"})
-INTEGER: frozenset[str] = frozenset({"int4", "uint4", "int8", "uint8"})
-# The values each integer format holds: a weight's zero points range over its own format's.
+# The values each integer format holds (as qscheme.formats.elements has them; the descriptor
+# package imports no torch): a weight's zero points range over its own format's.
 INTEGER_RANGE: dict[str, tuple[int, int]] = {"int4": (-8, 7), "uint4": (0, 15), "int8": (-128, 127), "uint8": (0, 255)}
+INTEGER: frozenset[str] = frozenset(INTEGER_RANGE)
 # Scale formats whose reciprocal is not, in general, a value of the format (a reciprocal e4m3
 # scale cannot be stored exactly, and an e8m0 byte holds a power of two only as a multiplier).
 NO_RECIPROCAL: frozenset[str] = frozenset({"e4m3", "e8m0"})
+# A scale key that only one granularity takes: (that granularity, the message when it is missing).
+_GRANULARITY_KEYS: dict[str, tuple[str, str]] = {
+    "group_size": ("group", "granularity 'group' needs group_size >= 1 (e.g. group_size: 16)"),
+    "block": ("block", "granularity 'block' needs block: [rows, columns] (e.g. block: [128, 128])"),
+}
 # The dtype a weight tensor has for each packing (None: the element format's own storage dtype).
 PACKED_DTYPE: dict[str, str | None] = {"none": None, "nibbles_k": "uint8", "int32_k": "int32", "int4_n": "uint8"}
 UNPACKED_DTYPE: dict[str, str] = {
@@ -313,9 +319,8 @@ class _Reader:
         group_size = self.optional(items, "group_size", path, self.integer)
         block = self.optional(items, "block", path, self.block)
         self.check_reciprocal(items, path, scale_format, stored)
-        self.check_group_size(node, items, path, granularity)
-        needed = "granularity 'block' needs block: [rows, columns] (e.g. block: [128, 128])"
-        self.check_granularity_key(node, items, path, granularity, "block", needed)
+        self.check_granularity_key(node, items, path, granularity, "group_size")
+        self.check_granularity_key(node, items, path, granularity, "block")
         if tensor is not None and scale_format is not None:
             self.check_dtypes(node, path, tensor, SCALE_DTYPES[scale_format], f"scale format {scale_format!r}")
         if tensor is not None and granularity is not None:
@@ -338,16 +343,12 @@ class _Reader:
             block=block,
         )
 
-    def check_group_size(self, node: Node, items: dict[str, Node], path: str, granularity: str | None) -> None:
-        """group_size is given exactly when the granularity is 'group' (weight and activation scales)."""
-        needed = "granularity 'group' needs group_size >= 1 (e.g. group_size: 16)"
-        self.check_granularity_key(node, items, path, granularity, "group_size", needed)
-
     def check_granularity_key(
-        self, node: Node, items: dict[str, Node], path: str, granularity: str | None, key: str, needed: str
+        self, node: Node, items: dict[str, Node], path: str, granularity: str | None, key: str
     ) -> None:
-        """``group_size`` / ``block`` is given exactly when the granularity is 'group' / 'block'."""
-        owner = "group" if key == "group_size" else key
+        """``group_size`` / ``block`` is given exactly when the granularity is 'group' / 'block'
+        (weight and activation scales)."""
+        owner, needed = _GRANULARITY_KEYS[key]
         if granularity == owner and _absent(items.get(key)):
             self.needs(node, items, key, path, needed)
         if granularity not in (None, owner) and not _absent(items.get(key)):
@@ -530,7 +531,7 @@ class _Reader:
         )
         scale = self.optional(items, "scale", path, self.static_scale)
         global_scale = self.optional(items, "global_scale", path, self.global_scale)
-        self.check_group_size(node, items, path, granularity)
+        self.check_granularity_key(node, items, path, granularity, "group_size")
         if dynamic is False and _absent(items.get("scale")):
             self.needs(node, items, "scale", path, "a static activation (dynamic: false) needs scale: {stored, tensor}")
         if dynamic is True and not _absent(items.get("scale")):

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from qscheme.catalog import load_scheme
 from qscheme.descriptor import Scheme, TensorSpec
+from qscheme.descriptor.parse import NO_RECIPROCAL
 from qscheme.errors import QuantizeError
 from qscheme.formats import get_element_format
 from qscheme.quantize import compressed_tensors as _compressed_tensors  # noqa: F401  (registers its rules)
@@ -92,7 +93,7 @@ def _plan(scheme: Scheme, weight: Tensor, rules: QuantizationRules) -> WeightPla
         float_scale_dtype = _FIXED_SCALE_DTYPES[scale_format]
     else:
         float_scale_dtype = allowed_dtype(spec.scale.tensor, rules.preferred_float_scale_dtype(weight.dtype))
-    if spec.scale.stored == "reciprocal" and scale_format in ("e4m3", "e8m0"):
+    if spec.scale.stored == "reciprocal" and scale_format in NO_RECIPROCAL:  # a Scheme built in code
         raise QuantizeError(
             f"scheme {scheme.name}: a reciprocal {scale_format} scale cannot be stored exactly; "
             "declare the scale stored: multiplier"
