@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -73,15 +72,15 @@ def _row(result: LayerRun) -> list[str]:
 
 
 def _device(text: str) -> str:
-    """The device, checked: cpu, cuda or cuda:N (cpu:N is the one CPU: cpu)."""
-    if re.fullmatch(r"cpu:\d+", text):
-        return "cpu"
+    """The device, checked: cpu, cuda or cuda:N (``linear.checked_device``: cpu:N is the CPU)."""
     if text.split(":")[0] not in REAL_DEVICES:
         raise UsageError(
             f"--device {text!r}: `qscheme run` needs a real device (cpu, cuda, cuda:N); "
             "use `qscheme resolve CHECKPOINT --device smXY` for a simulated one"
         )
-    return text
+    from qscheme.linear import checked_device  # imports torch
+
+    return str(checked_device(text))
 
 
 def _check_numbers(rows: int, tolerance: float | None) -> None:

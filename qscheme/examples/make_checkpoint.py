@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from qscheme import __version__
 from qscheme.catalog import load_scheme
+from qscheme.descriptor import Scheme
 from qscheme.errors import QSchemeError, UsageError
 
 HIDDEN = 256
@@ -64,9 +65,8 @@ def _llama_config(layers: int) -> dict[str, object]:
     }
 
 
-def _quantization_config(scheme_name: str) -> dict[str, object]:
+def _quantization_config(scheme: Scheme) -> dict[str, object]:
     """The scheme's own compressed-tensors detection rule, written as a config group."""
-    scheme = load_scheme(scheme_name)
     rule = scheme.detect.compressed_tensors
     if rule is None:
         raise UsageError(
@@ -95,9 +95,8 @@ def _quantization_config(scheme_name: str) -> dict[str, object]:
     }
 
 
-def _static_inputs(scheme_name: str) -> dict[str, torch.Tensor]:
+def _static_inputs(scheme: Scheme) -> dict[str, torch.Tensor]:
     """Static activation scales for the nominal input range, in the scheme's stored convention."""
-    scheme = load_scheme(scheme_name)
     activation = scheme.activation
     given: dict[str, torch.Tensor] = {}
     if activation is None:
@@ -134,23 +133,25 @@ def make_checkpoint(out: str | Path, layers: int = 2, scheme: str = "compressed-
 
     folder = Path(out)
     _check_new_folder(folder)
+    resolved = load_scheme(scheme)
+    quantization_config = _quantization_config(resolved)  # a scheme without a rule: before any work
     generator = torch.Generator().manual_seed(SEED)
     tensors: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": (torch.randn(VOCAB, HIDDEN, generator=generator) * 0.02).to(torch.bfloat16),
         "model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
         "lm_head.weight": (torch.randn(VOCAB, HIDDEN, generator=generator) * 0.02).to(torch.bfloat16),
     }
-    given = _static_inputs(scheme)
+    given = _static_inputs(resolved)
     for index in range(layers):
         prefix = f"model.layers.{index}"
         tensors[f"{prefix}.input_layernorm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
         tensors[f"{prefix}.post_attention_layernorm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
         for name, (n, k) in PROJECTIONS.items():
             weight = torch.randn(n, k, generator=generator) * (0.02 * WEIGHT_MULTIPLIERS.get(name, 1.0))
-            for short, value in quantize_weight(weight.to(torch.bfloat16), scheme, **given).items():
+            for short, value in quantize_weight(weight.to(torch.bfloat16), resolved, **given).items():
                 tensors[f"{prefix}.{name}.{short}"] = value.clone().contiguous()
     config = _llama_config(layers)
-    config["quantization_config"] = _quantization_config(scheme)
+    config["quantization_config"] = quantization_config
     _check_new_folder(folder)  # again: quantizing took a while
     folder.mkdir(parents=True, exist_ok=True)
     # Each file appears whole or not at all: written beside its final name, then renamed.
@@ -180,7 +181,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers < 1:
         parser.error(f"--layers must be >= 1, not {args.layers}")
     try:
-        load_scheme(args.scheme)  # an unknown name or a missing file: exit 2
         folder = make_checkpoint(args.out, layers=args.layers, scheme=args.scheme)
     except QSchemeError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from qscheme.descriptor import Scheme
 from qscheme.errors import NoKernelError, UsageError
 from qscheme.kernels.declaration import (
     ANY_DEVICE,
@@ -33,9 +33,6 @@ from qscheme.kernels.declaration import (
 )
 from qscheme.kernels.devices import DeviceFacts
 from qscheme.kernels.problem import Problem
-
-if TYPE_CHECKING:
-    from qscheme.descriptor import Scheme
 
 STAGES: tuple[str, ...] = ("disabled", "scheme", "device", "problem")
 
@@ -384,8 +381,6 @@ def resolve(
     by the caller, e.g. an import that failed); those kernels are rejected at stage device.
     Raises UsageError when ``force`` names no declared kernel or an argument has the wrong type.
     """
-    from qscheme.descriptor import Scheme  # not at import time: descriptors import this package
-
     for value, expected, fix in (
         (scheme, Scheme, "qscheme.load_scheme(name)"),
         (problem, Problem, "qscheme.kernels.Problem(n, k)"),

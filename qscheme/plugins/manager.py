@@ -143,7 +143,6 @@ class Plugins:
         self._failures: list[PluginFailure] = []
         self._kernels: tuple[KernelDeclaration, ...] | None = None
         self._contributed: list[tuple[_Record, Path, str]] | None = None
-        self._recorded: set[tuple[str, str, str]] = set()
         self._lock = threading.RLock()
 
     # -- loading -------------------------------------------------------------------------------
@@ -151,9 +150,7 @@ class Plugins:
     def _fail(self, record: _Record, stage: str, error: str, once: bool = False) -> None:
         """Record a failure (``once``: unless this plugin already has the same one); strict: raise."""
         failure = PluginFailure(record.name, record.distribution, record.version, stage, error)
-        key = (record.name, stage, error)
-        if not (once and key in self._recorded):
-            self._recorded.add(key)
+        if not (once and failure in self._failures):
             self._failures.append(failure)
         if self.strict:
             raise PluginError(f"plugin {failure} ({STRICT_VARIABLE}=1 makes plugin failures fatal)")
