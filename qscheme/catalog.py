@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -124,10 +124,9 @@ def build_catalog(sources: Iterable[tuple[str, Path]], base: Catalog | None = No
     return Catalog(schemes)
 
 
-def catalog_sources(
-    extra_dirs: Iterable[Path] = (), plugin_files: Iterable[tuple[str, Path]] = ()
-) -> list[tuple[str, Path]]:
-    """Built-ins, then QSCHEME_SCHEME_PATH folders, then extra folders, then plugin files.
+def catalog_sources(extra_dirs: Iterable[Path] = ()) -> list[tuple[str, Path]]:
+    """Built-ins, then QSCHEME_SCHEME_PATH folders, then extra folders (plugin files are added
+    on top by ``load_catalog``).
 
     A folder named twice (or the built-in folder named again) is read once; an unreadable
     folder or subfolder is a SchemeError.
@@ -148,7 +147,6 @@ def catalog_sources(
         sources.extend((f"path:{folder}", p) for p in descriptor_files(folder, problems))
     if problems:
         raise SchemeError(problems)
-    sources.extend(plugin_files)
     return sources
 
 
@@ -174,11 +172,14 @@ def load_catalog(extra_dirs: Iterable[Path] = (), include_plugins: bool = True) 
     added or removed descriptors (and a changed QSCHEME_SCHEME_PATH) are always seen.
     """
     sources = catalog_sources(extra_dirs)
-    local = _cached_catalog(sources)
+    local_key = _stamps(sources)
+    local = _cached(local_key, lambda: build_catalog(sources))
     if not include_plugins:
         return local
     plugin_files = _plugin_scheme_files(scheme_origins(local))
-    return _cached_catalog(sources, plugin_files) if plugin_files else local
+    if not plugin_files:
+        return local
+    return _cached(local_key + _stamps(plugin_files), lambda: build_catalog(plugin_files, local))
 
 
 def scheme_origins(catalog: Catalog) -> dict[str, str]:
@@ -186,13 +187,17 @@ def scheme_origins(catalog: Catalog) -> dict[str, str]:
     return {name: f"{scheme.path} ({scheme.source})" for name, scheme in catalog.schemes.items()}
 
 
-def _cached_catalog(sources: list[tuple[str, Path]], added: list[tuple[str, Path]] | None = None) -> Catalog:
-    """The catalog of ``sources`` (plus ``added`` on top of it), reused while no file changed."""
-    key = tuple((source, str(path), *_stamp(path)) for source, path in [*sources, *(added or [])])
+def _stamps(sources: list[tuple[str, Path]]) -> tuple[object, ...]:
+    """A cache key: every source file with its modification time and size."""
+    return tuple((source, str(path), *_stamp(path)) for source, path in sources)
+
+
+def _cached(key: tuple[object, ...], build: Callable[[], Catalog]) -> Catalog:
+    """The catalog built for ``key``, reused while no file changed; ``build`` raises on any
+    problem, and nothing is cached then."""
     catalog = _CATALOG_CACHE.get(key)
     if catalog is None:
-        # raises on any problem: nothing is cached then
-        catalog = build_catalog(added, _cached_catalog(sources)) if added else build_catalog(sources)
+        catalog = build()
         if len(_CATALOG_CACHE) >= _CATALOG_CACHE_LIMIT:
             _CATALOG_CACHE.clear()
         _CATALOG_CACHE[key] = catalog

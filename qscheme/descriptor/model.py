@@ -25,6 +25,9 @@ FUSED_POLICIES: tuple[str, ...] = ("per_partition", "rescale", "requantize", "re
 RULE_SETS: tuple[str, ...] = ("compressed-tensors", "modelopt")
 PRODUCERS: tuple[str, ...] = ("compressed-tensors", "modelopt")
 SCALE_FORMATS: tuple[str, ...] = ("e4m3", "e8m0", "fp32", "fp16", "bf16", "float")
+# Activation element formats: those with a kernel activation family (nvfp4/mxfp4/fp4, fp8, int8;
+# see qscheme.kernels.declaration.ACTIVATION_FAMILIES). No kernel can declare int4 activations.
+ACTIVATION_FORMATS: tuple[str, ...] = ("e2m1", "e4m3", "e5m2", "int8", "uint8")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from qscheme.descriptor.arguments import argument_problem
+from qscheme.descriptor.arguments import CHECKS, argument_problem
 from qscheme.descriptor.consistency import (
     FOUR_BIT,
     SINGLE,
@@ -21,6 +21,7 @@ from qscheme.descriptor.consistency import (
     zero_point_forms,
 )
 from qscheme.descriptor.model import (
+    ACTIVATION_FORMATS,
     ACTIVATION_GRANULARITIES,
     FUSED_POLICIES,
     GRANULARITIES,
@@ -60,9 +61,6 @@ DTYPES: tuple[str, ...] = (
     "float32",
 )
 ELEMENT_FORMATS: tuple[str, ...] = ("e2m1", "e4m3", "e5m2", "int4", "uint4", "int8", "uint8")
-# Activation element formats: those with a kernel activation family (nvfp4/mxfp4/fp4, fp8, int8;
-# see qscheme.kernels.declaration.ACTIVATION_FAMILIES). No kernel can declare int4 activations.
-ACTIVATION_FORMATS: tuple[str, ...] = ("e2m1", "e4m3", "e5m2", "int8", "uint8")
 # The values each integer format holds (as qscheme.formats.elements has them; the descriptor
 # package imports no torch): a weight's zero points range over its own format's.
 INTEGER_RANGE: dict[str, tuple[int, int]] = {"int4": (-8, 7), "uint4": (0, 15), "int8": (-128, 127), "uint8": (0, 255)}
@@ -95,19 +93,7 @@ SCALE_DTYPES: dict[str, tuple[str, ...]] = {
 }
 NAME = re.compile(r"^[A-Za-z0-9._/-]+$")
 """The characters a scheme name may use; no segment between '/' may be empty, '.' or '..'."""
-COMPRESSED_TENSORS_ARGUMENTS: tuple[str, ...] = (
-    "num_bits",
-    "type",
-    "strategy",
-    "group_size",
-    "block_structure",
-    "symmetric",
-    "dynamic",
-    "scale_dtype",
-    "zp_dtype",
-    "actorder",
-    "observer",
-)
+COMPRESSED_TENSORS_ARGUMENTS: tuple[str, ...] = tuple(CHECKS)  # every argument key the rules may state
 
 
 def _quote(values: tuple[str, ...] | list[str]) -> str:

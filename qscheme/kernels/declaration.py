@@ -20,6 +20,14 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from qscheme.descriptor.model import (
+    ACTIVATION_FORMATS,
+    ACTIVATION_GRANULARITIES,
+    GRANULARITIES,
+    SCALE_FORMATS,
+    weight_family,
+)
+
 if TYPE_CHECKING:
     from qscheme.kernels.problem import Problem
 
@@ -27,19 +35,19 @@ Capability = tuple[int, int]
 
 WEIGHT_FAMILIES: tuple[str, ...] = ("nvfp4", "mxfp4", "fp4", "int4", "int8", "fp8")
 ACTIVATION_FAMILIES: tuple[str, ...] = ("none", "nvfp4", "mxfp4", "fp4", "int8", "fp8")
-WEIGHT_GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group", "block")
-ACTIVATION_GRANULARITIES: tuple[str, ...] = ("tensor", "token", "group")
+WEIGHT_GRANULARITIES: tuple[str, ...] = GRANULARITIES
 # The element and scale formats a descriptor's activation block may name (its ``format`` and
-# ``scale_format`` / ``scale.format``; equal to qscheme.descriptor.parse's lists), and the
-# element formats of each activation family.
-ACTIVATION_FORMATS: tuple[str, ...] = ("e2m1", "e4m3", "e5m2", "int8", "uint8")
-ACTIVATION_SCALE_FORMATS: tuple[str, ...] = ("e4m3", "e8m0", "fp32", "fp16", "bf16", "float")
+# ``scale_format`` / ``scale.format``), as the descriptor model lists them, and the element
+# formats of each activation family (as ``weight_family`` groups them).
+ACTIVATION_SCALE_FORMATS: tuple[str, ...] = SCALE_FORMATS
 FAMILY_FORMATS: dict[str, tuple[str, ...]] = {
-    "nvfp4": ("e2m1",),
-    "mxfp4": ("e2m1",),
-    "fp4": ("e2m1",),
-    "int8": ("int8", "uint8"),
-    "fp8": ("e4m3", "e5m2"),
+    family: tuple(
+        element
+        for element in ACTIVATION_FORMATS
+        if any(weight_family(element, scale) == family for scale in ACTIVATION_SCALE_FORMATS)
+    )
+    for family in ACTIVATION_FAMILIES
+    if family != "none"
 }
 DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "rocm", "mps", "xpu")
 ANY_DEVICE = "any"
