@@ -23,6 +23,6 @@ def dequantize_weight(tensors: Mapping[str, Tensor], scheme: Scheme | str | Path
     scale values; see ``QuantLinear.from_tensors``): QuantizeError lists every problem.
     """
     scheme = load_scheme(scheme)
-    require_valid_tensors(scheme, tensors, weight_only=True)
+    n, k = require_valid_tensors(scheme, tensors, weight_only=True)
     with torch.no_grad():
-        return dequantize(canonicalize(scheme, tensors))
+        return dequantize(canonicalize(scheme, tensors, n, k))

@@ -177,12 +177,12 @@ class QuantLinear(torch.nn.Module):
             from qscheme.catalog import load_scheme
 
             scheme = load_scheme(scheme)
-        require_valid_tensors(scheme, tensors, layer_name)
+        n, k = require_valid_tensors(scheme, tensors, layer_name)
         if "bias" in tensors:
             if bias is not None:
                 raise UsageError(f"{layer_name or 'QuantLinear'}: bias given twice: in tensors and as bias=; pass one")
             bias = tensors["bias"]
-        return cls(canonicalize(scheme, tensors), device, kernel, bias, layer_name, activation_dtype)
+        return cls(canonicalize(scheme, tensors, n, k), device, kernel, bias, layer_name, activation_dtype)
 
     # -- kernel selection ----------------------------------------------------------------------
 

@@ -403,8 +403,9 @@ _INPUT_ROLES = ("input_scale", "input_global_scale", "input_pre_scale")
 
 def check_given(
     scheme: Scheme, tensors: Mapping[str, object], layer: str | None = None, weight_only: bool = False
-) -> list[TensorProblem]:
-    """Every problem of one layer's tensors given in memory, keyed by checkpoint short name:
+) -> ModuleLayout:
+    """The layout of one layer's tensors given in memory, keyed by checkpoint short name, with
+    every problem in its ``problems``:
     names (missing, undeclared: a misspelt optional tensor would otherwise be dropped), dtypes,
     shapes and values, as the checkpoint loader checks them. Tolerated names and ``bias`` pass.
     ``weight_only``: the activation's tensors may be absent (only the weight is wanted).
@@ -426,22 +427,25 @@ def check_given(
     }
     assignment = ModuleAssignment(module, scheme, "given tensors", infos)
     layout = check_layout(assignment, _given_weight_shape(scheme, given), _INPUT_ROLES if weight_only else ())
-    if layout.problems:
-        return layout.problems
-    return check_values(layout, given)
+    if not layout.problems:
+        layout.problems.extend(check_values(layout, given))
+    return layout
 
 
 def require_valid_tensors(
     scheme: Scheme, tensors: Mapping[str, Tensor], layer: str | None = None, weight_only: bool = False
-) -> None:
-    """``check_given``, raising QuantizeError that lists every problem found."""
+) -> tuple[int, int]:
+    """``check_given``, raising QuantizeError that lists every problem found; else the layer's
+    N and K (to hand to ``canonicalize``, which would otherwise work them out again)."""
     if not isinstance(tensors, Mapping):
         raise QuantizeError(
             f"scheme {scheme.name}: tensors must be a mapping of checkpoint names to tensors "
             f"(e.g. {{'{scheme.weight.tensor.name}': ...}}), not {type(tensors).__name__}"
         )
-    problems = check_given(scheme, tensors, layer, weight_only)
+    layout = check_given(scheme, tensors, layer, weight_only)
+    problems = layout.problems
     if problems:
         listed = "\n".join(f"  tensor {problem.tensor!r}: {problem.message}" for problem in problems)
         where = f"layer {layer}, scheme {scheme.name}" if layer else f"scheme {scheme.name}"
         raise QuantizeError(f"{where}: {len(problems)} problem(s) with the given tensors:\n{listed}")
+    return layout.n, layout.k
