@@ -23,6 +23,7 @@ from qscheme.checkpoint.detect import BIAS, FLOAT_DTYPES, ModuleAssignment
 from qscheme.checkpoint.reader import TensorInfo
 from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.errors import QuantizeError
+from qscheme.formats.elements import E8M0_NAN
 
 
 @dataclass(frozen=True)
@@ -213,8 +214,8 @@ def _nonfinite_mask(value: Tensor) -> Tensor:
         return (raw == 0x7F) | (raw == 0xFF)
     if value.dtype == torch.float8_e5m2:
         return (value.view(torch.uint8) & 0x7C) == 0x7C
-    if value.dtype == torch.uint8:  # e8m0: 0xFF is NaN
-        return value == 0xFF
+    if value.dtype == torch.uint8:  # e8m0
+        return value == E8M0_NAN
     if value.is_floating_point():
         return ~torch.isfinite(value)
     return torch.zeros_like(value, dtype=torch.bool)
@@ -234,7 +235,7 @@ def _any_nonfinite(value: Tensor) -> bool:
             return True
         return int(low) < 0 and bool((value.reshape(-1).view(torch.int8) == -1).any())
     if value.dtype == torch.uint8:
-        return int(value.max()) == 0xFF
+        return int(value.max()) == E8M0_NAN
     return bool(_nonfinite_mask(value).any())
 
 

@@ -21,10 +21,10 @@ from torch import Tensor
 from qscheme.descriptor import Scheme
 from qscheme.errors import QuantizeError
 from qscheme.formats import decode
+from qscheme.formats.elements import E8M0_NAN
 from qscheme.quantize.observe import ScaleLayout
 from qscheme.quantize.rules import GivenScales, WeightPlan
 
-_E8M0_NAN = 0xFF
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _AMINMAX_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -42,7 +42,7 @@ def require_materialised(value: Tensor, scheme: Scheme, what: str) -> None:
 def not_positive(value: Tensor) -> Tensor:
     """True where a scale (any float dtype, or e8m0 bytes) is not a finite number > 0."""
     if value.dtype == torch.uint8:  # e8m0: every byte is a power of two, but 0xFF is NaN
-        return value == _E8M0_NAN
+        return value == E8M0_NAN
     as_float = value if value.dtype == torch.float64 else value.to(torch.float32)
     return ~(as_float > 0) | torch.isinf(as_float)
 
@@ -133,7 +133,7 @@ def _extremes(stored: Tensor) -> tuple[float, float]:
     """(smallest, largest) value of a stored scale, NaN when it holds a NaN (e8m0 0xFF included)."""
     if stored.dtype == torch.uint8:  # e8m0 bytes: the value grows with the byte
         low, high = torch.aminmax(stored)
-        if int(high) == _E8M0_NAN:
+        if int(high) == E8M0_NAN:
             return math.nan, math.nan
         return 2.0 ** (int(low) - 127), 2.0 ** (int(high) - 127)
     elif stored.dtype == torch.float8_e4m3fn:  # positive values grow with the byte; NaN is 0x7F, < 0 is >= 0x80
@@ -226,7 +226,7 @@ def _first_bad(value: Tensor, bad: Tensor) -> tuple[tuple[int, ...], str, int]:
 def _shown(element: Tensor) -> str:
     if element.dtype == torch.uint8:
         byte = int(element)
-        return "byte 0xFF (NaN)" if byte == _E8M0_NAN else f"byte 0x{byte:02X}"
+        return "byte 0xFF (NaN)" if byte == E8M0_NAN else f"byte 0x{byte:02X}"
     return f"{float(element if element.dtype == torch.float64 else element.to(torch.float32)):g}"
 
 
