@@ -33,6 +33,7 @@ from qscheme.checkpoint.config import (
     block_sizes,
 )
 from qscheme.checkpoint.reader import TensorInfo
+from qscheme.checkpoint.text import listing
 from qscheme.descriptor import CompressedTensorsRule, Scheme
 from qscheme.errors import CheckpointError
 
@@ -398,12 +399,11 @@ def _file_of(tensors: Mapping[str, TensorInfo]) -> str:
 
 
 def _describe_tensors(tensors: Mapping[str, TensorInfo], limit: int = 6) -> str:
-    shown = [
+    described = [
         f"{short} ({info.dtype} {list(info.shape)})"
-        for short, info in sorted(tensors.items(), key=lambda item: natural_key(item[0]))[:limit]
+        for short, info in sorted(tensors.items(), key=lambda item: natural_key(item[0]))
     ]
-    more = f", ... ({len(tensors) - limit} more)" if len(tensors) > limit else ""
-    return ", ".join(shown) + more
+    return listing(described, limit)
 
 
 def _refuse_unconfigured(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qscheme.checkpoint.plan import FuseSpec, Plan, plan_checkpoint
+from qscheme.checkpoint.text import listing
 from qscheme.checkpoint.validate import check_values, value_reads
 from qscheme.errors import CheckpointError
 
@@ -162,18 +163,13 @@ def _size(count: int) -> str:
     return f"{value:.1f} GB"
 
 
-def _listing(names: tuple[str, ...] | list[str], limit: int = 6) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
-
-
 def render_inspection(inspection: Inspection) -> str:
     """The text ``qscheme inspect`` prints."""
     from qscheme.kernels.render import text_table
 
     lines = [f"checkpoint: {inspection.path}"]
     if inspection.files:
-        lines.append(f"files: {_listing(list(inspection.files), 3)} ({_size(inspection.total_bytes)})")
+        lines.append(f"files: {listing(list(inspection.files), 3)} ({_size(inspection.total_bytes)})")
     if inspection.config_file is not None or inspection.producer != "?":
         version = f" {inspection.producer_version}" if inspection.producer_version else ""
         lines.append(f"producer: {inspection.producer}{version} ({Path(inspection.config_file or '-').name})")
@@ -192,14 +188,14 @@ def render_inspection(inspection: Inspection) -> str:
         lines.append("quantized modules: 0")
     if inspection.ignored:
         entries = [f"{m} ({p!r})" for m, p in inspection.ignored.items()]
-        lines.append(f"ignored modules ({len(entries)}): {_listing(entries)}")
+        lines.append(f"ignored modules ({len(entries)}): {listing(entries, 6)}")
     if inspection.plain:
-        lines.append(f"plain tensors ({len(inspection.plain)}): {_listing(list(inspection.plain))}")
+        lines.append(f"plain tensors ({len(inspection.plain)}): {listing(list(inspection.plain), 6)}")
     if inspection.kv_cache:
-        lines.append(f"kv-cache tensors ({len(inspection.kv_cache)}): {_listing(list(inspection.kv_cache))}")
+        lines.append(f"kv-cache tensors ({len(inspection.kv_cache)}): {listing(list(inspection.kv_cache), 6)}")
     lines.append(
         f"tolerated tensors dropped ({len(inspection.tolerated)})"
-        + (f": {_listing(list(inspection.tolerated))}" if inspection.tolerated else "")
+        + (f": {listing(list(inspection.tolerated), 6)}" if inspection.tolerated else "")
     )
     for name, members in inspection.fused:
         lines.append(f"fused: {name} = {' + '.join(members)}")

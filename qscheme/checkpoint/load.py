@@ -21,6 +21,7 @@ from qscheme.checkpoint.fuse import FUSE_POLICIES, FuseOutcome, fuse_members, sc
 from qscheme.checkpoint.plan import FuseSpec, Plan, check_fuse_spec, format_problems, plan_checkpoint
 from qscheme.checkpoint.progress import Progress, auto_enabled
 from qscheme.checkpoint.report import CheckpointReport, LayerReport
+from qscheme.checkpoint.text import listing
 from qscheme.checkpoint.validate import TensorProblem, check_values, value_reads
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, UsageError
@@ -161,7 +162,7 @@ def _check_policy_modules(choice: FusePolicyChoice, plan: Plan) -> None:
     fused = [group.name for group in plan.fuse_groups]
     for key in choice:
         if "." in key and key not in fused:
-            shown = ", ".join(fused[:6]) + (f" and {len(fused) - 6} more" if len(fused) > 6 else "")
+            shown = listing(fused, 6, sentence=True)
             raise UsageError(
                 f"{plan.path}: fuse_policy[{key!r}] names no fused module of this checkpoint (fused: "
                 f"{shown or 'none'}); give a full fused module name, or the fused name "

@@ -23,6 +23,7 @@ import torch
 
 from qscheme.checkpoint.load import Checkpoint, FusePolicyChoice, load_checkpoint
 from qscheme.checkpoint.plan import FuseSpec
+from qscheme.checkpoint.text import listing
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.linear import QuantLinear, checked_device
 
@@ -47,8 +48,8 @@ def _refuse_meta(model: torch.nn.Module) -> None:
             )
 
 
-def _listing(names: list[str], limit: int = 5) -> str:
-    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+def _listing(names: list[str]) -> str:
+    return listing(names, 5, sentence=True)
 
 
 def _place(model: torch.nn.Module, name: str, layer: QuantLinear, path: Path) -> tuple[torch.nn.Module, str] | None:
