@@ -45,6 +45,7 @@ from qscheme.formats import (
     decode,
     get_element_format,
     pack_fp4_k,
+    pack_int32_n,
     unpack_int4_n,
     unpack_int32_k,
     unpack_int32_n,
@@ -193,6 +194,23 @@ def canonical_zero_point(scheme: Scheme, raw: Tensor, rows: int) -> Tensor:
                 f"({spec.format}), found values in [{found_low}, {found_high}]"
             )
     return raw.to(torch.int16)
+
+
+def stored_zero_points(scheme: Scheme, values: Tensor) -> Tensor:
+    """The inverse of ``canonical_zero_point``: zero points (integers in their format's range,
+    shaped as the scale) as the scheme stores them, before any reshape to the declared shape:
+    ``int32_n`` words (signed values offset by 2**(bits-1)), 8-bit values in the 8-bit dtype of
+    the other signedness by their bits, else cast to the tensor's dtype."""
+    spec = scheme.weight.zero_point
+    assert spec is not None
+    fmt = get_element_format(spec.format)
+    if spec.packing == "int32_n":
+        offset = 0 if fmt.signed else 1 << (fmt.bits - 1)
+        return pack_int32_n((values.to(torch.int16) - offset).to(torch.int8), fmt.bits)
+    dtype = getattr(torch, spec.tensor.dtypes[0])
+    if fmt.bits == 8 and dtype == (torch.uint8 if fmt.signed else torch.int8):
+        return values.to(torch.int8 if fmt.signed else torch.uint8).view(dtype)
+    return values.to(dtype)
 
 
 def canonicalize(

@@ -12,9 +12,10 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from qscheme.canonical import stored_zero_points
 from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.errors import QuantizeError
-from qscheme.formats import get_element_format, pack_fp4_k, pack_int4_n, pack_int32_k, pack_int32_n
+from qscheme.formats import get_element_format, pack_fp4_k, pack_int4_n, pack_int32_k
 from qscheme.quantize.rules import WeightParameters, WeightPlan
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -182,16 +183,9 @@ def _zero_point_tensor(plan: WeightPlan, zero_point: Tensor) -> Tensor:
             f"zero points computed for the {plan.element.name} weight lie in [{found[0]}, {found[1]}]; "
             f"declare the zero point format {plan.element.name!r} (the weight's)"
         )
-    if spec.packing == "int32_n":
-        offset = values if fmt.signed else values - (1 << (fmt.bits - 1))
-        packed = pack_int32_n(offset.to(torch.int8), fmt.bits)
-        return _finish(packed, spec.tensor, plan)
     dtype = dtype_of(spec.tensor.dtypes[0])
-    if fmt.bits == 8 and dtype == (torch.int8 if not fmt.signed else torch.uint8):
-        stored = (values & 0xFF).to(torch.uint8).view(dtype)
-    elif dtype.is_floating_point:
-        stored = values.to(dtype)
-    else:
+    reinterpreted = fmt.bits == 8 and dtype == (torch.uint8 if fmt.signed else torch.int8)  # kept by their bits
+    if spec.packing != "int32_n" and not dtype.is_floating_point and not reinterpreted:
         info = torch.iinfo(dtype)
         if found[0] < info.min or found[1] > info.max:
             raise QuantizeError(
@@ -199,5 +193,4 @@ def _zero_point_tensor(plan: WeightPlan, zero_point: Tensor) -> Tensor:
                 f"which cannot hold the {spec.format} zero points found in [{found[0]}, {found[1]}]; "
                 "declare a dtype that holds the zero-point format"
             )
-        stored = values.to(dtype)
-    return _finish(stored, spec.tensor, plan)
+    return _finish(stored_zero_points(plan.scheme, values), spec.tensor, plan)

@@ -12,9 +12,9 @@ import math
 import torch
 from torch import Tensor
 
-from qscheme.canonical import CanonicalWeight, canonical_zero_point
+from qscheme.canonical import CanonicalWeight, canonical_zero_point, stored_zero_points
 from qscheme.descriptor import Scheme
-from qscheme.formats import get_element_format, pack_int32_n
+from qscheme.formats import get_element_format
 
 _FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,17 +75,7 @@ def _zero_points(scheme: Scheme, shape: tuple[int, ...], generator: torch.Genera
     values = torch.randint(low, high + 1, shape, generator=generator, dtype=torch.int16)
     flat = values.view(-1)
     flat[0], flat[-1] = low, high
-    if spec.packing == "int32_n":
-        offset = 0 if fmt.signed else 1 << (fmt.bits - 1)
-        stored = pack_int32_n((values - offset).to(torch.int8), fmt.bits)
-    else:
-        dtype = getattr(torch, spec.tensor.dtypes[0])
-        if fmt.bits == 8 and dtype in (torch.int8, torch.uint8) and (dtype == torch.int8) != fmt.signed:
-            # 8-bit values in the 8-bit dtype of the other signedness: stored by their bits
-            stored = values.to(torch.int8 if fmt.signed else torch.uint8).view(dtype)
-        else:
-            stored = values.to(dtype)
-    return canonical_zero_point(scheme, stored, shape[0]).reshape(shape)
+    return canonical_zero_point(scheme, stored_zero_points(scheme, values), shape[0]).reshape(shape)
 
 
 def random_weight(
