@@ -595,3 +595,29 @@ def test_integer_ranges_are_the_formats_own() -> None:
     for name, (low, high) in INTEGER_RANGE.items():
         element = get_element_format(name)
         assert (low, high) == (int(element.min_value), int(element.max_value)), name
+
+
+@pytest.mark.parametrize("zdtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_zero_points_are_declared_as_integers(zdtype: str) -> None:
+    # float zero points would be written by quantize_weight and refused by dequantize_weight
+    text = ZERO_POINTS.format(weight="uint8", dtype="uint8", zero="uint8", zdtype=zdtype)
+    with pytest.raises(SchemeError) as caught:
+        parse_scheme_text(text, "z.yaml")
+    message = str(caught.value)
+    assert "z.yaml:13:13: weight.zero_point.tensor.dtype" in message, message
+    assert f"{zdtype!r} does not fit zero points with packing 'none' (integers)" in message, message
+    assert "'int8', 'uint8', 'int32'" in message, message
+
+
+def test_packed_zero_points_are_int32_words() -> None:
+    source = Path(__file__).parent.parent / "schemes" / "compressed-tensors" / "W4A16_ASYM.yaml"
+    original = source.read_text(encoding="utf-8")
+    declared = "tensor: {name: weight_zero_point, dtype: int32,"
+    assert declared in original
+    text = original.replace(declared, declared.replace("int32", "int8"))
+    with pytest.raises(
+        SchemeError,
+        match=r"weight\.zero_point\.tensor\.dtype: 'int8' does not fit zero points "
+        r"with packing 'int32_n' \(integers\); use 'int32'",
+    ):
+        parse_scheme_text(text, "z.yaml")

@@ -74,6 +74,10 @@ _GRANULARITY_KEYS: dict[str, tuple[str, str]] = {
     "block": ("block", "granularity 'block' needs block: [rows, columns] (e.g. block: [128, 128])"),
 }
 # The dtype a weight tensor has for each packing (None: the element format's own storage dtype).
+# Zero points are integers: packed into int32 words along N, or one per stored value in any
+# integer dtype (values outside the format's range are refused on load).
+INTEGER_DTYPES: tuple[str, ...] = ("int8", "uint8", "int32", "int64")
+ZERO_POINT_DTYPES: dict[str, tuple[str, ...]] = {"int32_n": ("int32",), "none": INTEGER_DTYPES}
 PACKED_DTYPE: dict[str, str | None] = {"none": None, "nibbles_k": "uint8", "int32_k": "int32", "int4_n": "uint8"}
 UNPACKED_DTYPE: dict[str, str] = {
     "e4m3": "float8_e4m3fn",
@@ -397,6 +401,9 @@ class _Reader:
         zp_format = self.required(items, "format", path, lambda n, p: self.choice(n, p, tuple(sorted(INTEGER))))
         packing = self.optional(items, "packing", path, lambda n, p: self.choice(n, p, ZERO_POINT_PACKINGS)) or "none"
         tensor = self.required(items, "tensor", path, self.tensor)
+        if tensor is not None:
+            allowed = ZERO_POINT_DTYPES.get(packing, INTEGER_DTYPES)
+            self.check_dtypes(node, path, tensor, allowed, f"zero points with packing {packing!r} (integers)")
         if zp_format is None or tensor is None:
             return None
         return ZeroPointSpec(format=zp_format, packing=packing, tensor=tensor)
