@@ -87,6 +87,7 @@ def test_validate_reports_duplicate_names_and_catalog_clashes(
     text = nvfp4.read_text()
     first, second, shadow = tmp_path / "a.yaml", tmp_path / "b.yaml", tmp_path / "shadow.yaml"
     copy = text.replace("name: compressed-tensors/NVFP4", "name: copy/NVFP4", 1)
+    copy = copy.replace("format: nvfp4-pack-quantized", "format: copy-quantized", 1)  # no rule overlap
     first.write_text(copy)
     second.write_text(copy)
     shadow.write_text(text)
@@ -114,6 +115,7 @@ def test_validate_knows_the_scheme_path(
     folder = tmp_path / "path"
     folder.mkdir()
     text = (BUILTIN / "modelopt" / "FP8.yaml").read_text().replace("name: modelopt/FP8", "name: mine/FP8", 1)
+    text = text.replace("quant_algo: FP8", "quant_algo: MINE_FP8", 1)  # a rule of its own (no overlap)
     (folder / "mine.yaml").write_text(text)
     (tmp_path / "draft.yaml").write_text(text)
     monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(folder))
@@ -129,3 +131,38 @@ def test_validate_deep_or_huge_yaml_has_no_traceback(tmp_path: Path, capsys: pyt
     code, out, err = run(["validate", str(tmp_path / "deep.yaml"), str(tmp_path / "huge.yaml")], capsys)
     assert code == 1 and out == "" and "Traceback" not in err
     assert "nested too deeply" in err and "(a number of 5000 digits) is too large" in err
+
+
+def test_validate_reports_detect_rules_that_overlap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("QSCHEME_SCHEME_PATH", raising=False)
+    nvfp4 = BUILTIN / "modelopt" / "NVFP4.yaml"
+    copy = tmp_path / "copy.yaml"
+    copy.write_text(nvfp4.read_text().replace("name: modelopt/NVFP4", "name: mine/NVFP4", 1))
+    code, out, err = run(["validate", str(copy), str(nvfp4)], capsys)
+    assert code == 1 and out == f"{nvfp4}: ok (modelopt/NVFP4)\n"  # the clash is the new file's problem
+    # located at the rule (the mapping under detect.modelopt), as the parser locates values
+    line = next(n for n, text in enumerate(copy.read_text().splitlines(), 1) if text == "  modelopt:") + 1
+    assert (
+        f"{copy}:{line}:5: detect.modelopt: matches what the rule of scheme 'modelopt/NVFP4' ({nvfp4} (builtin)) "
+        "matches, e.g. quant_algo 'NVFP4', no group_size; a checkpoint whose config says that would be refused as "
+        "ambiguous: give the rules different quant_algo names or group_size values, or remove one of them\n"
+    ) in err
+    # two new files overlapping each other: both are reported, each naming the other
+    ct = (BUILTIN / "compressed-tensors" / "W8A8.yaml").read_text()
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    for path, name in ((first, "one/W8A8"), (second, "two/W8A8")):
+        path.write_text(
+            ct.replace("name: compressed-tensors/W8A8", f"name: {name}", 1).replace(
+                "format: int-quantized", "format: mine", 1
+            )
+        )
+    code, out, err = run(["validate", str(first), str(second)], capsys)
+    assert code == 1 and out == ""
+    assert (
+        f"detect.compressed-tensors: matches what the rule of scheme 'two/W8A8' ({second}) matches, e.g. format 'mine'"
+        in err
+    )
+    assert f"detect.compressed-tensors: matches what the rule of scheme 'one/W8A8' ({first}) matches" in err
+    assert err.endswith("2 of 2 file(s) invalid\n")

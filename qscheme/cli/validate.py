@@ -2,7 +2,10 @@
 
 Besides each file on its own, the names are checked the way the catalog will check them: two
 of the files with one name, or a file whose name a built-in or a QSCHEME_SCHEME_PATH scheme
-already has, is a problem (unless the file is that catalog scheme's own file).
+already has, is a problem (unless the file is that catalog scheme's own file). So are detect
+rules that claim a producer config another of the files or a catalog scheme claims too
+(``qscheme.checkpoint.overlap``): loading a checkpoint with that config would be refused as
+ambiguous.
 """
 
 from __future__ import annotations
@@ -35,11 +38,15 @@ def run(args: argparse.Namespace) -> int:
             results.append((file, parse_scheme_file(file)))
         except SchemeError as exc:
             results.append((file, exc))
-    name_problems = _name_problems([(file, r) for file, r in results if isinstance(r, Scheme)])
+    valid = [(file, r) for file, r in results if isinstance(r, Scheme)]
+    catalog = _catalog_schemes()
+    name_problems = _name_problems(valid, catalog)
+    rule_problems = _rule_problems(valid, catalog)
     failed = 0
     for file, result in results:
-        if isinstance(result, Scheme) and name_problems.get(file):
-            result = SchemeError(name_problems[file])
+        found = name_problems.get(file, []) + rule_problems.get(file, [])
+        if isinstance(result, Scheme) and found:
+            result = SchemeError(found)
         if isinstance(result, SchemeError):
             failed += 1
             count = len(result.problems) or 1
@@ -52,14 +59,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _name_problems(schemes: list[tuple[str, Scheme]]) -> dict[str, list[Problem]]:
+def _name_problems(schemes: list[tuple[str, Scheme]], catalog: dict[str, Scheme]) -> dict[str, list[Problem]]:
     """Per file: its scheme name given by another of the files, or already in the catalog."""
-    catalog = _catalog_origins()
     problems: dict[str, list[Problem]] = {}
     for file, scheme in schemes:
         here = _resolved(file)
         defined = catalog.get(scheme.name)
-        catalog_file = _resolved(defined[0]) if defined is not None else None
+        catalog_file = _resolved(str(defined.path)) if defined is not None else None
         if catalog_file == here:
             continue  # the catalog's own file: a clash is the other file's problem
         others: dict[Path, str] = {}
@@ -73,26 +79,60 @@ def _name_problems(schemes: list[tuple[str, Scheme]]) -> dict[str, list[Problem]
         ]
         if defined is not None:
             messages.append(
-                f"scheme name {scheme.name!r} is already defined by {defined[0]} ({defined[1]}); the catalog "
+                f"scheme name {scheme.name!r} is already defined by {defined.path} ({defined.source}); the catalog "
                 "refuses a second scheme of that name: rename this one"
             )
         if messages:
-            location = _name_location(file)
+            location = _location(file, "name")
             problems[file] = [Problem(location, message) for message in messages]
     return problems
 
 
-def _catalog_origins() -> dict[str, tuple[str, str]]:
-    """(file, source) of every built-in and QSCHEME_SCHEME_PATH scheme, by name; {} with a note if unreadable."""
+_RULE_FIXES = {
+    "compressed-tensors": "make one rule more specific (list an argument the other lists, with another value) "
+    "or remove one of them",
+    "modelopt": "give the rules different quant_algo names or group_size values, or remove one of them",
+}
+
+
+def _rule_problems(schemes: list[tuple[str, Scheme]], catalog: dict[str, Scheme]) -> dict[str, list[Problem]]:
+    """Per file: its detect rules that match a config another file's or a catalog scheme's match."""
+    from qscheme.checkpoint.overlap import overlaps
+
+    problems: dict[str, list[Problem]] = {}
+    catalog_files = {_resolved(str(scheme.path)) for scheme in catalog.values()}
+    for file, scheme in schemes:
+        here = _resolved(file)
+        others: dict[str, tuple[Scheme, str]] = {
+            name: (other, f"{other.path} ({other.source})")
+            for name, other in catalog.items()
+            if _resolved(str(other.path)) != here
+        }
+        if here not in catalog_files:  # a catalog file's clash with a new file is the new file's problem
+            for other_file, other in schemes:
+                if _resolved(other_file) != here:
+                    others.setdefault(other.name, (other, other_file))
+        for overlap in overlaps(scheme, [other for other, _ in others.values()]):
+            where = others[overlap.second][1]
+            message = (
+                f"matches what the rule of scheme {overlap.second!r} ({where}) matches, e.g. {overlap.witness}; "
+                f"a checkpoint whose config says that would be refused as ambiguous: {_RULE_FIXES[overlap.producer]}"
+            )
+            problems.setdefault(file, []).append(Problem(_location(file, "detect", overlap.producer), message))
+    return problems
+
+
+def _catalog_schemes() -> dict[str, Scheme]:
+    """Every built-in and QSCHEME_SCHEME_PATH scheme, by name; {} with a note if unreadable."""
     from qscheme.catalog import load_catalog
 
     try:
         catalog = load_catalog(include_plugins=False)
     except SchemeError as exc:
         first = str(exc).splitlines()[0] if str(exc) else "the catalog does not load"
-        sys.stderr.write(f"note: names not checked against the catalog, which does not load: {first}\n")
+        sys.stderr.write(f"note: names and rules not checked against the catalog, which does not load: {first}\n")
         return {}
-    return {name: (str(scheme.path), scheme.source) for name, scheme in catalog.schemes.items()}
+    return dict(catalog.schemes)
 
 
 def _resolved(file: str) -> Path:
@@ -102,13 +142,17 @@ def _resolved(file: str) -> Path:
         return Path(file).absolute()
 
 
-def _name_location(file: str) -> Location:
-    """Where the file writes ``name:`` (the file parsed, so it reads again)."""
+def _location(file: str, *keys: str) -> Location:
+    """Where the file writes ``keys`` (the file parsed, so it reads again); the deepest found."""
+    path = ".".join(keys)
     try:
-        root, _ = read_yaml(Path(file).read_text(encoding="utf-8"), file)
+        node, _ = read_yaml(Path(file).read_text(encoding="utf-8"), file)
     except (OSError, UnicodeDecodeError):
-        root = None
-    node = root.value.get("name") if root is not None and root.is_mapping else None
-    if node is None:
-        return Location(file, None, None, "name")
-    return Location(file, node.line, node.column, "name")
+        return Location(file, None, None, path)
+    line = column = None
+    for key in keys:
+        node = node.value.get(key) if node is not None and node.is_mapping else None
+        if node is None:
+            break
+        line, column = node.line, node.column
+    return Location(file, line, column, path)
