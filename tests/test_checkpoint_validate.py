@@ -10,7 +10,7 @@ from checkpoint_cache import single_threaded_torch  # noqa: F401  (autouse)
 from qscheme.catalog import load_scheme
 from qscheme.checkpoint.detect import ModuleAssignment
 from qscheme.checkpoint.reader import TensorInfo
-from qscheme.checkpoint.validate import _any_nonfinite, _nonfinite_mask, check_layout, check_values
+from qscheme.checkpoint.validate import check_layout, check_values
 
 FILE = Path("model.safetensors")
 
@@ -65,20 +65,6 @@ def test_weight_shape_tensor_gives_n_and_k() -> None:
     }
     layout = check_layout(_assignment("compressed-tensors/W4A16", tensors), weight_shape=(128, 130))
     assert layout.ok and (layout.n, layout.k) == (128, 130)
-
-
-def test_nonfinite_detection_per_storage_format() -> None:
-    e4m3 = torch.tensor([1.0, 2.0, 448.0], dtype=torch.float8_e4m3fn)
-    assert not _any_nonfinite(e4m3)
-    negative_nan = e4m3.view(torch.uint8).clone()
-    negative_nan[1] = 0xFF
-    assert _any_nonfinite(negative_nan.view(torch.float8_e4m3fn))
-    assert _nonfinite_mask(negative_nan.view(torch.float8_e4m3fn)).tolist() == [False, True, False]
-    negative = torch.tensor([-1.0, 2.0], dtype=torch.float8_e4m3fn)
-    assert not _any_nonfinite(negative)
-    assert _any_nonfinite(torch.tensor([127, 255], dtype=torch.uint8))  # e8m0 NaN
-    assert not _any_nonfinite(torch.tensor([0, 254], dtype=torch.uint8))
-    assert _any_nonfinite(torch.tensor([1.0, float("inf")], dtype=torch.bfloat16))
 
 
 def test_value_checks_on_a_layout() -> None:

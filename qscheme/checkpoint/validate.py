@@ -23,7 +23,7 @@ from qscheme.checkpoint.detect import BIAS, FLOAT_DTYPES, ModuleAssignment
 from qscheme.checkpoint.reader import TensorInfo
 from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.errors import QuantizeError
-from qscheme.formats.elements import E8M0_NAN
+from qscheme.formats.scale_values import any_negative, any_nonfinite, negative, nonfinite, not_positive
 
 
 @dataclass(frozen=True)
@@ -207,67 +207,6 @@ def _check_tensor(
 # ---------------------------------------------------------------------------- values
 
 
-def _nonfinite_mask(value: Tensor) -> Tensor:
-    """True where a stored scale is NaN or infinite (fp8 and e8m0 bytes included)."""
-    if value.dtype == torch.float8_e4m3fn:  # NaN is 0x7F / 0xFF; there is no inf
-        raw = value.view(torch.uint8)
-        return (raw == 0x7F) | (raw == 0xFF)
-    if value.dtype == torch.float8_e5m2:
-        return (value.view(torch.uint8) & 0x7C) == 0x7C
-    if value.dtype == torch.uint8:  # e8m0
-        return value == E8M0_NAN
-    if value.is_floating_point():
-        return ~torch.isfinite(value)
-    return torch.zeros_like(value, dtype=torch.bool)
-
-
-def _any_nonfinite(value: Tensor) -> bool:
-    """Fast ``_nonfinite_mask(value).any()``: one vectorised min/max pass over the bytes.
-
-    e4m3 NaN is 0x7F (127 as int8, the largest byte) or 0xFF (-1 as int8, only possible when
-    some byte has its sign bit set); e8m0 NaN is 0xFF, the largest byte.
-    """
-    if value.numel() == 0:
-        return False
-    if value.dtype == torch.float8_e4m3fn:
-        low, high = torch.aminmax(value.reshape(-1).view(torch.int8))
-        if int(high) == 0x7F:
-            return True
-        return int(low) < 0 and bool((value.reshape(-1).view(torch.int8) == -1).any())
-    if value.dtype == torch.uint8:
-        return int(value.max()) == E8M0_NAN
-    return bool(_nonfinite_mask(value).any())
-
-
-def _negative_mask(value: Tensor) -> Tensor:
-    """True where a stored scale is below zero (-0.0 and NaN excluded; e8m0 bytes have no sign)."""
-    if value.dtype == torch.float8_e4m3fn:
-        raw = value.view(torch.uint8)
-        return (raw >= 0x81) & (raw != 0xFF)
-    if value.dtype == torch.float8_e5m2:
-        raw = value.view(torch.uint8)
-        return (raw >= 0x81) & ((raw & 0x7C) != 0x7C)
-    if value.is_floating_point():
-        return value < 0
-    if value.dtype == torch.uint8:
-        return torch.zeros_like(value, dtype=torch.bool)
-    return value < 0
-
-
-def _any_negative(value: Tensor) -> bool:
-    """Fast ``_negative_mask(value).any()``: fp8 bytes with the sign bit set are negative
-    as int8, so one min pass decides the common all-positive case."""
-    if value.numel() == 0 or value.dtype == torch.uint8:
-        return False
-    if value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        if int(value.reshape(-1).view(torch.int8).min()) >= 0:
-            return False
-        return bool(_negative_mask(value).any())
-    if value.dtype == torch.bool:
-        return False
-    return bool(value.min() < 0)
-
-
 def _first(value: Tensor, mask: Tensor) -> str:
     index = int(mask.reshape(-1).nonzero()[0, 0])
     element = value.reshape(-1)[index]
@@ -312,7 +251,7 @@ def value_reads(layout: ModuleLayout, every_declared: bool = False) -> dict[str,
 
 def _nonfinite_problem(value: Tensor, info: TensorInfo, expected: str, advice: str = "") -> TensorProblem:
     """``expected <what>, found N NaN/inf values (first: ...)`` for a tensor holding some."""
-    bad = _nonfinite_mask(value)
+    bad = nonfinite(value)
     count = int(bad.sum())
     return TensorProblem(
         str(info.file),
@@ -333,14 +272,13 @@ def check_values(layout: ModuleLayout, tensors: Mapping[str, Tensor]) -> list[Te
         info = layout.declared.get(spec.name)
         if value is None or info is None:
             continue
-        as_float = value.to(torch.float32)
-        bad = ~torch.isfinite(as_float) | (as_float <= 0)
+        bad = not_positive(value)
         if bool(bad.any()):
             problems.append(
                 TensorProblem(
                     str(info.file),
                     info.name,
-                    f"expected a finite scale > 0, found {_first(as_float, bad)}; a zero, negative or "
+                    f"expected a finite scale > 0, found {_first(value, bad)}; a zero, negative or "
                     "non-finite global or static scale cannot be dequantized: re-export the layer",
                 )
             )
@@ -349,11 +287,11 @@ def check_values(layout: ModuleLayout, tensors: Mapping[str, Tensor]) -> list[Te
         info = layout.declared.get(spec.name)
         if value is None or info is None:
             continue
-        if _any_nonfinite(value):
+        if any_nonfinite(value):
             problems.append(_nonfinite_problem(value, info, "finite scales"))
     problems.extend(_negative_weight_scales(layout, tensors))
     bias, bias_info = tensors.get(BIAS), layout.bias
-    if bias is not None and bias_info is not None and bias.is_floating_point() and _any_nonfinite(bias):
+    if bias is not None and bias_info is not None and bias.is_floating_point() and any_nonfinite(bias):
         advice = "; every output through it would be NaN/inf: re-export the layer"
         problems.append(_nonfinite_problem(bias, bias_info, "a finite bias", advice))
     return problems
@@ -362,9 +300,9 @@ def check_values(layout: ModuleLayout, tensors: Mapping[str, Tensor]) -> list[Te
 def _negative_weight_scales(layout: ModuleLayout, tensors: Mapping[str, Tensor]) -> list[TensorProblem]:
     spec = layout.scheme.weight.scale.tensor
     value, info = tensors.get(spec.name), layout.declared.get(spec.name)
-    if value is None or info is None or not _any_negative(value):
+    if value is None or info is None or not any_negative(value):
         return []
-    bad = _negative_mask(value)
+    bad = negative(value)
     count = int(bad.sum())
     return [
         TensorProblem(

@@ -22,6 +22,7 @@ from qscheme.descriptor import Scheme
 from qscheme.errors import QuantizeError
 from qscheme.formats import decode
 from qscheme.formats.elements import E8M0_NAN
+from qscheme.formats.scale_values import not_positive
 from qscheme.quantize.observe import ScaleLayout
 from qscheme.quantize.rules import GivenScales, WeightPlan
 
@@ -37,14 +38,6 @@ def require_materialised(value: Tensor, scheme: Scheme, what: str) -> None:
             "cannot be quantized: materialise it first (load the real weights, e.g. module.to_empty(device='cpu') "
             "then load_state_dict)"
         )
-
-
-def not_positive(value: Tensor) -> Tensor:
-    """True where a scale (any float dtype, or e8m0 bytes) is not a finite number > 0."""
-    if value.dtype == torch.uint8:  # e8m0: every byte is a power of two, but 0xFF is NaN
-        return value == E8M0_NAN
-    as_float = value if value.dtype == torch.float64 else value.to(torch.float32)
-    return ~(as_float > 0) | torch.isinf(as_float)
 
 
 def require_positive(value: Tensor, scheme: Scheme, what: str, fix: str) -> None:
