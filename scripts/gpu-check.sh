@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of the Triton kernel as one prepared run (for a lent GPU machine, e.g. the
-# device tool): the GEMM benchmark for NVFP4 weight-only, a tile sweep, the GPU tests, then the
-# GEMM benchmark for NVFP4 W4A4 and int4 weight-only, each under its own time limit so the
+# device tool): the GEMM benchmark for NVFP4 weight-only, the same tiles streaming their bytes
+# with no work (what the tiling alone reaches), a tile sweep, the GPU tests, then the GEMM
+# benchmark for NVFP4 W4A4 and int4 weight-only, each under its own time limit so the
 # whole fits in under 10 minutes. Logs and tables go to $OUT (default ./gpu-check-out).
 #
 #   bash scripts/gpu-check.sh            # on a machine with CUDA, torch and triton installed
@@ -25,11 +26,12 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/summary.txt"
 "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/summary.txt"
 # Limits add up to 580 s, under a 10-minute command. The NVFP4 table (checked against the
-# reference kernel before it is timed) and the sweep come first: they answer whether the
-# targets hold, should a later step run out of time.
+# reference kernel before it is timed), the stream table and the sweep come first: they answer
+# whether the targets hold, and what limits the kernel, should a later step run out of time.
 step install 60 "$PYTHON" -m pip install -q --no-deps --no-build-isolation --no-index -e .
 step gemm-nvfp4 100 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/NVFP4A16 --markdown "$OUT/gemm-nvfp4.md"
+step stream 50 "$PYTHON" benchmarks/triton_stream.py --markdown "$OUT/stream-nvfp4.md"
 step sweep 60 "$PYTHON" benchmarks/triton_sweep.py 45
-step gpu-tests 240 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 tests/test_triton_gpu.py tests/test_quantize_gpu.py
-step gemm-w4a4 60 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/NVFP4 --markdown "$OUT/gemm-w4a4.md"
-step gemm-w4a16 60 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/W4A16 --markdown "$OUT/gemm-w4a16.md"
+step gpu-tests 210 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 tests/test_triton_gpu.py tests/test_quantize_gpu.py
+step gemm-w4a4 50 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/NVFP4 --markdown "$OUT/gemm-w4a4.md"
+step gemm-w4a16 50 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/W4A16 --markdown "$OUT/gemm-w4a16.md"
