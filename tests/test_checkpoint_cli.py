@@ -241,3 +241,17 @@ def test_run_reports_a_failing_kernel_per_layer(
     assert data["failed"] == 7
     row = data["layers"][0]
     assert row["ok"] is False and row["max_relative_error"] is None and expected in row["failure"]
+
+
+def test_run_on_a_checkpoint_without_quantized_layers_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    save_file({"model.layers.0.mlp.down_proj.weight": torch.randn(8, 16)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert main(["run", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "0 of 0 layers within tolerance" in out
+    assert (
+        "note: no quantized layers: the checkpoint's config declares no quantization, or every layer is ignored "
+        f"(see `qscheme inspect {tmp_path}`); nothing was run"
+    ) in out

@@ -133,5 +133,10 @@ def run(args: argparse.Namespace) -> int:
             f"{len(results) - len(failed)} of {len(results)} layers within tolerance {tolerance:g} "
             f"({dtype} inputs, {args.rows} rows, device {device})"
         )
+        if not results:
+            out.append(
+                "note: no quantized layers: the checkpoint's config declares no quantization, or every "
+                f"layer is ignored (see `qscheme inspect {args.checkpoint}`); nothing was run"
+            )
         sys.stdout.write("\n".join(out) + "\n")
     return 1 if failed else 0
