@@ -74,6 +74,10 @@ class CanonicalWeight:
     def num_partitions(self) -> int:
         return len(self.partitions)
 
+    def tensors(self) -> dict[str, Tensor]:
+        """Every tensor field that is set, by field name (``TENSOR_FIELDS`` order)."""
+        return {name: value for name in TENSOR_FIELDS if (value := getattr(self, name)) is not None}
+
     def kernel_tensors(self) -> dict[str, Tensor]:
         """The tensors a kernel consumes (excludes the exact-rounding provenance)."""
         fields = {
@@ -93,6 +97,20 @@ class CanonicalWeight:
             name: (value.to(device) if isinstance(value, Tensor) else value) for name, value in self.__dict__.items()
         }
         return replace(self, **moved)
+
+
+# CanonicalWeight's tensor fields; the rest (scheme, n, k, partitions) describe them.
+TENSOR_FIELDS: tuple[str, ...] = (
+    "codes",
+    "scale",
+    "global_scale",
+    "global_scale_divisor",
+    "zero_point",
+    "input_scale",
+    "input_global_scale",
+    "input_global_scale_divisor",
+    "input_pre_scale",
+)
 
 
 def _as_multiplier(value: Tensor, stored: str) -> Tensor:

@@ -4,18 +4,28 @@ It is built from a scheme and its checkpoint tensors (``from_tensors``) or from 
 tensors (``from_canonical``, which the checkpoint loader uses for fused layers), resolves its
 kernel once per activation dtype, and runs ``kernel.apply`` in ``forward``. ``dequantize()``
 gives the exact float32 weight it encodes, whatever kernel runs it.
+
+As an nn.Module: the canonical tensors are buffers (``canonical_codes``, ``canonical_scale``,
+...: qscheme's canonical form, not a producer's checkpoint names or conventions), so
+``state_dict`` holds them, ``load_state_dict`` fills them (same dtypes and shapes: the same
+scheme and layer shape) and ``module.to(device)`` moves them; dtype casts (``.half()``,
+``.to(torch.bfloat16)``) never touch them, only the bias. The weight is frozen: gradients flow
+to the input (``grad_x = grad_y @ effective_weight()``, straight through any activation
+quantization), never to the weight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from qscheme.canonical import CanonicalWeight, canonicalize, dequantize
+from qscheme.canonical import TENSOR_FIELDS, CanonicalWeight, canonicalize, dequantize
 from qscheme.checkpoint.validate import require_valid_tensors
 from qscheme.descriptor import Scheme
 from qscheme.errors import UsageError
@@ -97,12 +107,12 @@ def checked_device(device: object, caller: str = "load_checkpoint") -> torch.dev
 
 
 class QuantLinear(torch.nn.Module):
-    """y = x @ W^T + bias for a quantized W, computed by the kernel the resolver chose.
+    """y = x @ W^T + bias for a quantized W, computed by the kernel the resolver chose; for a
+    scheme with an input pre-scale p (AWQ), y = (x * p) @ W^T + bias (``effective_weight``).
 
-    For inference: the output carries no gradient, whatever kernel runs it. The quantized
-    weight lives outside ``state_dict`` (``weight_canonical``; a checkpoint is the way to save
-    it), and the layer stays on the device it was built for: ``module.to(...)`` does not move
-    it, and an input on another device is refused.
+    The canonical tensors are buffers named ``canonical_<field>`` (see the module docstring):
+    they follow device moves and ``load_state_dict``, never dtype casts. The weight is frozen;
+    an input that requires grad gets its gradient through the dequantized weight.
     """
 
     def __init__(
@@ -116,8 +126,11 @@ class QuantLinear(torch.nn.Module):
         device_facts: DeviceFacts | None = None,
     ) -> None:
         super().__init__()
-        self.weight_canonical = weight
         self.torch_device = checked_device(device, "QuantLinear")
+        # what describes the tensors; the tensors themselves live in the buffers (weight_canonical)
+        self._layout = _Layout(weight.scheme, weight.n, weight.k, weight.partitions)
+        for name, value in weight.tensors().items():
+            self.register_buffer(BUFFER_PREFIX + name, value.to(self.torch_device))
         self.forced_kernel = kernel
         self.layer_name = layer_name
         self.in_features = weight.k
@@ -184,6 +197,81 @@ class QuantLinear(torch.nn.Module):
             bias = tensors["bias"]
         return cls(canonicalize(scheme, tensors, n, k), device, kernel, bias, layer_name, activation_dtype)
 
+    # -- the canonical tensors as buffers ------------------------------------------------------
+
+    @property
+    def weight_canonical(self) -> CanonicalWeight:
+        """The canonical weight: the layer's scheme and shape with its current buffers."""
+        tensors: dict[str, Any] = {name: self._buffers.get(BUFFER_PREFIX + name) for name in TENSOR_FIELDS}
+        layout = self._layout
+        return CanonicalWeight(layout.scheme, layout.n, layout.k, partitions=layout.partitions, **tensors)
+
+    def _canonical_buffers(self) -> dict[str, Tensor]:
+        return {
+            name: value for name, value in self._buffers.items() if name.startswith(BUFFER_PREFIX) and value is not None
+        }
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QuantLinear:
+        """Device moves move the canonical buffers; dtype casts leave them as they are (the
+        bias follows both, as an nn.Linear's does). Kernel state is rebuilt for what changed."""
+        before = self._canonical_buffers()
+        super()._apply(fn, recurse)
+        changed = False
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != old.dtype:
+                new = old.to(device=new.device)
+                self._buffers[name] = new
+            changed = changed or new is not old
+        if changed:
+            device = self._buffers[BUFFER_PREFIX + "codes"].device  # type: ignore[union-attr]
+            if device != self.torch_device:
+                self.torch_device = device
+                self._facts = None
+                self._resolved.clear()
+            self._states.clear()
+        return self
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """The canonical buffers take only tensors of their own dtype and shape (a cast would
+        change what they encode), and all of them or none: when one is refused, nothing of this
+        layer is loaded (half of one layer's tensors and half of another's encode nothing). The
+        kernel state is rebuilt from what was loaded."""
+        mine = self._canonical_buffers()
+        refused = False
+        for name, current in mine.items():
+            given = state_dict.get(prefix + name)
+            if isinstance(given, Tensor) and (given.dtype != current.dtype or given.shape != current.shape):
+                error_msgs.append(
+                    f"{prefix + name}: {_tensor_text(given)} cannot be loaded into {_tensor_text(current)} of "
+                    f"{self.layer_name or 'this QuantLinear'} (canonical tensors of scheme {self.scheme.name}, "
+                    f"N={self.out_features}, K={self.in_features}); load a state dict of the same scheme and layer "
+                    "shape, or build the layer from its checkpoint"
+                )
+                refused = True
+        if refused:  # every key of this layer that is there maps to its own tensor: nothing is copied
+            own = {prefix + name: value for name, value in self._buffers.items() if value is not None}
+            state_dict = {**state_dict, **{key: value for key, value in own.items() if key in state_dict}}
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        self._states.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (torch.save, deepcopy) without kernel state: it is rebuilt on first use."""
+        state = self.__dict__.copy()
+        state["_states"] = {}
+        return state
+
     # -- kernel selection ----------------------------------------------------------------------
 
     def _device_facts(self) -> DeviceFacts:
@@ -198,18 +286,30 @@ class QuantLinear(torch.nn.Module):
         found = self._resolved.get(activation_dtype)
         if found is None:
             problem = problem_for(self.weight_canonical, activation_dtype, self.layer_name)
-            found = select_kernel(self.weight_canonical.scheme, problem, self._device_facts(), self.forced_kernel)
+            found = select_kernel(self.scheme, problem, self._device_facts(), self.forced_kernel)
             self._resolved[activation_dtype] = found
         return found
 
+    @torch.compiler.disable
     def _prepare(self, activation_dtype: str) -> tuple[Any, Any]:
-        _, _, implementation = self._resolve(activation_dtype)
-        if activation_dtype not in self._states:
-            self._states[activation_dtype] = implementation.prepare(self.weight_canonical, self.torch_device)
-        return implementation, self._states[activation_dtype]
+        """The kernel and its state for ``activation_dtype``, prepared once (threads that ask
+        together wait for the first: one prepared copy, not one per thread). Not traced by
+        torch.compile: a compiled model prepares eagerly on its first call."""
+        with _PREPARE_LOCK:
+            _, _, implementation = self._resolve(activation_dtype)
+            if activation_dtype not in self._states:
+                self._states[activation_dtype] = implementation.prepare(self.weight_canonical, self.torch_device)
+            return implementation, self._states[activation_dtype]
+
+    def _prepared(self, activation_dtype: str) -> tuple[Any, Any]:
+        state = self._states.get(activation_dtype)
+        if state is None:
+            return self._prepare(activation_dtype)
+        return self._resolved[activation_dtype][2], state
 
     def prepare(self, activation_dtype: str | torch.dtype | None = None) -> QuantLinear:
-        """Run the kernel's prepare now (it otherwise runs on the first forward); returns self."""
+        """Run the kernel's prepare now (it otherwise runs on the first forward); returns self.
+        ``torch.compile(..., fullgraph=True)`` needs it done first."""
         self._prepare(normalize_dtype(activation_dtype) if activation_dtype is not None else self._default_dtype)
         return self
 
@@ -221,22 +321,32 @@ class QuantLinear(torch.nn.Module):
     @property
     def kernel(self) -> KernelDeclaration:
         """The declaration of the kernel that runs this layer (for the default activation dtype)."""
-        return self._resolved[self._default_dtype][1]
+        return self._resolve(self._default_dtype)[1]
 
     @property
     def resolution(self) -> Resolution:
         """The resolution (with its trace) behind ``kernel``."""
-        return self._resolved[self._default_dtype][0]
+        return self._resolve(self._default_dtype)[0]
 
     @property
     def scheme(self) -> Scheme:
-        return self.weight_canonical.scheme
+        return self._layout.scheme
 
     # -- computation ---------------------------------------------------------------------------
 
     def dequantize(self) -> Tensor:
-        """The float32 [N, K] weight this layer encodes (exact; independent of the kernel)."""
+        """The float32 [N, K] weight this layer encodes (exact; independent of the kernel), as
+        the producer's own dequantization gives it: without an input pre-scale (see
+        ``effective_weight``)."""
         return dequantize(self.weight_canonical)
+
+    def effective_weight(self) -> Tensor:
+        """The float32 [N, K] weight the layer applies: ``dequantize()`` with the input pre-scale
+        (AWQ) multiplied into its columns, so that y = x @ effective_weight()^T + bias (for
+        weight-only schemes; activation quantization rounds x first)."""
+        weight = self.dequantize()
+        pre_scale = self._buffers.get(BUFFER_PREFIX + "input_pre_scale")
+        return weight if pre_scale is None else weight * pre_scale.to(torch.float32)[None, :]
 
     def forward(self, x: Tensor) -> Tensor:
         name = self.layer_name or "QuantLinear"
@@ -253,12 +363,15 @@ class QuantLinear(torch.nn.Module):
         wanted = self.torch_device
         if x.device.type != wanted.type or (wanted.index is not None and x.device.index != wanted.index):
             raise UsageError(
-                f"{name}: the input is on {x.device}, the layer on {wanted}; move the input, or load the "
-                f"layer on the input's device (load_checkpoint(..., device=...)): module.to() does not move it"
+                f"{name}: the input is on {x.device}, the layer on {wanted}; move the input, or move the "
+                f"layer (module.to(...)) or load it on the input's device (load_checkpoint(..., device=...))"
             )
-        implementation, state = self._prepare(dtype)
+        implementation, state = self._prepared(dtype)
+        if torch.is_grad_enabled() and x.requires_grad:
+            y: Tensor = _ThroughDequantized.apply(x, self, implementation, state)
+            return y
         with torch.no_grad():
-            y: Tensor = implementation.apply(state, x, self.bias)
+            y = implementation.apply(state, x, self.bias)
         return y
 
     def extra_repr(self) -> str:
@@ -266,3 +379,40 @@ class QuantLinear(torch.nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, "
             f"kernel={self.kernel.name}, bias={self.bias is not None}"
         )
+
+
+BUFFER_PREFIX = "canonical_"
+_PREPARE_LOCK = threading.RLock()
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A CanonicalWeight without its tensors."""
+
+    scheme: Scheme
+    n: int
+    k: int
+    partitions: tuple[int, ...]
+
+
+def _tensor_text(value: Tensor) -> str:
+    return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+
+
+class _ThroughDequantized(torch.autograd.Function):
+    """The kernel's output forward; backward, the input's gradient through the effective
+    weight (straight through activation quantization). The weight and bias get none."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, layer: QuantLinear, implementation: Any, state: Any) -> Tensor:
+        ctx.layer = layer
+        with torch.no_grad():
+            y: Tensor = implementation.apply(state, x, layer.bias)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, None, None, None]:
+        layer: QuantLinear = ctx.layer
+        weight = layer.effective_weight()
+        grad_x = (grad_y.to(torch.float32) @ weight).to(grad_y.dtype)
+        return grad_x, None, None, None

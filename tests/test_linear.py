@@ -244,15 +244,182 @@ def test_forward_refuses_what_it_cannot_compute() -> None:
         layer(torch.empty(2, 64, device="meta"))
 
 
+def _awq(n: int = 32, k: int = 256) -> QuantLinear:
+    generator = torch.Generator().manual_seed(3)
+    tensors = qscheme.quantize_weight(
+        torch.randn(n, k, generator=generator),
+        "modelopt/W4A16_AWQ",
+        pre_quant_scale=torch.rand(k, generator=generator) + 0.5,
+    )
+    return QuantLinear.from_tensors("modelopt/W4A16_AWQ", tensors, bias=torch.randn(n, generator=generator))
+
+
 @pytest.mark.parametrize(
     "scheme_name", ["compressed-tensors/NVFP4A16", "compressed-tensors/MXFP4A16", "compressed-tensors/FP8_DYNAMIC"]
 )
-def test_the_output_carries_no_gradient_whatever_the_scheme(scheme_name: str) -> None:
+def test_the_input_gets_its_gradient_through_the_weight(scheme_name: str) -> None:
     layer = QuantLinear.from_tensors(scheme_name, qscheme.quantize_weight(torch.randn(32, 64), scheme_name))
-    x = torch.randn(2, 64, requires_grad=True)
+    x = torch.randn(2, 3, 64, requires_grad=True)
     y = layer(x)
-    assert not y.requires_grad
-    torch.testing.assert_close(y, layer(x.detach()))
+    torch.testing.assert_close(y, layer(x.detach()), rtol=0, atol=0)  # the kernel's output, unchanged
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    assert x.grad is not None
+    # weight-only: exactly the float layer's gradient; activation-quantized: straight through
+    torch.testing.assert_close(x.grad, grad_y @ layer.dequantize(), rtol=1e-6, atol=1e-6)
+    assert not any(t.requires_grad for t in layer.state_dict().values())  # the weight is frozen
+
+
+def test_awq_applies_its_pre_scale_in_the_effective_weight_and_the_gradient() -> None:
+    layer = _awq()
+    pre_scale = layer.weight_canonical.input_pre_scale
+    assert pre_scale is not None
+    x = torch.randn(4, 256, requires_grad=True)
+    y = layer(x)
+    effective = layer.effective_weight()
+    torch.testing.assert_close(effective, layer.dequantize() * pre_scale[None, :])
+    assert float((y.detach() - (x.detach() @ layer.dequantize().t() + layer.bias)).abs().max()) > 1e-2  # not W alone
+    torch.testing.assert_close(y, x.detach() @ effective.t() + layer.bias, rtol=1e-5, atol=1e-5)
+    y.sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, torch.ones(4, 32) @ effective, rtol=1e-6, atol=1e-6)
+
+
+def test_state_dict_holds_the_canonical_tensors_and_loads_them() -> None:
+    source = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16(), bias=torch.randn(32))
+    target = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16(), bias=torch.randn(32))
+    state = source.state_dict()
+    assert set(state) == {
+        "bias",
+        "canonical_codes",
+        "canonical_scale",
+        "canonical_global_scale",
+        "canonical_global_scale_divisor",
+    }
+    x = torch.randn(3, 64)
+    before = target.prepare(torch.float32)(x)  # prepared: its kernel state must be rebuilt on load
+    assert str(target.load_state_dict(state, strict=True)) == "<All keys matched successfully>"
+    after = target(x)
+    assert not torch.equal(before, after)
+    torch.testing.assert_close(after, source(x), rtol=0, atol=0)
+    torch.testing.assert_close(target.dequantize(), source.dequantize(), rtol=0, atol=0)
+
+
+def test_load_state_dict_refuses_other_dtypes_and_shapes_without_copying() -> None:
+    target = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16(), layer_name="q")
+    kept = target.dequantize()
+    other_shape = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16(n=64)).state_dict()
+    with pytest.raises(
+        RuntimeError, match=r"canonical_codes: uint8 \[64, 32\] cannot be loaded into uint8 \[32, 32\] of q"
+    ):
+        target.load_state_dict(other_shape)
+    # another layer's tensors with e8m0-like bytes where this scheme keeps e4m3 scales
+    state = {
+        **QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16()).state_dict(),
+        "canonical_scale": torch.full((32, 4), 127, dtype=torch.uint8),
+    }
+    expected = (
+        r"canonical_scale: uint8 \[32, 4\] cannot be loaded into float8_e4m3fn \[32, 4\] of q "
+        r"\(canonical tensors of scheme compressed-tensors/NVFP4A16, N=32, K=64\)"
+    )
+    with pytest.raises(RuntimeError, match=expected):
+        target.load_state_dict(state)
+    torch.testing.assert_close(target.dequantize(), kept, rtol=0, atol=0)  # nothing cast or copied in
+    missing = {k: v for k, v in target.state_dict().items() if k != "canonical_global_scale"}
+    with pytest.raises(RuntimeError, match=r'Missing key.*"canonical_global_scale"'):
+        target.load_state_dict(missing)
+
+
+def test_dtype_casts_leave_the_quantized_weight_and_device_moves_take_it() -> None:
+    layer = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16(), bias=torch.randn(32))
+    dtypes = {name: value.dtype for name, value in layer.state_dict().items()}
+    x = torch.randn(2, 64)
+    expected = layer(x)
+    layer.half()
+    assert layer.bias is not None and layer.bias.dtype == torch.float16  # as an nn.Linear's bias
+    assert {n: v.dtype for n, v in layer.state_dict().items() if n != "bias"} == {
+        n: d for n, d in dtypes.items() if n != "bias"
+    }
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=1e-2)  # only the bias was rounded
+    layer.float()
+    meta = layer.to("meta")
+    assert meta is layer and layer.torch_device == torch.device("meta")
+    assert all(value.is_meta for value in layer.state_dict().values())
+    with pytest.raises(UsageError, match="the input is on cpu, the layer on meta"):
+        layer(x)
+
+
+def test_the_meta_flow_builds_the_same_layer_from_a_state_dict() -> None:
+    import copy
+
+    source = QuantLinear.from_tensors(
+        "compressed-tensors/W4A16", qscheme.quantize_weight(torch.randn(32, 256), "compressed-tensors/W4A16")
+    )
+    shell = copy.deepcopy(source).to("meta").to_empty(device="cpu")
+    assert shell.torch_device == torch.device("cpu")
+    shell.load_state_dict(source.state_dict(), strict=True)
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(shell(x), source(x), rtol=0, atol=0)
+
+
+def test_pickling_leaves_the_kernel_state_behind() -> None:
+    import copy
+    import io
+
+    layer = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16()).prepare()
+    assert layer.prepared
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    twin = copy.deepcopy(layer)
+    assert not loaded.prepared and not twin.prepared and layer.prepared
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(loaded(x), layer(x), rtol=0, atol=0)
+    torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)
+
+
+def test_threads_that_run_the_first_forward_together_prepare_once() -> None:
+    import threading
+
+    layer = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16())
+    implementation = layer._resolve("float32")[2]
+    calls = []
+    original = implementation.prepare
+
+    def counting(*arguments: object) -> object:
+        calls.append(1)
+        return original(*arguments)
+
+    implementation.prepare = counting  # this layer's resolved kernel instance only
+    barrier = threading.Barrier(8)
+    outputs: list[torch.Tensor] = []
+    x = torch.randn(2, 64)
+
+    def first_forward() -> None:
+        barrier.wait()
+        outputs.append(layer(x))
+
+    threads = [threading.Thread(target=first_forward) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and len(outputs) == 8
+    assert all(torch.equal(y, outputs[0]) for y in outputs)
+
+
+def test_torch_compile_prepares_eagerly_and_traces_a_prepared_layer_whole() -> None:
+    tensors = _nvfp4a16()
+    x = torch.randn(2, 64)
+    expected = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", tensors)(x)
+    torch._dynamo.reset()
+    unprepared = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", tensors)
+    torch.testing.assert_close(torch.compile(unprepared, backend="eager")(x), expected, rtol=0, atol=0)
+    assert unprepared._states  # prepared by the first compiled call, outside the graph
+    prepared = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", tensors).prepare(torch.float32)
+    whole = torch.compile(prepared, backend="eager", fullgraph=True)
+    torch.testing.assert_close(whole(x), expected, rtol=0, atol=0)
 
 
 def test_cpu_with_an_index_is_the_cpu() -> None:
