@@ -96,6 +96,12 @@ def _snapshot(model: torch.nn.Module) -> tuple[dict[str, type], dict[str, torch.
         ({"vocab_size": 1024}, {}, r"tensor 'lm_head.weight' is \[256, 128\] in the checkpoint but \[1024, 128\]"),
         ({"num_hidden_layers": 2}, {}, "does not provide the model's model.layers.1"),
         ({}, {"fuse": {"gate_up_proj": ["gate_proj", "up_proj"]}}, "the model has no module '.*gate_up_proj'"),
+        (
+            {"tie_word_embeddings": True},
+            {},
+            r"the model ties '(lm_head|model\.embed_tokens)\.weight' and '(lm_head|model\.embed_tokens)\.weight' "
+            r"\(one tensor\), but the checkpoint holds different values for them",
+        ),
     ],
 )
 def test_a_failed_apply_leaves_the_model_as_it_was(
@@ -148,7 +154,9 @@ def test_a_model_on_the_meta_device_is_refused() -> None:
         apply_to_model(model, folder, kernel="reference")
     assert str(caught.value) == (
         "apply_to_model: the model's 'model.embed_tokens.weight' is on the meta device, so nothing can be loaded "
-        "into it; materialise the model first, e.g. model.to_empty(device='cpu') (or 'cuda'), then call apply_to_model"
+        "into it; build the model on the device instead (e.g. LlamaForCausalLM(config) outside "
+        "torch.device('meta')): model.to_empty() would leave the tensors the checkpoint does not hold, such as "
+        "rotary inv_freq buffers, uninitialised"
     )
     with pytest.raises(UsageError, match=r"apply_to_model\(device='meta'\): nothing can be loaded onto the meta"):
         apply_to_model(_model(folder), folder, kernel="reference", device="meta")
@@ -159,3 +167,35 @@ def test_a_model_on_the_meta_device_is_refused() -> None:
 def test_a_model_that_is_not_a_module_is_a_usage_error() -> None:
     with pytest.raises(UsageError, match=r"model must be a torch\.nn\.Module, not dict"):
         apply_to_model({}, "unused")  # type: ignore[arg-type]
+
+
+def test_a_model_built_under_inference_mode_is_refused_before_anything_changes() -> None:
+    folder = ct_checkpoint("NVFP4A16")
+    with torch.inference_mode():
+        model = _model(folder)
+    modules, _ = _snapshot(model)
+    with pytest.raises(
+        UsageError, match=r"'.*' is an inference tensor \(the model was built under torch\.inference_mode"
+    ):
+        apply_to_model(model, folder, kernel="reference")
+    assert _snapshot(model)[0] == modules  # no nn.Linear was replaced
+    with torch.inference_mode():
+        apply_to_model(model, folder, kernel="reference")  # inside it, the tensors can be written
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
+
+
+def test_a_converted_models_state_dict_loads_into_another() -> None:
+    folder = ct_checkpoint("NVFP4A16")
+    source, target = _model(folder), _model(folder)
+    apply_to_model(source, folder, kernel="reference")
+    apply_to_model(target, folder, kernel="reference")
+    tokens = torch.tensor([[1, 5, 9, 2]])
+    expected = source(tokens).logits
+    layer = target.model.layers[0].mlp.down_proj
+    assert isinstance(layer, QuantLinear)
+    layer.canonical_scale.copy_(layer.canonical_scale.float().mul(2).to(layer.canonical_scale.dtype))
+    assert not torch.equal(target(tokens).logits, expected)
+    state = source.state_dict()
+    assert "model.layers.0.mlp.down_proj.canonical_codes" in state
+    assert str(target.load_state_dict(state, strict=True)) == "<All keys matched successfully>"
+    torch.testing.assert_close(target(tokens).logits, expected, rtol=0, atol=0)

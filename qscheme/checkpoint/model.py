@@ -43,8 +43,9 @@ def _refuse_meta(model: torch.nn.Module) -> None:
         if tensor.is_meta:
             raise UsageError(
                 f"apply_to_model: the model's {name!r} is on the meta device, so nothing can be loaded into it; "
-                "materialise the model first, e.g. model.to_empty(device='cpu') (or 'cuda'), then call "
-                "apply_to_model"
+                "build the model on the device instead (e.g. LlamaForCausalLM(config) outside "
+                "torch.device('meta')): model.to_empty() would leave the tensors the checkpoint does not hold, "
+                "such as rotary inv_freq buffers, uninitialised"
             )
 
 
@@ -79,6 +80,38 @@ def _place(model: torch.nn.Module, name: str, layer: QuantLinear, path: Path) ->
             "but the checkpoint disagrees"
         )
     return parent, child
+
+
+def _refuse_tied_conflicts(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], folder: Path) -> None:
+    """CheckpointError when the checkpoint holds different values for tensors the model ties
+    (one storage, such as an lm_head tied to the embeddings): one of them would be lost."""
+    by_storage: dict[tuple[int, int], list[str]] = {}
+    for name in state:
+        target = expected[name]
+        by_storage.setdefault((target.untyped_storage().data_ptr(), int(target.storage_offset())), []).append(name)
+    for names in by_storage.values():
+        first = state[names[0]]
+        for other in names[1:]:
+            if not torch.equal(state[other].to(first.device, first.dtype), first):
+                raise CheckpointError(
+                    f"{folder}: the model ties {names[0]!r} and {other!r} (one tensor), but the checkpoint holds "
+                    "different values for them; build the model with untied weights (e.g. "
+                    "config.tie_word_embeddings = False) to load both"
+                )
+
+
+def _refuse_unwritable(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """UsageError when a model tensor cannot be written here: an inference tensor outside
+    torch.inference_mode (a model built under it)."""
+    if torch.is_inference_mode_enabled():
+        return
+    for name in state:
+        if expected[name].is_inference():
+            raise UsageError(
+                f"apply_to_model: the model's {name!r} is an inference tensor (the model was built under "
+                "torch.inference_mode()), which cannot be written outside it; build the model outside "
+                "inference_mode, or call apply_to_model inside it"
+            )
 
 
 def apply_to_model(
@@ -165,13 +198,18 @@ def apply_to_model(
             "the model's own values"
         )
 
+    _refuse_tied_conflicts(state, expected, folder)
+    _refuse_unwritable(state, expected)
+    # Values in the targets' devices and dtypes first (the step that can run out of memory),
+    # then the copies (same shape, device and dtype), then the swaps.
+    values = {name: value.to(device=expected[name].device, dtype=expected[name].dtype) for name, value in state.items()}
+
     # 3. Only now change the model.
+    with torch.no_grad():
+        for name, value in values.items():
+            expected[name].copy_(value)
     for parent, child, layer in swaps:
         setattr(parent, child, layer)
-    with torch.no_grad():
-        for name, value in state.items():
-            target = expected[name]
-            target.copy_(value.to(device=target.device, dtype=target.dtype))
 
     notes = []
     if absent:
