@@ -366,6 +366,11 @@ class QuantLinear(torch.nn.Module):
                 f"{name}: the input is on {x.device}, the layer on {wanted}; move the input, or move the "
                 f"layer (module.to(...)) or load it on the input's device (load_checkpoint(..., device=...))"
             )
+        if wanted.type == "meta":
+            raise UsageError(
+                f"{name}: the layer is on the meta device, which holds no values to compute with; move it to a real "
+                "device and load its tensors (load_state_dict), or load it from its checkpoint"
+            )
         implementation, state = self._prepared(dtype)
         if torch.is_grad_enabled() and x.requires_grad:
             y: Tensor = _ThroughDequantized.apply(x, self, implementation, state)

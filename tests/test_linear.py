@@ -347,6 +347,8 @@ def test_dtype_casts_leave_the_quantized_weight_and_device_moves_take_it() -> No
     assert all(value.is_meta for value in layer.state_dict().values())
     with pytest.raises(UsageError, match="the input is on cpu, the layer on meta"):
         layer(x)
+    with pytest.raises(UsageError, match="the layer is on the meta device, which holds no values to compute with"):
+        layer(x.to("meta"))
 
 
 def test_the_meta_flow_builds_the_same_layer_from_a_state_dict() -> None:
