@@ -16,6 +16,7 @@ quantization), never to the weight.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -357,6 +358,9 @@ class QuantLinear(torch.nn.Module):
                 f"{name}: input of shape {list(x.shape)} has {x.shape[-1] if x.dim() else 'no'} features in "
                 f"its last dim, the layer takes K={self.in_features}"
             )
+        cast = _autocast_dtype(x)
+        if cast is not None:  # as nn.Linear under autocast
+            x = x.to(cast)
         dtype = normalize_dtype(x.dtype) if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else None
         if dtype is None:
             raise UsageError(f"{name}: input dtype {x.dtype} is not supported; use bfloat16, float16 or float32")
@@ -372,12 +376,14 @@ class QuantLinear(torch.nn.Module):
                 "device and load its tensors (load_state_dict), or load it from its checkpoint"
             )
         implementation, state = self._prepared(dtype)
-        if torch.is_grad_enabled() and x.requires_grad:
-            y: Tensor = _ThroughDequantized.apply(x, self, implementation, state)
+        # the kernel computes as it does for this dtype outside autocast (its own float ops uncast)
+        with torch.autocast(x.device.type, enabled=False) if cast is not None else contextlib.nullcontext():
+            if torch.is_grad_enabled() and x.requires_grad:
+                y: Tensor = _ThroughDequantized.apply(x, self, implementation, state)
+                return y
+            with torch.no_grad():
+                y = implementation.apply(state, x, self.bias)
             return y
-        with torch.no_grad():
-            y = implementation.apply(state, x, self.bias)
-        return y
 
     def extra_repr(self) -> str:
         return (
@@ -398,6 +404,16 @@ class _Layout:
     n: int
     k: int
     partitions: tuple[int, ...]
+
+
+def _autocast_dtype(x: Tensor) -> torch.dtype | None:
+    """The 16-bit dtype autocast asks for on x's device (None when off, or for a non-float x)."""
+    if not x.is_floating_point() or x.device.type not in ("cpu", "cuda"):
+        return None
+    if not torch.is_autocast_enabled(x.device.type):
+        return None
+    cast = torch.get_autocast_dtype(x.device.type)
+    return cast if cast in (torch.bfloat16, torch.float16) else None
 
 
 def _tensor_text(value: Tensor) -> str:

@@ -351,6 +351,16 @@ def test_dtype_casts_leave_the_quantized_weight_and_device_moves_take_it() -> No
         layer(x.to("meta"))
 
 
+def test_autocast_computes_in_its_dtype_as_nn_linear_does() -> None:
+    layer = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16(), bias=torch.randn(32))
+    x = torch.randn(2, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+        assert torch.nn.functional.linear(x, torch.randn(32, 64)).dtype == y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, layer(x.bfloat16()), rtol=0, atol=0)
+    assert layer(x).dtype == torch.float32  # outside autocast, the input's dtype
+
+
 def test_the_meta_flow_builds_the_same_layer_from_a_state_dict() -> None:
     import copy
 
