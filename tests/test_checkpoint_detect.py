@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -229,10 +230,73 @@ def test_kv_cache_scales_are_plain_when_the_config_declares_kv_cache() -> None:
     tensors = {
         **_nvfp4_module("model.k_proj"),
         "model.k_proj.k_scale": TensorInfo("model.k_proj.k_scale", "float32", (), file),
+        # an affine KV cache (ModelOpt FP8_AFFINE_KV_CFG) adds a bias beside each scale
+        "model.k_proj.k_bias": TensorInfo("model.k_proj.k_bias", "float32", (64,), file),
     }
     detection = detect(_modelopt(kv_cache_quant_algo="FP8"), tensors, SCHEMES)
-    assert detection.kv_cache == ("model.k_proj.k_scale",)
+    assert detection.kv_cache == ("model.k_proj.k_bias", "model.k_proj.k_scale")
     assert "k_scale" not in detection.modules["model.k_proj"].tensors
+    assert "k_bias" not in detection.modules["model.k_proj"].tensors
+
+
+def test_a_group_that_quantizes_activations_only_is_refused_by_name() -> None:
+    # weights: null, FP8 per-token inputs on every Linear: the float layers match no quantized module
+    inputs = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
+    group = ConfigGroup("group_0", ("Linear",), None, inputs, None, "dense")
+    tensors = {**_plain("model.q_proj.weight", (64, 128)), **_plain("model.k_proj.weight", (64, 128))}
+    with pytest.raises(
+        CheckpointError,
+        match=r"config\.json: quantization_config\.config_groups\.group_0 quantizes activations only \(weights: "
+        r"null, input_activations \{.*strategy: \"token\".*\}\); no scheme describes activation-only quantization",
+    ):
+        detect(_ct([group]), tensors, SCHEMES)
+    outputs = ConfigGroup("group_0", ("Linear",), NVFP4_WEIGHTS, None, FP8_INPUTS, "nvfp4-pack-quantized")
+    with pytest.raises(CheckpointError, match=r"group_0: output_activations quantization is not supported"):
+        detect(_ct([outputs]), tensors, SCHEMES)
+
+
+def test_a_target_naming_no_stored_module_is_refused_with_the_stored_name() -> None:
+    # transformers 5 stores a vision-language model's layers as language_model.model.* while the
+    # producer wrote the runtime names, model.language_model.*: the W4A4 group would otherwise fall
+    # through to the W4A16 group's regex, its input scale dropped as tolerated
+    stored = "language_model.model.layers.0.self_attn.o_proj"
+    groups = [
+        ConfigGroup("group_0", ("re:.*proj$",), NVFP4_WEIGHTS, None, None, "nvfp4-pack-quantized"),
+        ConfigGroup(
+            "group_1",
+            ("model.language_model.layers.0.self_attn.o_proj",),
+            NVFP4_WEIGHTS,
+            {**NVFP4_WEIGHTS, "dynamic": "local"},
+            None,
+            "nvfp4-pack-quantized",
+        ),
+    ]
+    tensors = {**_nvfp4_module(stored, inputs=True), **_nvfp4_module("language_model.model.layers.0.mlp.up_proj")}
+    with pytest.raises(CheckpointError) as caught:
+        detect(_ct(groups), tensors, SCHEMES)
+    assert str(caught.value).startswith(
+        "config.json: quantization_config.config_groups.group_1 target "
+        "'model.language_model.layers.0.self_attn.o_proj' names no module of the checkpoint; "
+        f"the checkpoint stores '{stored}'. Targets must use the names the tensors are stored under"
+    )
+    renamed = [groups[0], dataclasses.replace(groups[1], targets=(stored,))]
+    detection = detect(_ct(renamed), tensors, SCHEMES)
+    assert detection.modules[stored].scheme.name == "compressed-tensors/NVFP4"
+
+
+def test_a_quantized_module_of_a_class_qscheme_does_not_load_says_so() -> None:
+    groups = [
+        ConfigGroup("group_0", ("re:.*proj$",), NVFP4_WEIGHTS, None, None, "nvfp4-pack-quantized"),
+        ConfigGroup("group_1", ("Embedding",), NVFP4_WEIGHTS, None, None, "nvfp4-pack-quantized"),
+    ]
+    tensors = {**_nvfp4_module("model.q_proj"), **_nvfp4_module("model.embed_tokens")}
+    with pytest.raises(
+        CheckpointError,
+        match=r"module model\.embed_tokens stores quantized tensors .* but no config group targets it and it is not "
+        r"in ignore; the config also targets module classes 'Embedding', which qscheme does not load: only linear "
+        r"layers become QuantLinear",
+    ):
+        detect(_ct(groups), tensors, SCHEMES)
 
 
 def test_a_checkpoint_with_its_config_in_the_019_form_detects_alike(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ from qscheme.errors import CheckpointError
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 # Per-layer tensors that belong to the KV cache, not to the linear (kept as plain tensors when
 # the config declares KV-cache quantization).
-KV_CACHE_TENSORS = frozenset({"k_scale", "v_scale", "q_scale", "prob_scale"})
+KV_CACHE_TENSORS = frozenset({"k_scale", "v_scale", "q_scale", "prob_scale", "k_bias", "v_bias"})
 BIAS = "bias"
 
 # compressed-tensors QuantizationArgs defaults, applied to what a config leaves out.
@@ -433,6 +433,8 @@ def _detect_compressed_tensors(
     schemes: list[Scheme],
     quantized_names: frozenset[str],
 ) -> tuple[dict[str, tuple[Scheme, str]], dict[str, str], list[str]]:
+    _refuse_groups_without_weights(config)
+    _refuse_names_of_no_module(config, modules)
     assigned: dict[str, tuple[Scheme, str]] = {}
     ignored: dict[str, str] = {}
     group_schemes: dict[str, Scheme] = {}
@@ -461,7 +463,7 @@ def _detect_compressed_tensors(
             if quantized:
                 raise CheckpointError(
                     f"{config.file}: module {module} stores quantized tensors ({', '.join(sorted(members))}) but no "
-                    "config group targets it and it is not in ignore"
+                    f"config group targets it and it is not in ignore{_other_class_targets(config)}"
                 )
             continue
         top = min(rank for rank, _, _ in best)
@@ -485,6 +487,57 @@ def _detect_compressed_tensors(
         if (group.name, target) not in used_targets
     ]
     return assigned, ignored, unused
+
+
+def _refuse_groups_without_weights(config: CompressedTensorsConfig) -> None:
+    """A group that quantizes activations but not weights (or quantizes outputs) describes no
+    quantized linear: refuse it by name, whatever modules it would match."""
+    for group in config.groups:
+        if group.weights is None and (group.input_activations is not None or group.output_activations is not None):
+            raise CheckpointError(
+                f"{config.file}: {group.key_path} quantizes activations only (weights: null, input_activations "
+                f"{describe_arguments(group.input_activations)}); no scheme describes activation-only quantization "
+                "(the weights are plain floats): load the model without it, or quantize the weights too"
+            )
+        if group.output_activations is not None:
+            raise CheckpointError(
+                f"{config.file}: {group.key_path}: output_activations quantization is not supported; no scheme "
+                "describes it: re-export without output_activations"
+            )
+
+
+def _refuse_names_of_no_module(
+    config: CompressedTensorsConfig, modules: Mapping[str, Mapping[str, TensorInfo]]
+) -> None:
+    """A target that names a module exactly must name one of the checkpoint's: otherwise the
+    config and the tensors disagree on module names (transformers 5 stores vision-language models
+    under other names than it runs them), and the layers it meant would silently take another
+    group's scheme."""
+    for group in config.groups:
+        for target in group.targets:
+            if target.startswith("re:") or _is_class_target(target) or target in modules:
+                continue
+            tail = ".".join(target.split(".")[-3:])
+            alike = sorted((m for m in modules if m.endswith("." + tail) or m == tail), key=natural_key)
+            hint = f"; the checkpoint stores {listing([repr(m) for m in alike], 3)}" if alike else ""
+            raise CheckpointError(
+                f"{config.file}: {group.key_path} target {target!r} names no module of the checkpoint{hint}. Targets "
+                "must use the names the tensors are stored under (transformers 5 saves vision-language models under "
+                "other module names than it runs them, e.g. 'language_model.model.layers.0...' for "
+                "'model.language_model.layers.0...'): write the stored names in config.json, or re-export"
+            )
+
+
+def _other_class_targets(config: CompressedTensorsConfig) -> str:
+    """The groups' class targets that are not linear layers (e.g. 'Embedding'), as a reason."""
+    others = sorted({t for group in config.groups for t in group.targets if _is_class_target(t)} - {"Linear"})
+    others = [t for t in others if not _is_linear_class(t)]
+    if not others:
+        return ""
+    return (
+        f"; the config also targets module classes {', '.join(repr(t) for t in others)}, which qscheme does not "
+        "load: only linear layers become QuantLinear (quantized embeddings and other modules are not supported)"
+    )
 
 
 def _detect_modelopt(
