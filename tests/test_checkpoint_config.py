@@ -152,6 +152,28 @@ def test_uncompressed_status_is_refused(tmp_path: Path) -> None:
         read_producer_config(_write(tmp_path, "config.json", {"quantization_config": quant}))
 
 
+@pytest.mark.parametrize(
+    ("section", "value", "said"),
+    [
+        ("sparsity_config", {"format": "sparse-24-bitmask"}, "2:4 bitmask or marlin-24 compressed weights"),
+        ("transform_config", {"config_groups": {"R1": {}}}, "rotations such as SpinQuant or QuIP"),
+    ],
+)
+def test_sections_that_change_what_the_tensors_mean_are_refused_with_a_reason(
+    tmp_path: Path, section: str, value: dict[str, object], said: str
+) -> None:
+    quant = {
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8}}},
+        section: value,
+    }
+    with pytest.raises(CheckpointError) as caught:
+        read_producer_config(_write(tmp_path, "config.json", {"quantization_config": quant}))
+    message = str(caught.value)
+    assert f"quantization_config.{section} is set" in message and said in message and "re-export" in message
+
+
 # ---------------------------------------------------------------------------- files that are not regular
 
 

@@ -199,3 +199,18 @@ def test_a_converted_models_state_dict_loads_into_another() -> None:
     assert "model.layers.0.mlp.down_proj.canonical_codes" in state
     assert str(target.load_state_dict(state, strict=True)) == "<All keys matched successfully>"
     torch.testing.assert_close(target(tokens).logits, expected, rtol=0, atol=0)
+
+
+def test_a_model_converted_before_or_with_other_projection_types_is_refused_with_the_way_out() -> None:
+    folder = ct_checkpoint("NVFP4A16")
+    model = _model(folder)
+    apply_to_model(model, folder, kernel="reference")
+    with pytest.raises(CheckpointError, match=r"is already a QuantLinear: apply_to_model was run on this model before"):
+        apply_to_model(model, folder, kernel="reference")
+    other = _model(folder)
+    other.model.layers[0].mlp.down_proj = torch.nn.Conv1d(512, 256, 1)  # a projection of another module type
+    with pytest.raises(CheckpointError) as caught:
+        apply_to_model(other, folder, kernel="reference")
+    message = str(caught.value)
+    assert "'model.layers.0.mlp.down_proj' is a Conv1d, not an nn.Linear: apply_to_model replaces nn.Linear" in message
+    assert "use qscheme.load_checkpoint(path) and call its layers" in message

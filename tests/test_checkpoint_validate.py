@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from checkpoint_cache import single_threaded_torch  # noqa: F401  (autouse)
 
@@ -146,3 +147,37 @@ def test_a_non_finite_bias_is_a_value_problem() -> None:
     assert str(problem).startswith(
         "model.safetensors: tensor 'm.bias': expected a finite bias, found 1 NaN/inf value (first: inf at [9])"
     )
+
+
+@pytest.mark.parametrize(
+    ("scheme", "tensors", "extra", "said"),
+    [
+        (
+            "compressed-tensors/W4A16",
+            {
+                "weight_packed": ("int32", (64, 32)),
+                "weight_scale": ("bfloat16", (64, 2)),
+                "weight_shape": ("int64", (2,)),
+            },
+            ("weight_g_idx", ("int32", (256,))),
+            "GPTQ activation ordering by group (actorder: group)",
+        ),
+        (
+            "modelopt/FP8",
+            {"weight": ("float8_e4m3fn", (64, 256)), "weight_scale": ("float32", ()), "input_scale": ("float32", ())},
+            ("pre_quant_scale", ("bfloat16", (256,))),
+            "an AWQ input pre-scale, which this scheme does not take",
+        ),
+    ],
+)
+def test_tensors_of_unsupported_producer_features_say_why(
+    scheme: str,
+    tensors: dict[str, tuple[str, tuple[int, ...]]],
+    extra: tuple[str, tuple[str, tuple[int, ...]]],
+    said: str,
+) -> None:
+    shape = (64, 256) if "weight_shape" in tensors else None
+    layout = check_layout(_assignment(scheme, {**tensors, extra[0]: extra[1]}), weight_shape=shape)
+    messages = [problem.message for problem in layout.problems]
+    assert len(messages) == 1 and messages[0].startswith(f"unexpected for scheme {scheme} (test)"), messages
+    assert said in messages[0] and "re-export" in messages[0]

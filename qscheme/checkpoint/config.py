@@ -322,6 +322,17 @@ def _argument_object(group: _Fields, key: str) -> Mapping[str, Any] | None:
     return dict(value) if value is not None else None
 
 
+# compressed-tensors config sections that change what the tensors mean, which no scheme describes.
+_UNSUPPORTED_SECTIONS = {
+    "sparsity_config": "checkpoints with a sparsity config (2:4 bitmask or marlin-24 compressed weights) are not "
+    "supported: their weights are not stored as the quantization formats describe; re-export with sparsity left "
+    "dense (no sparse compression format)",
+    "transform_config": "checkpoints with a transform config (rotations such as SpinQuant or QuIP applied to the "
+    "weights) are not supported: the dequantized weights would need the inverse transform; re-export without "
+    "transforms",
+}
+
+
 def _compressed_tensors(fields: _Fields) -> CompressedTensorsConfig:
     groups_node = fields.child("config_groups")
     if groups_node is None or not groups_node.items:
@@ -356,12 +367,11 @@ def _compressed_tensors(fields: _Fields) -> CompressedTensorsConfig:
             f"{fields.file}: quantization_config.quantization_status is {status!r}; qscheme reads compressed "
             "checkpoints ('compressed'): save the model with compression (save_compressed=True)"
         )
-    for unsupported in ("sparsity_config", "transform_config"):
+    for unsupported, why in _UNSUPPORTED_SECTIONS.items():
         value = fields.mapping(unsupported)
         if value:
             raise CheckpointError(
-                f"{fields.file}: quantization_config.{unsupported} is set ({json.dumps(value)[:80]}); "
-                f"checkpoints with a {unsupported.split('_')[0]} config are not supported"
+                f"{fields.file}: quantization_config.{unsupported} is set ({json.dumps(value)[:80]}); {why}"
             )
     producer = fields.child("producer")
     ignore = fields.strings("ignore")

@@ -64,10 +64,17 @@ def _place(model: torch.nn.Module, name: str, layer: QuantLinear, path: Path) ->
         parent = model.get_submodule(parent_name) if parent_name else model
     except AttributeError:
         return None
+    if isinstance(target, QuantLinear):
+        raise CheckpointError(
+            f"{path}: model module {name!r} is already a QuantLinear: apply_to_model was run on this model before; "
+            "build a fresh model from the checkpoint's config.json"
+        )
     if not isinstance(target, torch.nn.Linear):
         raise CheckpointError(
-            f"{path}: model module {name!r} is a {type(target).__name__}, not an nn.Linear; build the model from "
-            "the checkpoint's config.json"
+            f"{path}: model module {name!r} is a {type(target).__name__}, not an nn.Linear: apply_to_model replaces "
+            "nn.Linear modules only. A model built from another config: build it from the checkpoint's config.json; "
+            "a model whose projections are other module types (e.g. GPT-2's Conv1D): use "
+            "qscheme.load_checkpoint(path) and call its layers"
         )
     if (target.out_features, target.in_features) != (layer.out_features, layer.in_features):
         raise CheckpointError(

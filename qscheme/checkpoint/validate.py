@@ -158,7 +158,8 @@ def check_layout(
             TensorProblem(
                 str(info.file),
                 info.name,
-                f"unexpected for scheme {scheme.name} ({assignment.origin}); the scheme declares {', '.join(allowed)}",
+                f"unexpected for scheme {scheme.name} ({assignment.origin}); the scheme declares {', '.join(allowed)}"
+                + _UNSUPPORTED_TENSORS.get(short, ""),
             )
         )
     return ModuleLayout(
@@ -203,6 +204,15 @@ def _check_tensor(
             )
     return problems
 
+
+# Tensors of producer features no scheme describes: why they cannot load, and what would.
+_UNSUPPORTED_TENSORS = {
+    "weight_g_idx": ". weight_g_idx holds GPTQ activation ordering by group (actorder: group): each column takes "
+    "the scale of the group its index names, which no scheme describes; re-export with actorder 'weight' or "
+    "'static' (or none), which keep groups contiguous",
+    "pre_quant_scale": ". pre_quant_scale is an AWQ input pre-scale, which this scheme does not take (ModelOpt writes "
+    "it for int4 AWQ layers, which modelopt/W4A16_AWQ loads); re-export this layer without AWQ smoothing",
+}
 
 # ---------------------------------------------------------------------------- values
 
