@@ -32,6 +32,6 @@ step install 60 "$PYTHON" -m pip install -q --no-deps --no-build-isolation --no-
 step gemm-nvfp4 100 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/NVFP4A16 --markdown "$OUT/gemm-nvfp4.md"
 step stream 50 "$PYTHON" benchmarks/triton_stream.py --markdown "$OUT/stream-nvfp4.md"
 step sweep 60 "$PYTHON" benchmarks/triton_sweep.py 45
-step gpu-tests 210 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 tests/test_triton_gpu.py tests/test_quantize_gpu.py
+step gpu-tests 210 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 tests/test_triton_gpu.py tests/test_quantize_gpu.py tests/test_linear_gpu.py
 step gemm-w4a4 50 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/NVFP4 --markdown "$OUT/gemm-w4a4.md"
 step gemm-w4a16 50 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/W4A16 --markdown "$OUT/gemm-w4a16.md"
