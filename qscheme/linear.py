@@ -7,11 +7,13 @@ gives the exact float32 weight it encodes, whatever kernel runs it.
 
 As an nn.Module: the canonical tensors are buffers (``canonical_codes``, ``canonical_scale``,
 ...: qscheme's canonical form, not a producer's checkpoint names or conventions), so
-``state_dict`` holds them, ``load_state_dict`` fills them (same dtypes and shapes: the same
-scheme and layer shape) and ``module.to(device)`` moves them; dtype casts (``.half()``,
-``.to(torch.bfloat16)``) never touch them, only the bias. The weight is frozen: gradients flow
-to the input (``grad_x = grad_y @ effective_weight()``, straight through any activation
-quantization), never to the weight.
+``state_dict`` holds them and ``load_state_dict`` fills them (same dtypes and shapes: the same
+scheme and layer shape). They stay in host memory (memory-mapped from the checkpoint where
+they came from one): the layer's device, which ``module.to(device)`` sets, holds the kernel's
+prepared form, built on first use there, so a GPU holds one copy of the weight, not two. Dtype
+casts (``.half()``, ``.to(torch.bfloat16)``) never touch them, only the bias. The weight is
+frozen: gradients flow to the input (``grad_x = grad_y @ effective_weight()``, straight
+through any activation quantization), never to the weight.
 """
 
 from __future__ import annotations
@@ -111,9 +113,9 @@ class QuantLinear(torch.nn.Module):
     """y = x @ W^T + bias for a quantized W, computed by the kernel the resolver chose; for a
     scheme with an input pre-scale p (AWQ), y = (x * p) @ W^T + bias (``effective_weight``).
 
-    The canonical tensors are buffers named ``canonical_<field>`` (see the module docstring):
-    they follow device moves and ``load_state_dict``, never dtype casts. The weight is frozen;
-    an input that requires grad gets its gradient through the dequantized weight.
+    The canonical tensors are buffers named ``canonical_<field>`` in host memory (see the module
+    docstring); ``torch_device`` is where the layer computes. The weight is frozen; an input
+    that requires grad gets its gradient through the dequantized weight.
     """
 
     def __init__(
@@ -127,11 +129,15 @@ class QuantLinear(torch.nn.Module):
         device_facts: DeviceFacts | None = None,
     ) -> None:
         super().__init__()
-        self.torch_device = checked_device(device, "QuantLinear")
-        # what describes the tensors; the tensors themselves live in the buffers (weight_canonical)
+        torch_device = checked_device(device, "QuantLinear")
+        # what describes the tensors; the tensors themselves are buffers (weight_canonical),
+        # left where they are given (host memory, mapped from the file, for a loaded checkpoint)
         self._layout = _Layout(weight.scheme, weight.n, weight.k, weight.partitions)
         for name, value in weight.tensors().items():
-            self.register_buffer(BUFFER_PREFIX + name, value.to(self.torch_device))
+            self.register_buffer(BUFFER_PREFIX + name, value)
+        # The layer's device: an empty buffer that module moves (and torch.load's map_location)
+        # carry along; not in the state dict.
+        self.register_buffer("_device_anchor", torch.empty(0, device=torch_device), persistent=False)
         self.forced_kernel = kernel
         self.layer_name = layer_name
         self.in_features = weight.k
@@ -143,7 +149,7 @@ class QuantLinear(torch.nn.Module):
                 raise UsageError(f"bias must be a torch.Tensor of shape [{weight.n}], not {type(bias).__name__}")
             if tuple(bias.shape) != (weight.n,):
                 raise UsageError(f"bias has shape {list(bias.shape)}; the layer has N={weight.n} outputs")
-            self.register_buffer("bias", bias.to(self.torch_device))
+            self.register_buffer("bias", bias.to(torch_device))
         else:
             self.bias = None
         # Resolution happens now (a layer that cannot run fails at load time); the kernel's
@@ -151,6 +157,8 @@ class QuantLinear(torch.nn.Module):
         # or an explicit prepare(), so that loading a checkpoint stays close to its file size.
         self._resolved: dict[str, tuple[Resolution, KernelDeclaration, Any]] = {}
         self._states: dict[str, Any] = {}
+        self._kernel_device = self.torch_device  # the device _facts, _resolved and _states are for
+        self._lock = threading.RLock()
         self._default_dtype = normalize_dtype(activation_dtype)
         self._resolve(self._default_dtype)
 
@@ -212,24 +220,29 @@ class QuantLinear(torch.nn.Module):
             name: value for name, value in self._buffers.items() if name.startswith(BUFFER_PREFIX) and value is not None
         }
 
+    @property
+    def torch_device(self) -> torch.device:
+        """The device the layer computes on (its input's device; the kernel state's)."""
+        return self._device_anchor.device
+
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QuantLinear:
-        """Device moves move the canonical buffers; dtype casts leave them as they are (the
-        bias follows both, as an nn.Linear's does). Kernel state is rebuilt for what changed."""
+        """Device moves set the layer's device and leave the canonical buffers in host memory
+        (they follow a move to the CPU or the meta device, and ``to_empty`` makes them anew
+        there); dtype casts leave them as they are. The bias follows both, as an nn.Linear's."""
         before = self._canonical_buffers()
         super()._apply(fn, recurse)
         changed = False
         for name, old in before.items():
             new = self._buffers[name]
-            if new is not None and new.dtype != old.dtype:
+            if new is None:
+                continue
+            if new.device.type not in HOST_DEVICES:
+                new = torch.empty_like(old, device="cpu") if old.is_meta else old
+            elif new.dtype != old.dtype:
                 new = old.to(device=new.device)
-                self._buffers[name] = new
+            self._buffers[name] = new
             changed = changed or new is not old
         if changed:
-            device = self._buffers[BUFFER_PREFIX + "codes"].device  # type: ignore[union-attr]
-            if device != self.torch_device:
-                self.torch_device = device
-                self._facts = None
-                self._resolved.clear()
             self._states.clear()
         return self
 
@@ -244,11 +257,18 @@ class QuantLinear(torch.nn.Module):
         error_msgs: list[str],
     ) -> None:
         """The canonical buffers take only tensors of their own dtype and shape (a cast would
-        change what they encode), and all of them or none: when one is refused, nothing of this
-        layer is loaded (half of one layer's tensors and half of another's encode nothing). The
-        kernel state is rebuilt from what was loaded."""
+        change what they encode), and all of them or none, strict or not: when one is refused or
+        missing, nothing of this layer is loaded (half of one layer's tensors and half of
+        another's encode nothing). The kernel state is rebuilt from what was loaded."""
         mine = self._canonical_buffers()
-        refused = False
+        given_names = [name for name in mine if prefix + name in state_dict]
+        refused = 0 < len(given_names) < len(mine)
+        if refused:
+            absent = [prefix + name for name in mine if name not in given_names]
+            error_msgs.append(
+                f"{', '.join(absent)}: missing beside {', '.join(prefix + n for n in given_names)}; the canonical "
+                f"tensors of {self.layer_name or 'a QuantLinear'} load together or not at all"
+            )
         for name, current in mine.items():
             given = state_dict.get(prefix + name)
             if isinstance(given, Tensor) and (given.dtype != current.dtype or given.shape != current.shape):
@@ -265,13 +285,24 @@ class QuantLinear(torch.nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        codes = self._buffers[BUFFER_PREFIX + "codes"]
+        if self.torch_device.type == "meta" and codes is not None and not codes.is_meta:
+            # load_state_dict(..., assign=True) into a layer on the meta device: it computes
+            # where the tensors were given
+            self._device_anchor = torch.empty(0, device=codes.device)
         self._states.clear()
+        self._resolved.clear()  # the resolver reads values (whether partition scales differ)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled (torch.save, deepcopy) without kernel state: it is rebuilt on first use."""
+        """Pickled (torch.save, deepcopy) without kernel choice or state: both are rebuilt on
+        first use, for the device the layer lands on."""
         state = self.__dict__.copy()
-        state["_states"] = {}
+        state.update(_states={}, _resolved={}, _facts=None, _lock=None)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._lock = threading.RLock()
 
     # -- kernel selection ----------------------------------------------------------------------
 
@@ -283,7 +314,18 @@ class QuantLinear(torch.nn.Module):
             self._facts = device_for(kind if kind in ("cpu", "cuda") else None)
         return self._facts
 
+    def _follow_device(self) -> None:
+        """Drop the kernel choice and state made for another device (after a move, or a load
+        with map_location / assign=True)."""
+        device = self.torch_device
+        if device != self._kernel_device:
+            self._kernel_device = device
+            self._facts = None
+            self._resolved.clear()
+            self._states.clear()
+
     def _resolve(self, activation_dtype: str) -> tuple[Resolution, KernelDeclaration, Any]:
+        self._follow_device()
         found = self._resolved.get(activation_dtype)
         if found is None:
             problem = problem_for(self.weight_canonical, activation_dtype, self.layer_name)
@@ -296,13 +338,14 @@ class QuantLinear(torch.nn.Module):
         """The kernel and its state for ``activation_dtype``, prepared once (threads that ask
         together wait for the first: one prepared copy, not one per thread). Not traced by
         torch.compile: a compiled model prepares eagerly on its first call."""
-        with _PREPARE_LOCK:
+        with self._lock:
             _, _, implementation = self._resolve(activation_dtype)
             if activation_dtype not in self._states:
                 self._states[activation_dtype] = implementation.prepare(self.weight_canonical, self.torch_device)
             return implementation, self._states[activation_dtype]
 
     def _prepared(self, activation_dtype: str) -> tuple[Any, Any]:
+        self._follow_device()
         state = self._states.get(activation_dtype)
         if state is None:
             return self._prepare(activation_dtype)
@@ -345,9 +388,7 @@ class QuantLinear(torch.nn.Module):
         """The float32 [N, K] weight the layer applies: ``dequantize()`` with the input pre-scale
         (AWQ) multiplied into its columns, so that y = x @ effective_weight()^T + bias (for
         weight-only schemes; activation quantization rounds x first)."""
-        weight = self.dequantize()
-        pre_scale = self._buffers.get(BUFFER_PREFIX + "input_pre_scale")
-        return weight if pre_scale is None else weight * pre_scale.to(torch.float32)[None, :]
+        return _effective_weight(self.weight_canonical)
 
     def forward(self, x: Tensor) -> Tensor:
         name = self.layer_name or "QuantLinear"
@@ -393,7 +434,14 @@ class QuantLinear(torch.nn.Module):
 
 
 BUFFER_PREFIX = "canonical_"
-_PREPARE_LOCK = threading.RLock()
+HOST_DEVICES = ("cpu", "meta")  # where the canonical buffers live
+
+
+def _effective_weight(weight: CanonicalWeight) -> Tensor:
+    """``dequantize(weight)`` times the input pre-scale, on the weight's device."""
+    dense = dequantize(weight)
+    pre_scale = weight.input_pre_scale
+    return dense if pre_scale is None else dense * pre_scale.to(torch.float32)[None, :]
 
 
 @dataclass(frozen=True)
@@ -408,8 +456,8 @@ class _Layout:
 
 def _autocast_dtype(x: Tensor) -> torch.dtype | None:
     """The 16-bit dtype autocast asks for on x's device (None when off, or for a non-float x)."""
-    if not x.is_floating_point() or x.device.type not in ("cpu", "cuda"):
-        return None
+    if not x.is_floating_point() or x.dtype == torch.float64 or x.device.type not in ("cpu", "cuda"):
+        return None  # autocast leaves float64 alone
     if not torch.is_autocast_enabled(x.device.type):
         return None
     cast = torch.get_autocast_dtype(x.device.type)
@@ -434,6 +482,7 @@ class _ThroughDequantized(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, None, None, None]:
         layer: QuantLinear = ctx.layer
-        weight = layer.effective_weight()
+        # dequantized where the gradient is (a transient copy of the compact tensors moves there)
+        weight = _effective_weight(layer.weight_canonical.to(grad_y.device))
         grad_x = (grad_y.to(torch.float32) @ weight).to(grad_y.dtype)
         return grad_x, None, None, None

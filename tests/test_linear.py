@@ -361,6 +361,37 @@ def test_autocast_computes_in_its_dtype_as_nn_linear_does() -> None:
     assert layer(x).dtype == torch.float32  # outside autocast, the input's dtype
 
 
+def test_a_partial_set_of_canonical_tensors_is_refused_even_when_not_strict() -> None:
+    target = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16(), layer_name="q")
+    kept = target.dequantize()
+    other = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16()).state_dict()
+    partial = {name: value for name, value in other.items() if name != "canonical_scale"}
+    with pytest.raises(
+        RuntimeError, match=r"canonical_scale: missing beside canonical_codes, .*load together or not at all"
+    ):
+        target.load_state_dict(partial, strict=False)
+    torch.testing.assert_close(target.dequantize(), kept, rtol=0, atol=0)
+
+
+def test_assigning_a_state_dict_to_a_layer_on_the_meta_device_puts_it_where_the_tensors_are() -> None:
+    source = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16(), bias=torch.randn(32))
+    x = torch.randn(2, 64)
+    expected = source(x)
+    import copy
+
+    shell = copy.deepcopy(source).to("meta")
+    assert shell.torch_device.type == "meta"
+    shell.load_state_dict(source.state_dict(), assign=True)
+    assert shell.torch_device == torch.device("cpu")
+    torch.testing.assert_close(shell(x), expected, rtol=0, atol=0)
+
+
+def test_float64_is_refused_under_autocast_too() -> None:
+    layer = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16())
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(UsageError, match=r"input dtype torch\.float64"):
+        layer(torch.randn(2, 64, dtype=torch.float64))
+
+
 def test_the_meta_flow_builds_the_same_layer_from_a_state_dict() -> None:
     import copy
 
