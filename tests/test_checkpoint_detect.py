@@ -237,6 +237,12 @@ def test_kv_cache_scales_are_plain_when_the_config_declares_kv_cache() -> None:
     assert detection.kv_cache == ("model.k_proj.k_bias", "model.k_proj.k_scale")
     assert "k_scale" not in detection.modules["model.k_proj"].tensors
     assert "k_bias" not in detection.modules["model.k_proj"].tensors
+    # a v_bias elsewhere (BLIP-2-style attention keeps q_bias / v_bias on the attention module)
+    # is that module's own tensor, not the KV cache's
+    extra = {name: TensorInfo(name, "float32", (64,), file) for name in ("model.attn.q_bias", "model.attn.v_bias")}
+    detection = detect(_modelopt(kv_cache_quant_algo="FP8"), {**tensors, **extra}, SCHEMES)
+    assert detection.kv_cache == ("model.k_proj.k_bias", "model.k_proj.k_scale")
+    assert {"model.attn.q_bias", "model.attn.v_bias"} <= set(detection.plain)
 
 
 def test_a_group_that_quantizes_activations_only_is_refused_by_name() -> None:
@@ -404,3 +410,21 @@ def test_the_modelopt_fixtures_group_sizes_agree_with_their_schemes(name: str) -
     folder = modelopt_fixture(name)
     detection = detect(read_producer_config(folder), CheckpointFiles(folder).tensors, SCHEMES)
     assert detection.modules
+
+
+def test_a_group_of_attention_modules_without_weights_is_not_about_linear_layers() -> None:
+    # llm-compressor's FP8 attention recipe: a weights-null group on the attention modules (their
+    # q/k/v scales), beside the group of the quantized linears
+    inputs = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    groups = [
+        ConfigGroup("group_0", ("LlamaAttention",), None, inputs, None, "dense"),
+        ConfigGroup("group_1", ("Linear",), NVFP4_WEIGHTS, None, None, "nvfp4-pack-quantized"),
+    ]
+    file = Path("model.safetensors")
+    tensors = {
+        **_nvfp4_module("model.layers.0.self_attn.q_proj"),
+        "model.layers.0.self_attn.k_scale": TensorInfo("model.layers.0.self_attn.k_scale", "float32", (), file),
+    }
+    detection = detect(_ct(groups), tensors, SCHEMES)
+    assert detection.scheme_counts() == {"compressed-tensors/NVFP4A16": 1}
+    assert "model.layers.0.self_attn.k_scale" in detection.plain

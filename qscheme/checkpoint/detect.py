@@ -39,8 +39,17 @@ from qscheme.errors import CheckpointError
 
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 # Per-layer tensors that belong to the KV cache, not to the linear (kept as plain tensors when
-# the config declares KV-cache quantization).
-KV_CACHE_TENSORS = frozenset({"k_scale", "v_scale", "q_scale", "prob_scale", "k_bias", "v_bias"})
+# the config declares KV-cache quantization): scales, and an affine KV cache's biases, which
+# ModelOpt stores under the projection they follow (k_proj.k_bias, v_proj.v_bias).
+KV_CACHE_TENSORS = frozenset({"k_scale", "v_scale", "q_scale", "prob_scale"})
+KV_CACHE_BIASES = {"k_bias": "k_proj", "v_bias": "v_proj"}
+
+
+def is_kv_cache_tensor(module: str, short: str) -> bool:
+    """Whether ``module.short`` is a KV-cache tensor (when the config declares a KV cache)."""
+    return short in KV_CACHE_TENSORS or KV_CACHE_BIASES.get(short) == module.rpartition(".")[2]
+
+
 BIAS = "bias"
 
 # compressed-tensors QuantizationArgs defaults, applied to what a config leaves out.
@@ -367,7 +376,7 @@ def detect(config: ProducerConfig, tensors: Mapping[str, TensorInfo], schemes: I
     for module, members in modules.items():
         for short in members:
             full = f"{module}.{short}" if module else short
-            if config.has_kv_cache and short in KV_CACHE_TENSORS:
+            if config.has_kv_cache and is_kv_cache_tensor(module, short):
                 kv_cache.append(full)
             elif module not in assigned:
                 plain.append(full)
@@ -379,7 +388,7 @@ def detect(config: ProducerConfig, tensors: Mapping[str, TensorInfo], schemes: I
             tensors={
                 short: info
                 for short, info in modules[module].items()
-                if not (config.has_kv_cache and short in KV_CACHE_TENSORS)
+                if not (config.has_kv_cache and is_kv_cache_tensor(module, short))
             },
         )
         for module, (scheme, origin) in sorted(assigned.items(), key=lambda item: natural_key(item[0]))
@@ -433,7 +442,7 @@ def _detect_compressed_tensors(
     schemes: list[Scheme],
     quantized_names: frozenset[str],
 ) -> tuple[dict[str, tuple[Scheme, str]], dict[str, str], list[str]]:
-    _refuse_groups_without_weights(config)
+    _refuse_groups_without_weights(config, modules, quantized_names)
     _refuse_names_of_no_module(config, modules)
     assigned: dict[str, tuple[Scheme, str]] = {}
     ignored: dict[str, str] = {}
@@ -489,10 +498,18 @@ def _detect_compressed_tensors(
     return assigned, ignored, unused
 
 
-def _refuse_groups_without_weights(config: CompressedTensorsConfig) -> None:
-    """A group that quantizes activations but not weights (or quantizes outputs) describes no
-    quantized linear: refuse it by name, whatever modules it would match."""
+def _refuse_groups_without_weights(
+    config: CompressedTensorsConfig, modules: Mapping[str, Mapping[str, TensorInfo]], quantized_names: frozenset[str]
+) -> None:
+    """A group that targets linear layers and quantizes their activations but not their weights
+    (or their outputs) describes no quantized linear: refuse it by name, whether or not its
+    layers look quantized. Groups of other modules (attention, for the KV cache: targets such as
+    'LlamaAttention') are not about linear layers and pass."""
     for group in config.groups:
+        if group.weights is not None and group.output_activations is None:
+            continue
+        if not _targets_linear_layers(group, modules, quantized_names):
+            continue
         if group.weights is None and (group.input_activations is not None or group.output_activations is not None):
             raise CheckpointError(
                 f"{config.file}: {group.key_path} quantizes activations only (weights: null, input_activations "
@@ -504,6 +521,22 @@ def _refuse_groups_without_weights(config: CompressedTensorsConfig) -> None:
                 f"{config.file}: {group.key_path}: output_activations quantization is not supported; no scheme "
                 "describes it: re-export without output_activations"
             )
+
+
+def _targets_linear_layers(
+    group: ConfigGroup, modules: Mapping[str, Mapping[str, TensorInfo]], quantized_names: frozenset[str]
+) -> bool:
+    """Whether a group's targets name linear layers: a linear class, or a name or regex that
+    matches a module stored like a linear (a 2-D weight or quantized-linear tensors)."""
+    for target in group.targets:
+        if _is_class_target(target):
+            if _is_linear_class(target):
+                return True
+            continue
+        for module, members in modules.items():
+            if module and looks_linear(members, quantized_names) and _match_rank(module, target, True) is not None:
+                return True
+    return False
 
 
 def _refuse_names_of_no_module(
