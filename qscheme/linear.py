@@ -359,7 +359,9 @@ class QuantLinear(torch.nn.Module):
 
     @property
     def prepared(self) -> bool:
-        """Whether the kernel state for the default activation dtype has been built."""
+        """Whether the kernel state for the default activation dtype has been built (for the
+        layer's current device)."""
+        self._follow_device()
         return self._default_dtype in self._states
 
     @property

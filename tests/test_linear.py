@@ -379,11 +379,23 @@ def test_assigning_a_state_dict_to_a_layer_on_the_meta_device_puts_it_where_the_
     expected = source(x)
     import copy
 
+    source.prepare()
     shell = copy.deepcopy(source).to("meta")
-    assert shell.torch_device.type == "meta"
+    assert shell.torch_device.type == "meta" and not shell.prepared
     shell.load_state_dict(source.state_dict(), assign=True)
     assert shell.torch_device == torch.device("cpu")
     torch.testing.assert_close(shell(x), expected, rtol=0, atol=0)
+
+
+def test_kernel_choice_and_state_follow_the_layers_device() -> None:
+    layer = QuantLinear.from_tensors("compressed-tensors/NVFP4A16", _nvfp4a16()).prepare()
+    assert layer.prepared and layer.torch_device == torch.device("cpu")
+    canonical = dict(layer.state_dict())
+    # the device buffer alone changes, as on a move to a GPU (the canonical tensors stay on the
+    # host) or after torch.load(map_location=...): what was chosen and prepared for the CPU goes
+    layer._device_anchor = torch.empty(0, device="meta")
+    assert layer.torch_device.type == "meta" and not layer.prepared
+    assert all(layer.state_dict()[name] is value for name, value in canonical.items())
 
 
 def test_float64_is_refused_under_autocast_too() -> None:
