@@ -41,17 +41,6 @@ def config_for(group: ConfigGroup) -> CompressedTensorsConfig:
     )
 
 
-def witness_group(scheme: Scheme, other: Scheme) -> ConfigGroup:
-    """The config group both rules match, built as the overlap module describes it."""
-    a, b = scheme.detect.compressed_tensors, other.detect.compressed_tensors
-    assert a is not None and b is not None
-    inputs = None
-    if a.input_activations is not None and b.input_activations is not None:
-        inputs = {**b.input_activations, **a.input_activations}
-    shared = [fmt for fmt in a.formats if fmt in b.formats]
-    return ConfigGroup("group_0", ("Linear",), {**b.weights, **a.weights}, inputs, None, shared[0])
-
-
 def test_no_two_builtin_or_test_schemes_overlap() -> None:
     schemes = list(load_catalog(include_plugins=False).schemes.values())
     schemes += [parse_scheme_text(p.read_text(encoding="utf-8"), str(p)) for p in sorted(TRITON_SCHEMES.glob("*.yaml"))]
@@ -68,7 +57,8 @@ def test_a_copy_of_a_compressed_tensors_rule_overlaps_and_the_loader_refuses_its
         ("compressed-tensors", "mine/NVFP4", "compressed-tensors/NVFP4")
     ]
     assert "format 'nvfp4-pack-quantized'" in found[0].witness and '"strategy": "tensor_group"' in found[0].witness
-    group = witness_group(copy, builtin)
+    group = found[0].group
+    assert group is not None
     assert match_config_group(group, config_for(group), [builtin], "m") is builtin
     assert match_config_group(group, config_for(group), [copy], "m") is copy
     with pytest.raises(CheckpointError, match="matches several schemes"):
@@ -80,9 +70,11 @@ def test_a_less_specific_rule_overlaps_a_more_specific_one() -> None:
     # drop an argument: the rule now also matches what the built-in matches
     loose = variant(BUILTIN / "compressed-tensors" / "W4A16.yaml", "mine/loose", (", symmetric: true}", "}"))
     assert "symmetric" not in loose.detect.compressed_tensors.weights  # type: ignore[union-attr]
-    assert [o.second for o in overlaps(loose, [builtin])] == ["compressed-tensors/W4A16"]
+    found = overlaps(loose, [builtin])
+    assert [o.second for o in found] == ["compressed-tensors/W4A16"]
     assert [o.second for o in overlaps(builtin, [loose])] == ["mine/loose"]
-    group = witness_group(loose, builtin)
+    group = found[0].group
+    assert group is not None
     with pytest.raises(CheckpointError, match="matches several schemes"):
         match_config_group(group, config_for(group), [builtin, loose], "m")
 

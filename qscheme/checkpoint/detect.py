@@ -249,12 +249,9 @@ def describe_arguments(arguments: Mapping[str, Any] | None) -> str:
 def match_config_group(
     group: ConfigGroup, config: CompressedTensorsConfig, schemes: Iterable[Scheme], module: str
 ) -> Scheme:
-    """The one scheme whose compressed-tensors rule matches a config group; CheckpointError otherwise."""
-    if group.output_activations is not None:
-        raise CheckpointError(
-            f"{config.file}: {group.key_path}: output_activations quantization is not supported "
-            f"(module {module}); no scheme describes it"
-        )
+    """The one scheme whose compressed-tensors rule matches a config group; CheckpointError otherwise.
+    (Groups with output_activations, or activations without weights, never get here:
+    ``_refuse_groups_without_weights`` refuses them first.)"""
     if group.weights is None:
         raise CheckpointError(f"{config.file}: {group.key_path}: no weights arguments (module {module})")
     scored: list[tuple[int, str, list[str]]] = []
@@ -506,21 +503,20 @@ def _refuse_groups_without_weights(
     layers look quantized. Groups of other modules (attention, for the KV cache: targets such as
     'LlamaAttention') are not about linear layers and pass."""
     for group in config.groups:
-        if group.weights is not None and group.output_activations is None:
+        outputs = group.output_activations is not None
+        activations_only = group.weights is None and (group.input_activations is not None or outputs)
+        if not (activations_only or outputs) or not _targets_linear_layers(group, modules, quantized_names):
             continue
-        if not _targets_linear_layers(group, modules, quantized_names):
-            continue
-        if group.weights is None and (group.input_activations is not None or group.output_activations is not None):
+        if activations_only:
             raise CheckpointError(
                 f"{config.file}: {group.key_path} quantizes activations only (weights: null, input_activations "
                 f"{describe_arguments(group.input_activations)}); no scheme describes activation-only quantization "
                 "(the weights are plain floats): load the model without it, or quantize the weights too"
             )
-        if group.output_activations is not None:
-            raise CheckpointError(
-                f"{config.file}: {group.key_path}: output_activations quantization is not supported; no scheme "
-                "describes it: re-export without output_activations"
-            )
+        raise CheckpointError(
+            f"{config.file}: {group.key_path}: output_activations quantization is not supported; no scheme "
+            "describes it: re-export without output_activations"
+        )
 
 
 def _targets_linear_layers(
@@ -563,8 +559,9 @@ def _refuse_names_of_no_module(
 
 def _other_class_targets(config: CompressedTensorsConfig) -> str:
     """The groups' class targets that are not linear layers (e.g. 'Embedding'), as a reason."""
-    others = sorted({t for group in config.groups for t in group.targets if _is_class_target(t)} - {"Linear"})
-    others = [t for t in others if not _is_linear_class(t)]
+    others = sorted(
+        {t for group in config.groups for t in group.targets if _is_class_target(t) and not _is_linear_class(t)}
+    )
     if not others:
         return ""
     return (

@@ -37,6 +37,7 @@ class Overlap:
     first: str
     second: str
     witness: str  # the config both match, as a producer writes it
+    group: ConfigGroup | None = None  # that config group, for a compressed-tensors overlap
 
 
 def overlaps(scheme: Scheme, others: Iterable[Scheme]) -> list[Overlap]:
@@ -46,16 +47,16 @@ def overlaps(scheme: Scheme, others: Iterable[Scheme]) -> list[Overlap]:
     for other in others:
         if other.name == scheme.name:
             continue
-        witness = _compressed_tensors_witness(scheme.detect.compressed_tensors, other.detect.compressed_tensors)
-        if witness is not None:
-            found.append(Overlap("compressed-tensors", scheme.name, other.name, witness))
+        group = _compressed_tensors_witness(scheme.detect.compressed_tensors, other.detect.compressed_tensors)
+        if group is not None:
+            found.append(Overlap("compressed-tensors", scheme.name, other.name, _describe(group), group))
         witness = _modelopt_witness(scheme, other)
         if witness is not None:
             found.append(Overlap("modelopt", scheme.name, other.name, witness))
     return found
 
 
-def _compressed_tensors_witness(a: CompressedTensorsRule | None, b: CompressedTensorsRule | None) -> str | None:
+def _compressed_tensors_witness(a: CompressedTensorsRule | None, b: CompressedTensorsRule | None) -> ConfigGroup | None:
     if a is None or b is None:
         return None
     shared = [fmt for fmt in a.formats if fmt in b.formats]
@@ -73,7 +74,11 @@ def _compressed_tensors_witness(a: CompressedTensorsRule | None, b: CompressedTe
     )
     if rule_differences(a, group, None)[1] or rule_differences(b, group, None)[1]:
         return None  # an argument both list differs
-    text = f"format {shared[0]!r}, weights {_json(group.weights)}"
+    return group
+
+
+def _describe(group: ConfigGroup) -> str:
+    text = f"format {group.format!r}, weights {_json(group.weights)}"
     if group.input_activations is not None:
         text += f", input_activations {_json(group.input_activations)}"
     return text
