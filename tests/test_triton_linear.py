@@ -107,3 +107,77 @@ def test_split_k_mode_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) ->
         lin.split_k_mode()
     monkeypatch.setenv(lin.SPLIT_K_VARIABLE, " Fused ")
     assert lin.split_k_mode() == "fused"
+
+
+def _fingerprint(name: str, value: object) -> object:
+    """A launch argument as comparable data: a tensor by where and how it points (the split-K
+    partial sums, a new buffer per call, by their shape alone)."""
+    if isinstance(value, torch.Tensor):
+        where = None if name in ("out_ptr", "partial_ptr") and value.dtype == torch.float32 else value.data_ptr()
+        return ("tensor", where, tuple(value.shape), value.stride(), value.dtype)
+    return value
+
+
+def _launch_data(launches: list) -> list:  # type: ignore[type-arg]
+    return [
+        (
+            launch.kernel,
+            launch.grid,
+            {name: _fingerprint(name, value) for name, value in launch.args.items()},
+            dict(launch.constexprs),
+            launch.num_warps,
+            launch.num_stages,
+            launch.label,
+        )
+        for launch in launches
+    ]
+
+
+def test_launches_from_a_kept_template_equal_launches_built_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gemm_launches keeps what depends on the weight and tile alone (``PreparedWeight.memo``).
+    Calls with other M, other tensors, with and without a bias, per segment, on the GPU and
+    interpreter backends, in both split-K modes, must get exactly the launches a fresh build
+    gives: the call's own tensors, the weight's slices, and that call's constexprs."""
+    scheme = BUILTIN["modelopt/NVFP4"]
+    prepared = lin.prepare_weight(random_weight(scheme, 96, 256, partitions=(32, 32, 32), seed=5), "cpu")
+    assert len(prepared.segments) == 3
+    tile = lin.configs.TileConfig(16, 32, 64, split_k=2, num_warps=4, num_stages=2)
+    calls = 0
+    for backend, dtype in (("cuda", BF16), ("interpreter", FP32), ("cuda", FP16)):
+        cases = ((1, False, "two-pass"), (5, True, "fused"), (3, False, "fused"), (5, True, "two-pass"))
+        for m, with_bias, split_k in (*cases, (2, False, "two-pass")):  # the last reuses the first's
+            monkeypatch.setenv(lin.SPLIT_K_VARIABLE, split_k)
+            x = torch.randn(m, 256).to(dtype)
+            bias = torch.randn(96).to(dtype) if with_bias else None
+            out = torch.empty(m, 96, dtype=dtype)
+            for segment in prepared.segments:
+                kept = lin.gemm_launches(prepared, segment, x, None, bias, out, tile, dtype, backend, False)
+                memo = dict(prepared.memo)
+                prepared.memo.clear()
+                fresh = lin.gemm_launches(prepared, segment, x, None, bias, out, tile, dtype, backend, False)
+                prepared.memo.update(memo)
+                assert _launch_data(kept) == _launch_data(fresh)
+                assert len(kept) == (1 if split_k == "fused" else 2)
+                args = kept[0].args
+                assert args["x_ptr"] is x and args["M"] == m
+                assert kept[0].constexprs["HAS_BIAS"] is with_bias
+                assert kept[0].constexprs["FUSED_SPLIT_K"] is (split_k == "fused")
+                final = args["final_ptr"]
+                assert final.data_ptr() == out[:, segment.start :].data_ptr()
+                assert final.shape == (m, segment.end - segment.start)
+                calls += 1
+    # one template per (segment, backend and dtype, bias and split-K mode); the last M reused them
+    assert calls == 3 * 3 * 5 and len(prepared.memo) == 3 * 3 * 4
+
+
+def test_one_prepared_weight_serves_calls_with_and_without_bias() -> None:
+    """The kept templates must not carry one call's bias (or its absence) into the next."""
+    from triton_samples import assert_matches, reference_output
+
+    scheme = BUILTIN["compressed-tensors/NVFP4A16"]
+    weight = random_weight(scheme, 48, 160, seed=7)
+    prepared = lin.prepare_weight(weight, "cpu")
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(8))
+    for m, b in ((1, None), (4, bias), (1, bias), (4, None)):
+        x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m))
+        assert_matches(lin.linear(prepared, x, b), reference_output(weight, x, b), FP32, f"M={m} bias={b is not None}")

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from qscheme.errors import QuantizeError
 from qscheme.triton.decode import decode_e4m3, decode_e8m0, decode_element
-from qscheme.triton.launch import Launch
+from qscheme.triton.launch import Launch, cdiv, next_power_of_2
 from qscheme.triton.spec import (
     ACT_RULE_MX,
     ACT_RULE_NVFP4,
@@ -297,18 +297,18 @@ def quantize_launch(
     scale: Tensor | None = None
     if spec.A_SCALE == ACT_SCALE_TILED:
         group = spec.A_GROUP
-        block_k = max(group, min(block_k, triton.next_power_of_2(k)))
+        block_k = max(group, min(block_k, next_power_of_2(k)))
         scale_dtype = _SCALE_DTYPES.get(spec.A_SCALE_FORMAT, torch.float32)
         if decoded is None:
-            scale = torch.empty((m, triton.cdiv(k, group)), dtype=scale_dtype, device=x.device)
-        grid = (m, triton.cdiv(k, block_k))
+            scale = torch.empty((m, cdiv(k, group)), dtype=scale_dtype, device=x.device)
+        grid = (m, cdiv(k, block_k))
     elif spec.A_SCALE == ACT_SCALE_PER_TOKEN:
-        block_k = min(block_k, triton.next_power_of_2(k))
+        block_k = min(block_k, next_power_of_2(k))
         scale = torch.empty((m,), dtype=torch.float32, device=x.device)
         grid = (m, 1)
     else:
-        block_k = min(block_k, triton.next_power_of_2(k))
-        grid = (m, triton.cdiv(k, block_k))
+        block_k = min(block_k, next_power_of_2(k))
+        grid = (m, cdiv(k, block_k))
     placeholder = codes  # any pointer, for arguments a specialisation does not read
     launch = Launch(
         kernel=quantize_activation_kernel,

@@ -26,3 +26,14 @@ class Launch:
 
     def run(self) -> None:
         self.kernel[self.grid](**self.args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids and buffer sizes. ``triton.cdiv`` does the same, but as a
+    constexpr function it costs microseconds per host call."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1); ``triton.next_power_of_2`` on the host."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -17,10 +17,10 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-import triton
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -30,7 +30,7 @@ from qscheme.formats import decode, get_element_format
 from qscheme.triton import configs
 from qscheme.triton.act_quant import decoded_dtype, quantize_input
 from qscheme.triton.gemm import DOT_BF16, DOT_FP16, DOT_FP32, quantized_gemm_kernel, split_k_epilogue_kernel
-from qscheme.triton.launch import Launch
+from qscheme.triton.launch import Launch, cdiv
 from qscheme.triton.layout import four_bit_words
 from qscheme.triton.spec import (
     ACT_RULE_NVFP4,
@@ -82,6 +82,9 @@ class PreparedWeight:
     pre_scale: Tensor | None  # float32 [K]
     segments: tuple[Segment, ...]
     divisor: bool  # NVFP4 activations: the static scale is compressed-tensors' divisor
+    # what the host code works out once per weight and reuses on every call: config keys and
+    # gemm_launches' templates, by what they depend on
+    memo: dict[tuple[Any, ...], Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def weight_bits(self) -> int:
@@ -302,15 +305,23 @@ def _config(
     m, k = x.shape
     if interpreted():
         return configs.interpreted_config(m, rows, k)
-    device = _device_facts(_device_index(x.device))
-    key = "|".join(str(part) for part in (device.name, prepared.spec, x.dtype, configs.m_bucket(m), rows, k))
+    index = _device_index(x.device)
+    bucket = configs.m_bucket(m)
+    memo = ("config key", index, x.dtype, bucket, rows)
+    key = prepared.memo.get(memo)
+    if key is None:  # the cache key, as text (it is also the config file's key)
+        parts = (_device_facts(index).name, prepared.spec, x.dtype, bucket, rows, k)
+        key = prepared.memo.setdefault(memo, "|".join(str(part) for part in parts))
 
     def time_config(config: configs.TileConfig) -> float:
         from triton.testing import do_bench
 
         return float(do_bench(lambda: launch(config), warmup=5, rep=20))
 
-    return configs.choose_config(key, k, lambda: heuristic_for(prepared, m, rows, k, x.dtype, device), time_config)
+    def heuristic() -> configs.TileConfig:
+        return heuristic_for(prepared, m, rows, k, x.dtype, _device_facts(index))
+
+    return configs.choose_config(key, k, heuristic, time_config)
 
 
 def heuristic_for(
@@ -504,15 +515,130 @@ def gemm_launches(
     the GEMM launch itself instead of a second one. ``backend`` ("cuda", "hip" or "interpreter")
     defaults to the one this process runs; ``native_fp8`` (decode e4m3 with the hardware
     conversion) to whether ``inputs``' device has it.
+
+    What depends on the weight and the tile alone (weight pointers, constexprs, labels) is
+    built once per weight and kept (``_gemm_template``); a call adds its own tensors and M.
     """
     if backend is None:
         backend = "interpreter" if interpreted() else ("hip" if torch.version.hip else "cuda")
     if native_fp8 is None:
         native_fp8 = _native_fp8(backend, inputs.device)
+    if fused_split_k is None:
+        fused_split_k = split_k_mode() == "fused"
+    fused = fused_split_k and tile.split_k > 1
+    has_bias = bias is not None
+    key = (segment, tile, input_dtype, backend, native_fp8, decoded_input, fused, has_bias)
+    template = prepared.memo.get(key)
+    if template is None:
+        template = _gemm_template(
+            prepared, segment, tile, input_dtype, backend, native_fp8, decoded_input, fused, has_bias
+        )
+        prepared.memo[key] = template
+    return template.launches(prepared, segment, inputs, x_scale, bias, out)
+
+
+@dataclass(frozen=True)
+class _GemmTemplate:
+    """The launches of one (weight, segment, tile, dtype, ...) with the per-call arguments left
+    out: ``launches`` fills them in (see ``gemm_launches``)."""
+
+    tile: configs.TileConfig
+    fused: bool
+    gemm_args: dict[str, Any]  # the weight's pointers, strides and sizes
+    gemm_constexprs: dict[str, Any]
+    gemm_label: str
+    epilogue_args: dict[str, Any]  # the epilogue's pointers that do not change per call
+    epilogue_constexprs: dict[str, Any]
+    epilogue_label: str
+
+    def launches(
+        self,
+        prepared: PreparedWeight,
+        segment: Segment,
+        inputs: Tensor,
+        x_scale: Tensor | None,
+        bias: Tensor | None,
+        out: Tensor,
+    ) -> list[Launch]:
+        tile = self.tile
+        start, end = segment.start, segment.end
+        rows = end - start
+        whole = start == 0 and end == prepared.n
+        m = inputs.shape[0]
+        placeholder = prepared.codes
+        out_rows = out if whole else out[:, start:end]
+        bias_rows = bias if bias is None or whole else bias[start:end]
+        tiles = cdiv(m, tile.block_m) * cdiv(rows, tile.block_n)
+        partial, stride_split, counters = out_rows, 0, placeholder
+        if tile.split_k > 1:
+            partial = torch.empty((tile.split_k, m, rows), dtype=torch.float32, device=inputs.device)
+            stride_split = partial.stride(0)
+            if self.fused:
+                counters = _split_k_counters(inputs.device, tiles)
+        # What the epilogue reads, in the GEMM or in the split-K epilogue kernel.
+        epilogue_args = {
+            **self.epilogue_args,
+            "x_scale_ptr": placeholder if x_scale is None else x_scale,
+            "bias_ptr": placeholder if bias_rows is None else bias_rows,
+        }
+        gemm = Launch(
+            kernel=quantized_gemm_kernel,
+            grid=(tiles, tile.split_k),
+            args={
+                **self.gemm_args,
+                **epilogue_args,
+                "x_ptr": inputs,
+                "out_ptr": partial,
+                "final_ptr": out_rows,
+                "counter_ptr": counters,
+                "M": m,
+                "stride_xm": inputs.stride(0),
+                "stride_xs": 0 if x_scale is None else x_scale.stride(0),
+                "stride_om": out_rows.stride(0),
+                "stride_split": stride_split,
+                "x_scale_cols": 0 if x_scale is None or x_scale.dim() < 2 else x_scale.shape[1],
+            },
+            constexprs=self.gemm_constexprs,
+            num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
+            label=self.gemm_label,
+        )
+        if tile.split_k == 1 or self.fused:
+            return [gemm]
+        block_m, block_n = self.epilogue_constexprs["BLOCK_M"], self.epilogue_constexprs["BLOCK_N"]
+        epilogue = Launch(
+            kernel=split_k_epilogue_kernel,
+            grid=(cdiv(m, block_m), cdiv(rows, block_n)),
+            args={
+                **epilogue_args,
+                "partial_ptr": partial,
+                "out_ptr": out_rows,
+                "M": m,
+                "N": rows,
+                "stride_split": stride_split,
+                "stride_om": out_rows.stride(0),
+            },
+            constexprs=self.epilogue_constexprs,
+            num_warps=4,
+            num_stages=1,
+            label=self.epilogue_label,
+        )
+        return [gemm, epilogue]
+
+
+def _gemm_template(
+    prepared: PreparedWeight,
+    segment: Segment,
+    tile: configs.TileConfig,
+    input_dtype: torch.dtype,
+    backend: str,
+    native_fp8: bool,
+    decoded_input: bool,
+    fused: bool,
+    has_bias: bool,
+) -> _GemmTemplate:
     spec = prepared.spec
     start, end = segment.start, segment.end
-    rows = end - start
-    m = inputs.shape[0]
     scale_start = start // spec.W_SCALE_ROWS
     w_scale = None if prepared.scale is None else prepared.scale[scale_start:]
     if prepared.zero_point is None:
@@ -522,62 +648,30 @@ def gemm_launches(
     else:
         w_zero = prepared.zero_point[start:end]
     row_scale = None if prepared.row_scale is None else prepared.row_scale[start:end]
-    bias_rows = None if bias is None else bias[start:end]
-    out_rows = out[:, start:end]
     pre_scale = prepared.pre_scale if not spec.A_QUANTIZED else None
     on_gpu = backend != "interpreter"
     placeholder = prepared.codes  # any pointer, for arguments a specialisation does not read
-
-    partial = out_rows
-    stride_split = 0
-    if fused_split_k is None:
-        fused_split_k = split_k_mode() == "fused"
-    fused = fused_split_k and tile.split_k > 1
-    tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(rows, tile.block_n)
-    counters = placeholder
-    if tile.split_k > 1:
-        partial = torch.empty((tile.split_k, m, rows), dtype=torch.float32, device=inputs.device)
-        stride_split = partial.stride(0)
-        if fused:
-            counters = _split_k_counters(inputs.device, tiles)
-    # What the epilogue reads, in the GEMM or in the split-K epilogue kernel.
-    epilogue_args = {
-        "x_scale_ptr": placeholder if x_scale is None else x_scale,
-        "row_scale_ptr": placeholder if row_scale is None else row_scale,
-        "bias_ptr": placeholder if bias_rows is None else bias_rows,
-    }
-    gemm = Launch(
-        kernel=quantized_gemm_kernel,
-        grid=(tiles, tile.split_k),
-        args={
-            **epilogue_args,
-            "x_ptr": inputs,
+    return _GemmTemplate(
+        tile=tile,
+        fused=fused,
+        gemm_args={
             "pre_scale_ptr": placeholder if pre_scale is None else pre_scale,
             "w_ptr": prepared.codes[start:end],
             "w_scale_ptr": placeholder if w_scale is None else w_scale,
             "w_zero_ptr": placeholder if w_zero is None else w_zero,
-            "out_ptr": partial,
-            "final_ptr": out_rows,
-            "counter_ptr": counters,
-            "M": m,
-            "N": rows,
+            "N": end - start,
             "K": prepared.k,
-            "stride_xm": inputs.stride(0),
-            "stride_xs": 0 if x_scale is None else x_scale.stride(0),
             "stride_wn": prepared.codes.stride(0),
             "stride_ws": 0 if w_scale is None else w_scale.stride(0),
-            "stride_om": out_rows.stride(0),
-            "stride_split": stride_split,
             "w_scale_cols": 0 if w_scale is None else w_scale.shape[1],
-            "x_scale_cols": 0 if x_scale is None or x_scale.dim() < 2 else x_scale.shape[1],
         },
-        constexprs={
+        gemm_constexprs={
             **spec.gemm_constexprs(),
             "A_QUANTIZED": spec.A_QUANTIZED and not decoded_input,
             "FUSED_SPLIT_K": fused,
             "HAS_PRE_SCALE": pre_scale is not None,
             "HAS_ROW_SCALE": row_scale is not None,
-            "HAS_BIAS": bias_rows is not None,
+            "HAS_BIAS": has_bias,
             "DOT_DTYPE": _DOT_DTYPES[input_dtype] if on_gpu else DOT_FP32.value,
             "USE_PTX": backend == "cuda",
             "W_DECODE": decode_dtype(spec, input_dtype, prepared.scale_dtype, on_gpu),
@@ -590,38 +684,18 @@ def gemm_launches(
             "GROUP_M": tile.group_m,
             "WEIGHTS_FIRST": tile.weights_first,
         },
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
-        label=f"gemm {prepared.scheme_name} {tile.describe()}",
-    )
-    if tile.split_k == 1 or fused:
-        return [gemm]
-    block_m, block_n = min(tile.block_m, 32), 128
-    epilogue = Launch(
-        kernel=split_k_epilogue_kernel,
-        grid=(triton.cdiv(m, block_m), triton.cdiv(rows, block_n)),
-        args={
-            **epilogue_args,
-            "partial_ptr": partial,
-            "out_ptr": out_rows,
-            "M": m,
-            "N": rows,
-            "stride_split": stride_split,
-            "stride_om": out_rows.stride(0),
-        },
-        constexprs={
+        gemm_label=f"gemm {prepared.scheme_name} {tile.describe()}",
+        epilogue_args={"row_scale_ptr": placeholder if row_scale is None else row_scale},
+        epilogue_constexprs={
             "A_SCALE": spec.A_SCALE,
             "HAS_ROW_SCALE": row_scale is not None,
-            "HAS_BIAS": bias_rows is not None,
+            "HAS_BIAS": has_bias,
             "SPLIT_K": tile.split_k,
-            "BLOCK_M": block_m,
-            "BLOCK_N": block_n,
+            "BLOCK_M": min(tile.block_m, 32),
+            "BLOCK_N": 128,
         },
-        num_warps=4,
-        num_stages=1,
-        label=f"split-k epilogue {prepared.scheme_name}",
+        epilogue_label=f"split-k epilogue {prepared.scheme_name}",
     )
-    return [gemm, epilogue]
 
 
 __all__ = [
