@@ -404,7 +404,7 @@ class QuantLinear(torch.nn.Module):
         cast = _autocast_dtype(x)
         if cast is not None:  # as nn.Linear under autocast
             x = x.to(cast)
-        dtype = normalize_dtype(x.dtype) if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else None
+        dtype = _INPUT_DTYPE_NAMES.get(x.dtype)
         if dtype is None:
             raise UsageError(f"{name}: input dtype {x.dtype} is not supported; use bfloat16, float16 or float32")
         wanted = self.torch_device
@@ -421,8 +421,11 @@ class QuantLinear(torch.nn.Module):
         implementation, state = self._prepared(dtype)
         # the kernel computes as it does for this dtype outside autocast (its own float ops uncast)
         with torch.autocast(x.device.type, enabled=False) if cast is not None else contextlib.nullcontext():
-            if torch.is_grad_enabled() and x.requires_grad:
-                y: Tensor = _ThroughDequantized.apply(x, self, implementation, state)
+            if not torch.is_grad_enabled():  # inference: no context to enter (host time per call)
+                y: Tensor = implementation.apply(state, x, self.bias)
+                return y
+            if x.requires_grad:
+                y = _ThroughDequantized.apply(x, self, implementation, state)
                 return y
             with torch.no_grad():
                 y = implementation.apply(state, x, self.bias)
@@ -435,6 +438,7 @@ class QuantLinear(torch.nn.Module):
         )
 
 
+_INPUT_DTYPE_NAMES = {dtype: normalize_dtype(dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
 BUFFER_PREFIX = "canonical_"
 HOST_DEVICES = ("cpu", "meta")  # where the canonical buffers live
 
