@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks of the Triton kernel as one prepared run (for a lent GPU machine, e.g. the
 # device tool): the GEMM benchmark for NVFP4 weight-only, the same tiles streaming their bytes
-# with no work (what the tiling alone reaches), a tile sweep, the GPU tests, then the GEMM
-# benchmark for NVFP4 W4A4 and int4 weight-only, each under its own time limit so the
-# whole fits in under 10 minutes. Logs and tables go to $OUT (default ./gpu-check-out).
+# with no work (what the tiling alone reaches), a tile sweep, the GPU tests, the GEMM benchmark
+# for NVFP4 W4A4 and int4 weight-only, then the wall time of eager calls (the host's share),
+# each under its own time limit so the whole fits in under 10 minutes. Logs and tables go to
+# $OUT (default ./gpu-check-out).
 #
 #   bash scripts/gpu-check.sh            # on a machine with CUDA, torch and triton installed
 set -uo pipefail
@@ -31,7 +32,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 step install 60 "$PYTHON" -m pip install -q --no-deps --no-build-isolation --no-index -e .
 step gemm-nvfp4 100 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/NVFP4A16 --markdown "$OUT/gemm-nvfp4.md"
 step stream 50 "$PYTHON" benchmarks/triton_stream.py --markdown "$OUT/stream-nvfp4.md"
-step sweep 60 "$PYTHON" benchmarks/triton_sweep.py 45
+step sweep 50 "$PYTHON" benchmarks/triton_sweep.py 38
 step gpu-tests 210 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 tests/test_triton_gpu.py tests/test_quantize_gpu.py tests/test_linear_gpu.py
 step gemm-w4a4 50 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/NVFP4 --markdown "$OUT/gemm-w4a4.md"
-step gemm-w4a16 50 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/W4A16 --markdown "$OUT/gemm-w4a16.md"
+step gemm-w4a16 40 "$PYTHON" benchmarks/gpu_gemm.py --scheme compressed-tensors/W4A16 --markdown "$OUT/gemm-w4a16.md"
+step host 20 "$PYTHON" benchmarks/host_overhead.py --gpu --markdown "$OUT/host-eager.md"
