@@ -181,3 +181,77 @@ def test_one_prepared_weight_serves_calls_with_and_without_bias() -> None:
     for m, b in ((1, None), (4, bias), (1, bias), (4, None)):
         x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m))
         assert_matches(lin.linear(prepared, x, b), reference_output(weight, x, b), FP32, f"M={m} bias={b is not None}")
+
+
+_OVERFLOW_SCRIPT = """
+import torch
+from qscheme.catalog import load_scheme
+from qscheme.triton.linear import linear, prepare_weight
+from qscheme.triton.samples import random_weight
+
+weight = random_weight(load_scheme("compressed-tensors/W4A16"), 16, 128, seed=1)
+prepared = prepare_weight(weight, "cpu")
+stride = 2**30 + 1  # row 2 starts 2**31 + 2 elements in: past a 32-bit offset
+storage = torch.empty(3 * stride, dtype=torch.float16)  # virtual: only 3 rows are touched
+x = storage.as_strided((3, 128), (stride, 1))
+x.copy_(torch.randn(3, 128, generator=torch.Generator().manual_seed(2)).half())
+far, near = linear(prepared, x), linear(prepared, x.contiguous())
+assert float(near.abs().max()) > 0
+print("equal", torch.equal(far, near))
+"""
+
+
+def test_inputs_past_32_bit_offsets_are_launched_in_row_ranges() -> None:
+    """x rows 2**31 elements apart (a strided view standing in for a long prefill's M x K past
+    2**31): the kernels' 32-bit row offsets would wrap (a crash under the interpreter, a wrong
+    read on a GPU); linear launches row ranges with their pointers advanced instead."""
+    import os
+    import subprocess
+    import sys
+
+    environment = dict(os.environ, TRITON_INTERPRET="1")
+    completed = subprocess.run(
+        [sys.executable, "-c", _OVERFLOW_SCRIPT], env=environment, capture_output=True, text=True, timeout=600
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert "equal True" in completed.stdout
+
+
+def test_long_inputs_run_in_row_chunks_with_the_same_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton_samples import assert_matches, reference_output
+
+    weight = random_weight(BUILTIN["compressed-tensors/NVFP4"], 48, 160, seed=4)
+    prepared = lin.prepare_weight(weight, "cpu")
+    x = torch.randn(21, 160, generator=torch.Generator().manual_seed(5))
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(6))
+    whole = lin.linear(prepared, x, bias)
+    monkeypatch.setattr(lin, "MAX_OFFSET", 8 * 160)  # 8 rows of x per launch
+    chunks: list[int] = []
+    run_segment = lin._run_segment
+    monkeypatch.setattr(
+        lin, "_run_segment", lambda p, s, x, *rest: chunks.append(x.shape[0]) or run_segment(p, s, x, *rest)
+    )
+    chunked = lin.linear(prepared, x, bias)
+    assert chunks == [8, 8, 5]
+    assert_matches(chunked, reference_output(weight, x, bias), FP32, "chunked")
+    assert torch.equal(chunked[:16], whole[:16])  # same tiles for full chunks: the same bits
+
+
+def test_weights_past_32_bit_offsets_run_as_row_ranges_on_scale_block_boundaries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from triton_samples import assert_matches, reference_output
+
+    monkeypatch.setattr(lin, "MAX_OFFSET", 200 * 256)  # 200 rows of 256 one-byte codes
+    weight = random_weight(BUILTIN["compressed-tensors/FP8_BLOCK"], 384, 256, seed=7)
+    prepared = lin.prepare_weight(weight, "cpu")
+    assert [(s.start, s.end) for s in prepared.segments] == [(0, 128), (128, 256), (256, 384)]
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
+    assert_matches(lin.linear(prepared, x), reference_output(weight, x), FP32, "row ranges")
+
+
+def test_split_k_is_lowered_only_where_partial_sums_would_pass_32_bit_offsets() -> None:
+    tile = lin.configs.TileConfig(16, 64, 128, split_k=8)
+    assert lin._fit_split_k(tile, 16, 8192) is tile
+    assert lin._fit_split_k(tile, 2**16, 8192).split_k == 2  # 2 x 2**29 partial sums fit
+    assert lin._fit_split_k(tile, 2**18, 8192).split_k == 1

@@ -10,6 +10,11 @@ its inputs and then the GEMM.
 
 A fused layer whose partitions carry different static activation scales quantizes its input
 once per run of partitions sharing a scale and runs the GEMM on those output rows only.
+
+The kernels index with 32-bit integers. Where a row index times a row stride would pass 2**31
+(M x K or M x N of a long prefill, a strided input, 8-bit codes of a layer of 2**31 weights),
+the host launches ranges of input rows or output rows, each with its pointers advanced to its
+first row, and lowers split-K where the partial sums would pass it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -225,6 +230,43 @@ def _input_divisor(weight: CanonicalWeight, spec: Specialization) -> Tensor | No
     return getattr(weight, "input_global_scale_divisor", None)
 
 
+# The kernels index tensors with 32-bit integers: a row index times a row stride must stay
+# below this in every tensor a launch reads or writes by rows.
+MAX_OFFSET = 2**31 - 1
+
+
+def _within_offsets(segments: tuple[Segment, ...], row_elements: int, scale_rows: int) -> tuple[Segment, ...]:
+    """``segments`` cut into runs of output rows whose weight tensors (``row_elements`` per row
+    in the widest) a launch can index with 32-bit offsets: each run is its own launch, with its
+    pointers advanced to its first row. Runs start on ``scale_rows`` boundaries (block scales).
+    Only layers of over 2**31 elements in one tensor (8-bit codes of a 2**31-weight layer) are
+    cut at all."""
+    rows = max(1, MAX_OFFSET // max(row_elements, 1))
+    if rows >= scale_rows:
+        rows -= rows % scale_rows
+    bounded: list[Segment] = []
+    for segment in segments:
+        for start in range(segment.start, segment.end, rows):
+            bounded.append(Segment(start, min(start + rows, segment.end), segment.static_scale))
+    return tuple(bounded)
+
+
+def _row_chunk(x: Tensor, prepared: PreparedWeight) -> int:
+    """Input rows per launch such that every tensor indexed by input row (x, the pre-pass's
+    codes and scales, the output) stays within 32-bit offsets: all of them unless M x K or
+    M x N reaches 2**31 (long prefills)."""
+    return max(1, MAX_OFFSET // max(x.stride(0), prepared.k, prepared.n, 1))
+
+
+def _fit_split_k(tile: configs.TileConfig, m: int, rows: int) -> configs.TileConfig:
+    """``tile`` with split-K lowered (halved) until the float32 partial sums [split_k, M, rows]
+    are within 32-bit offsets; split-K is meant for small M, where it never is."""
+    split_k = tile.split_k
+    while split_k > 1 and split_k * m * rows > MAX_OFFSET:
+        split_k //= 2
+    return tile if split_k == tile.split_k else replace(tile, split_k=split_k)
+
+
 def _zero_point_bytes(weight: CanonicalWeight) -> Tensor:
     """Tiled zero points as the GEMM loads them: uint8 for unsigned zero-point formats (uint8
     holds 0..255), int8 for signed ones; exact, as canonical zero points lie in their format's
@@ -253,18 +295,20 @@ def prepare_weight(weight: CanonicalWeight, device: torch.device | str) -> Prepa
     pre_scale = None
     if weight.input_pre_scale is not None:
         pre_scale = weight.input_pre_scale.reshape(-1).to(torch.float32).contiguous()
+    codes = _kernel_codes(weight.codes, weight.scheme.weight.format)
+    row_elements = max(codes.stride(0), *(t.stride(0) for t in (scale, zero_point) if t is not None and t.dim() == 2))
     return PreparedWeight(
         scheme_name=weight.scheme.name,
         spec=spec,
         n=weight.n,
         k=weight.k,
-        codes=_kernel_codes(weight.codes, weight.scheme.weight.format),
+        codes=codes,
         scale=scale,
         scale_dtype=scale_dtype,
         zero_point=zero_point,
         row_scale=_row_multiplier(weight, spec),
         pre_scale=pre_scale,
-        segments=_segments(weight, spec, device),
+        segments=_within_offsets(_segments(weight, spec, device), row_elements, spec.W_SCALE_ROWS),
         divisor=_input_divisor(weight, spec) is not None,
     )
 
@@ -387,9 +431,15 @@ def linear(
     # The interpreter stores float32 -> bfloat16 by truncation: keep float32 and round in torch.
     out_dtype = torch.float32 if interpreted() and x.dtype == torch.bfloat16 else x.dtype
     out = torch.empty((m, prepared.n), dtype=out_dtype, device=x.device)
-    if m > 0:
-        for segment in prepared.segments:
-            _run_segment(prepared, segment, x2, bias, out, config)
+    chunk = _row_chunk(x2, prepared)
+    for segment in prepared.segments:
+        if m <= chunk:
+            if m > 0:
+                _run_segment(prepared, segment, x2, bias, out, config)
+            continue
+        for begin in range(0, m, chunk):  # 32-bit offsets: launches over row ranges of x and out
+            end = min(begin + chunk, m)
+            _run_segment(prepared, segment, x2[begin:end], bias, out[begin:end], config)
     return out.to(x.dtype).reshape(*leading, prepared.n)
 
 
@@ -525,6 +575,7 @@ def gemm_launches(
         native_fp8 = _native_fp8(backend, inputs.device)
     if fused_split_k is None:
         fused_split_k = split_k_mode() == "fused"
+    tile = _fit_split_k(tile, inputs.shape[0], segment.end - segment.start)
     fused = fused_split_k and tile.split_k > 1
     has_bias = bias is not None
     key = (segment, tile, input_dtype, backend, native_fp8, decoded_input, fused, has_bias)
