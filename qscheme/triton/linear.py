@@ -296,7 +296,8 @@ def prepare_weight(weight: CanonicalWeight, device: torch.device | str) -> Prepa
     if weight.input_pre_scale is not None:
         pre_scale = weight.input_pre_scale.reshape(-1).to(torch.float32).contiguous()
     codes = _kernel_codes(weight.codes, weight.scheme.weight.format)
-    row_elements = max(codes.stride(0), *(t.stride(0) for t in (scale, zero_point) if t is not None and t.dim() == 2))
+    tiled = [t.stride(0) for t in (scale, zero_point) if t is not None and t.dim() == 2]
+    row_elements = max([codes.stride(0), *tiled])  # the widest row of the weight's tensors
     return PreparedWeight(
         scheme_name=weight.scheme.name,
         spec=spec,
