@@ -255,3 +255,14 @@ def test_split_k_is_lowered_only_where_partial_sums_would_pass_32_bit_offsets() 
     assert lin._fit_split_k(tile, 16, 8192) is tile
     assert lin._fit_split_k(tile, 2**16, 8192).split_k == 2  # 2 x 2**29 partial sums fit
     assert lin._fit_split_k(tile, 2**18, 8192).split_k == 1
+
+
+def test_a_strided_or_expanded_bias_is_added_as_its_values() -> None:
+    """The epilogue reads the bias as contiguous: a view with another stride (every other
+    element, one value expanded, even from a one-element storage) must be added as nn.Linear
+    adds it, not read past it."""
+    prepared = lin.prepare_weight(random_weight(BUILTIN["compressed-tensors/NVFP4A16"], 48, 160, seed=1), "cpu")
+    x = torch.randn(3, 160, generator=torch.Generator().manual_seed(2))
+    base = torch.arange(96, dtype=torch.float32)
+    for bias in (base[::2], base[5:6].expand(48), torch.tensor([1.5]).expand(48), base.flip(0)[:48]):
+        assert torch.equal(lin.linear(prepared, x, bias), lin.linear(prepared, x, bias.contiguous()))

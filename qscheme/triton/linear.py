@@ -422,8 +422,11 @@ def linear(
         raise QuantizeError(
             f"scheme {prepared.scheme_name}: input has {x.shape[-1]} features, the layer takes K={prepared.k}"
         )
-    if bias is not None and bias.shape != (prepared.n,):
-        raise QuantizeError(f"bias has shape {tuple(bias.shape)}, expected [{prepared.n}]")
+    if bias is not None:
+        if bias.shape != (prepared.n,):
+            raise QuantizeError(f"bias has shape {tuple(bias.shape)}, expected [{prepared.n}]")
+        if bias.stride(0) != 1:  # the epilogue reads it as contiguous (a strided or expanded view)
+            bias = bias.contiguous()
     leading = x.shape[:-1]
     x2 = x.reshape(-1, prepared.k)
     if x2.stride(-1) != 1:
