@@ -266,3 +266,11 @@ def test_a_strided_or_expanded_bias_is_added_as_its_values() -> None:
     base = torch.arange(96, dtype=torch.float32)
     for bias in (base[::2], base[5:6].expand(48), torch.tensor([1.5]).expand(48), base.flip(0)[:48]):
         assert torch.equal(lin.linear(prepared, x, bias), lin.linear(prepared, x, bias.contiguous()))
+
+
+def test_weight_rows_too_wide_for_one_scale_block_within_32_bit_offsets_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(lin, "MAX_OFFSET", 100 * 256)  # under one 128-row scale block of 256 codes
+    with pytest.raises(QuantizeError, match=r"too wide for the Triton kernel's 32-bit offsets in blocks of 128 rows"):
+        lin.prepare_weight(random_weight(BUILTIN["compressed-tensors/FP8_BLOCK"], 384, 256, seed=7), "cpu")

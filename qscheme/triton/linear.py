@@ -241,9 +241,13 @@ def _within_offsets(segments: tuple[Segment, ...], row_elements: int, scale_rows
     pointers advanced to its first row. Runs start on ``scale_rows`` boundaries (block scales).
     Only layers of over 2**31 elements in one tensor (8-bit codes of a 2**31-weight layer) are
     cut at all."""
-    rows = max(1, MAX_OFFSET // max(row_elements, 1))
-    if rows >= scale_rows:
-        rows -= rows % scale_rows
+    rows = MAX_OFFSET // max(row_elements, 1)
+    if rows < scale_rows:  # K past 2**31 / rows-per-block: no row range can start on a block
+        raise QuantizeError(
+            f"weight rows of {row_elements} elements are too wide for the Triton kernel's 32-bit offsets "
+            f"in blocks of {scale_rows} rows; use the reference kernel (kernel='reference')"
+        )
+    rows -= rows % scale_rows
     bounded: list[Segment] = []
     for segment in segments:
         for start in range(segment.start, segment.end, rows):
