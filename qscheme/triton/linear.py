@@ -419,6 +419,7 @@ def linear(
     """y = x @ W^T (+ bias) for x [..., K] in float16, bfloat16 or float32; y has x's dtype.
 
     ``config`` forces a tile configuration (tests); by default one is chosen per problem size.
+    The result carries no gradient: ``QuantLinear`` is the autograd-aware entry point.
     """
     if x.dtype not in _INPUT_DTYPES:
         raise QuantizeError(f"the Triton kernel takes float16, bfloat16 or float32 inputs, not {x.dtype}")
