@@ -439,3 +439,47 @@ def _segment_launches(prepared, segment, x, bias, tile):  # type: ignore[no-unty
 
     out = torch.empty((x.shape[0], prepared.n))
     return gemm_launches(prepared, segment, x, None, bias, out, tile, x.dtype, "interpreter")
+
+
+def _near_zero_point_weight(scheme_name: str, n: int, k: int, scale_value: float, zero: int, scale_dtype: str):  # type: ignore[no-untyped-def]
+    """A layer whose every code is its zero point z or one off (values -1, 0, 1 times a huge but
+    finite group scale), so each real weight is finite while -z times the scale is not."""
+    scheme = next(s for s in BUILTIN if s.name == scheme_name)
+    weight = random_weight(scheme, n, k, seed=1, scale_dtype=scale_dtype)
+    assert weight.zero_point is not None
+    offsets = torch.randint(-1, 2, (n, k), generator=torch.Generator().manual_seed(2))
+    values = (zero + offsets).clamp(-8, 7)
+    nibbles = (values & 0xF).to(torch.uint8)
+    nibbles = torch.nn.functional.pad(nibbles, (0, k % 2))
+    return replace(
+        weight,
+        codes=(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).contiguous(),
+        scale=torch.full_like(weight.scale, scale_value),
+        zero_point=torch.full_like(weight.zero_point, zero),
+    )
+
+
+@pytest.mark.parametrize("k", [100, 200, 256])
+def test_padding_past_a_ragged_k_adds_nothing_with_tiled_zero_points(k: int) -> None:
+    """Codes past K are padding (0); with a zero point z they decode to -z times the last
+    group's scale, which can overflow while every real weight is finite: the GEMM zeroes them
+    (W_MASK_K) where K is ragged, so 0 x inf never makes a NaN. float32 here, and the GPU's
+    float16 decode and dot forced under the interpreter."""
+    from qscheme.triton.gemm import DOT_FP16
+    from qscheme.triton.linear import mask_k
+    from qscheme.triton.spec import DECODE_FP16
+
+    weight = _near_zero_point_weight("compressed-tensors/W4A16_ASYM", 16, k, 3.0e38, -8, "float32")
+    prepared = prepare_weight(weight, "cpu")
+    assert mask_k(prepared.spec, k, 128) is (k % 128 != 0)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(3)) * 1e-3
+    expected = reference_output(weight, x)
+    assert bool(torch.isfinite(expected).all())
+    assert_matches(linear(prepared, x), expected, torch.float32, f"K={k}")
+
+    half = _near_zero_point_weight("compressed-tensors/W4A16_ASYM", 16, k, 65504.0, -8, "float16")
+    prepared = prepare_weight(half, "cpu")
+    x16 = (torch.randn(2, k, generator=torch.Generator().manual_seed(3)) * 1e-3).half()
+    out = _run_forced(prepared, x16, {"W_DECODE": DECODE_FP16, "DOT_DTYPE": DOT_FP16.value})
+    assert bool(torch.isfinite(out).all())
+    assert_matches(out, reference_output(half, x16), torch.float16, f"fp16 K={k}")

@@ -103,6 +103,7 @@ def scheme_variants(
     m_values: Sequence[int] = (16, 256),
     split_k: bool = True,
     fused_split_k: bool = False,
+    k: int = _K,
 ) -> list[Variant]:
     """The launches one scheme makes on ``target``: the pre-pass (if any) and the GEMM, with the
     tile the heuristic picks for a K=4096 layer, for each M and input dtype. Float scales are
@@ -110,16 +111,17 @@ def scheme_variants(
 
     ``split_k=False`` keeps the GEMM in one pass (no split-K epilogue launch);
     ``fused_split_k`` reduces split-K partial sums in the GEMM launch (QSCHEME_TRITON_SPLIT_K=fused).
+    ``k``: another K (a ragged one: the GEMM then zeroes padded weights where zero points need it).
     """
     backend = TARGETS[target][0]
     device = target_device(target)
     variants: list[Variant] = []
     for dtype in input_dtypes:
-        weight = random_weight(scheme, _N, _K, scale_dtype=model_scale_dtype(scheme, dtype))
+        weight = random_weight(scheme, _N, k, scale_dtype=model_scale_dtype(scheme, dtype))
         prepared = prepare_weight(weight, "cpu")
         segment = Segment(0, _N, prepared.segments[0].static_scale)
         for m in m_values:
-            x = torch.zeros((m, _K), dtype=dtype)
+            x = torch.zeros((m, k), dtype=dtype)
             inputs, x_scale, decoded = x, None, False
             if prepared.spec.A_QUANTIZED:
                 pre_pass, quantized = quantize_launch(
@@ -132,7 +134,7 @@ def scheme_variants(
                 )
                 variants.append(Variant(f"{scheme.name} pre-pass {dtype_name(dtype)} M={m}", pre_pass))
                 inputs, x_scale, decoded = quantized.codes, quantized.scale, quantized.decoded
-            tile = heuristic_for(prepared, m, 4096, 4096, dtype, device)
+            tile = heuristic_for(prepared, m, 4096, 4096, dtype, device)  # the tile of a 4096x4096 layer
             if not split_k:
                 tile = replace(tile, split_k=1)
             out = torch.empty((m, _N), dtype=dtype)
@@ -144,7 +146,8 @@ def scheme_variants(
             for launch in launches:
                 kind = launch.label.split(" ")[0]
                 fused = " fused" if fused_split_k and tile.split_k > 1 else ""
-                name = f"{scheme.name} {kind}{fused} {dtype_name(dtype)} M={m} {tile.describe()}"
+                shape = "" if k == _K else f" K={k}"
+                name = f"{scheme.name} {kind}{fused} {dtype_name(dtype)} M={m}{shape} {tile.describe()}"
                 variants.append(Variant(name, launch))
     return variants
 
@@ -302,7 +305,8 @@ def ci_plan(schemes: Sequence[Scheme], targets: Sequence[str]) -> list[tuple[Var
     - the first target also: NVFP4 weight-only with fp16 and fp32 inputs (the other dot paths)
       and the bf16 prefill tile (M=256);
     - every other distinct specialisation of ``schemes`` (bf16, decode tile, no split-K) on one
-      target, the targets taken in turn: each specialisation compiles for some GPU.
+      target, the targets taken in turn: each specialisation compiles for some GPU;
+    - int4 with tiled zero points at a ragged K (the decoded weights past K zeroed) on the second.
     """
     by_name = {scheme.name: scheme for scheme in schemes}
     core = [by_name[name] for name in CI_CORE if name in by_name]
@@ -318,6 +322,10 @@ def ci_plan(schemes: Sequence[Scheme], targets: Sequence[str]) -> list[tuple[Var
                 variants.extend(scheme_variants(scheme, target, (torch.float16, torch.float32), (16,), split_k=False))
                 variants.extend(scheme_variants(scheme, target, (torch.bfloat16,), (256,), split_k=False))
         jobs.extend((variant, target) for variant in _dedupe(variants))
+    if "compressed-tensors/W4A16_ASYM" in by_name:  # ragged K with tiled zero points (W_MASK_K)
+        target = targets[1 % len(targets)]
+        ragged = scheme_variants(by_name["compressed-tensors/W4A16_ASYM"], target, (torch.bfloat16,), (16,), k=_K - 96)
+        jobs.extend((variant, target) for variant in ragged if variant.launch.constexprs.get("W_MASK_K"))
     compiled = {(_key(variant), target) for variant, target in jobs}
     others = [scheme for scheme in schemes if scheme.name not in CI_CORE]
     for index, scheme in enumerate(others):

@@ -200,12 +200,16 @@ def load_weight_tile(
     USE_PTX: tl.constexpr,
     NATIVE_FP8: tl.constexpr,
     W_FOLD_SCALE: tl.constexpr,
+    W_MASK_K: tl.constexpr,
 ):
     """The [BLOCK_N, BLOCK_K] tile of decoded weights (zero points and tiled scales applied).
 
     4-bit codes come as int32 words of eight (``qscheme.triton.layout``) decoded in the dtype
     ``W_DECODE`` names (float32, or the 16-bit dot dtype when every product is rounded as in
-    float32); 8-bit codes are decoded to float32.
+    float32); 8-bit codes are decoded to float32. ``W_MASK_K``: columns past K are set to zero
+    after decoding. Their codes are padding (0); with a tiled zero point z they decode to
+    -z times the last group's scale, which can overflow to inf, and inf times the zero input
+    there is NaN. The host asks for it only where that can happen (ragged K, tiled zero points).
     """
     n_mask = offs_n < N
     if W_FOUR_BIT:
@@ -248,6 +252,9 @@ def load_weight_tile(
             W_FOLD_SCALE,
             NATIVE_FP8,
         )
+    if W_MASK_K:
+        k_inside = (k0 + tl.arange(0, BLOCK_K)) < K
+        values = tl.where(k_inside[None, :], values, tl.zeros_like(values))
     return values
 
 
@@ -388,6 +395,7 @@ def quantized_gemm_kernel(
     SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     WEIGHTS_FIRST: tl.constexpr,
+    W_MASK_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile (over one K split); see the module docstring."""
     pid = tl.program_id(0)
@@ -464,6 +472,7 @@ def quantized_gemm_kernel(
             USE_PTX,
             NATIVE_FP8,
             W_FOLD_SCALE,
+            W_MASK_K,
         )
         if WEIGHTS_FIRST:  # acc is y^T: W x^T
             acc = dot_nt(mma_k_order(w, BLOCK_N, BLOCK_K), mma_k_order(a, BLOCK_M, BLOCK_K), acc, DOT_DTYPE)

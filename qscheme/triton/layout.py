@@ -55,8 +55,9 @@ def _codes(packed: Tensor) -> Tensor:
 def four_bit_words(packed: Tensor, element: str) -> Tensor:
     """uint8 [rows, bytes] canonical codes of ``element`` -> int32 [rows, ceil(bytes / 4)] words.
 
-    Rows are zero-padded to whole words; the GEMM masks its inputs past K, so padding codes
-    (whatever they decode to with a zero point) add nothing.
+    Rows are zero-padded to whole words; the GEMM masks its inputs past K, and zeroes the
+    decoded weights there where a tiled zero point makes padding codes decode to non-zero
+    values (``gemm.load_weight_tile``'s ``W_MASK_K``), so padding adds nothing.
     """
     if packed.dtype != torch.uint8 or packed.dim() != 2:
         raise ValueError(f"expected a 2-D uint8 tensor of packed codes, got {packed.dtype} {tuple(packed.shape)}")

@@ -686,6 +686,12 @@ class _GemmTemplate:
         return [gemm, epilogue]
 
 
+def mask_k(spec: Specialization, k: int, block_k: int) -> bool:
+    """Whether the GEMM zeroes decoded weights past K (``gemm.load_weight_tile``): where a K
+    tile runs past K and a tiled zero point makes padding codes decode to non-zero values."""
+    return spec.W_ZERO == ZERO_TILED and k % block_k != 0
+
+
 def _gemm_template(
     prepared: PreparedWeight,
     segment: Segment,
@@ -743,6 +749,7 @@ def _gemm_template(
             "SPLIT_K": tile.split_k,
             "GROUP_M": tile.group_m,
             "WEIGHTS_FIRST": tile.weights_first,
+            "W_MASK_K": mask_k(spec, prepared.k, tile.block_k),
         },
         gemm_label=f"gemm {prepared.scheme_name} {tile.describe()}",
         epilogue_args={"row_scale_ptr": placeholder if row_scale is None else row_scale},
