@@ -214,3 +214,30 @@ def test_a_model_converted_before_or_with_other_projection_types_is_refused_with
     message = str(caught.value)
     assert "'model.layers.0.mlp.down_proj' is a Conv1d, not an nn.Linear: apply_to_model replaces nn.Linear" in message
     assert "use qscheme.load_checkpoint(path) and call its layers" in message
+
+
+@pytest.mark.parametrize("preset", ["NVFP4", "W4A16_ASYM", "FP8_BLOCK"])
+def test_the_triton_kernel_runs_the_model_as_the_library_does(preset: str) -> None:
+    """The whole model on the Triton kernel (interpreted on the CPU): logits as the library's
+    fake-quantized model gives them, and the same greedy tokens as the reference kernel."""
+    from qscheme.triton.linear import interpreted
+
+    if not interpreted():
+        pytest.skip("the Triton kernel runs on the CPU only under TRITON_INTERPRET=1")
+    folder = ct_checkpoint(preset)
+    model = _model(folder)
+    apply_to_model(model, folder, kernel="triton")
+    assert model.model.layers[0].mlp.down_proj.kernel.name == "triton"
+    reference = load_file(str(folder / "reference.safetensors"))
+    with torch.no_grad():
+        logits = model(reference["tokens"]).logits
+    error = float((logits - reference["logits"]).abs().max())
+    assert error <= 1e-4 * float(reference["logits"].abs().max()), error
+
+    prompt = reference["tokens"][:1, :4]
+    with torch.no_grad():
+        tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
+        baseline = _model(folder)
+        apply_to_model(baseline, folder, kernel="reference")
+        expected = baseline.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert torch.equal(tokens, expected)
