@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from qscheme.triton import configs
 from qscheme.triton.configs import ConfigCache, DeviceFacts, TileConfig, heuristic_config
@@ -139,3 +140,41 @@ def test_gathered_scales_shrink_the_tile_to_fit_shared_memory(m: int) -> None:
     assert fitted.num_stages * fitted.block_k < plain.num_stages * plain.block_k  # fewer or narrower stages
     aligned = configs.ScaleTiles(group_k=16, value_bytes=4)  # NVFP4-like: nothing changes
     assert heuristic_config(m, 8192, 8192, 4, 2, sm120, wide_decode=True, scales=aligned) == plain
+
+
+@pytest.mark.parametrize("m", [1, 40, 300])
+def test_the_k_tile_is_never_wider_than_k_needs(m: int) -> None:
+    for k, widest in ((16, 32), (48, 64), (100, 128), (4096, 128)):
+        for bits, input_bytes in ((4, 2), (8, 2), (4, 4)):
+            config = heuristic_config(m, 4096, k, bits, input_bytes, H100)
+            assert 32 <= config.block_k <= widest, (k, config)
+
+
+def test_split_k_leaves_no_split_without_k_tiles() -> None:
+    for k in range(128, 20000, 64):
+        for n in (96, 1000, 4096):
+            for m, bits, input_bytes in ((1, 8, 2), (1, 4, 2), (40, 8, 2), (1, 4, 4)):
+                config = heuristic_config(m, n, k, bits, input_bytes, H100)
+                k_tiles = -(-k // config.block_k)
+                per_split = -(-k_tiles // config.split_k)
+                assert (config.split_k - 1) * per_split < k_tiles, (m, n, k, config)
+
+
+def test_fp8_codes_decoded_in_software_on_both_operands_take_narrower_k_tiles() -> None:
+    """FP8 per-group activations stay codes; before compute capability 8.9 the K loop decodes
+    them and the fp8 weights with integer operations, and 64 x 64 x 128 spilled (sm80)."""
+    from qscheme.catalog import load_scheme
+    from qscheme.triton.linear import heuristic_for, prepare_weight
+    from qscheme.triton.samples import random_weight
+
+    sm80 = DeviceFacts("A100-like", 108, 163 * 1024, (8, 0))
+    sm90 = DeviceFacts("H100-like", 132, 227 * 1024, (9, 0))
+    rocm = DeviceFacts("MI300-like", 304, 64 * 1024, None)
+    block = prepare_weight(random_weight(load_scheme("compressed-tensors/FP8_BLOCK"), 256, 512), "cpu")
+    dynamic = prepare_weight(random_weight(load_scheme("compressed-tensors/FP8_DYNAMIC"), 256, 512), "cpu")
+    bf16 = torch.bfloat16
+    assert heuristic_for(block, 64, 128256, 4096, bf16, sm80).block_k == 64
+    assert heuristic_for(block, 64, 128256, 4096, bf16, rocm).block_k == 64
+    assert heuristic_for(block, 64, 128256, 4096, bf16, sm90).block_k == 128  # hardware conversion
+    assert heuristic_for(block, 1, 128256, 4096, bf16, sm80).block_k == 128  # the 16-row tile did not spill
+    assert heuristic_for(dynamic, 64, 128256, 4096, bf16, sm80).block_k == 128  # per-token: decoded in the pre-pass

@@ -137,6 +137,7 @@ def heuristic_config(
     device: DeviceFacts,
     wide_decode: bool = False,
     scales: ScaleTiles | None = None,
+    software_decodes_both: bool = False,
 ) -> TileConfig:
     """A sensible config without timing anything (see the module docstring).
 
@@ -145,6 +146,12 @@ def heuristic_config(
     with e4m3 group scales and bf16 inputs (NVFP4 weight-only). ``scales``: the weight's tiled
     scales, whose pipelined tiles count against shared memory (a group that neither divides
     nor spans BLOCK_K, e.g. 48, is gathered per weight: as large as the codes' tile or more).
+    ``software_decodes_both``: the K loop decodes e4m3 codes of both operands with integer
+    operations (FP8 per-group activations, kept as codes, before compute capability 8.9); a
+    64 x 64 x 128 tile then spilled about 4 KB of registers on sm80, a K tile of 64 none.
+
+    BLOCK_K is at most K's next power of two (at least 32), and split-K leaves no split
+    without K tiles.
     """
     if input_bytes == 4:  # float32 activations: an FMA dot, large in registers and shared memory
         config = TileConfig(_clamp_power_of_two(m, 16, 32), 64, 32, num_warps=4, num_stages=2)
@@ -154,6 +161,9 @@ def heuristic_config(
         config = TileConfig(_clamp_power_of_two(m, 32, 64), 64, 128, num_warps=4, num_stages=4)
     else:
         config = TileConfig(128, 128, 64, num_warps=8, num_stages=3)
+    if software_decodes_both and config.block_m > 16:
+        config = replace(config, block_k=min(config.block_k, 64))
+    config = replace(config, block_k=min(config.block_k, max(32, _next_power_of_two(k))))
     target = 2 * device.multiprocessors
     # Wide decode (M <= 16, 16-bit inputs) keeps 64-wide column tiles and splits K instead: on
     # an H200 (NVFP4 weight-only, 8192x8192 and 4096x4096) 16x64x128 split-k 4 ran 15-20% faster
@@ -177,6 +187,8 @@ def heuristic_config(
         and 2 * (split_k * 2) * rows * n * 4 <= weight_bytes // traffic_share
     ):
         split_k *= 2
+    while split_k > 1 and (split_k - 1) * -(-k_tiles // split_k) >= k_tiles:  # the last split would be empty
+        split_k //= 2
     config = replace(config, split_k=split_k)
     if (
         decode

@@ -378,6 +378,7 @@ def heuristic_for(
 ) -> configs.TileConfig:
     """``configs.heuristic_config`` for this weight: its code width, decode variant and tiled
     scales. The dot runs in x's dtype whether or not x is quantized first: tiles are sized for it."""
+    spec = prepared.spec
     return configs.heuristic_config(
         m,
         rows,
@@ -385,9 +386,20 @@ def heuristic_for(
         prepared.weight_bits,
         input_dtype.itemsize,
         device,
-        wide_decode(prepared.spec, input_dtype, prepared.scale_dtype),
+        wide_decode(spec, input_dtype, prepared.scale_dtype),
         scale_tiles(prepared),
+        software_decodes_both=_software_decodes_both(spec, input_dtype, device),
     )
+
+
+def _software_decodes_both(spec: Specialization, input_dtype: torch.dtype, device: configs.DeviceFacts) -> bool:
+    """Whether the K loop decodes e4m3 codes of both operands with integer operations: fp8
+    weights and fp8 activations kept as codes (``act_quant.decoded_dtype``), on a GPU without
+    the hardware conversion (``_native_fp8``: compute capability before 8.9, or ROCm)."""
+    e4m3 = ELEMENT_IDS["e4m3"]
+    native = device.capability is not None and device.capability >= (8, 9)
+    codes_kept = spec.A_QUANTIZED and decoded_dtype(spec, input_dtype) is None
+    return spec.W_FORMAT == e4m3 and codes_kept and spec.A_FORMAT == e4m3 and not native
 
 
 def scale_tiles(prepared: PreparedWeight) -> configs.ScaleTiles | None:
