@@ -442,8 +442,9 @@ def _segment_launches(prepared, segment, x, bias, tile):  # type: ignore[no-unty
 
 
 def _near_zero_point_weight(scheme_name: str, n: int, k: int, scale_value: float, zero: int, scale_dtype: str):  # type: ignore[no-untyped-def]
-    """A layer whose every code is its zero point z or one off (values -1, 0, 1 times a huge but
-    finite group scale), so each real weight is finite while -z times the scale is not."""
+    """A layer whose every code is its zero point z or one off, clamped to the code range (values
+    -1, 0 or 1 times a huge but finite group scale), so each real weight is finite while -z
+    times the scale is not."""
     scheme = next(s for s in BUILTIN if s.name == scheme_name)
     weight = random_weight(scheme, n, k, seed=1, scale_dtype=scale_dtype)
     assert weight.zero_point is not None

@@ -144,17 +144,28 @@ def test_launches_from_a_kept_template_equal_launches_built_afresh(monkeypatch: 
     tile = lin.configs.TileConfig(16, 32, 64, split_k=2, num_warps=4, num_stages=2)
     calls = 0
     for backend, dtype in (("cuda", BF16), ("interpreter", FP32), ("cuda", FP16)):
-        cases = ((1, False, "two-pass"), (5, True, "fused"), (3, False, "fused"), (5, True, "two-pass"))
-        for m, with_bias, split_k in (*cases, (2, False, "two-pass")):  # the last reuses the first's
+        # (M, bias, split-K mode, native fp8, decoded inputs): the fifth and sixth differ from the
+        # first in one flag each; the last reuses the first's templates
+        cases = (
+            (1, False, "two-pass", False, False),
+            (5, True, "fused", True, True),
+            (3, False, "fused", False, True),
+            (5, True, "two-pass", True, False),
+            (2, False, "two-pass", True, False),
+            (4, False, "two-pass", False, True),
+            (6, False, "two-pass", False, False),
+        )
+        for m, with_bias, split_k, native_fp8, decoded in cases:
             monkeypatch.setenv(lin.SPLIT_K_VARIABLE, split_k)
             x = torch.randn(m, 256).to(dtype)
             bias = torch.randn(96).to(dtype) if with_bias else None
             out = torch.empty(m, 96, dtype=dtype)
             for segment in prepared.segments:
-                kept = lin.gemm_launches(prepared, segment, x, None, bias, out, tile, dtype, backend, False)
+                call = (segment, x, None, bias, out, tile, dtype, backend, native_fp8, decoded)
+                kept = lin.gemm_launches(prepared, *call)
                 memo = dict(prepared.memo)
                 prepared.memo.clear()
-                fresh = lin.gemm_launches(prepared, segment, x, None, bias, out, tile, dtype, backend, False)
+                fresh = lin.gemm_launches(prepared, *call)
                 prepared.memo.update(memo)
                 assert _launch_data(kept) == _launch_data(fresh)
                 assert len(kept) == (1 if split_k == "fused" else 2)
@@ -162,12 +173,14 @@ def test_launches_from_a_kept_template_equal_launches_built_afresh(monkeypatch: 
                 assert args["x_ptr"] is x and args["M"] == m
                 assert kept[0].constexprs["HAS_BIAS"] is with_bias
                 assert kept[0].constexprs["FUSED_SPLIT_K"] is (split_k == "fused")
+                assert kept[0].constexprs["NATIVE_FP8"] is native_fp8
+                assert kept[0].constexprs["A_QUANTIZED"] is not decoded
                 final = args["final_ptr"]
                 assert final.data_ptr() == out[:, segment.start :].data_ptr()
                 assert final.shape == (m, segment.end - segment.start)
                 calls += 1
-    # one template per (segment, backend and dtype, bias and split-K mode); the last M reused them
-    assert calls == 3 * 3 * 5 and len(prepared.memo) == 3 * 3 * 4
+    # one template per (segment, backend and dtype, flags): six distinct, seven calls
+    assert calls == 3 * 3 * 7 and len(prepared.memo) == 3 * 3 * 6
 
 
 def test_one_prepared_weight_serves_calls_with_and_without_bias() -> None:
@@ -264,7 +277,7 @@ def test_a_strided_or_expanded_bias_is_added_as_its_values() -> None:
     prepared = lin.prepare_weight(random_weight(BUILTIN["compressed-tensors/NVFP4A16"], 48, 160, seed=1), "cpu")
     x = torch.randn(3, 160, generator=torch.Generator().manual_seed(2))
     base = torch.arange(96, dtype=torch.float32)
-    for bias in (base[::2], base[5:6].expand(48), torch.tensor([1.5]).expand(48), base.flip(0)[:48]):
+    for bias in (base[::2], base[5:6].expand(48), torch.tensor([1.5]).expand(48), torch.randn(48, 3)[:, 1]):
         assert torch.equal(lin.linear(prepared, x, bias), lin.linear(prepared, x, bias.contiguous()))
 
 
@@ -274,3 +287,24 @@ def test_weight_rows_too_wide_for_one_scale_block_within_32_bit_offsets_are_refu
     monkeypatch.setattr(lin, "MAX_OFFSET", 100 * 256)  # under one 128-row scale block of 256 codes
     with pytest.raises(QuantizeError, match=r"too wide for the Triton kernel's 32-bit offsets in blocks of 128 rows"):
         lin.prepare_weight(random_weight(BUILTIN["compressed-tensors/FP8_BLOCK"], 384, 256, seed=7), "cpu")
+
+
+def test_a_weight_under_32_bit_offsets_is_never_cut_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fewer rows than one scale block, the whole weight within the limit: nothing to cut."""
+    monkeypatch.setattr(lin, "MAX_OFFSET", 100 * 256)
+    prepared = lin.prepare_weight(random_weight(BUILTIN["compressed-tensors/FP8_BLOCK"], 64, 256, seed=7), "cpu")
+    assert [(s.start, s.end) for s in prepared.segments] == [(0, 64)]
+
+
+def test_a_replaced_prepared_weight_keeps_no_templates_of_the_original() -> None:
+    """dataclasses.replace makes a new weight; launches kept for the old one point at its tensors."""
+    from dataclasses import replace
+
+    scheme = BUILTIN["compressed-tensors/NVFP4A16"]
+    first = lin.prepare_weight(random_weight(scheme, 48, 160, seed=1), "cpu")
+    second = lin.prepare_weight(random_weight(scheme, 48, 160, seed=2), "cpu")
+    x = torch.randn(2, 160, generator=torch.Generator().manual_seed(3))
+    lin.linear(first, x)
+    swapped = replace(first, codes=second.codes, scale=second.scale, row_scale=second.row_scale)
+    assert swapped.memo is not first.memo and not swapped.memo
+    assert torch.equal(lin.linear(swapped, x), lin.linear(second, x))

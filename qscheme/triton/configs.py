@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from qscheme.triton.launch import cdiv, next_power_of_2
+
 AUTOTUNE_VARIABLE = "QSCHEME_TRITON_AUTOTUNE"
 CACHE_FILE_VARIABLE = "QSCHEME_TRITON_CACHE"
 
@@ -87,12 +89,8 @@ class ScaleTiles:
         return block_n * block_k * self.value_bytes
 
 
-def _next_power_of_two(value: int) -> int:
-    return 1 << max(0, value - 1).bit_length()
-
-
 def _clamp_power_of_two(value: int, low: int, high: int) -> int:
-    return max(low, min(high, _next_power_of_two(value)))
+    return max(low, min(high, next_power_of_2(value)))
 
 
 def interpreted_config(m: int, n: int, k: int) -> TileConfig:
@@ -125,7 +123,7 @@ def _shared_memory_bytes(
 
 
 def _tiles(config: TileConfig, m: int, n: int) -> int:
-    return -(-m // config.block_m) * -(-n // config.block_n)
+    return cdiv(m, config.block_m) * cdiv(n, config.block_n)
 
 
 def heuristic_config(
@@ -163,7 +161,7 @@ def heuristic_config(
         config = TileConfig(128, 128, 64, num_warps=8, num_stages=3)
     if software_decodes_both and config.block_m > 16:
         config = replace(config, block_k=min(config.block_k, 64))
-    config = replace(config, block_k=min(config.block_k, max(32, _next_power_of_two(k))))
+    config = replace(config, block_k=min(config.block_k, max(32, next_power_of_2(k))))
     target = 2 * device.multiprocessors
     # Wide decode (M <= 16, 16-bit inputs) keeps 64-wide column tiles and splits K instead: on
     # an H200 (NVFP4 weight-only, 8192x8192 and 4096x4096) 16x64x128 split-k 4 ran 15-20% faster
@@ -175,7 +173,7 @@ def heuristic_config(
             config = replace(config, block_n=config.block_n // 2)
     # Then split K, while each split keeps >= 4 K steps and the float32 partial sums (written
     # and read once more) stay under an eighth of the weight's bytes (a quarter for decode).
-    k_tiles = -(-k // config.block_k)
+    k_tiles = cdiv(k, config.block_k)
     weight_bytes = n * k * weight_bits // 8
     traffic_share = 4 if decode else 8
     rows = 16 if decode else m  # M 1..16 share a cached config (one bucket): size it for 16
@@ -187,7 +185,7 @@ def heuristic_config(
         and 2 * (split_k * 2) * rows * n * 4 <= weight_bytes // traffic_share
     ):
         split_k *= 2
-    while split_k > 1 and (split_k - 1) * -(-k_tiles // split_k) >= k_tiles:  # the last split would be empty
+    while split_k > 1 and (split_k - 1) * cdiv(k_tiles, split_k) >= k_tiles:  # the last split would be empty
         split_k //= 2
     config = replace(config, split_k=split_k)
     if (
@@ -224,7 +222,7 @@ def candidate_configs(base: TileConfig, k: int) -> list[TileConfig]:
         {"weights_first": not base.weights_first},
     ):
         option = replace(base, **change)  # type: ignore[arg-type]
-        if option not in options and option.block_k <= max(32, _next_power_of_two(k)):
+        if option not in options and option.block_k <= max(32, next_power_of_2(k)):
             options.append(option)
     return options
 

@@ -37,3 +37,9 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1); ``triton.next_power_of_2`` on the host."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def has_fp8_conversion(capability: tuple[int, int] | None) -> bool:
+    """Whether a GPU converts e4m3 to floats in hardware: CUDA compute capability 8.9 or newer
+    (None: ROCm or unknown, decoded with integer operations)."""
+    return capability is not None and capability >= (8, 9)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,7 +36,7 @@ from qscheme.formats import decode, get_element_format
 from qscheme.triton import configs
 from qscheme.triton.act_quant import decoded_dtype, quantize_input
 from qscheme.triton.gemm import DOT_BF16, DOT_FP16, DOT_FP32, quantized_gemm_kernel, split_k_epilogue_kernel
-from qscheme.triton.launch import Launch, cdiv
+from qscheme.triton.launch import Launch, cdiv, has_fp8_conversion
 from qscheme.triton.layout import four_bit_words
 from qscheme.triton.spec import (
     ACT_RULE_NVFP4,
@@ -89,7 +90,8 @@ class PreparedWeight:
     divisor: bool  # NVFP4 activations: the static scale is compressed-tensors' divisor
     # what the host code works out once per weight and reuses on every call: config keys and
     # gemm_launches' templates, by what they depend on
-    memo: dict[tuple[Any, ...], Any] = field(default_factory=dict, compare=False, repr=False)
+    # (not an init field: dataclasses.replace gives the new weight an empty memo of its own)
+    memo: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def weight_bits(self) -> int:
@@ -111,7 +113,8 @@ def _kernel_codes(codes: Tensor, element: str) -> Tensor:
     return codes.contiguous()
 
 
-# A K tile is at least this wide when the GEMM streams scales (see _tiled_layout).
+# The K tile the heuristic picks for layers of K >= 128 when the GEMM streams scales (narrower
+# tiles, for small K or FP8 decoded in software, may wait on a scale load: see _tiled_layout).
 _MIN_TILE_K = 128
 
 
@@ -235,12 +238,14 @@ def _input_divisor(weight: CanonicalWeight, spec: Specialization) -> Tensor | No
 MAX_OFFSET = 2**31 - 1
 
 
-def _within_offsets(segments: tuple[Segment, ...], row_elements: int, scale_rows: int) -> tuple[Segment, ...]:
+def _within_offsets(segments: tuple[Segment, ...], n: int, row_elements: int, scale_rows: int) -> tuple[Segment, ...]:
     """``segments`` cut into runs of output rows whose weight tensors (``row_elements`` per row
     in the widest) a launch can index with 32-bit offsets: each run is its own launch, with its
     pointers advanced to its first row. Runs start on ``scale_rows`` boundaries (block scales).
     Only layers of over 2**31 elements in one tensor (8-bit codes of a 2**31-weight layer) are
     cut at all."""
+    if n * row_elements <= MAX_OFFSET:
+        return segments
     rows = MAX_OFFSET // max(row_elements, 1)
     if rows < scale_rows:  # K past 2**31 / rows-per-block: no row range can start on a block
         raise QuantizeError(
@@ -313,7 +318,7 @@ def prepare_weight(weight: CanonicalWeight, device: torch.device | str) -> Prepa
         zero_point=zero_point,
         row_scale=_row_multiplier(weight, spec),
         pre_scale=pre_scale,
-        segments=_within_offsets(_segments(weight, spec, device), row_elements, spec.W_SCALE_ROWS),
+        segments=_within_offsets(_segments(weight, spec, device), weight.n, row_elements, spec.W_SCALE_ROWS),
         divisor=_input_divisor(weight, spec) is not None,
     )
 
@@ -325,7 +330,7 @@ def _native_fp8(backend: str, device: torch.device) -> bool:
         return True
     if backend != "cuda":
         return False
-    return _capability(_device_index(device)) >= (8, 9)
+    return has_fp8_conversion(_capability(_device_index(device)))
 
 
 def _device_index(device: torch.device) -> int:
@@ -397,9 +402,8 @@ def _software_decodes_both(spec: Specialization, input_dtype: torch.dtype, devic
     weights and fp8 activations kept as codes (``act_quant.decoded_dtype``), on a GPU without
     the hardware conversion (``_native_fp8``: compute capability before 8.9, or ROCm)."""
     e4m3 = ELEMENT_IDS["e4m3"]
-    native = device.capability is not None and device.capability >= (8, 9)
     codes_kept = spec.A_QUANTIZED and decoded_dtype(spec, input_dtype) is None
-    return spec.W_FORMAT == e4m3 and codes_kept and spec.A_FORMAT == e4m3 and not native
+    return spec.W_FORMAT == e4m3 and codes_kept and spec.A_FORMAT == e4m3 and not has_fp8_conversion(device.capability)
 
 
 def scale_tiles(prepared: PreparedWeight) -> configs.ScaleTiles | None:
@@ -617,10 +621,10 @@ class _GemmTemplate:
     tile: configs.TileConfig
     fused: bool
     gemm_args: dict[str, Any]  # the weight's pointers, strides and sizes
-    gemm_constexprs: dict[str, Any]
+    gemm_constexprs: Mapping[str, Any]  # read-only: every launch from the template shares it
     gemm_label: str
     epilogue_args: dict[str, Any]  # the epilogue's pointers that do not change per call
-    epilogue_constexprs: dict[str, Any]
+    epilogue_constexprs: Mapping[str, Any]
     epilogue_label: str
 
     def launches(
@@ -743,36 +747,40 @@ def _gemm_template(
             "stride_ws": 0 if w_scale is None else w_scale.stride(0),
             "w_scale_cols": 0 if w_scale is None else w_scale.shape[1],
         },
-        gemm_constexprs={
-            **spec.gemm_constexprs(),
-            "A_QUANTIZED": spec.A_QUANTIZED and not decoded_input,
-            "FUSED_SPLIT_K": fused,
-            "HAS_PRE_SCALE": pre_scale is not None,
-            "HAS_ROW_SCALE": row_scale is not None,
-            "HAS_BIAS": has_bias,
-            "DOT_DTYPE": _DOT_DTYPES[input_dtype] if on_gpu else DOT_FP32.value,
-            "USE_PTX": backend == "cuda",
-            "W_DECODE": decode_dtype(spec, input_dtype, prepared.scale_dtype, on_gpu),
-            "W_FOLD_SCALE": _fold_scale(spec, input_dtype, on_gpu),
-            "NATIVE_FP8": native_fp8,
-            "BLOCK_M": tile.block_m,
-            "BLOCK_N": tile.block_n,
-            "BLOCK_K": tile.block_k,
-            "SPLIT_K": tile.split_k,
-            "GROUP_M": tile.group_m,
-            "WEIGHTS_FIRST": tile.weights_first,
-            "W_MASK_K": mask_k(spec, prepared.k, tile.block_k),
-        },
+        gemm_constexprs=types.MappingProxyType(
+            {
+                **spec.gemm_constexprs(),
+                "A_QUANTIZED": spec.A_QUANTIZED and not decoded_input,
+                "FUSED_SPLIT_K": fused,
+                "HAS_PRE_SCALE": pre_scale is not None,
+                "HAS_ROW_SCALE": row_scale is not None,
+                "HAS_BIAS": has_bias,
+                "DOT_DTYPE": _DOT_DTYPES[input_dtype] if on_gpu else DOT_FP32.value,
+                "USE_PTX": backend == "cuda",
+                "W_DECODE": decode_dtype(spec, input_dtype, prepared.scale_dtype, on_gpu),
+                "W_FOLD_SCALE": _fold_scale(spec, input_dtype, on_gpu),
+                "NATIVE_FP8": native_fp8,
+                "BLOCK_M": tile.block_m,
+                "BLOCK_N": tile.block_n,
+                "BLOCK_K": tile.block_k,
+                "SPLIT_K": tile.split_k,
+                "GROUP_M": tile.group_m,
+                "WEIGHTS_FIRST": tile.weights_first,
+                "W_MASK_K": mask_k(spec, prepared.k, tile.block_k),
+            }
+        ),
         gemm_label=f"gemm {prepared.scheme_name} {tile.describe()}",
         epilogue_args={"row_scale_ptr": placeholder if row_scale is None else row_scale},
-        epilogue_constexprs={
-            "A_SCALE": spec.A_SCALE,
-            "HAS_ROW_SCALE": row_scale is not None,
-            "HAS_BIAS": has_bias,
-            "SPLIT_K": tile.split_k,
-            "BLOCK_M": min(tile.block_m, 32),
-            "BLOCK_N": 128,
-        },
+        epilogue_constexprs=types.MappingProxyType(
+            {
+                "A_SCALE": spec.A_SCALE,
+                "HAS_ROW_SCALE": row_scale is not None,
+                "HAS_BIAS": has_bias,
+                "SPLIT_K": tile.split_k,
+                "BLOCK_M": min(tile.block_m, 32),
+                "BLOCK_N": 128,
+            }
+        ),
         epilogue_label=f"split-k epilogue {prepared.scheme_name}",
     )
 
