@@ -178,3 +178,18 @@ def test_fp8_codes_decoded_in_software_on_both_operands_take_narrower_k_tiles() 
     assert heuristic_for(block, 64, 128256, 4096, bf16, sm90).block_k == 128  # hardware conversion
     assert heuristic_for(block, 1, 128256, 4096, bf16, sm80).block_k == 128  # the 16-row tile did not spill
     assert heuristic_for(dynamic, 64, 128256, 4096, bf16, sm80).block_k == 128  # per-token: decoded in the pre-pass
+
+
+@pytest.mark.parametrize("m", [1, 32])
+def test_gathered_scales_take_k_tiles_of_64(m: int) -> None:
+    """A group that neither divides nor spans a 128-wide K tile (48) loads a scale per weight;
+    at 128 the 4-bit decode tiles spilled registers on sm80, sm90 and sm100, at 64 they did not."""
+    sm90 = DeviceFacts("H100-like", 132, 227 * 1024, (9, 0))
+    assert configs.ScaleTiles(48, 5).gathered(128) and configs.ScaleTiles(48, 5).gathered(64)
+    assert not configs.ScaleTiles(192, 5).gathered(64) and not configs.ScaleTiles(16, 4).gathered(128)
+    gathered = heuristic_config(m, 8192, 8192, 4, 2, sm90, wide_decode=True, scales=configs.ScaleTiles(48, 5))
+    assert gathered.block_k == 64
+    aligned = heuristic_config(m, 8192, 8192, 4, 2, sm90, wide_decode=True, scales=configs.ScaleTiles(16, 4))
+    assert aligned.block_k == 128
+    # 192 is gathered at 128 but spans 64: one scale per row and tile there
+    assert heuristic_config(m, 8192, 8192, 4, 2, sm90, scales=configs.ScaleTiles(192, 5)).block_k == 64

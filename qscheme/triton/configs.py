@@ -88,6 +88,10 @@ class ScaleTiles:
             return block_n * self.value_bytes
         return block_n * block_k * self.value_bytes
 
+    def gathered(self, block_k: int) -> bool:
+        """Whether a group neither divides nor spans ``block_k``: a scale per weight."""
+        return block_k % self.group_k != 0 and self.group_k % block_k != 0
+
 
 def _clamp_power_of_two(value: int, low: int, high: int) -> int:
     return max(low, min(high, next_power_of_2(value)))
@@ -147,6 +151,9 @@ def heuristic_config(
     ``software_decodes_both``: the K loop decodes e4m3 codes of both operands with integer
     operations (FP8 per-group activations, kept as codes, before compute capability 8.9); a
     64 x 64 x 128 tile then spilled about 4 KB of registers on sm80, a K tile of 64 none.
+    Gathered scales (one per weight) take K tiles of 64 too: at 128 the 4-bit decode tiles
+    spilled 88-536 bytes at 255 registers on sm80, sm90 and sm100; at 64, none, and fewer
+    instructions per weight.
 
     BLOCK_K is at most K's next power of two (at least 32), and split-K leaves no split
     without K tiles.
@@ -161,6 +168,8 @@ def heuristic_config(
         config = TileConfig(128, 128, 64, num_warps=8, num_stages=3)
     if software_decodes_both and config.block_m > 16:
         config = replace(config, block_k=min(config.block_k, 64))
+    if scales is not None and scales.gathered(config.block_k) and config.block_k > 64:
+        config = replace(config, block_k=64)
     config = replace(config, block_k=min(config.block_k, max(32, next_power_of_2(k))))
     target = 2 * device.multiprocessors
     # Wide decode (M <= 16, 16-bit inputs) keeps 64-wide column tiles and splits K instead: on
