@@ -51,13 +51,17 @@ MS = (1, 16, 256)
 N = K = 4096
 
 
-def best_time(call: Callable[[], object], reps: int, rounds: int = 5) -> float:
-    """Microseconds per call: the best of ``rounds`` means over ``reps`` calls."""
+def best_time(
+    call: Callable[[], object], reps: int, rounds: int = 5, finish: Callable[[], object] = lambda: None
+) -> float:
+    """Microseconds per call: the best of ``rounds`` means over ``reps`` calls, each round
+    timed until ``finish()`` returns (a device synchronisation for queued work)."""
     best = float("inf")
     for _ in range(rounds):
         start = time.perf_counter()
         for _ in range(reps):
             call()
+        finish()
         best = min(best, (time.perf_counter() - start) / reps * 1e6)
     return best
 
@@ -141,17 +145,10 @@ def gpu_eager(schemes: list[str], calls: int = 2000, device: str = "cuda", n: in
             torch.cuda.synchronize()
 
     def per_call(call: Callable[[], object]) -> float:
-        for _ in range(min(calls, 50)):
+        for _ in range(min(calls, 50)):  # warm-up: compiles, caches, the allocator
             call()
         synchronize()
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for _ in range(calls):
-                call()
-            synchronize()
-            best = min(best, (time.perf_counter() - start) / calls * 1e6)
-        return best
+        return best_time(call, calls, rounds=3, finish=synchronize)
 
     x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
     dense = torch.randn(n, k, device=device, dtype=torch.bfloat16)
@@ -260,16 +257,13 @@ def main(argv: list[str] | None = None) -> int:
             print("host_overhead --gpu needs a CUDA GPU; without one, run it without --gpu", file=sys.stderr)
             return 2
         text = gpu_eager(schemes)
-        print(text)
-        if args.markdown:
-            Path(args.markdown).write_text(text + "\n", encoding="utf-8")
-        return 0
-    if args.json:
+    elif args.json:
         print(json.dumps(measure(schemes, args.reps)))
         return 0
-    reps, rounds = (5, 1) if args.smoke else (args.reps, args.rounds)
-    current, baseline = compare(schemes, reps, args.baseline, rounds)
-    text = table(current, baseline, f"baseline {args.baseline}")
+    else:
+        reps, rounds = (5, 1) if args.smoke else (args.reps, args.rounds)
+        current, baseline = compare(schemes, reps, args.baseline, rounds)
+        text = table(current, baseline, f"baseline {args.baseline}")
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n", encoding="utf-8")

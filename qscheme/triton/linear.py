@@ -456,15 +456,11 @@ def linear(
     # The interpreter stores float32 -> bfloat16 by truncation: keep float32 and round in torch.
     out_dtype = torch.float32 if interpreted() and x.dtype == torch.bfloat16 else x.dtype
     out = torch.empty((m, prepared.n), dtype=out_dtype, device=x.device)
-    chunk = _row_chunk(x2, prepared)
-    for segment in prepared.segments:
-        if m <= chunk:
-            if m > 0:
-                _run_segment(prepared, segment, x2, bias, out, config)
-            continue
-        for begin in range(0, m, chunk):  # 32-bit offsets: launches over row ranges of x and out
-            end = min(begin + chunk, m)
-            _run_segment(prepared, segment, x2[begin:end], bias, out[begin:end], config)
+    chunk = _row_chunk(x2, prepared)  # 32-bit offsets: long inputs run as row ranges of x and out
+    rows = [(x2, out)] if m <= chunk else [(x2[b : b + chunk], out[b : b + chunk]) for b in range(0, m, chunk)]
+    for segment in prepared.segments if m > 0 else ():
+        for x_rows, out_rows in rows:
+            _run_segment(prepared, segment, x_rows, bias, out_rows, config)
     return out.to(x.dtype).reshape(*leading, prepared.n)
 
 
@@ -610,7 +606,7 @@ def gemm_launches(
             prepared, segment, tile, input_dtype, backend, native_fp8, decoded_input, fused, has_bias
         )
         prepared.memo[key] = template
-    return template.launches(prepared, segment, inputs, x_scale, bias, out)
+    return template.launches(inputs, x_scale, bias, out)
 
 
 @dataclass(frozen=True)
@@ -620,6 +616,10 @@ class _GemmTemplate:
 
     tile: configs.TileConfig
     fused: bool
+    start: int  # the segment's output rows [start, end)
+    end: int
+    whole: bool  # the segment is every row: the call's out and bias are passed as they are
+    placeholder: Tensor  # any pointer, for arguments a specialisation does not read
     gemm_args: dict[str, Any]  # the weight's pointers, strides and sizes
     gemm_constexprs: Mapping[str, Any]  # read-only: every launch from the template shares it
     gemm_label: str
@@ -627,23 +627,12 @@ class _GemmTemplate:
     epilogue_constexprs: Mapping[str, Any]
     epilogue_label: str
 
-    def launches(
-        self,
-        prepared: PreparedWeight,
-        segment: Segment,
-        inputs: Tensor,
-        x_scale: Tensor | None,
-        bias: Tensor | None,
-        out: Tensor,
-    ) -> list[Launch]:
-        tile = self.tile
-        start, end = segment.start, segment.end
+    def launches(self, inputs: Tensor, x_scale: Tensor | None, bias: Tensor | None, out: Tensor) -> list[Launch]:
+        tile, start, end, placeholder = self.tile, self.start, self.end, self.placeholder
         rows = end - start
-        whole = start == 0 and end == prepared.n
         m = inputs.shape[0]
-        placeholder = prepared.codes
-        out_rows = out if whole else out[:, start:end]
-        bias_rows = bias if bias is None or whole else bias[start:end]
+        out_rows = out if self.whole else out[:, start:end]
+        bias_rows = bias if bias is None or self.whole else bias[start:end]
         tiles = cdiv(m, tile.block_m) * cdiv(rows, tile.block_n)
         partial, stride_split, counters = out_rows, 0, placeholder
         if tile.split_k > 1:
@@ -736,6 +725,10 @@ def _gemm_template(
     return _GemmTemplate(
         tile=tile,
         fused=fused,
+        start=start,
+        end=end,
+        whole=start == 0 and end == prepared.n,
+        placeholder=placeholder,
         gemm_args={
             "pre_scale_ptr": placeholder if pre_scale is None else pre_scale,
             "w_ptr": prepared.codes[start:end],
