@@ -176,3 +176,92 @@ def test_plugins_lists_builtins(capsys: pytest.CaptureFixture[str]) -> None:
     assert plugins["reference"]["distribution"] == "qscheme"
     code, out, _ = run(["plugins"], capsys)
     assert code == 0 and "0 error(s)" in out
+
+
+def _rows(out: str, kernel: str) -> list[str]:
+    """The trace rows of one kernel: its own row and the continuation rows under it."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{kernel} "))
+    rows = [lines[start]]
+    for line in lines[start + 1 :]:
+        if not line.startswith(" ") or not line.strip():
+            break
+        rows.append(line)
+    return rows
+
+
+def test_resolve_lists_every_failing_check_of_the_forced_kernel(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["resolve", "compressed-tensors/NVFP4A16", "--kernel", "marlin", "--shape", "100,100"]
+    code, out, _ = run(argv, capsys)  # on whatever device this machine has
+    assert code == 1
+    assert out.startswith(
+        "kernel: none: scheme compressed-tensors/NVFP4A16 cannot store a layer of N=100, K=100 (see layout)"
+    )
+    assert (
+        "layout: scheme compressed-tensors/NVFP4A16 stores layers with K % 16 == 0, not N=100, K=100 "
+        "(weight_scale [N, K/16] needs K % 16 == 0)"
+    ) in out
+    rows = [" ".join(row.split()) for row in _rows(out, "marlin")]
+    assert rows[0].startswith("marlin vllm 80 rejected device ")
+    assert "device declared only: no implementation is installed" in rows
+    assert "problem needs N % 64 == 0 and K % 128 == 0, or N % 128 == 0 and K % 64 == 0; layer has N=100, K=100" in rows
+    assert "hint: pad the layer to N=128, K=128" in rows  # the plugin check's own hint, in text
+    assert out.rstrip().splitlines()[-1].startswith("hint: pad the layer to N=100, K=112 for scheme")
+
+    code, out, _ = run([*argv, "--device", "cpu"], capsys)
+    rows = [" ".join(row.split()) for row in _rows(out, "marlin")]
+    assert code == 1
+    assert rows[0] == "marlin vllm 80 rejected device runs on cuda; device is cpu"
+    assert ("device needs module vllm, not importable here" in rows) is not module_available("vllm")
+    assert "device declared only: no implementation is installed" in rows
+
+    code, out, _ = run([*argv, "--device", "cpu", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 1 and data["kernel"] is None
+    assert data["layout"]["stage"] == "layout" and "not N=100, K=100" in data["layout"]["reason"]
+    marlin = next(entry for entry in data["trace"] if entry["kernel"] == "marlin")
+    failures = [(f["stage"], f["reason"]) for f in marlin["failures"]]
+    assert failures[0] == ("device", "runs on cuda; device is cpu")
+    assert failures[-1][0] == "problem" and marlin["stage"] == "device"
+    assert marlin["reason"] == "; ".join(reason for _, reason in failures)
+
+
+def test_resolve_lists_scheme_device_and_problem_failures_together(capsys: pytest.CaptureFixture[str]) -> None:
+    """NVFP4 W4A4 on Marlin: wrong activations, declared only, shape not aligned: three rows."""
+    code, out, _ = run(
+        ["resolve", "compressed-tensors/NVFP4", "--kernel", "marlin", "--shape", "96,96", "--device", "sm90"], capsys
+    )
+    assert code == 1 and "layout:" not in out
+    rows = [" ".join(row.split()) for row in _rows(out, "marlin")]
+    assert rows[0] == (
+        "marlin vllm 80 rejected scheme takes nvfp4 weights with none (16-bit) activations; "
+        "scheme has nvfp4 dynamic per group of 16 activations"
+    )
+    assert "device declared only: no implementation is installed" in rows
+    assert "problem needs N % 64 == 0 and K % 128 == 0, or N % 128 == 0 and K % 64 == 0; layer has N=96, K=96" in rows
+    assert "hint: pad the layer to N=128, K=128" in rows
+
+
+def test_resolve_a_shape_the_scheme_cannot_store(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["resolve", "compressed-tensors/NVFP4A16", "--shape", "4096,4097", "--device", "sm90"], capsys)
+    assert code == 1
+    assert out.startswith("kernel: none: scheme compressed-tensors/NVFP4A16 cannot store a layer of N=4096, K=4097")
+    assert (
+        "layout: scheme compressed-tensors/NVFP4A16 stores layers with K % 16 == 0, not N=4096, K=4097 "
+        "(weight_packed [N, K/2] needs K % 2 == 0; weight_scale [N, K/16] needs K % 16 == 0)"
+    ) in out
+    assert "hint: pad the layer to N=4096, K=4112 for scheme compressed-tensors/NVFP4A16" in out
+    code, out, _ = run(["resolve", "compressed-tensors/W4A16", "--shape", "4096,4097", "--device", "sm90"], capsys)
+    assert code == 0 and "layout:" not in out  # its ceil(K/8) and ceil(K/128) shapes pad
+
+
+def test_resolve_on_a_simulated_turing_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["resolve", "compressed-tensors/W4A16", "--device", "sm75", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["device"]["capability"] == "7.5" and data["device"]["simulated"] is True
+    assert data["device"]["name"] == "simulated sm75, Turing (T4-class)"
+    trace = {entry["kernel"]: entry for entry in data["trace"]}
+    assert {"stage": "device", "reason": "needs compute capability 8.0 or newer; device is 7.5", "hint": ""} in (
+        trace["triton"]["failures"]
+    )
+    assert not any("compute capability" in f["reason"] for f in trace["marlin"]["failures"])  # 7.5 or newer

@@ -13,6 +13,7 @@ from qscheme.kernels.devices import SIMULATED_DEVICES, device_facts, probe_devic
 @pytest.mark.parametrize(
     ("name", "capability"),
     [
+        ("sm75", (7, 5)),
         ("sm80", (8, 0)),
         ("sm86", (8, 6)),
         ("sm89", (8, 9)),
@@ -32,7 +33,7 @@ def test_simulated_devices(name: str, capability: tuple[int, int]) -> None:
 
 
 def test_every_documented_device_name_is_known() -> None:
-    assert set(SIMULATED_DEVICES) == {"sm80", "sm86", "sm89", "sm90", "sm100", "sm103", "sm120"}
+    assert set(SIMULATED_DEVICES) == {"sm75", "sm80", "sm86", "sm89", "sm90", "sm100", "sm103", "sm120"}
     with pytest.raises(UsageError, match="unknown device 'sm70'"):
         device_facts("sm70")
     with pytest.raises(UsageError, match="unknown simulated device"):
@@ -60,7 +61,7 @@ def test_probe_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cuda_without_a_gpu_is_a_clear_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(UsageError, match=r"--device cuda: no GPU is visible here .*--device sm80 \| sm86"):
+    with pytest.raises(UsageError, match=r"--device cuda: no GPU is visible here .*--device sm75 \| sm80 \| sm86"):
         device_facts("cuda")
 
 
@@ -147,3 +148,8 @@ def test_a_plugin_kernel_needing_a_torch_feature_torch_has_is_chosen() -> None:
                 builtin_scheme("compressed-tensors/W4A16"), Problem(256, 512), name, environ={}
             )
             assert resolution.kernel is not None and resolution.kernel.name == "e5m2_feature_test"
+
+
+def test_turing_can_be_simulated() -> None:
+    facts = device_facts("sm75")
+    assert facts.name == "simulated sm75, Turing (T4-class)" and facts.capability == (7, 5)

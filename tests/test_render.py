@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from kernel_fakes import AS_IF_IMPLEMENTED, E5M2_PER_TOKEN, builtin_scheme, fake_device, implemented
+from kernel_fakes import AS_IF_IMPLEMENTED, E5M2_PER_TOKEN, all_modules, builtin_scheme, fake_device, implemented
 from qscheme_plugins.marlin import MARLIN
 from qscheme_plugins.native_fp4 import NATIVE_FP4
 
 from qscheme.descriptor import parse_scheme_file
 from qscheme.errors import NoKernelError
-from qscheme.kernels.declaration import KernelDeclaration
+from qscheme.kernels.declaration import CheckResult, DeviceSupport, KernelDeclaration, Supports
 from qscheme.kernels.hints import suggest
 from qscheme.kernels.problem import Problem
 from qscheme.kernels.render import render_resolution, resolution_json
@@ -122,3 +123,65 @@ def test_activation_formats_no_kernel_takes(tmp_path: Path) -> None:
     assert {"activations": "fp8 dynamic per token (e4m3, fp32/float scales)", "kernels": ["triton", "reference"]} in (
         pairings
     )
+
+
+@dataclass(frozen=True)
+class EvenRows:
+    """A plugin's own problem check, with its own hint."""
+
+    def check(self, problem: Problem) -> CheckResult:
+        if problem.n % 2 == 0:
+            return CheckResult(True)
+        return CheckResult(False, f"needs an even N; layer has N={problem.n}", f"add one zero row (N={problem.n + 1})")
+
+    def describe(self) -> str:
+        return "N % 2 == 0"
+
+
+EVEN_ROWS_KERNEL = KernelDeclaration(
+    name="even_rows",
+    provider="test",
+    priority=5,
+    supports=(Supports(("int4",), granularities=("group",)),),
+    devices=(DeviceSupport("cuda"),),
+    implementation="fake_kernels:even_rows",
+    checks=(EvenRows(),),
+)
+
+
+def test_plugin_check_hints_show_in_text_as_in_json() -> None:
+    problem = Problem(4095, 4096)
+    resolution = resolve(builtin_scheme("compressed-tensors/W4A16"), problem, fake_device("cpu"), [EVEN_ROWS_KERNEL])
+    text = render_resolution(resolution)
+    lines = text.splitlines()
+    reason = next(i for i, line in enumerate(lines) if "needs an even N; layer has N=4095" in line)
+    assert lines[reason + 1].split() == ["hint:", "add", "one", "zero", "row", "(N=4096)"]
+    assert lines[reason].split()[0] == "problem"  # a continuation row: the kernel's name is on the first
+    assert any(line.startswith("even_rows ") and "runs on cuda; device is cpu" in line for line in lines)
+    data = resolution_json(resolution)
+    trace: list[dict[str, object]] = data["trace"]  # type: ignore[assignment]
+    assert trace[0]["failures"] == [
+        {"stage": "device", "reason": "runs on cuda; device is cpu", "hint": ""},
+        {"stage": "problem", "reason": "needs an even N; layer has N=4095", "hint": "add one zero row (N=4096)"},
+    ]
+
+
+def test_every_failing_check_with_a_layout_the_scheme_cannot_store() -> None:
+    """NVFP4A16 forced onto Marlin for a 100x100 layer on a CPU: the scheme's groups of 16 cannot
+    store K=100, and each of Marlin's failing checks has its row."""
+    resolution = resolve(
+        builtin_scheme("compressed-tensors/NVFP4A16"),
+        Problem(100, 100),
+        fake_device("cpu", modules=all_modules() - {"vllm"}),
+        AS_IF_IMPLEMENTED,
+        force="marlin",
+    )
+    text = render_resolution(resolution, hint=suggest(resolution, AS_IF_IMPLEMENTED, ALTERNATIVE_DEVICES))
+    check_snapshot("resolve_every_failing_check", text)
+    assert "layout: scheme compressed-tensors/NVFP4A16 stores layers with K % 16 == 0, not N=100, K=100" in text
+    assert text.rstrip().endswith(
+        "hint: pad the layer to N=100, K=112 for scheme compressed-tensors/NVFP4A16, "
+        "or quantize it with a scheme whose declared shapes round up (ceil(K/d))"
+    )
+    unforced = resolve(resolution.scheme, resolution.problem, resolution.device, AS_IF_IMPLEMENTED)
+    check_snapshot("no_kernel_unstorable_layout", error_text(unforced, AS_IF_IMPLEMENTED))

@@ -31,11 +31,17 @@ from qscheme.kernels.declaration import (
 )
 from qscheme.kernels.problem import Problem
 from qscheme.kernels.render import activation_pairings, no_kernel_message
-from qscheme.kernels.resolver import Resolver, resolve
+from qscheme.kernels.resolver import Candidate, Resolver, resolve
 
 SQUARE = Problem(4096, 4096)
 INTERPRETED = (("TRITON_INTERPRET", "1"),)
 NO_VLLM = all_modules() - {"vllm"}
+
+
+def reasons_at(candidate: Candidate, stage: str) -> str:
+    """The candidate's failing checks at one stage, joined as ``Candidate.reason`` joins them all."""
+    return "; ".join(f.reason for f in candidate.failures if f.stage == stage)
+
 
 # (scheme, device, expected kernel) with every built-in kernel as if its code were installed.
 EXPECTED: list[tuple[str, str, str | None]] = [
@@ -72,6 +78,11 @@ EXPECTED: list[tuple[str, str, str | None]] = [
     ("modelopt/FP8", "sm90", "triton"),
     # AWQ with an always-present pre-scale would exclude Marlin; its pre-scale is optional.
     ("modelopt/W4A16_AWQ", "sm90", "marlin"),
+    # Turing (sm75, T4-class): Marlin for weight-only 4-bit; the Triton kernel needs 8.0.
+    ("compressed-tensors/NVFP4A16", "sm75", "marlin"),
+    ("compressed-tensors/W4A16", "sm75", "marlin"),
+    ("compressed-tensors/NVFP4", "sm75", "reference"),
+    ("compressed-tensors/FP8_DYNAMIC", "sm75", "reference"),
     # NVFP4 weights with FP8 inputs: no kernel, anywhere.
     ("modelopt/W4A8_NVFP4_FP8", "sm100", None),
     ("modelopt/W4A8_NVFP4_FP8", "sm90", None),
@@ -110,6 +121,14 @@ def test_capability_families_are_ranges_not_minimums() -> None:
     assert native.reason == "needs compute capability 10.0-10.3 or 12.0-12.1; device is 11.0"
     hopper = resolve(scheme, SQUARE, fake_device("sm90"), AS_IF_IMPLEMENTED).candidate("native_fp4")
     assert (hopper.stage, hopper.reason) == ("device", "needs compute capability 10.0-10.3 or 12.0-12.1; device is 9.0")
+
+
+def test_turing_is_simulated_and_judged_by_capability() -> None:
+    resolution = resolve(builtin_scheme("compressed-tensors/NVFP4"), SQUARE, fake_device("sm75"), AS_IF_IMPLEMENTED)
+    assert (
+        reasons_at(resolution.candidate("triton"), "device") == "needs compute capability 8.0 or newer; device is 7.5"
+    )
+    assert "device is 7.5" in reasons_at(resolution.candidate("native_fp4"), "device")
 
 
 def test_marlin_reasons_say_compute_capability() -> None:
@@ -305,7 +324,9 @@ def test_nvfp4_weights_with_fp8_inputs_resolve_once_a_kernel_declares_the_pair(t
 def test_scheme_stage_reasons() -> None:
     device = fake_device("sm90")
     int8 = resolve(builtin_scheme("compressed-tensors/W8A8"), SQUARE, device, AS_IF_IMPLEMENTED)
-    assert int8.candidate("native_fp4").reason == "implements mxfp4, nvfp4 weights; scheme has int8 weights"
+    assert (
+        reasons_at(int8.candidate("native_fp4"), "scheme") == "implements mxfp4, nvfp4 weights; scheme has int8 weights"
+    )
     assert int8.candidate("marlin").reason == (
         "takes int8 weights with none (16-bit) activations; scheme has int8 dynamic per token activations"
     )
@@ -320,7 +341,7 @@ def test_scheme_stage_reasons() -> None:
         "sym", "test", 1, (Supports(("int4",), activations=(WEIGHT_ONLY,)),), (DeviceSupport(ANY_DEVICE),), "m:x"
     )
     asym = resolve(builtin_scheme("compressed-tensors/W4A16_ASYM"), SQUARE, device, [symmetric])
-    assert asym.candidate("sym").reason == "takes symmetric int4 weights only; scheme has zero points"
+    assert reasons_at(asym.candidate("sym"), "scheme") == "takes symmetric int4 weights only; scheme has zero points"
 
 
 def test_facts_without_modules_say_how_to_build_complete_ones() -> None:
@@ -386,12 +407,12 @@ def test_activation_formats_no_kernel_runs_fail_at_resolution_naming_the_format(
         assert resolution.kernel is None
         assert all(c.stage == "scheme" for c in resolution.trace)
         for name in ("triton", "reference"):
-            assert resolution.candidate(name).reason == (
+            assert reasons_at(resolution.candidate(name), "scheme") == (
                 "takes fp8 weights with fp8 dynamic per token (e4m3, fp32/float scales) activations; "
                 "scheme has fp8 dynamic per token (e5m2, bf16 scales) activations"
             )
         # Kernels that fail on more than the formats keep the usual wording.
-        assert resolution.candidate("marlin").reason == (
+        assert reasons_at(resolution.candidate("marlin"), "scheme") == (
             "takes fp8 weights with none (16-bit) activations; scheme has fp8 dynamic per token activations"
         )
         with pytest.raises(NoKernelError) as raised:
@@ -525,3 +546,149 @@ def test_int8_zero_points_with_int8_inputs_are_declared_by_both_builtin_kernels(
     for declaration, device_name in ((TRITON, "sm90"), (REFERENCE, "cpu")):
         resolution = resolve(asymmetric, SQUARE, fake_device(device_name), [implemented(declaration)])
         assert resolution.kernel is not None, resolution.trace
+
+
+# --- every failing check, and the scheme's own layout -----------------------------------------
+
+
+def test_a_rejected_kernel_lists_every_failing_check_across_stages() -> None:
+    """NVFP4 W4A4 on Marlin on a CPU with a 100x100 layer: wrong activations, wrong device and an
+    unaligned shape, each its own failure; ``stage`` stays the first failing one."""
+    problem = Problem(96, 96)  # storable by the scheme (K % 16 == 0), unaligned for Marlin
+    marlin = resolve(builtin_scheme("compressed-tensors/NVFP4"), problem, fake_device("cpu"), AS_IF_IMPLEMENTED)
+    candidate = marlin.candidate("marlin")
+    assert not candidate.accepted and candidate.stage == "scheme"
+    assert [(f.stage, f.reason) for f in candidate.failures] == [
+        (
+            "scheme",
+            "takes nvfp4 weights with none (16-bit) activations; scheme has nvfp4 dynamic per group of 16 activations",
+        ),
+        ("device", "runs on cuda; device is cpu"),
+        ("problem", "needs N % 64 == 0 and K % 128 == 0, or N % 128 == 0 and K % 64 == 0; layer has N=96, K=96"),
+    ]
+    assert candidate.failures[2].hint == "pad the layer to N=128, K=128"
+    assert candidate.hint == "pad the layer to N=128, K=128"  # the first hint of any check
+    assert candidate.reason == "; ".join(f.reason for f in candidate.failures)
+    assert candidate.as_json()["failures"] == [f.as_json() for f in candidate.failures]
+    chosen = marlin.candidate("reference")
+    assert chosen.chosen and chosen.failures == () and chosen.stage is None
+
+
+def test_every_mismatch_of_the_closest_supports_entry_is_listed() -> None:
+    narrow = KernelDeclaration(
+        "narrow", "test", 1, (Supports(("int4",), group_sizes=(32,)),), (DeviceSupport(ANY_DEVICE),), "m:x"
+    )
+    asym = resolve(
+        builtin_scheme("compressed-tensors/W4A16_ASYM"), SQUARE, fake_device("sm90", modules=frozenset({"m"})), [narrow]
+    )
+    assert reasons_at(asym.candidate("narrow"), "scheme") == (
+        "takes int4 weight groups of 32; scheme has groups of 128; "
+        "takes symmetric int4 weights only; scheme has zero points"
+    )
+    # Every entry misses the activation: only mismatches every entry shares are added.
+    two = KernelDeclaration(
+        "two",
+        "test",
+        1,
+        (Supports(("int4",), group_sizes=(32,)), Supports(("int4",), group_sizes=(32, 128))),
+        (DeviceSupport(ANY_DEVICE),),
+        "m:x",
+    )
+    w8 = replace(
+        builtin_scheme("compressed-tensors/W4A16"), activation=builtin_scheme("compressed-tensors/W8A8").activation
+    )
+    failures = resolve(w8, SQUARE, fake_device("cpu", modules=frozenset({"m"})), [two]).candidate("two").failures
+    assert [f.stage for f in failures] == ["scheme"]
+    assert failures[0].reason.startswith("takes int4 weights with none (16-bit) activations; scheme has int8")
+
+
+def test_the_problem_is_judged_even_when_the_scheme_is_not_taken() -> None:
+    """A fused layer with different scales, on a kernel whose weight family entries lack
+    per-partition scales: the problem row says so next to the scheme row."""
+    fused = Problem(6144, 4096, partitions=3, partition_scales_differ=True)
+    resolution = resolve(builtin_scheme("compressed-tensors/NVFP4"), fused, fake_device("sm90"), AS_IF_IMPLEMENTED)
+    stages = [f.stage for f in resolution.candidate("marlin").failures]
+    assert stages == ["scheme", "problem"]
+    assert "3 fused partitions have different scales" in resolution.candidate("marlin").reason
+
+
+def test_disabled_kernels_still_show_their_other_checks() -> None:
+    resolution = resolve(
+        builtin_scheme("compressed-tensors/NVFP4"),
+        SQUARE,
+        fake_device("sm90"),
+        AS_IF_IMPLEMENTED,
+        disabled={"native_fp4"},
+    )
+    native = resolution.candidate("native_fp4")
+    assert native.stage == "disabled"
+    assert [f.stage for f in native.failures] == ["disabled", "device"]
+
+
+@pytest.mark.parametrize(
+    ("scheme_name", "n", "k", "blocked"),
+    [
+        (
+            "compressed-tensors/NVFP4A16",
+            4096,
+            4097,
+            ["weight_packed [N, K/2] needs K % 2 == 0", "weight_scale [N, K/16] needs K % 16 == 0"],
+        ),
+        ("compressed-tensors/NVFP4A16", 100, 100, ["weight_scale [N, K/16] needs K % 16 == 0"]),
+        ("compressed-tensors/MXFP4", 64, 48, ["weight_scale [N, K/32] needs K % 32 == 0"]),
+        ("modelopt/W4A16_AWQ", 4095, 4096, ["weight [N/2, K] needs N % 2 == 0"]),
+    ],
+)
+def test_a_layer_the_scheme_cannot_store_gets_no_kernel(scheme_name: str, n: int, k: int, blocked: list[str]) -> None:
+    scheme = builtin_scheme(scheme_name)
+    resolution = resolve(scheme, Problem(n, k), fake_device("sm100"), AS_IF_IMPLEMENTED)
+    assert resolution.kernel is None and resolution.layout is not None
+    layout = resolution.layout
+    assert layout.stage == "layout"
+    assert layout.reason.startswith(f"scheme {scheme_name} stores layers with ")
+    assert f"not N={n}, K={k}" in layout.reason
+    for text in blocked:
+        assert text in layout.reason
+    # Kernels are still judged; those that would run it say why they are not chosen.
+    accepted = [c for c in resolution.trace if c.accepted]
+    assert accepted and all("cannot store this layer (see layout)" in c.reason for c in accepted)
+    assert not any(c.chosen for c in resolution.trace)
+    with pytest.raises(NoKernelError, match=f"^the scheme cannot store the layer \\(scheme {scheme_name}; "):
+        resolution.require()
+
+
+def test_the_layout_hint_names_the_nearest_size_the_scheme_stores() -> None:
+    scheme = builtin_scheme("compressed-tensors/NVFP4A16")
+    resolution = resolve(scheme, Problem(4096, 4097), fake_device("sm90"), AS_IF_IMPLEMENTED)
+    assert resolution.layout is not None
+    assert "stores layers with K % 16 == 0, not N=4096, K=4097" in resolution.layout.reason
+    assert resolution.layout.hint.startswith("pad the layer to N=4096, K=4112 for scheme compressed-tensors/NVFP4A16")
+    padded = resolve(scheme, Problem(4096, 4112), fake_device("sm90"), AS_IF_IMPLEMENTED)
+    assert padded.layout is None and padded.kernel is not None
+
+
+@pytest.mark.parametrize(
+    "scheme_name", ["compressed-tensors/W4A16", "compressed-tensors/W4A16_ASYM", "compressed-tensors/FP8_BLOCK"]
+)
+def test_padded_layouts_store_any_shape(scheme_name: str) -> None:
+    """``ceil(K/d)`` shapes pad: any N and K can be stored."""
+    for n, k in ((4097, 4097), (1, 1), (100, 130)):
+        resolution = resolve(builtin_scheme(scheme_name), Problem(n, k), fake_device("cpu"), AS_IF_IMPLEMENTED)
+        assert resolution.layout is None, resolution.layout
+
+
+def test_the_layout_is_read_from_the_descriptor(tmp_path: Path) -> None:
+    """Declaring the same tensors without padding constrains K: no per-scheme table decides."""
+    source = Path(__file__).resolve().parents[1] / "schemes" / "compressed-tensors" / "W4A16.yaml"
+    text = source.read_text().replace("compressed-tensors/W4A16", "test/exact-W4A16")
+    text = text.replace('"ceil(K/8)"', "K/8").replace('"ceil(K/128)"', "K/128")
+    file = tmp_path / "exact.yaml"
+    file.write_text(text)
+    scheme = parse_scheme_file(file)
+    resolution = resolve(scheme, Problem(4096, 4100), fake_device("cpu"), AS_IF_IMPLEMENTED)
+    assert resolution.layout is not None
+    assert "weight_packed [N, K/8] needs K % 8 == 0" in resolution.layout.reason
+    assert "weight_scale [N, K/128] needs K % 128 == 0" in resolution.layout.reason
+    assert "stores layers with K % 128 == 0" in resolution.layout.reason
+    assert resolution.layout.hint.startswith("pad the layer to N=4096, K=4224")
+    assert resolve(scheme, Problem(4096, 4096), fake_device("cpu"), AS_IF_IMPLEMENTED).layout is None

@@ -170,10 +170,13 @@ def render_checkpoint_resolution(path: str, decisions: list[LayerDecision]) -> s
     resolved = sum(1 for d in decisions if d.kernel is not None)
     lines.append("")
     lines.append(f"{resolved} of {len(decisions)} layers have a kernel")
+    unavailable = registry.unavailable_lines()
+    if unavailable:
+        lines.extend(["", *unavailable])
     failed: dict[tuple[object, ...], list[LayerDecision]] = {}
     for decision in decisions:
         if decision.kernel is None:
-            trace = tuple((c.kernel, c.stage) for c in decision.resolution.trace)
+            trace = tuple((c.kernel, tuple(f.stage for f in c.failures)) for c in decision.resolution.trace)
             failed.setdefault((decision.resolution.scheme.name, trace), []).append(decision)
     for same in failed.values():
         lines.extend(["", str(registry.no_kernel_error(same[0].resolution))])
@@ -191,6 +194,8 @@ def resolve_command(args: argparse.Namespace) -> int:
     dtype = getattr(args, "dtype", None) or "bf16"
     _, decisions = resolve_checkpoint(args.target, device=args.device, kernel=args.kernel, activation_dtype=dtype)
     if getattr(args, "json", False):
+        from qscheme.kernels.registry import unavailable_kernels
+
         print_json(
             {
                 "checkpoint": str(args.target),
@@ -200,6 +205,7 @@ def resolve_command(args: argparse.Namespace) -> int:
                     {"pattern": pattern, "count": count, **decision.as_json()}
                     for pattern, decision, count in group_decisions(decisions)
                 ],
+                "unavailable_kernels": unavailable_kernels(),
             }
         )
     else:

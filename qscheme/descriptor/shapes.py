@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from math import lcm
 
 MAX_SIZE = 2**20
 """Largest constant dimension, divisor, group size or block size a descriptor may declare."""
@@ -93,3 +94,21 @@ def evaluate_shape(shape: Shape, n: int, k: int) -> tuple[int, ...] | None:
 def format_shape(shape: Shape) -> str:
     """Render as ``[N, K/16]``."""
     return "[" + ", ".join(str(dim) for dim in shape) + "]"
+
+
+def shape_multiples(shape: Shape) -> tuple[int, int]:
+    """(n_multiple, k_multiple): what N and K must be multiples of for ``shape`` to evaluate.
+
+    Only exact divisions (``K/16``) constrain a layer; ``ceil(K/16)`` stores any K, padded.
+    """
+    multiples = {"N": 1, "K": 1}
+    for dim in shape:
+        if dim.variable is not None and not dim.ceil:
+            multiples[dim.variable] = lcm(multiples[dim.variable], dim.divisor)
+    return multiples["N"], multiples["K"]
+
+
+def describe_multiples(n_multiple: int, k_multiple: int) -> str:
+    """``N % 2 == 0 and K % 16 == 0`` (a multiple of 1 is left out; ``any N and K`` when both are)."""
+    parts = [f"{name} % {multiple} == 0" for name, multiple in (("N", n_multiple), ("K", k_multiple)) if multiple > 1]
+    return " and ".join(parts) or "any N and K"

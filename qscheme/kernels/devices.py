@@ -23,6 +23,7 @@ from qscheme.errors import UsageError
 from qscheme.kernels.declaration import Capability, format_capability
 
 SIMULATED_DEVICES: dict[str, tuple[Capability, str]] = {
+    "sm75": ((7, 5), "Turing (T4-class)"),
     "sm80": ((8, 0), "Ampere datacenter (A100-class)"),
     "sm86": ((8, 6), "Ampere consumer (RTX 30-class)"),
     "sm89": ((8, 9), "Ada (L40 / RTX 40-class)"),

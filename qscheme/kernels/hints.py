@@ -24,11 +24,14 @@ def suggest(
     schemes: Iterable[Scheme] = (),
     unavailable: Mapping[str, str] | None = None,
 ) -> str:
-    """The first of: drop the forced kernel; re-enable a disabled one; another device; fix the
-    layer; another scheme with the same weights; write a plugin."""
+    """The first of: store the layer in the scheme's layout; drop the forced kernel; re-enable a
+    disabled one; another device; fix the layer; another scheme with the same weights; write a
+    plugin."""
     scheme, problem, device = resolution.scheme, resolution.problem, resolution.device
     if resolution.kernel is not None:
         return ""
+    if resolution.layout is not None:
+        return resolution.layout.hint
     if resolution.forced:
         accepted = [c for c in resolution.trace if c.accepted]
         if accepted:
@@ -54,7 +57,8 @@ def suggest(
                 f"(`qscheme resolve {scheme.name} --device {option}` shows the trace there)"
             )
     for candidate in resolution.trace:
-        if candidate.stage == "problem" and candidate.hint:
+        # Only a kernel that fails nothing but the layer's own facts is worth reshaping it for.
+        if candidate.failures and all(f.stage == "problem" for f in candidate.failures) and candidate.hint:
             return f"{candidate.hint} for kernel {candidate.kernel}"
     features = SchemeFeatures.of(scheme)
     same_weights = [

@@ -1,5 +1,8 @@
 """Rendering resolutions: the trace table, the decision, the no-kernel message, and JSON.
 
+The trace lists every failing check of every kernel, one a row, with the check's hint (a
+plugin's own checks give theirs) under it, in text as in JSON.
+
 Pure string building; no I/O. The no-kernel message is snapshot-tested (tests/snapshots/).
 """
 
@@ -8,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from qscheme.kernels.declaration import KernelDeclaration
-from qscheme.kernels.resolver import Resolution, SchemeFeatures, activation_matches, formats_differ
+from qscheme.kernels.resolver import Candidate, Resolution, SchemeFeatures, activation_matches, formats_differ
 
 TRACE_HEADER: tuple[str, ...] = ("kernel", "provider", "priority", "verdict", "stage", "reason")
 
@@ -22,10 +25,22 @@ def text_table(rows: Sequence[Sequence[str]], header: Sequence[str], indent: str
     return "\n".join(lines)
 
 
+def trace_rows(candidate: Candidate) -> list[tuple[str, str, str, str, str, str]]:
+    """A candidate's rows: its first failing check beside its name, then one row for each other
+    failing check, each followed by the check's hint where it has one."""
+    head = (candidate.kernel, candidate.provider, str(candidate.priority), candidate.verdict)
+    if not candidate.failures:
+        return [(*head, candidate.stage or "-", candidate.reason or "-")]
+    rows: list[tuple[str, str, str, str, str, str]] = []
+    for index, failure in enumerate(candidate.failures):
+        rows.append((*(head if index == 0 else ("", "", "", "")), failure.stage, failure.reason))
+        if failure.hint:
+            rows.append(("", "", "", "", "", f"hint: {failure.hint}"))
+    return rows
+
+
 def trace_table(resolution: Resolution, indent: str = "") -> str:
-    rows = [
-        (c.kernel, c.provider, str(c.priority), c.verdict, c.stage or "-", c.reason or "-") for c in resolution.trace
-    ]
+    rows = [row for candidate in resolution.trace for row in trace_rows(candidate)]
     return text_table(rows, TRACE_HEADER, indent)
 
 
@@ -34,6 +49,9 @@ def decision_line(resolution: Resolution) -> str:
     if resolution.kernel is not None:
         forced = " (forced)" if resolution.forced else ""
         return f"kernel: {resolution.kernel.name}{forced} for scheme {scheme}"
+    if resolution.layout is not None:
+        problem = resolution.problem
+        return f"kernel: none: scheme {scheme} cannot store a layer of N={problem.n}, K={problem.k} (see layout)"
     if resolution.forced:
         return f"kernel: none: forced kernel {resolution.forced!r} cannot run scheme {scheme}"
     return f"kernel: none can run scheme {scheme}"
@@ -52,6 +70,8 @@ def render_resolution(
         f"device: {resolution.device.describe()}",
         f"problem: {resolution.problem.describe()}",
     ]
+    if resolution.layout is not None:
+        lines.append(f"layout: {resolution.layout.reason}")
     lines.extend(f"note: {note}" for note in resolution.device.notes)
     if resolution.kernel is None and declarations is not None:
         lines.extend(_pairing_section(resolution, declarations))
@@ -86,6 +106,7 @@ def resolution_json(
         "disabled": sorted(resolution.disabled),
         "device": resolution.device.as_json(),
         "problem": resolution.problem.as_json(),
+        "layout": resolution.layout.as_json() if resolution.layout is not None else None,
         "trace": [c.as_json() for c in resolution.trace],
         "pairings": pairings,
         "hint": hint or None,
@@ -152,7 +173,9 @@ def no_kernel_message(
     if problem.partitions > 1:
         differ = "different" if problem.partition_scales_differ else "equal"
         shape += f", {problem.partitions} fused partitions with {differ} scales"
-    if resolution.forced:
+    if resolution.layout is not None:
+        head = f"the scheme cannot store {layer}"
+    elif resolution.forced:
         head = f"forced kernel {resolution.forced!r} cannot run {layer}"
     else:
         head = f"no kernel can run {layer}"
@@ -160,6 +183,8 @@ def no_kernel_message(
         f"{head} (scheme {resolution.scheme.name}; {shape})",
         f"device: {resolution.device.describe()}",
     ]
+    if resolution.layout is not None:
+        lines.append(f"layout: {resolution.layout.reason}")
     if declarations is not None:
         section = _pairing_section(resolution, declarations)
         if section:

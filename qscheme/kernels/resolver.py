@@ -1,6 +1,9 @@
 """The resolver: a pure function from (scheme, problem, device, declarations, overrides) to a kernel.
 
-Every declaration is judged in a fixed order of stages and the first failing stage rejects it:
+First the scheme's own layout is checked: every tensor it declares must have a shape for the
+layer's N and K (``[N, K/16]`` needs K % 16 == 0); when one has none, no kernel is chosen and
+``Resolution.layout`` says why. Then every declaration is judged at every stage, and every
+failing check is kept (``Candidate.failures``), in the order of the stages:
 
 1. ``disabled``: the user disabled it (QSCHEME_DISABLED_KERNELS or ``disabled=``);
 2. ``scheme``: it does not implement the scheme's formats (weights, activations, scales, ...);
@@ -8,20 +11,24 @@ Every declaration is judged in a fixed order of stages and the first failing sta
    kernel library, or an implementation that cannot be imported;
 4. ``problem``: the layer's N, K, activation dtype, fused partitions or pre-scale do not suit it.
 
-Candidates are ordered by priority (highest first), then name; the first accepted one wins,
-unless a kernel is forced, in which case only that one may win. A forced kernel that cannot
-run leaves the resolution without a kernel: ``Resolution.require()`` then raises
-``NoKernelError`` with the full trace. Nothing here reads the environment or imports kernels;
-``qscheme.kernels.registry`` gathers those facts and passes them in.
+``Candidate.stage`` is the first failing stage. Candidates are ordered by priority (highest
+first), then name; the first accepted one wins, unless a kernel is forced, in which case only
+that one may win. A forced kernel that cannot run leaves the resolution without a kernel:
+``Resolution.require()`` then raises ``NoKernelError`` with the full trace. Nothing here reads
+the environment or imports kernels; ``qscheme.kernels.registry`` gathers those facts and
+passes them in.
 """
 
 from __future__ import annotations
 
 import difflib
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from math import lcm
 
 from qscheme.descriptor import Scheme
+from qscheme.descriptor.shapes import describe_multiples, shape_multiples
 from qscheme.errors import NoKernelError, UsageError
 from qscheme.kernels.declaration import (
     ANY_DEVICE,
@@ -38,8 +45,25 @@ STAGES: tuple[str, ...] = ("disabled", "scheme", "device", "problem")
 
 
 @dataclass(frozen=True)
+class Failure:
+    """One failing check: its stage, why it fails (actual and required values), and a fix."""
+
+    stage: str
+    reason: str
+    hint: str = ""
+
+    def as_json(self) -> dict[str, object]:
+        return {"stage": self.stage, "reason": self.reason, "hint": self.hint}
+
+
+@dataclass(frozen=True)
 class Candidate:
-    """One line of the trace: a kernel, and whether it was accepted or where it was rejected."""
+    """One kernel of the trace: accepted, or rejected with every failing check.
+
+    ``stage`` is the first failing stage, ``reason`` every failing check's reason joined with
+    "; " (or why an accepted kernel was not chosen) and ``hint`` the first check's fix;
+    ``failures`` keeps each check apart.
+    """
 
     kernel: str
     provider: str
@@ -50,6 +74,7 @@ class Candidate:
     reason: str
     hint: str = ""
     chosen: bool = False
+    failures: tuple[Failure, ...] = ()
 
     @property
     def verdict(self) -> str:
@@ -68,6 +93,7 @@ class Candidate:
             "stage": self.stage,
             "reason": self.reason,
             "hint": self.hint,
+            "failures": [f.as_json() for f in self.failures],
         }
 
 
@@ -82,6 +108,7 @@ class Resolution:
     trace: tuple[Candidate, ...]
     forced: str | None = None
     disabled: frozenset[str] = frozenset()
+    layout: Failure | None = None
 
     @property
     def resolved(self) -> bool:
@@ -190,71 +217,96 @@ def formats_differ(weight_family: str, wanted: ActivationSupport, supports: Iter
     )
 
 
-def _supports_mismatch(supports: Supports, features: SchemeFeatures) -> tuple[int, str] | None:
-    """None when ``supports`` covers the scheme, else (how far it got, why not)."""
+def _supports_mismatches(supports: Supports, features: SchemeFeatures) -> list[tuple[int, str]]:
+    """Every way ``supports`` misses the scheme, as (rank, reason) in the order of the checks;
+    empty when it covers the scheme. Rank 1, the activation, is worded by the caller, which
+    sees every entry for the weight family."""
     family = features.weight_family
+    found: list[tuple[int, str]] = []
     if not any(activation_matches(a, features.activation) for a in supports.activations):
-        return 1, ""  # worded by the caller, which sees every entry for this weight family
+        found.append((1, ""))
     if supports.granularities and features.granularity not in supports.granularities:
-        return 2, (
-            f"takes {family} weights with {'/'.join(supports.granularities)} scales; "
-            f"scheme has {features.granularity} scales"
+        found.append(
+            (
+                2,
+                f"takes {family} weights with {'/'.join(supports.granularities)} scales; "
+                f"scheme has {features.granularity} scales",
+            )
         )
     if features.granularity == "group" and supports.group_sizes and features.group_size not in supports.group_sizes:
-        return 3, (
-            f"takes {family} weight groups of {'/'.join(str(g) for g in supports.group_sizes)}; "
-            f"scheme has groups of {features.group_size}"
+        found.append(
+            (
+                3,
+                f"takes {family} weight groups of {'/'.join(str(g) for g in supports.group_sizes)}; "
+                f"scheme has groups of {features.group_size}",
+            )
         )
     if features.granularity == "block" and supports.blocks and features.block not in supports.blocks:
         blocks = "/".join(f"{r}x{c}" for r, c in supports.blocks)
         block = f"{features.block[0]}x{features.block[1]}" if features.block else "?"
-        return 3, f"takes {family} weight blocks of {blocks}; scheme has {block} blocks"
+        found.append((3, f"takes {family} weight blocks of {blocks}; scheme has {block} blocks"))
     if supports.scale_formats and features.scale_format not in supports.scale_formats:
-        return 4, (
-            f"takes {family} weights with {'/'.join(supports.scale_formats)} scales; "
-            f"scheme has {features.scale_format} scales"
+        found.append(
+            (
+                4,
+                f"takes {family} weights with {'/'.join(supports.scale_formats)} scales; "
+                f"scheme has {features.scale_format} scales",
+            )
         )
     if features.zero_point and not supports.zero_points:
-        return 5, f"takes symmetric {family} weights only; scheme has zero points"
+        found.append((5, f"takes symmetric {family} weights only; scheme has zero points"))
     if features.input_pre_scale_required and not supports.input_pre_scale:
-        return 6, "does not apply an input pre-scale; scheme always has one"
-    return None
+        found.append((6, "does not apply an input pre-scale; scheme always has one"))
+    return found
 
 
-def check_scheme(declaration: KernelDeclaration, features: SchemeFeatures) -> tuple[tuple[Supports, ...], str]:
-    """The declaration's Supports entries that cover the scheme, or () and the reason."""
+def scheme_reasons(declaration: KernelDeclaration, features: SchemeFeatures) -> tuple[tuple[Supports, ...], list[str]]:
+    """The declaration's Supports entries that cover the scheme, or () and every reason.
+
+    Of several entries for the weight family, the one that gets furthest through the checks
+    is described, with all its mismatches. When every entry misses the activation, the other
+    mismatches listed are those every entry has (they would remain whatever the activation).
+    """
     family = features.weight_family
     same_family = [s for s in declaration.supports if family in s.weights]
     if not same_family:
         families = sorted({w for s in declaration.supports for w in s.weights})
-        return (), f"implements {', '.join(families)} weights; scheme has {family} weights"
+        return (), [f"implements {', '.join(families)} weights; scheme has {family} weights"]
     matching: list[Supports] = []
-    best: tuple[int, str] | None = None
+    missed: list[list[tuple[int, str]]] = []
     for supports in same_family:
-        mismatch = _supports_mismatch(supports, features)
-        if mismatch is None:
+        mismatches = _supports_mismatches(supports, features)
+        if mismatches:
+            missed.append(mismatches)
+        else:
             matching.append(supports)
-        elif best is None or mismatch[0] > best[0]:
-            best = mismatch
     if matching:
-        return tuple(matching), ""
-    assert best is not None
-    if best[0] == 1:
-        wanted = features.activation
-        # When the formats are what differs, only the entries that take the activation but for its
-        # formats are named, with their formats; otherwise every entry, without formats.
-        formats = formats_differ(family, wanted, same_family)
-        taken: list[str] = []
-        for supports in same_family:
-            for a in supports.activations:
-                described = a.describe(formats)
-                if described not in taken and (not formats or activation_matches(a, wanted, formats=False)):
-                    taken.append(described)
-        return (), (
-            f"takes {family} weights with {' or '.join(taken)} activations; "
-            f"scheme has {wanted.describe(formats)} activations"
-        )
-    return (), best[1]
+        return tuple(matching), []
+    best = max(missed, key=lambda m: m[0][0])  # the first entry that gets furthest
+    if best[0][0] > 1:
+        return (), [reason for _, reason in best]
+    wanted = features.activation
+    # When the formats are what differs, only the entries that take the activation but for its
+    # formats are named, with their formats; otherwise every entry, without formats.
+    formats = formats_differ(family, wanted, same_family)
+    taken: list[str] = []
+    for supports in same_family:
+        for a in supports.activations:
+            described = a.describe(formats)
+            if described not in taken and (not formats or activation_matches(a, wanted, formats=False)):
+                taken.append(described)
+    reasons = [
+        f"takes {family} weights with {' or '.join(taken)} activations; "
+        f"scheme has {wanted.describe(formats)} activations"
+    ]
+    shared = [reason for rank, reason in missed[0] if rank > 1 and all((rank, reason) in m for m in missed[1:])]
+    return (), reasons + shared
+
+
+def check_scheme(declaration: KernelDeclaration, features: SchemeFeatures) -> tuple[tuple[Supports, ...], str]:
+    """The declaration's Supports entries that cover the scheme, or () and the reasons joined."""
+    matching, reasons = scheme_reasons(declaration, features)
+    return matching, "; ".join(reasons)
 
 
 # --- device stage -----------------------------------------------------------------------------
@@ -264,10 +316,17 @@ def check_device(
     declaration: KernelDeclaration, device: DeviceFacts, unavailable: Mapping[str, str] | None = None
 ) -> str:
     """Empty when the kernel can run on the device here, else every reason it cannot."""
+    return "; ".join(device_reasons(declaration, device, unavailable))
+
+
+def device_reasons(
+    declaration: KernelDeclaration, device: DeviceFacts, unavailable: Mapping[str, str] | None = None
+) -> list[str]:
+    """Every reason the kernel cannot run on the device here (empty when it can)."""
     reasons: list[str] = []
     placement = _check_placement(declaration, device)
     if placement:
-        reasons.append(placement)
+        reasons.extend(placement)
     missing_features = [f for f in declaration.torch_features if f not in device.torch_features]
     if missing_features:
         names = ", ".join(f"torch.{f}" for f in missing_features)
@@ -290,15 +349,15 @@ def check_device(
         reasons.append(f"implementation {declaration.implementation} failed to load: {unavailable[declaration.name]}")
     elif declaration.implementation_module not in device.modules:
         reasons.append(f"implementation {declaration.implementation} is not importable here")
-    return "; ".join(reasons)
+    return reasons
 
 
-def _check_placement(declaration: KernelDeclaration, device: DeviceFacts) -> str:
+def _check_placement(declaration: KernelDeclaration, device: DeviceFacts) -> list[str]:
     """Empty when some DeviceSupport admits the device type, capability and environment."""
     options = [d for d in declaration.devices if d.type in (ANY_DEVICE, device.type)]
     if not options:
         types = ", ".join(d.type for d in declaration.devices)
-        return f"runs on {types}; device is {device.type}"
+        return [f"runs on {types}; device is {device.type}"]
     failures: list[str] = []
     for option in options:
         problems: list[str] = []
@@ -316,9 +375,9 @@ def _check_placement(declaration: KernelDeclaration, device: DeviceFacts) -> str
                 shown = "unset" if actual is None else f"{variable}={actual}"
                 problems.append(f"on {device.type} needs {variable}={value} ({shown})")
         if not problems:
-            return ""
+            return []
         failures.extend(problems)
-    return "; ".join(failures)
+    return failures
 
 
 # --- problem stage ----------------------------------------------------------------------------
@@ -326,26 +385,79 @@ def _check_placement(declaration: KernelDeclaration, device: DeviceFacts) -> str
 
 def check_problem(
     declaration: KernelDeclaration, matching: Sequence[Supports], features: SchemeFeatures, problem: Problem
-) -> tuple[str, str]:
-    """("", "") when the layer suits the kernel, else (reasons, first hint)."""
-    reasons: list[str] = []
-    hints: list[str] = []
+) -> list[Failure]:
+    """Every way the layer does not suit the kernel, each with its fix (empty when it suits).
+
+    ``matching`` are the Supports entries that cover the scheme (the entries for its weight
+    family when none does, so that a kernel rejected for its formats is judged as it would be)."""
+    failures: list[Failure] = []
     if problem.partitions > 1 and problem.partition_scales_differ and not any(s.per_partition_scales for s in matching):
-        reasons.append(
-            f"takes one global scale per layer; its {problem.partitions} fused partitions have different scales"
+        failures.append(
+            Failure(
+                "problem",
+                f"takes one global scale per layer; its {problem.partitions} fused partitions have different scales",
+                "load the partitions as separate layers, or rescale them to one shared global scale",
+            )
         )
-        hints.append("load the partitions as separate layers, or rescale them to one shared global scale")
     pre_scale = features.input_pre_scale_required if problem.input_pre_scale is None else problem.input_pre_scale
     if pre_scale and not any(s.input_pre_scale for s in matching):
-        reasons.append("does not apply an input pre-scale (AWQ pre_quant_scale); the layer has one")
-        hints.append("fold the pre-scale into the preceding layer")
+        failures.append(
+            Failure(
+                "problem",
+                "does not apply an input pre-scale (AWQ pre_quant_scale); the layer has one",
+                "fold the pre-scale into the preceding layer",
+            )
+        )
     for check in declaration.checks:
         result = check.check(problem)
         if not result.ok:
-            reasons.append(result.reason)
-            if result.hint:
-                hints.append(result.hint)
-    return "; ".join(reasons), (hints[0] if hints else "")
+            failures.append(Failure("problem", result.reason, result.hint))
+    return failures
+
+
+# --- the scheme's own layout ------------------------------------------------------------------
+
+
+def _round_up(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
+def check_layout(scheme: Scheme, problem: Problem) -> Failure | None:
+    """None when every tensor the scheme declares has a shape for the layer's N x K; else why
+    not, what the scheme stores, and the nearest size it stores.
+
+    Read from the declared shapes alone (``[N, K/2]`` for two e2m1 codes a byte, ``[N, K/16]``
+    for scales of groups of 16; ``ceil(K/d)`` pads, so it stores any K): no table per scheme.
+    """
+    n, k = problem.n, problem.k
+    blocked: list[str] = []
+    constraints: list[list[tuple[int, int]]] = []
+    for spec in scheme.tensor_specs().values():
+        options = list(dict.fromkeys(shape_multiples(shape) for shape in spec.shapes))
+        if not options or (1, 1) in options:
+            continue
+        constraints.append(options)
+        if not spec.expected_shapes(n, k):
+            needs = " or ".join(describe_multiples(*option) for option in options)
+            blocked.append(f"{spec.name} {spec.describe_shapes()} needs {needs}")
+    if not blocked:
+        return None
+    best: tuple[tuple[int, int, int], tuple[int, int]] | None = None
+    for choice in itertools.product(*constraints):
+        multiples = (lcm(*(c[0] for c in choice)), lcm(*(c[1] for c in choice)))
+        padded_n, padded_k = _round_up(n, multiples[0]), _round_up(k, multiples[1])
+        key = (padded_n * padded_k, padded_n, padded_k)
+        if best is None or key < best[0]:
+            best = (key, multiples)
+    assert best is not None  # blocked is not empty, so neither is constraints
+    (_, padded_n, padded_k), multiples = best
+    return Failure(
+        "layout",
+        f"scheme {scheme.name} stores layers with {describe_multiples(*multiples)}, not N={n}, K={k} "
+        f"({'; '.join(blocked)})",
+        f"pad the layer to N={padded_n}, K={padded_k} for scheme {scheme.name}, or quantize it with a scheme "
+        "whose declared shapes round up (ceil(K/d))",
+    )
 
 
 # --- the resolver -----------------------------------------------------------------------------
@@ -393,14 +505,18 @@ def resolve(
         raise _unknown_kernel(force, candidates)
     disabled_set = frozenset(disabled)
     features = SchemeFeatures.of(scheme)
+    layout = check_layout(scheme, problem)
     trace: list[Candidate] = []
     chosen: KernelDeclaration | None = None
     for declaration in candidates:
-        stage, reason, hint = _judge(declaration, features, problem, device, disabled_set, unavailable)
-        accepted = stage is None
+        failures = judge(declaration, features, problem, device, disabled_set, unavailable)
+        accepted = not failures
         is_chosen = False
+        reason = "; ".join(f.reason for f in failures)
         if accepted:
-            if force is not None and declaration.name != force:
+            if layout is not None:
+                reason = f"not chosen: scheme {scheme.name} cannot store this layer (see layout)"
+            elif force is not None and declaration.name != force:
                 reason = f"not chosen: kernel {force!r} is forced"
             elif chosen is None:
                 chosen, is_chosen = declaration, True
@@ -413,36 +529,38 @@ def resolve(
                 declaration.priority,
                 declaration.plugin,
                 accepted,
-                stage,
+                failures[0].stage if failures else None,
                 reason,
-                hint,
+                next((f.hint for f in failures if f.hint), ""),
                 is_chosen,
+                tuple(failures),
             )
         )
-    return Resolution(scheme, problem, device, chosen, tuple(trace), force, disabled_set)
+    return Resolution(scheme, problem, device, chosen, tuple(trace), force, disabled_set, layout)
 
 
-def _judge(
+def judge(
     declaration: KernelDeclaration,
     features: SchemeFeatures,
     problem: Problem,
     device: DeviceFacts,
-    disabled: frozenset[str],
-    unavailable: Mapping[str, str] | None,
-) -> tuple[str | None, str, str]:
-    """(stage, reason, hint) of the first failing stage, or (None, "", "") when accepted."""
+    disabled: frozenset[str] = frozenset(),
+    unavailable: Mapping[str, str] | None = None,
+) -> list[Failure]:
+    """Every failing check of one kernel, stage by stage (empty when it is accepted)."""
+    failures: list[Failure] = []
     if declaration.name in disabled:
-        return "disabled", "disabled by the user (QSCHEME_DISABLED_KERNELS)", f"re-enable {declaration.name}"
-    matching, reason = check_scheme(declaration, features)
+        failures.append(
+            Failure("disabled", "disabled by the user (QSCHEME_DISABLED_KERNELS)", f"re-enable {declaration.name}")
+        )
+    matching, reasons = scheme_reasons(declaration, features)
+    failures.extend(Failure("scheme", reason) for reason in reasons)
+    failures.extend(Failure("device", reason) for reason in device_reasons(declaration, device, unavailable))
     if not matching:
-        return "scheme", reason, ""
-    reason = check_device(declaration, device, unavailable)
-    if reason:
-        return "device", reason, ""
-    reason, hint = check_problem(declaration, matching, features, problem)
-    if reason:
-        return "problem", reason, hint
-    return None, "", ""
+        same_family = [s for s in declaration.supports if features.weight_family in s.weights]
+        matching = tuple(same_family or declaration.supports)
+    failures.extend(check_problem(declaration, matching, features, problem))
+    return failures
 
 
 class Resolver:
