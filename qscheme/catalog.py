@@ -1,7 +1,14 @@
 """The scheme catalog: built-in descriptors, folders on QSCHEME_SCHEME_PATH, and plugin ones.
 
-Two descriptors with one name are an error naming both files; nothing is silently shadowed. A
-plugin's descriptor whose name is already defined is refused as that plugin's failure instead
+Nothing is silently skipped or shadowed. A descriptor on QSCHEME_SCHEME_PATH that does not
+parse, a name there that another descriptor already has (also when they differ only by case:
+lookups ignore case), a FIFO, device, dangling or looping symlink named ``*.yaml``, and a folder
+that is missing or cannot be read are each skipped with a ``SchemePathWarning`` naming the file
+and the problem, kept in ``Catalog.skipped``, and shown by ``qscheme schemes``; every other
+scheme still loads, as with a broken plugin descriptor. ``QSCHEME_STRICT_SCHEMES=1`` (and
+``qscheme validate``) make them errors. A broken built-in descriptor is always an error.
+
+A plugin's descriptor whose name is already defined is refused as that plugin's failure instead
 (``qscheme plugins`` shows it), so one plugin cannot break the catalog of every other scheme.
 """
 
@@ -9,15 +16,28 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Callable, Iterable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 from qscheme.descriptor import Scheme, parse_scheme_file
+from qscheme.descriptor.files import path_problem
 from qscheme.errors import Location, Problem, SchemeError, SchemeNotFoundError
 
 SCHEME_PATH_VARIABLE = "QSCHEME_SCHEME_PATH"
+STRICT_VARIABLE = "QSCHEME_STRICT_SCHEMES"
+
+
+class SchemePathWarning(UserWarning):
+    """A descriptor file or scheme folder was skipped; the message names it and the problem."""
+
+
+def strict_schemes(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether QSCHEME_STRICT_SCHEMES asks for skipped descriptors to be errors."""
+    value = (os.environ if environ is None else environ).get(STRICT_VARIABLE, "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 def builtin_scheme_dir() -> Path:
@@ -28,15 +48,18 @@ def builtin_scheme_dir() -> Path:
 def descriptor_files(folder: Path, problems: list[Problem] | None = None) -> list[Path]:
     """Every *.yaml / *.yml below a folder, sorted; hidden files and folders (``.name``) are skipped.
 
-    A folder that cannot be read is a problem, never a silent skip: it is appended to
-    ``problems`` when given, else raised as a SchemeError.
+    Symlinked folders are followed (a link back into a folder already read is reported as a
+    loop). What cannot be read is a problem, never a silent skip: a folder that cannot be
+    listed, and a ``*.yaml`` name that is a FIFO, socket or device, a dangling or looping
+    symlink, or a file over the descriptor size cap (nothing is opened to find out). Problems
+    are appended to ``problems`` when given, else raised as a SchemeError.
     """
-    unreadable: list[Problem] = []
+    found: list[Problem] = []
 
     def report(error: OSError) -> None:
         where = error.filename or folder
         reason = error.strerror or str(error)
-        unreadable.append(
+        found.append(
             Problem(
                 Location(str(where)),
                 f"cannot read this scheme folder: {reason}; make it readable (chmod +rx), or move it away",
@@ -44,24 +67,47 @@ def descriptor_files(folder: Path, problems: list[Problem] | None = None) -> lis
         )
 
     files: list[Path] = []
-    for root, dirs, names in os.walk(folder, onerror=report):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+    seen = {_resolved(folder)}
+    for root, dirs, names in os.walk(folder, onerror=report, followlinks=True):
+        kept = []
+        for name in sorted(d for d in dirs if not d.startswith(".")):
+            path = Path(root) / name
+            if path.is_symlink() and _resolved(path) in seen:
+                found.append(
+                    Problem(
+                        Location(str(path)),
+                        f"is a symlink to {os.readlink(path)!r}, a folder already read (a loop); remove the link",
+                    )
+                )
+                continue
+            seen.add(_resolved(path))
+            kept.append(name)
+        dirs[:] = kept
         for name in names:
             path = Path(root) / name
-            if not name.startswith(".") and path.suffix in (".yaml", ".yml") and path.is_file():
+            if name.startswith(".") or path.suffix not in (".yaml", ".yml"):
+                continue
+            problem = path_problem(path)
+            if problem is None:
                 files.append(path)
-    if unreadable:
+            else:
+                found.append(Problem(Location(str(path)), f"{problem}; it is not read"))
+    if found:
         if problems is None:
-            raise SchemeError(unreadable)
-        problems.extend(unreadable)
+            raise SchemeError(found)
+        problems.extend(found)
     return sorted(files)
 
 
 @dataclass(frozen=True)
 class Catalog:
-    """Schemes by name (names compare case-sensitively; lookups fall back to case-insensitive)."""
+    """Schemes by name (names compare case-sensitively; lookups fall back to case-insensitive).
+
+    ``skipped``: the descriptors and folders left out, each a located problem (module docstring).
+    """
 
     schemes: dict[str, Scheme] = field(default_factory=dict)
+    skipped: tuple[Problem, ...] = ()
 
     def __iter__(self) -> Iterator[Scheme]:
         return iter(self.schemes[name] for name in sorted(self.schemes))
@@ -97,56 +143,75 @@ def scheme_path_dirs(value: str | None = None) -> list[Path]:
     return [Path(part) for part in raw.split(os.pathsep) if part.strip()]
 
 
-def build_catalog(sources: Iterable[tuple[str, Path]], base: Catalog | None = None) -> Catalog:
+def build_catalog(sources: Iterable[tuple[str, Path]], base: Catalog | None = None, strict: bool = True) -> Catalog:
     """Parse every (source, file) pair into ``base``'s schemes; collect all problems; refuse
-    duplicate names."""
+    a name already defined, also one that differs from it only by case.
+
+    ``strict``: any problem raises SchemeError. Otherwise a file that is not built-in and has a
+    problem is left out, its problems in the catalog's ``skipped``; a built-in one still raises.
+    """
     schemes: dict[str, Scheme] = dict(base.schemes) if base is not None else {}
-    problems: list[Problem] = []
+    by_folded: dict[str, Scheme] = {name.lower(): scheme for name, scheme in schemes.items()}
+    fatal: list[Problem] = []
+    skipped: list[Problem] = list(base.skipped) if base is not None else []
     for source, path in sources:
+        found = fatal if strict or source == "builtin" else skipped
         try:
             scheme = parse_scheme_file(path, source=source)
         except SchemeError as exc:
-            problems.extend(exc.problems or [Problem(Location(str(path)), str(exc))])
+            found.extend(exc.problems or [Problem(Location(str(path)), str(exc))])
             continue
-        previous = schemes.get(scheme.name)
+        previous = by_folded.get(scheme.name.lower())
         if previous is not None:
-            problems.append(
-                Problem(
-                    Location(str(path)),
-                    f"scheme name {scheme.name!r} is already defined by {previous.path} ({previous.source}); "
-                    "rename one of them",
+            if previous.name == scheme.name:
+                message = f"scheme name {scheme.name!r} is already defined by {previous.path} ({previous.source})"
+            else:
+                message = (
+                    f"scheme name {scheme.name!r} differs only by case from {previous.name!r}, defined by "
+                    f"{previous.path} ({previous.source}); names are looked up ignoring case, so one would hide the "
+                    "other"
                 )
-            )
+            found.append(Problem(Location(str(path)), f"{message}; rename one of them"))
             continue
         schemes[scheme.name] = scheme
-    if problems:
-        raise SchemeError(problems)
-    return Catalog(schemes)
+        by_folded[scheme.name.lower()] = scheme
+    if fatal:
+        raise SchemeError(fatal)
+    return Catalog(schemes, tuple(skipped))
 
 
-def catalog_sources(extra_dirs: Iterable[Path] = ()) -> list[tuple[str, Path]]:
+def catalog_sources(extra_dirs: Iterable[Path] = (), problems: list[Problem] | None = None) -> list[tuple[str, Path]]:
     """Built-ins, then QSCHEME_SCHEME_PATH folders, then extra folders (plugin files are added
     on top by ``load_catalog``).
 
-    A folder named twice (or the built-in folder named again) is read once; an unreadable
-    folder or subfolder is a SchemeError.
+    A folder named twice (or the built-in folder named again) is read once. A folder that is
+    missing or not a folder, and what ``descriptor_files`` cannot read in one, are problems:
+    appended to ``problems`` when given, else raised as a SchemeError. The built-in folder's
+    problems are always raised.
     """
     builtin = builtin_scheme_dir()
     sources: list[tuple[str, Path]] = [("builtin", p) for p in descriptor_files(builtin)]
     seen = {_resolved(builtin)}
-    problems: list[Problem] = []
+    found: list[Problem] = []
     for folder in [*scheme_path_dirs(), *extra_dirs]:
         if not folder.is_dir():
-            raise SchemeError(
-                f"{SCHEME_PATH_VARIABLE} names {str(folder)!r}, which is not a folder; "
-                "fix the path or remove it from the variable"
+            what = "does not exist" if not os.path.lexists(folder) else "is not a folder"
+            found.append(
+                Problem(
+                    Location(str(folder)),
+                    f"{SCHEME_PATH_VARIABLE} names this path, which {what}; fix the path or remove it from the "
+                    "variable",
+                )
             )
+            continue
         if _resolved(folder) in seen:
             continue
         seen.add(_resolved(folder))
-        sources.extend((f"path:{folder}", p) for p in descriptor_files(folder, problems))
-    if problems:
-        raise SchemeError(problems)
+        sources.extend((f"path:{folder}", p) for p in descriptor_files(folder, found))
+    if found:
+        if problems is None:
+            raise SchemeError(found)
+        problems.extend(found)
     return sources
 
 
@@ -161,25 +226,52 @@ _CATALOG_CACHE: dict[tuple[object, ...], Catalog] = {}
 _CATALOG_CACHE_LIMIT = 8  # the catalog without plugins, with them, and a few recent variants
 
 
-def load_catalog(extra_dirs: Iterable[Path] = (), include_plugins: bool = True) -> Catalog:
+def load_catalog(extra_dirs: Iterable[Path] = (), include_plugins: bool = True, strict: bool | None = None) -> Catalog:
     """The full catalog as the environment and installed plugins define it now.
 
     The built-ins and folders come first; a plugin scheme whose name they already define is
     refused as that plugin's failure (see ``qscheme.plugins``), never an error of the catalog.
+    What cannot be used on QSCHEME_SCHEME_PATH is skipped with a SchemePathWarning and listed in
+    ``skipped``, unless ``strict`` (default: QSCHEME_STRICT_SCHEMES) makes it a SchemeError.
 
     Parsing every descriptor costs ~0.1 s, so catalogs are reused while their sources are
     unchanged: the key is every source file with its size and modification time, so edited,
     added or removed descriptors (and a changed QSCHEME_SCHEME_PATH) are always seen.
     """
-    sources = catalog_sources(extra_dirs)
-    local_key = _stamps(sources)
-    local = _cached(local_key, lambda: build_catalog(sources))
-    if not include_plugins:
-        return local
-    plugin_files = _plugin_scheme_files(scheme_origins(local))
-    if not plugin_files:
-        return local
-    return _cached(local_key + _stamps(plugin_files), lambda: build_catalog(plugin_files, local))
+    strict = strict_schemes() if strict is None else strict
+    folder_problems: list[Problem] = []
+    sources = catalog_sources(extra_dirs, None if strict else folder_problems)
+    local_key = (strict, *(str(p) for p in folder_problems), *_stamps(sources))
+    local = _cached(local_key, lambda: _build(sources, None, strict, folder_problems))
+    catalog = local
+    if include_plugins:
+        plugin_files = _plugin_scheme_files(scheme_origins(local))
+        if plugin_files:
+            catalog = _cached(local_key + _stamps(plugin_files), lambda: _build(plugin_files, local, strict, []))
+    for message in skipped_messages(catalog.skipped):  # each call (Python's filters show one once)
+        warnings.warn(message, SchemePathWarning, stacklevel=2)
+    return catalog
+
+
+def _build(sources: list[tuple[str, Path]], base: Catalog | None, strict: bool, problems: list[Problem]) -> Catalog:
+    """``build_catalog``, with the folder problems added to what it skipped."""
+    catalog = build_catalog(sources, base, strict)
+    return Catalog(catalog.schemes, (*problems, *catalog.skipped)) if problems else catalog
+
+
+def skipped_messages(skipped: Iterable[Problem]) -> list[str]:
+    """One message per skipped file or folder, naming it and every problem it has."""
+    by_file: dict[str, list[Problem]] = {}
+    for problem in skipped:
+        by_file.setdefault(problem.location.file, []).append(problem)
+    messages = []
+    for file, problems in by_file.items():
+        if len(problems) == 1:
+            text = str(problems[0])
+        else:
+            text = f"{file}: {len(problems)} problems\n" + "\n".join(f"  {p}" for p in problems)
+        messages.append(f"skipped {text}\n  (the other schemes load; {STRICT_VARIABLE}=1 makes this an error)")
+    return messages
 
 
 def scheme_origins(catalog: Catalog) -> dict[str, str]:
@@ -226,13 +318,16 @@ def load_scheme(name_or_path: str | Path | Scheme) -> Scheme:
     if isinstance(name_or_path, Scheme):
         return name_or_path
     text = str(name_or_path)
-    if text.endswith((".yaml", ".yml")) or (os.sep in text and Path(text).exists()):
+    if text.endswith((".yaml", ".yml")) or (os.sep in text and os.path.lexists(text)):
         if Path(text).is_dir():
             raise SchemeError(
                 f"{text!r} is a folder, not a descriptor file; pass a .yaml file, or put the folder on "
                 "QSCHEME_SCHEME_PATH and use its schemes' names"
             )
-        if not Path(text).is_file():
+        if not os.path.lexists(text):
             raise SchemeNotFoundError(f"descriptor file {text!r} does not exist; check the path")
+        problem = path_problem(Path(text))  # a FIFO, device, broken link or huge file: an input error
+        if problem is not None:
+            raise SchemeNotFoundError([Problem(Location(text), problem)])
         return parse_scheme_file(text)
     return load_catalog().get(text)

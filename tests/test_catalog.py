@@ -8,8 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from qscheme.catalog import build_catalog, builtin_scheme_dir, descriptor_files, load_catalog, load_scheme
-from qscheme.errors import SchemeError
+from qscheme.catalog import (
+    Catalog,
+    SchemePathWarning,
+    build_catalog,
+    builtin_scheme_dir,
+    descriptor_files,
+    load_catalog,
+    load_scheme,
+)
+from qscheme.errors import SchemeError, SchemeNotFoundError
 
 BUILTIN = Path(__file__).resolve().parents[1] / "schemes"
 E5M2_TEXT = """\
@@ -25,6 +33,24 @@ weight:
     tensor: {name: weight_scale, dtype: float32, shape: [N, 1]}
 activation: none
 """
+
+
+def skipping(monkeypatch: pytest.MonkeyPatch, *folders: Path) -> tuple[Catalog, list[str]]:
+    """The catalog with ``folders`` on QSCHEME_SCHEME_PATH (not strict), and the warnings it gave."""
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", os.pathsep.join(str(folder) for folder in folders))
+    monkeypatch.delenv("QSCHEME_STRICT_SCHEMES", raising=False)
+    with pytest.warns(SchemePathWarning) as record:
+        catalog = load_catalog(include_plugins=False)
+    return catalog, [str(warning.message) for warning in record]
+
+
+def strict_error(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The SchemeError the same catalog raises under QSCHEME_STRICT_SCHEMES=1."""
+    monkeypatch.setenv("QSCHEME_STRICT_SCHEMES", "1")
+    with pytest.raises(SchemeError) as info:
+        load_catalog(include_plugins=False)
+    monkeypatch.delenv("QSCHEME_STRICT_SCHEMES")
+    return str(info.value)
 
 
 def test_builtins_are_all_there() -> None:
@@ -81,24 +107,101 @@ def test_duplicate_names_name_both_files(tmp_path: Path) -> None:
     assert str(first) in message and str(second) in message and "already defined" in message
 
 
-def test_duplicate_of_a_builtin_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_duplicate_of_a_builtin_is_skipped_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "nvfp4.yaml").write_text((BUILTIN / "compressed-tensors" / "NVFP4.yaml").read_text())
-    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path))
-    with pytest.raises(SchemeError, match="compressed-tensors/NVFP4"):
-        load_catalog(include_plugins=False)
+    (tmp_path / "e5m2.yaml").write_text(E5M2_TEXT)
+    catalog, messages = skipping(monkeypatch, tmp_path)
+    assert catalog.get("compressed-tensors/NVFP4").source == "builtin"  # never shadowed
+    assert "test/fp8-e5m2-weight-only" in catalog  # the good file beside it still loads
+    (message,) = messages
+    assert message.startswith(
+        f"skipped {tmp_path / 'nvfp4.yaml'}: scheme name 'compressed-tensors/NVFP4' is already defined by "
+        f"{BUILTIN / 'compressed-tensors' / 'NVFP4.yaml'} (builtin); rename one of them\n"
+    )
+    assert "QSCHEME_STRICT_SCHEMES=1 makes this an error" in message
+    assert [str(problem.location.file) for problem in catalog.skipped] == [str(tmp_path / "nvfp4.yaml")]
+    assert "compressed-tensors/NVFP4" in strict_error(monkeypatch)
 
 
-def test_broken_file_on_path_is_reported_with_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_name_differing_from_a_builtin_only_by_case_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = (BUILTIN / "modelopt" / "FP8.yaml").read_text().replace("name: modelopt/FP8", "name: ModelOpt/fp8", 1)
+    (tmp_path / "fp8.yaml").write_text(text.replace("quant_algo: FP8", "quant_algo: OTHER_FP8", 1))
+    catalog, messages = skipping(monkeypatch, tmp_path)
+    assert catalog.get("ModelOpt/fp8").source == "builtin"  # the lookup finds the built-in, unambiguously
+    assert "scheme name 'ModelOpt/fp8' differs only by case from 'modelopt/FP8'" in messages[0]
+    assert str(tmp_path / "fp8.yaml") in messages[0]
+    assert "differs only by case" in strict_error(monkeypatch)
+    with pytest.raises(SchemeError, match="differs only by case from 'modelopt/FP8'"):
+        build_catalog([("builtin", BUILTIN / "modelopt" / "FP8.yaml"), ("path:x", tmp_path / "fp8.yaml")])
+
+
+def test_broken_file_on_path_is_skipped_with_a_located_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "bad.yaml").write_text(E5M2_TEXT.replace("granularity: channel", "granularity: row"))
-    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path))
-    with pytest.raises(SchemeError, match=r"bad\.yaml:7:18: weight\.scale\.granularity: 'row'"):
-        load_catalog(include_plugins=False)
+    (tmp_path / "good.yaml").write_text(E5M2_TEXT)
+    catalog, messages = skipping(monkeypatch, tmp_path)
+    assert "test/fp8-e5m2-weight-only" in catalog
+    (message,) = messages
+    assert re.match(rf"skipped {re.escape(str(tmp_path))}/bad\.yaml:7:18: weight\.scale\.granularity: 'row'", message)
+    assert re.search(r"bad\.yaml:7:18: weight\.scale\.granularity: 'row'", strict_error(monkeypatch))
+
+
+def test_a_file_with_several_problems_is_one_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = E5M2_TEXT.replace("granularity: channel", "granularity: row").replace("stored: multiplier", "stored: x")
+    (tmp_path / "bad.yaml").write_text(text)
+    catalog, messages = skipping(monkeypatch, tmp_path)
+    (message,) = messages
+    assert message.startswith(f"skipped {tmp_path / 'bad.yaml'}: 2 problems\n  {tmp_path / 'bad.yaml'}:7:18: ")
+    assert len(catalog.skipped) == 2
 
 
 def test_missing_folder_on_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path / "nowhere"))
-    with pytest.raises(SchemeError, match="not a folder"):
-        load_catalog(include_plugins=False)
+    catalog, messages = skipping(monkeypatch, tmp_path / "nowhere")
+    assert "compressed-tensors/NVFP4" in catalog
+    assert messages[0].startswith(
+        f"skipped {tmp_path / 'nowhere'}: QSCHEME_SCHEME_PATH names this path, which does not"
+    )
+    (tmp_path / "file").write_text("")
+    _, messages = skipping(monkeypatch, tmp_path / "file")
+    assert "which is not a folder" in messages[0]
+    assert "which is not a folder" in strict_error(monkeypatch)
+
+
+def test_special_files_on_the_path_are_reported_never_opened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    os.mkfifo(tmp_path / "pipe.yaml")  # opening it would block until a writer comes
+    (tmp_path / "dangling.yaml").symlink_to(tmp_path / "gone.yaml")
+    (tmp_path / "loop.yaml").symlink_to(tmp_path / "loop.yaml")
+    (tmp_path / "huge.yaml").write_bytes(b"#" * (2 << 20))
+    (tmp_path / "good.yaml").write_text(E5M2_TEXT)
+    (tmp_path / "notes.txt").symlink_to(tmp_path / "gone.txt")  # not a descriptor name: not looked at
+    catalog, messages = skipping(monkeypatch, tmp_path)
+    assert "test/fp8-e5m2-weight-only" in catalog
+    by_file = {message.split(": ")[0].removeprefix("skipped "): message for message in messages}
+    assert set(by_file) == {str(tmp_path / n) for n in ("pipe.yaml", "dangling.yaml", "loop.yaml", "huge.yaml")}
+    assert "is a FIFO (named pipe), not a descriptor file" in by_file[str(tmp_path / "pipe.yaml")]
+    assert (
+        f"is a symlink to {str(tmp_path / 'gone.yaml')!r}, which does not exist"
+        in by_file[str(tmp_path / "dangling.yaml")]
+    )
+    assert "is a symlink loop" in by_file[str(tmp_path / "loop.yaml")]
+    assert f"is {2 << 20} bytes; a descriptor is at most 1048576 bytes" in by_file[str(tmp_path / "huge.yaml")]
+    error = strict_error(monkeypatch)
+    assert all(name in error for name in ("pipe.yaml", "dangling.yaml", "loop.yaml", "huge.yaml"))
+
+
+def test_a_symlinked_folder_is_read_and_a_loop_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "e5m2.yaml").write_text(E5M2_TEXT)
+    top = tmp_path / "top"
+    top.mkdir()
+    (top / "linked").symlink_to(real)
+    (real / "back").symlink_to(top)  # top -> linked (real) -> back (top): a loop
+    catalog, messages = skipping(monkeypatch, top)
+    assert catalog.get("test/fp8-e5m2-weight-only").path == str(top / "linked" / "e5m2.yaml")
+    (message,) = messages
+    assert f"skipped {top / 'linked' / 'back'}: is a symlink to {str(top)!r}, a folder already read (a loop)" in message
 
 
 def test_lookup_is_case_insensitive_and_suggests() -> None:
@@ -160,12 +263,13 @@ def test_unreadable_subfolder_is_a_problem(tmp_path: Path, monkeypatch: pytest.M
         return real_scandir(path)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "scandir", scandir)
-    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path))
-    with pytest.raises(SchemeError) as info:
-        load_catalog(include_plugins=False)
-    assert str(info.value) == f"{locked}: cannot read this scheme folder: Permission denied; make it readable " + (
-        "(chmod +rx), or move it away"
+    catalog, messages = skipping(monkeypatch, tmp_path)
+    assert "test/fp8-e5m2-weight-only" in catalog
+    expected = (
+        f"{locked}: cannot read this scheme folder: Permission denied; make it readable (chmod +rx), or move it away"
     )
+    assert messages == [f"skipped {expected}\n  (the other schemes load; QSCHEME_STRICT_SCHEMES=1 makes this an error)"]
+    assert strict_error(monkeypatch) == expected
     with pytest.raises(SchemeError, match="cannot read this scheme folder"):
         descriptor_files(tmp_path)
 
@@ -182,9 +286,8 @@ def test_a_folder_named_twice_is_read_once(tmp_path: Path, monkeypatch: pytest.M
 
 def test_nul_byte_on_path_is_located(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "bad.yaml").write_text(E5M2_TEXT.replace("activation: none", "activation: no\0ne"))
-    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path))
-    with pytest.raises(SchemeError, match=r"bad\.yaml:11:15: not valid YAML: character U\+0000 is not allowed"):
-        load_catalog(include_plugins=False)
+    _, messages = skipping(monkeypatch, tmp_path)
+    assert re.search(r"bad\.yaml:11:15: not valid YAML: character U\+0000 is not allowed", messages[0])
 
 
 @pytest.mark.parametrize(
@@ -194,6 +297,35 @@ def test_nul_byte_on_path_is_located(tmp_path: Path, monkeypatch: pytest.MonkeyP
 )
 def test_yaml_python_cannot_read_is_a_scheme_error(text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "bad.yaml").write_text(text)
-    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path))
+    _, messages = skipping(monkeypatch, tmp_path)
+    assert re.match(rf"^skipped {re.escape(str(tmp_path / 'bad.yaml'))}:\d+:\d+: ", messages[0])
+    monkeypatch.setenv("QSCHEME_STRICT_SCHEMES", "1")
     with pytest.raises(SchemeError, match=rf"^{re.escape(str(tmp_path / 'bad.yaml'))}:\d+:\d+: "):
         load_catalog(include_plugins=False)
+
+
+def test_a_broken_builtin_is_always_an_error(tmp_path: Path) -> None:
+    (tmp_path / "bad.yaml").write_text(E5M2_TEXT.replace("granularity: channel", "granularity: row"))
+    with pytest.raises(SchemeError, match="'row'"):
+        build_catalog([("builtin", tmp_path / "bad.yaml")], strict=False)
+    assert len(build_catalog([("path:x", tmp_path / "bad.yaml")], strict=False).skipped) == 1
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "huge", "dangling"])
+def test_load_scheme_refuses_what_is_not_a_descriptor_file(kind: str, tmp_path: Path) -> None:
+    path = tmp_path / "x.yaml"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "huge":
+        path.write_bytes(b"#" * ((1 << 20) + 1))
+    elif kind == "dangling":
+        path.symlink_to(tmp_path / "gone.yaml")
+    target = "/dev/zero" if kind == "device" else str(path)
+    expected = {
+        "fifo": "is a FIFO (named pipe), not a descriptor file",
+        "device": "is a character device, not a descriptor file",
+        "huge": "is 1048577 bytes; a descriptor is at most 1048576 bytes",
+        "dangling": "is a symlink to",
+    }[kind]
+    with pytest.raises(SchemeNotFoundError, match=re.escape(f"{target}: {expected}")):
+        load_scheme(target)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,151 @@ def test_validate_reports_detect_rules_that_overlap(
     )
     assert f"detect.compressed-tensors: matches what the rule of scheme 'one/W8A8' ({first}) matches" in err
     assert err.endswith("2 of 2 file(s) invalid\n")
+
+
+ASYM_G32 = """\
+name: acme/W4A16_ASYM_G32
+weight:
+  format: int4
+  packing: int32_k
+  tensor: {name: weight_packed, dtype: int32, shape: [N, "ceil(K/8)"]}
+  scale:
+    granularity: group
+    group_size: 32
+    format: float
+    stored: multiplier
+    tensor: {name: weight_scale, dtype: float32, shape: [N, "ceil(K/32)"]}
+activation: none
+"""
+SHAPE_TENSOR = "  shape_tensor: {name: weight_shape, dtype: int64, shape: [2]}\n"
+
+
+def test_validate_refuses_a_layer_size_no_checkpoint_gives_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("QSCHEME_SCHEME_PATH", raising=False)
+    padded = tmp_path / "padded.yaml"
+    padded.write_text(ASYM_G32)
+    code, out, err = run(["validate", str(padded)], capsys)
+    assert code == 1 and out == ""
+    assert (
+        f"{padded}:5:54: weight.tensor.shape: [N, ceil(K/8)] does not fix K: one stored size stands for 8 values of "
+        "K (the last packed column may be padded), and no shape tensor records the layer size, so no checkpoint of "
+        "this scheme loads; declare a shape tensor (shape_tensor: {name: weight_shape, dtype: int64, shape: [2]}), "
+        "or a layout that fixes K ([N, K/8])\n"
+    ) in err
+    optional = tmp_path / "optional.yaml"
+    optional.write_text(
+        ASYM_G32.replace("activation:", SHAPE_TENSOR.replace("[2]}", "[2], optional: true}") + "activation:")
+    )
+    code, _, err = run(["validate", str(optional)], capsys)
+    assert code == 1 and "weight.shape_tensor.optional: 'weight_shape' is optional, but [N, ceil(K/8)]" in err
+    # each fix the message names is accepted
+    with_shape = tmp_path / "with_shape.yaml"
+    with_shape.write_text(ASYM_G32.replace("activation:", SHAPE_TENSOR + "activation:"))
+    exact = tmp_path / "exact.yaml"
+    exact.write_text(ASYM_G32.replace('"ceil(K/8)"', "K/8").replace("acme/", "exact/"))
+    code, out, err = run(["validate", str(with_shape), str(exact)], capsys)
+    assert code == 0 and err == "" and out.count(": ok (") == 2
+
+
+def test_what_validate_accepts_loads_and_runs(tmp_path: Path) -> None:
+    """A ragged K (300, not a multiple of 8 or 32): the validated descriptor's tensors load and run."""
+    import torch
+
+    from qscheme import QuantLinear, dequantize_weight, quantize_weight
+    from qscheme.descriptor import parse_scheme_text
+    from qscheme.descriptor.loadable import load_problems
+
+    scheme = parse_scheme_text(ASYM_G32.replace("activation:", SHAPE_TENSOR + "activation:"))
+    assert load_problems(scheme) == []
+    weight = torch.randn(16, 300)
+    tensors = quantize_weight(weight, scheme)
+    layer = QuantLinear.from_tensors(scheme, tensors, kernel="reference", activation_dtype="float32")
+    assert (layer.out_features, layer.in_features) == (16, 300)
+    x = torch.randn(3, 300)
+    assert torch.allclose(layer(x), x @ dequantize_weight(tensors, scheme).T, rtol=1e-4, atol=1e-4)
+    refused = parse_scheme_text(ASYM_G32)  # parses (a caller may pass N and K), but validate refuses it
+    assert [path for path, _ in load_problems(refused)] == ["weight.tensor.shape"]
+
+
+def test_validate_makes_what_the_catalog_skips_fatal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "path"
+    folder.mkdir()
+    broken = folder / "broken.yaml"
+    broken.write_text((BUILTIN / "modelopt" / "FP8.yaml").read_text().replace("stored: multiplier", "stored: x", 1))
+    os.mkfifo(folder / "pipe.yaml")
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(ASYM_G32.replace("activation:", SHAPE_TENSOR + "activation:"))
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(folder))
+    code, out, err = run(["validate", str(mine)], capsys)
+    assert code == 1 and out == f"{mine}: ok (acme/W4A16_ASYM_G32)\n"
+    assert err.startswith("QSCHEME_SCHEME_PATH: 2 problems (the catalog skips these with a warning; validate refuses")
+    assert f"{broken}:" in err and "'x' is not one of 'multiplier', 'reciprocal'" in err
+    assert f"{folder / 'pipe.yaml'}: is a FIFO (named pipe), not a descriptor file" in err
+    # the file given is reported once, as itself, not again as a path problem
+    code, _, err = run(["validate", str(broken)], capsys)
+    assert err.count("'x' is not one of") == 1 and "QSCHEME_SCHEME_PATH: 1 problem " in err
+
+
+def test_validate_refuses_names_differing_only_by_case(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("QSCHEME_SCHEME_PATH", raising=False)
+    text = (BUILTIN / "modelopt" / "FP8.yaml").read_text().replace("quant_algo: FP8", "quant_algo: OTHER", 1)
+    lower = tmp_path / "lower.yaml"
+    lower.write_text(text.replace("name: modelopt/FP8", "name: modelopt/fp8", 1))
+    code, _, err = run(["validate", str(lower)], capsys)
+    assert code == 1
+    assert (
+        f"{lower}:1:7: name: scheme name 'modelopt/fp8' differs only by case from 'modelopt/FP8', defined by "
+        f"{BUILTIN / 'modelopt' / 'FP8.yaml'} (builtin); names are looked up ignoring case"
+    ) in err
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text(text.replace("name: modelopt/FP8", "name: acme/Fp8", 1))
+    second.write_text(text.replace("name: modelopt/FP8", "name: acme/fP8", 1).replace("OTHER", "OTHER2"))
+    code, _, err = run(["validate", str(first), str(second)], capsys)
+    assert code == 1 and f"scheme name 'acme/Fp8' differs only by case from 'acme/fP8' in {second}" in err
+
+
+def test_schemes_lists_what_it_skipped_and_show_warns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "broken.yaml").write_text("name: acme/broken\nweight: 3\n")
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path))
+    monkeypatch.delenv("QSCHEME_STRICT_SCHEMES", raising=False)
+    code, out, err = run(["schemes"], capsys)
+    assert code == 1 and "compressed-tensors/NVFP4 " in out
+    assert f"skipped:\n  skipped {tmp_path / 'broken.yaml'}:2:9: weight: 3 is not a mapping" in out
+    assert out.rstrip().splitlines()[-1].endswith("schemes, 1 skipped")
+    code, out, err = run(["schemes", "--json"], capsys)
+    assert code == 1 and json.loads(out) and err.startswith(f"warning: skipped {tmp_path / 'broken.yaml'}:2:9:")
+    code, out, err = run(["show", "modelopt/FP8"], capsys)
+    assert code == 0 and "weight_scale" in out
+    assert err.startswith(f"warning: skipped {tmp_path / 'broken.yaml'}:2:9:") and "Traceback" not in err
+    monkeypatch.setenv("QSCHEME_STRICT_SCHEMES", "1")
+    code, out, err = run(["show", "modelopt/FP8"], capsys)
+    assert code == 1 and out == "" and f"qscheme show: error: {tmp_path / 'broken.yaml'}:2:9: weight:" in err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "huge"])
+def test_show_and_validate_refuse_special_and_huge_files(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "x.yaml"
+    if kind == "fifo":
+        os.mkfifo(target)  # opening it would block: the file type is checked first
+    elif kind == "huge":
+        target.write_bytes(b"#" * (3 << 20))
+    name = "/dev/null" if kind == "device" else str(target)
+    expected = {
+        "fifo": "is a FIFO (named pipe), not a descriptor file",
+        "device": "is a character device, not a descriptor file",
+        "huge": f"is {3 << 20} bytes; a descriptor is at most 1048576 bytes (1 MiB)",
+    }[kind]
+    code, out, err = run(["show", name], capsys)
+    assert (code, out) == (2, "") and f"qscheme show: error: {name}: {expected}" in err
+    code, out, err = run(["validate", name], capsys)
+    assert (code, out) == (1, "") and f"{name}: 1 problem\n{name}: {expected}" in err

@@ -1,28 +1,65 @@
-"""`qscheme schemes [--json]`: list every scheme in the catalog."""
+"""`qscheme schemes [--json]`: list every scheme in the catalog, and what it skipped.
+
+A descriptor or folder on QSCHEME_SCHEME_PATH that the catalog skips (see ``qscheme.catalog``)
+is listed after the table (with --json: on stderr) and makes the command exit 1, as a failed
+plugin makes `qscheme plugins` exit 1; the other schemes are listed all the same.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
-from qscheme.catalog import load_catalog
+from qscheme.catalog import SchemePathWarning, load_catalog, skipped_messages
 from qscheme.cli.output import print_json, table
 from qscheme.descriptor.summary import scheme_summary
 
 
 def register(sub: Any) -> None:
-    parser = sub.add_parser("schemes", help="list the known schemes (built-in, QSCHEME_SCHEME_PATH, plugins)")
+    parser = sub.add_parser(
+        "schemes",
+        help="list the known schemes (built-in, QSCHEME_SCHEME_PATH, plugins)",
+        description="List the known schemes. Descriptors on QSCHEME_SCHEME_PATH that cannot be used are listed "
+        "as skipped, and the command exits 1; QSCHEME_STRICT_SCHEMES=1 makes them an error.",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON list")
     parser.set_defaults(handler=run)
 
 
+@contextlib.contextmanager
+def scheme_path_warnings() -> Iterator[None]:
+    """Print each SchemePathWarning raised inside as ``warning: ...`` on stderr (no Python source line)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SchemePathWarning)
+        try:
+            yield
+        finally:
+            shown: set[str] = set()
+            for warning in caught:
+                if issubclass(warning.category, SchemePathWarning):
+                    if str(warning.message) not in shown:
+                        shown.add(str(warning.message))
+                        sys.stderr.write(f"warning: {warning.message}\n")
+                else:
+                    warnings.showwarning(
+                        warning.message, warning.category, warning.filename, warning.lineno, warning.file, warning.line
+                    )
+
+
 def run(args: argparse.Namespace) -> int:
-    catalog = load_catalog()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SchemePathWarning)  # listed below
+        catalog = load_catalog()
     records = [scheme_summary(scheme) for scheme in catalog]
+    skipped = skipped_messages(catalog.skipped)
     if args.json:
         print_json(records)
-        return 0
+        sys.stderr.writelines(f"warning: {message}\n" for message in skipped)
+        return 1 if skipped else 0
     rows = [
         [
             r["name"],
@@ -34,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
         ]
         for r in records
     ]
-    sys.stdout.write(table(rows, ["scheme", "producer", "weights", "activations", "group", "source"]) + "\n")
-    sys.stdout.write(f"{len(records)} schemes\n")
-    return 0
+    out = [table(rows, ["scheme", "producer", "weights", "activations", "group", "source"])]
+    if skipped:
+        out.extend(["", "skipped:"])
+        out.extend("  " + message.replace("\n", "\n  ") for message in skipped)
+    out.append(f"{len(records)} schemes" + (f", {len(skipped)} skipped" if skipped else ""))
+    sys.stdout.write("\n".join(out) + "\n")
+    return 1 if skipped else 0

@@ -8,6 +8,7 @@ from typing import Any
 
 from qscheme.catalog import load_scheme
 from qscheme.cli.output import print_json
+from qscheme.cli.schemes import scheme_path_warnings
 from qscheme.descriptor.summary import render_scheme, scheme_dict
 
 
@@ -15,7 +16,8 @@ def register(sub: Any) -> None:
     parser = sub.add_parser(
         "show",
         help="show one scheme: formats, tensors, conventions, detection",
-        description="Show one scheme. Exit 2 when the name is unknown or the file does not exist.",
+        description="Show one scheme. Exit 2 when the name is unknown, or the file does not exist or is not a "
+        "regular descriptor file of at most 1 MiB (a FIFO, a device, a broken link); exit 1 when it is invalid.",
     )
     parser.add_argument(
         "target", metavar="NAME|FILE", help="a scheme name (see `qscheme schemes`) or a descriptor file"
@@ -25,7 +27,8 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    scheme = load_scheme(args.target)
+    with scheme_path_warnings():
+        scheme = load_scheme(args.target)
     if args.json:
         print_json(scheme_dict(scheme))
     else:

@@ -20,6 +20,7 @@ from qscheme.descriptor.consistency import (
     weight_layout,
     zero_point_forms,
 )
+from qscheme.descriptor.files import read_descriptor_text
 from qscheme.descriptor.model import (
     ACTIVATION_FORMATS,
     ACTIVATION_GRANULARITIES,
@@ -634,13 +635,10 @@ def parse_scheme_text(text: str, file: str = "<string>", source: str = "file") -
 
 
 def parse_scheme_file(path: str | Path, source: str = "file") -> Scheme:
-    """Parse a descriptor file; raise SchemeError (file unreadable, or every problem in it)."""
+    """Parse a descriptor file; raise SchemeError (not a regular file, over 1 MiB, unreadable, or
+    every problem in it)."""
     file = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SchemeError([Problem(Location(file), f"cannot read the descriptor: {exc}")]) from None
-    return parse_scheme_text(text, file, source)
+    return parse_scheme_text(read_descriptor_text(path), file, source)
 
 
 def _read_scheme(reader: _Reader, root: Node) -> Scheme | None:
