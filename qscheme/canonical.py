@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from qscheme.api_checks import require_tensor_mapping
 from qscheme.descriptor import Scheme
 from qscheme.descriptor.consistency import FOUR_BIT, element_bits, packing_divisors
 from qscheme.errors import QuantizeError
@@ -232,15 +233,34 @@ def stored_zero_points(scheme: Scheme, values: Tensor) -> Tensor:
 
 
 def canonicalize(
-    scheme: Scheme, tensors: Mapping[str, Tensor], n: int | None = None, k: int | None = None
+    scheme: Scheme,
+    tensors: Mapping[str, Tensor],
+    n: int | None = None,
+    k: int | None = None,
+    *,
+    layer: str | None = None,
 ) -> CanonicalWeight:
     """Checkpoint tensors (by checkpoint name) of one layer -> CanonicalWeight.
 
-    The tensors must already have been validated against the scheme (names, dtypes, shapes).
+    The tensors must already have been validated against the scheme (names, dtypes, shapes;
+    ``qscheme.checkpoint.validate``). What that cannot see is refused here with QuantizeError
+    (naming ``layer`` when given): a mapping that does not hold plain tensors keyed by name,
+    and scales whose product would dequantize to inf, NaN or zero (``qscheme.scale_checks``).
     """
+    # imported here: scale_checks builds on this module's effective_scale
+    from qscheme.scale_checks import require_finite_dequantization
+
     weight = scheme.weight
+    require_tensor_mapping(
+        tensors, f"layer {layer}, scheme {scheme.name}" if layer else f"scheme {scheme.name}", weight.tensor.name
+    )
     if weight.tensor.name not in tensors:
         raise QuantizeError(f"scheme {scheme.name}: tensor {weight.tensor.name!r} is missing")
+    if tensors[weight.tensor.name].ndim != 2:
+        raise QuantizeError(
+            f"scheme {scheme.name}: tensor {weight.tensor.name!r} must be 2-D {weight.tensor.describe_shapes()}, "
+            f"found shape {list(tensors[weight.tensor.name].shape)}"
+        )
     if n is None or k is None:
         n, k = layer_shape(scheme, tensors)
     stored = tensors[weight.tensor.name]
@@ -299,7 +319,7 @@ def canonicalize(
     if scheme.input_pre_scale is not None and scheme.input_pre_scale.name in tensors:
         pre_scale = tensors[scheme.input_pre_scale.name].reshape(-1)
 
-    return CanonicalWeight(
+    canonical = CanonicalWeight(
         scheme=scheme,
         n=n,
         k=k,
@@ -314,6 +334,8 @@ def canonicalize(
         input_global_scale_divisor=input_divisor,
         input_pre_scale=pre_scale,
     )
+    require_finite_dequantization(canonical, layer)
+    return canonical
 
 
 def _int_to_codes(values: Tensor, element: str) -> Tensor:
@@ -430,7 +452,7 @@ def _global_rows(weight: CanonicalWeight, scale: Tensor):  # type: ignore[no-unt
     return lambda value: value.reshape(1)
 
 
-def _scale_tile(weight: CanonicalWeight, scale: Tensor) -> tuple[int, int]:
+def scale_tile(weight: CanonicalWeight, scale: Tensor) -> tuple[int, int]:
     """Weight rows and columns under one element of ``effective_scale``'s result."""
     spec = weight.scheme.weight.scale
     if spec.granularity == "group":
@@ -442,7 +464,7 @@ def _scale_tile(weight: CanonicalWeight, scale: Tensor) -> tuple[int, int]:
     return 1, weight.k  # channel, or tensor scales as one per row
 
 
-def _expand(value: Tensor, tile: tuple[int, int], rows: slice, k: int) -> Tensor:
+def expand_tiles(value: Tensor, tile: tuple[int, int], rows: slice, k: int) -> Tensor:
     """The per-tile ``value`` over weight rows ``rows`` as [rows, k] (or broadcastable)."""
     tile_rows, tile_columns = tile
     first, last = rows.start // tile_rows, -(-rows.stop // tile_rows)
@@ -473,7 +495,7 @@ def _dequantize_slabs(weight: CanonicalWeight, slabs: types.ModuleType) -> Tenso
     scale = effective_scale(weight)
     if weight.scheme.weight.scale.granularity == "tensor" and scale.numel() == 1:
         scale = scale.reshape(1, 1).expand(n, 1)  # one scale, broadcast as one per row
-    tile = _scale_tile(weight, scale)
+    tile = scale_tile(weight, scale)
     zero = None if weight.zero_point is None else weight.zero_point.to(torch.float32)
     out = torch.empty(n, k, dtype=torch.float32, device=weight.codes.device)
     # group scales over whole groups multiply through a view, without expanding the scale
@@ -489,8 +511,8 @@ def _dequantize_slabs(weight: CanonicalWeight, slabs: types.ModuleType) -> Tenso
             torch.mul(values, scale[rows].unsqueeze(-1), out=out[rows].view(groups))
             return
         if zero is not None:
-            values = values - _expand(zero, tile, rows, k)
-        torch.mul(values, _expand(scale, tile, rows, k), out=out[rows])
+            values = values - expand_tiles(zero, tile, rows, k)
+        torch.mul(values, expand_tiles(scale, tile, rows, k), out=out[rows])
 
     slabs.run_slabs(work, slabs.slabs_for(out.device, n, k, tile[0]), out.device)
     return out

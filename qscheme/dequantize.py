@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from qscheme.api_checks import require_scheme_argument
 from qscheme.canonical import canonicalize, dequantize
 from qscheme.catalog import load_scheme
 from qscheme.checkpoint.validate import require_valid_tensors
@@ -20,8 +21,12 @@ def dequantize_weight(tensors: Mapping[str, Tensor], scheme: Scheme | str | Path
     Equal to ``canonical.dequantize(canonical.canonicalize(scheme, tensors))``: bit-identical to
     the producer's own float32 dequantization, except that e2m1's negative zero (code 0x8)
     decodes to +0.0. The tensors get the checkpoint loader's checks (names, dtypes, shapes,
-    scale values; see ``QuantLinear.from_tensors``): QuantizeError lists every problem.
+    scale values; see ``QuantLinear.from_tensors``): QuantizeError lists every problem. Keys that
+    are not names, values that are not dense materialised tensors (sparse, meta, nested), and
+    scales whose product would dequantize to inf, NaN or zero raise QuantizeError too; a scheme
+    of another type than Scheme / str / path, UsageError.
     """
+    require_scheme_argument(scheme, "dequantize_weight")
     scheme = load_scheme(scheme)
     n, k = require_valid_tensors(scheme, tensors, weight_only=True)
     with torch.no_grad():

@@ -5,18 +5,22 @@ from __future__ import annotations
 import functools
 import math
 import types
+from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_cache import copy_checkpoint, ct_checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from qscheme import canonical
 from qscheme.canonical import CanonicalWeight, canonicalize, dequantize, effective_scale, element_values
 from qscheme.catalog import load_catalog, load_scheme
+from qscheme.checkpoint import load_checkpoint
 from qscheme.descriptor import Scheme, parse_scheme_text
-from qscheme.errors import QuantizeError
+from qscheme.errors import QSchemeError, QuantizeError
 from qscheme.formats import decode, pack_int32_k, pack_int32_n, unpack_fp4_k
 from qscheme.quantize import quantize_weight
 
@@ -346,3 +350,216 @@ def test_every_builtin_scheme_solves_its_layer_shape_from_its_own_tensors(name: 
     scheme = _builtin(name)
     tensors = quantize_weight(torch.randn(256, 512) * 0.1, scheme)
     assert canonical.layer_shape(scheme, tensors) == (256, 512)
+
+
+# --- scales whose product cannot dequantize (qscheme.scale_checks) ------------------------------
+
+E4M3_SMALLEST = 2.0**-9  # e4m3's smallest subnormal
+LAYER = "model.layers.0.mlp.down_proj"
+
+
+def _nvfp4(name: str, global_value: float, n: int = 4, k: int = 64, code: int = 0x22) -> dict[str, Tensor]:
+    """NVFP4 tensors of ``name`` (modelopt: global multiplier, compressed-tensors: divisor) with
+    every element ``code`` (0x22: 1.0, 1.0), every block scale 1 and one global value."""
+    scheme = _builtin(name)
+    weight_name, scale_name = scheme.weight.tensor.name, scheme.weight.scale.tensor.name
+    assert scheme.weight.global_scale is not None
+    global_name = scheme.weight.global_scale.tensor.name
+    return {
+        weight_name: torch.full((n, k // 2), code, dtype=torch.uint8),
+        scale_name: torch.ones(n, k // 16).to(torch.float8_e4m3fn),
+        global_name: torch.tensor([global_value]) if name.startswith("compressed") else torch.tensor(global_value),
+    }
+
+
+def _refusal(name: str, tensors: dict[str, Tensor]) -> str:
+    with pytest.raises(QuantizeError) as info:
+        canonicalize(_builtin(name), tensors, layer=LAYER)
+    return str(info.value)
+
+
+MODELOPT_FIX = (
+    "scheme modelopt/NVFP4 reads 'weight_scale_2' as a multiplier (not a divisor): if the file stores the other "
+    "convention, use a scheme that declares it; else the scales are corrupt: re-export the layer with its producer"
+)
+
+
+@pytest.mark.parametrize(("block_scale", "product"), [(448.0, "inf"), (64.0, "6.4e+37")])
+def test_a_block_scale_whose_product_with_the_global_multiplier_overflows_is_refused(
+    block_scale: float, product: str
+) -> None:
+    # each scale is finite: 448 (or 64) x 1e36 is inf (or 6.4e37, whose x 6 element is inf)
+    tensors = _nvfp4("modelopt/NVFP4", 1e36)
+    tensors["weight_scale"][1, 2] = block_scale
+    assert _refusal("modelopt/NVFP4", tensors) == (
+        f"layer {LAYER}, scheme modelopt/NVFP4: weight_scale[1, 2] = {block_scale:g}, times weight_scale_2 1e+36, "
+        f"is {product}: the largest possible element (6) of row 1, group 2 (columns 32-47) dequantizes to infinity "
+        f"in float32 (1 of 16 scales); allowed: |scale x global multiplier x 6| <= 3.40282e+38; {MODELOPT_FIX}"
+    )
+    tensors["weight_scale"][1, 2] = 56.0  # 56e36 x 6 = 3.36e38: finite, the largest that is
+    assert bool(torch.isfinite(dequantize(canonicalize(_builtin("modelopt/NVFP4"), tensors))).all())
+
+
+def test_a_product_below_the_smallest_normal_is_refused_over_nonzero_elements_only() -> None:
+    tensors = _nvfp4("modelopt/NVFP4", 1.5e-38)  # normal; x e4m3's smallest scale: 2.9e-41, subnormal
+    tensors["weight_scale"][0, 1] = E4M3_SMALLEST
+    assert _refusal("modelopt/NVFP4", tensors) == (
+        f"layer {LAYER}, scheme modelopt/NVFP4: weight_scale[0, 1] = 0.00195312, times weight_scale_2 1.5e-38, is "
+        "2.92969e-41, below float32's smallest normal (1.17549e-38), but row 0, group 1 (columns 16-31) holds "
+        "nonzero elements, which would dequantize to zero or to subnormals that kernels flush to zero (1 of 16 "
+        f"scales); allowed: a product >= 1.17549e-38, or a zero scale over all-zero elements; {MODELOPT_FIX}"
+    )
+    tensors["weight"][0, 8:16] = 0  # the block's elements all zero: nothing to lose
+    weight = dequantize(canonicalize(_builtin("modelopt/NVFP4"), tensors))
+    assert bool(torch.isfinite(weight).all()) and bool((weight[0, 16:32] == 0).all())
+    assert float(weight[0, 0]) == float(torch.tensor(1.5e-38))
+
+
+def test_a_zero_block_scale_over_all_zero_elements_is_allowed() -> None:
+    tensors = _nvfp4("modelopt/NVFP4", 1.0)
+    tensors["weight_scale"][2, 3] = 0.0
+    tensors["weight"][2, 24:32] = 0
+    weight = dequantize(canonicalize(_builtin("modelopt/NVFP4"), tensors))
+    assert bool((weight[2, 48:64] == 0).all()) and bool((weight[2, :48] == 1).all())
+
+
+@pytest.mark.parametrize(
+    ("global_value", "found"),
+    [
+        (1e-40, "'weight_scale_2' holds 9.99995e-41"),  # a tiny global scale x a tiny block scale: 0
+        (float("inf"), "'weight_scale_2' holds inf"),
+    ],
+)
+def test_a_global_multiplier_must_be_finite_and_normal_where_the_weight_is_not_zero(
+    global_value: float, found: str
+) -> None:
+    assert _refusal("modelopt/NVFP4", _nvfp4("modelopt/NVFP4", global_value)) == (
+        f"layer {LAYER}, scheme modelopt/NVFP4: {found} in float32 (1 of 1 value); allowed: a multiplier that is a "
+        "finite, normal float32 > 0 (1.17549e-38 to 3.40282e+38), or any finite one over all-zero elements; "
+        f"{MODELOPT_FIX}"
+    )
+
+
+def test_a_subnormal_global_multiplier_of_an_all_zero_weight_is_allowed() -> None:
+    # ModelOpt writes amax / 2688 with a clamped amax for an all-zero weight: a subnormal multiplier
+    tensors = quantize_weight(torch.zeros(4, 64), "modelopt/NVFP4")
+    assert 0 < float(tensors["weight_scale_2"]) < torch.finfo(torch.float32).tiny
+    assert bool((dequantize(canonicalize(_builtin("modelopt/NVFP4"), tensors)) == 0).all())
+
+
+@pytest.mark.parametrize(
+    ("divisor", "multiplier"),
+    [(1e-45, "inf"), (3e38, "3.33333e-39")],  # its reciprocal overflows / is subnormal
+)
+def test_a_global_divisor_whose_reciprocal_is_unusable_is_refused(divisor: float, multiplier: str) -> None:
+    message = _refusal("compressed-tensors/NVFP4A16", _nvfp4("compressed-tensors/NVFP4A16", divisor))
+    assert message.startswith(
+        f"layer {LAYER}, scheme compressed-tensors/NVFP4A16: 'weight_global_scale' holds the divisor "
+        f"{float(torch.tensor(divisor)):g}, "
+        f"whose reciprocal, the multiplier kernels use, is {multiplier} in float32 (1 of 1 value); allowed: a "
+        "multiplier that is a finite, normal float32 > 0"
+    )
+    assert message.endswith(
+        "scheme compressed-tensors/NVFP4A16 reads 'weight_global_scale' as a divisor (the multiplier is 1 / its "
+        "value): if the file stores the other convention, use a scheme that declares it; else the scales are "
+        "corrupt: re-export the layer with its producer"
+    )
+
+
+def test_a_divisor_product_is_checked_as_the_reference_divides_and_kernels_multiply() -> None:
+    tensors = _nvfp4("compressed-tensors/NVFP4A16", 1e-36)  # multiplier 1e36
+    tensors["weight_scale"][3, 0] = 448.0
+    message = _refusal("compressed-tensors/NVFP4A16", tensors)
+    assert "weight_scale[3, 0] = 448, times 1 / weight_global_scale 1e-36 (multiplier 1e+36), is inf" in message
+    assert "of row 3, group 0 (columns 0-15) dequantizes to infinity in float32 (1 of 16 scales)" in message
+
+
+@pytest.mark.parametrize(("name", "byte"), [("modelopt/FP8", 0x7F), ("compressed-tensors/FP8", 0xFF)])
+def test_a_nan_fp8_weight_element_is_refused(name: str, byte: int) -> None:
+    tensors = quantize_weight(torch.randn(8, 32), name)
+    tensors["weight"].view(torch.uint8)[2, 5] = byte
+    assert _refusal(name, tensors) == (
+        f"layer {LAYER}, scheme {name}: weight 'weight' holds nan at [2, 5] (1 of 256 elements); allowed: finite "
+        "e4m3 elements; the file is corrupt: re-export the layer"
+    )
+
+
+@pytest.mark.parametrize(
+    ("byte", "expected"),
+    [
+        (
+            254,
+            "weight_scale[1, 0] = byte 0xFE (2^127), a multiplier of 1.70141e+38: the largest possible element "
+            "(6) of row 1, group 0 (columns 0-31) dequantizes to infinity",
+        ),
+        (0, "weight_scale[1, 0] = byte 0x00 (2^-127), a multiplier of 5.87747e-39, below float32's smallest normal"),
+    ],
+)
+def test_e8m0_scales_at_the_ends_of_their_range_are_refused_over_nonzero_elements(byte: int, expected: str) -> None:
+    tensors = quantize_weight(torch.randn(4, 64), "compressed-tensors/MXFP4A16")
+    tensors["weight_scale"][1, 0] = byte
+    message = _refusal("compressed-tensors/MXFP4A16", tensors)
+    assert f"layer {LAYER}, scheme compressed-tensors/MXFP4A16: {expected}" in message
+    assert message.endswith("the scales are corrupt: re-export the layer with its producer")
+
+
+def test_zero_points_widen_the_element_range_the_overflow_rule_allows_for() -> None:
+    scheme = _builtin("compressed-tensors/W4A16_ASYM")
+    tensors = quantize_weight(torch.randn(4, 128), scheme)
+    scale = tensors["weight_scale"]
+    scale[0, 0] = torch.finfo(scale.dtype).max / 10  # x 15 (code - zero point) overflows, x 8 would not
+    message = _refusal("compressed-tensors/W4A16_ASYM", tensors)
+    assert "the largest possible element (15) of row 0, group 0 (columns 0-127) dequantizes to infinity" in message
+
+
+def test_a_static_activation_scale_whose_multiplier_is_infinite_is_refused() -> None:
+    tensors = quantize_weight(torch.randn(4, 64), "compressed-tensors/NVFP4", input_global_scale=torch.tensor([1.0]))
+    tensors["input_global_scale"] = torch.tensor([1e-45])  # a divisor: its reciprocal is inf
+    assert _refusal("compressed-tensors/NVFP4", tensors) == (
+        f"layer {LAYER}, scheme compressed-tensors/NVFP4: activation scale 'input_global_scale' gives the multiplier "
+        "inf (the reciprocal of the stored divisor) at [0] (1 of 1 value); allowed: a finite multiplier > 0 in "
+        "float32; the file is corrupt or stores the other convention: re-export the layer"
+    )
+
+
+_EXTREME_GLOBALS = [1e-45, 1e-40, 1.2e-38, 1e-30, 1e-3, 1.0, 1e3, 1e30, 1e36, 1e37, 1e38, 3.4e38]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+@pytest.mark.parametrize("name", ["modelopt/NVFP4", "compressed-tensors/NVFP4A16"])
+def test_what_canonicalize_accepts_dequantizes_finite_and_keeps_nonzero_elements(
+    name: str, data: st.DataObject
+) -> None:
+    n, k = 4, 64
+    scale_bytes = data.draw(st.lists(st.integers(0, 0x7E), min_size=n * k // 16, max_size=n * k // 16))
+    codes = data.draw(st.lists(st.integers(0, 255), min_size=n * k // 2, max_size=n * k // 2))
+    tensors = _nvfp4(name, data.draw(st.sampled_from(_EXTREME_GLOBALS)), n, k)
+    scheme = _builtin(name)
+    tensors[scheme.weight.scale.tensor.name] = (
+        torch.tensor(scale_bytes, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(n, k // 16)
+    )
+    tensors[scheme.weight.tensor.name] = torch.tensor(codes, dtype=torch.uint8).reshape(n, k // 2)
+    try:
+        layer = canonicalize(scheme, tensors)
+    except QuantizeError:
+        return
+    weight = dequantize(layer)
+    assert bool(torch.isfinite(weight).all())
+    elements = element_values(layer)
+    scales = layer.scale.to(torch.float32).repeat_interleave(16, dim=1)
+    assert bool((weight[(elements != 0) & (scales != 0)] != 0).all())
+
+
+def test_load_checkpoint_refuses_a_global_divisor_whose_product_overflows(tmp_path: Path) -> None:
+    folder = copy_checkpoint(ct_checkpoint("NVFP4A16"), tmp_path / "checkpoint")
+    path = folder / "model.safetensors"
+    tensors = {name: value.clone() for name, value in load_file(str(path)).items()}
+    module = "model.layers.0.self_attn.k_proj"
+    tensors[f"{module}.weight_global_scale"] = torch.tensor([1e-38])  # finite > 0; its multiplier is 1e38
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(QSchemeError) as info:
+        load_checkpoint(folder)
+    message = str(info.value)
+    assert "scheme compressed-tensors/NVFP4A16: weight_scale[" in message
+    assert "times 1 / weight_global_scale 1e-38 (multiplier 1e+38), is inf" in message

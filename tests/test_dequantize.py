@@ -13,6 +13,7 @@ from qscheme.catalog import builtin_scheme_dir, load_catalog, load_scheme
 from qscheme.dequantize import dequantize_weight
 from qscheme.descriptor import Scheme
 from qscheme.errors import QuantizeError
+from qscheme.linear import QuantLinear
 from qscheme.quantize import quantize_weight
 
 BUILTIN = sorted(scheme.name for scheme in load_catalog(include_plugins=False) if scheme.source == "builtin")
@@ -77,3 +78,40 @@ def test_results_do_not_depend_on_the_number_of_threads(name: str) -> None:
     for tensor_name, value in single.items():
         assert torch.equal(value.view(torch.uint8), several[tensor_name].view(torch.uint8)), tensor_name
     assert torch.equal(single_weight, dequantize_weight(several, scheme))
+
+
+def _nvfp4a16(divisor: float, block_scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """compressed-tensors NVFP4A16 tensors: every element 1.0, block scales 1 but [0, 0], one global divisor."""
+    scale = torch.ones(4, 4)
+    scale[0, 0] = block_scale
+    return {
+        "weight_packed": torch.full((4, 32), 0x22, dtype=torch.uint8),
+        "weight_scale": scale.to(torch.float8_e4m3fn),
+        "weight_global_scale": torch.tensor([divisor]),
+    }
+
+
+def _from_tensors(tensors: dict[str, torch.Tensor], scheme: str) -> object:
+    return QuantLinear.from_tensors(scheme, tensors, layer_name="model.layers.1.mlp.up_proj")
+
+
+# The issue's three cases: each stored value is finite and passes the loader's per-tensor checks.
+PRODUCT_CASES = [
+    pytest.param(_nvfp4a16(1e-36, 448.0), "weight_scale[0, 0] = 448, times 1 / weight_global_scale", id="overflow"),
+    pytest.param(_nvfp4a16(1e-45), "whose reciprocal, the multiplier kernels use, is inf", id="reciprocal-inf"),
+    pytest.param(_nvfp4a16(3e38), "whose reciprocal, the multiplier kernels use, is 3.33333e-39", id="underflow"),
+]
+
+
+@pytest.mark.parametrize("entry", [dequantize_weight, _from_tensors], ids=["dequantize_weight", "from_tensors"])
+@pytest.mark.parametrize(("tensors", "expected"), PRODUCT_CASES)
+def test_scales_whose_product_cannot_dequantize_are_refused(entry, tensors, expected: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(QuantizeError, match="compressed-tensors/NVFP4A16") as info:
+        entry(tensors, "compressed-tensors/NVFP4A16")
+    assert expected in str(info.value)
+
+
+def test_scales_far_from_the_limits_still_dequantize() -> None:
+    weight = dequantize_weight(_nvfp4a16(1e-30, 448.0), "compressed-tensors/NVFP4A16")
+    assert float(weight[0, 0]) == float(torch.tensor(448.0) / torch.tensor(1e-30))
+    assert bool(torch.isfinite(weight).all())

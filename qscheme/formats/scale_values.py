@@ -34,16 +34,14 @@ def nonfinite(value: Tensor) -> Tensor:
 
 
 def any_nonfinite(value: Tensor) -> bool:
-    """``nonfinite(value).any()`` in one pass over the bytes for fp8 and e8m0: e4m3 NaN is 0x7F
-    (127 as int8, the largest byte) or 0xFF (-1 as int8, only present when some byte has its
-    sign bit set); e8m0 NaN is 0xFF, the largest byte."""
+    """``nonfinite(value).any()`` by max passes over the bytes for fp8 and e8m0, with no mask:
+    e4m3 NaN is 0x7F (the largest byte as int8) or 0xFF (the largest as uint8); e8m0 NaN is
+    0xFF, the largest byte."""
     if value.numel() == 0:
         return False
     if value.dtype == torch.float8_e4m3fn:
-        low, high = torch.aminmax(value.reshape(-1).view(torch.int8))
-        if int(high) == _E4M3_NAN:
-            return True
-        return int(low) < 0 and bool((value.reshape(-1).view(torch.int8) == -1).any())
+        raw = value.reshape(-1)
+        return int(raw.view(torch.int8).max()) == _E4M3_NAN or int(raw.view(torch.uint8).max()) == 0xFF
     if value.dtype == torch.uint8:
         return int(value.max()) == E8M0_NAN
     return bool(nonfinite(value).any())

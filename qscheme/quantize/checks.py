@@ -18,6 +18,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from qscheme import api_checks
 from qscheme.descriptor import Scheme
 from qscheme.errors import QuantizeError
 from qscheme.formats import decode
@@ -25,19 +26,14 @@ from qscheme.formats.elements import E8M0_NAN
 from qscheme.formats.scale_values import not_positive
 from qscheme.quantize.observe import ScaleLayout
 from qscheme.quantize.rules import GivenScales, WeightPlan
+from qscheme.scale_checks import dequantizes_to_nonfinite, largest_element
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _AMINMAX_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def require_materialised(value: Tensor, scheme: Scheme, what: str) -> None:
-    """QuantizeError when ``value`` is a meta tensor: it has a shape but no values to quantize."""
-    if value.is_meta:
-        raise QuantizeError(
-            f"scheme {scheme.name}: {what} is a meta tensor, which has a shape but no values; meta tensors "
-            "cannot be quantized: materialise it first (load the real weights, e.g. module.to_empty(device='cpu') "
-            "then load_state_dict)"
-        )
+# what a meta weight or scale is told (``qscheme.api_checks.require_tensor`` refuses them)
+META_FIX = f"meta tensors cannot be quantized: {api_checks.META_FIX}"
 
 
 def require_positive(value: Tensor, scheme: Scheme, what: str, fix: str) -> None:
@@ -103,13 +99,13 @@ def require_usable_scales(plan: WeightPlan, tensors: Mapping[str, Tensor], padde
         divides = spec.global_scale.stored == "reciprocal"
         factor = float(global_value)
         largest_multiplier = largest_multiplier / factor if divides else largest_multiplier * factor
-    largest = _largest_element(plan)
+    largest = largest_element(plan.scheme)
     if largest_multiplier * largest < _FLOAT32_MAX / 2:
         return  # far from float32's limit: the float32 arithmetic below cannot overflow either
     multiplier = _multipliers(plan, stored)
     if global_value is not None:
         multiplier = multiplier / global_value if divides else multiplier * global_value
-    overflows = ~torch.isfinite(multiplier * largest)
+    overflows = dequantizes_to_nonfinite(multiplier, largest)
     if bool(overflows.any()):
         position, shown, count = _first_bad(multiplier, overflows)
         raise QuantizeError(
@@ -146,15 +142,6 @@ def _multipliers(plan: WeightPlan, stored: Tensor) -> Tensor:
         return decode(stored, "e8m0")
     value = stored.to(torch.float32)
     return torch.reciprocal(value) if plan.scheme.weight.scale.stored == "reciprocal" else value
-
-
-def _largest_element(plan: WeightPlan) -> float:
-    """The largest magnitude a scale multiplies when dequantizing: the element's largest value,
-    or with zero points the whole code range (code - zero point)."""
-    element = plan.element
-    if plan.has_zero_point:
-        return float(element.max_value - element.min_value)
-    return float(max(abs(element.min_value), abs(element.max_value)))
 
 
 def _region(plan: WeightPlan, padded: Tensor, row: int, column: int) -> str:

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from qscheme.api_checks import require_tensor
 from qscheme.descriptor import TensorSpec
 from qscheme.errors import QuantizeError
-from qscheme.quantize.checks import require_materialised, require_positive, require_storable
+from qscheme.quantize.checks import META_FIX, require_positive, require_storable
 from qscheme.quantize.rules import GivenScales, QuantizationRules, WeightPlan
 from qscheme.quantize.write import allowed_dtype, stored_shape
 
@@ -80,12 +81,8 @@ def _convention(stored: str) -> str:
 
 
 def _tensor(plan: WeightPlan, name: str, value: object) -> Tensor:
-    if not isinstance(value, Tensor):
-        raise QuantizeError(
-            f"scheme {plan.scheme.name}: the given {name} must be a torch.Tensor, got {type(value).__name__}"
-        )
-    require_materialised(value, plan.scheme, f"the given {name}")
-    return value.detach()
+    fix = "give the scale as the tensor a checkpoint stores"
+    return require_tensor(value, f"scheme {plan.scheme.name}", f"the given {name}", fix, META_FIX).detach()
 
 
 def _weight_scale(plan: WeightPlan, given: object) -> Tensor:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from qscheme.api_checks import require_scheme_argument, require_tensor
 from qscheme.catalog import load_scheme
 from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.descriptor.parse import NO_RECIPROCAL
@@ -15,7 +16,7 @@ from qscheme.errors import QuantizeError
 from qscheme.formats import get_element_format
 from qscheme.quantize import compressed_tensors as _compressed_tensors  # noqa: F401  (registers its rules)
 from qscheme.quantize import modelopt as _modelopt  # noqa: F401  (registers its rules)
-from qscheme.quantize.checks import require_materialised, require_usable_scales
+from qscheme.quantize.checks import META_FIX, require_usable_scales
 from qscheme.quantize.given import split_given
 from qscheme.quantize.observe import ScaleLayout
 from qscheme.quantize.rounding import round_to_codes, rounding_table
@@ -44,9 +45,12 @@ def quantize_weight(weight: Tensor, scheme: Scheme | str | Path, **given: Tensor
     Every scale in the result is finite and > 0. A given weight scale must have a shape the
     descriptor declares and a float dtype (uint8 bytes for e8m0); every given scale must be finite
     and > 0, as given and as stored. A weight whose computed scales or dequantized values would
-    overflow (a float16 weight near its limit, values near float32's), and a meta tensor, are
-    refused. Errors are QuantizeError, naming the tensor, the first bad value or region, and a fix.
+    overflow (a float16 weight near its limit, values near float32's), and a weight or given scale
+    that is not a dense, materialised tensor (sparse, nested, meta), are refused. Errors are
+    QuantizeError, naming the tensor, the first bad value or region, and a fix; a scheme that is
+    not a Scheme, a str or a path raises UsageError.
     """
+    require_scheme_argument(scheme, "quantize_weight")
     scheme = load_scheme(scheme)
     _check_weight(weight, scheme)
     rules = get_rules(scheme.rules)
@@ -62,13 +66,11 @@ def quantize_weight(weight: Tensor, scheme: Scheme | str | Path, **given: Tensor
 
 
 def _check_weight(weight: Tensor, scheme: Scheme) -> None:
-    if not isinstance(weight, Tensor):
-        raise QuantizeError(f"scheme {scheme.name}: the weight must be a torch.Tensor, got {type(weight).__name__}")
+    require_tensor(weight, f"scheme {scheme.name}", "the weight", "pass the layer's [N, K] float weight", META_FIX)
     if weight.ndim != 2 or weight.numel() == 0:
         raise QuantizeError(
             f"scheme {scheme.name}: the weight must be a non-empty 2-D [N, K] tensor, got shape {tuple(weight.shape)}"
         )
-    require_materialised(weight, scheme, "the weight")
     if weight.dtype not in WEIGHT_DTYPES:
         raise QuantizeError(
             f"scheme {scheme.name}: the weight is {weight.dtype}; quantize float32, float16 or bfloat16 "

@@ -1,0 +1,225 @@
+"""api_checks: misuse of the public API is a typed error naming the argument, before any tensor is read."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+
+from qscheme.api_checks import require_scheme_argument
+from qscheme.canonical import canonicalize
+from qscheme.catalog import load_scheme
+from qscheme.dequantize import dequantize_weight
+from qscheme.errors import QuantizeError, UsageError
+from qscheme.linear import QuantLinear
+from qscheme.quantize import quantize_weight
+
+# torch warns that sparse CSR, nested and quantized tensors are beta, prototype or deprecated
+pytestmark = pytest.mark.filterwarnings(r"ignore:.*(beta state|prototype stage|are deprecated):UserWarning")
+
+SCHEME = "compressed-tensors/NVFP4A16"
+SOURCE = f"scheme {SCHEME}"
+
+
+@functools.cache
+def _tensors() -> dict[str, Tensor]:
+    return quantize_weight(torch.randn(8, 64), SCHEME)
+
+
+def _with(name: object, value: object) -> dict[Any, Any]:
+    tensors: dict[Any, Any] = dict(_tensors())
+    tensors[name] = value
+    return tensors
+
+
+def _dequantize(tensors: object) -> object:
+    return dequantize_weight(tensors, SCHEME)  # type: ignore[arg-type]
+
+
+def _from_tensors(tensors: object) -> object:
+    return QuantLinear.from_tensors(SCHEME, tensors)  # type: ignore[arg-type]
+
+
+def _canonicalize(tensors: object) -> object:
+    return canonicalize(load_scheme(SCHEME), tensors)  # type: ignore[arg-type]
+
+
+ENTRIES: list[Callable[[object], object]] = [_dequantize, _from_tensors, _canonicalize]
+ENTRY_IDS = ["dequantize_weight", "from_tensors", "canonicalize"]
+
+
+def _scale() -> Tensor:
+    return _tensors()["weight_scale"]
+
+
+def _quantized_scale() -> Tensor:
+    return torch.quantize_per_tensor(torch.ones(8, 4), 0.1, 0, torch.qint8)
+
+
+def _nested_scale() -> Tensor:
+    return torch.nested.nested_tensor([torch.ones(4), torch.ones(4)])
+
+
+# (case id, tensors to pass, the message after "scheme ...: ")
+MAPPING_CASES: list[tuple[str, Callable[[], object], str]] = [
+    (
+        "not a mapping",
+        lambda: list(_tensors().items()),
+        "tensors must be a mapping of checkpoint names to tensors (e.g. {'weight_packed': ...}), not list",
+    ),
+    (
+        "int key",
+        lambda: _with(3, _scale()),
+        "tensor names must be the checkpoint names the scheme declares (str, e.g. 'weight_packed'), found 3 (int); "
+        "key the tensors by name",
+    ),
+    (
+        "list value",
+        lambda: _with("weight_scale", [1.0]),
+        "'weight_scale' must be a torch.Tensor, not list; pass the layer's checkpoint tensors keyed by name",
+    ),
+    (
+        "numpy value",
+        lambda: _with("weight_scale", np.ones((8, 4), dtype=np.float32)),
+        "'weight_scale' must be a torch.Tensor, not ndarray; pass the layer's checkpoint tensors keyed by name",
+    ),
+    (
+        "sparse coo",
+        lambda: _with("weight_packed", _tensors()["weight_packed"].to_sparse()),
+        "'weight_packed' is a sparse tensor (sparse_coo); checkpoint tensors are dense: pass value.to_dense()",
+    ),
+    (
+        "sparse csr",
+        lambda: _with("weight_global_scale", torch.ones(1, 1).to_sparse_csr()),
+        "'weight_global_scale' is a sparse tensor (sparse_csr); checkpoint tensors are dense: pass value.to_dense()",
+    ),
+    (
+        "meta scale",
+        lambda: _with("weight_scale", _scale().to("meta")),
+        "'weight_scale' is a meta tensor, which has a shape but no values; materialise it first (load the real "
+        "weights, e.g. module.to_empty(device='cpu') then load_state_dict)",
+    ),
+    (
+        "meta global scale",
+        lambda: _with("weight_global_scale", torch.empty(1, device="meta")),
+        "'weight_global_scale' is a meta tensor, which has a shape but no values",
+    ),
+    (
+        "nested",
+        lambda: _with("weight_scale", _nested_scale()),
+        "'weight_scale' is a nested tensor, which has no single [rows, columns] shape; pass the checkpoint's dense "
+        "tensor",
+    ),
+    (
+        "quantized",
+        lambda: _with("weight_scale", _quantized_scale()),
+        "'weight_scale' is a torch quantized tensor (qint8); pass the tensor as the checkpoint stores it",
+    ),
+]
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=ENTRY_IDS)
+@pytest.mark.parametrize(("make", "expected"), [case[1:] for case in MAPPING_CASES], ids=[c[0] for c in MAPPING_CASES])
+def test_a_tensors_mapping_that_is_not_plain_named_tensors_is_refused(
+    entry: Callable[[object], object], make: Callable[[], object], expected: str
+) -> None:
+    with pytest.raises(QuantizeError) as info:
+        entry(make())
+    assert str(info.value).startswith(f"{SOURCE}: {expected}")
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=ENTRY_IDS)
+@pytest.mark.parametrize("shape", [(), (2, 16, 32)], ids=["0-d", "3-d"])
+def test_a_weight_of_the_wrong_rank_is_refused(entry: Callable[[object], object], shape: tuple[int, ...]) -> None:
+    with pytest.raises(QuantizeError, match=rf"(?s){SOURCE}: .*'weight_packed'.*2-D.*\[N, K/2\], found shape") as info:
+        entry(_with("weight_packed", torch.zeros(shape, dtype=torch.uint8)))
+    assert str(list(shape)).replace(" ", "") in str(info.value).replace(" ", "")
+
+
+# --- quantize_weight ------------------------------------------------------------------------------
+
+WEIGHT = torch.randn(8, 64)
+QUANTIZE_META = (
+    "is a meta tensor, which has a shape but no values; meta tensors cannot be quantized: materialise it first"
+)
+WEIGHT_CASES: list[tuple[str, Callable[[], object], str]] = [
+    ("list", lambda: [[1.0]], "the weight must be a torch.Tensor, not list; pass the layer's [N, K] float weight"),
+    ("sparse coo", lambda: WEIGHT.to_sparse(), "the weight is a sparse tensor (sparse_coo)"),
+    ("sparse csr", lambda: WEIGHT.to_sparse_csr(), "the weight is a sparse tensor (sparse_csr)"),
+    ("nested", lambda: torch.nested.nested_tensor([WEIGHT[0], WEIGHT[1]]), "the weight is a nested tensor"),
+    ("meta", lambda: WEIGHT.to("meta"), f"the weight {QUANTIZE_META}"),
+    (
+        "quantized",
+        lambda: torch.quantize_per_tensor(WEIGHT, 0.1, 0, torch.qint8),
+        "the weight is a torch quantized tensor (qint8)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("make", "expected"), [case[1:] for case in WEIGHT_CASES], ids=[c[0] for c in WEIGHT_CASES])
+def test_a_weight_that_is_not_a_plain_tensor_is_refused(make: Callable[[], object], expected: str) -> None:
+    with pytest.raises(QuantizeError) as info:
+        quantize_weight(make(), SCHEME)  # type: ignore[arg-type]
+    assert str(info.value).startswith(f"{SOURCE}: {expected}")
+
+
+GIVEN_CASES: list[tuple[str, Callable[[], object], str]] = [
+    ("list", lambda: [100.0], "the given weight_global_scale must be a torch.Tensor, not list"),
+    ("sparse", lambda: torch.tensor([100.0]).to_sparse(), "the given weight_global_scale is a sparse tensor"),
+    ("meta", lambda: torch.empty(1, device="meta"), f"the given weight_global_scale {QUANTIZE_META}"),
+    ("nested", lambda: torch.nested.nested_tensor([torch.ones(1)]), "the given weight_global_scale is a nested"),
+]
+
+
+@pytest.mark.parametrize(("make", "expected"), [case[1:] for case in GIVEN_CASES], ids=[c[0] for c in GIVEN_CASES])
+def test_a_given_scale_that_is_not_a_plain_tensor_is_refused(make: Callable[[], object], expected: str) -> None:
+    with pytest.raises(QuantizeError) as info:
+        quantize_weight(WEIGHT, SCHEME, weight_global_scale=make())  # type: ignore[arg-type]
+    assert str(info.value).startswith(f"{SOURCE}: {expected}")
+
+
+# --- the scheme argument ------------------------------------------------------------------------
+
+BAD_SCHEMES = [3, None, 2.5, b"compressed-tensors/NVFP4", ["compressed-tensors/NVFP4"], {"name": "x"}]
+
+
+@pytest.mark.parametrize("scheme", BAD_SCHEMES, ids=lambda value: type(value).__name__)
+@pytest.mark.parametrize(
+    ("caller", "call"),
+    [
+        ("dequantize_weight", lambda scheme: dequantize_weight(_tensors(), scheme)),
+        ("quantize_weight", lambda scheme: quantize_weight(WEIGHT, scheme)),
+    ],
+    ids=["dequantize_weight", "quantize_weight"],
+)
+def test_a_scheme_argument_of_the_wrong_type_is_a_usage_error(
+    scheme: object, caller: str, call: Callable[[object], object]
+) -> None:
+    with pytest.raises(UsageError) as info:
+        call(scheme)
+    assert str(info.value) == (
+        f"{caller}: scheme must be a Scheme, a catalog name (str) or a descriptor file path, not "
+        f"{type(scheme).__name__} ({scheme!r}); e.g. 'compressed-tensors/NVFP4' (`qscheme schemes` lists them)"
+    )
+    assert info.value.exit_code == 2
+
+
+def test_a_long_scheme_argument_is_shortened_in_the_message() -> None:
+    with pytest.raises(UsageError, match=r"not list \(\[0, 1, 2, .{30,50}\.\.\.\); e\.g\. "):
+        require_scheme_argument(list(range(100)), "dequantize_weight")
+
+
+def test_schemes_names_and_paths_pass() -> None:
+    from pathlib import Path
+
+    from qscheme.catalog import builtin_scheme_dir
+
+    for scheme in (SCHEME, load_scheme(SCHEME), builtin_scheme_dir() / "compressed-tensors" / "NVFP4A16.yaml"):
+        require_scheme_argument(scheme, "dequantize_weight")
+        assert torch.equal(dequantize_weight(_tensors(), scheme), dequantize_weight(_tensors(), SCHEME))
+    assert isinstance(builtin_scheme_dir(), Path)
