@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from qscheme.api_checks import require_scheme_argument
 from qscheme.descriptor import Scheme, parse_scheme_file
 from qscheme.descriptor.files import path_problem
-from qscheme.errors import Location, Problem, SchemeError, SchemeNotFoundError
+from qscheme.errors import Location, Problem, SchemeError, SchemeNotFoundError, UsageError
 
 SCHEME_PATH_VARIABLE = "QSCHEME_SCHEME_PATH"
 STRICT_VARIABLE = "QSCHEME_STRICT_SCHEMES"
@@ -238,6 +239,12 @@ def load_catalog(extra_dirs: Iterable[Path] = (), include_plugins: bool = True, 
     unchanged: the key is every source file with its size and modification time, so edited,
     added or removed descriptors (and a changed QSCHEME_SCHEME_PATH) are always seen.
     """
+    if isinstance(extra_dirs, str | bytes | os.PathLike) or not isinstance(extra_dirs, Iterable):
+        raise UsageError(
+            f"load_catalog: extra_dirs must be a list of folders, not {type(extra_dirs).__name__} "
+            f"{extra_dirs!r:.80}; e.g. load_catalog([Path('my-schemes')])"
+        )
+    extra_dirs = [Path(folder) for folder in extra_dirs]
     strict = strict_schemes() if strict is None else strict
     folder_problems: list[Problem] = []
     sources = catalog_sources(extra_dirs, None if strict else folder_problems)
@@ -317,6 +324,7 @@ def load_scheme(name_or_path: str | Path | Scheme) -> Scheme:
     """A Scheme from a catalog name, or from a descriptor file path."""
     if isinstance(name_or_path, Scheme):
         return name_or_path
+    require_scheme_argument(name_or_path, "load_scheme")
     text = str(name_or_path)
     if text.endswith((".yaml", ".yml")) or (os.sep in text and os.path.lexists(text)):
         if Path(text).is_dir():

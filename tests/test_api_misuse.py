@@ -194,8 +194,9 @@ BAD_SCHEMES = [3, None, 2.5, b"compressed-tensors/NVFP4", ["compressed-tensors/N
     [
         ("dequantize_weight", lambda scheme: dequantize_weight(_tensors(), scheme)),
         ("quantize_weight", lambda scheme: quantize_weight(WEIGHT, scheme)),
+        ("load_scheme", load_scheme),
     ],
-    ids=["dequantize_weight", "quantize_weight"],
+    ids=["dequantize_weight", "quantize_weight", "load_scheme"],
 )
 def test_a_scheme_argument_of_the_wrong_type_is_a_usage_error(
     scheme: object, caller: str, call: Callable[[object], object]
@@ -207,6 +208,26 @@ def test_a_scheme_argument_of_the_wrong_type_is_a_usage_error(
         f"{type(scheme).__name__} ({scheme!r}); e.g. 'compressed-tensors/NVFP4' (`qscheme schemes` lists them)"
     )
     assert info.value.exit_code == 2
+
+
+@pytest.mark.parametrize("path", [123, None, ["a.yaml"]], ids=lambda value: type(value).__name__)
+def test_parse_scheme_file_takes_a_path_only(path: object) -> None:
+    from qscheme.descriptor import parse_scheme_file
+
+    with pytest.raises(
+        UsageError, match=rf"parse_scheme_file: path must be a str or os.PathLike .*not {type(path).__name__}"
+    ):
+        parse_scheme_file(path)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("extra_dirs", [123, "my-schemes", b"my-schemes"], ids=lambda value: type(value).__name__)
+def test_load_catalog_takes_a_list_of_folders(extra_dirs: object) -> None:
+    from qscheme.catalog import load_catalog
+
+    with pytest.raises(
+        UsageError, match=rf"load_catalog: extra_dirs must be a list of folders, not {type(extra_dirs).__name__}"
+    ):
+        load_catalog(extra_dirs)  # type: ignore[arg-type]
 
 
 def test_a_long_scheme_argument_is_shortened_in_the_message() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -46,7 +47,7 @@ from qscheme.descriptor.model import (
 )
 from qscheme.descriptor.nodes import INVALID, Node, read_yaml
 from qscheme.descriptor.shapes import MAX_SIZE, Shape, format_shape, parse_shape
-from qscheme.errors import Location, Problem, SchemeError
+from qscheme.errors import Location, Problem, SchemeError, UsageError
 
 T = TypeVar("T")
 
@@ -637,6 +638,11 @@ def parse_scheme_text(text: str, file: str = "<string>", source: str = "file") -
 def parse_scheme_file(path: str | Path, source: str = "file") -> Scheme:
     """Parse a descriptor file; raise SchemeError (not a regular file, over 1 MiB, unreadable, or
     every problem in it)."""
+    if not isinstance(path, str | os.PathLike):
+        raise UsageError(
+            f"parse_scheme_file: path must be a str or os.PathLike naming a descriptor file, not "
+            f"{type(path).__name__}; e.g. parse_scheme_file('schemes/my-scheme.yaml')"
+        )
     file = str(path)
     return parse_scheme_text(read_descriptor_text(path), file, source)
 
