@@ -5,6 +5,12 @@ tensors (``from_canonical``, which the checkpoint loader uses for fused layers),
 kernel once per activation dtype, and runs ``kernel.apply`` in ``forward``. ``dequantize()``
 gives the exact float32 weight it encodes, whatever kernel runs it.
 
+The layer never runs another kernel than the one it reports: ``kernel`` is the one for the
+default activation dtype, ``kernel_for(dtype)`` the one for any other; an input dtype that
+routes to a different kernel also warns (KernelRouteWarning) the first time. A kernel's code
+that raises, or returns anything but ``[..., N]`` in the input's dtype, raises
+KernelExecutionError naming the layer, the kernel, its plugin and the scheme.
+
 As an nn.Module: the canonical tensors are buffers (``canonical_codes``, ``canonical_scale``,
 ...: qscheme's canonical form, not a producer's checkpoint names or conventions), so
 ``state_dict`` holds them and ``load_state_dict`` fills them (same dtypes and shapes: the same
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +38,12 @@ from torch import Tensor
 from qscheme.canonical import TENSOR_FIELDS, CanonicalWeight, canonicalize, dequantize
 from qscheme.checkpoint.validate import require_valid_tensors
 from qscheme.descriptor import Scheme
-from qscheme.errors import UsageError
+from qscheme.errors import QSchemeError, UsageError
 from qscheme.kernels.declaration import KernelDeclaration
 from qscheme.kernels.devices import DeviceFacts
+from qscheme.kernels.interface import KernelExecutionError
 from qscheme.kernels.problem import Problem, normalize_dtype
-from qscheme.kernels.registry import device_for, select_kernel
+from qscheme.kernels.registry import checked_kernel, device_for, select_kernel
 from qscheme.kernels.resolver import Resolution
 
 
@@ -130,6 +138,7 @@ class QuantLinear(torch.nn.Module):
     ) -> None:
         super().__init__()
         torch_device = checked_device(device, "QuantLinear")
+        kernel = checked_kernel(kernel, "QuantLinear")
         # what describes the tensors; the tensors themselves are buffers (weight_canonical),
         # left where they are given (host memory, mapped from the file, for a loaded checkpoint)
         self._layout = _Layout(weight.scheme, weight.n, weight.k, weight.partitions)
@@ -157,6 +166,8 @@ class QuantLinear(torch.nn.Module):
         # or an explicit prepare(), so that loading a checkpoint stays close to its file size.
         self._resolved: dict[str, tuple[Resolution, KernelDeclaration, Any]] = {}
         self._states: dict[str, Any] = {}
+        self._routes_told: set[str] = set()  # input dtypes whose kernel was checked against ``kernel``
+        self._output_shapes: dict[torch.Size, torch.Size] = {}  # input shape -> the output shape apply must give
         self._kernel_device = self.torch_device  # the device _facts, _resolved and _states are for
         self._lock = threading.RLock()
         self._default_dtype = normalize_dtype(activation_dtype)
@@ -194,7 +205,9 @@ class QuantLinear(torch.nn.Module):
         The tensors get the checkpoint loader's checks: a missing or undeclared name (tolerated
         ones pass), a wrong dtype or shape, or a zero, negative or non-finite scale raises
         QuantizeError. A ``bias`` among them is the layer's bias (or pass ``bias=``, not both).
+        A ``kernel`` that is not a declared kernel's name raises UsageError before any tensor is read.
         """
+        checked_kernel(kernel, "QuantLinear.from_tensors")
         if not isinstance(scheme, Scheme):
             from qscheme.catalog import load_scheme
 
@@ -297,12 +310,15 @@ class QuantLinear(torch.nn.Module):
         """Pickled (torch.save, deepcopy) without kernel choice or state: both are rebuilt on
         first use, for the device the layer lands on."""
         state = self.__dict__.copy()
-        state.update(_states={}, _resolved={}, _facts=None, _lock=None)
+        state.update(_states={}, _resolved={}, _routes_told=set(), _facts=None, _lock=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._lock = threading.RLock()
+        # layers pickled by an earlier qscheme lack the newer bookkeeping
+        self.__dict__.setdefault("_routes_told", set())
+        self.__dict__.setdefault("_output_shapes", {})
 
     # -- kernel selection ----------------------------------------------------------------------
 
@@ -323,6 +339,7 @@ class QuantLinear(torch.nn.Module):
             self._facts = None
             self._resolved.clear()
             self._states.clear()
+            self._routes_told.clear()
 
     def _resolve(self, activation_dtype: str) -> tuple[Resolution, KernelDeclaration, Any]:
         self._follow_device()
@@ -341,7 +358,11 @@ class QuantLinear(torch.nn.Module):
         with self._lock:
             _, _, implementation = self._resolve(activation_dtype)
             if activation_dtype not in self._states:
-                self._states[activation_dtype] = implementation.prepare(self.weight_canonical, self.torch_device)
+                try:
+                    state = implementation.prepare(self.weight_canonical, self.torch_device)
+                except Exception as exc:  # a plugin's code may raise anything: name who failed, where
+                    raise self._kernel_error(activation_dtype, "prepare", exc) from exc
+                self._states[activation_dtype] = state
             return implementation, self._states[activation_dtype]
 
     def _prepared(self, activation_dtype: str) -> tuple[Any, Any]:
@@ -373,6 +394,102 @@ class QuantLinear(torch.nn.Module):
     def resolution(self) -> Resolution:
         """The resolution (with its trace) behind ``kernel``."""
         return self._resolve(self._default_dtype)[0]
+
+    @property
+    def activation_dtype(self) -> str:
+        """The default activation dtype: the one ``kernel`` and ``resolution`` are for."""
+        return self._default_dtype
+
+    def kernel_for(self, activation_dtype: str | torch.dtype) -> KernelDeclaration:
+        """The kernel that runs inputs of ``activation_dtype`` ("bf16", torch.float32, ...) on this
+        layer's device: the one ``forward`` calls for them, which may differ from ``kernel``."""
+        return self._resolve(self._dtype_name(activation_dtype))[1]
+
+    def resolution_for(self, activation_dtype: str | torch.dtype) -> Resolution:
+        """The resolution (with its trace) behind ``kernel_for(activation_dtype)``."""
+        return self._resolve(self._dtype_name(activation_dtype))[0]
+
+    def _dtype_name(self, activation_dtype: object) -> str:
+        try:
+            return normalize_dtype(activation_dtype)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"{self._name()}: {exc}") from None
+
+    def _name(self) -> str:
+        return self.layer_name or f"QuantLinear(N={self.out_features}, K={self.in_features})"
+
+    def _tell_route(self, activation_dtype: str) -> None:
+        """Warn once per input dtype that runs on another kernel than ``kernel`` reports."""
+        self._routes_told.add(activation_dtype)
+        usual = self.kernel
+        routed = self.kernel_for(activation_dtype)
+        if routed.name == usual.name:
+            return
+        why = ""
+        with contextlib.suppress(KeyError):
+            candidate = self.resolution_for(activation_dtype).candidate(usual.name)
+            why = f" ({usual.name}: {candidate.reason})" if candidate.reason else ""
+        warnings.warn(
+            f"{self._name()}: {activation_dtype} inputs run on kernel {routed.name!r}{_plugin_text(routed)}, not "
+            f"{usual.name!r}, which the layer reports for its {self._default_dtype} inputs{why}. "
+            f"layer.kernel_for({activation_dtype!r}) and layer.resolution_for({activation_dtype!r}) show the choice; "
+            f"cast the input to {self._default_dtype}, or build the layer with activation_dtype={activation_dtype!r}",
+            KernelRouteWarning,
+            stacklevel=3,
+        )
+
+    def _kernel_error(self, activation_dtype: str, stage: str, error: BaseException) -> KernelExecutionError:
+        """The typed error for a kernel whose ``stage`` (prepare or apply) raised ``error``."""
+        kernel = self._resolved[activation_dtype][1]
+        cls = KernelExecutionError
+        if isinstance(error, QSchemeError) and not isinstance(error, KernelExecutionError):
+            cls = _combined_error(type(error))  # ``except QuantizeError`` and its exit code still apply
+        return cls(
+            f"kernel {kernel.name!r}{_plugin_text(kernel)} failed in {stage}() for layer {self._name()}: "
+            f"{type(error).__name__}: {error} (scheme {self.scheme.name}, {activation_dtype} inputs, device "
+            f"{self.torch_device}). Disable the kernel (QSCHEME_DISABLED_KERNELS={kernel.name}) or force another "
+            f"(kernel=...) to run the layer, and report the failure to {kernel.provider}",
+            layer=self._name(),
+            kernel=kernel.name,
+            plugin=kernel.plugin,
+            scheme=self.scheme.name,
+            stage=stage,
+        )
+
+    def _run(self, implementation: Any, state: Any, x: Tensor, activation_dtype: str) -> Tensor:
+        """``implementation.apply`` with its failures and its output checked."""
+        try:
+            y = implementation.apply(state, x, self.bias)
+        except Exception as exc:  # a plugin's code may raise anything: name who failed, where
+            raise self._kernel_error(activation_dtype, "apply", exc) from exc
+        if not isinstance(y, Tensor) or y.dtype != x.dtype or y.shape != self._output_shape(x):
+            raise self._bad_output(y, x, activation_dtype)
+        return y
+
+    def _output_shape(self, x: Tensor) -> torch.Size:
+        """[..., N] for x of shape [..., K], memoised: slicing a torch.Size costs more than the lookup."""
+        shape = self._output_shapes.get(x.shape)
+        if shape is None:
+            if len(self._output_shapes) >= _OUTPUT_SHAPES_LIMIT:
+                self._output_shapes.clear()  # many sequence lengths must not grow the table forever
+            shape = self._output_shapes[x.shape] = torch.Size((*x.shape[:-1], self.out_features))
+        return shape
+
+    def _bad_output(self, y: object, x: Tensor, activation_dtype: str) -> KernelExecutionError:
+        kernel = self._resolved[activation_dtype][1]
+        found = f"{list(y.shape)} {y.dtype}" if isinstance(y, Tensor) else f"a {type(y).__name__}"
+        expected = f"{[*x.shape[:-1], self.out_features]} {x.dtype}"
+        return KernelExecutionError(
+            f"kernel {kernel.name!r}{_plugin_text(kernel)} returned {found} from apply() for layer {self._name()}; "
+            f"expected {expected} ([..., N] in the input's dtype; scheme {self.scheme.name}). The "
+            f"kernel's code is wrong: disable it (QSCHEME_DISABLED_KERNELS={kernel.name}) or force another "
+            f"(kernel=...), and report it to {kernel.provider}",
+            layer=self._name(),
+            kernel=kernel.name,
+            plugin=kernel.plugin,
+            scheme=self.scheme.name,
+            stage="apply",
+        )
 
     @property
     def scheme(self) -> Scheme:
@@ -419,17 +536,17 @@ class QuantLinear(torch.nn.Module):
                 "device and load its tensors (load_state_dict), or load it from its checkpoint"
             )
         implementation, state = self._prepared(dtype)
+        if dtype != self._default_dtype and dtype not in self._routes_told:
+            self._tell_route(dtype)
         # the kernel computes as it does for this dtype outside autocast (its own float ops uncast)
         with torch.autocast(x.device.type, enabled=False) if cast is not None else contextlib.nullcontext():
             if not torch.is_grad_enabled():  # inference: no context to enter (host time per call)
-                y: Tensor = implementation.apply(state, x, self.bias)
-                return y
+                return self._run(implementation, state, x, dtype)
             if x.requires_grad:
-                y = _ThroughDequantized.apply(x, self, implementation, state)
+                y: Tensor = _ThroughDequantized.apply(x, self, implementation, state, dtype)
                 return y
             with torch.no_grad():
-                y = implementation.apply(state, x, self.bias)
-            return y
+                return self._run(implementation, state, x, dtype)
 
     def extra_repr(self) -> str:
         return (
@@ -439,6 +556,29 @@ class QuantLinear(torch.nn.Module):
 
 
 _INPUT_DTYPE_NAMES = {dtype: normalize_dtype(dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
+_OUTPUT_SHAPES_LIMIT = 256
+
+
+class KernelRouteWarning(UserWarning):
+    """An input dtype runs on another kernel than the one ``QuantLinear.kernel`` reports."""
+
+
+def _plugin_text(kernel: KernelDeclaration) -> str:
+    return f" (plugin {kernel.plugin})" if kernel.plugin else ""
+
+
+_COMBINED_ERRORS: dict[type, type[KernelExecutionError]] = {}
+
+
+def _combined_error(original: type[QSchemeError]) -> type[KernelExecutionError]:
+    """KernelExecutionError that is also the kernel's own typed error class (made once per class)."""
+    found = _COMBINED_ERRORS.get(original)
+    if found is None:
+        found = type(f"KernelExecutionError[{original.__name__}]", (KernelExecutionError, original), {})
+        _COMBINED_ERRORS[original] = found
+    return found
+
+
 BUFFER_PREFIX = "canonical_"
 HOST_DEVICES = ("cpu", "meta")  # where the canonical buffers live
 
@@ -479,16 +619,15 @@ class _ThroughDequantized(torch.autograd.Function):
     weight (straight through activation quantization). The weight and bias get none."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, layer: QuantLinear, implementation: Any, state: Any) -> Tensor:
+    def forward(ctx: Any, x: Tensor, layer: QuantLinear, implementation: Any, state: Any, dtype: str) -> Tensor:
         ctx.layer = layer
         with torch.no_grad():
-            y: Tensor = implementation.apply(state, x, layer.bias)
-        return y
+            return layer._run(implementation, state, x, dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, None, None, None]:
+    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, None, None, None, None]:
         layer: QuantLinear = ctx.layer
         # dequantized where the gradient is (a transient copy of the compact tensors moves there)
         weight = _effective_weight(layer.weight_canonical.to(grad_y.device))
         grad_x = (grad_y.to(torch.float32) @ weight).to(grad_y.dtype)
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None

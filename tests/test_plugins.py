@@ -315,12 +315,15 @@ def test_an_implementation_that_fails_to_import_is_rejected_not_fatal() -> None:
         register_plugin(BrokenCodePlugin(), "broken-code")
         environ = {"QSCHEME_DISABLED_KERNELS": "triton"}
         problem = Problem(256, 512)
-        assert registry.resolve_layer(scheme, problem, "cpu", environ=environ).kernel.name == "broken_code"  # type: ignore[union-attr]
+        # resolution already imports the kernel it would choose: it never reports broken_code
+        reported = registry.resolve_layer(scheme, problem, "cpu", environ=environ)
         resolution, declaration, _ = registry.select_kernel(scheme, problem, "cpu", environ=environ)
-        assert declaration.name == "reference"
+        assert reported.kernel == declaration and declaration.name == "reference"
         rejected = resolution.candidate("broken_code")
         assert rejected.stage == "device"
-        assert "failed to load: AttributeError" in rejected.reason
+        assert "failed to load: AttributeError: qscheme_plugins.reference has no attribute 'NoSuchKernel'" in (
+            rejected.reason
+        )
 
 
 # --- the example packages, installed with pip (CI: .ci/install-example-plugins.sh) -----------------
@@ -390,11 +393,20 @@ def test_installed_example_plugin_appears_and_wins_with_higher_priority(cli) -> 
     torch.testing.assert_close(layer(x), x @ layer.dequantize().t())
 
 
+def _installed_is_current(source: Path) -> bool:
+    """Whether build/qscheme-broken-plugin-site holds this checkout's package (not an older one)."""
+    installed = BROKEN_SITE / "qscheme_broken_plugin"
+    modules = sorted((source / "qscheme_broken_plugin").glob("*.py"))
+    return installed.is_dir() and all(
+        (installed / m.name).is_file() and (installed / m.name).read_bytes() == m.read_bytes() for m in modules
+    )
+
+
 def _broken_site(tmp_path: Path) -> Path:
     """The pip-installed broken plugin if CI installed it, else the same package laid out by hand."""
-    if (BROKEN_SITE / "qscheme_broken_plugin").is_dir():
-        return BROKEN_SITE
     source = ROOT / "examples" / "qscheme-broken-plugin"
+    if _installed_is_current(source):
+        return BROKEN_SITE
     project = tomllib.loads((source / "pyproject.toml").read_text())["project"]
     shutil.copytree(source / "qscheme_broken_plugin", tmp_path / "qscheme_broken_plugin")
     info = tmp_path / f"qscheme_broken_plugin-{project['version']}.dist-info"
@@ -437,6 +449,127 @@ def test_broken_plugins_are_reported_and_resolve_keeps_working(
     strict = cli(["resolve", "compressed-tensors/W4A16", "--device", "sm90"], QSCHEME_STRICT_PLUGINS="1", **env)
     assert strict["code"] == 1
     assert "QSCHEME_STRICT_PLUGINS=1 makes plugin failures fatal" in str(strict["err"])
+
+
+BROKEN_KERNELS = {
+    "broken_dependency": "failed to load: ModuleNotFoundError: No module named "
+    "'qscheme_example_missing_kernel_library'",
+    "broken_missing_class": "failed to load: AttributeError: qscheme_broken_plugin.kernels has no attribute "
+    "'MissingKernel'",
+    "broken_interface": "failed to load: TypeError: qscheme_broken_plugin.kernels:PrepareOnlyKernel does not "
+    "implement the kernel interface: no apply method",
+}
+
+
+@pytest.fixture(scope="module")
+def broken_cli(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """Run `qscheme` in a real subprocess with the broken plugin package on PYTHONPATH (one process a call:
+    the import cache is per process)."""
+    site = _broken_site(tmp_path_factory.mktemp("broken-site"))
+    environ = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "QSCHEME_PLUGINS": "qscheme-broken-plugin",
+        "TRITON_INTERPRET": "1",
+    }
+    environ.pop("QSCHEME_DISABLE_PLUGIN_AUTOLOAD", None)
+
+    def run(*argv: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "qscheme.cli.main", *argv],
+            cwd=ROOT,
+            env={**environ, **extra},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def tiny_w4a16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from qscheme.examples.make_checkpoint import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "w4a16", layers=1, scheme="compressed-tensors/W4A16")
+
+
+def _assert_rejected_for_their_code(trace: list[dict[str, object]]) -> None:
+    rows = {row["kernel"]: row for row in trace}
+    for name, reason in BROKEN_KERNELS.items():
+        assert rows[name]["accepted"] is False and rows[name]["chosen"] is False
+        assert rows[name]["stage"] == "device" and reason in str(rows[name]["reason"]), rows[name]
+
+
+def test_kernels_whose_code_cannot_be_imported_are_not_available(broken_cli) -> None:  # type: ignore[no-untyped-def]
+    listed = broken_cli("kernels", "--device", "cpu", "--json")
+    assert listed.returncode == 0, listed.stderr
+    records = {r["name"]: r for r in json.loads(listed.stdout)}
+    for name, reason in BROKEN_KERNELS.items():
+        assert records[name]["available"] is False and reason in records[name]["reason"]
+        assert records[name]["plugin"] == "broken-code"
+    assert records["reference"]["available"] is True and records["triton"]["available"] is True
+    text = broken_cli("kernels", "--device", "cpu")
+    rows: dict[str, str] = {}
+    for line in text.stdout.splitlines():  # the table's row comes before the kernel's details
+        if line.startswith(("broken_", "reference ")):
+            rows.setdefault(line.split()[0], line)
+    for name, reason in BROKEN_KERNELS.items():
+        assert re.search(rf"^{name} +qscheme-broken-plugin +\d+ +broken-code +no +implementation ", rows[name])
+        assert reason in rows[name]
+    assert re.search(r" yes +- *$", rows["reference"])
+
+
+def test_resolve_rejects_kernels_whose_code_cannot_be_imported(broken_cli) -> None:  # type: ignore[no-untyped-def]
+    resolved = broken_cli("resolve", "compressed-tensors/W4A16", "--device", "cpu", "--json")
+    assert resolved.returncode == 0, resolved.stderr
+    decision = json.loads(resolved.stdout)
+    assert decision["kernel"] == "triton"  # the three broken kernels rank higher, and are all rejected
+    _assert_rejected_for_their_code(decision["trace"])
+    text = broken_cli("resolve", "compressed-tensors/W4A16", "--device", "cpu").stdout
+    assert text.startswith("kernel: triton for scheme compressed-tensors/W4A16")
+    for name, reason in BROKEN_KERNELS.items():
+        assert re.search(
+            rf"\n{name} +qscheme-broken-plugin +\d+ +rejected +device +implementation .*{re.escape(reason)}", text
+        )
+    # forced, a kernel whose code fails leaves the layer without a kernel, and the hint offers only working ones
+    forced = broken_cli("resolve", "compressed-tensors/W4A16", "--device", "cpu", "--kernel", "broken_interface")
+    assert forced.returncode == 1
+    assert "kernel: none: forced kernel 'broken_interface' cannot run" in forced.stdout
+    assert BROKEN_KERNELS["broken_interface"] in forced.stdout
+    assert "hint: kernel triton can run this layer here" in forced.stdout
+
+
+def test_resolve_and_run_a_checkpoint_without_the_broken_kernels(broken_cli, tiny_w4a16: Path) -> None:  # type: ignore[no-untyped-def]
+    resolved = broken_cli("resolve", str(tiny_w4a16), "--device", "cpu", "--json")
+    assert resolved.returncode == 0, resolved.stderr
+    decisions = json.loads(resolved.stdout)
+    assert {layer["kernel"] for layer in decisions["layers"]} == {"triton"}
+    unavailable = {u["kernel"]: u for u in decisions["unavailable_kernels"]}
+    assert set(unavailable) == set(BROKEN_KERNELS)
+    for name, reason in BROKEN_KERNELS.items():
+        assert (
+            unavailable[name]["plugin"] == "broken-code"
+            and reason.removeprefix("failed to load: ") in (unavailable[name]["reason"])
+        )
+    text = broken_cli("resolve", str(tiny_w4a16), "--device", "cpu").stdout
+    assert "7 of 7 layers have a kernel\n\nkernels rejected: their code failed to import" in text
+    assert "  broken_dependency (plugin broken-code): ModuleNotFoundError: No module named" in text
+
+    fast = {"QSCHEME_DISABLED_KERNELS": "triton"}  # the reference kernel: quicker on a CPU than the interpreter
+    ran = broken_cli("run", str(tiny_w4a16), "--rows", "2", "--json", **fast)
+    assert ran.returncode == 0, ran.stderr
+    result = json.loads(ran.stdout)
+    assert result["failed"] == 0 and {layer["kernel"] for layer in result["layers"]} == {"reference"}
+    assert {u["kernel"] for u in result["unavailable_kernels"]} == set(BROKEN_KERNELS)
+    text = broken_cli("run", str(tiny_w4a16), "--rows", "2", **fast).stdout
+    assert "kernels rejected: their code failed to import (`qscheme kernels` lists them):" in text
+    for name, reason in BROKEN_KERNELS.items():
+        assert f"  {name} (plugin broken-code): {reason.removeprefix('failed to load: ')}" in text
+    forced = broken_cli("run", str(tiny_w4a16), "--rows", "2", "--kernel", "broken_dependency")
+    assert forced.returncode == 1 and "Traceback" not in forced.stderr
+    assert "forced kernel 'broken_dependency' cannot run layer" in forced.stderr
+    assert BROKEN_KERNELS["broken_dependency"] in forced.stderr
 
 
 # --- docs/plugins.md stays true --------------------------------------------------------------------

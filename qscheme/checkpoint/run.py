@@ -7,8 +7,10 @@ the exact activation emulation, all in float32 on the CPU (the ``reference`` ker
 error is max |y - y_ref| / max |y_ref| over the layer's outputs.
 
 A kernel that raises in prepare() or apply(), or returns an output that is not [rows, N] in
-the input dtype, does not stop the run: that layer's result is a failure naming the kernel,
-its plugin and the exception, and the other layers still run.
+the input dtype (QuantLinear raises KernelExecutionError for both), does not stop the run: that
+layer's result is a failure naming the kernel, its plugin and the exception, and the other
+layers still run. Kernels whose implementation failed to import never run a layer: the resolver
+rejects them, and ``registry.unavailable_kernels()`` lists them with their import errors.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from qscheme.checkpoint.defaults import DEFAULT_ROWS, DEFAULT_TOLERANCE
 from qscheme.checkpoint.load import load_checkpoint
 from qscheme.checkpoint.plan import FuseSpec
+from qscheme.kernels.interface import KernelExecutionError
 from qscheme.kernels.problem import normalize_dtype
 from qscheme.linear import QuantLinear
 
@@ -115,7 +118,7 @@ def run_checkpoint(
         generator = torch.Generator().manual_seed(seed + index)
         x = torch.randn(rows, layer.in_features, generator=generator).to(_TORCH_DTYPES[dtype])
         reference = _reference_output(layer, x.to(torch.float32))
-        y, milliseconds, failure = _run_kernel(layer, name, x, device, repeats)
+        y, milliseconds, failure = _run_kernel(layer, x, device, repeats)
         relative = math.nan
         if y is not None:
             peak = float(reference.abs().max())
@@ -139,31 +142,12 @@ def run_checkpoint(
 
 
 def _run_kernel(
-    layer: QuantLinear, name: str, x: torch.Tensor, device: str, repeats: int
+    layer: QuantLinear, x: torch.Tensor, device: str, repeats: int
 ) -> tuple[torch.Tensor | None, float, str]:
     """(output, milliseconds, "") or (None, NaN, why the layer's kernel failed)."""
-    stage = "prepare"
     try:
         layer.prepare(normalize_dtype(x.dtype))
-        stage = "apply"
         y, milliseconds = _time(layer, x.to(device), repeats)
-    except Exception as exc:  # a kernel plugin's code: any exception fails this layer only
-        reason = f"{_kernel_text(layer)} failed in {stage}() for layer {name}: {type(exc).__name__}: {exc}"
-        return None, math.nan, reason
-    expected = [x.shape[0], layer.out_features]
-    if not isinstance(y, torch.Tensor):
-        found = f"a {type(y).__name__}"
-    elif list(y.shape) != expected or y.dtype != x.dtype:
-        found = f"{list(y.shape)} {y.dtype}"
-    else:
-        return y, milliseconds, ""
-    reason = (
-        f"{_kernel_text(layer)} returned {found} from apply() for layer {name}; expected {expected} {x.dtype} "
-        "(rows x N, in the input dtype)"
-    )
-    return None, math.nan, reason
-
-
-def _kernel_text(layer: QuantLinear) -> str:
-    kernel = layer.kernel
-    return f"kernel {kernel.name!r}" + (f" (plugin {kernel.plugin})" if kernel.plugin else "")
+    except KernelExecutionError as exc:  # names the kernel, its plugin, the layer and the scheme
+        return None, math.nan, str(exc)
+    return y, milliseconds, ""

@@ -1,4 +1,9 @@
-"""`qscheme kernels [--device D] [--json]`: every declared kernel and whether it can run here."""
+"""`qscheme kernels [--device D] [--json]`: every declared kernel and whether it can run here.
+
+A kernel is "available" only when everything else admits it and its implementation imports
+(with ``prepare`` and ``apply``): the implementations of such kernels are imported here, once,
+and a failure is shown as the reason, exactly as `resolve` and `run` then reject the kernel.
+"""
 
 from __future__ import annotations
 
@@ -54,8 +59,9 @@ def _details(record: dict[str, Any]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     device = registry.device_for(args.device)
-    unavailable = registry.implementation_failures()
-    records = [kernel_record(d, device, unavailable) for d in registry.declarations()]
+    declarations = registry.declarations()
+    unavailable = registry.verified_failures(declarations, device)
+    records = [kernel_record(d, device, unavailable) for d in declarations]
     failures = registry.plugin_failures()
     if args.json:
         print_json(records)

@@ -4,7 +4,9 @@ Loads every quantized module on the device, runs each on a fixed random input an
 with its float32 reference (exact dequantized weight, exact activation emulation). Prints the
 error and time per layer; exit 1 when any layer is beyond the tolerance or its kernel failed
 (raised, or returned the wrong shape or dtype: the layer is FAIL with the reason, and the other
-layers still run), 2 on a bad option or a checkpoint folder that does not exist.
+layers still run), 2 on a bad option or a checkpoint folder that does not exist. Kernels whose
+code failed to import are listed with the import error (``unavailable_kernels`` in JSON): the
+resolver rejected them, and the layers ran on the kernel shown in their row.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     _check_numbers(args.rows, args.tolerance)
     checkpoint_argument(args.checkpoint)
     from qscheme.checkpoint.run import run_checkpoint  # imports torch
+    from qscheme.kernels import registry
 
     results = run_checkpoint(
         args.checkpoint,
@@ -118,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
                 "activation_dtype": dtype,
                 "layers": [r.as_json() for r in results],
                 "failed": len(failed),
+                "unavailable_kernels": registry.unavailable_kernels(),
             }
         )
     else:
@@ -128,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
         kernel_failures = [r.failure for r in results if r.failure]
         if kernel_failures:
             out.extend(["", "kernel failures:", *(f"  {failure}" for failure in kernel_failures), ""])
+        unavailable = registry.unavailable_lines()
+        if unavailable:
+            out.extend(["", *unavailable, ""])
         tolerance = results[0].tolerance if results else DEFAULT_TOLERANCE[dtype]
         out.append(
             f"{len(results) - len(failed)} of {len(results)} layers within tolerance {tolerance:g} "

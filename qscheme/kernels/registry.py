@@ -4,6 +4,12 @@ Collects kernel declarations from the plugins, fills device facts with what is i
 which variables are set, reads the overrides (QSCHEME_KERNEL, QSCHEME_DISABLED_KERNELS),
 imports implementations lazily by their "module:attribute" reference, and turns a failed
 resolution into a NoKernelError with a hint.
+
+Resolution matches execution: a kernel is only ever reported as chosen once its implementation
+has been imported and found to have ``prepare`` and ``apply``. The import happens the first time
+a kernel would be chosen (or `qscheme kernels` asks whether it is available) and its outcome is
+kept for the process, so resolving stays a dictionary lookup after that; a kernel whose import
+failed is rejected at the device stage with the import error as its reason.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from qscheme.errors import NoKernelError, PluginError, UsageError
 from qscheme.kernels.declaration import KernelDeclaration
 from qscheme.kernels.devices import SIMULATED_DEVICES, DeviceFacts, device_facts, simulated_device, with_environment
 from qscheme.kernels.problem import Problem
-from qscheme.kernels.resolver import Resolution, Resolver, ordered
+from qscheme.kernels.resolver import Resolution, Resolver, check_device, ordered
 
 if TYPE_CHECKING:
     from qscheme.descriptor import Scheme
@@ -56,6 +62,36 @@ def plugin_failures() -> tuple[object, ...]:
     from qscheme.plugins import get_plugins
 
     return get_plugins().failures()
+
+
+def checked_kernel(kernel: object, caller: str) -> str | None:
+    """``kernel=`` as given (None, or a declared kernel's name); UsageError otherwise.
+
+    Meant to run before anything is read, so that a wrong argument costs nothing: a value that is
+    not a str (a declaration, an implementation object, a number), an empty name, or a name no
+    plugin declares.
+    """
+    if kernel is None:
+        return None
+    names = sorted(d.name for d in declarations())
+    known = ", ".join(names) or "none"
+    if not isinstance(kernel, str):
+        given = getattr(kernel, "name", None)
+        example = f"kernel={given!r}" if isinstance(given, str) else "kernel='triton'"
+        raise UsageError(
+            f"{caller}(kernel={kernel!r}): kernel= takes a kernel's name (str), not a {type(kernel).__name__}; "
+            f"e.g. {example}. Known kernels: {known} (`qscheme kernels` lists them)"
+        )
+    if kernel not in names:
+        close = difflib.get_close_matches(kernel, names, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        what = "an empty kernel name was given" if not kernel.strip() else f"unknown kernel {kernel!r} was forced"
+        raise UsageError(
+            f"{caller}(kernel={kernel!r}): {what}.{hint} Known kernels: {known} (`qscheme kernels` lists them, "
+            "`qscheme plugins` shows plugins that failed to load); pass one of them, or kernel=None to let the "
+            "resolver choose"
+        )
+    return kernel
 
 
 def get_declaration(name: str) -> KernelDeclaration:
@@ -202,8 +238,53 @@ def resolve_layer(
     kernel: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Resolution:
-    """Resolve one layer with the installed kernels and the environment's overrides."""
-    return resolver(device_for(device), kernel, environ).resolve(scheme, problem)
+    """Resolve one layer with the installed kernels and the environment's overrides.
+
+    The chosen kernel's implementation is imported (once per process) before it is reported: one
+    that fails to import is recorded and the layer resolved again, so it appears in the trace as
+    rejected at the device stage with its import error (a forced kernel then leaves the layer
+    without a kernel). When no kernel is chosen although some were accepted (another kernel is
+    forced), those are imported too, so that the trace and the hint offer only kernels that run.
+    """
+    facts = device_for(device)
+    while True:
+        memo = resolver(facts, kernel, environ)
+        resolution = memo.resolve(scheme, problem)
+        chosen = resolution.kernel
+        if chosen is not None:
+            if chosen.name in _implementations or not implementation_failure(chosen):
+                return resolution
+            continue  # the failure is now in _implementation_failures: the next round rejects it
+        accepted = {c.kernel for c in resolution.trace if c.accepted}
+        untried = [
+            d
+            for d in memo.declarations
+            if d.name in accepted and d.name not in _implementations and d.name not in _implementation_failures
+        ]
+        if not [d for d in untried if implementation_failure(d)]:
+            return resolution
+
+
+def implementation_failure(declaration: KernelDeclaration) -> str:
+    """Empty when the kernel's implementation imports and has prepare and apply, else why not
+    (imported at most once per process; the outcome is kept either way)."""
+    if declaration.name in _implementations:
+        return ""
+    try:
+        load_implementation(declaration)
+    except PluginError:
+        with _lock:
+            return _implementation_failures.setdefault(declaration.name, "no implementation")
+    return ""
+
+
+def verified_failures(kernels: Sequence[KernelDeclaration], device: DeviceFacts) -> dict[str, str]:
+    """Import failures of every implemented kernel that could otherwise run on ``device``
+    (`qscheme kernels` calls this: a kernel is listed as available only when its code imports)."""
+    for declaration in kernels:
+        if declaration.implementation is not None and not check_device(declaration, device, _implementation_failures):
+            implementation_failure(declaration)
+    return implementation_failures()
 
 
 def hint_for(resolution: Resolution) -> str:
@@ -246,14 +327,8 @@ def load_implementation(declaration: KernelDeclaration) -> KernelImplementation:
             raise PluginError(f"kernel {declaration.name} is declared without an implementation")
         module_name, _, attribute = reference.partition(":")
         try:
-            target: Any = importlib.import_module(module_name)
-            for part in attribute.split("."):
-                target = getattr(target, part)
-            implementation = target() if isinstance(target, type) else target
-            missing = [m for m in ("prepare", "apply") if not callable(getattr(implementation, m, None))]
-            if missing:
-                raise TypeError(f"{reference} has no {' or '.join(missing)} method")
-        except Exception as exc:
+            implementation = _import_implementation(module_name, attribute, reference)
+        except (Exception, SystemExit) as exc:  # a plugin's module may raise anything while it imports
             reason = f"{type(exc).__name__}: {exc}"
             _implementation_failures[declaration.name] = reason
             raise PluginError(
@@ -264,6 +339,27 @@ def load_implementation(declaration: KernelDeclaration) -> KernelImplementation:
         return implementation
 
 
+def _import_implementation(module_name: str, attribute: str, reference: str) -> Any:
+    """The object ``module:attribute`` names (a class is instantiated); raises on any failure."""
+    target: Any = importlib.import_module(module_name)
+    path = module_name
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise AttributeError(
+                f"{path} has no attribute {part!r} (the declaration's implementation {reference!r} names it)"
+            )
+        target = getattr(target, part)
+        path = f"{path}.{part}"
+    implementation = target() if isinstance(target, type) else target
+    missing = [m for m in ("prepare", "apply") if not callable(getattr(implementation, m, None))]
+    if missing:
+        raise TypeError(
+            f"{reference} does not implement the kernel interface: no {' or '.join(missing)} method "
+            "(a kernel needs prepare(weight, device) and apply(state, x, bias))"
+        )
+    return implementation
+
+
 def select_kernel(
     scheme: Scheme,
     problem: Problem,
@@ -272,20 +368,35 @@ def select_kernel(
     environ: Mapping[str, str] | None = None,
 ) -> tuple[Resolution, KernelDeclaration, KernelImplementation]:
     """Resolve and import the chosen kernel's code. A kernel whose code fails to import is
-    recorded and resolution repeats without it, unless it was forced: then NoKernelError."""
-    facts = device_for(device)
-    while True:
-        resolution = resolver(facts, kernel, environ).resolve(scheme, problem)
-        if resolution.kernel is None:
-            raise no_kernel_error(resolution)
-        try:
-            return resolution, resolution.kernel, load_implementation(resolution.kernel)
-        except PluginError:
-            continue  # the failure is now in _implementation_failures, so the next round rejects it
+    recorded and resolution repeats without it, unless it was forced: then NoKernelError
+    (``resolve_layer`` does the importing)."""
+    resolution = resolve_layer(scheme, problem, device, kernel, environ)
+    if resolution.kernel is None:
+        raise no_kernel_error(resolution)
+    return resolution, resolution.kernel, load_implementation(resolution.kernel)  # imported: a lookup
 
 
 def implementation_failures() -> dict[str, str]:
+    """Kernel name -> why its implementation could not be used, for the kernels tried so far."""
     return dict(_implementation_failures)
+
+
+def unavailable_kernels() -> list[dict[str, str]]:
+    """``{"kernel", "plugin", "reason"}`` of each declared kernel whose implementation failed to
+    import in this process (rejected by every resolution since), in priority order."""
+    failures = implementation_failures()
+    return [
+        {"kernel": d.name, "plugin": d.plugin, "reason": failures[d.name]} for d in declarations() if d.name in failures
+    ]
+
+
+def unavailable_lines() -> list[str]:
+    """The text form of ``unavailable_kernels()``: a heading and one line a kernel (none if none)."""
+    found = unavailable_kernels()
+    if not found:
+        return []
+    lines = ["kernels rejected: their code failed to import (`qscheme kernels` lists them):"]
+    return lines + [f"  {u['kernel']} (plugin {u['plugin'] or '?'}): {u['reason']}" for u in found]
 
 
 def reset() -> None:
