@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from qscheme.api_checks import require_scheme_argument
 from qscheme.canonical import TENSOR_FIELDS, CanonicalWeight, canonicalize, dequantize
 from qscheme.checkpoint.validate import require_valid_tensors
 from qscheme.descriptor import Scheme
@@ -208,6 +209,7 @@ class QuantLinear(torch.nn.Module):
         A ``kernel`` that is not a declared kernel's name raises UsageError before any tensor is read.
         """
         checked_kernel(kernel, "QuantLinear.from_tensors")
+        require_scheme_argument(scheme, "QuantLinear.from_tensors")
         if not isinstance(scheme, Scheme):
             from qscheme.catalog import load_scheme
 
@@ -217,7 +219,9 @@ class QuantLinear(torch.nn.Module):
             if bias is not None:
                 raise UsageError(f"{layer_name or 'QuantLinear'}: bias given twice: in tensors and as bias=; pass one")
             bias = tensors["bias"]
-        return cls(canonicalize(scheme, tensors, n, k), device, kernel, bias, layer_name, activation_dtype)
+        return cls(
+            canonicalize(scheme, tensors, n, k, layer=layer_name), device, kernel, bias, layer_name, activation_dtype
+        )
 
     # -- the canonical tensors as buffers ------------------------------------------------------
 

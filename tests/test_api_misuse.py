@@ -195,8 +195,9 @@ BAD_SCHEMES = [3, None, 2.5, b"compressed-tensors/NVFP4", ["compressed-tensors/N
         ("dequantize_weight", lambda scheme: dequantize_weight(_tensors(), scheme)),
         ("quantize_weight", lambda scheme: quantize_weight(WEIGHT, scheme)),
         ("load_scheme", load_scheme),
+        ("QuantLinear.from_tensors", lambda scheme: QuantLinear.from_tensors(scheme, _tensors())),
     ],
-    ids=["dequantize_weight", "quantize_weight", "load_scheme"],
+    ids=["dequantize_weight", "quantize_weight", "load_scheme", "from_tensors"],
 )
 def test_a_scheme_argument_of_the_wrong_type_is_a_usage_error(
     scheme: object, caller: str, call: Callable[[object], object]

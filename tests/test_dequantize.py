@@ -109,6 +109,8 @@ def test_scales_whose_product_cannot_dequantize_are_refused(entry, tensors, expe
     with pytest.raises(QuantizeError, match="compressed-tensors/NVFP4A16") as info:
         entry(tensors, "compressed-tensors/NVFP4A16")
     assert expected in str(info.value)
+    # from_tensors names its layer; dequantize_weight has none to name
+    assert ("model.layers.1.mlp.up_proj" in str(info.value)) == (entry is _from_tensors)
 
 
 def test_scales_far_from_the_limits_still_dequantize() -> None:
