@@ -7,21 +7,22 @@ argument objects are kept as written (normalisation for matching is detect.py's 
 Malformed JSON and wrongly typed fields raise CheckpointError naming the file, the line and
 column (for JSON syntax) or the key path (for types). A config file that exists but is not a
 regular file (a folder, a broken link, a FIFO) is an error, never "absent"; duplicate keys are
-refused; ``re:`` targets and ignore entries are compiled and ``block_structure`` checked here,
-so that a bad value fails with its key path instead of deep inside detection.
+refused; ``re:`` targets and ignore entries are compiled and checked for catastrophic
+backtracking (patterns.py) and ``block_structure`` checked here, so that a bad value fails with
+its key path instead of deep inside detection.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qscheme.checkpoint.patterns import check_entries
 from qscheme.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
@@ -169,7 +170,8 @@ class _Fields:
 def file_problem(path: Path) -> str | None:
     """Why ``path`` cannot be read as a regular file ("missing", "a folder", ...); None when it can.
 
-    Symbolic links to regular files are fine; a link whose target is gone is "a broken symbolic link".
+    Symbolic links to regular files are fine; a link whose target is gone is "a broken symbolic link";
+    a name with a NUL character or an unpaired surrogate (from a JSON index) is a problem, not a crash.
     """
     try:
         mode = os.stat(path).st_mode
@@ -179,6 +181,8 @@ def file_problem(path: Path) -> str | None:
         return "missing"
     except OSError as exc:
         return f"not accessible ({exc.strerror})"
+    except ValueError:  # a NUL character, or a lone surrogate the file system encoding cannot write
+        return "a name no file can have (it holds a NUL character or an unpaired surrogate)"
     if stat.S_ISREG(mode):
         return None
     if stat.S_ISDIR(mode):
@@ -391,18 +395,8 @@ def _compressed_tensors(fields: _Fields) -> CompressedTensorsConfig:
 
 
 def _check_patterns(file: str, where: str, entries: tuple[str, ...]) -> None:
-    """Every ``re:`` entry must compile (compressed-tensors matches them with ``re.match``)."""
-    for position, entry in enumerate(entries):
-        if not entry.startswith("re:"):
-            continue
-        try:
-            re.compile(entry[3:])
-        except re.error as exc:
-            at = f" at {exc.pos}" if exc.pos is not None else ""
-            raise CheckpointError(
-                f"{file}: {where}[{position}]: {entry!r} is not a valid regular expression ({exc.msg}{at}); "
-                "write a Python regular expression after 're:', e.g. 're:.*q_proj$'"
-            ) from None
+    """Every ``re:`` entry must compile and must not backtrack catastrophically (see patterns.py)."""
+    check_entries(file, where, entries)
 
 
 def block_sizes(value: object) -> list[int] | None:

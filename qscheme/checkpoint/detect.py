@@ -9,7 +9,8 @@ or any name ending in "Linear") means "every module that stores quantized-linear
 a tensor named like one any catalog scheme declares (weight_packed, weight_scale, ...) other
 than a plain ``weight``, or a ``weight`` whose dtype is not a float type (fp8, int8, ...).
 Name targets follow compressed-tensors: an exact module name, or ``re:<regex>`` matched with
-``re.match`` from the start of the name; they apply to modules with a 2-D ``weight`` or
+``re.match`` from the start of the name (patterns that could backtrack catastrophically are
+refused, see patterns.py); they apply to modules with a 2-D ``weight`` or
 quantized-linear tensors. When several groups target a module the most specific wins (exact
 name, then regex, then class), as in compressed-tensors. ModelOpt's exclude_modules and ignore
 lists are fnmatch wildcards.
@@ -32,6 +33,8 @@ from qscheme.checkpoint.config import (
     ProducerConfig,
     block_sizes,
 )
+from qscheme.checkpoint.patterns import PREFIX as PATTERN_PREFIX
+from qscheme.checkpoint.patterns import any_of, compile_pattern
 from qscheme.checkpoint.reader import TensorInfo
 from qscheme.checkpoint.text import listing
 from qscheme.descriptor import CompressedTensorsRule, Scheme
@@ -132,7 +135,7 @@ def looks_linear(tensors: Mapping[str, TensorInfo], quantized_names: frozenset[s
 
 
 def _is_class_target(target: str) -> bool:
-    return not target.startswith("re:") and "." not in target and target[:1].isupper()
+    return not target.startswith(PATTERN_PREFIX) and "." not in target and target[:1].isupper()
 
 
 def _is_linear_class(target: str) -> bool:
@@ -141,19 +144,53 @@ def _is_linear_class(target: str) -> bool:
 
 def _match_rank(module: str, target: str, quantized: bool) -> int | None:
     """0 exact name, 1 regex, 2 class name; None when the target does not match."""
-    if target.startswith("re:"):
-        try:
-            return 1 if re.match(target[3:], module) else None
-        except re.error as exc:  # config.py checks configs it reads; this guards hand-built ones
-            raise CheckpointError(
-                f"target or ignore entry {target!r} is not a valid regular expression ({exc.msg}); "
-                "write a Python regular expression after 're:'"
-            ) from None
+    if target.startswith(PATTERN_PREFIX):
+        # config.py refuses bad patterns with their key path; this refuses those of hand-built configs
+        return 1 if compile_pattern(target).match(module) else None
     if target == module:
         return 0
     if _is_class_target(target) and _is_linear_class(target) and quantized:
         return 2
     return None
+
+
+@dataclass(frozen=True)
+class _Entries:
+    """Targets or ignore entries, each paired with its owner, prepared for thousands of modules:
+    a module that no entry can match is told apart with a set lookup and one joined regex."""
+
+    pairs: tuple[tuple[Any, str], ...]
+    names: frozenset[str]
+    linear_class: bool
+    regexes: bool
+    any_regex: re.Pattern[str] | None
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[Any, str]]) -> _Entries:
+        pairs = tuple(pairs)
+        entries = [entry for _, entry in pairs]
+        return cls(
+            pairs=pairs,
+            names=frozenset(entries),
+            linear_class=any(_is_class_target(e) and _is_linear_class(e) for e in entries),
+            regexes=any(e.startswith(PATTERN_PREFIX) for e in entries),
+            any_regex=any_of(entries),
+        )
+
+    def matching(self, module: str, quantized: bool) -> list[tuple[int, Any, str]]:
+        """(rank, owner, entry) of every entry that matches ``module``, in order (see _match_rank)."""
+        possible = (
+            module in self.names
+            or (self.linear_class and quantized)
+            or (self.regexes and (self.any_regex is None or self.any_regex.match(module) is not None))
+        )
+        if not possible:
+            return []
+        return [
+            (rank, owner, entry)
+            for owner, entry in self.pairs
+            if (rank := _match_rank(module, entry, quantized)) is not None
+        ]
 
 
 # ---------------------------------------------------------------------------- argument matching
@@ -445,11 +482,13 @@ def _detect_compressed_tensors(
     ignored: dict[str, str] = {}
     group_schemes: dict[str, Scheme] = {}
     used_targets: set[tuple[str, str]] = set()
+    ignore = _Entries.of((None, entry) for entry in config.ignore)
+    targets = _Entries.of((group, target) for group in config.groups for target in group.targets)
     for module, members in sorted(modules.items()):
         quantized = looks_quantized(members, quantized_names)
         if not module or not looks_linear(members, quantized_names):
             continue
-        ignore_entry = next((t for t in config.ignore if _match_rank(module, t, quantized) is not None), None)
+        ignore_entry = next((entry for _, _, entry in ignore.matching(module, quantized)), None)
         if ignore_entry is not None:
             if quantized:
                 raise CheckpointError(
@@ -459,12 +498,7 @@ def _detect_compressed_tensors(
                 )
             ignored[module] = ignore_entry
             continue
-        best: list[tuple[int, ConfigGroup, str]] = []
-        for group in config.groups:
-            for target in group.targets:
-                rank = _match_rank(module, target, quantized)
-                if rank is not None:
-                    best.append((rank, group, target))
+        best: list[tuple[int, ConfigGroup, str]] = targets.matching(module, quantized)
         if not best:
             if quantized:
                 raise CheckpointError(
@@ -544,7 +578,7 @@ def _refuse_names_of_no_module(
     group's scheme."""
     for group in config.groups:
         for target in group.targets:
-            if target.startswith("re:") or _is_class_target(target) or target in modules:
+            if target.startswith(PATTERN_PREFIX) or _is_class_target(target) or target in modules:
                 continue
             tail = ".".join(target.split(".")[-3:])
             alike = sorted((m for m in modules if m.endswith("." + tail) or m == tail), key=natural_key)
