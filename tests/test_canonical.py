@@ -20,7 +20,7 @@ from qscheme.canonical import CanonicalWeight, canonicalize, dequantize, effecti
 from qscheme.catalog import load_catalog, load_scheme
 from qscheme.checkpoint import load_checkpoint
 from qscheme.descriptor import Scheme, parse_scheme_text
-from qscheme.errors import QSchemeError, QuantizeError
+from qscheme.errors import CheckpointError, QuantizeError
 from qscheme.formats import decode, pack_int32_k, pack_int32_n, unpack_fp4_k
 from qscheme.quantize import quantize_weight
 
@@ -558,8 +558,10 @@ def test_load_checkpoint_refuses_a_global_divisor_whose_product_overflows(tmp_pa
     module = "model.layers.0.self_attn.k_proj"
     tensors[f"{module}.weight_global_scale"] = torch.tensor([1e-38])  # finite > 0; its multiplier is 1e38
     save_file(tensors, str(path), metadata={"format": "pt"})
-    with pytest.raises(QSchemeError) as info:
+    with pytest.raises(CheckpointError) as info:
         load_checkpoint(folder)
     message = str(info.value)
+    assert "nothing was loaded" in message
+    assert f"model.safetensors: tensor '{module}.weight_packed': layer {module}" in message
     assert "scheme compressed-tensors/NVFP4A16: weight_scale[" in message
     assert "times 1 / weight_global_scale 1e-38 (multiplier 1e+38), is inf" in message

@@ -7,6 +7,7 @@ import json
 import struct
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -204,6 +205,48 @@ def stale_shard(folder: Path) -> None:
     (folder / "model.safetensors").rename(folder / "model-00002-of-00002.safetensors")
 
 
+def _replace_header(path: Path, raw: bytes) -> None:
+    """A new header of any length before the same data section."""
+    size, _, data = _header(path)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + size :])
+
+
+def _edit_header(change: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
+    def corrupt(folder: Path) -> None:
+        path = folder / "model.safetensors"
+        _, header, _ = _header(path)
+        change(header)
+        _replace_header(path, json.dumps(header).encode())
+
+    return corrupt
+
+
+def trailing_bytes(folder: Path) -> None:
+    with (folder / "model.safetensors").open("ab") as handle:
+        handle.write(bytes(16))
+
+
+def duplicate_tensor_name(folder: Path) -> None:
+    path = folder / "model.safetensors"
+    _, header, _ = _header(path)
+    entry = json.dumps(header[f"{Q}.weight_scale"])
+    _replace_header(path, json.dumps(header)[:-1].encode() + f', "{Q}.weight_scale": {entry}}}'.encode())
+
+
+def header_over_the_safetensors_cap(folder: Path) -> None:
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(struct.pack("<Q", 100_000_001) + data[8:])
+
+
+def index_shard_with_nul(folder: Path) -> None:
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    weight_map = dict.fromkeys(tensors, "model-00001-of-00001.safetensors")
+    weight_map["lm_head.weight"] = "model-00001-of-00001.safetensors\x00../../etc/passwd"
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
 CT = ("compressed-tensors", "NVFP4")
 CASES: list[tuple[str, tuple[str, str], Callable[[Path], None], str]] = [
     ("truncated file", CT, truncated, r"model.safetensors: tensor '.*': data ends at byte \d+ .*file truncated"),
@@ -306,6 +349,44 @@ CASES: list[tuple[str, tuple[str, str], Callable[[Path], None], str]] = [
     ),
     ("index next to model.safetensors", CT, index_next_to_single_file, r"has both model.safetensors.index.json"),
     ("stale shard", CT, stale_shard, r"shard file model-00002-of-00002.safetensors is in the folder but the index"),
+    (
+        "trailing bytes",
+        CT,
+        trailing_bytes,
+        r"model.safetensors: the last tensor, '.*', ends at byte \d+ of the data section but the file has 16 more",
+    ),
+    (
+        "tensor dropped from the header",
+        CT,
+        _edit_header(lambda h: h.pop(f"{Q}.weight_scale")),
+        r"model.safetensors: bytes \d+-\d+ of the data section, after tensor '.*', belong to no tensor",
+    ),
+    ("duplicate tensor name", CT, duplicate_tensor_name, rf"key '{Q}.weight_scale' appears more than once"),
+    (
+        "boolean as a size",
+        CT,
+        _edit_header(lambda h: h[f"{Q}.weight_scale"].__setitem__("shape", [True, 8])),
+        rf"tensor '{Q}.weight_scale': shape \[True, 8\] is not a list of sizes",
+    ),
+    (
+        "metadata value not text",
+        CT,
+        _edit_header(lambda h: h.__setitem__("__metadata__", {"format": 1})),
+        r"model.safetensors: __metadata__\['format'\] is a number",
+    ),
+    (
+        "deeply nested header",
+        CT,
+        _edit_header(lambda h: h[f"{Q}.weight_scale"].__setitem__("x", json.loads("[" * 500 + "]" * 500))),
+        rf"tensor '{Q}.weight_scale': JSON nested more than 64 levels deep",
+    ),
+    (
+        "header over the safetensors cap",
+        CT,
+        header_over_the_safetensors_cap,
+        r"header length field says 100,000,001 bytes, more than the 100,000,000 safetensors accepts",
+    ),
+    ("index shard name with NUL", CT, index_shard_with_nul, r"shard '.*\\x00.*' \(for 1 tensors, .*is not a file name"),
 ]
 
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import io
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoint_cache import (
     FUSE,
+    copy_checkpoint,
     ct_checkpoint,
     modelopt_fixture,
     single_threaded_torch,  # noqa: F401  (autouse)
@@ -17,6 +21,7 @@ from checkpoint_cache import (
 from safetensors.torch import load_file, save_file
 
 import qscheme
+import qscheme.checkpoint.load
 from qscheme.checkpoint import Checkpoint, load_checkpoint
 from qscheme.checkpoint.load import UnknownModuleError
 from qscheme.checkpoint.progress import Progress
@@ -200,3 +205,73 @@ def test_a_path_that_is_not_a_path_and_an_empty_scheme_list_are_usage_errors() -
         load_checkpoint(None)  # type: ignore[arg-type]
     with pytest.raises(UsageError, match=r"schemes=\[\]\): no scheme to detect with"):
         load_checkpoint(modelopt_fixture("nvfp4"), schemes=[])
+
+
+# ---------------------------------------------------------------------------- the files after loading
+
+_AFTER_LOAD = """
+import sys, torch
+from pathlib import Path
+from qscheme.checkpoint import load_checkpoint
+
+folder, mode, out = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.set_num_threads(1)
+checkpoint = load_checkpoint(folder)
+path = folder / "model.safetensors"
+size = path.stat().st_size
+with path.open("r+b") as handle:  # in place (same inode), as a crashed copy or a re-download would leave it
+    if mode == "truncate":
+        handle.truncate(size // 3)
+    else:
+        handle.write(bytes(range(256)) * (size // 256))
+results = {}
+for name, layer in checkpoint.items():  # the first forward prepares the kernel: after the change
+    x = torch.linspace(-2, 2, 3 * layer.in_features).reshape(3, layer.in_features)
+    results[name + ".forward"] = layer(x)
+    results[name + ".dequantize"] = layer.dequantize()
+results.update(checkpoint.tensors)
+torch.save(results, out)
+"""
+
+
+@pytest.mark.parametrize("mode", ["truncate", "rewrite"])
+def test_changing_the_files_after_load_neither_crashes_nor_changes_the_modules(tmp_path: Path, mode: str) -> None:
+    # A memory-mapped module would die of SIGBUS here (truncate) or compute with other weights (rewrite):
+    # loading copies what the modules keep, so the files may change or go once load returns.
+    folder = copy_checkpoint(ct_checkpoint("NVFP4"), tmp_path / "checkpoint")
+    out = tmp_path / "results.pt"
+    run = subprocess.run(
+        [sys.executable, "-c", _AFTER_LOAD, str(folder), mode, str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, f"exit {run.returncode} (-{int(signal.SIGBUS)} is SIGBUS): {run.stderr[-2000:]}"
+    results = torch.load(out)
+    checkpoint = load_checkpoint(ct_checkpoint("NVFP4"))
+    for name, layer in checkpoint.items():
+        x = torch.linspace(-2, 2, 3 * layer.in_features).reshape(3, layer.in_features)
+        assert torch.equal(results[name + ".forward"], layer(x)), name
+        assert torch.equal(results[name + ".dequantize"], layer.dequantize()), name
+    for name, value in checkpoint.tensors.items():
+        assert torch.equal(results[name], value), name
+
+
+def test_a_file_truncated_while_loading_is_an_error_with_nothing_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = copy_checkpoint(ct_checkpoint("NVFP4"), tmp_path / "checkpoint")
+    path = folder / "model.safetensors"
+    planned = qscheme.checkpoint.load.plan_checkpoint
+
+    def plan_then_truncate(*args: object, **kwargs: object) -> object:
+        plan = planned(*args, **kwargs)  # type: ignore[arg-type]
+        with path.open("r+b") as handle:
+            handle.truncate(path.stat().st_size // 2)
+        return plan
+
+    built: list[object] = []
+    monkeypatch.setattr(qscheme.checkpoint.load, "plan_checkpoint", plan_then_truncate)
+    monkeypatch.setattr(QuantLinear, "from_canonical", classmethod(lambda cls, *a, **k: built.append(a)))
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(folder)
+    assert f"{path}: tensor '" in str(caught.value)
+    assert "cannot be read: its size changed from" in str(caught.value)
+    assert built == []

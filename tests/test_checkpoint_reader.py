@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -13,9 +14,10 @@ from checkpoint_cache import (
     ct_checkpoint,
     single_threaded_torch,  # noqa: F401  (autouse)
 )
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from qscheme.checkpoint.reader import CheckpointFiles, read_header
+from qscheme.checkpoint.reader import MAX_HEADER_BYTES, SAFETENSORS_DTYPES, CheckpointFiles, read_header
 from qscheme.errors import CheckpointError
 
 
@@ -39,12 +41,24 @@ def test_sharded_checkpoint_with_index_reads_each_tensor_from_its_shard() -> Non
     assert len(shards) == len(files.files)
 
 
-def test_get_is_memory_mapped_not_copied() -> None:
+def test_get_reads_into_memory_of_its_own() -> None:
     files = CheckpointFiles(ct_checkpoint("NVFP4"))
-    first = files.get("model.layers.0.mlp.up_proj.weight_packed")
-    again = files.get("model.layers.0.mlp.up_proj.weight_packed")
-    # Both views share the file mapping: one storage, no private copy per call.
-    assert first.untyped_storage().data_ptr() == again.untyped_storage().data_ptr()
+    name = "model.layers.0.mlp.up_proj.weight_packed"
+    first, again = files.get(name), files.get(name)
+    # Each call owns its memory: nothing a caller keeps points into the file.
+    assert first.untyped_storage().data_ptr() != again.untyped_storage().data_ptr()
+    assert torch.equal(first, load_file(str(files.folder / "model.safetensors"))[name])
+
+
+def test_a_file_changed_after_its_header_was_checked_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(10)}, str(path))
+    files = CheckpointFiles(tmp_path)
+    kept = files.get("a")
+    path.write_bytes(path.read_bytes()[:200])  # truncated in place: a memory map would SIGBUS here
+    assert torch.equal(kept, torch.arange(1000, dtype=torch.float32))
+    with pytest.raises(CheckpointError, match=r"tensor 'a' cannot be read: its size changed from \d+ to 200 bytes"):
+        files.get("a")
 
 
 def test_tensor_in_two_shards_is_refused(tmp_path: Path) -> None:
@@ -148,13 +162,15 @@ def test_a_missing_shard_is_reported_as_missing_before_headers_are_compared(tmp_
         CheckpointFiles(tmp_path)
 
 
-@pytest.mark.parametrize("shard", ["", ".", "..", "../x.safetensors"])
+@pytest.mark.parametrize(
+    "shard", ["", ".", "..", "../x.safetensors", "/etc/x.safetensors", "a\x00.safetensors", "\ud800.safetensors"]
+)
 def test_a_shard_that_is_not_a_file_name_is_refused(tmp_path: Path, shard: str) -> None:
+    # NUL and a lone surrogate can name no file: the same error as a path, not a ValueError from os.stat.
     _sharded(tmp_path, {"one.safetensors": {"a.weight": torch.zeros(2)}}, weight_map={"a.weight": shard})
-    with pytest.raises(
-        CheckpointError, match=rf"shard {shard!r} \(for 1 tensors, e.g. 'a.weight'\) is not a file name"
-    ):
+    with pytest.raises(CheckpointError) as caught:
         CheckpointFiles(tmp_path)
+    assert f"shard {shard!r} (for 1 tensors, e.g. 'a.weight') is not a file name" in str(caught.value)
 
 
 def test_a_shard_that_is_a_folder_is_reported_as_such(tmp_path: Path) -> None:
@@ -192,3 +208,157 @@ def test_an_unreadable_folder_is_a_checkpoint_error(tmp_path: Path, monkeypatch:
             CheckpointFiles(folder)
     finally:
         folder.chmod(0o755)
+
+
+# ---------------------------------------------------------------------------- hostile headers
+
+
+def _raw_file(path: Path, header: bytes, data: bytes = b"", length: int | None = None) -> Path:
+    path.write_bytes(struct.pack("<Q", len(header) if length is None else length) + header + data)
+    return path
+
+
+def _entry(dtype: str, shape: object, offsets: object) -> dict[str, object]:
+    return {"dtype": dtype, "shape": shape, "data_offsets": offsets}
+
+
+def _json(header: dict[str, object]) -> bytes:
+    return json.dumps(header).encode()
+
+
+U8 = _entry("U8", [1], [0, 1])
+NESTED = b"[" * 130 + b"]" * 130  # safetensors stops near 128 levels; qscheme at 64
+HOSTILE: list[tuple[str, bytes, bytes, str]] = [
+    ("gap between tensors", _json({"a": _entry("F32", [1], [0, 4]), "b": _entry("F32", [1], [8, 12])}), bytes(12),
+     r"bytes 4-8 of the data section, after tensor 'a', belong to no tensor"),
+    ("gap before the first tensor", _json({"a": _entry("F32", [1], [4, 8])}), bytes(8),
+     r"bytes 0-4 of the data section, at its start, belong to no tensor"),
+    ("trailing bytes", _json({"a": _entry("F32", [1], [0, 4])}), bytes(8),
+     r"the last tensor, 'a', ends at byte 4 of the data section but the file has 4 more bytes after it"),
+    ("overlapping tensors", _json({"a": _entry("F32", [2], [0, 8]), "b": _entry("F32", [1], [4, 8])}), bytes(8),
+     r"tensors 'a' and 'b' overlap in the data section"),
+    ("duplicate tensor name", b'{"a":' + _json(U8) + b',"a":' + _json(U8) + b"}", bytes(1),
+     r"key 'a' appears more than once"),
+    ("duplicate field", b'{"a":{"dtype":"U8","dtype":"U8","shape":[1],"data_offsets":[0,1]}}', bytes(1),
+     r"key 'dtype' appears more than once"),
+    ("boolean in shape", _json({"a": _entry("F32", [True], [0, 4])}), bytes(4),
+     r"tensor 'a': shape \[True\] is not a list of sizes"),
+    ("booleans as offsets", _json({"a": _entry("U8", [1], [False, True])}), bytes(1),
+     r"tensor 'a': data_offsets \[False, True\] is not \[begin, end\]"),
+    ("decimal size", _json({"a": _entry("F32", [1.0], [0, 4])}), bytes(4), r"shape \[1.0\] is not a list of sizes"),
+    ("negative size", _json({"a": _entry("U8", [-1], [0, 1])}), bytes(1), r"shape \[-1\] is not a list of sizes"),
+    ("size of 2**64", _json({"a": _entry("U8", [2**64], [0, 1])}), bytes(1), r"is not a list of sizes"),
+    ("sizes overflowing 2**64 bits", _json({"a": _entry("U8", [2**32, 2**32], [0, 1])}), bytes(1),
+     r"U8 x \[4294967296, 4294967296\] is more than 2\*\*64 bits"),
+    ("integer too long to parse", b'{"a":{"dtype":"U8","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,1]}}',
+     bytes(1), r"not valid JSON: an integer of 5000 digits"),
+    ("NaN as a size", b'{"a":{"dtype":"U8","shape":[NaN],"data_offsets":[0,1]}}', bytes(1), r"NaN is not JSON"),
+    ("4-bit tensor ending mid-byte", _json({"a": _entry("F4", [3], [0, 2])}), bytes(2),
+     r"tensor 'a': F4 x \[3\] is 3 values of 4 bits, which does not end on a byte \(12 bits\); a 4-bit tensor "
+     r"needs a multiple of 2 values"),
+    ("4-bit scalar", _json({"a": _entry("F4", [], [0, 1])}), bytes(1), r"F4 x \[\] is 1 values of 4 bits"),
+    ("metadata value not text", _json({"__metadata__": {"format": 1}, "a": U8}), bytes(1),
+     r"__metadata__\['format'\] is a number \(1\); safetensors allows only text values"),
+    ("metadata a list", _json({"__metadata__": ["pt"], "a": U8}), bytes(1),
+     r"__metadata__ is a list; safetensors allows only an object of text keys -> text values"),
+    ("metadata nested", _json({"__metadata__": {"x": {"y": "z"}}, "a": U8}), bytes(1),
+     r"__metadata__\['x'\] is a object"),
+    ("deeply nested field", b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":' + NESTED + b"}}", bytes(1),
+     r"tensor 'a': JSON nested more than 64 levels deep"),
+    ("nesting too deep to parse", b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"",
+     r"nests JSON too deep to parse"),
+    ("lone surrogate in a name", b'{"\\ud800":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}}', b"",
+     r"a tensor name: text '\\ud800' holds a lone UTF-16 surrogate"),
+    ("unknown dtype", _json({"a": _entry("E8M0", [1], [0, 1])}), bytes(1),
+     r"tensor 'a': unknown dtype 'E8M0'; safetensors writes BOOL, F4, F6_E2M3, .*F8_E8M0, F8_E4M3FNUZ, "
+     r"F8_E5M2FNUZ, .*C64"),
+    ("not UTF-8", b'{"\xff":1}', b"", r"the safetensors header is not UTF-8 text"),
+    ("not an object", b"[]", b"", r"the safetensors header is a JSON list, not an object"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("label", "header", "data", "error"), HOSTILE, ids=[case[0] for case in HOSTILE])
+def test_a_hostile_header_is_refused_as_safetensors_refuses_it(
+    tmp_path: Path, label: str, header: bytes, data: bytes, error: str
+) -> None:
+    path = _raw_file(tmp_path / "model.safetensors", header, data)
+    with pytest.raises(CheckpointError) as caught:
+        read_header(path)
+    assert str(caught.value).startswith(f"{path}: "), str(caught.value)
+    assert re.search(error, str(caught.value)), str(caught.value)
+    # qscheme refuses what the safetensors reader refuses (duplicate tensor names: it keeps one silently).
+    if label != "duplicate tensor name":
+        with pytest.raises(SafetensorError), safe_open(str(path), "pt") as handle:
+            [handle.get_tensor(name) for name in handle.keys()]
+
+
+def test_the_header_length_cap_is_the_one_safetensors_enforces(tmp_path: Path) -> None:
+    # No 100 MB header is written: the length field alone decides, before anything is allocated.
+    over = _raw_file(tmp_path / "over.safetensors", b"{}", length=MAX_HEADER_BYTES + 1)
+    with pytest.raises(CheckpointError, match=r"header length field says 100,000,001 bytes, more than the 100,000,000"):
+        read_header(over)
+    with pytest.raises(SafetensorError, match="header too large"):
+        safe_open(str(over), "pt")
+    at_cap = _raw_file(tmp_path / "at.safetensors", b"{}", length=MAX_HEADER_BYTES)
+    with pytest.raises(SafetensorError, match="invalid header length"):  # the cap itself passes, the file is short
+        safe_open(str(at_cap), "pt")
+    with pytest.raises(CheckpointError, match=r"header length field says 100000000 bytes but the file has 2"):
+        read_header(at_cap)
+
+
+def test_the_dtype_codes_are_the_ones_safetensors_knows(tmp_path: Path) -> None:
+    path = _raw_file(tmp_path / "x.safetensors", _json({"a": _entry("NOPE", [1], [0, 1])}), bytes(1))
+    with pytest.raises(SafetensorError) as caught:
+        safe_open(str(path), "pt")
+    listed = re.findall(r"`([A-Z0-9_]+)`", str(caught.value).split("expected one of", 1)[1])
+    assert listed == list(SAFETENSORS_DTYPES)
+
+
+@pytest.mark.parametrize(
+    ("code", "shape", "data"),
+    [
+        ("F8_E8M0", [4], bytes([127, 128, 1, 254])),
+        ("C64", [2], struct.pack("<4f", 1.0, -2.0, 0.5, 3.0)),
+        ("F8_E4M3FNUZ", [3], bytes([0x40, 0x38, 0x01])),
+        ("F8_E5M2FNUZ", [3], bytes([0x40, 0x3C, 0x01])),
+        ("F4", [2, 4], bytes([0x21, 0x43, 0x65, 0x87])),
+        ("F32", [], struct.pack("<f", 2.5)),
+        ("BF16", [0, 3], b""),
+    ],
+)
+def test_each_dtype_safetensors_writes_reads_as_safetensors_reads_it(
+    tmp_path: Path, code: str, shape: list[int], data: bytes
+) -> None:
+    header = {"__metadata__": {"format": "pt"}, "t": _entry(code, shape, [0, len(data)])}
+    _raw_file(tmp_path / "model.safetensors", _json(header), data)
+    ours = CheckpointFiles(tmp_path).get("t")
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
+        theirs = handle.get_tensor("t")
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    assert torch.equal(ours.reshape(-1).view(torch.uint8), theirs.reshape(-1).view(torch.uint8))
+
+
+def test_a_dtype_torch_cannot_hold_names_the_tensor_file_and_readable_codes(tmp_path: Path) -> None:
+    path = _raw_file(tmp_path / "model.safetensors", _json({"w": _entry("F6_E2M3", [4], [0, 3])}), bytes(3))
+    with pytest.raises(CheckpointError) as caught:
+        CheckpointFiles(tmp_path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: tensor 'w': dtype F6_E2M3 has no torch dtype")
+    assert "readable: BOOL, F4, U8" in message and "F6_E3M2" not in message.split("readable:")[1]
+
+
+def test_accepted_oddities_agree_with_safetensors(tmp_path: Path) -> None:
+    # Zero-size tensors sharing an offset, null metadata, an unknown field and header padding
+    # are all valid safetensors: refusing them would refuse checkpoints other tools load.
+    header = {
+        "__metadata__": None,
+        "empty": _entry("F16", [0], [0, 0]),
+        "also_empty": _entry("I8", [2, 0], [0, 0]),
+        "x": {**_entry("U8", [2], [0, 2]), "note": {"any": ["json", 1]}},
+    }
+    path = _raw_file(tmp_path / "model.safetensors", _json(header) + b"   ", b"\x07\x09")
+    tensors = read_header(path)
+    assert sorted(tensors) == ["also_empty", "empty", "x"]
+    assert CheckpointFiles(tmp_path).get("x").tolist() == [7, 9]
+    with safe_open(str(path), "pt") as handle:
+        assert sorted(handle.keys()) == sorted(tensors)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qscheme.checkpoint.plan import FuseSpec, Plan, plan_checkpoint
-from qscheme.checkpoint.text import listing
+from qscheme.checkpoint.text import listing, problem_lines
 from qscheme.checkpoint.validate import check_values, value_reads
 from qscheme.errors import CheckpointError
 
@@ -125,6 +125,10 @@ def _fill(inspection: Inspection, plan: Plan, read_values: bool) -> None:
     inspection.fused = [(group.name, group.members) for group in plan.fuse_groups]
     inspection.notes = [*plan.files.notes, *plan.notes]
     inspection.problems = [str(p) for p in plan.problems]
+    try:
+        plan.layers()  # load refuses two layers of one name before it reads a value: so does inspect
+    except CheckpointError as exc:
+        inspection.problems.append(str(exc))
     if read_values:
         for layout in plan.layouts.values():
             if layout.problems:
@@ -204,7 +208,7 @@ def render_inspection(inspection: Inspection) -> str:
     lines.extend(f"note: {note}" for note in inspection.notes)
     if inspection.problems:
         lines.append(f"problems ({len(inspection.problems)}):")
-        lines.extend(f"  - {problem}" for problem in inspection.problems)
+        lines.extend(problem_lines(inspection.problems))
     else:
         lines.append("problems: none")
     return "\n".join(lines)

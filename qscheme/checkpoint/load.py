@@ -24,7 +24,8 @@ from qscheme.checkpoint.report import CheckpointReport, LayerReport
 from qscheme.checkpoint.text import listing
 from qscheme.checkpoint.validate import TensorProblem, check_values, value_reads
 from qscheme.descriptor import Scheme
-from qscheme.errors import CheckpointError, UsageError
+from qscheme.errors import CheckpointError, QuantizeError, UsageError
+from qscheme.kernels.registry import checked_kernel
 from qscheme.linear import QuantLinear, checked_device, problem_for
 
 FusePolicyChoice = str | Mapping[str, str] | None
@@ -243,7 +244,12 @@ def load_canonical(
         if bias is not None and biases is not None:
             biases[module] = bias
         if not found and not problems:
-            canonical[module] = canonicalize(layout.scheme, tensors, layout.n, layout.k)
+            try:
+                canonical[module] = canonicalize(layout.scheme, tensors, layout.n, layout.k, layer=module)
+            except QuantizeError as error:  # values the scheme cannot dequantize (e.g. scales overflowing)
+                weight = layout.declared.get(layout.scheme.weight.tensor.name)
+                file = weight.file.name if weight is not None else str(plan.path)
+                problems.append(TensorProblem(file, weight.name if weight is not None else module, str(error)))
         if progress is not None:
             progress.advance(item=module)
     if problems:
@@ -270,9 +276,10 @@ def load_checkpoint(
     every layer; ``fuse`` builds one module from several (``{"qkv_proj": ["q_proj", "k_proj",
     "v_proj"]}``); ``fuse_policy`` ("per_partition", "rescale", "requantize", "refuse", or a
     mapping fused name -> policy; needs ``fuse``) overrides what the scheme and the kernels
-    decide for fused members whose scales differ. A bad ``device``, ``fuse`` or ``fuse_policy``
-    raises UsageError before anything is read; CheckpointError (nothing loaded) on any malformed
-    config, file or tensor, or on ``fuse`` members the checkpoint does not have.
+    decide for fused members whose scales differ. A bad ``device``, ``kernel`` (not a declared
+    kernel's name), ``fuse`` or ``fuse_policy`` raises UsageError before anything is read;
+    CheckpointError (nothing loaded) on any malformed config, file or tensor, or on ``fuse``
+    members the checkpoint does not have.
     """
     if not isinstance(path, str | Path):
         raise UsageError(f"load_checkpoint: path must be a folder path (str or Path), not {type(path).__name__}")
@@ -281,6 +288,7 @@ def load_checkpoint(
         if not schemes:
             raise UsageError("load_checkpoint(schemes=[]): no scheme to detect with; pass None for the whole catalog")
     torch_device = checked_device(device)
+    checked_kernel(kernel, "load_checkpoint")
     check_fuse_policy(fuse_policy, check_fuse_spec(fuse))
     plan = plan_checkpoint(path, schemes=schemes, fuse=fuse)
     _check_policy_modules(fuse_policy, plan)
@@ -289,6 +297,10 @@ def load_checkpoint(
     with Progress(len(plan.layouts) + len(layers), "loading", enabled=show) as bar:
         biases: dict[str, Tensor] = {}
         canonical = load_canonical(plan, bar, biases)
+        detection = plan.detection
+        # Read before any module is built: a file that changed since its header was checked
+        # fails here, with nothing half-loaded.
+        tensors = {name: plan.files.get(name) for name in (*detection.plain, *detection.kv_cache)}
         modules: dict[str, QuantLinear] = {}
         reports: list[LayerReport] = []
         for name, members in layers:
@@ -329,8 +341,6 @@ def load_checkpoint(
                 )
             )
             bar.advance(item=name)
-    detection = plan.detection
-    tensors = {name: plan.files.get(name) for name in (*detection.plain, *detection.kv_cache)}
     if torch_device.type != "cpu":
         tensors = {name: value.to(torch_device) for name, value in tensors.items()}
     report = CheckpointReport(

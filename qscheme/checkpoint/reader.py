@@ -1,10 +1,13 @@
 """Lazy access to a checkpoint's safetensors files: one model.safetensors, or shards + index.
 
-The headers are parsed and checked here (offsets inside the file, sizes matching dtype x shape,
-no overlaps, no duplicate names across shards, index and shards agreeing) before any tensor is
-read, so that a corrupt file fails with a CheckpointError naming the file and the tensor.
-Tensor data is then read through ``safetensors.safe_open`` (memory-mapped, zero-copy on CPU):
-asking for one layer never reads the rest of the model.
+Every file's header is parsed and checked (``header.py``) and the index compared with the
+shards (no tensor in two shards, none missing) before any tensor is read, so that a corrupt
+file fails with a CheckpointError naming the file and the tensor.
+
+Tensor data is then read on demand, one tensor at a time, into memory of its own (a plain
+``read`` at the header's offsets, not a memory map): asking for one layer never reads the rest
+of the model, and what a caller keeps never depends on the file staying as it was. A file
+truncated or rewritten after its header was read gives a CheckpointError, never a SIGBUS.
 
 The folder holds either model.safetensors or an index with its shards, never both (which one
 the producer meant is unknown). An index must map at least one tensor, every shard it names
@@ -14,140 +17,51 @@ not mention is an error; other unmentioned .safetensors files are noted and not 
 
 from __future__ import annotations
 
-import itertools
-import json
 import os
 import re
-import struct
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import BinaryIO
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from qscheme.checkpoint.config import file_problem, read_json
+from qscheme.checkpoint.header import (
+    DTYPE_BY_TORCH_NAME,
+    MAX_HEADER_BYTES,
+    SAFETENSORS_DTYPES,
+    FileHeader,
+    TensorInfo,
+    read_file_header,
+    read_header,
+)
 from qscheme.errors import CheckpointError
+
+__all__ = [
+    "INDEX_FILE",
+    "MAX_HEADER_BYTES",
+    "SAFETENSORS_DTYPES",
+    "SINGLE_FILE",
+    "CheckpointFiles",
+    "TensorInfo",
+    "read_header",
+]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-MAX_HEADER_BYTES = 100 * 1024 * 1024
 SHARD_NAME = re.compile(r".+-[0-9]+-of-[0-9]+\.safetensors")
-
-# safetensors dtype codes -> (torch dtype name, bytes per element)
-SAFETENSORS_DTYPES: dict[str, tuple[str, float]] = {
-    "BOOL": ("bool", 1),
-    "U8": ("uint8", 1),
-    "I8": ("int8", 1),
-    "U16": ("uint16", 2),
-    "I16": ("int16", 2),
-    "U32": ("uint32", 4),
-    "I32": ("int32", 4),
-    "U64": ("uint64", 8),
-    "I64": ("int64", 8),
-    "F16": ("float16", 2),
-    "BF16": ("bfloat16", 2),
-    "F32": ("float32", 4),
-    "F64": ("float64", 8),
-    "F8_E4M3": ("float8_e4m3fn", 1),
-    "F8_E5M2": ("float8_e5m2", 1),
-    "E8M0": ("float8_e8m0fnu", 1),
-    "F4": ("float4_e2m1fn_x2", 0.5),
-}
+_READ_CHUNK = 1 << 30  # one read() call moves at most this much (Linux stops near 2 GiB anyway)
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """A tensor's header entry: its dtype (torch name), shape and the file holding it."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: Path
-
-    @property
-    def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.numel * SAFETENSORS_DTYPES_BY_TORCH[self.dtype])
-
-
-SAFETENSORS_DTYPES_BY_TORCH: dict[str, float] = {name: size for name, size in SAFETENSORS_DTYPES.values()}
-
-
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and check one safetensors header; CheckpointError naming the file and tensor."""
+def _is_file_name(shard: str) -> bool:
+    """A plain file name in the folder: no path, no NUL, no lone surrogate (none can name a file)."""
+    if not shard or shard in (".", "..") or "\0" in shard or "/" in shard or os.sep in shard:
+        return False
     try:
-        file_size = path.stat().st_size
-        with path.open("rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{path}: truncated: {file_size} bytes, shorter than the 8-byte header length")
-            (header_size,) = struct.unpack("<Q", prefix)
-            if header_size > min(MAX_HEADER_BYTES, file_size - 8):
-                raise CheckpointError(
-                    f"{path}: header length field says {header_size} bytes but the file has {file_size - 8} "
-                    "after it (truncated or not a safetensors file)"
-                )
-            raw = handle.read(header_size)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot be read: {exc.strerror}") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
-    data_size = file_size - 8 - header_size
-    infos: dict[str, TensorInfo] = {}
-    spans: list[tuple[int, int, str]] = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        infos[name] = _tensor_info(path, name, entry, data_size, spans)
-    spans.sort()
-    for (_, end, first), (start, _, second) in itertools.pairwise(spans):
-        if start < end:
-            raise CheckpointError(f"{path}: tensors {first!r} and {second!r} overlap in the data section (bad offsets)")
-    return infos
-
-
-def _tensor_info(path: Path, name: str, entry: Any, data_size: int, spans: list[tuple[int, int, str]]) -> TensorInfo:
-    if not isinstance(entry, dict):
-        raise CheckpointError(f"{path}: tensor {name!r}: header entry is not an object")
-    code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if code not in SAFETENSORS_DTYPES:
-        raise CheckpointError(
-            f"{path}: tensor {name!r}: unknown dtype {code!r}; known: {', '.join(SAFETENSORS_DTYPES)}"
-        )
-    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-        raise CheckpointError(f"{path}: tensor {name!r}: shape {shape!r} is not a list of sizes")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-        raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
-    begin, end = offsets
-    dtype, itemsize = SAFETENSORS_DTYPES[code]
-    info = TensorInfo(name=name, dtype=dtype, shape=tuple(shape), file=path)
-    expected = int(info.numel * itemsize)
-    if not 0 <= begin <= end:
-        raise CheckpointError(f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] are not increasing")
-    if end - begin != expected:
-        raise CheckpointError(
-            f"{path}: tensor {name!r}: header says {end - begin} bytes (offsets [{begin}, {end}]) but "
-            f"{code} x {list(shape)} needs {expected}"
-        )
-    if end > data_size:
-        raise CheckpointError(
-            f"{path}: tensor {name!r}: data ends at byte {end} of the data section but the file holds only "
-            f"{data_size} bytes there (file truncated, or the header lies about offsets)"
-        )
-    spans.append((begin, end, name))
-    return info
+        shard.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return Path(shard).name == shard
 
 
 class CheckpointFiles:
@@ -170,7 +84,7 @@ class CheckpointFiles:
         self.files: list[Path] = []
         self.tensors: dict[str, TensorInfo] = {}
         self.notes: list[str] = []
-        self._handles: dict[Path, Any] = {}
+        self._headers: dict[Path, FileHeader] = {}
         index = self.folder / INDEX_FILE
         single = self.folder / SINGLE_FILE
         index_problem, single_problem = file_problem(index), file_problem(single)
@@ -186,7 +100,7 @@ class CheckpointFiles:
             self._read_index(index)
         elif single_problem is None:
             self.files = [single]
-            self.tensors = read_header(single)
+            self.tensors = self._read_header(single)
         elif single_problem != "missing":
             raise CheckpointError(
                 f"{single}: is {single_problem}; {SINGLE_FILE} must be a regular safetensors file "
@@ -211,7 +125,7 @@ class CheckpointFiles:
         for name, shard in weight_map.items():
             by_shard.setdefault(shard, []).append(name)
         for shard, names in sorted(by_shard.items()):
-            if not shard or shard in (".", "..") or Path(shard).name != shard:
+            if not _is_file_name(shard):
                 raise CheckpointError(
                     f"{index}: shard {shard!r} (for {len(names)} tensors, e.g. {sorted(names)[0]!r}) is not a file "
                     "name in the checkpoint folder; the index must name shard files such as "
@@ -235,7 +149,7 @@ class CheckpointFiles:
             self.notes.append(f"{path.name} is not mentioned by {index.name}; it is not read")
         for shard, names in sorted(by_shard.items()):
             path = self.folder / shard
-            header = read_header(path)
+            header = self._read_header(path)
             missing = sorted(set(names) - set(header))
             if missing:
                 raise CheckpointError(
@@ -263,37 +177,71 @@ class CheckpointFiles:
 
     @property
     def total_bytes(self) -> int:
-        return sum(path.stat().st_size for path in self.files)
+        """The files' sizes when their headers were checked."""
+        return sum(self._headers[path].size for path in self.files)
 
     def info(self, name: str) -> TensorInfo:
         return self.tensors[name]
 
-    def _handle(self, path: Path) -> Any:
-        handle = self._handles.get(path)
-        if handle is None:
-            try:
-                handle = safe_open(str(path), framework="pt", device="cpu")
-            except (SafetensorError, OSError) as exc:
-                raise CheckpointError(f"{path}: cannot be opened as safetensors: {exc}") from None
-            self._handles[path] = handle
-        return handle
+    def _read_header(self, path: Path) -> dict[str, TensorInfo]:
+        header = read_file_header(path)
+        self._headers[path] = header
+        return header.tensors
+
+    def _changed(self, path: Path, handle: BinaryIO) -> str | None:
+        """How the open file differs from the one whose header was checked, or None."""
+        header = self._headers[path]
+        stat = os.fstat(handle.fileno())
+        if stat.st_size != header.size:
+            return f"its size changed from {header.size} to {stat.st_size} bytes"
+        if (stat.st_dev, stat.st_ino, stat.st_mtime_ns) != header.identity:
+            return "it was rewritten"
+        return None
+
+    def _read_into(self, info: TensorInfo, out: torch.Tensor) -> None:
+        # A file of its own per read: no handle outlives the call, and threads never share a position.
+        view = out.numpy().data.cast("B")
+        with info.file.open("rb", buffering=0) as handle:
+            change = self._changed(info.file, handle)
+            if change is not None:
+                raise CheckpointError(
+                    f"{info.file}: tensor {info.name!r} cannot be read: {change} since its header was checked "
+                    "(another program writes the checkpoint?); load it again once the file is complete"
+                )
+            handle.seek(info.offset)
+            done = 0
+            while done < len(view):
+                count = handle.readinto(view[done : done + _READ_CHUNK])
+                if not count:
+                    raise CheckpointError(
+                        f"{info.file}: tensor {info.name!r}: the file ends at byte {info.offset + done}, inside the "
+                        "tensor; it was truncated after its header was checked: load it again once it is complete"
+                    )
+                done += count
 
     def get(self, name: str) -> torch.Tensor:
-        """One tensor (memory-mapped on CPU); CheckpointError naming the file on failure."""
+        """One tensor, read into memory of its own; CheckpointError naming the file on failure."""
         info = self.tensors.get(name)
         if info is None:
             raise CheckpointError(f"{self.folder}: no tensor named {name!r}")
+        dtype = DTYPE_BY_TORCH_NAME[info.dtype].torch_dtype
+        assert dtype is not None  # read_file_header refuses dtypes torch lacks
+        data = torch.empty(info.nbytes, dtype=torch.uint8)
         try:
-            return self._handle(info.file).get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise CheckpointError(f"{info.file}: tensor {name!r} cannot be read: {exc}") from None
+            self._read_into(info, data)
+        except OSError as exc:
+            raise CheckpointError(f"{info.file}: tensor {info.name!r} cannot be read: {exc.strerror}") from None
+        shape = list(info.shape)
+        if DTYPE_BY_TORCH_NAME[info.dtype].bits == 4:
+            shape[-1] //= 2  # two FP4 values per torch element
+        return data.view(dtype).reshape(shape)
 
     def get_many(self, names: Mapping[str, str]) -> dict[str, torch.Tensor]:
         """{key: tensor} for {key: tensor name}."""
         return {key: self.get(name) for key, name in names.items()}
 
     def close(self) -> None:
-        self._handles.clear()
+        """Nothing to release: each ``get`` opens its file and closes it again."""
 
     def __enter__(self) -> CheckpointFiles:
         return self

@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
 
 import torch
 from torch import Tensor
 
+from qscheme.api_checks import require_tensor_mapping
 from qscheme.canonical import stored_layer_shape
 from qscheme.checkpoint.detect import BIAS, FLOAT_DTYPES, ModuleAssignment
 from qscheme.checkpoint.reader import TensorInfo
@@ -359,16 +359,11 @@ def check_given(
     shapes and values, as the checkpoint loader checks them. Tolerated names and ``bias`` pass.
     ``weight_only``: the activation's tensors may be absent (only the weight is wanted).
 
-    Raises QuantizeError at once for a value that is not a tensor (nothing else can be checked).
+    Raises QuantizeError at once for a key that is not a str or a value that is not a dense,
+    materialised tensor (``qscheme.api_checks``: nothing else can be checked).
     """
     source = f"scheme {scheme.name}"
-    for short, value in tensors.items():
-        if not isinstance(value, Tensor):
-            raise QuantizeError(
-                f"{source}: {short!r} must be a torch.Tensor, not {type(value).__name__}; "
-                "pass the layer's checkpoint tensors keyed by name"
-            )
-    given = cast("dict[str, Tensor]", dict(tensors))
+    given = dict(require_tensor_mapping(tensors, source, scheme.weight.tensor.name))
     module = layer or ""
     infos = {
         short: TensorInfo(_full(module, short), _dtype_name(value), tuple(value.shape), Path(source))

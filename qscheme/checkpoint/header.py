@@ -1,0 +1,394 @@
+"""One safetensors file's header, parsed and checked at least as strictly as safetensors' own reader.
+
+A header qscheme accepts is one the safetensors Rust reader (0.8) accepts too, so a checkpoint
+that loads here loads in every other tool; and a hostile header gets a CheckpointError naming
+the file (and the tensor), never a traceback, a hang or a giant allocation. Checked, in order:
+
+- the 8-byte length field: at most ``MAX_HEADER_BYTES`` (safetensors' own cap) and inside the file;
+- the JSON: UTF-8, an object, no key twice, no NaN/Infinity, no integer longer than any size
+  can be, nesting at most ``MAX_NESTING`` deep, no lone UTF-16 surrogate in any string;
+- ``__metadata__``: absent, null, or an object of text -> text;
+- each tensor: a dtype code safetensors writes and torch can hold, a shape and ``data_offsets``
+  of non-negative integers below 2**64 (booleans and floats are not sizes), a byte count that is
+  dtype bits x elements / 8 with no part-byte left over (4- and 6-bit dtypes);
+- the data section: the tensors cover it exactly, from byte 0 to the end of the file, with no
+  overlap, no gap and no trailing bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qscheme.errors import CheckpointError
+
+MAX_HEADER_BYTES = 100_000_000  # safetensors refuses a longer header ("header too large")
+MAX_NESTING = 64  # safetensors' JSON parser stops near 128 levels; a real header needs 3
+MAX_SIZE = 2**64 - 1  # shapes and offsets are u64 in safetensors
+_MAX_DIGITS = len(str(MAX_SIZE))
+_FIX = "re-save or re-download the file"
+
+
+@dataclass(frozen=True)
+class Dtype:
+    """A safetensors dtype code: its width in bits and the torch dtype that holds it (if any)."""
+
+    code: str
+    bits: int
+    torch_name: str | None
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        dtype = getattr(torch, self.torch_name, None) if self.torch_name else None
+        return dtype if isinstance(dtype, torch.dtype) else None
+
+
+# Every code the safetensors 0.8 reader knows, in its own order. F4 is held two per byte along
+# the last dimension (torch.float4_e2m1fn_x2); torch has no 6-bit dtype.
+SAFETENSORS_DTYPES: dict[str, Dtype] = {
+    code: Dtype(code, bits, torch_name)
+    for code, bits, torch_name in (
+        ("BOOL", 8, "bool"),
+        ("F4", 4, "float4_e2m1fn_x2"),
+        ("F6_E2M3", 6, None),
+        ("F6_E3M2", 6, None),
+        ("U8", 8, "uint8"),
+        ("I8", 8, "int8"),
+        ("F8_E5M2", 8, "float8_e5m2"),
+        ("F8_E4M3", 8, "float8_e4m3fn"),
+        ("F8_E8M0", 8, "float8_e8m0fnu"),
+        ("F8_E4M3FNUZ", 8, "float8_e4m3fnuz"),
+        ("F8_E5M2FNUZ", 8, "float8_e5m2fnuz"),
+        ("I16", 16, "int16"),
+        ("U16", 16, "uint16"),
+        ("F16", 16, "float16"),
+        ("BF16", 16, "bfloat16"),
+        ("I32", 32, "int32"),
+        ("U32", 32, "uint32"),
+        ("F32", 32, "float32"),
+        ("C64", 64, "complex64"),
+        ("F64", 64, "float64"),
+        ("I64", 64, "int64"),
+        ("U64", 64, "uint64"),
+    )
+}
+DTYPE_BY_TORCH_NAME: dict[str, Dtype] = {d.torch_name: d for d in SAFETENSORS_DTYPES.values() if d.torch_name}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor's header entry: its dtype (torch name), shape, the file holding it and where.
+
+    ``shape`` is the header's, in elements (an F4 tensor [N, K] is K/2 bytes a row);
+    ``offset`` is the first byte of its data in ``file``.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    offset: int = 0
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BY_TORCH_NAME[self.dtype].bits // 8
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    """One file's checked header, and the file's identity when it was read (to notice a rewrite)."""
+
+    path: Path
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str] | None
+    size: int
+    identity: tuple[int, int, int]  # (device, inode, mtime in ns)
+
+
+class _HeaderError(ValueError):
+    """A problem found inside json.loads (its hooks), turned into a CheckpointError by the caller."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _HeaderError(
+                f"key {key!r} appears more than once in one object (a tensor or field listed twice; "
+                "safetensors keeps one of them silently)"
+            )
+        result[key] = value
+    return result
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_DIGITS:
+        raise _HeaderError(f"an integer of {len(text)} digits ({text[:12]}...), longer than any size (below 2**64)")
+    return int(text)
+
+
+def _refuse_constant(text: str) -> Any:
+    raise _HeaderError(f"{text} is not JSON (safetensors refuses it)")
+
+
+def _walk(value: object, depth: int) -> Iterator[tuple[object, int]]:
+    """Every value nested in ``value``, with its depth, without recursion."""
+    stack = [(value, depth)]
+    while stack:
+        item, level = stack.pop()
+        yield item, level
+        if isinstance(item, dict):
+            stack.extend((v, level + 1) for v in itertools.chain(item.keys(), item.values()))
+        elif isinstance(item, list):
+            stack.extend((v, level + 1) for v in item)
+
+
+def _bad_text(text: str) -> bool:
+    """A lone surrogate (from a ``\\ud800`` escape) is not UTF-8: safetensors refuses it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _check_text(path: Path, where: str, text: str) -> None:
+    if _bad_text(text):
+        raise CheckpointError(
+            f"{path}: {where}: text {_short(text)} holds a lone UTF-16 surrogate, which is not UTF-8 "
+            f"(safetensors refuses it): {_FIX}"
+        )
+
+
+def _check_nested(path: Path, where: str, value: object, depth: int) -> None:
+    for item, level in _walk(value, depth):
+        if level > MAX_NESTING:
+            raise CheckpointError(
+                f"{path}: {where}: JSON nested more than {MAX_NESTING} levels deep; a safetensors header needs 3 "
+                f"(not a safetensors file, or a hostile one): {_FIX}"
+            )
+        if isinstance(item, str):
+            _check_text(path, where, item)
+
+
+def _load_json(path: Path, raw: bytes) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
+        header = json.loads(
+            text, object_pairs_hook=_no_duplicates, parse_int=_parse_int, parse_constant=_refuse_constant
+        )
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(
+            f"{path}: the safetensors header is not UTF-8 text ({exc.reason} at byte {exc.start}): {_FIX}"
+        ) from None
+    except RecursionError:
+        raise CheckpointError(
+            f"{path}: the safetensors header nests JSON too deep to parse; a safetensors header needs 3 levels: {_FIX}"
+        ) from None
+    except ValueError as exc:  # JSONDecodeError, the hooks' _HeaderError, int() of a huge number
+        raise CheckpointError(f"{path}: the safetensors header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(
+            f"{path}: the safetensors header is a JSON {_json_type(header)}, not an object of tensor name -> "
+            f"entry: {_FIX}"
+        )
+    return header
+
+
+def _metadata(path: Path, value: object) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise CheckpointError(
+            f"{path}: __metadata__ is a {_json_type(value)}; safetensors allows only an object of text keys -> "
+            f'text values (e.g. {{"format": "pt"}}): {_FIX}'
+        )
+    for key, item in value.items():
+        if not isinstance(item, str):
+            raise CheckpointError(
+                f"{path}: __metadata__[{key!r}] is a {_json_type(item)} ({_short(item)}); safetensors allows only "
+                f"text values there: {_FIX}"
+            )
+        _check_text(path, "__metadata__", key)
+        _check_text(path, f"__metadata__[{key!r}]", item)
+    return value
+
+
+def _json_type(value: object) -> str:
+    names = {bool: "true/false", int: "number", float: "number", str: "text", list: "list", dict: "object"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _sizes(value: object, count: int | None) -> bool:
+    """A list of ``count`` (any when None) integers in [0, 2**64); booleans are not sizes."""
+    return (
+        isinstance(value, list)
+        and (count is None or len(value) == count)
+        and all(type(item) is int and 0 <= item <= MAX_SIZE for item in value)
+    )
+
+
+def _tensor(path: Path, name: str, entry: object, data_start: int, data_size: int) -> tuple[TensorInfo, int]:
+    """(TensorInfo, end offset in the data section) of one checked header entry."""
+    where = f"tensor {name!r}"
+    _check_text(path, "a tensor name", name)
+    if not isinstance(entry, dict):
+        raise CheckpointError(
+            f"{path}: {where}: header entry is a {_json_type(entry)}, not an object with dtype, shape and "
+            f"data_offsets: {_FIX}"
+        )
+    missing = [key for key in ("dtype", "shape", "data_offsets") if key not in entry]
+    if missing:
+        raise CheckpointError(f"{path}: {where}: header entry lacks {', '.join(missing)}: {_FIX}")
+    extra = {key: value for key, value in entry.items() if key not in ("dtype", "shape", "data_offsets")}
+    if extra:
+        _check_nested(path, where, extra, 2)
+    code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    dtype = SAFETENSORS_DTYPES.get(code) if isinstance(code, str) else None
+    if dtype is None:
+        raise CheckpointError(
+            f"{path}: {where}: unknown dtype {_short(code)}; safetensors writes {', '.join(SAFETENSORS_DTYPES)}"
+        )
+    torch_dtype = dtype.torch_dtype
+    if torch_dtype is None:
+        readable = [d.code for d in SAFETENSORS_DTYPES.values() if d.torch_dtype is not None]
+        raise CheckpointError(
+            f"{path}: {where}: dtype {code} has no torch dtype in torch {torch.__version__}, so qscheme cannot read "
+            f"it; readable: {', '.join(readable)}"
+        )
+    if not _sizes(shape, None):
+        raise CheckpointError(
+            f"{path}: {where}: shape {_short(shape)} is not a list of sizes (integers from 0 to 2**64-1; "
+            f"true/false and decimals are not sizes): {_FIX}"
+        )
+    if not _sizes(offsets, 2):
+        raise CheckpointError(
+            f"{path}: {where}: data_offsets {_short(offsets)} is not [begin, end], two integers from 0 to "
+            f"2**64-1: {_FIX}"
+        )
+    begin, end = offsets
+    info = TensorInfo(name=name, dtype=dtype.torch_name or "", shape=tuple(shape), file=path, offset=data_start + begin)
+    bits = info.numel * dtype.bits
+    if bits > MAX_SIZE:
+        raise CheckpointError(f"{path}: {where}: {code} x {list(shape)} is more than 2**64 bits: {_FIX}")
+    if bits % 8:
+        multiple = 8 // math.gcd(dtype.bits, 8)
+        raise CheckpointError(
+            f"{path}: {where}: {code} x {list(shape)} is {info.numel} values of {dtype.bits} bits, which does not "
+            f"end on a byte ({bits} bits); a {dtype.bits}-bit tensor needs a multiple of {multiple} "
+            f"values: {_FIX}"
+        )
+    if dtype.bits == 4 and (not shape or shape[-1] % 2):
+        raise CheckpointError(
+            f"{path}: {where}: F4 x {list(shape)}: torch holds two FP4 values per byte along the last dimension, so "
+            f"it must be even: {_FIX}"
+        )
+    if not begin <= end:
+        raise CheckpointError(f"{path}: {where}: data_offsets [{begin}, {end}] are not increasing: {_FIX}")
+    if end - begin != bits // 8:
+        raise CheckpointError(
+            f"{path}: {where}: header says {end - begin} bytes (offsets [{begin}, {end}]) but "
+            f"{code} x {list(shape)} needs {bits // 8}"
+        )
+    if end > data_size:
+        raise CheckpointError(
+            f"{path}: {where}: data ends at byte {end} of the data section but the file holds only "
+            f"{data_size} bytes there (file truncated, or the header lies about offsets)"
+        )
+    return info, end
+
+
+def _check_coverage(path: Path, spans: list[tuple[int, int, str]], data_size: int) -> None:
+    """The tensors tile the data section: sorted by offsets, each starts where the previous ends.
+
+    Overlaps are looked for first: one tensor moved onto another also leaves a gap, but the
+    overlap says better what is wrong.
+    """
+    spans.sort()
+    for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
+        if begin < end:
+            raise CheckpointError(
+                f"{path}: tensors {first!r} and {second!r} overlap in the data section (bad offsets): {_FIX}"
+            )
+    expected, previous = 0, None
+    for begin, end, name in spans:
+        if begin > expected:
+            after = f"after tensor {previous!r}" if previous is not None else "at its start"
+            raise CheckpointError(
+                f"{path}: bytes {expected}-{begin} of the data section, {after}, belong to no tensor (a gap, which "
+                f"safetensors refuses: the header lies about offsets, or a tensor was dropped): {_FIX}"
+            )
+        expected, previous = end, name
+    if expected != data_size:
+        last = f"the last tensor, {previous!r}, ends" if previous is not None else "no tensor holds data; it ends"
+        raise CheckpointError(
+            f"{path}: {last} at byte {expected} of the data section but the file has {data_size - expected} more "
+            f"bytes after it (trailing bytes, which safetensors refuses): {_FIX}"
+        )
+
+
+def read_file_header(path: Path) -> FileHeader:
+    """Parse and check one safetensors file's header; CheckpointError naming the file and tensor."""
+    try:
+        with path.open("rb") as handle:
+            stat = os.fstat(handle.fileno())
+            file_size = stat.st_size
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: truncated: {file_size} bytes, shorter than the 8-byte header length")
+            (header_size,) = struct.unpack("<Q", prefix)
+            if header_size > MAX_HEADER_BYTES:
+                raise CheckpointError(
+                    f"{path}: header length field says {header_size:,} bytes, more than the {MAX_HEADER_BYTES:,} "
+                    "safetensors accepts (not a safetensors file, or a corrupt one): " + _FIX
+                )
+            if header_size > file_size - 8:
+                raise CheckpointError(
+                    f"{path}: header length field says {header_size} bytes but the file has {file_size - 8} "
+                    "after it (truncated or not a safetensors file)"
+                )
+            raw = handle.read(header_size)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read: {exc.strerror}") from None
+    if len(raw) < header_size:
+        raise CheckpointError(f"{path}: shrank while its header was read; is another program writing it?")
+    header = _load_json(path, raw)
+    metadata = _metadata(path, header.get("__metadata__"))
+    data_start = 8 + header_size
+    data_size = file_size - data_start
+    tensors: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        info, end = _tensor(path, name, entry, data_start, data_size)
+        tensors[name] = info
+        spans.append((info.offset - data_start, end, name))
+    _check_coverage(path, spans, data_size)
+    return FileHeader(path, tensors, metadata, file_size, (stat.st_dev, stat.st_ino, stat.st_mtime_ns))
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """The checked tensors of one safetensors file, by name (see ``read_file_header``)."""
+    return read_file_header(path).tensors
