@@ -2,20 +2,19 @@
 
 A value that is not a plain tensor fails deep inside torch (a sparse tensor has no strides, a
 meta tensor no values, a nested tensor no sizes), far from the call that passed it. These
-checks refuse it first, with QuantizeError naming the tensor, what it is, and what to pass; a
-scheme argument of the wrong type is a UsageError.
+checks refuse it first, with QuantizeError naming the tensor, what it is, and what to pass. (A
+scheme argument of the wrong type is refused by qscheme.catalog.require_scheme_argument, which
+needs no torch.)
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
-from qscheme.descriptor import Scheme
-from qscheme.errors import QuantizeError, UsageError
+from qscheme.errors import QuantizeError
 
 META_FIX = "materialise it first (load the real weights, e.g. module.to_empty(device='cpu') then load_state_dict)"
 
@@ -67,15 +66,3 @@ def require_tensor_mapping(tensors: object, source: str, example: str) -> Mappin
             )
         require_tensor(value, source, repr(name))
     return tensors
-
-
-def require_scheme_argument(scheme: object, caller: str) -> None:
-    """UsageError unless ``scheme`` is a Scheme, a catalog name or a descriptor file path
-    (anything else would be looked up by its ``str()`` as an unknown name)."""
-    if not isinstance(scheme, Scheme | str | os.PathLike):
-        shown = repr(scheme)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise UsageError(
-            f"{caller}: scheme must be a Scheme, a catalog name (str) or a descriptor file path, not "
-            f"{type(scheme).__name__} ({shown}); e.g. 'compressed-tensors/NVFP4' (`qscheme schemes` lists them)"
-        )

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from qscheme.api_checks import require_scheme_argument
 from qscheme.descriptor import Scheme, parse_scheme_file
 from qscheme.descriptor.files import path_problem
 from qscheme.errors import Location, Problem, SchemeError, SchemeNotFoundError, UsageError
@@ -318,6 +317,18 @@ def _plugin_scheme_files(taken: dict[str, str]) -> list[tuple[str, Path]]:
     except ImportError:
         return []
     return plugin_scheme_files(taken)
+
+
+def require_scheme_argument(scheme: object, caller: str) -> None:
+    """UsageError unless ``scheme`` is a Scheme, a catalog name or a descriptor file path
+    (anything else would be looked up by its ``str()`` as an unknown name)."""
+    if not isinstance(scheme, Scheme | str | os.PathLike):
+        shown = repr(scheme)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise UsageError(
+            f"{caller}: scheme must be a Scheme, a catalog name (str) or a descriptor file path, not "
+            f"{type(scheme).__name__} ({shown}); e.g. 'compressed-tensors/NVFP4' (`qscheme schemes` lists them)"
+        )
 
 
 def load_scheme(name_or_path: str | Path | Scheme) -> Scheme:

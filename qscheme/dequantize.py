@@ -8,9 +8,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from qscheme.api_checks import require_scheme_argument
 from qscheme.canonical import canonicalize, dequantize
-from qscheme.catalog import load_scheme
+from qscheme.catalog import load_scheme, require_scheme_argument
 from qscheme.checkpoint.validate import require_valid_tensors
 from qscheme.descriptor import Scheme
 

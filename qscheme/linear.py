@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qscheme.api_checks import require_scheme_argument
 from qscheme.canonical import TENSOR_FIELDS, CanonicalWeight, canonicalize, dequantize
+from qscheme.catalog import require_scheme_argument
 from qscheme.checkpoint.validate import require_valid_tensors
 from qscheme.descriptor import Scheme
 from qscheme.errors import QSchemeError, UsageError

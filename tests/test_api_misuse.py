@@ -11,9 +11,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from qscheme.api_checks import require_scheme_argument
 from qscheme.canonical import canonicalize
-from qscheme.catalog import load_scheme
+from qscheme.catalog import load_scheme, require_scheme_argument
 from qscheme.dequantize import dequantize_weight
 from qscheme.errors import QuantizeError, UsageError
 from qscheme.linear import QuantLinear

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from qscheme.api_checks import require_scheme_argument, require_tensor
-from qscheme.catalog import load_scheme
+from qscheme.api_checks import require_tensor
+from qscheme.catalog import load_scheme, require_scheme_argument
 from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.descriptor.parse import NO_RECIPROCAL
 from qscheme.errors import QuantizeError
