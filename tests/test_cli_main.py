@@ -195,3 +195,78 @@ def test_a_full_disk_exits_1_without_a_traceback() -> None:
         )
     assert done.returncode == 1
     assert done.stderr == "qscheme schemes: error: cannot write output: No space left on device\n"
+
+
+NOISY_SITE = Path(__file__).parent / "data" / "noisy_plugin"
+
+
+def _qscheme(shell_arguments: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run `qscheme ARGUMENTS` through sh, so that redirections such as `>&-` apply as typed."""
+    return subprocess.run(
+        ["sh", "-c", f'exec "$0" -m qscheme.cli.main {shell_arguments}', sys.executable],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "QSCHEME_DISABLE_PLUGIN_AUTOLOAD": "1", **env},
+    )
+
+
+def test_help_says_what_a_closed_output_exits_with(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "a closed stdout, a pipe closed early as in `qscheme schemes | head -1`" in out
+    assert "A stderr that cannot be written (2>&-) does not change the exit code." in out
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert "its output could not be written (a full disk, a closed stdout, a pipe closed early)" in readme
+
+
+def test_a_closed_stdout_exits_1_with_one_line() -> None:
+    done = _qscheme("kernels --device cpu >&-")
+    assert done.returncode == 1
+    assert done.stderr == "qscheme kernels: error: cannot write output: stdout is closed\n"
+    done = _qscheme("schemes --json >&-")
+    assert (done.returncode, done.stderr) == (1, "qscheme schemes: error: cannot write output: stdout is closed\n")
+
+
+def test_a_closed_stderr_keeps_the_commands_exit_code(tmp_path: Path) -> None:
+    done = _qscheme(f"inspect {tmp_path / 'missing'} 2>&-")
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", "")
+    done = _qscheme("schemes 2>&-")
+    assert done.returncode == 0 and done.stdout.splitlines()[0].startswith("scheme ")
+
+
+@pytest.mark.parametrize("arguments", [["schemes"], ["schemes", "--json"], ["kernels", "--device", "cpu"]])
+def test_a_pipe_closed_by_its_reader_exits_1_silently(arguments: list[str]) -> None:
+    """`qscheme schemes | head -1` once head has exited: the pipe has no reader left."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "qscheme.cli.main", *arguments],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            env={**os.environ, "QSCHEME_DISABLE_PLUGIN_AUTOLOAD": "1"},
+        )
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (1, "")
+
+
+@pytest.mark.parametrize("command", ["kernels --device cpu --json", "plugins --json"])
+def test_plugin_prints_never_reach_stdout_in_json_mode(command: str) -> None:
+    done = _qscheme(
+        command,
+        PYTHONPATH=f"{NOISY_SITE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        QSCHEME_DISABLE_PLUGIN_AUTOLOAD="",
+        QSCHEME_PLUGINS="noisy",
+    )
+    assert done.returncode == 0, done.stderr
+    records = json.loads(done.stdout)
+    if command.startswith("plugins"):
+        assert any(record["name"] == "noisy" and record["loaded"] for record in records)
+    for line in ("NOISY PLUGIN IMPORTED", "NOISY PLUGIN NATIVE WRITE", "NOISY PLUGIN HOOK NATIVE WRITE"):
+        assert line in done.stderr
+    assert "NOISY PLUGIN HOOK \\x1b[2J" in done.stderr  # escaped there too

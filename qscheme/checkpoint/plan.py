@@ -18,6 +18,7 @@ import torch
 from qscheme.checkpoint.config import ProducerConfig, read_producer_config
 from qscheme.checkpoint.detect import Detection, ModuleAssignment, detect, split_name
 from qscheme.checkpoint.reader import CheckpointFiles
+from qscheme.checkpoint.text import problem_lines
 from qscheme.checkpoint.validate import ModuleLayout, TensorProblem, check_layout
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, UsageError
@@ -273,8 +274,7 @@ def plan_checkpoint(
     )
 
 
-def format_problems(problems: Sequence[object], limit: int = 20) -> str:
-    lines = [f"  - {p}" for p in problems[:limit]]
-    if len(problems) > limit:
-        lines.append(f"  ... and {len(problems) - limit} more (run `qscheme inspect` to list them all)")
-    return "\n".join(lines)
+def format_problems(problems: Sequence[object], limit: int = 10) -> str:
+    """Bullet lines: a few problems of each kind and how many more like them, ``limit`` kinds at most."""
+    hint = " (run `qscheme inspect` to list them all)"
+    return "\n".join(problem_lines(problems, max_kinds=limit, rest_hint=hint))

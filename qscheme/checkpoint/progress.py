@@ -1,10 +1,17 @@
-"""A one-line progress bar on stderr, shown only on a terminal (and only for large jobs)."""
+"""A one-line progress bar on stderr, shown only on a terminal (and only for large jobs).
+
+The bar redraws itself with ``\\r``, which the command's stderr (``TerminalOutput``) would escape:
+it is written with the stream's ``write_control`` where it has one, and the item it names (a
+tensor or layer from the checkpoint) is escaped and cut first.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
 from typing import TextIO
+
+from qscheme.checkpoint.text import shown
 
 LARGE_CHECKPOINT_BYTES = 256 * 1024 * 1024
 
@@ -37,16 +44,21 @@ class Progress:
         self._last = now
         width = 30
         filled = int(width * self.done / self.total)
-        shown = item if len(item) <= 40 else "..." + item[-37:]
-        self.stream.write(
-            f"\r{self.label} [{'#' * filled}{' ' * (width - filled)}] {self.done}/{self.total} {shown:<40}"
-        )
-        self.stream.flush()
+        name = shown(item)
+        name = name if len(name) <= 40 else "..." + name[-37:]
+        self._write(f"\r{self.label} [{'#' * filled}{' ' * (width - filled)}] {self.done}/{self.total} {name:<40}")
+
+    def _write(self, text: str) -> None:
+        write_control = getattr(self.stream, "write_control", None)
+        if write_control is not None:
+            write_control(text)
+        else:
+            self.stream.write(text)
+            self.stream.flush()
 
     def __exit__(self, *exc: object) -> None:
         if self.enabled:
-            self.stream.write("\r" + " " * 100 + "\r")
-            self.stream.flush()
+            self._write("\r" + " " * 100 + "\r")
 
 
 def auto_enabled(total_bytes: int, requested: bool | None) -> bool:

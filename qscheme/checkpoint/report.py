@@ -1,10 +1,15 @@
-"""What a load did, as data: per layer scheme, shape, kernel and fuse policy; rendered as text or JSON."""
+"""What a load did, as data: per layer scheme, shape, kernel and fuse policy; rendered as text or JSON.
+
+``render`` shows names from the checkpoint (its path, producer, schemes, kernels, notes) through
+``shown``: escaped, newlines included, and bounded, so the text is safe on a terminal.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from qscheme.checkpoint.fuse import FuseOutcome
+from qscheme.checkpoint.text import shown
 
 
 @dataclass(frozen=True)
@@ -80,11 +85,12 @@ class CheckpointReport:
         }
 
     def render(self) -> str:
-        version = f" {self.producer_version}" if self.producer_version else ""
+        version = f" {shown(self.producer_version)}" if self.producer_version else ""
+        schemes = ", ".join(f"{shown(k)}: {v}" for k, v in self.scheme_counts.items())
         lines = [
-            f"checkpoint: {self.path}",
-            f"producer: {self.producer}{version}",
-            f"quantized layers: {len(self.layers)} ({', '.join(f'{k}: {v}' for k, v in self.scheme_counts.items())})",
+            f"checkpoint: {shown(self.path, limit=1000)}",
+            f"producer: {shown(self.producer)}{version}",
+            f"quantized layers: {len(self.layers)} ({schemes})",
             f"plain tensors: {len(self.plain_tensors)}; ignored modules: {len(self.ignored)}",
         ]
         if self.tolerated_tensors:
@@ -92,9 +98,9 @@ class CheckpointReport:
         kernels: dict[str, int] = {}
         for layer in self.layers:
             kernels[layer.kernel or "-"] = kernels.get(layer.kernel or "-", 0) + 1
-        lines.append("kernels: " + ", ".join(f"{k}: {v}" for k, v in sorted(kernels.items())))
+        lines.append("kernels: " + ", ".join(f"{shown(k)}: {v}" for k, v in sorted(kernels.items())))
         for layer in self.fused:
             assert layer.fuse is not None
-            lines.append(f"fused {layer.fuse.describe()} [{layer.fuse_reason}]")
-        lines.extend(f"note: {note}" for note in self.notes)
+            lines.append(f"fused {shown(layer.fuse.describe(), limit=1000)} [{shown(layer.fuse_reason, limit=1000)}]")
+        lines.extend(f"note: {shown(note, limit=2000)}" for note in self.notes)
         return "\n".join(lines)

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qscheme.checkpoint.text import shown
 from qscheme.errors import CheckpointNotFoundError
 
 
 def checkpoint_argument(path: str) -> None:
     """Refuse (exit 2) a checkpoint path that does not exist or is not a folder."""
     folder = Path(path)
+    named = shown(path, limit=1000)
     if not folder.exists():
-        raise CheckpointNotFoundError(f"{path}: no such folder; pass a checkpoint folder (config.json + *.safetensors)")
+        raise CheckpointNotFoundError(
+            f"{named}: no such folder; pass a checkpoint folder (config.json + *.safetensors)"
+        )
     if not folder.is_dir():
         raise CheckpointNotFoundError(
-            f"{path}: not a folder; pass the checkpoint folder that holds config.json and *.safetensors"
+            f"{named}: not a folder; pass the checkpoint folder that holds config.json and *.safetensors"
         )

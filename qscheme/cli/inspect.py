@@ -4,16 +4,24 @@ Shows the producer, the detected scheme of every quantized module (grouped, with
 ignored modules, plain and tolerated tensors, and every problem found (layout and scale
 values). Reads only headers and the small scale tensors. Exit 1 when problems were found, 2
 when the folder does not exist.
+
+Text output shows every name read from the checkpoint escaped and bounded (``_for_terminal``):
+a tensor or module name cannot move the cursor, clear the screen or forge a line.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
+from qscheme.checkpoint.text import NAME_LIMIT, escape, shown
 from qscheme.cli.inputs import checkpoint_argument
 from qscheme.cli.output import print_json
+
+if TYPE_CHECKING:
+    from qscheme.checkpoint.inspect import Inspection
 
 
 def register(sub: Any) -> None:
@@ -31,5 +39,40 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(inspection.as_json())
     else:
-        sys.stdout.write(render_inspection(inspection) + "\n")
+        sys.stdout.write(render_inspection(_for_terminal(inspection)) + "\n")
     return 0 if inspection.ok else 1
+
+
+def _names(values: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(shown(value) for value in values)
+
+
+def _optional(value: str | None, limit: int = NAME_LIMIT) -> str | None:
+    return None if value is None else shown(value, limit)
+
+
+def _for_terminal(inspection: Inspection) -> Inspection:
+    """A copy whose names and values from the checkpoint are escaped (newlines included) and cut
+    to ``NAME_LIMIT``; the notes and problems, which are messages, keep the newlines qscheme put
+    in them, and quote the names in them (``repr``), which escapes them already."""
+    return replace(
+        inspection,
+        path=shown(inspection.path, limit=1000),
+        producer=shown(inspection.producer),
+        files=_names(inspection.files),
+        modules=[
+            replace(row, module=shown(row.module), scheme=shown(row.scheme), origin=shown(row.origin))
+            for row in inspection.modules
+        ],
+        ignored={shown(module): pattern for module, pattern in inspection.ignored.items()},
+        plain=_names(inspection.plain),
+        kv_cache=_names(inspection.kv_cache),
+        tolerated=_names(inspection.tolerated),
+        unused_targets=_names(inspection.unused_targets),
+        fused=[(shown(name), _names(members)) for name, members in inspection.fused],
+        notes=[escape(note, keep="\n") for note in inspection.notes],
+        problems=[escape(problem, keep="\n") for problem in inspection.problems],
+        producer_version=_optional(inspection.producer_version),
+        producer_note=_optional(inspection.producer_note, limit=1000),
+        config_file=_optional(inspection.config_file),
+    )

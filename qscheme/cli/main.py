@@ -1,9 +1,14 @@
 """Entry point of the `qscheme` command: dispatches to one module per command.
 
-Exit codes: 0 success, 1 the command's check failed (invalid descriptor, no kernel, ...),
-2 usage or input error (a bad argument, a path that does not exist, an unknown name). Errors
-go to stderr as one readable message, never a traceback; with ``--json`` a failing command
-also prints ``{"error": {"type", "message", "exit_code"}}`` on stdout.
+Exit codes: 0 success, 1 the command's check failed (invalid descriptor, no kernel, ...) or its
+output could not be written, 2 usage or input error (a bad argument, a path that does not
+exist, an unknown name). Errors go to stderr as one readable message, never a traceback,
+escaped and bounded (``qscheme.cli.output``); with ``--json`` a failing command also prints
+``{"error": {"type", "message", "exit_code"}}`` on stdout.
+
+Closed streams: a stdout that cannot be written (``>&-``, a full disk) exits 1 with one line on
+stderr; a pipe closed by its reader (``| head -1``) exits 1 silently; a stderr that cannot be
+written (``2>&-``) changes nothing: the exit code is the command's own.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from qscheme import __version__
-from qscheme.cli.output import GuardedOutput, json_output
+from qscheme.cli.output import GuardedOutput, TerminalOutput, bounded_message, json_output
 from qscheme.errors import OutputError, QSchemeError
 
 # Command modules under qscheme.cli, in the order `qscheme --help` lists them.
@@ -28,11 +33,13 @@ exit codes:
   0  success
   1  the check failed: an invalid descriptor (validate), problems in a checkpoint (inspect),
      no kernel for a layer (resolve, run), a layer beyond tolerance or whose kernel failed (run),
-     a plugin that failed to load (plugins), output that could not be written
+     a plugin that failed to load (plugins), output that could not be written (a full disk,
+     a closed stdout, a pipe closed early as in `qscheme schemes | head -1`)
   2  usage or input error: a bad option value, a checkpoint folder or descriptor file that does
      not exist, an unknown scheme or kernel name
   With --json, a command that fails with an error also prints
   {"error": {"type": ..., "message": ..., "exit_code": ...}} on stdout.
+  A stderr that cannot be written (2>&-) does not change the exit code.
 
 environment:
   QSCHEME_SCHEME_PATH               folders of extra scheme descriptors (*.yaml), separated by ':'
@@ -71,15 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _error_json(kind: str, message: str, exit_code: int) -> None:
     """The --json form of an error, on stdout (stderr has the text already)."""
     record = {"error": {"type": kind, "message": message, "exit_code": exit_code}}
-    with contextlib.suppress(OSError):
-        sys.stdout.write(json.dumps(record, indent=2) + "\n")
-        sys.stdout.flush()
+    stdout = GuardedOutput(sys.stdout)
+    with contextlib.suppress(OutputError, BrokenPipeError):
+        stdout.write(json.dumps(record, indent=2) + "\n")
+        stdout.flush()
 
 
 def _discard_stdout() -> None:
     """After a write error on the real stdout, point it at /dev/null: the final flush cannot fail then."""
     real = sys.__stdout__
-    if real is None or sys.stdout is not real:
+    if real is None:
         return
     try:
         descriptor = real.fileno()
@@ -90,8 +98,33 @@ def _discard_stdout() -> None:
     os.close(devnull)
 
 
+def _reserve_closed_descriptors() -> None:
+    """Point a closed descriptor 1 or 2 at /dev/null, so that no file opened later takes its number
+    and receives what native code writes there (``sys.stdout`` stays None: writing is an error)."""
+    for descriptor in (1, 2):
+        try:
+            os.fstat(descriptor)
+        except OSError:
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+            except OSError:
+                return
+            if devnull != descriptor:
+                os.dup2(devnull, descriptor)
+                os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    arguments = list(sys.argv[1:] if argv is None else argv)
+    _reserve_closed_descriptors()
+    errors = TerminalOutput(sys.stderr, "stderr", required=False)
+    try:
+        with contextlib.redirect_stderr(errors):
+            return _run(list(sys.argv[1:] if argv is None else argv))
+    finally:
+        errors.flush()
+
+
+def _run(arguments: list[str]) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(arguments)
@@ -104,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     wants_json = bool(getattr(args, "json", False))
-    stdout = GuardedOutput(sys.stdout)
+    stdout = GuardedOutput(sys.stdout) if wants_json else TerminalOutput(sys.stdout)
     try:
         with contextlib.redirect_stdout(stdout):
             with json_output() if wants_json else contextlib.nullcontext():
@@ -116,13 +149,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"qscheme {args.command}: error: {exc}\n")
         return exc.exit_code
     except QSchemeError as exc:
-        sys.stderr.write(f"qscheme {args.command}: error: {exc}\n")
+        with contextlib.suppress(OutputError, BrokenPipeError):
+            stdout.flush()  # what the command printed before it failed
+        message = bounded_message(str(exc))
+        sys.stderr.write(f"qscheme {args.command}: error: {message}\n")
         if wants_json:
-            _error_json(type(exc).__name__, str(exc), exc.exit_code)
+            _error_json(type(exc).__name__, message, exc.exit_code)
         return exc.exit_code
-    except BrokenPipeError:
+    except BrokenPipeError:  # the reader closed the pipe (`| head`): nothing to tell it
         _discard_stdout()
-        return 0
+        return OutputError.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130

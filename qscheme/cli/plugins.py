@@ -1,6 +1,7 @@
 """`qscheme plugins [--json]`: every plugin, what it adds, and why it failed if it did.
 
-Exit 1 when any plugin failed (the list is printed all the same), 0 otherwise.
+Exit 1 when any plugin failed (the list is printed all the same), 0 otherwise. Names and
+versions come from third-party metadata: the text table shows them escaped and bounded.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import argparse
 import sys
 from typing import Any
 
+from qscheme.checkpoint.text import shown
 from qscheme.cli.output import print_json, table
 from qscheme.plugins import get_plugins
 
@@ -41,12 +43,12 @@ def run(args: argparse.Namespace) -> int:
             status = "loaded"
         rows.append(
             [
-                info.name,
-                info.distribution or "-",
-                info.version or "-",
-                ", ".join(info.kernels) or "-",
-                ", ".join(info.schemes) or "-",
-                status,
+                shown(info.name),
+                shown(info.distribution or "-"),
+                shown(info.version or "-"),
+                ", ".join(shown(kernel) for kernel in info.kernels) or "-",
+                ", ".join(shown(scheme) for scheme in info.schemes) or "-",
+                shown(status),
             ]
         )
     out = [table(rows, ["plugin", "distribution", "version", "kernels", "schemes", "status"])]
