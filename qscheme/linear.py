@@ -14,9 +14,10 @@ KernelExecutionError naming the layer, the kernel, its plugin and the scheme.
 As an nn.Module: the canonical tensors are buffers (``canonical_codes``, ``canonical_scale``,
 ...: qscheme's canonical form, not a producer's checkpoint names or conventions), so
 ``state_dict`` holds them and ``load_state_dict`` fills them (same dtypes and shapes: the same
-scheme and layer shape). They stay in host memory (memory-mapped from the checkpoint where
-they came from one): the layer's device, which ``module.to(device)`` sets, holds the kernel's
-prepared form, built on first use there, so a GPU holds one copy of the weight, not two. Dtype
+scheme and layer shape). They stay in host memory (copies of their own, never a memory map of
+the checkpoint's files, which may change once loading returns): the layer's device, which
+``module.to(device)`` sets, holds the kernel's prepared form, built on first use there, so a
+GPU holds one copy of the weight, not two. Dtype
 casts (``.half()``, ``.to(torch.bfloat16)``) never touch them, only the bias. The weight is
 frozen: gradients flow to the input (``grad_x = grad_y @ effective_weight()``, straight
 through any activation quantization), never to the weight.

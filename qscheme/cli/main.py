@@ -47,6 +47,7 @@ environment:
   QSCHEME_DISABLED_KERNELS          kernels never to choose, comma-separated
   QSCHEME_PLUGINS                   load only these third-party plugins (entry points or distributions, comma-separated)
   QSCHEME_STRICT_PLUGINS=1          a plugin that fails is an error instead of being skipped
+  QSCHEME_STRICT_SCHEMES=1          a descriptor on QSCHEME_SCHEME_PATH that cannot be used is an error, not skipped
   QSCHEME_DISABLE_PLUGIN_AUTOLOAD=1 load no third-party plugins (only the built-in ones)
 """
 
