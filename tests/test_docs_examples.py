@@ -15,7 +15,10 @@ attributes):
   next ``$``, are its expected output (stdout and stderr together); ``...`` alone on a line
   stands for any lines, ``...`` inside a line for any text. ``exit=N`` gives the expected exit
   status of every command of the block (default 0). A ``$`` line that is not a qscheme command
-  needs ``no-run``.
+  needs ``no-run``. Commands run as on a fresh install (built-in kernels only, no Triton
+  interpreter), unless the block says ``plugins``: then installed third-party plugins load
+  (CI installs the example plugin, see .ci/install-example-plugins.sh). Column padding (two
+  or more spaces) and table rules (three or more dashes) match any width.
 - ``text`` (and any other language, e.g. ``toml``): shown only: output excerpts, grammars.
 - ``file=PATH`` (any language): the block is also written to PATH in the scratch folder.
 - ``no-run``: shown only, on purpose (e.g. it needs a GPU, a network or a path of the reader's).
@@ -176,7 +179,8 @@ def check_console(block: Block, scratch: Path) -> None:
         # as a reader's shell on a fresh install: built-in kernels only, and no Triton interpreter
         # (the suite's TRITON_INTERPRET would put the Triton kernel on the CPU), unless the page says so
         env = {key: value for key, value in os.environ.items() if not key.startswith(("QSCHEME_", "TRITON_"))}
-        env["QSCHEME_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+        if "plugins" not in block.attributes:  # ``plugins``: the example plugins CI installs are loaded
+            env["QSCHEME_DISABLE_PLUGIN_AUTOLOAD"] = "1"
         env.update(settings)
         done = subprocess.run(
             [str(executable), *words[1:]],
@@ -206,8 +210,18 @@ def matches(expected: list[str], output: str) -> bool:
         if line.strip() == "...":
             parts.append(r"(?:[^\n]*\n)*?")
         else:
-            parts.append(".*?".join(re.escape(piece) for piece in line.split("...")) + r"\n")
+            parts.append(".*?".join(_literal(piece) for piece in line.split("...")) + r"\n")
     return re.fullmatch("".join(parts), output) is not None
+
+
+def _literal(text: str) -> str:
+    """``text`` as a regex, except that a table's column padding (two or more spaces) and rules
+    (three or more dashes) match any width: columns widen with what they hold (timings)."""
+    pieces = re.split(r"( {2,}|-{3,})", text)
+    return "".join(
+        " {2,}" if piece.startswith("  ") else "-{3,}" if piece.startswith("---") else re.escape(piece)
+        for piece in pieces
+    )
 
 
 def test_the_matcher_is_strict() -> None:
@@ -218,6 +232,11 @@ def test_the_matcher_is_strict() -> None:
     assert not matches(["a"], "a\nextra\n")
     assert not matches(["torch ..., ok"], "torch 2.1, failed\n")
     assert matches(["a", "  ...", "c"], "a\n  b\nc\n")
+    # table columns widen with their contents; the words and their order still count
+    assert matches(["ms     ok", "-----  --"], "ms      ok\n------  --\n")
+    assert not matches(["ms  ok"], "ms ok\n")
+    assert not matches(["ms  ok"], "ms  failed\n")
+    assert not matches(["---  --"], "---  -\n")
 
 
 def test_blocks_are_found_with_their_attributes(tmp_path: Path) -> None:
