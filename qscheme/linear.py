@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from qscheme.api_checks import require_tensor
 from qscheme.canonical import TENSOR_FIELDS, CanonicalWeight, canonicalize, dequantize
 from qscheme.catalog import require_scheme_argument
 from qscheme.checkpoint.validate import require_valid_tensors
@@ -139,13 +140,19 @@ class QuantLinear(torch.nn.Module):
         device_facts: DeviceFacts | None = None,
     ) -> None:
         super().__init__()
+        if not isinstance(weight, CanonicalWeight):
+            raise UsageError(
+                f"QuantLinear takes a CanonicalWeight, not {type(weight).__name__}; build a layer with "
+                "QuantLinear.from_tensors(scheme, tensors) or load one with qscheme.load_checkpoint(folder)"
+            )
         torch_device = checked_device(device, "QuantLinear")
         kernel = checked_kernel(kernel, "QuantLinear")
         # what describes the tensors; the tensors themselves are buffers (weight_canonical),
-        # left where they are given (host memory, mapped from the file, for a loaded checkpoint)
+        # left where they are given (host memory, copies of their own for a loaded checkpoint);
+        # detached: the weight is frozen, so scales given as Parameters carry no autograd history
         self._layout = _Layout(weight.scheme, weight.n, weight.k, weight.partitions)
         for name, value in weight.tensors().items():
-            self.register_buffer(BUFFER_PREFIX + name, value)
+            self.register_buffer(BUFFER_PREFIX + name, value.detach())
         # The layer's device: an empty buffer that module moves (and torch.load's map_location)
         # carry along; not in the state dict.
         self.register_buffer("_device_anchor", torch.empty(0, device=torch_device), persistent=False)
@@ -158,9 +165,12 @@ class QuantLinear(torch.nn.Module):
         if bias is not None:
             if not isinstance(bias, Tensor):
                 raise UsageError(f"bias must be a torch.Tensor of shape [{weight.n}], not {type(bias).__name__}")
+            require_tensor(bias, layer_name or "QuantLinear", "bias", fix=f"pass a dense tensor of shape [{weight.n}]")
             if tuple(bias.shape) != (weight.n,):
                 raise UsageError(f"bias has shape {list(bias.shape)}; the layer has N={weight.n} outputs")
-            self.register_buffer("bias", bias.to(torch_device))
+            if not bias.is_floating_point():
+                raise UsageError(f"bias has dtype {bias.dtype}; pass a floating-point bias (e.g. bias.float())")
+            self.register_buffer("bias", bias.detach().to(torch_device))
         else:
             self.bias = None
         # Resolution happens now (a layer that cannot run fails at load time); the kernel's
@@ -365,7 +375,7 @@ class QuantLinear(torch.nn.Module):
             if activation_dtype not in self._states:
                 try:
                     state = implementation.prepare(self.weight_canonical, self.torch_device)
-                except Exception as exc:  # a plugin's code may raise anything: name who failed, where
+                except (Exception, SystemExit) as exc:  # a plugin's code may raise anything: name who failed, where
                     raise self._kernel_error(activation_dtype, "prepare", exc) from exc
                 self._states[activation_dtype] = state
             return implementation, self._states[activation_dtype]
@@ -465,7 +475,7 @@ class QuantLinear(torch.nn.Module):
         """``implementation.apply`` with its failures and its output checked."""
         try:
             y = implementation.apply(state, x, self.bias)
-        except Exception as exc:  # a plugin's code may raise anything: name who failed, where
+        except (Exception, SystemExit) as exc:  # a plugin's code may raise anything: name who failed, where
             raise self._kernel_error(activation_dtype, "apply", exc) from exc
         if not isinstance(y, Tensor) or y.dtype != x.dtype or y.shape != self._output_shape(x):
             raise self._bad_output(y, x, activation_dtype)
@@ -518,6 +528,12 @@ class QuantLinear(torch.nn.Module):
         name = self.layer_name or "QuantLinear"
         if not isinstance(x, Tensor):
             raise UsageError(f"{name}: the input must be a torch.Tensor, not {type(x).__name__}")
+        if x.is_nested or x.layout is not torch.strided:
+            kind = "a nested tensor" if x.is_nested else f"a {str(x.layout).removeprefix('torch.')} tensor"
+            raise UsageError(
+                f"{name}: the input is {kind}; the layer takes a dense [..., {self.in_features}] tensor: pad the "
+                "sequences into one (torch.nested.to_padded_tensor) or call x.to_dense()"
+            )
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise UsageError(
                 f"{name}: input of shape {list(x.shape)} has {x.shape[-1] if x.dim() else 'no'} features in "

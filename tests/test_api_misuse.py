@@ -244,3 +244,91 @@ def test_schemes_names_and_paths_pass() -> None:
         require_scheme_argument(scheme, "dequantize_weight")
         assert torch.equal(dequantize_weight(_tensors(), scheme), dequantize_weight(_tensors(), SCHEME))
     assert isinstance(builtin_scheme_dir(), Path)
+
+
+# --- QuantLinear's own arguments and inputs -------------------------------------------------------
+
+
+@pytest.mark.parametrize("weight", [None, {"weight": 1}, "x"], ids=lambda value: type(value).__name__)
+def test_quantlinear_takes_a_canonical_weight(weight: object) -> None:
+    for build in (QuantLinear, QuantLinear.from_canonical):
+        with pytest.raises(UsageError, match=rf"QuantLinear takes a CanonicalWeight, not {type(weight).__name__}; "):
+            build(weight)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda: torch.ones(8, device="meta"), "bias is a meta tensor"),
+        (lambda: torch.ones(8).to_sparse(), "bias is a sparse tensor (sparse_coo)"),
+        (lambda: torch.ones(8, dtype=torch.int32), "bias has dtype torch.int32; pass a floating-point bias"),
+    ],
+    ids=["meta", "sparse", "int"],
+)
+def test_a_bias_that_is_not_a_dense_float_tensor_is_refused(make: Callable[[], Tensor], expected: str) -> None:
+    with pytest.raises((QuantizeError, UsageError)) as info:
+        QuantLinear.from_tensors(SCHEME, _tensors(), bias=make(), layer_name="mlp.up")
+    assert expected in str(info.value)
+
+
+def test_tensors_that_require_grad_give_a_frozen_layer() -> None:
+    """A scale or bias handed over as a Parameter: the layer keeps detached values and computes
+    the same as with plain tensors (the kernel's in-place ops must not meet autograd)."""
+    tensors = {
+        name: torch.nn.Parameter(value.clone(), requires_grad=value.is_floating_point())
+        for name, value in _tensors().items()
+    }
+    bias = torch.nn.Parameter(torch.randn(8))
+    layer = QuantLinear.from_tensors(SCHEME, tensors, bias=bias)
+    plain = QuantLinear.from_tensors(SCHEME, _tensors(), bias=bias.detach())
+    assert not any(buffer.requires_grad for buffer in layer.buffers())
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), plain(x))
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda: torch.nested.nested_tensor([torch.randn(2, 64), torch.randn(3, 64)]), "the input is a nested tensor"),
+        (lambda: torch.randn(2, 64).to_sparse(), "the input is a sparse_coo tensor"),
+    ],
+    ids=["nested", "sparse"],
+)
+def test_an_input_that_is_not_dense_is_a_usage_error(make: Callable[[], Tensor], expected: str) -> None:
+    layer = QuantLinear.from_tensors(SCHEME, _tensors(), layer_name="mlp.up")
+    with pytest.raises(UsageError, match=rf"mlp\.up: {expected}; the layer takes a dense \[\.\.\., 64\] tensor"):
+        layer(make())
+
+
+# --- load_checkpoint(schemes=...) -----------------------------------------------------------------
+
+FIXTURE = "tests/fixtures/modelopt/nvfp4"
+
+
+@pytest.mark.parametrize("schemes", ["modelopt/NVFP4", ["modelopt/NVFP4"], ("modelopt/NVFP4",)], ids=repr)
+def test_load_checkpoint_takes_one_scheme_or_several_by_name(schemes: object) -> None:
+    from pathlib import Path
+
+    from qscheme.checkpoint import load_checkpoint
+
+    folder = Path(__file__).resolve().parents[1] / FIXTURE
+    checkpoint = load_checkpoint(folder, schemes=schemes)  # type: ignore[arg-type]
+    assert {layer.scheme.name for layer in checkpoint.modules.values()} == {"modelopt/NVFP4"}
+
+
+@pytest.mark.parametrize(
+    ("schemes", "expected"),
+    [
+        (3, r"pass scheme names, descriptor paths or Scheme objects \(a list, or one\), not int"),
+        (b"modelopt/NVFP4", "not bytes"),
+        ({"modelopt/NVFP4": 1}, "not dict"),
+        ([None], r"load_checkpoint\(schemes=\.\.\.\): scheme must be a Scheme, a catalog name \(str\) .* not NoneType"),
+        ([], r"load_checkpoint\(schemes=\[\]\): no scheme to detect with"),
+    ],
+    ids=["int", "bytes", "dict", "None-inside", "empty"],
+)
+def test_load_checkpoint_refuses_schemes_of_the_wrong_type(schemes: object, expected: str) -> None:
+    from qscheme.checkpoint import load_checkpoint
+
+    with pytest.raises(UsageError, match=expected):
+        load_checkpoint("/nonexistent-folder-checked-later", schemes=schemes)  # type: ignore[arg-type]

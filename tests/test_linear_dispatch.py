@@ -45,6 +45,11 @@ class RaisingApply(Dense):
         raise RuntimeError("apply exploded")
 
 
+class ExitingPrepare(Dense):
+    def prepare(self, weight: CanonicalWeight, device: torch.device) -> torch.Tensor:
+        raise SystemExit(3)  # a plugin that calls sys.exit must not end the process silently
+
+
 class TypedRaising(Dense):
     def apply(self, state: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise QuantizeError("this kernel refuses the input")
@@ -71,9 +76,9 @@ def _kernel(cls: type, name: str | None = None, **changes: Any) -> KernelDeclara
     return replace(REFERENCE, name=name or cls.__name__.lower(), implementation=reference, **changes)
 
 
-KERNELS = [_kernel(c) for c in (RaisingPrepare, RaisingApply, TypedRaising, Narrow, Float32Out, ListOut, Dense)] + [
-    _kernel(Dense, name="bf16_only", priority=200, checks=(ActivationDtypes(("bfloat16",)),))
-]
+KERNELS = [
+    _kernel(c) for c in (RaisingPrepare, ExitingPrepare, RaisingApply, TypedRaising, Narrow, Float32Out, ListOut, Dense)
+] + [_kernel(Dense, name="bf16_only", priority=200, checks=(ActivationDtypes(("bfloat16",)),))]
 
 
 class _Plugin:
@@ -124,6 +129,7 @@ def test_an_input_dtype_routed_to_another_kernel_is_visible_and_warned_once(plug
     ("kernel", "stage", "cause"),
     [
         ("raisingprepare", "prepare", ValueError("prepare exploded")),
+        ("exitingprepare", "prepare", SystemExit(3)),
         ("raisingapply", "apply", RuntimeError("apply exploded")),
         ("typedraising", "apply", QuantizeError("this kernel refuses the input")),
     ],

@@ -692,3 +692,37 @@ def test_the_layout_is_read_from_the_descriptor(tmp_path: Path) -> None:
     assert "stores layers with K % 128 == 0" in resolution.layout.reason
     assert resolution.layout.hint.startswith("pad the layer to N=4096, K=4224")
     assert resolve(scheme, Problem(4096, 4096), fake_device("cpu"), AS_IF_IMPLEMENTED).layout is None
+
+
+class _RaisingCheck:
+    def check(self, problem: Problem) -> object:
+        raise ZeroDivisionError("check blew up")
+
+    def describe(self) -> str:
+        return "raises"
+
+
+class _WrongReturnCheck:
+    def check(self, problem: Problem) -> object:
+        return "fine"
+
+    def describe(self) -> str:
+        return "returns a string"
+
+
+@pytest.mark.parametrize(
+    ("check", "found"),
+    [
+        (_RaisingCheck(), "its check _RaisingCheck (plugin acme) raised ZeroDivisionError: check blew up"),
+        (_WrongReturnCheck(), "its check _WrongReturnCheck (plugin acme) returned str 'fine', not a CheckResult"),
+    ],
+    ids=["raises", "wrong-return"],
+)
+def test_a_plugin_check_that_fails_rejects_its_kernel_only(check: object, found: str) -> None:
+    broken = replace(REFERENCE, name="acme_kernel", priority=90, plugin="acme", checks=(check,))  # type: ignore[arg-type]
+    resolution = resolve(builtin_scheme("compressed-tensors/W4A16"), SQUARE, fake_device("cpu"), [broken, REFERENCE])
+    assert resolution.kernel is not None and resolution.kernel.name == "reference"
+    rejected = resolution.candidate("acme_kernel")
+    assert rejected is not None and not rejected.accepted and rejected.stage == "problem"
+    assert rejected.reason == found
+    assert rejected.hint == "fix the plugin's check, or skip the kernel: QSCHEME_DISABLED_KERNELS=acme_kernel"

@@ -9,6 +9,7 @@ of its stage, before a single module is returned.
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 
 from qscheme.canonical import CanonicalWeight, canonicalize
+from qscheme.catalog import load_scheme, require_scheme_argument
 from qscheme.checkpoint.detect import BIAS
 from qscheme.checkpoint.fuse import FUSE_POLICIES, FuseOutcome, fuse_members, scales_differ
 from qscheme.checkpoint.plan import FuseSpec, Plan, check_fuse_spec, format_problems, plan_checkpoint
@@ -259,6 +261,25 @@ def load_canonical(
     return canonical
 
 
+def checked_schemes(schemes: object, caller: str = "load_checkpoint") -> list[Scheme]:
+    """``schemes=`` as a list of Scheme objects: one scheme (object, catalog name or descriptor
+    path) or an iterable of them; UsageError before anything is read otherwise."""
+    if isinstance(schemes, Scheme | str | os.PathLike):
+        schemes = [schemes]
+    if not isinstance(schemes, Iterable) or isinstance(schemes, bytes | Mapping):
+        raise UsageError(
+            f"{caller}(schemes=...): pass scheme names, descriptor paths or Scheme objects (a list, or one), "
+            f"not {type(schemes).__name__}; e.g. schemes=['compressed-tensors/NVFP4'], or None for the whole catalog"
+        )
+    found: list[Scheme] = []
+    for scheme in schemes:
+        require_scheme_argument(scheme, f"{caller}(schemes=...)")
+        found.append(load_scheme(scheme if isinstance(scheme, Scheme | str) else Path(scheme)))
+    if not found:
+        raise UsageError(f"{caller}(schemes=[]): no scheme to detect with; pass None for the whole catalog")
+    return found
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -284,9 +305,7 @@ def load_checkpoint(
     if not isinstance(path, str | Path):
         raise UsageError(f"load_checkpoint: path must be a folder path (str or Path), not {type(path).__name__}")
     if schemes is not None:
-        schemes = list(schemes)
-        if not schemes:
-            raise UsageError("load_checkpoint(schemes=[]): no scheme to detect with; pass None for the whole catalog")
+        schemes = checked_schemes(schemes)
     torch_device = checked_device(device)
     checked_kernel(kernel, "load_checkpoint")
     check_fuse_policy(fuse_policy, check_fuse_spec(fuse))

@@ -33,7 +33,9 @@ from qscheme.errors import NoKernelError, UsageError
 from qscheme.kernels.declaration import (
     ANY_DEVICE,
     ActivationSupport,
+    CheckResult,
     KernelDeclaration,
+    ProblemCheck,
     Supports,
     describe_capabilities,
     format_capability,
@@ -409,10 +411,29 @@ def check_problem(
             )
         )
     for check in declaration.checks:
-        result = check.check(problem)
+        result = _run_check(declaration, check, problem)
         if not result.ok:
             failures.append(Failure("problem", result.reason, result.hint))
     return failures
+
+
+def _run_check(declaration: KernelDeclaration, check: ProblemCheck, problem: Problem) -> CheckResult:
+    """The check's result; a check that raises or returns something else rejects its kernel
+    (plugin code must not take the resolution, and with it every other kernel, down)."""
+    name = type(check).__name__
+    try:
+        result = check.check(problem)
+    except Exception as error:
+        found = f"raised {type(error).__name__}: {error}"
+    else:
+        if isinstance(result, CheckResult):
+            return result
+        found = f"returned {type(result).__name__} {result!r:.80}, not a CheckResult"
+    return CheckResult(
+        False,
+        f"its check {name} (plugin {declaration.plugin or '?'}) {found}",
+        f"fix the plugin's check, or skip the kernel: QSCHEME_DISABLED_KERNELS={declaration.name}",
+    )
 
 
 # --- the scheme's own layout ------------------------------------------------------------------
