@@ -46,13 +46,17 @@ def builtin_scheme_dir() -> Path:
 
 
 def descriptor_files(folder: Path, problems: list[Problem] | None = None) -> list[Path]:
-    """Every *.yaml / *.yml below a folder, sorted; hidden files and folders (``.name``) are skipped.
+    """Every *.yaml / *.yml below a folder, sorted, each file once; hidden files and folders
+    (``.name``) are skipped.
 
-    Symlinked folders are followed (a link back into a folder already read is reported as a
-    loop). What cannot be read is a problem, never a silent skip: a folder that cannot be
-    listed, and a ``*.yaml`` name that is a FIFO, socket or device, a dangling or looping
-    symlink, or a file over the descriptor size cap (nothing is opened to find out). Problems
-    are appended to ``problems`` when given, else raised as a SchemeError.
+    Symlinked folders are followed. A folder reached twice (a symlink to a sibling folder) is
+    read once; a symlink to a folder that contains the link (``back -> ..``) is reported as a
+    loop. A file reached under two names (through a symlinked folder, a symlink or a hard link:
+    the same file) is listed once, under the first name in sorted order. What cannot be read is
+    a problem, never a silent skip: a folder that cannot be listed, and a ``*.yaml`` name that
+    is a FIFO, socket or device, a dangling or looping symlink, or a file over the descriptor
+    size cap (nothing is opened to find out). Problems are appended to ``problems`` when given,
+    else raised as a SchemeError.
     """
     found: list[Problem] = []
 
@@ -68,22 +72,30 @@ def descriptor_files(folder: Path, problems: list[Problem] | None = None) -> lis
 
     files: list[Path] = []
     seen = {_resolved(folder)}
+    # the resolved folders each walked folder is reached through, itself included
+    chains: dict[str, tuple[Path, ...]] = {os.fspath(folder): (_resolved(folder),)}
     for root, dirs, names in os.walk(folder, onerror=report, followlinks=True):
+        chain = chains.pop(root, (_resolved(Path(root)),))
         kept = []
         for name in sorted(d for d in dirs if not d.startswith(".")):
             path = Path(root) / name
-            if path.is_symlink() and _resolved(path) in seen:
+            target = _resolved(path)
+            if path.is_symlink() and any(target == above or target in above.parents for above in chain):
                 found.append(
                     Problem(
                         Location(str(path)),
-                        f"is a symlink to {os.readlink(path)!r}, a folder already read (a loop); remove the link",
+                        f"is a symlink to {os.readlink(path)!r}, a folder that contains this link (a loop); it is "
+                        "not read; remove the link",
                     )
                 )
                 continue
-            seen.add(_resolved(path))
+            if target in seen:  # the same folder reached again (a link to a sibling): read once
+                continue
+            seen.add(target)
+            chains[os.path.join(root, name)] = (*chain, target)
             kept.append(name)
         dirs[:] = kept
-        for name in names:
+        for name in sorted(names):
             path = Path(root) / name
             if name.startswith(".") or path.suffix not in (".yaml", ".yml"):
                 continue
@@ -96,7 +108,28 @@ def descriptor_files(folder: Path, problems: list[Problem] | None = None) -> lis
         if problems is None:
             raise SchemeError(found)
         problems.extend(found)
-    return sorted(files)
+    return distinct_files(sorted(files))
+
+
+def distinct_files(files: Iterable[Path], seen: set[object] | None = None) -> list[Path]:
+    """``files`` less every file already listed, or in ``seen``, under another name (same
+    device and inode); ``seen`` is updated."""
+    seen = set() if seen is None else seen
+    kept = []
+    for file in files:
+        identity = _file_identity(file)
+        if identity not in seen:
+            seen.add(identity)
+            kept.append(file)
+    return kept
+
+
+def _file_identity(file: Path) -> object:
+    try:
+        info = file.stat()
+    except OSError:
+        return _resolved(file)
+    return (info.st_dev, info.st_ino)
 
 
 @dataclass(frozen=True)
@@ -184,13 +217,15 @@ def catalog_sources(extra_dirs: Iterable[Path] = (), problems: list[Problem] | N
     """Built-ins, then QSCHEME_SCHEME_PATH folders, then extra folders (plugin files are added
     on top by ``load_catalog``).
 
-    A folder named twice (or the built-in folder named again) is read once. A folder that is
-    missing or not a folder, and what ``descriptor_files`` cannot read in one, are problems:
-    appended to ``problems`` when given, else raised as a SchemeError. The built-in folder's
-    problems are always raised.
+    A folder named twice (or the built-in folder named again) is read once, and so is a file
+    reached through two folders (one inside the other, or a symlinked one): under the first name
+    found, silently. A folder that is missing or not a folder, and what ``descriptor_files``
+    cannot read in one, are problems: appended to ``problems`` when given, else raised as a
+    SchemeError. The built-in folder's problems are always raised.
     """
     builtin = builtin_scheme_dir()
-    sources: list[tuple[str, Path]] = [("builtin", p) for p in descriptor_files(builtin)]
+    files_seen: set[object] = set()
+    sources: list[tuple[str, Path]] = [("builtin", p) for p in distinct_files(descriptor_files(builtin), files_seen)]
     seen = {_resolved(builtin)}
     found: list[Problem] = []
     for folder in [*scheme_path_dirs(), *extra_dirs]:
@@ -207,7 +242,8 @@ def catalog_sources(extra_dirs: Iterable[Path] = (), problems: list[Problem] | N
         if _resolved(folder) in seen:
             continue
         seen.add(_resolved(folder))
-        sources.extend((f"path:{folder}", p) for p in descriptor_files(folder, found))
+        files = distinct_files(descriptor_files(folder, found), files_seen)
+        sources.extend((f"path:{folder}", p) for p in files)
     if found:
         if problems is None:
             raise SchemeError(found)
@@ -245,8 +281,8 @@ def load_catalog(extra_dirs: Iterable[Path] = (), include_plugins: bool = True, 
         )
     extra_dirs = [Path(folder) for folder in extra_dirs]
     strict = strict_schemes() if strict is None else strict
-    folder_problems: list[Problem] = []
-    sources = catalog_sources(extra_dirs, None if strict else folder_problems)
+    folder_problems: list[Problem] = []  # also when strict: the error lists them with every other problem
+    sources = catalog_sources(extra_dirs, folder_problems)
     local_key = (strict, *(str(p) for p in folder_problems), *_stamps(sources))
     local = _cached(local_key, lambda: _build(sources, None, strict, folder_problems))
     catalog = local
@@ -260,8 +296,17 @@ def load_catalog(extra_dirs: Iterable[Path] = (), include_plugins: bool = True, 
 
 
 def _build(sources: list[tuple[str, Path]], base: Catalog | None, strict: bool, problems: list[Problem]) -> Catalog:
-    """``build_catalog``, with the folder problems added to what it skipped."""
-    catalog = build_catalog(sources, base, strict)
+    """``build_catalog``, with the folder problems added to what it skipped; ``strict``: one
+    SchemeError listing the folder problems and every problem of the files (parse errors,
+    duplicate names, names differing only by case)."""
+    try:
+        catalog = build_catalog(sources, base, strict)
+    except SchemeError as exc:
+        if strict and problems:
+            raise SchemeError([*problems, *exc.problems]) from None  # build_catalog's errors list their problems
+        raise
+    if strict and problems:
+        raise SchemeError(problems)
     return Catalog(catalog.schemes, (*problems, *catalog.skipped)) if problems else catalog
 
 

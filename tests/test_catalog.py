@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -201,7 +202,10 @@ def test_a_symlinked_folder_is_read_and_a_loop_reported(tmp_path: Path, monkeypa
     catalog, messages = skipping(monkeypatch, top)
     assert catalog.get("test/fp8-e5m2-weight-only").path == str(top / "linked" / "e5m2.yaml")
     (message,) = messages
-    assert f"skipped {top / 'linked' / 'back'}: is a symlink to {str(top)!r}, a folder already read (a loop)" in message
+    assert (
+        f"skipped {top / 'linked' / 'back'}: is a symlink to {str(top)!r}, a folder that contains this link (a loop)"
+        in message
+    )
 
 
 def test_lookup_is_case_insensitive_and_suggests() -> None:
@@ -329,3 +333,65 @@ def test_load_scheme_refuses_what_is_not_a_descriptor_file(kind: str, tmp_path: 
     }[kind]
     with pytest.raises(SchemeNotFoundError, match=re.escape(f"{target}: {expected}")):
         load_scheme(target)
+
+
+def test_strict_lists_every_problem_of_the_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    os.mkfifo(tmp_path / "pipe.yaml")
+    (tmp_path / "dangling.yaml").symlink_to(tmp_path / "gone.yaml")
+    (tmp_path / "loop1.yaml").symlink_to(tmp_path / "loop2.yaml")
+    (tmp_path / "loop2.yaml").symlink_to(tmp_path / "loop1.yaml")
+    (tmp_path / "broken.yaml").write_text("name: acme/broken\nweight: [\n")
+    case = (BUILTIN / "modelopt" / "FP8.yaml").read_text().replace("name: modelopt/FP8", "name: ModelOpt/fp8", 1)
+    (tmp_path / "case.yaml").write_text(case.replace("quant_algo: FP8", "quant_algo: OTHER_FP8", 1))
+    (tmp_path / "good.yaml").write_text(E5M2_TEXT)
+    names = ("pipe.yaml", "dangling.yaml", "loop1.yaml", "loop2.yaml", "broken.yaml", "case.yaml")
+    catalog, messages = skipping(monkeypatch, tmp_path)
+    assert len(messages) == len(names)
+    assert {problem.location.file for problem in catalog.skipped} == {str(tmp_path / name) for name in names}
+    error = strict_error(monkeypatch)  # the same six, in one error: not only the unreadable files
+    assert sorted(line.split(":")[0] for line in error.splitlines()) == sorted(str(tmp_path / n) for n in names)
+    assert "broken.yaml:3:1: not valid YAML" in error and "differs only by case from 'modelopt/FP8'" in error
+
+
+def loads_silently(monkeypatch: pytest.MonkeyPatch, *folders: Path) -> Catalog:
+    """The catalog with ``folders`` on QSCHEME_SCHEME_PATH, which must give no warning."""
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", os.pathsep.join(str(folder) for folder in folders))
+    monkeypatch.delenv("QSCHEME_STRICT_SCHEMES", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        catalog = load_catalog(include_plugins=False)
+    assert catalog.skipped == ()
+    return catalog
+
+
+def test_a_file_reached_through_two_path_entries_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    inner = tmp_path / "acme"
+    inner.mkdir()
+    (inner / "mine.yaml").write_text(E5M2_TEXT)
+    catalog = loads_silently(monkeypatch, tmp_path, inner)  # one entry inside the other
+    scheme = catalog.get("test/fp8-e5m2-weight-only")
+    assert (scheme.path, scheme.source) == (str(inner / "mine.yaml"), f"path:{tmp_path}")
+    assert loads_silently(monkeypatch, inner, tmp_path).get(scheme.name).source == f"path:{inner}"
+    other = tmp_path.parent / f"{tmp_path.name}-other"  # an entry with a symlink into the first one
+    other.mkdir()
+    (other / "link").symlink_to(inner)
+    (other / "same.yaml").symlink_to(inner / "mine.yaml")
+    catalog = loads_silently(monkeypatch, inner, other)
+    assert catalog.get(scheme.name).path == str(inner / "mine.yaml")
+    assert descriptor_files(other) == [other / "link" / "mine.yaml"]  # one file under two names: listed once
+
+
+def test_a_link_to_a_sibling_folder_is_not_a_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "mine.yaml").write_text(E5M2_TEXT)
+    (tmp_path / "b" / "alias").symlink_to(Path("..") / "a")
+    catalog = loads_silently(monkeypatch, tmp_path)
+    assert catalog.get("test/fp8-e5m2-weight-only").path == str(tmp_path / "a" / "mine.yaml")
+    assert descriptor_files(tmp_path) == [tmp_path / "a" / "mine.yaml"]
+    (tmp_path / "b" / "up").symlink_to("..")  # a link to a folder that holds it: a loop
+    _, messages = skipping(monkeypatch, tmp_path)
+    assert [message.split("\n")[0] for message in messages] == [
+        f"skipped {tmp_path / 'b' / 'up'}: is a symlink to '..', a folder that contains this link (a loop); it is "
+        "not read; remove the link"
+    ]

@@ -5,8 +5,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shlex
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -270,3 +272,50 @@ def test_plugin_prints_never_reach_stdout_in_json_mode(command: str) -> None:
     for line in ("NOISY PLUGIN IMPORTED", "NOISY PLUGIN NATIVE WRITE", "NOISY PLUGIN HOOK NATIVE WRITE"):
         assert line in done.stderr
     assert "NOISY PLUGIN HOOK \\x1b[2J" in done.stderr  # escaped there too
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "modelopt" / "nvfp4"
+
+
+@pytest.mark.parametrize(
+    ("command", "code"),
+    [
+        ("resolve {fixture}", 0),
+        ("resolve {fixture} --json", 0),
+        ("run {fixture} --kernel reference --rows 1 --json", 0),
+        ("inspect {fixture}", 0),
+        ("plugins --json", 0),
+        ("show modelopt/FP8 --json", 0),
+        ("schemes --json", 1),
+    ],
+)
+def test_a_skipped_descriptor_is_one_warning_line_on_stderr(command: str, code: int, tmp_path: Path) -> None:
+    (tmp_path / "broken.yaml").write_text("name: acme/broken\nweight: 3\n")
+    done = _qscheme(command.format(fixture=shlex.quote(str(FIXTURE))), QSCHEME_SCHEME_PATH=str(tmp_path))
+    assert done.returncode == code, done.stderr
+    expected = f"warning: skipped {tmp_path / 'broken.yaml'}:2:9: weight: 3 is not a mapping; "
+    assert done.stderr.startswith(expected) and done.stderr.count("warning: ") == 1, done.stderr
+    assert "SchemePathWarning" not in done.stderr and "catalog.py" not in done.stderr
+    assert "(the other schemes load; QSCHEME_STRICT_SCHEMES=1 makes this an error)\n" in done.stderr
+    assert "warning" not in done.stdout
+    if "--json" in command:
+        json.loads(done.stdout)
+
+
+def test_qscheme_warnings_are_one_line_once_and_others_untouched(capsys: pytest.CaptureFixture[str]) -> None:
+    from qscheme.catalog import SchemePathWarning
+    from qscheme.cli.main import qscheme_warnings
+    from qscheme.linear import KernelRouteWarning
+
+    with pytest.warns(UserWarning, match="not ours") as record, qscheme_warnings():
+        for _ in range(2):
+            warnings.warn("layer x: float32 inputs run on kernel 'reference'", KernelRouteWarning, stacklevel=1)
+            warnings.warn("skipped a.yaml: broken", SchemePathWarning, stacklevel=1)
+        warnings.warn("skipped a.yaml: broken", SchemePathWarning, stacklevel=1)  # another line, same message
+        warnings.warn("not ours", UserWarning, stacklevel=1)
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert (
+        captured.err == "warning: layer x: float32 inputs run on kernel 'reference'\nwarning: skipped a.yaml: broken\n"
+    )
+    assert [w.category for w in record] == [UserWarning]  # a warning not qscheme's is shown as Python shows it

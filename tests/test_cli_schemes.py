@@ -315,3 +315,51 @@ def test_show_and_validate_refuse_special_and_huge_files(
     assert (code, out) == (2, "") and f"qscheme show: error: {name}: {expected}" in err
     code, out, err = run(["validate", name], capsys)
     assert (code, out) == (1, "") and f"{name}: 1 problem\n{name}: {expected}" in err
+
+
+def test_strict_show_lists_every_problem_of_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    os.mkfifo(tmp_path / "pipe.yaml")
+    (tmp_path / "dangling.yaml").symlink_to(tmp_path / "gone.yaml")
+    (tmp_path / "broken.yaml").write_text("name: acme/broken\nweight: [\n")
+    case = (BUILTIN / "modelopt" / "FP8.yaml").read_text().replace("name: modelopt/FP8", "name: ModelOpt/fp8", 1)
+    (tmp_path / "case.yaml").write_text(case.replace("quant_algo: FP8", "quant_algo: OTHER_FP8", 1))
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path))
+    monkeypatch.setenv("QSCHEME_STRICT_SCHEMES", "1")
+    code, out, err = run(["show", "modelopt/FP8"], capsys)
+    assert (code, out) == (1, "")
+    for name in ("pipe.yaml", "dangling.yaml", "broken.yaml", "case.yaml"):
+        assert f"{tmp_path / name}" in err, name
+    assert "not valid YAML" in err and "differs only by case" in err
+
+
+def test_a_folder_inside_another_on_the_path_is_no_duplicate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inner = tmp_path / "acme"
+    inner.mkdir()
+    (inner / "mine.yaml").write_text(
+        (BUILTIN / "modelopt" / "FP8.yaml").read_text().replace("modelopt/FP8", "acme/mine")
+    )
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "alias").symlink_to(Path("..") / "acme")  # a sibling folder, not a loop
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", os.pathsep.join([str(tmp_path), str(inner)]))
+    monkeypatch.delenv("QSCHEME_STRICT_SCHEMES", raising=False)
+    code, out, err = run(["schemes"], capsys)
+    assert (code, err) == (0, "") and "skipped" not in out
+    assert any(line.startswith("acme/mine ") and line.endswith(f"path:{tmp_path}") for line in out.splitlines())
+
+
+def test_schemes_shows_each_skipped_file_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "broken.yaml").write_text("name: acme/broken\nweight: 3\n")
+    os.mkfifo(tmp_path / "pipe.yaml")
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(tmp_path))
+    monkeypatch.delenv("QSCHEME_STRICT_SCHEMES", raising=False)
+    code, out, err = run(["schemes"], capsys)
+    assert code == 1 and err == "" and out.count("\n  skipped ") == 2  # listed in the table, not warned again
+    code, out, err = run(["schemes", "--json"], capsys)
+    assert code == 1 and json.loads(out) and "warning" not in out
+    assert err.count("warning: skipped ") == 2 and err.count(str(tmp_path / "broken.yaml")) == 1

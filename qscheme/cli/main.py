@@ -6,6 +6,11 @@ exist, an unknown name). Errors go to stderr as one readable message, never a tr
 escaped and bounded (``qscheme.cli.output``); with ``--json`` a failing command also prints
 ``{"error": {"type", "message", "exit_code"}}`` on stdout.
 
+Warnings: while a command runs, each warning of qscheme's own (a ``SchemePathWarning`` for a
+descriptor the catalog skipped, a ``KernelRouteWarning``, ...) is shown as ``warning: MESSAGE``
+on stderr, once per distinct message, without Python's source line; never on stdout, also with
+``--json``. Other warnings are shown as Python shows them.
+
 Closed streams: a stdout that cannot be written (``>&-``, a full disk) exits 1 with one line on
 stderr; a pipe closed by its reader (``| head -1``) exits 1 silently; a stderr that cannot be
 written (``2>&-``) changes nothing: the exit code is the command's own.
@@ -19,7 +24,9 @@ import importlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import TextIO
 
 from qscheme import __version__
 from qscheme.cli.output import GuardedOutput, TerminalOutput, bounded_message, json_output
@@ -115,11 +122,46 @@ def _reserve_closed_descriptors() -> None:
                 os.close(devnull)
 
 
+def _is_qscheme_warning(category: type[Warning]) -> bool:
+    module = getattr(category, "__module__", "")
+    return module == "qscheme" or module.startswith("qscheme.")
+
+
+@contextlib.contextmanager
+def qscheme_warnings() -> Iterator[None]:
+    """Show each qscheme warning raised inside as one ``warning: MESSAGE`` on stderr, once per
+    distinct message (no Python source line); other warnings as before. The warning filters
+    still apply (``-W ignore`` hides them); everything is restored on exit."""
+    shown: set[str] = set()
+    with warnings.catch_warnings():  # restores showwarning; entering it resets the once-per-location registries
+        previous = warnings.showwarning
+
+        def show(
+            message: Warning | str,
+            category: type[Warning],
+            filename: str,
+            lineno: int,
+            file: TextIO | None = None,
+            line: str | None = None,
+        ) -> None:
+            if not _is_qscheme_warning(category):
+                previous(message, category, filename, lineno, file, line)
+                return
+            text = str(message)
+            if text not in shown:
+                shown.add(text)
+                with contextlib.suppress(OSError, ValueError):
+                    sys.stderr.write(f"warning: {text}\n")
+
+        warnings.showwarning = show
+        yield
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     _reserve_closed_descriptors()
     errors = TerminalOutput(sys.stderr, "stderr", required=False)
     try:
-        with contextlib.redirect_stderr(errors):
+        with contextlib.redirect_stderr(errors), qscheme_warnings():
             return _run(list(sys.argv[1:] if argv is None else argv))
     finally:
         errors.flush()

@@ -1,17 +1,16 @@
 """`qscheme schemes [--json]`: list every scheme in the catalog, and what it skipped.
 
 A descriptor or folder on QSCHEME_SCHEME_PATH that the catalog skips (see ``qscheme.catalog``)
-is listed after the table (with --json: on stderr) and makes the command exit 1, as a failed
-plugin makes `qscheme plugins` exit 1; the other schemes are listed all the same.
+is listed after the table (with --json: as a ``warning:`` line on stderr) and makes the command
+exit 1, as a failed plugin makes `qscheme plugins` exit 1; the other schemes are listed all the
+same.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 from qscheme.catalog import SchemePathWarning, load_catalog, skipped_messages
@@ -30,36 +29,16 @@ def register(sub: Any) -> None:
     parser.set_defaults(handler=run)
 
 
-@contextlib.contextmanager
-def scheme_path_warnings() -> Iterator[None]:
-    """Print each SchemePathWarning raised inside as ``warning: ...`` on stderr (no Python source line)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", SchemePathWarning)
-        try:
-            yield
-        finally:
-            shown: set[str] = set()
-            for warning in caught:
-                if issubclass(warning.category, SchemePathWarning):
-                    if str(warning.message) not in shown:
-                        shown.add(str(warning.message))
-                        sys.stderr.write(f"warning: {warning.message}\n")
-                else:
-                    warnings.showwarning(
-                        warning.message, warning.category, warning.filename, warning.lineno, warning.file, warning.line
-                    )
-
-
 def run(args: argparse.Namespace) -> int:
+    if args.json:  # the skipped files are SchemePathWarnings, shown on stderr by ``qscheme.cli.main``
+        catalog = load_catalog()
+        print_json([scheme_summary(scheme) for scheme in catalog])
+        return 1 if catalog.skipped else 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SchemePathWarning)  # listed below
         catalog = load_catalog()
     records = [scheme_summary(scheme) for scheme in catalog]
     skipped = skipped_messages(catalog.skipped)
-    if args.json:
-        print_json(records)
-        sys.stderr.writelines(f"warning: {message}\n" for message in skipped)
-        return 1 if skipped else 0
     rows = [
         [
             r["name"],

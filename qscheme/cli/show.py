@@ -8,7 +8,6 @@ from typing import Any
 
 from qscheme.catalog import load_scheme
 from qscheme.cli.output import print_json
-from qscheme.cli.schemes import scheme_path_warnings
 from qscheme.descriptor.summary import render_scheme, scheme_dict
 
 
@@ -27,8 +26,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with scheme_path_warnings():
-        scheme = load_scheme(args.target)
+    scheme = load_scheme(args.target)  # a skipped descriptor is a warning, shown by qscheme.cli.main
     if args.json:
         print_json(scheme_dict(scheme))
     else:
