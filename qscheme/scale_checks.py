@@ -11,7 +11,12 @@ QuantizeError naming the layer, the tensor, the first bad value, its position an
   normal float32 > 0 while its partition holds a nonzero element: kernels take the multiplier,
   and a subnormal one is flushed to zero by some of them (ModelOpt writes a subnormal one for
   an all-zero weight, which stays allowed);
-- a static activation scale whose multiplier is not finite and > 0, a non-finite pre-scale;
+- a static activation multiplier (as stored, or a stored divisor's reciprocal) that is not a
+  normal float32 > 0, or whose product with the largest block scale the activation's scale
+  format holds (e4m3: 448) and its largest element overflows, or with the smallest block scale
+  and smallest nonzero element falls below the smallest normal: activations would then
+  quantize to zero or NaN, or small ones flush to zero. No exception for all-zero weights: the
+  input is unknown. A non-finite pre-scale;
 - a scale whose product (with the global multiplier or divisor) times the largest element the
   layer's formats can hold is not finite in float32: the rule ``quantize_weight`` applies to
   what it writes (``qscheme.quantize.checks``). Refused wherever it is, since even a zero
@@ -26,6 +31,7 @@ come near float32's limits gets the elementwise pass.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -33,11 +39,11 @@ import torch
 from torch import Tensor
 
 from qscheme.canonical import CanonicalWeight, effective_scale, element_values, expand_tiles, scale_tile
-from qscheme.descriptor import Scheme
+from qscheme.descriptor import GlobalScaleSpec, ScaleSpec, Scheme
 from qscheme.errors import QuantizeError
-from qscheme.formats import decode, get_element_format
+from qscheme.formats import FORMAT_ALIASES, decode, get_element_format, representable_values
 from qscheme.formats.elements import E8M0_NAN
-from qscheme.formats.scale_values import any_nonfinite, nonfinite, not_positive
+from qscheme.formats.scale_values import any_nonfinite, nonfinite
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
@@ -121,22 +127,22 @@ def _require_usable_global(weight: CanonicalWeight, where: str) -> None:
 def _require_usable_activation_scales(weight: CanonicalWeight, where: str) -> None:
     activation = weight.scheme.activation
     if activation is not None:
-        for spec, multiplier in (
-            (activation.scale, weight.input_scale),
-            (activation.global_scale, weight.input_global_scale),
-        ):
-            if spec is None or multiplier is None:
-                continue
-            bad = not_positive(multiplier)
-            if bool(bad.any()):
-                position, count = _first(bad)
-                convention = "the reciprocal of the stored divisor" if spec.stored == "reciprocal" else "as stored"
-                raise QuantizeError(
-                    f"{where}: activation scale {spec.tensor.name!r} gives the multiplier "
-                    f"{float(multiplier[position]):g} ({convention}) at {list(position)} "
-                    f"({_count(count, multiplier.numel(), 'value')}); allowed: a finite multiplier > 0 in float32; "
-                    "the file is corrupt or stores the other convention: re-export the layer"
-                )
+        elements = _magnitudes(activation.format)
+        if activation.scale is not None and weight.input_scale is not None:
+            # a static per-tensor scale multiplies the elements directly: no block scale between
+            _require_usable_activation_multiplier(
+                weight, where, activation.scale, weight.input_scale, None, None, elements
+            )
+        if activation.global_scale is not None and weight.input_global_scale is not None:
+            _require_usable_activation_multiplier(
+                weight,
+                where,
+                activation.global_scale,
+                weight.input_global_scale,
+                weight.input_global_scale_divisor,
+                _activation_block_range(activation.scale_format),
+                elements,
+            )
     pre_scale, pre_spec = weight.input_pre_scale, weight.scheme.input_pre_scale
     if pre_scale is not None and pre_spec is not None and any_nonfinite(pre_scale):
         position, count = _first(nonfinite(pre_scale))
@@ -144,6 +150,87 @@ def _require_usable_activation_scales(weight: CanonicalWeight, where: str) -> No
             f"{where}: input pre-scale {pre_spec.name!r} holds {float(pre_scale[position]):g} at {list(position)} "
             f"({_count(count, pre_scale.numel(), 'value')}); allowed: finite factors; re-export the layer"
         )
+
+
+def _require_usable_activation_multiplier(
+    weight: CanonicalWeight,
+    where: str,
+    spec: ScaleSpec | GlobalScaleSpec,
+    multiplier: Tensor,
+    divisor: Tensor | None,
+    blocks: tuple[float, float] | None,
+    elements: tuple[float, float],
+) -> None:
+    """The weight rule for a static activation multiplier m, with the activation's own formats:
+    m a normal float32 > 0, m x the largest block scale x the largest element finite, and
+    m x the smallest nonzero block scale x the smallest nonzero element normal (``blocks``:
+    the block scales' range, None without them). The products are [P], so this costs nothing."""
+    values = multiplier.to(torch.float32).reshape(-1)
+    block_low, block_high = blocks or (1.0, 1.0)
+    smallest, largest = block_low * elements[0], block_high * elements[1]
+    what_largest = f"the largest element ({elements[1]:g})"
+    what_smallest = f"the smallest nonzero element ({elements[0]:g})"
+    if blocks is not None:
+        what_largest = f"the largest block scale ({block_high:g}) x {what_largest}"
+        what_smallest = f"the smallest block scale ({block_low:g}) x {what_smallest}"
+    bad = ~_is_normal_positive(values)
+    problem = "is not a finite, normal float32 > 0: kernels would quantize every activation to zero or NaN"
+    if not bool(bad.any()):
+        # float32 products as kernels form them (m x block x element), and as compressed-tensors
+        # does from a stored divisor (block / divisor x element)
+        tops, bottoms = [values * block_high * elements[1]], [values * block_low * elements[0]]
+        if divisor is not None:
+            stored = divisor.to(torch.float32).reshape(-1)
+            tops.append(block_high / stored * elements[1])
+            bottoms.append(block_low / stored * elements[0])
+        overflows = torch.stack([~torch.isfinite(top) for top in tops]).any(dim=0)
+        vanishes = torch.stack([bottom.abs() < FLOAT32_TINY for bottom in bottoms]).any(dim=0)
+        if bool(overflows.any()):
+            problem = f"times {what_largest} overflows float32: activations would quantize to zero or to inf"
+            bad = overflows
+        elif bool(vanishes.any()):
+            bad = vanishes
+            problem = (
+                f"times {what_smallest} is below float32's smallest normal: kernels flushing subnormals "
+                "would dequantize small nonzero activations to zero"
+            )
+        else:
+            return
+    position, count = _first(bad)
+    index = position[0]
+    name = spec.tensor.name
+    if divisor is not None:
+        found = (
+            f"{name!r} holds the divisor {float(divisor.reshape(-1)[index]):g}, whose reciprocal, the multiplier "
+            f"kernels use, is {float(values[index]):g}"
+        )
+    else:
+        found = f"{name!r} holds the multiplier {float(values[index]):g}"
+    at = f" at [{index}]" if values.numel() > 1 else ""
+    low, high = FLOAT32_TINY / min(smallest, 1.0), FLOAT32_MAX / max(largest, 1.0)
+    convention = "a divisor (the multiplier is 1 / its value)" if spec.stored == "reciprocal" else "a multiplier"
+    raise QuantizeError(
+        f"{where}: activation scale {found}{at} ({_count(count, values.numel(), 'value')}): the multiplier "
+        f"{problem}; allowed: a multiplier from {low:.6g} to {high:.6g} (normal, x {largest:g} finite, "
+        f"x {smallest:g} normal in float32); "
+        f"scheme {weight.scheme.name} reads {name!r} as {convention}: if the file stores the other convention, use "
+        "a scheme that declares it; else the activation calibration is corrupt: recalibrate and re-export the layer"
+    )
+
+
+@functools.cache
+def _magnitudes(name: str) -> tuple[float, float]:
+    """(smallest nonzero, largest) magnitude a format of at most 8 bits holds."""
+    values = representable_values(name).abs()
+    return float(values[values > 0].min()), float(values.max())
+
+
+def _activation_block_range(scale_format: str) -> tuple[float, float] | None:
+    """The range of the dynamic block scales a static activation global scale multiplies. Only
+    an fp8 block scale spans a fixed, narrow range whatever the input; e8m0 and float block
+    scales follow each block's amax across float32's range, so they bound nothing here."""
+    name = FORMAT_ALIASES.get(scale_format, scale_format)
+    return _magnitudes(name) if name in ("e4m3", "e5m2") else None
 
 
 def _products_are_far_from_limits(weight: CanonicalWeight) -> bool:
@@ -184,7 +271,7 @@ def _require_usable_products(weight: CanonicalWeight, where: str) -> None:
     vanishes &= stored != 0
     if not bool(vanishes.any()):
         return
-    vanishes &= _regions_with_nonzero_elements(weight, products[0])
+    vanishes &= regions_with_nonzero_elements(weight, products[0])
     if not bool(vanishes.any()):
         return
     position, count = _first(vanishes)
@@ -250,7 +337,7 @@ def _stored_multipliers(weight: CanonicalWeight) -> Tensor:
     return weight.scale.to(torch.float32)
 
 
-def _regions_with_nonzero_elements(weight: CanonicalWeight, product: Tensor) -> Tensor:
+def regions_with_nonzero_elements(weight: CanonicalWeight, product: Tensor) -> Tensor:
     """True where the weight elements under a scale (``product``'s layout) include a nonzero
     ``element - zero point``; decodes the whole layer, so only run on the way to an error."""
     n, k = weight.n, weight.k

@@ -516,9 +516,13 @@ def test_a_static_activation_scale_whose_multiplier_is_infinite_is_refused() -> 
     tensors = quantize_weight(torch.randn(4, 64), "compressed-tensors/NVFP4", input_global_scale=torch.tensor([1.0]))
     tensors["input_global_scale"] = torch.tensor([1e-45])  # a divisor: its reciprocal is inf
     assert _refusal("compressed-tensors/NVFP4", tensors) == (
-        f"layer {LAYER}, scheme compressed-tensors/NVFP4: activation scale 'input_global_scale' gives the multiplier "
-        "inf (the reciprocal of the stored divisor) at [0] (1 of 1 value); allowed: a finite multiplier > 0 in "
-        "float32; the file is corrupt or stores the other convention: re-export the layer"
+        f"layer {LAYER}, scheme compressed-tensors/NVFP4: activation scale 'input_global_scale' holds the divisor "
+        "1.4013e-45, whose reciprocal, the multiplier kernels use, is inf (1 of 1 value): the multiplier is not a "
+        "finite, normal float32 > 0: kernels would quantize every activation to zero or NaN; allowed: a multiplier "
+        "from 1.20371e-35 to 1.26593e+35 (normal, x 2688 finite, x 0.000976562 normal in float32); scheme "
+        "compressed-tensors/NVFP4 reads 'input_global_scale' as a divisor (the multiplier is 1 / its value): if the "
+        "file stores the other convention, use a scheme that declares it; else the activation calibration is corrupt: "
+        "recalibrate and re-export the layer"
     )
 
 

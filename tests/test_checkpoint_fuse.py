@@ -14,10 +14,12 @@ import pytest
 import torch
 from checkpoint_cache import (
     FUSE,
+    copy_checkpoint,
     ct_checkpoint,
     modelopt_fixture,
     single_threaded_torch,  # noqa: F401  (autouse)
 )
+from safetensors.torch import load_file, save_file
 
 from qscheme.checkpoint import load_checkpoint
 from qscheme.checkpoint.fuse import effective_block_scales, partition_scalars
@@ -277,3 +279,52 @@ def test_a_fuse_policy_for_a_full_module_name(nvfp4a16) -> None:  # type: ignore
     fused = load_checkpoint(folder, fuse=FUSE, fuse_policy={f"{ATTN}.qkv_proj": "rescale"}, kernel="reference")
     policies = {r.name: r.fuse.policy for r in fused.report.layers if r.fuse is not None}
     assert policies == {f"{ATTN}.qkv_proj": "rescale", f"{MLP}.gate_up_proj": "per_partition"}
+
+
+def _far_member(tmp_path: Path, zero_flushed_blocks: bool) -> tuple[Path, int, int]:
+    """NVFP4A16 whose k_proj divisor is 1e6 times larger (its multiplier far below q's and v's):
+    rescaled to the shared multiplier, most of k_proj's block scales round to zero in e4m3.
+    Returns the folder, how many of k_proj's nonzero block scales flush, and how many are nonzero."""
+    folder = copy_checkpoint(ct_checkpoint("NVFP4A16"), tmp_path / "checkpoint")
+    path = folder / "model.safetensors"
+    tensors = {name: value.clone() for name, value in load_file(str(path)).items()}
+    tensors[f"{ATTN}.k_proj.weight_global_scale"] *= 1e6
+    divisors = [float(tensors[f"{name}.weight_global_scale"]) for name in QKV]
+    ratio = min(divisors) / divisors[1]  # the shared multiplier is the largest: the smallest divisor
+    scale = tensors[f"{ATTN}.k_proj.weight_scale"].to(torch.float64)
+    flushes = (scale != 0) & ((scale * ratio).to(torch.float8_e4m3fn).to(torch.float64) == 0)
+    if zero_flushed_blocks:  # the elements under every flushing scale zero: nothing is lost
+        packed = tensors[f"{ATTN}.k_proj.weight_packed"]
+        packed[flushes.repeat_interleave(8, dim=1)] = 0
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return folder, int(flushes.sum()), int((scale != 0).sum())
+
+
+def test_rescale_refuses_to_flush_nonzero_block_scales_to_zero(tmp_path: Path) -> None:
+    folder, flushed, nonzero = _far_member(tmp_path, zero_flushed_blocks=False)
+    assert flushed > nonzero // 2
+    per_partition = load_checkpoint(folder, fuse=FUSE, fuse_policy="per_partition", kernel="reference")
+    assert bool((per_partition[f"{ATTN}.qkv_proj"].dequantize()[128:192] != 0).any())
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(folder, fuse=FUSE, fuse_policy="rescale", kernel="reference")
+    message = str(caught.value)
+    assert message.startswith(
+        f"cannot fuse {ATTN}.qkv_proj with fuse_policy 'rescale': under the shared global multiplier ("
+    )
+    assert f"{ATTN}.k_proj: {flushed} of {nonzero} nonzero block scales (global multiplier " in message
+    assert f"{ATTN}.q_proj: " not in message and f"{ATTN}.v_proj: " not in message
+    assert message.endswith(
+        "choose fuse_policy='per_partition' (a kernel taking one scale per partition), or load the members unfused "
+        "(drop this module from fuse=)"
+    )
+
+
+def test_rescale_may_flush_a_block_scale_over_all_zero_elements(tmp_path: Path) -> None:
+    folder, flushed, _ = _far_member(tmp_path, zero_flushed_blocks=True)
+    assert flushed > 0
+    fused = load_checkpoint(folder, fuse=FUSE, fuse_policy="rescale", kernel="reference")
+    separate = load_checkpoint(folder, kernel="reference")
+    expected = separate[f"{ATTN}.k_proj"].dequantize()
+    rescaled = fused[f"{ATTN}.qkv_proj"].dequantize()[128:192]
+    assert bool(torch.isfinite(rescaled).all())
+    assert bool(((rescaled == 0) == (expected == 0)).all())

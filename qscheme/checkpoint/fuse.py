@@ -28,8 +28,9 @@ from torch import Tensor
 
 from qscheme.canonical import CanonicalWeight, dequantize, element_values
 from qscheme.descriptor import Scheme
-from qscheme.errors import CheckpointError
+from qscheme.errors import CheckpointError, QuantizeError
 from qscheme.formats import decode
+from qscheme.scale_checks import regions_with_nonzero_elements, require_finite_dequantization
 
 FusePolicy = Literal["per_partition", "rescale", "requantize", "refuse"]
 FUSE_POLICIES: tuple[str, ...] = ("per_partition", "rescale", "requantize", "refuse")
@@ -181,8 +182,13 @@ def _unify_inputs(fused: CanonicalWeight) -> tuple[CanonicalWeight, str]:
     return fused, "; ".join(notes)
 
 
-def rescale(fused: CanonicalWeight) -> tuple[CanonicalWeight, float]:
-    """Shared global scale G = max(g_p); block scales times g_p / G, re-rounded to their format."""
+def rescale(fused: CanonicalWeight, module: str = "", names: Sequence[str] = ()) -> tuple[CanonicalWeight, float]:
+    """Shared global scale G = max(g_p); block scales times g_p / G, re-rounded to their format.
+
+    CheckpointError (naming ``module`` and the member among ``names``) when a nonzero block
+    scale over nonzero elements rounds to zero, or the result cannot dequantize: a member
+    whose global scale is far below G would lose those weights, not just their last bits.
+    """
     scheme = fused.scheme
     spec = scheme.weight.scale
     if fused.global_scale is None or spec.granularity not in ("group", "channel") or spec.format != "e4m3":
@@ -214,7 +220,51 @@ def rescale(fused: CanonicalWeight) -> tuple[CanonicalWeight, float]:
         global_scale=fused.global_scale[top].repeat(count).to(torch.float32),
         global_scale_divisor=None if divisor is None else divisor[top].repeat(count),
     )
+    member_names = list(names) or [f"partition {index}" for index in range(count)]
+    flushed = nonzero & (new.to(torch.float64) == 0)
+    if bool(flushed.any()):
+        # a nonzero scale over all-zero elements loses nothing: producers write zero ones there
+        flushed &= regions_with_nonzero_elements(fused, old)
+    if bool(flushed.any()):
+        raise CheckpointError(_flush_message(module, member_names, fused, flushed, nonzero, ratios, top))
+    try:
+        require_finite_dequantization(result, module or None)
+    except QuantizeError as error:
+        raise CheckpointError(
+            f"cannot fuse {module or 'the members'} with fuse_policy 'rescale': the rescaled layer cannot dequantize "
+            f"({error}); choose fuse_policy='per_partition' (a kernel taking one scale per partition), or load the "
+            "members unfused"
+        ) from error
     return result, max_change
+
+
+def _flush_message(
+    module: str,
+    names: Sequence[str],
+    fused: CanonicalWeight,
+    flushed: Tensor,
+    nonzero: Tensor,
+    ratios: Tensor,
+    top: int,
+) -> str:
+    assert fused.global_scale is not None  # rescale's precondition
+    lost = []
+    for index, (rows_flushed, rows_nonzero) in enumerate(
+        zip(flushed.split(list(fused.partitions)), nonzero.split(list(fused.partitions)), strict=True)
+    ):
+        count = int(rows_flushed.sum())
+        if count:
+            lost.append(
+                f"{names[index]}: {count} of {int(rows_nonzero.sum())} nonzero block scales (global multiplier "
+                f"{float(fused.global_scale[index]):.6g}, rescaled by {float(ratios[index]):.3g})"
+            )
+    shared = f"{names[top]}'s {float(fused.global_scale[top]):.6g}"
+    return (
+        f"cannot fuse {module or 'the members'} with fuse_policy 'rescale': under the shared global multiplier "
+        f"({shared}) these block scales round to zero in {fused.scheme.weight.scale.format}, which would zero weights "
+        f"that are not zero: {'; '.join(lost)}; choose fuse_policy='per_partition' (a kernel taking one scale per "
+        "partition), or load the members unfused (drop this module from fuse=)"
+    )
 
 
 def requantize(fused: CanonicalWeight) -> tuple[CanonicalWeight, float]:
@@ -277,7 +327,7 @@ def fuse_members(
     change: float | None = None
     if weight_differ:
         if policy == "rescale":
-            fused, change = rescale(fused)
+            fused, change = rescale(fused, module, names)
         else:
             fused, change = requantize(fused)
     fused, note = _unify_inputs(fused)
