@@ -320,3 +320,28 @@ def test_compressed_tensors_refuses_computing_e8m0_scales_under_a_global_scale()
     assert torch.equal(given["weight_scale"], modelopt["weight_scale"])
     error = float((_dequantized(scheme, given) - weight).norm() / weight.norm())
     assert error < 0.15
+
+
+@pytest.mark.parametrize(
+    ("scheme", "given", "found"),
+    [
+        ("compressed-tensors/FP8", {"input_scale": torch.tensor([3e38])}, "'input_scale' holds the multiplier 3e+38"),
+        ("compressed-tensors/NVFP4", {"input_global_scale": torch.tensor([1e-37])}, "holds the divisor 1e-37"),
+        ("compressed-tensors/FP8", {"input_scale": torch.tensor([1e-44])}, "'input_scale' holds the multiplier"),
+    ],
+    ids=["fp8-overflow", "nvfp4-global-overflow", "fp8-subnormal"],
+)
+def test_a_given_activation_scale_the_loader_refuses_is_refused_here_too(
+    scheme: str, given: dict[str, Tensor], found: str
+) -> None:
+    """What quantize_weight writes must load: an activation scale whose multiplier cannot
+    quantize activations gets the loader's error (canonicalize), not a checkpoint that fails later."""
+    with pytest.raises(QuantizeError, match="activation scale") as info:
+        quantize_weight(torch.randn(64, 128), scheme, **given)
+    assert found in str(info.value)
+
+
+def test_a_usable_given_activation_scale_is_written_as_given() -> None:
+    tensors = quantize_weight(torch.randn(64, 128), "compressed-tensors/FP8", input_scale=torch.tensor([0.01]))
+    assert float(tensors["input_scale"].reshape(-1)[0]) == pytest.approx(0.01)
+    canonicalize(load_scheme("compressed-tensors/FP8"), tensors)  # and it loads

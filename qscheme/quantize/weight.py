@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from qscheme.api_checks import require_tensor
+from qscheme.canonical import canonicalize
 from qscheme.catalog import load_scheme, require_scheme_argument
 from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.descriptor.parse import NO_RECIPROCAL
@@ -62,6 +63,8 @@ def quantize_weight(weight: Tensor, scheme: Scheme | str | Path, **given: Tensor
         packed = _quantize_elements(plan, padded, parameters)
         tensors = write_tensors(plan, parameters, packed, given_inputs)
         require_usable_scales(plan, tensors, padded, given_scales)
+        if given_inputs:  # given activation scales get the loader's checks, so what is written loads
+            canonicalize(scheme, tensors, weight.shape[0], weight.shape[1])
         return tensors
 
 
