@@ -11,7 +11,16 @@ import pytest
 from qscheme.checkpoint.plan import format_problems
 from qscheme.checkpoint.progress import Progress
 from qscheme.checkpoint.report import CheckpointReport
-from qscheme.checkpoint.text import NAME_LIMIT, cut, escape, listing, problem_kind, problem_lines, shown
+from qscheme.checkpoint.text import (
+    NAME_LIMIT,
+    bounded_problem,
+    cut,
+    escape,
+    listing,
+    problem_kind,
+    problem_lines,
+    shown,
+)
 from qscheme.checkpoint.validate import TensorProblem
 from qscheme.cli.output import TerminalOutput
 
@@ -59,6 +68,21 @@ def test_shown_cuts_a_long_value_and_says_how_much() -> None:
     assert len(text) < NAME_LIMIT + 60 and not _raw_controls(text)
     assert shown("short\r") == "short\\r" and shown(42) == "42"
     assert cut("abcdefghij", 6) == "abcd... [4 characters cut] ...ij" and cut("abc", 6) == "abc"
+
+
+def test_bounded_problem_cuts_each_long_name_where_it_stands() -> None:
+    first, second = "a" + "x" * 1_000_000 + "b", "c" + "y" * 50_000 + "d"
+    problem = f"model.safetensors: tensor {first!r} clashes with {second!r}; rename one"
+    text = bounded_problem(problem, name_limit=300, limit=10_000)
+    assert text.startswith("model.safetensors: tensor 'axxx") and text.endswith("yyyd'; rename one")
+    assert "xxb' clashes with 'cyy" in text  # both names keep their start and end, quotes included
+    assert f"... [{1_000_002 - 300:,} characters cut] ..." in text
+    assert f"... [{50_002 - 300:,} characters cut] ..." in text
+    assert len(text) < 800
+    # the whole message is bounded too, and a short one is left alone
+    many = " ".join(f"'{i:04}'" for i in range(5000))
+    assert len(bounded_problem(many, name_limit=300, limit=1000)) < 1100
+    assert bounded_problem(problem[:200], name_limit=300, limit=1000) == problem[:200]
 
 
 def test_listing_escapes_every_name_and_counts_the_rest() -> None:

@@ -231,6 +231,43 @@ def test_a_closed_stdout_exits_1_with_one_line() -> None:
     assert (done.returncode, done.stderr) == (1, "qscheme schemes: error: cannot write output: stdout is closed\n")
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize(
+    ("redirected", "reason"),
+    [
+        ("--help >/dev/full", "No space left on device"),
+        ("run --help >/dev/full", "No space left on device"),
+        ("--version >/dev/full", "No space left on device"),
+        ("--version >&-", "stdout is closed"),
+        ("--help >&-", "stdout is closed"),
+    ],
+)
+def test_help_and_version_obey_the_output_rule(redirected: str, reason: str) -> None:
+    """argparse prints them itself and ignores write errors (or falls back to stderr)."""
+    done = _qscheme(redirected)
+    assert (done.returncode, done.stderr) == (1, f"qscheme: error: cannot write output: {reason}\n")
+
+
+@pytest.mark.parametrize("arguments", [["--help"], ["--version"]])
+def test_help_and_version_into_a_closed_pipe_exit_1_silently(arguments: list[str]) -> None:
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "qscheme.cli.main", *arguments],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            env={**os.environ, "QSCHEME_DISABLE_PLUGIN_AUTOLOAD": "1"},
+        )
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (1, "")
+    done = _qscheme(" ".join(arguments))
+    assert done.returncode == 0 and done.stdout.startswith(("usage: qscheme", "qscheme ")) and done.stderr == ""
+
+
 def test_a_closed_stderr_keeps_the_commands_exit_code(tmp_path: Path) -> None:
     done = _qscheme(f"inspect {tmp_path / 'missing'} 2>&-")
     assert (done.returncode, done.stdout, done.stderr) == (2, "", "")

@@ -20,7 +20,7 @@ from qscheme.errors import OutputError
 from qscheme.examples.make_checkpoint import make_checkpoint
 
 EVIL = "evil\x1b[2J\r\nname\u202eX"
-LONG = "model.layers.0.mlp.down_proj.x" + "A" * 1_000_000
+LONG = "a.plain." + "A" * 1000  # as long as a tensor name may be (the loader refuses longer ones)
 REPEATS = 5000
 
 
@@ -89,14 +89,14 @@ def builtins_only() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A valid checkpoint plus a plain tensor with a hostile name, 5,000 tensors that are each the
-    same problem, and one with a 1 MB name."""
+    """A valid checkpoint plus a plain tensor with a hostile name, one with a long name, and 5,000
+    tensors that are each the same problem."""
     folder = make_checkpoint(tmp_path_factory.mktemp("hostile") / "ckpt", layers=1)
     file = next(folder.glob("*.safetensors"))
     tensors = load_file(str(file))
     tensors[EVIL] = torch.zeros(2)
     tensors[LONG] = torch.zeros(1)
-    for i in range(REPEATS - 1):
+    for i in range(REPEATS):
         tensors[f"model.layers.0.mlp.up_proj.extra{i}"] = torch.zeros(1)
     save_file(tensors, str(file))
     return folder
@@ -113,11 +113,28 @@ def test_inspect_text_escapes_names_and_groups_problems(hostile: Path, capsys: p
     assert "characters cut]" in out and max(len(line) for line in out.splitlines()) <= LINE_LIMIT + 40
 
 
-def test_inspect_json_keeps_the_names_exact(hostile: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_json_keeps_the_names_exact_and_caps_the_problems(
+    hostile: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["inspect", str(hostile), "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
-    assert EVIL in data["plain_tensors"] and len(data["problems"]) == REPEATS
-    assert any(LONG in problem for problem in data["problems"])
+    assert EVIL in data["plain_tensors"] and LONG in data["plain_tensors"]
+    assert (len(data["problems"]), data["problem_count"], data["problems_cut"]) == (1000, REPEATS, REPEATS - 1000)
+    assert "'model.layers.0.mlp.up_proj.extra0'" in data["problems"][0]  # each listed, not grouped
+
+
+def test_inspect_json_bounds_a_long_value_in_a_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = make_checkpoint(tmp_path / "ckpt", layers=1)
+    config = json.loads((folder / "config.json").read_text())
+    fmt = "nvfp4-" + "y" * 1_000_000 + "-end"
+    config["quantization_config"]["config_groups"]["group_0"]["format"] = fmt
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["inspect", str(folder), "--json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert problems and all(len(problem) < 9000 for problem in problems)
+    first = problems[0]
+    assert first.startswith(f"{folder / 'config.json'}: module ")  # the file and module stay named
+    assert "'nvfp4-yyy" in first and "yyy-end'" in first and "characters cut] ..." in first
 
 
 def test_a_load_error_is_bounded(hostile: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -363,3 +363,38 @@ def test_schemes_shows_each_skipped_file_once(
     code, out, err = run(["schemes", "--json"], capsys)
     assert code == 1 and json.loads(out) and "warning" not in out
     assert err.count("warning: skipped ") == 2 and err.count(str(tmp_path / "broken.yaml")) == 1
+
+
+ALIAS_BOMB = """\
+a: &a ["x","x","x","x","x","x","x","x","x","x"]
+b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a]
+c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b]
+name: *c
+weight: {}
+"""
+
+
+def test_validate_counts_problems_of_one_kind_instead_of_repeating_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    many = tmp_path / "many.yaml"
+    many.write_text("name: x\nweight: {}\n" + "".join(f"k{i}: 1\n" for i in range(5000)))
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(ALIAS_BOMB)
+    code, out, err = run(["validate", str(many), str(bomb)], capsys)
+    assert code == 1 and out == ""
+    assert f"{many}: 5003 problems\n" in err  # the count is of all of them
+    assert f"{many}:3:1: k0: unknown key 'k0'; allowed keys are " in err
+    assert err.count("unknown key 'k") == 3 and "\n... and 4,997 more like this\n" in err
+    assert err.count("an alias of a mapping or list (*name) is not allowed") == 3
+    assert "\n... and 18 more like this\n" in err  # 10 in b, 10 in c and name
+    assert len(err.splitlines()) < 25
+    # what the catalog skips on the path is grouped the same way
+    folder = tmp_path / "path"
+    folder.mkdir()
+    for i in range(6):
+        os.mkfifo(folder / f"pipe{i}.yaml")
+    monkeypatch.setenv("QSCHEME_SCHEME_PATH", str(folder))
+    code, _, err = run(["validate", str(BUILTIN / "modelopt" / "FP8.yaml")], capsys)
+    assert code == 1 and err.startswith("QSCHEME_SCHEME_PATH: 6 problems")
+    assert err.count("is a FIFO (named pipe), not a descriptor file") == 3 and "\n... and 3 more like this\n" in err

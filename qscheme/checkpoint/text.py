@@ -12,6 +12,8 @@ a line of output, and a U+202E reverses what follows it. So:
   ``cut`` bounds any text, keeping its start and end and saying how much was cut.
 - ``listing`` and ``problem_lines`` bound lists: a few names and how many more; a few problems
   of each kind and how many more like them.
+- ``bounded_problem`` bounds one problem message for JSON, where it is not escaped: every long
+  quoted name in it is cut where it stands (its start and end kept), then the whole message.
 
 Where they are applied: ``shown`` where a name is formatted into text (``listing`` does it for
 every name it lists), and the command's output streams (``qscheme.cli.output.TerminalOutput``)
@@ -81,6 +83,21 @@ def listing(names: Sequence[str], limit: int, sentence: bool = False) -> str:
 
 _QUOTED = re.compile(r"'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\"")
 _NUMBER = re.compile(r"\d+")
+
+
+def bounded_problem(text: str, name_limit: int, limit: int) -> str:
+    """``text`` with every quoted name longer than ``name_limit`` cut (``cut``, quotes kept), then
+    the whole cut to ``limit``: a message naming two long tensors keeps the start and end of both."""
+    if len(text) <= name_limit:
+        return text
+
+    def name(match: re.Match[str]) -> str:
+        quoted = match.group()
+        if len(quoted) <= name_limit + 2:
+            return quoted
+        return quoted[0] + cut(quoted[1:-1], name_limit) + quoted[-1]
+
+    return cut(_QUOTED.sub(name, text), limit)
 
 
 def problem_kind(problem: object) -> str:

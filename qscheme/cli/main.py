@@ -26,11 +26,14 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from qscheme import __version__
 from qscheme.cli.output import GuardedOutput, TerminalOutput, bounded_message, json_output
 from qscheme.errors import OutputError, QSchemeError
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 # Command modules under qscheme.cli, in the order `qscheme --help` lists them.
 COMMANDS: tuple[str, ...] = ("schemes", "show", "validate", "kernels", "plugins", "resolve", "inspect", "run")
@@ -60,6 +63,21 @@ environment:
 
 
 class _Parser(argparse.ArgumentParser):
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        """argparse prints help, usage and --version here and ignores write errors; stdout gets the
+        rule of every command's output instead (an OutputError, or a BrokenPipeError from a closed
+        pipe). ``file`` is None when the process started with stdout closed: argparse would fall back
+        to stderr."""
+        if not message:
+            return
+        if file is not None and file is not sys.stdout:
+            with contextlib.suppress(OSError, ValueError):
+                file.write(message)
+            return
+        stdout = GuardedOutput(sys.stdout)
+        stdout.write(message)
+        stdout.flush()
+
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
         sys.stderr.write(f"qscheme: error: {message}\n")
@@ -171,6 +189,13 @@ def _run(arguments: list[str]) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(arguments)
+    except OutputError as exc:  # --help or --version
+        _discard_stdout()
+        sys.stderr.write(f"qscheme: error: {exc}\n")
+        return exc.exit_code
+    except BrokenPipeError:
+        _discard_stdout()
+        return OutputError.exit_code
     except SystemExit as exc:
         message = getattr(exc, "usage_message", None)
         if message is not None and "--json" in arguments:

@@ -11,6 +11,10 @@ checkpoints cannot give back (``qscheme.descriptor.loadable``) is refused, since
 What the catalog skips on QSCHEME_SCHEME_PATH with a warning (a broken descriptor, a FIFO or a
 broken link named *.yaml, a clashing name, a missing folder) is an error here: it is listed
 under ``QSCHEME_SCHEME_PATH`` and the exit code is 1.
+
+Problems are listed grouped by kind (``problem_lines``): a file with 20,000 unknown keys, or an
+alias repeated a thousand times, shows the first three of each kind and ``... and N more like
+this``; the count in the file's heading is of all of them.
 """
 
 from __future__ import annotations
@@ -21,11 +25,15 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from qscheme.checkpoint.text import problem_lines
+from qscheme.cli.output import bounded_message
 from qscheme.descriptor import Scheme, parse_scheme_file
 from qscheme.descriptor.files import read_descriptor_text
 from qscheme.descriptor.loadable import load_problems
 from qscheme.descriptor.nodes import read_yaml
 from qscheme.errors import Location, Problem, SchemeError
+
+MAX_KINDS = 50  # kinds of problem listed per file; the rest are counted
 
 
 def register(sub: Any) -> None:
@@ -62,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(result, SchemeError):
             failed += 1
             count = len(result.problems) or 1
-            sys.stderr.write(f"{file}: {count} problem{'s' if count != 1 else ''}\n{result}\n")
+            sys.stderr.write(f"{file}: {count} problem{'s' if count != 1 else ''}\n{_listed(result)}\n")
             continue
         sys.stdout.write(f"{file}: ok ({result.name})\n")
     given = {_resolved(file) for file in args.files}
@@ -71,12 +79,19 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(
             f"QSCHEME_SCHEME_PATH: {len(on_path)} problem{'s' if len(on_path) != 1 else ''} "
             "(the catalog skips these with a warning; validate refuses them)\n"
-            + "\n".join(str(problem) for problem in on_path)
+            + "\n".join(problem_lines(on_path, max_kinds=MAX_KINDS, bullet=""))
             + "\n"
         )
     if failed:
         sys.stderr.write(f"{failed} of {len(args.files)} file(s) invalid\n")
     return 1 if failed or on_path else 0
+
+
+def _listed(error: SchemeError) -> str:
+    """The problems of one file, a few of each kind (an error without a list: its bounded message)."""
+    if not error.problems:
+        return bounded_message(str(error))
+    return "\n".join(problem_lines(error.problems, max_kinds=MAX_KINDS, bullet=""))
 
 
 def _layer_size_problems(file: str, scheme: Scheme) -> list[Problem]:
