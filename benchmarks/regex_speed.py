@@ -1,6 +1,7 @@
 """Speed of ``re:`` targets and ignores: hundreds of patterns against thousands of module names.
 
     python benchmarks/regex_speed.py [--layers 94] [--experts 32] [--patterns 400]
+    python benchmarks/regex_speed.py --hostile
 
 Writes a compressed-tensors config.json whose ignore list holds ``--patterns`` ``re:`` entries
 (one per layer and projection, the way llm-compressor writes per-layer exclusions, plus
@@ -9,6 +10,9 @@ near-misses that only fail late) and whose groups target the projections by rege
 2. ``detect`` over a MoE-shaped model: ``--layers`` x (4 attention + ``--experts`` x 3 expert
    projections) quantized modules, each matched against every ignore entry and target.
 Only headers are faked (TensorInfo entries): no tensor data is written or read.
+``--hostile`` instead times the worst accepted patterns (``MAX_BACKTRACKING_REPEATS`` repeats
+that give characters back, failing at the end) against names of ``MAX_NAME_LENGTH`` characters,
+the longest detection reads.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 from qscheme.catalog import load_catalog
 from qscheme.checkpoint.config import read_producer_config
 from qscheme.checkpoint.detect import detect
+from qscheme.checkpoint.patterns import MAX_BACKTRACKING_REPEATS, MAX_NAME_LENGTH, compile_pattern
 from qscheme.checkpoint.reader import TensorInfo
 
 NVFP4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}
@@ -78,12 +83,27 @@ def config(layers: int, patterns: int) -> dict[str, object]:
     return {"quantization_config": quant}
 
 
+def hostile() -> None:
+    names = ["model." + "_" * (MAX_NAME_LENGTH - 6), "_" * MAX_NAME_LENGTH, "a" * MAX_NAME_LENGTH]
+    for piece in (".*_", "[\\w.]*_", "(?:.*_)", ".*a", "[^.]*_"):
+        pattern = compile_pattern("re:" + piece * MAX_BACKTRACKING_REPEATS + "x$")
+        start = time.perf_counter()
+        for name in names:
+            pattern.match(name)
+        worst = (time.perf_counter() - start) / len(names)
+        print(f"{pattern.pattern!r:24} on {MAX_NAME_LENGTH:,}-character names: {worst * 1000:7.1f} ms per name")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=94)
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--patterns", type=int, default=400)
+    parser.add_argument("--hostile", action="store_true", help="time the worst accepted patterns instead")
     args = parser.parse_args(argv)
+    if args.hostile:
+        hostile()
+        return 0
     schemes = list(load_catalog())
     names = module_names(args.layers, args.experts)
     headers = tensors(names)

@@ -23,6 +23,7 @@ from qscheme.checkpoint.config import (
     read_producer_config,
 )
 from qscheme.checkpoint.detect import detect, normalize_arguments
+from qscheme.checkpoint.patterns import MAX_NAME_LENGTH
 from qscheme.checkpoint.reader import CheckpointFiles, TensorInfo
 from qscheme.errors import CheckpointError
 
@@ -383,6 +384,36 @@ def test_a_bad_regular_expression_in_a_hand_built_config_is_a_checkpoint_error()
     group = ConfigGroup("group_0", ("re:model.[0",), NVFP4_WEIGHTS, None, None, "nvfp4-pack-quantized")
     with pytest.raises(CheckpointError, match=r"'re:model.\[0' is not a valid regular expression"):
         detect(_ct([group]), _nvfp4_module("model.q_proj"), SCHEMES)
+
+
+class _NeverMatched:
+    def match(self, name: str) -> None:
+        raise AssertionError(f"a pattern ran on {name[:20]!r}...")
+
+
+@pytest.mark.parametrize("kind", ["compressed-tensors", "modelopt"])
+def test_a_name_longer_than_the_cap_is_refused_before_any_pattern_runs(kind: str) -> None:
+    """With no cap, 're:.*_.*_.*proj$' on 'model.' + 6,000 underscores ran for a minute."""
+    long_module = "model." + "_" * (MAX_NAME_LENGTH - len("model.") - len(".weight_packed") + 1)
+    tensors = {**_nvfp4_module("model.q_proj"), **_nvfp4_module(long_module)}
+    group = ConfigGroup("group_0", ("re:.*_proj$",), NVFP4_WEIGHTS, None, None, "nvfp4-pack-quantized")
+    config = dataclasses.replace(_ct([group]), patterns={"re:.*_proj$": _NeverMatched()})
+    if kind == "modelopt":
+        config = ModeloptConfig("hf_quant_config.json", "NVFP4", 16, (), None)  # type: ignore[assignment]
+    with pytest.raises(CheckpointError) as caught:
+        detect(config, tensors, SCHEMES)
+    message = str(caught.value)
+    assert message.startswith("model.safetensors: tensor model.____")
+    assert f"has a name of {MAX_NAME_LENGTH + 1:,} characters" in message
+    assert f"tensor names of at most {MAX_NAME_LENGTH:,} characters" in message and "rename the tensor" in message
+    assert len(message) < 500
+
+
+def test_a_name_at_the_cap_is_read() -> None:
+    module = "model." + "q" * (MAX_NAME_LENGTH - len("model.") - len(".weight_global_scale"))
+    group = ConfigGroup("group_0", ("re:.*q$",), NVFP4_WEIGHTS, None, None, "nvfp4-pack-quantized")
+    detection = detect(_ct([group]), _nvfp4_module(module), SCHEMES)
+    assert list(detection.modules) == [module]
 
 
 def test_a_malformed_block_structure_matches_no_rule_instead_of_crashing() -> None:

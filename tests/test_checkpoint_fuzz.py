@@ -9,6 +9,12 @@ the same checkpoint split into two shards (shard names with ../, NUL, unpaired s
 wrong types); config.json and hf_quant_config.json (wrong types, bad or catastrophic regular
 expressions, missing keys, deep nesting, duplicated keys, byte damage).
 
+Some damage would load the same tensors if its guard were missing, so the check above cannot see
+the guard go: a tensor entry written twice, data_offsets that leave a gap, overlap or trailing
+bytes (the tensors' bytes moved to match), shards reached through ../, NUL or a lone surrogate,
+and catastrophic regexes that select the same modules. Those runs must be refused, for the
+reason the guard gives (``test_*_is_refused`` below).
+
 "The same tensors" means the same bytes: when a run loads, every quantized module holds the
 original weight tensors and every plain tensor holds the bytes of one of the original tensors
 (a header may legitimately rename a plain tensor or call bfloat16 data float16).
@@ -212,10 +218,12 @@ def _case(name: str) -> Path:
 # ---------------------------------------------------------------------------- the check
 
 
-def check_loads_same_or_refuses(folder: Path, original: Original) -> None:
+def check_loads_same_or_refuses(folder: Path, original: Original, refusal: str | None = None) -> None:
     """load_checkpoint raises a QSchemeError (with no module built) or loads the same tensors;
-    inspect_checkpoint and the ``qscheme inspect`` command never crash."""
+    inspect_checkpoint and the ``qscheme inspect`` command never crash. With ``refusal``, the
+    load must raise, with that text in its message, and inspect must report a problem."""
     built: list[str] = []
+    error = None
 
     class CountingQuantLinear(QuantLinear):
         @classmethod
@@ -227,9 +235,13 @@ def check_loads_same_or_refuses(folder: Path, original: Original) -> None:
     with mock.patch("qscheme.checkpoint.load.QuantLinear", CountingQuantLinear):
         try:
             loaded = load_checkpoint(folder, progress=False)
-        except QSchemeError:
+        except QSchemeError as exc:
             assert not built, f"modules {built} were built before the error"
+            error = str(exc)
     inspection = inspect_checkpoint(folder)
+    if refusal is not None:
+        assert error is not None and refusal in error, f"expected a refusal saying {refusal!r}, got {error!r}"
+        assert not inspection.ok, "load refuses, but inspect reports no problem"
     for as_json in (False, True):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(QSchemeError):
             inspect_command(Namespace(checkpoint=str(folder), json=as_json))
@@ -518,3 +530,100 @@ def test_damaged_modelopt_configs_load_the_same_or_raise(data: st.DataObject) ->
     folder = _case("modelopt")
     (folder / file).write_bytes(text.encode("utf-8", "surrogateescape"))
     check_loads_same_or_refuses(folder, original)
+
+
+# ---------------------------------------------------------------------------- damage that must be refused
+
+
+@st.composite
+def invalid_layout(draw: Callable[..., Any], header: dict[str, Any]) -> tuple[bytes, int | None, int, str]:
+    """(header, where zero bytes go into the data section or None, how many, what the refusal
+    says): the tensors' bytes stay where the header points, so without its check each would load
+    the same tensors."""
+    header = copy.deepcopy(header)
+    names = sorted((key for key in header if key != "__metadata__"), key=lambda key: header[key]["data_offsets"])
+    kind = draw(st.sampled_from(["duplicate", "gap", "trailing", "overlap"]))
+    if kind == "duplicate":  # the same entry twice: json.loads would keep one silently
+        name = draw(st.sampled_from(names))
+        pairs = [(key, _dumps(value)) for key, value in header.items()]
+        pairs.insert(draw(st.integers(0, len(pairs))), (name, _dumps(header[name])))
+        return _object_text(pairs).encode(), None, 0, "more than once"
+    if kind == "overlap":  # a second tensor of the same dtype and shape reads the first one's bytes
+        alike: dict[str, list[str]] = {}
+        for name in names:
+            alike.setdefault(_dumps([header[name]["dtype"], header[name]["shape"]]), []).append(name)
+        group = draw(st.sampled_from(sorted(members for members in alike.values() if len(members) > 1)))
+        first, second = draw(st.lists(st.sampled_from(group), min_size=2, max_size=2, unique=True))
+        header[second]["data_offsets"] = list(header[first]["data_offsets"])
+        return _dumps(header).encode(), None, 0, "overlap"
+    count = draw(st.sampled_from([1, 4, 64]))
+    if kind == "trailing":
+        return _dumps(header).encode(), header[names[-1]]["data_offsets"][1], count, "trailing"
+    moved = draw(st.integers(0, len(names) - 1))  # zero bytes go before this tensor: it and later ones move
+    begin = header[names[moved]]["data_offsets"][0]
+    for name in names[moved:]:
+        header[name]["data_offsets"] = [offset + count for offset in header[name]["data_offsets"]]
+    return _dumps(header).encode(), begin, count, "gap"
+
+
+@settings(FUZZ, max_examples=40)
+@given(st.data())
+def test_an_invalid_data_layout_is_refused(data: st.DataObject) -> None:
+    name = data.draw(st.sampled_from(["ct", "modelopt"]))
+    original = _original(name)
+    header, tensor_data = _split(_example(name) / "model.safetensors")
+    text, position, count, refusal = data.draw(invalid_layout(header))
+    if position is not None:
+        tensor_data = tensor_data[:position] + b"\0" * count + tensor_data[position:]
+    folder = _case(name)
+    _write_safetensors(folder / "model.safetensors", text, None, tensor_data)
+    check_loads_same_or_refuses(folder, original, refusal)
+
+
+# Each names the first shard's own file, reached another way.
+UNSAFE_SHARD_NAMES = [
+    f"../sharded/{SHARDS[0]}",
+    f"./{SHARDS[0]}",
+    f"{SHARDS[0]}\x00",
+    f"{SHARDS[0]}\x00.json",
+    f"\udcff/../{SHARDS[0]}",
+    f"{SHARDS[0]}\ud800",
+]
+
+
+@settings(FUZZ, max_examples=30)
+@given(st.data())
+def test_an_unsafe_shard_name_is_refused(data: st.DataObject) -> None:
+    original = _original("sharded")
+    index = json.loads((_example("sharded") / INDEX).read_text())
+    unsafe = data.draw(st.sampled_from(UNSAFE_SHARD_NAMES))
+    every = data.draw(st.booleans())  # every tensor of the shard, or one
+    moved = [name for name, shard in index["weight_map"].items() if shard == SHARDS[0]]
+    for name in moved if every else moved[: 1 + data.draw(st.integers(0, len(moved) - 1))]:
+        index["weight_map"][name] = unsafe
+    folder = _case("sharded")
+    if every:  # the other way is then the only one to the shard's tensors
+        (folder / SHARDS[0]).unlink()
+    (folder / INDEX).write_bytes(_dumps(index).encode("utf-8", "surrogatepass"))
+    check_loads_same_or_refuses(folder, original, "is not a file name")
+
+
+# Each matches the example's linear layers (a target) or none of its modules (an ignore entry).
+CATASTROPHIC_TARGETS = [r"re:(?:\w+\.?)+_proj$", r"re:(?:m|mo)*del\..*_proj$", r"re:.*l.*a.*proj$", r"re:(m)\1?odel\."]
+CATASTROPHIC_IGNORES = [r"re:(a+)+$", r"re:.*a.*b.*c.*d", r"re:(a|ab)*c", r"re:(?P<x>zz)(?P=x)", r"re:(x)?(?(1)y|z)"]
+
+
+@settings(FUZZ, max_examples=30)
+@given(st.data())
+def test_a_catastrophic_pattern_is_refused(data: st.DataObject) -> None:
+    original = _original("ct")
+    config = json.loads((_example("ct") / "config.json").read_text())
+    quant = config["quantization_config"]
+    if data.draw(st.booleans()):
+        quant["config_groups"]["group_0"]["targets"] = [data.draw(st.sampled_from(CATASTROPHIC_TARGETS))]
+    else:
+        ignore = quant["ignore"]
+        ignore.insert(data.draw(st.integers(0, len(ignore))), data.draw(st.sampled_from(CATASTROPHIC_IGNORES)))
+    folder = _case("ct")
+    (folder / "config.json").write_text(_dumps(config))
+    check_loads_same_or_refuses(folder, original, "is refused")

@@ -12,9 +12,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qscheme.catalog import load_catalog
+from qscheme.checkpoint import patterns
 from qscheme.checkpoint.config import CompressedTensorsConfig, ConfigGroup, read_producer_config
 from qscheme.checkpoint.detect import detect
-from qscheme.checkpoint.patterns import MAX_BACKTRACKING_REPEATS, any_of, compile_pattern, pattern_problem
+from qscheme.checkpoint.patterns import (
+    MAX_BACKTRACKING_REPEATS,
+    MAX_NAME_LENGTH,
+    any_of,
+    compile_entries,
+    compile_pattern,
+    pattern_problem,
+)
 from qscheme.checkpoint.reader import TensorInfo
 from qscheme.errors import CheckpointError
 
@@ -57,6 +65,7 @@ CATASTROPHIC = {
     r"(?P<x>a)(?P=x)": "backreference",
     r"(a)?(?(1)b|c)": "conditional",
     r".*a.*b.*c.*d": "4 variable-length repeats",
+    r".*_.*_.*proj$": "3 variable-length repeats",
     r"a?a?a?a?a?aaaaa": "5 variable-length repeats",
     r"(?:.*a){4}": "4 variable-length repeats",
 }
@@ -113,13 +122,18 @@ def test_detect_refuses_a_catastrophic_target_of_a_hand_built_config() -> None:
         detect(config, tensors, list(load_catalog()))
 
 
-def test_an_accepted_pattern_stays_fast_on_a_hostile_name() -> None:
-    """The allowed worst case (three repeats that give characters back) on a 300-character name."""
-    pattern = ".*a" * MAX_BACKTRACKING_REPEATS + "c"
+@pytest.mark.parametrize("piece", [".*_", "[\\w.]*_", "(?:.*_)"])
+def test_the_worst_accepted_pattern_stays_fast_on_the_longest_name_read(piece: str) -> None:
+    """The allowed worst case (every repeat gives characters back and the match fails at the
+    end) on a name of MAX_NAME_LENGTH characters: ~30 ms; three repeats took 0.4-3 s."""
+    pattern = piece * MAX_BACKTRACKING_REPEATS + "x$"
     assert pattern_problem(pattern) is None
+    assert pattern_problem(piece * (MAX_BACKTRACKING_REPEATS + 1) + "x$") is not None
+    compiled = compile_pattern("re:" + pattern)
     start = time.perf_counter()
-    assert compile_pattern("re:" + pattern).match("a" * 300) is None
-    assert time.perf_counter() - start < 5.0
+    for name in ("model." + "_" * (MAX_NAME_LENGTH - 6), "_" * MAX_NAME_LENGTH):
+        assert compiled.match(name) is None
+    assert time.perf_counter() - start < 1.0
 
 
 ATOMS = st.sampled_from(["a", "b", ".", r"\.", r"\d", r"\w", "[ab]", "[^.]", "a.", "ab"])
@@ -144,8 +158,8 @@ def test_every_accepted_pattern_matches_hostile_names_quickly(body: str) -> None
         return
     compiled = re.compile(pattern)
     start = time.perf_counter()
-    for name in ("a" * 28 + "!", "ab" * 14 + "!", "a." * 14 + "!", "1." * 14 + "!", "a1_." * 7 + "!"):
-        compiled.match(name)
+    for unit in ("a", "ab", "a.", "1.", "a1_."):
+        compiled.match(unit * (MAX_NAME_LENGTH // len(unit) - 1) + "!")
     assert time.perf_counter() - start < 1.0, pattern
 
 
@@ -153,7 +167,7 @@ def test_every_accepted_pattern_matches_hostile_names_quickly(body: str) -> None
 @given(st.lists(st.sampled_from([*PUBLISHED, r"model\.layers\.1\..*", r".*experts\.17\..*", r"lm_head"]), max_size=6))
 def test_the_joined_pattern_matches_exactly_when_one_entry_does(patterns: list[str]) -> None:
     entries = ["re:" + pattern for pattern in patterns] + ["Linear", "lm_head"]
-    joined = any_of(entries)
+    joined = any_of(entries, compile_entries(entries, {}))
     for name in NAMES:
         expected = any(re.match(pattern, name) for pattern in patterns)
         if joined is None:  # a global flag such as (?i): entries are matched one by one
@@ -184,3 +198,35 @@ def test_hundreds_of_patterns_against_thousands_of_modules_stay_quick() -> None:
     elapsed = time.perf_counter() - start
     assert len(detection.modules) == len(modules) and not detection.ignored
     assert elapsed < 10.0, f"{elapsed:.1f} s"  # ~0.3 s on one core; generous for a busy CI machine
+
+
+def test_each_pattern_of_a_config_is_checked_once_however_many_there_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """6,000 distinct re: entries (more than any per-process cache held), some written twice:
+    reading the config checks each once and detection checks none again."""
+    checked: list[str] = []
+
+    def counting(pattern: str) -> str | None:
+        checked.append(pattern)
+        return pattern_problem(pattern)
+
+    monkeypatch.setattr(patterns, "pattern_problem", counting)
+    targets = [r"re:.*q_proj$"] + [rf"re:model\.layers\.{i}\.mlp\.x_proj$" for i in range(6000)]
+    ignore = [rf"re:model\.layers\.{i}\.mlp\.x_proj$" for i in range(100)] + ["re:.*lm_head$"]
+    group = {"targets": targets, "weights": NVFP4, "format": "nvfp4-pack-quantized"}
+    quant = {"quant_method": "compressed-tensors", "config_groups": {"group_0": group}, "ignore": ignore}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": quant}))
+    config = read_producer_config(tmp_path)
+    assert len(checked) == len(set(targets) | set(ignore)) == 6002
+    file = Path("model.safetensors")
+    tensors = {
+        f"model.layers.{i}.self_attn.{p}.weight": TensorInfo(
+            f"model.layers.{i}.self_attn.{p}.weight", "float32", (4, 4), file
+        )
+        for i in range(8)
+        for p in ("q_proj", "k_proj")
+    }
+    detection = detect(config, tensors, list(load_catalog()))
+    assert len(checked) == 6002
+    assert len(detection.modules) == 8 and len(detection.unused_targets) == 6000

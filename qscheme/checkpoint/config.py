@@ -7,22 +7,24 @@ argument objects are kept as written (normalisation for matching is detect.py's 
 Malformed JSON and wrongly typed fields raise CheckpointError naming the file, the line and
 column (for JSON syntax) or the key path (for types). A config file that exists but is not a
 regular file (a folder, a broken link, a FIFO) is an error, never "absent"; duplicate keys are
-refused; ``re:`` targets and ignore entries are compiled and checked for catastrophic
-backtracking (patterns.py) and ``block_structure`` checked here, so that a bad value fails with
-its key path instead of deep inside detection.
+refused; ``re:`` targets and ignore entries are checked for catastrophic backtracking and
+compiled once (patterns.py; kept in ``CompressedTensorsConfig.patterns`` for detection) and
+``block_structure`` checked here, so that a bad value fails with its key path instead of deep
+inside detection.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qscheme.checkpoint.patterns import check_entries
+from qscheme.checkpoint.patterns import compile_entries
 from qscheme.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
@@ -59,6 +61,9 @@ class CompressedTensorsConfig:
     producer: str = "compressed-tensors"
     producer_version: str | None = None
     producer_note: str | None = None
+    # Each re: entry of groups' targets and ignore, compiled once when read (detect.py compiles
+    # any missing here, for configs built by hand).
+    patterns: Mapping[str, re.Pattern[str]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def has_kv_cache(self) -> bool:
@@ -342,6 +347,7 @@ def _compressed_tensors(fields: _Fields) -> CompressedTensorsConfig:
     if groups_node is None or not groups_node.items:
         raise CheckpointError(f"{fields.file}: quantization_config.config_groups is missing or empty")
     groups = []
+    patterns: dict[str, re.Pattern[str]] = {}
     for name in groups_node.items:
         group = groups_node.child(name)
         if group is None:
@@ -349,7 +355,7 @@ def _compressed_tensors(fields: _Fields) -> CompressedTensorsConfig:
         targets = group.strings("targets")
         if not targets:
             raise CheckpointError(f"{fields.file}: {group.path}.targets: expected a non-empty list of strings")
-        _check_patterns(fields.file, f"{group.path}.targets", targets)
+        compile_entries(targets, patterns, fields.file, f"{group.path}.targets")
         arguments = {
             key: _argument_object(group, key) for key in ("weights", "input_activations", "output_activations")
         }
@@ -379,7 +385,7 @@ def _compressed_tensors(fields: _Fields) -> CompressedTensorsConfig:
             )
     producer = fields.child("producer")
     ignore = fields.strings("ignore")
-    _check_patterns(fields.file, "quantization_config.ignore", ignore)
+    compile_entries(ignore, patterns, fields.file, "quantization_config.ignore")
     return CompressedTensorsConfig(
         file=fields.file,
         groups=tuple(groups),
@@ -391,12 +397,8 @@ def _compressed_tensors(fields: _Fields) -> CompressedTensorsConfig:
         producer=(producer.string("name") if producer else None) or "compressed-tensors",
         producer_version=(producer.string("version") if producer else None) or fields.string("version"),
         producer_note=producer.string("note") if producer else None,
+        patterns=patterns,
     )
-
-
-def _check_patterns(file: str, where: str, entries: tuple[str, ...]) -> None:
-    """Every ``re:`` entry must compile and must not backtrack catastrophically (see patterns.py)."""
-    check_entries(file, where, entries)
 
 
 def block_sizes(value: object) -> list[int] | None:

@@ -10,10 +10,10 @@ a tensor named like one any catalog scheme declares (weight_packed, weight_scale
 than a plain ``weight``, or a ``weight`` whose dtype is not a float type (fp8, int8, ...).
 Name targets follow compressed-tensors: an exact module name, or ``re:<regex>`` matched with
 ``re.match`` from the start of the name (patterns that could backtrack catastrophically are
-refused, see patterns.py); they apply to modules with a 2-D ``weight`` or
-quantized-linear tensors. When several groups target a module the most specific wins (exact
-name, then regex, then class), as in compressed-tensors. ModelOpt's exclude_modules and ignore
-lists are fnmatch wildcards.
+refused, and so are tensor names longer than ``MAX_NAME_LENGTH``, see patterns.py); they apply
+to modules with a 2-D ``weight`` or quantized-linear tensors. When several groups target a
+module the most specific wins (exact name, then regex, then class), as in compressed-tensors.
+ModelOpt's exclude_modules and ignore lists are fnmatch wildcards.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from qscheme.checkpoint.config import (
     ProducerConfig,
     block_sizes,
 )
+from qscheme.checkpoint.patterns import MAX_NAME_LENGTH, any_of, compile_entries
 from qscheme.checkpoint.patterns import PREFIX as PATTERN_PREFIX
-from qscheme.checkpoint.patterns import any_of, compile_pattern
 from qscheme.checkpoint.reader import TensorInfo
-from qscheme.checkpoint.text import listing
+from qscheme.checkpoint.text import listing, shown
 from qscheme.descriptor import CompressedTensorsRule, Scheme
 from qscheme.errors import CheckpointError
 
@@ -142,11 +142,12 @@ def _is_linear_class(target: str) -> bool:
     return target.endswith("Linear")
 
 
-def _match_rank(module: str, target: str, quantized: bool) -> int | None:
-    """0 exact name, 1 regex, 2 class name; None when the target does not match."""
+def _match_rank(module: str, target: str, quantized: bool, compiled: Mapping[str, re.Pattern[str]]) -> int | None:
+    """0 exact name, 1 regex, 2 class name; None when the target does not match.
+
+    ``compiled`` holds every ``re:`` target's pattern (see ``_config_patterns``)."""
     if target.startswith(PATTERN_PREFIX):
-        # config.py refuses bad patterns with their key path; this refuses those of hand-built configs
-        return 1 if compile_pattern(target).match(module) else None
+        return 1 if compiled[target].match(module) else None
     if target == module:
         return 0
     if _is_class_target(target) and _is_linear_class(target) and quantized:
@@ -164,9 +165,10 @@ class _Entries:
     linear_class: bool
     regexes: bool
     any_regex: re.Pattern[str] | None
+    compiled: Mapping[str, re.Pattern[str]]
 
     @classmethod
-    def of(cls, pairs: Iterable[tuple[Any, str]]) -> _Entries:
+    def of(cls, pairs: Iterable[tuple[Any, str]], compiled: Mapping[str, re.Pattern[str]]) -> _Entries:
         pairs = tuple(pairs)
         entries = [entry for _, entry in pairs]
         return cls(
@@ -174,22 +176,26 @@ class _Entries:
             names=frozenset(entries),
             linear_class=any(_is_class_target(e) and _is_linear_class(e) for e in entries),
             regexes=any(e.startswith(PATTERN_PREFIX) for e in entries),
-            any_regex=any_of(entries),
+            any_regex=any_of(entries, compiled),
+            compiled=compiled,
         )
 
-    def matching(self, module: str, quantized: bool) -> list[tuple[int, Any, str]]:
-        """(rank, owner, entry) of every entry that matches ``module``, in order (see _match_rank)."""
-        possible = (
+    def possible(self, module: str, quantized: bool) -> bool:
+        """Whether any entry matches ``module`` (one set lookup and one joined regex)."""
+        return (
             module in self.names
             or (self.linear_class and quantized)
             or (self.regexes and (self.any_regex is None or self.any_regex.match(module) is not None))
         )
-        if not possible:
+
+    def matching(self, module: str, quantized: bool) -> list[tuple[int, Any, str]]:
+        """(rank, owner, entry) of every entry that matches ``module``, in order (see _match_rank)."""
+        if not self.possible(module, quantized):
             return []
         return [
             (rank, owner, entry)
             for owner, entry in self.pairs
-            if (rank := _match_rank(module, entry, quantized)) is not None
+            if (rank := _match_rank(module, entry, quantized, self.compiled)) is not None
         ]
 
 
@@ -388,6 +394,7 @@ def _check_modelopt_group_size(scheme: Scheme, quant_algo: str, group_size: int 
 def detect(config: ProducerConfig, tensors: Mapping[str, TensorInfo], schemes: Iterable[Scheme]) -> Detection:
     """Assign every module of a checkpoint its scheme (or none); CheckpointError on conflicts."""
     schemes = list(schemes)
+    _refuse_long_names(tensors)
     modules = group_by_module(tensors)
     quantized_names = quantized_tensor_names(schemes)
     top_level = modules.get("", {})
@@ -437,6 +444,28 @@ def detect(config: ProducerConfig, tensors: Mapping[str, TensorInfo], schemes: I
     )
 
 
+def _refuse_long_names(tensors: Mapping[str, TensorInfo]) -> None:
+    """Before any pattern runs: a name longer than MAX_NAME_LENGTH would let an accepted config
+    regex take minutes (see patterns.py)."""
+    name = next((name for name in tensors if len(name) > MAX_NAME_LENGTH), None)
+    if name is None:
+        return
+    raise CheckpointError(
+        f"{tensors[name].file}: tensor {shown(name, 80)} has a name of {len(name):,} characters; qscheme reads "
+        f"tensor names of at most {MAX_NAME_LENGTH:,} characters (real module names are under ~300), so that "
+        "config.json re: patterns match in bounded time: rename the tensor, or re-export the checkpoint"
+    )
+
+
+def _config_patterns(config: CompressedTensorsConfig) -> dict[str, re.Pattern[str]]:
+    """Every re: target and ignore entry compiled: those read from config.json were checked and
+    compiled then; a hand-built config's are checked here."""
+    compiled = dict(config.patterns)
+    for group in config.groups:
+        compile_entries(group.targets, compiled)
+    return compile_entries(config.ignore, compiled)
+
+
 def _file_of(tensors: Mapping[str, TensorInfo]) -> str:
     return str(next(iter(tensors.values())).file) if tensors else "?"
 
@@ -476,14 +505,15 @@ def _detect_compressed_tensors(
     schemes: list[Scheme],
     quantized_names: frozenset[str],
 ) -> tuple[dict[str, tuple[Scheme, str]], dict[str, str], list[str]]:
-    _refuse_groups_without_weights(config, modules, quantized_names)
+    compiled = _config_patterns(config)
+    _refuse_groups_without_weights(config, modules, quantized_names, compiled)
     _refuse_names_of_no_module(config, modules)
     assigned: dict[str, tuple[Scheme, str]] = {}
     ignored: dict[str, str] = {}
     group_schemes: dict[str, Scheme] = {}
     used_targets: set[tuple[str, str]] = set()
-    ignore = _Entries.of((None, entry) for entry in config.ignore)
-    targets = _Entries.of((group, target) for group in config.groups for target in group.targets)
+    ignore = _Entries.of(((None, entry) for entry in config.ignore), compiled)
+    targets = _Entries.of(((group, target) for group in config.groups for target in group.targets), compiled)
     for module, members in sorted(modules.items()):
         quantized = looks_quantized(members, quantized_names)
         if not module or not looks_linear(members, quantized_names):
@@ -530,7 +560,10 @@ def _detect_compressed_tensors(
 
 
 def _refuse_groups_without_weights(
-    config: CompressedTensorsConfig, modules: Mapping[str, Mapping[str, TensorInfo]], quantized_names: frozenset[str]
+    config: CompressedTensorsConfig,
+    modules: Mapping[str, Mapping[str, TensorInfo]],
+    quantized_names: frozenset[str],
+    compiled: Mapping[str, re.Pattern[str]],
 ) -> None:
     """A group that targets linear layers and quantizes their activations but not their weights
     (or their outputs) describes no quantized linear: refuse it by name, whether or not its
@@ -539,7 +572,7 @@ def _refuse_groups_without_weights(
     for group in config.groups:
         outputs = group.output_activations is not None
         activations_only = group.weights is None and (group.input_activations is not None or outputs)
-        if not (activations_only or outputs) or not _targets_linear_layers(group, modules, quantized_names):
+        if not (activations_only or outputs) or not _targets_linear_layers(group, modules, quantized_names, compiled):
             continue
         if activations_only:
             raise CheckpointError(
@@ -554,19 +587,20 @@ def _refuse_groups_without_weights(
 
 
 def _targets_linear_layers(
-    group: ConfigGroup, modules: Mapping[str, Mapping[str, TensorInfo]], quantized_names: frozenset[str]
+    group: ConfigGroup,
+    modules: Mapping[str, Mapping[str, TensorInfo]],
+    quantized_names: frozenset[str],
+    compiled: Mapping[str, re.Pattern[str]],
 ) -> bool:
     """Whether a group's targets name linear layers: a linear class, or a name or regex that
     matches a module stored like a linear (a 2-D weight or quantized-linear tensors)."""
-    for target in group.targets:
-        if _is_class_target(target):
-            if _is_linear_class(target):
-                return True
-            continue
-        for module, members in modules.items():
-            if module and looks_linear(members, quantized_names) and _match_rank(module, target, True) is not None:
-                return True
-    return False
+    targets = _Entries.of(((None, target) for target in group.targets), compiled)
+    if targets.linear_class:
+        return True
+    return any(
+        module and looks_linear(members, quantized_names) and targets.possible(module, False)
+        for module, members in modules.items()
+    )
 
 
 def _refuse_names_of_no_module(

@@ -11,11 +11,14 @@ checked before any matching; a pattern that could backtrack catastrophically is 
   ``(\\w+\\.)*``): ways to split a name among the iterations grow exponentially;
 * a repeated choice whose alternatives can start alike or match nothing (``(a|ab)*``);
 * more than ``MAX_BACKTRACKING_REPEATS`` variable-length repeats that can give characters
-  back to what follows them (``.*a.*b.*c.*d``): a failing match then tries about
+  back to what follows them (``.*a.*b.*c``): a failing match then tries about
   ``len(name) ** count`` splits.
 
-What stays has no exponential case and tries at most a cubic number of splits of a name
-(module names are a few dozen characters); each pattern compiles once per process.
+What stays has no exponential case and tries at most a quadratic number of splits of a name,
+and detect.py refuses tensor names longer than ``MAX_NAME_LENGTH`` before any pattern runs
+(real ones are under ~300 characters), so one pattern's worst case against any name the loader
+accepts is a few tens of milliseconds (``benchmarks/regex_speed.py --hostile``). Each entry of a
+config is checked and compiled once, when the config is read (``compile_entries``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import functools
 import importlib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +45,10 @@ _sre = _stdlib("_constants", "sre_constants")
 _sre_parse = _stdlib("_parser", "sre_parse")
 
 PREFIX = "re:"
-MAX_BACKTRACKING_REPEATS = 3
+MAX_BACKTRACKING_REPEATS = 2
+# Longest tensor name read. Worst case of an accepted pattern ~ MAX_NAME_LENGTH ** 2 steps; three
+# giving repeats on a 6,000-character name took a minute.
+MAX_NAME_LENGTH = 1024
 FIX = (
     "write a flat pattern: one level of repetition, e.g. 're:.*mlp\\.experts\\.\\d+\\.down_proj$' "
     "(use '[\\w.]*' for '(\\w+\\.)*', '[^.]*' where '.*' should stop at a dot), or list exact module names"
@@ -275,33 +281,39 @@ def _uses_ignore_case(parsed: Any) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=4096)
-def _compiled(pattern: str) -> re.Pattern[str] | str:
-    problem = pattern_problem(pattern)
-    if problem is not None:
-        return problem
-    return re.compile(pattern)
-
-
 def compile_pattern(entry: str, where: str = "") -> re.Pattern[str]:
     """The compiled pattern of a ``re:`` entry; CheckpointError naming ``where`` when refused.
 
-    Compiled patterns are cached, so a config with hundreds of entries compiles each once.
+    Not cached: ``compile_entries`` keeps one config's patterns, each checked once.
     """
-    compiled = _compiled(entry.removeprefix(PREFIX))
-    if isinstance(compiled, str):
-        raise CheckpointError(refusal(entry, compiled, where))
-    return compiled
+    pattern = entry.removeprefix(PREFIX)
+    problem = pattern_problem(pattern)
+    if problem is not None:
+        raise CheckpointError(refusal(entry, problem, where))
+    return re.compile(pattern)
 
 
-def any_of(entries: Iterable[str]) -> re.Pattern[str] | None:
+def compile_entries(
+    entries: Sequence[str], into: dict[str, re.Pattern[str]], file: str = "", where: str = ""
+) -> dict[str, re.Pattern[str]]:
+    """Check and compile every ``re:`` entry of ``entries`` not yet in ``into`` (entry -> pattern).
+
+    A refused entry raises CheckpointError naming ``file: where[index]`` when ``file`` is given.
+    """
+    for position, entry in enumerate(entries):
+        if entry.startswith(PREFIX) and entry not in into:
+            into[entry] = compile_pattern(entry, f"{file}: {where}[{position}]" if file else "")
+    return into
+
+
+def any_of(entries: Iterable[str], compiled: Mapping[str, re.Pattern[str]]) -> re.Pattern[str] | None:
     """One pattern that matches (with ``re.match``) exactly when one of the ``re:`` entries does.
 
-    Trying hundreds of patterns in one call keeps detection fast; None when they cannot be
-    joined (one has global flags such as '(?i)'): then match each. Refused entries raise as in
-    ``compile_pattern``.
+    ``compiled`` holds every ``re:`` entry's pattern (``compile_entries``). Trying thousands of
+    patterns in one call keeps detection fast; None when they cannot be joined (one has global
+    flags such as '(?i)'): then match each.
     """
-    patterns = [compile_pattern(entry) for entry in entries if entry.startswith(PREFIX)]
+    patterns = [compiled[entry] for entry in entries if entry.startswith(PREFIX)]
     if any(pattern.flags != re.UNICODE for pattern in patterns):
         return None
     return _joined(tuple(dict.fromkeys(pattern.pattern for pattern in patterns)))
@@ -325,10 +337,3 @@ def refusal(entry: str, problem: str, where: str = "") -> str:
     else:
         fix = FIX
     return f"{prefix}{entry!r} {problem}; {fix}"
-
-
-def check_entries(file: str, where: str, entries: Sequence[str]) -> None:
-    """Every ``re:`` entry of a config list must be a pattern qscheme matches (see the module doc)."""
-    for position, entry in enumerate(entries):
-        if entry.startswith(PREFIX):
-            compile_pattern(entry, f"{file}: {where}[{position}]")
