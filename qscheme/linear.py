@@ -14,10 +14,14 @@ KernelExecutionError naming the layer, the kernel, its plugin and the scheme.
 As an nn.Module: the canonical tensors are buffers (``canonical_codes``, ``canonical_scale``,
 ...: qscheme's canonical form, not a producer's checkpoint names or conventions), so
 ``state_dict`` holds them and ``load_state_dict`` fills them (same dtypes and shapes: the same
-scheme and layer shape). They stay in host memory (copies of their own, never a memory map of
-the checkpoint's files, which may change once loading returns): the layer's device, which
+scheme and layer shape). They stay in host memory: the layer's device, which
 ``module.to(device)`` sets, holds the kernel's prepared form, built on first use there, so a
-GPU holds one copy of the weight, not two. Dtype
+GPU holds one copy of the weight, not two. ``load_checkpoint`` gives them memory of their own,
+never a memory map of the checkpoint's files (which may change once loading returns).
+``from_tensors`` does not copy: it keeps the tensors it is given (or views of them) as they are,
+so tensors the caller memory-mapped (``safetensors.torch.load_file``) keep reading their file,
+and a file truncated under them kills the process (SIGBUS) as any memory map does: clone them
+first, or use ``load_checkpoint``, which copies. Dtype
 casts (``.half()``, ``.to(torch.bfloat16)``) never touch them, only the bias. The weight is
 frozen: gradients flow to the input (``grad_x = grad_y @ effective_weight()``, straight
 through any activation quantization), never to the weight.
@@ -218,6 +222,13 @@ class QuantLinear(torch.nn.Module):
         ones pass), a wrong dtype or shape, or a zero, negative or non-finite scale raises
         QuantizeError. A ``bias`` among them is the layer's bias (or pass ``bias=``, not both).
         A ``kernel`` that is not a declared kernel's name raises UsageError before any tensor is read.
+
+        The tensors are kept as they are (or as views), not copied: the layer shares memory with
+        them. Tensors memory-mapped from a file (``safetensors.torch.load_file``) are read from
+        that file for as long as the layer lives, and a file truncated or rewritten under them
+        kills the process (SIGBUS) or changes the weights, as with any memory map. Pass
+        ``{name: t.clone() for name, t in tensors.items()}``, or use ``load_checkpoint``, which
+        copies what it reads.
         """
         checked_kernel(kernel, "QuantLinear.from_tensors")
         require_scheme_argument(scheme, "QuantLinear.from_tensors")

@@ -255,3 +255,68 @@ def test_run_on_a_checkpoint_without_quantized_layers_says_so(
         "note: no quantized layers: the checkpoint's config declares no quantization, or every layer is ignored "
         f"(see `qscheme inspect {tmp_path}`); nothing was run"
     ) in out
+
+
+# ---------------------------------------------------------------- names that try to forge output lines
+
+
+def _forged(text: str) -> list[str]:
+    """Lines a checkpoint's file name managed to start: each forged name starts one with FAKE."""
+    return [line for line in text.splitlines() if line.lstrip(" -").startswith("FAKE")]
+
+
+def _indexed(folder: Path, shard: str) -> dict[str, str]:
+    """The NVFP4 example's tensors, all in one shard named ``shard``, listed by an index."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").rename(folder / shard)
+    weight_map = dict.fromkeys(tensors, shard)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return weight_map
+
+
+def missing_shard(folder: Path) -> None:
+    weight_map = _indexed(folder, "model-00001-of-00001.safetensors")
+    weight_map["lm_head.weight"] = "x\nFAKE problems: none\nFAKE.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def no_weights_but_a_newline_name(folder: Path) -> None:
+    (folder / "model.safetensors").rename(folder / "a\nFAKE LINE.safetensors")
+
+
+def corrupt_shard_with_a_newline_name(folder: Path) -> None:
+    _indexed(folder, "x\nFAKE.safetensors")
+    with (folder / "x\nFAKE.safetensors").open("ab") as handle:
+        handle.write(bytes(16))  # trailing bytes: the header check names the file
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "said"),
+    [
+        (missing_shard, r"x\nFAKE problems: none\nFAKE.safetensors does not exist"),
+        (no_weights_but_a_newline_name, r"found a\nFAKE LINE.safetensors"),
+        (corrupt_shard_with_a_newline_name, r"x\nFAKE.safetensors: the last tensor"),
+    ],
+    ids=["missing shard", "no weights", "corrupt shard"],
+)
+def test_a_file_name_from_the_checkpoint_cannot_forge_a_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], corrupt: object, said: str
+) -> None:
+    folder = copy_checkpoint(ct_checkpoint("NVFP4"), tmp_path / "checkpoint")
+    corrupt(folder)  # type: ignore[operator]
+    for command in ("inspect", "run"):
+        assert main([command, str(folder)]) != 0
+        captured = capsys.readouterr()
+        output = captured.out + captured.err
+        assert said in output, output
+        assert _forged(output) == [], output
+
+
+def test_a_stray_file_name_in_a_note_cannot_forge_a_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = copy_checkpoint(ct_checkpoint("NVFP4"), tmp_path / "checkpoint")
+    _indexed(folder, "model-00001-of-00001.safetensors")
+    (folder / "b\nFAKE NOTE.safetensors").write_bytes(b"")
+    assert main(["inspect", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert r"note: b\nFAKE NOTE.safetensors is not mentioned by model.safetensors.index.json" in out
+    assert _forged(out) == [], out

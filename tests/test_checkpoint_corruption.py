@@ -4,6 +4,7 @@ tensor, with nothing half-loaded (no QuantLinear is built before the error)."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,7 @@ from safetensors.torch import load_file, save_file
 import qscheme.linear
 from qscheme.checkpoint import load_checkpoint
 from qscheme.checkpoint.inspect import inspect_checkpoint
+from qscheme.cli.main import main
 from qscheme.errors import CheckpointError
 
 Q = "model.layers.0.self_attn.q_proj"
@@ -416,7 +418,7 @@ def test_corruption_raises_naming_the_tensor_or_file(
     monkeypatch.setattr(qscheme.linear.QuantLinear, "from_canonical", classmethod(counting))
     with pytest.raises(CheckpointError) as caught:
         load_checkpoint(folder)
-    assert caught.value.args[0] and __import__("re").search(pattern, str(caught.value)), str(caught.value)
+    assert caught.value.args[0] and re.search(pattern, str(caught.value)), str(caught.value)
     assert str(folder) in str(caught.value)
     assert built == [], f"{label}: modules were built before the error: {built}"
     inspection = inspect_checkpoint(folder)
@@ -463,3 +465,35 @@ def test_bias_problems_are_reported_by_inspect(tmp_path: Path) -> None:
     assert f"tensor '{Q}.bias': expected a float bias" in problem and "found int32" in problem
     with pytest.raises(CheckpointError, match=r"expected a float bias"):
         load_checkpoint(int_bias)
+
+
+# Scales each finite, whose product the scheme cannot dequantize: check_values passes them, and
+# only load's canonicalization (qscheme.scale_checks) refuses them. inspect runs it too.
+UNDEQUANTIZABLE = [
+    (("compressed-tensors", "NVFP4"), "weight_global_scale", 1e-37, "weight_packed", "weight_global_scale"),
+    (("compressed-tensors", "NVFP4"), "weight_global_scale", 3e38, "weight_packed", "weight_global_scale"),
+    (("modelopt", "fp8"), "weight_scale", 1e36, "weight", "weight_scale = 1e+36"),
+    (("modelopt", "mxfp4"), "weight_scale", 254, "weight", "byte 0xFE"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "scale", "value", "named", "said"),
+    UNDEQUANTIZABLE,
+    ids=["ct global tiny", "ct global huge", "modelopt fp8 huge", "modelopt mxfp4 2^127"],
+)
+def test_inspect_reports_scales_that_load_cannot_dequantize(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: tuple[str, str], scale: str, value: float, named: str,
+    said: str,
+) -> None:  # fmt: skip
+    folder = copy_checkpoint(_source(kind), tmp_path / "checkpoint")
+    _rewrite(folder, lambda t: t.__setitem__(f"{Q}.{scale}", torch.full_like(t[f"{Q}.{scale}"], value)))
+    with pytest.raises(CheckpointError, match=rf"tensor '{Q}.{named}': layer {Q}, .*{re.escape(said)}"):
+        load_checkpoint(folder)
+    inspection = inspect_checkpoint(folder)
+    assert not inspection.ok
+    (problem,) = inspection.problems
+    assert f"tensor '{Q}.{named}': layer {Q}" in problem and said in problem, problem
+    assert main(["inspect", str(folder)]) == 1
+    out = capsys.readouterr().out
+    assert "problems (1):" in out and f"tensor '{Q}.{named}'" in out and "problems: none" not in out

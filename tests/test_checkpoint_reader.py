@@ -248,8 +248,8 @@ HOSTILE: list[tuple[str, bytes, bytes, str]] = [
     ("decimal size", _json({"a": _entry("F32", [1.0], [0, 4])}), bytes(4), r"shape \[1.0\] is not a list of sizes"),
     ("negative size", _json({"a": _entry("U8", [-1], [0, 1])}), bytes(1), r"shape \[-1\] is not a list of sizes"),
     ("size of 2**64", _json({"a": _entry("U8", [2**64], [0, 1])}), bytes(1), r"is not a list of sizes"),
-    ("sizes overflowing 2**64 bits", _json({"a": _entry("U8", [2**32, 2**32], [0, 1])}), bytes(1),
-     r"U8 x \[4294967296, 4294967296\] is more than 2\*\*64 bits"),
+    ("sizes overflowing 2**64 bits", _json({"a": _entry("F32", [2**61], [0, 1])}), bytes(1),
+     r"F32 x \[2305843009213693952\] is more than 2\*\*64 bits"),
     ("integer too long to parse", b'{"a":{"dtype":"U8","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,1]}}',
      bytes(1), r"not valid JSON: an integer of 5000 digits"),
     ("NaN as a size", b'{"a":{"dtype":"U8","shape":[NaN],"data_offsets":[0,1]}}', bytes(1), r"NaN is not JSON"),
@@ -273,6 +273,21 @@ HOSTILE: list[tuple[str, bytes, bytes, str]] = [
      r"tensor 'a': unknown dtype 'E8M0'; safetensors writes BOOL, F4, F6_E2M3, .*F8_E8M0, F8_E4M3FNUZ, "
      r"F8_E5M2FNUZ, .*C64"),
     ("not UTF-8", b'{"\xff":1}', b"", r"the safetensors header is not UTF-8 text"),
+    # safetensors multiplies the sizes in order and refuses an overflow that a later 0 would undo
+    ("sizes overflowing before a 0", _json({"a": _entry("U8", [2**32, 2**32, 0], [0, 0])}), b"",
+     r"tensor 'a': shape \[4294967296, 4294967296, 0\]: the product of its sizes, taken in order, passes 2\*\*64-1"),
+    ("sizes overflowing before a 0, in bytes", _json({"a": _entry("F32", [2**62, 4, 0], [0, 0])}), b"",
+     r"the product of its sizes, taken in order, passes"),
+    ("-0 as an offset", b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[-0,1]}}', bytes(1),
+     r"tensor 'a': data_offsets \[-0.0, 1\] is not \[begin, end\].*\(-0 and decimals are not integers\)"),
+    ("-0 as a size", b'{"a":{"dtype":"U8","shape":[-0],"data_offsets":[0,0]}}', b"",
+     r"tensor 'a': shape \[-0.0\] is not a list of sizes .*-0 are not sizes"),
+    ("a number out of range in an unknown field", b'{"a":{"dtype":"U8","shape":[0],"data_offsets":[0,0],"x":1e999}}',
+     b"", r"not valid JSON: the number '1e999' is out of range of a 64-bit float"),
+    ("a negative number out of range", b'{"a":{"dtype":"U8","shape":[0],"data_offsets":[0,0],"x":[-2E+400]}}',
+     b"", r"the number '-2E\+400' is out of range"),
+    ("a number out of range in metadata", b'{"__metadata__":{"a":1e999},"b":{"dtype":"U8","shape":[0],'
+     b'"data_offsets":[0,0]}}', b"", r"the number '1e999' is out of range"),
     ("not an object", b"[]", b"", r"the safetensors header is a JSON list, not an object"),
 ]  # fmt: skip
 
@@ -362,3 +377,42 @@ def test_accepted_oddities_agree_with_safetensors(tmp_path: Path) -> None:
     assert CheckpointFiles(tmp_path).get("x").tolist() == [7, 9]
     with safe_open(str(path), "pt") as handle:
         assert sorted(handle.keys()) == sorted(tensors)
+
+
+@pytest.mark.parametrize(
+    ("shape", "error"),
+    [
+        ([0, 2**63, 2**63], r"shape \[0, 9223372036854775808, 9223372036854775808\] has size 9223372036854775808, more "
+         r"than torch's largest dimension 2\*\*63-1"),
+        ([2**64 - 1, 0], r"shape \[18446744073709551615, 0\] has size 18446744073709551615, more than torch's "
+         r"largest dimension"),
+        ([0, 2**63 - 1, 2], r"torch cannot hold an empty tensor of shape \[0, 9223372036854775807, 2\]"),
+        ([0, 2**32, 2**31], r"torch cannot hold an empty tensor of shape"),
+    ],
+)  # fmt: skip
+def test_an_empty_shape_torch_cannot_hold_is_refused(tmp_path: Path, shape: list[int], error: str) -> None:
+    path = _raw_file(tmp_path / "model.safetensors", _json({"a": _entry("F32", shape, [0, 0])}))
+    with pytest.raises(CheckpointError) as caught:
+        CheckpointFiles(tmp_path)
+    assert re.search(rf"^{re.escape(str(path))}: tensor 'a': {error}.*: re-save", str(caught.value)), str(caught.value)
+    # safetensors' header check passes it; torch then fails, untyped, where safetensors builds the tensor
+    with safe_open(str(path), "pt") as handle, pytest.raises((TypeError, RuntimeError)):
+        handle.get_tensor("a")
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [[0, 2**63 - 1], [2**63 - 1, 0], [2**62, 2, 0], [0, 2**62, 4], [2**32, 0, 2**32], [2, 0, 2**62], [0, 2**62, 2]],
+)
+@pytest.mark.parametrize("code", ["F32", "F4", "U8"])
+def test_an_empty_shape_is_read_as_safetensors_and_torch_read_it(tmp_path: Path, shape: list[int], code: str) -> None:
+    path = _raw_file(tmp_path / "model.safetensors", _json({"a": _entry(code, shape, [0, 0])}))
+    try:
+        with safe_open(str(path), "pt") as handle:
+            theirs = handle.get_tensor("a")
+    except (SafetensorError, TypeError, RuntimeError):
+        with pytest.raises(CheckpointError, match=r"tensor 'a': "):
+            CheckpointFiles(tmp_path)
+        return
+    ours = CheckpointFiles(tmp_path).get("a")
+    assert (ours.shape, ours.dtype, ours.numel()) == (theirs.shape, theirs.dtype, 0)

@@ -11,7 +11,7 @@ from checkpoint_cache import single_threaded_torch  # noqa: F401  (autouse)
 from qscheme.catalog import load_scheme
 from qscheme.checkpoint.detect import ModuleAssignment
 from qscheme.checkpoint.reader import TensorInfo
-from qscheme.checkpoint.validate import check_layout, check_values
+from qscheme.checkpoint.validate import TensorProblem, check_layout, check_values
 
 FILE = Path("model.safetensors")
 
@@ -181,3 +181,10 @@ def test_tensors_of_unsupported_producer_features_say_why(
     messages = [problem.message for problem in layout.problems]
     assert len(messages) == 1 and messages[0].startswith(f"unexpected for scheme {scheme} (test)"), messages
     assert said in messages[0] and "re-export" in messages[0]
+
+
+def test_a_tensor_problem_escapes_the_checkpoint_file_name() -> None:
+    """A file name is the checkpoint's choice: a newline in it must not start a line of its own."""
+    shown = str(TensorProblem("/ckpt/a\nproblems: none\x1b[2J.safetensors", "w", "bad value"))
+    assert "\n" not in shown and "\x1b" not in shown
+    assert shown == "/ckpt/a\\nproblems: none\\x1b[2J.safetensors: tensor 'w': bad value"

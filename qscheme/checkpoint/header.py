@@ -2,15 +2,20 @@
 
 A header qscheme accepts is one the safetensors Rust reader (0.8) accepts too, so a checkpoint
 that loads here loads in every other tool; and a hostile header gets a CheckpointError naming
-the file (and the tensor), never a traceback, a hang or a giant allocation. Checked, in order:
+the file (and the tensor), never a traceback, a hang or a giant allocation. File names, which
+the checkpoint chooses, are shown escaped (``shown_file``). Checked, in order:
 
 - the 8-byte length field: at most ``MAX_HEADER_BYTES`` (safetensors' own cap) and inside the file;
-- the JSON: UTF-8, an object, no key twice, no NaN/Infinity, no integer longer than any size
-  can be, nesting at most ``MAX_NESTING`` deep, no lone UTF-16 surrogate in any string;
+- the JSON: UTF-8, an object, no key twice, no NaN/Infinity, no number beyond a 64-bit float
+  (``1e999``) anywhere, no integer longer than any size can be, nesting at most ``MAX_NESTING``
+  deep, no lone UTF-16 surrogate in any string;
 - ``__metadata__``: absent, null, or an object of text -> text;
 - each tensor: a dtype code safetensors writes and torch can hold, a shape and ``data_offsets``
-  of non-negative integers below 2**64 (booleans and floats are not sizes), a byte count that is
-  dtype bits x elements / 8 with no part-byte left over (4- and 6-bit dtypes);
+  of non-negative integers below 2**64 (booleans, floats and ``-0``, a float to safetensors, are
+  not sizes); a shape whose sizes, multiplied in order, never pass 2**64-1 (safetensors' check,
+  which a later 0 does not undo), none above torch's 2**63-1, and that torch can build even with
+  no element; a byte count that is dtype bits x elements / 8 with no part-byte left over (4- and
+  6-bit dtypes);
 - the data section: the tensors cover it exactly, from byte 0 to the end of the file, with no
   overlap, no gap and no trailing bytes.
 """
@@ -29,11 +34,13 @@ from typing import Any
 
 import torch
 
+from qscheme.checkpoint.text import shown
 from qscheme.errors import CheckpointError
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors refuses a longer header ("header too large")
 MAX_NESTING = 64  # safetensors' JSON parser stops near 128 levels; a real header needs 3
 MAX_SIZE = 2**64 - 1  # shapes and offsets are u64 in safetensors
+MAX_TORCH_SIZE = 2**63 - 1  # torch holds each dimension, and the element count, in an int64
 _MAX_DIGITS = len(str(MAX_SIZE))
 _FIX = "re-save or re-download the file"
 
@@ -121,6 +128,12 @@ class FileHeader:
     identity: tuple[int, int, int]  # (device, inode, mtime in ns)
 
 
+def shown_file(path: Path) -> str:
+    """A checkpoint file's path for a message, its name (which the checkpoint chose) escaped and bounded."""
+    name = shown(path.name)
+    return str(path) if name == path.name else str(path.with_name(name))
+
+
 class _HeaderError(ValueError):
     """A problem found inside json.loads (its hooks), turned into a CheckpointError by the caller."""
 
@@ -137,10 +150,22 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _parse_int(text: str) -> int:
+def _parse_int(text: str) -> int | float:
     if len(text.lstrip("-")) > _MAX_DIGITS:
         raise _HeaderError(f"an integer of {len(text)} digits ({text[:12]}...), longer than any size (below 2**64)")
-    return int(text)
+    value = int(text)
+    # safetensors' JSON parser reads -0 as the float -0.0, which is not a size
+    return -0.0 if value == 0 and text.startswith("-") else value
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise _HeaderError(
+            f"the number {_short(text)} is out of range of a 64-bit float (safetensors refuses it: "
+            "'number out of range')"
+        )
+    return value
 
 
 def _refuse_constant(text: str) -> Any:
@@ -171,7 +196,7 @@ def _bad_text(text: str) -> bool:
 def _check_text(path: Path, where: str, text: str) -> None:
     if _bad_text(text):
         raise CheckpointError(
-            f"{path}: {where}: text {_short(text)} holds a lone UTF-16 surrogate, which is not UTF-8 "
+            f"{shown_file(path)}: {where}: text {_short(text)} holds a lone UTF-16 surrogate, which is not UTF-8 "
             f"(safetensors refuses it): {_FIX}"
         )
 
@@ -180,49 +205,55 @@ def _check_nested(path: Path, where: str, value: object, depth: int) -> None:
     for item, level in _walk(value, depth):
         if level > MAX_NESTING:
             raise CheckpointError(
-                f"{path}: {where}: JSON nested more than {MAX_NESTING} levels deep; a safetensors header needs 3 "
-                f"(not a safetensors file, or a hostile one): {_FIX}"
+                f"{shown_file(path)}: {where}: JSON nested more than {MAX_NESTING} levels deep; a safetensors header "
+                f"needs 3 (not a safetensors file, or a hostile one): {_FIX}"
             )
         if isinstance(item, str):
             _check_text(path, where, item)
 
 
 def _load_json(path: Path, raw: bytes) -> dict[str, Any]:
+    file = shown_file(path)
     try:
         text = raw.decode("utf-8")
         header = json.loads(
-            text, object_pairs_hook=_no_duplicates, parse_int=_parse_int, parse_constant=_refuse_constant
+            text,
+            object_pairs_hook=_no_duplicates,
+            parse_int=_parse_int,
+            parse_float=_parse_float,
+            parse_constant=_refuse_constant,
         )
     except UnicodeDecodeError as exc:
         raise CheckpointError(
-            f"{path}: the safetensors header is not UTF-8 text ({exc.reason} at byte {exc.start}): {_FIX}"
+            f"{file}: the safetensors header is not UTF-8 text ({exc.reason} at byte {exc.start}): {_FIX}"
         ) from None
     except RecursionError:
         raise CheckpointError(
-            f"{path}: the safetensors header nests JSON too deep to parse; a safetensors header needs 3 levels: {_FIX}"
+            f"{file}: the safetensors header nests JSON too deep to parse; a safetensors header needs 3 levels: {_FIX}"
         ) from None
     except ValueError as exc:  # JSONDecodeError, the hooks' _HeaderError, int() of a huge number
-        raise CheckpointError(f"{path}: the safetensors header is not valid JSON: {exc}") from None
+        raise CheckpointError(f"{file}: the safetensors header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise CheckpointError(
-            f"{path}: the safetensors header is a JSON {_json_type(header)}, not an object of tensor name -> "
+            f"{file}: the safetensors header is a JSON {_json_type(header)}, not an object of tensor name -> "
             f"entry: {_FIX}"
         )
     return header
 
 
 def _metadata(path: Path, value: object) -> dict[str, str] | None:
+    file = shown_file(path)
     if value is None:
         return None
     if not isinstance(value, dict):
         raise CheckpointError(
-            f"{path}: __metadata__ is a {_json_type(value)}; safetensors allows only an object of text keys -> "
+            f"{file}: __metadata__ is a {_json_type(value)}; safetensors allows only an object of text keys -> "
             f'text values (e.g. {{"format": "pt"}}): {_FIX}'
         )
     for key, item in value.items():
         if not isinstance(item, str):
             raise CheckpointError(
-                f"{path}: __metadata__[{key!r}] is a {_json_type(item)} ({_short(item)}); safetensors allows only "
+                f"{file}: __metadata__[{key!r}] is a {_json_type(item)} ({_short(item)}); safetensors allows only "
                 f"text values there: {_FIX}"
             )
         _check_text(path, "__metadata__", key)
@@ -249,18 +280,49 @@ def _sizes(value: object, count: int | None) -> bool:
     )
 
 
+def _check_shape(path: Path, where: str, code: str, shape: list[int], torch_dtype: torch.dtype, bits: int) -> None:
+    """A shape safetensors can size and torch can hold, zero-element shapes included."""
+    file = shown_file(path)
+    count = 1
+    for size in shape:
+        # safetensors multiplies the sizes in order and refuses any overflow, even one a later 0 would undo
+        count *= size
+        if count > MAX_SIZE:
+            raise CheckpointError(
+                f"{file}: {where}: shape {_short(shape)}: the product of its sizes, taken in order, "
+                f"passes 2**64-1 (safetensors refuses it: 'overflow computing buffer size'); every partial "
+                f"product must stay below 2**64: {_FIX}"
+            )
+    big = [size for size in shape if size > MAX_TORCH_SIZE]
+    if big:
+        raise CheckpointError(
+            f"{file}: {where}: shape {_short(shape)} has size {big[0]}, more than torch's largest "
+            f"dimension 2**63-1: {_FIX}"
+        )
+    if count or not shape:
+        return  # the data check bounds every size by the file's length, so torch holds the tensor
+    sizes = [*shape[:-1], shape[-1] // 2] if bits == 4 else shape
+    try:
+        torch.empty(0, dtype=torch.uint8).view(torch_dtype).reshape(sizes)  # no element: nothing allocated
+    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+        raise CheckpointError(
+            f"{file}: {where}: torch cannot hold an empty tensor of shape {_short(shape)} ({shown(exc, 120)}): {_FIX}"
+        ) from None
+
+
 def _tensor(path: Path, name: str, entry: object, data_start: int, data_size: int) -> tuple[TensorInfo, int]:
     """(TensorInfo, end offset in the data section) of one checked header entry."""
+    file = shown_file(path)
     where = f"tensor {name!r}"
     _check_text(path, "a tensor name", name)
     if not isinstance(entry, dict):
         raise CheckpointError(
-            f"{path}: {where}: header entry is a {_json_type(entry)}, not an object with dtype, shape and "
+            f"{file}: {where}: header entry is a {_json_type(entry)}, not an object with dtype, shape and "
             f"data_offsets: {_FIX}"
         )
     missing = [key for key in ("dtype", "shape", "data_offsets") if key not in entry]
     if missing:
-        raise CheckpointError(f"{path}: {where}: header entry lacks {', '.join(missing)}: {_FIX}")
+        raise CheckpointError(f"{file}: {where}: header entry lacks {', '.join(missing)}: {_FIX}")
     extra = {key: value for key, value in entry.items() if key not in ("dtype", "shape", "data_offsets")}
     if extra:
         _check_nested(path, where, extra, 2)
@@ -268,52 +330,53 @@ def _tensor(path: Path, name: str, entry: object, data_start: int, data_size: in
     dtype = SAFETENSORS_DTYPES.get(code) if isinstance(code, str) else None
     if dtype is None:
         raise CheckpointError(
-            f"{path}: {where}: unknown dtype {_short(code)}; safetensors writes {', '.join(SAFETENSORS_DTYPES)}"
+            f"{file}: {where}: unknown dtype {_short(code)}; safetensors writes {', '.join(SAFETENSORS_DTYPES)}"
         )
     torch_dtype = dtype.torch_dtype
     if torch_dtype is None:
         readable = [d.code for d in SAFETENSORS_DTYPES.values() if d.torch_dtype is not None]
         raise CheckpointError(
-            f"{path}: {where}: dtype {code} has no torch dtype in torch {torch.__version__}, so qscheme cannot read "
+            f"{file}: {where}: dtype {code} has no torch dtype in torch {torch.__version__}, so qscheme cannot read "
             f"it; readable: {', '.join(readable)}"
         )
     if not _sizes(shape, None):
         raise CheckpointError(
-            f"{path}: {where}: shape {_short(shape)} is not a list of sizes (integers from 0 to 2**64-1; "
-            f"true/false and decimals are not sizes): {_FIX}"
+            f"{file}: {where}: shape {_short(shape)} is not a list of sizes (integers from 0 to 2**64-1; "
+            f"true/false, decimals and -0 are not sizes): {_FIX}"
         )
     if not _sizes(offsets, 2):
         raise CheckpointError(
-            f"{path}: {where}: data_offsets {_short(offsets)} is not [begin, end], two integers from 0 to "
-            f"2**64-1: {_FIX}"
+            f"{file}: {where}: data_offsets {_short(offsets)} is not [begin, end], two integers from 0 to "
+            f"2**64-1 (-0 and decimals are not integers): {_FIX}"
         )
+    _check_shape(path, where, code, shape, torch_dtype, dtype.bits)
     begin, end = offsets
     info = TensorInfo(name=name, dtype=dtype.torch_name or "", shape=tuple(shape), file=path, offset=data_start + begin)
     bits = info.numel * dtype.bits
     if bits > MAX_SIZE:
-        raise CheckpointError(f"{path}: {where}: {code} x {list(shape)} is more than 2**64 bits: {_FIX}")
+        raise CheckpointError(f"{file}: {where}: {code} x {list(shape)} is more than 2**64 bits: {_FIX}")
     if bits % 8:
         multiple = 8 // math.gcd(dtype.bits, 8)
         raise CheckpointError(
-            f"{path}: {where}: {code} x {list(shape)} is {info.numel} values of {dtype.bits} bits, which does not "
+            f"{file}: {where}: {code} x {list(shape)} is {info.numel} values of {dtype.bits} bits, which does not "
             f"end on a byte ({bits} bits); a {dtype.bits}-bit tensor needs a multiple of {multiple} "
             f"values: {_FIX}"
         )
     if dtype.bits == 4 and (not shape or shape[-1] % 2):
         raise CheckpointError(
-            f"{path}: {where}: F4 x {list(shape)}: torch holds two FP4 values per byte along the last dimension, so "
+            f"{file}: {where}: F4 x {list(shape)}: torch holds two FP4 values per byte along the last dimension, so "
             f"it must be even: {_FIX}"
         )
     if not begin <= end:
-        raise CheckpointError(f"{path}: {where}: data_offsets [{begin}, {end}] are not increasing: {_FIX}")
+        raise CheckpointError(f"{file}: {where}: data_offsets [{begin}, {end}] are not increasing: {_FIX}")
     if end - begin != bits // 8:
         raise CheckpointError(
-            f"{path}: {where}: header says {end - begin} bytes (offsets [{begin}, {end}]) but "
+            f"{file}: {where}: header says {end - begin} bytes (offsets [{begin}, {end}]) but "
             f"{code} x {list(shape)} needs {bits // 8}"
         )
     if end > data_size:
         raise CheckpointError(
-            f"{path}: {where}: data ends at byte {end} of the data section but the file holds only "
+            f"{file}: {where}: data ends at byte {end} of the data section but the file holds only "
             f"{data_size} bytes there (file truncated, or the header lies about offsets)"
         )
     return info, end
@@ -325,54 +388,56 @@ def _check_coverage(path: Path, spans: list[tuple[int, int, str]], data_size: in
     Overlaps are looked for first: one tensor moved onto another also leaves a gap, but the
     overlap says better what is wrong.
     """
+    file = shown_file(path)
     spans.sort()
     for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
         if begin < end:
             raise CheckpointError(
-                f"{path}: tensors {first!r} and {second!r} overlap in the data section (bad offsets): {_FIX}"
+                f"{file}: tensors {first!r} and {second!r} overlap in the data section (bad offsets): {_FIX}"
             )
     expected, previous = 0, None
     for begin, end, name in spans:
         if begin > expected:
             after = f"after tensor {previous!r}" if previous is not None else "at its start"
             raise CheckpointError(
-                f"{path}: bytes {expected}-{begin} of the data section, {after}, belong to no tensor (a gap, which "
+                f"{file}: bytes {expected}-{begin} of the data section, {after}, belong to no tensor (a gap, which "
                 f"safetensors refuses: the header lies about offsets, or a tensor was dropped): {_FIX}"
             )
         expected, previous = end, name
     if expected != data_size:
         last = f"the last tensor, {previous!r}, ends" if previous is not None else "no tensor holds data; it ends"
         raise CheckpointError(
-            f"{path}: {last} at byte {expected} of the data section but the file has {data_size - expected} more "
+            f"{file}: {last} at byte {expected} of the data section but the file has {data_size - expected} more "
             f"bytes after it (trailing bytes, which safetensors refuses): {_FIX}"
         )
 
 
 def read_file_header(path: Path) -> FileHeader:
     """Parse and check one safetensors file's header; CheckpointError naming the file and tensor."""
+    file = shown_file(path)
     try:
         with path.open("rb") as handle:
             stat = os.fstat(handle.fileno())
             file_size = stat.st_size
             prefix = handle.read(8)
             if len(prefix) < 8:
-                raise CheckpointError(f"{path}: truncated: {file_size} bytes, shorter than the 8-byte header length")
+                raise CheckpointError(f"{file}: truncated: {file_size} bytes, shorter than the 8-byte header length")
             (header_size,) = struct.unpack("<Q", prefix)
             if header_size > MAX_HEADER_BYTES:
                 raise CheckpointError(
-                    f"{path}: header length field says {header_size:,} bytes, more than the {MAX_HEADER_BYTES:,} "
+                    f"{file}: header length field says {header_size:,} bytes, more than the {MAX_HEADER_BYTES:,} "
                     "safetensors accepts (not a safetensors file, or a corrupt one): " + _FIX
                 )
             if header_size > file_size - 8:
                 raise CheckpointError(
-                    f"{path}: header length field says {header_size} bytes but the file has {file_size - 8} "
+                    f"{file}: header length field says {header_size} bytes but the file has {file_size - 8} "
                     "after it (truncated or not a safetensors file)"
                 )
             raw = handle.read(header_size)
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot be read: {exc.strerror}") from None
+        raise CheckpointError(f"{file}: cannot be read: {exc.strerror}") from None
     if len(raw) < header_size:
-        raise CheckpointError(f"{path}: shrank while its header was read; is another program writing it?")
+        raise CheckpointError(f"{file}: shrank while its header was read; is another program writing it?")
     header = _load_json(path, raw)
     metadata = _metadata(path, header.get("__metadata__"))
     data_start = 8 + header_size

@@ -1,8 +1,11 @@
 """``inspect_checkpoint``: what a checkpoint holds and what is wrong with it, without loading it.
 
 Unlike ``load_checkpoint`` it never raises on a bad checkpoint: a config or detection error
-becomes the one fatal problem, and every tensor problem (layout and scale values) is listed.
-Only the small scale tensors are read.
+becomes the one fatal problem, and every tensor problem (layout and values) is listed. The
+value checks are load's own (``check_module_values``: finite scales, then scales whose product
+dequantizes to inf, NaN or zero), so inspect finds a problem wherever load refuses; they read
+each module's tensors, weights included, one module at a time (``read_values=False`` skips them).
+Names from the checkpoint are shown escaped (``shown``), so none can forge a line of output.
 """
 
 from __future__ import annotations
@@ -12,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qscheme.checkpoint.plan import FuseSpec, Plan, plan_checkpoint
-from qscheme.checkpoint.text import listing, problem_lines
-from qscheme.checkpoint.validate import check_values, value_reads
+from qscheme.checkpoint.text import listing, problem_lines, shown
 from qscheme.errors import CheckpointError
 
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
@@ -130,15 +132,17 @@ def _fill(inspection: Inspection, plan: Plan, read_values: bool) -> None:
     except CheckpointError as exc:
         inspection.problems.append(str(exc))
     if read_values:
+        from qscheme.checkpoint.load import check_module_values  # load imports the kernels: only when needed
+
         for layout in plan.layouts.values():
             if layout.problems:
                 continue
             try:
-                tensors = plan.files.get_many(value_reads(layout))
+                _, found = check_module_values(plan, layout)
             except CheckpointError as exc:
                 inspection.problems.append(str(exc))
                 continue
-            inspection.problems.extend(str(p) for p in check_values(layout, tensors))
+            inspection.problems.extend(str(p) for p in found)
 
 
 def inspect_checkpoint(path: str | Path, *, fuse: FuseSpec | None = None, read_values: bool = True) -> Inspection:
@@ -171,22 +175,26 @@ def render_inspection(inspection: Inspection) -> str:
     """The text ``qscheme inspect`` prints."""
     from qscheme.kernels.render import text_table
 
-    lines = [f"checkpoint: {inspection.path}"]
+    lines = [f"checkpoint: {shown(inspection.path, 1000)}"]
     if inspection.files:
         lines.append(f"files: {listing(list(inspection.files), 3)} ({_size(inspection.total_bytes)})")
     if inspection.config_file is not None or inspection.producer != "?":
-        version = f" {inspection.producer_version}" if inspection.producer_version else ""
-        lines.append(f"producer: {inspection.producer}{version} ({Path(inspection.config_file or '-').name})")
+        version = f" {shown(inspection.producer_version)}" if inspection.producer_version else ""
+        config = shown(Path(inspection.config_file or "-").name)
+        lines.append(f"producer: {shown(inspection.producer)}{version} ({config})")
     if inspection.producer_note:
-        lines.append(f"  {inspection.producer_note}")
+        lines.append(f"  {shown(inspection.producer_note, 1000)}")
     if inspection.modules:
         counts = inspection.scheme_counts()
         lines.append(
             f"quantized modules: {len(inspection.modules)} ("
-            + ", ".join(f"{name}: {count}" for name, count in counts.items())
+            + ", ".join(f"{shown(name)}: {count}" for name, count in counts.items())
             + ")"
         )
-        rows = [(pattern, scheme, f"{n}x{k}", str(count)) for pattern, scheme, n, k, count in inspection.grouped()]
+        rows = [
+            (shown(pattern), shown(scheme), f"{n}x{k}", str(count))
+            for pattern, scheme, n, k, count in inspection.grouped()
+        ]
         lines.extend(["", text_table(rows, ("module", "scheme", "N x K", "count"), "  "), ""])
     elif inspection.config_file is not None:
         lines.append("quantized modules: 0")
@@ -202,10 +210,10 @@ def render_inspection(inspection: Inspection) -> str:
         + (f": {listing(list(inspection.tolerated), 6)}" if inspection.tolerated else "")
     )
     for name, members in inspection.fused:
-        lines.append(f"fused: {name} = {' + '.join(members)}")
+        lines.append(f"fused: {shown(name)} = {' + '.join(shown(member) for member in members)}")
     for target in inspection.unused_targets:
-        lines.append(f"note: {target} matches no module")
-    lines.extend(f"note: {note}" for note in inspection.notes)
+        lines.append(f"note: {shown(target)} matches no module")
+    lines.extend(f"note: {shown(note, 2000)}" for note in inspection.notes)
     if inspection.problems:
         lines.append(f"problems ({len(inspection.problems)}):")
         lines.extend(problem_lines(inspection.problems))

@@ -23,8 +23,8 @@ from qscheme.checkpoint.fuse import FUSE_POLICIES, FuseOutcome, fuse_members, sc
 from qscheme.checkpoint.plan import FuseSpec, Plan, check_fuse_spec, format_problems, plan_checkpoint
 from qscheme.checkpoint.progress import Progress, auto_enabled
 from qscheme.checkpoint.report import CheckpointReport, LayerReport
-from qscheme.checkpoint.text import listing
-from qscheme.checkpoint.validate import TensorProblem, check_values, value_reads
+from qscheme.checkpoint.text import listing, shown
+from qscheme.checkpoint.validate import ModuleLayout, TensorProblem, check_values, value_reads
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, QuantizeError, UsageError
 from qscheme.kernels.registry import checked_kernel
@@ -227,6 +227,30 @@ def _bias(biases: Mapping[str, Tensor], members: Sequence[str], n_by_member: Seq
     return values[0] if len(values) == 1 else torch.cat(values)
 
 
+def check_module_values(
+    plan: Plan, layout: ModuleLayout, biases: dict[str, Tensor] | None = None, canonical: bool = True
+) -> tuple[CanonicalWeight | None, list[TensorProblem]]:
+    """Read one module's tensors and run load's value checks on them: ``check_values``, then
+    (with ``canonical``) canonicalization, whose QuantizeError (e.g. scales dequantizing to inf)
+    becomes a problem. (canonical weight, []) when the module loads, else (None, problems);
+    ``inspect`` runs this too, so that it reports what load refuses. ``biases``, when given,
+    receives the module's bias."""
+    module = layout.module
+    tensors = plan.files.get_many(value_reads(layout, every_declared=True))
+    found = check_values(layout, tensors)
+    bias = tensors.pop(BIAS, None)
+    if bias is not None and biases is not None:
+        biases[module] = bias
+    if found or not canonical:
+        return None, found
+    try:
+        return canonicalize(layout.scheme, tensors, layout.n, layout.k, layer=module), []
+    except QuantizeError as error:  # values the scheme cannot dequantize (e.g. scales overflowing)
+        weight = layout.declared.get(layout.scheme.weight.tensor.name)
+        file = shown(weight.file.name) if weight is not None else str(plan.path)
+        return None, [TensorProblem(file, weight.name if weight is not None else module, str(error))]
+
+
 def load_canonical(
     plan: Plan, progress: Progress | None = None, biases: dict[str, Tensor] | None = None
 ) -> dict[str, CanonicalWeight]:
@@ -239,19 +263,10 @@ def load_canonical(
     canonical: dict[str, CanonicalWeight] = {}
     problems: list[TensorProblem] = []
     for module, layout in plan.layouts.items():
-        tensors = plan.files.get_many(value_reads(layout, every_declared=True))
-        found = check_values(layout, tensors)
+        weight, found = check_module_values(plan, layout, biases, canonical=not problems)
         problems.extend(found)
-        bias = tensors.pop(BIAS, None)
-        if bias is not None and biases is not None:
-            biases[module] = bias
-        if not found and not problems:
-            try:
-                canonical[module] = canonicalize(layout.scheme, tensors, layout.n, layout.k, layer=module)
-            except QuantizeError as error:  # values the scheme cannot dequantize (e.g. scales overflowing)
-                weight = layout.declared.get(layout.scheme.weight.tensor.name)
-                file = weight.file.name if weight is not None else str(plan.path)
-                problems.append(TensorProblem(file, weight.name if weight is not None else module, str(error)))
+        if weight is not None:
+            canonical[module] = weight
         if progress is not None:
             progress.advance(item=module)
     if problems:

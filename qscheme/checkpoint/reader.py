@@ -34,7 +34,9 @@ from qscheme.checkpoint.header import (
     TensorInfo,
     read_file_header,
     read_header,
+    shown_file,
 )
+from qscheme.checkpoint.text import listing, shown
 from qscheme.errors import CheckpointError
 
 __all__ = [
@@ -108,7 +110,7 @@ class CheckpointFiles:
             )
         else:
             found = sorted(p.name for p in self.folder.glob("*.safetensors*"))
-            hint = f"; found {', '.join(found)}" if found else ""
+            hint = f"; found {listing(found, 6)}" if found else ""
             raise CheckpointError(f"{self.folder}: has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
 
     def _read_index(self, index: Path) -> None:
@@ -136,31 +138,35 @@ class CheckpointFiles:
                 state = "does not exist" if problem == "missing" else f"is {problem}"
                 raise CheckpointError(
                     f"{index}: names shard {shard!r} (for {len(names)} tensors, e.g. {sorted(names)[0]!r}) "
-                    f"but {self.folder / shard} {state}"
+                    f"but {shown_file(self.folder / shard)} {state}"
                 )
         for path in sorted(self.folder.glob("*.safetensors")):
             if path.name in by_shard:
                 continue
             if SHARD_NAME.fullmatch(path.name):
                 raise CheckpointError(
-                    f"{index}: shard file {path.name} is in the folder but the index never mentions it; "
+                    f"{index}: shard file {shown(path.name)} is in the folder but the index never mentions it; "
                     "its tensors would be skipped: regenerate the index, or delete the stale shard"
                 )
-            self.notes.append(f"{path.name} is not mentioned by {index.name}; it is not read")
+            self.notes.append(f"{shown(path.name)} is not mentioned by {index.name}; it is not read")
         for shard, names in sorted(by_shard.items()):
             path = self.folder / shard
             header = self._read_header(path)
             missing = sorted(set(names) - set(header))
             if missing:
                 raise CheckpointError(
-                    f"{index}: maps tensor {missing[0]!r} to {shard} but that shard has no such tensor"
+                    f"{index}: maps tensor {missing[0]!r} to {shown(shard)} but that shard has no such tensor"
                     + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                 )
             for name in sorted(set(header) - set(names)):
                 other = weight_map.get(name)
                 if other is not None:
-                    raise CheckpointError(f"{path}: tensor {name!r} is also in shard {other}; the index maps it there")
-                raise CheckpointError(f"{path}: tensor {name!r} is not listed in {index.name}; regenerate the index")
+                    raise CheckpointError(
+                        f"{shown_file(path)}: tensor {name!r} is also in shard {shown(other)}; the index maps it there"
+                    )
+                raise CheckpointError(
+                    f"{shown_file(path)}: tensor {name!r} is not listed in {index.name}; regenerate the index"
+                )
             self.files.append(path)
             self.tensors.update(header)
 
@@ -205,8 +211,8 @@ class CheckpointFiles:
             change = self._changed(info.file, handle)
             if change is not None:
                 raise CheckpointError(
-                    f"{info.file}: tensor {info.name!r} cannot be read: {change} since its header was checked "
-                    "(another program writes the checkpoint?); load it again once the file is complete"
+                    f"{shown_file(info.file)}: tensor {info.name!r} cannot be read: {change} since its header was "
+                    "checked (another program writes the checkpoint?); load it again once the file is complete"
                 )
             handle.seek(info.offset)
             done = 0
@@ -214,8 +220,9 @@ class CheckpointFiles:
                 count = handle.readinto(view[done : done + _READ_CHUNK])
                 if not count:
                     raise CheckpointError(
-                        f"{info.file}: tensor {info.name!r}: the file ends at byte {info.offset + done}, inside the "
-                        "tensor; it was truncated after its header was checked: load it again once it is complete"
+                        f"{shown_file(info.file)}: tensor {info.name!r}: the file ends at byte {info.offset + done}, "
+                        "inside the tensor; it was truncated after its header was checked: load it again once it is "
+                        "complete"
                     )
                 done += count
 
@@ -230,7 +237,9 @@ class CheckpointFiles:
         try:
             self._read_into(info, data)
         except OSError as exc:
-            raise CheckpointError(f"{info.file}: tensor {info.name!r} cannot be read: {exc.strerror}") from None
+            raise CheckpointError(
+                f"{shown_file(info.file)}: tensor {info.name!r} cannot be read: {exc.strerror}"
+            ) from None
         shape = list(info.shape)
         if DTYPE_BY_TORCH_NAME[info.dtype].bits == 4:
             shape[-1] //= 2  # two FP4 values per torch element

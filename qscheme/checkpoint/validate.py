@@ -20,6 +20,7 @@ from torch import Tensor
 from qscheme.api_checks import require_tensor_mapping
 from qscheme.canonical import stored_layer_shape
 from qscheme.checkpoint.detect import BIAS, FLOAT_DTYPES, ModuleAssignment
+from qscheme.checkpoint.header import shown_file
 from qscheme.checkpoint.reader import TensorInfo
 from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.errors import QuantizeError
@@ -34,8 +35,8 @@ class TensorProblem:
     tensor: str
     message: str
 
-    def __str__(self) -> str:
-        return f"{self.file}: tensor {self.tensor!r}: {self.message}"
+    def __str__(self) -> str:  # the file's name is the checkpoint's: escaped, so it cannot forge a line
+        return f"{shown_file(Path(self.file))}: tensor {self.tensor!r}: {self.message}"
 
 
 @dataclass(frozen=True)
