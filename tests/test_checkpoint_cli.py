@@ -320,3 +320,17 @@ def test_a_stray_file_name_in_a_note_cannot_forge_a_line(tmp_path: Path, capsys:
     out = capsys.readouterr().out
     assert r"note: b\nFAKE NOTE.safetensors is not mentioned by model.safetensors.index.json" in out
     assert _forged(out) == [], out
+
+
+def test_inspect_counts_repeated_notes_instead_of_printing_each() -> None:
+    """Thousands of re: targets that match nothing are a few note lines and a count."""
+    from qscheme.checkpoint.inspect import inspect_checkpoint, render_inspection
+
+    folder = Path(__file__).resolve().parent / "fixtures" / "modelopt" / "nvfp4"
+    inspection = inspect_checkpoint(folder)
+    inspection.unused_targets = [f"group_0 target 're:x{i}$'" for i in range(5000)]
+    lines = render_inspection(inspection).splitlines()
+    notes = [line for line in lines if line.startswith("note: ")]
+    assert notes == [f"note: group_0 target 're:x{i}$' matches no module" for i in range(3)]
+    assert "      ... and 4,997 more like this" in lines
+    assert len(lines) < 40

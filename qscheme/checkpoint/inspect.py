@@ -211,9 +211,10 @@ def render_inspection(inspection: Inspection) -> str:
     )
     for name, members in inspection.fused:
         lines.append(f"fused: {shown(name)} = {' + '.join(shown(member) for member in members)}")
-    for target in inspection.unused_targets:
-        lines.append(f"note: {shown(target)} matches no module")
-    lines.extend(f"note: {shown(note, 2000)}" for note in inspection.notes)
+    notes = [f"{shown(target)} matches no module" for target in inspection.unused_targets]
+    notes += [shown(note, 2000) for note in inspection.notes]
+    # a config with thousands of unused targets gets a few lines and a count, as problems do
+    lines.extend(problem_lines(notes, bullet="note: "))
     if inspection.problems:
         lines.append(f"problems ({len(inspection.problems)}):")
         lines.extend(problem_lines(inspection.problems))
