@@ -87,7 +87,7 @@ def _require_finite_codes(weight: CanonicalWeight, where: str) -> None:
     if codes.dtype not in _FLOAT_CODES or not any_nonfinite(codes):
         return
     bad = nonfinite(codes)
-    position, count = _first(bad)
+    position, count = first_true(bad)
     name = weight.scheme.weight.tensor.name
     value = float(codes[position].to(torch.float32))
     raise QuantizeError(
@@ -107,7 +107,7 @@ def _require_usable_global(weight: CanonicalWeight, where: str) -> None:
         bad |= vanishing & _partitions_with_nonzero_elements(weight)
     if not bool(bad.any()):
         return
-    position, count = _first(bad)
+    position, count = first_true(bad)
     index = position[0]
     name = spec.tensor.name
     value = float(multiplier[index])
@@ -145,7 +145,7 @@ def _require_usable_activation_scales(weight: CanonicalWeight, where: str) -> No
             )
     pre_scale, pre_spec = weight.input_pre_scale, weight.scheme.input_pre_scale
     if pre_scale is not None and pre_spec is not None and any_nonfinite(pre_scale):
-        position, count = _first(nonfinite(pre_scale))
+        position, count = first_true(nonfinite(pre_scale))
         raise QuantizeError(
             f"{where}: input pre-scale {pre_spec.name!r} holds {float(pre_scale[position]):g} at {list(position)} "
             f"({_count(count, pre_scale.numel(), 'value')}); allowed: finite factors; re-export the layer"
@@ -196,7 +196,7 @@ def _require_usable_activation_multiplier(
             )
         else:
             return
-    position, count = _first(bad)
+    position, count = first_true(bad)
     index = position[0]
     name = spec.tensor.name
     if divisor is not None:
@@ -257,7 +257,7 @@ def _require_usable_products(weight: CanonicalWeight, where: str) -> None:
     for product in products:
         overflows = dequantizes_to_nonfinite(product, largest)
         if bool(overflows.any()):
-            position, count = _first(overflows)
+            position, count = first_true(overflows)
             raise QuantizeError(
                 f"{where}: {_product_text(weight, product, position)}: the largest possible element ({largest:g}) "
                 f"of {_region(weight, position)} dequantizes to {_overflowed(product[position], largest)} in float32 "
@@ -274,7 +274,7 @@ def _require_usable_products(weight: CanonicalWeight, where: str) -> None:
     vanishes &= regions_with_nonzero_elements(weight, products[0])
     if not bool(vanishes.any()):
         return
-    position, count = _first(vanishes)
+    position, count = first_true(vanishes)
     product = next(p for p in products if bool(p[position].abs() < FLOAT32_TINY))
     raise QuantizeError(
         f"{where}: {_product_text(weight, product, position)}, below float32's smallest normal ({FLOAT32_TINY:g}), "
@@ -433,7 +433,7 @@ def _fix(weight: CanonicalWeight) -> str:
     )
 
 
-def _first(mask: Tensor) -> tuple[tuple[int, ...], int]:
+def first_true(mask: Tensor) -> tuple[tuple[int, ...], int]:
     """(position of the first True of ``mask``, how many are True)."""
     flat = mask.reshape(-1)
     index = int(torch.argmax(flat.to(torch.uint8)))

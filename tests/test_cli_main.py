@@ -248,12 +248,12 @@ def test_help_and_version_obey_the_output_rule(redirected: str, reason: str) -> 
     assert (done.returncode, done.stderr) == (1, f"qscheme: error: cannot write output: {reason}\n")
 
 
-@pytest.mark.parametrize("arguments", [["--help"], ["--version"]])
-def test_help_and_version_into_a_closed_pipe_exit_1_silently(arguments: list[str]) -> None:
+def _into_a_closed_pipe(arguments: list[str]) -> subprocess.CompletedProcess[str]:
+    """``qscheme ARGUMENTS`` writing into a pipe whose reader has already gone."""
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        done = subprocess.run(
+        return subprocess.run(
             [sys.executable, "-m", "qscheme.cli.main", *arguments],
             stdout=write_end,
             stderr=subprocess.PIPE,
@@ -263,6 +263,11 @@ def test_help_and_version_into_a_closed_pipe_exit_1_silently(arguments: list[str
         )
     finally:
         os.close(write_end)
+
+
+@pytest.mark.parametrize("arguments", [["--help"], ["--version"]])
+def test_help_and_version_into_a_closed_pipe_exit_1_silently(arguments: list[str]) -> None:
+    done = _into_a_closed_pipe(arguments)
     assert (done.returncode, done.stderr) == (1, "")
     done = _qscheme(" ".join(arguments))
     assert done.returncode == 0 and done.stdout.startswith(("usage: qscheme", "qscheme ")) and done.stderr == ""
@@ -278,19 +283,7 @@ def test_a_closed_stderr_keeps_the_commands_exit_code(tmp_path: Path) -> None:
 @pytest.mark.parametrize("arguments", [["schemes"], ["schemes", "--json"], ["kernels", "--device", "cpu"]])
 def test_a_pipe_closed_by_its_reader_exits_1_silently(arguments: list[str]) -> None:
     """`qscheme schemes | head -1` once head has exited: the pipe has no reader left."""
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "qscheme.cli.main", *arguments],
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=120,
-            env={**os.environ, "QSCHEME_DISABLE_PLUGIN_AUTOLOAD": "1"},
-        )
-    finally:
-        os.close(write_end)
+    done = _into_a_closed_pipe(arguments)
     assert (done.returncode, done.stderr) == (1, "")
 
 

@@ -26,7 +26,7 @@ from qscheme.formats.elements import E8M0_NAN
 from qscheme.formats.scale_values import not_positive
 from qscheme.quantize.observe import ScaleLayout
 from qscheme.quantize.rules import GivenScales, WeightPlan
-from qscheme.scale_checks import dequantizes_to_nonfinite, largest_element
+from qscheme.scale_checks import dequantizes_to_nonfinite, first_true, largest_element
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _AMINMAX_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -193,14 +193,8 @@ def _dequantize_overflow_fix(plan: WeightPlan, given: GivenScales) -> str:
 
 def _first_bad(value: Tensor, bad: Tensor) -> tuple[tuple[int, ...], str, int]:
     """(position of the first True of ``bad`` in ``value``, that value as text, how many are True)."""
-    flat = bad.reshape(-1)
-    index = int(torch.argmax(flat.to(torch.uint8)))
-    position = []
-    for size in reversed(value.shape):
-        index, rest = divmod(index, size)
-        position.append(rest)
-    first = tuple(reversed(position))
-    return first, _shown(value[first] if first else value.reshape(())), int(flat.sum())
+    first, count = first_true(bad)
+    return first, _shown(value[first] if first else value.reshape(())), count
 
 
 def _shown(element: Tensor) -> str:
