@@ -256,6 +256,8 @@ def canonicalize(
     )
     if weight.tensor.name not in tensors:
         raise QuantizeError(f"scheme {scheme.name}: tensor {weight.tensor.name!r} is missing")
+    # the weight is frozen: scales handed over as Parameters carry no autograd history into it
+    tensors = {name: value.detach() for name, value in tensors.items()}
     if tensors[weight.tensor.name].ndim != 2:
         raise QuantizeError(
             f"scheme {scheme.name}: tensor {weight.tensor.name!r} must be 2-D {weight.tensor.describe_shapes()}, "

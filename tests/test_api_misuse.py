@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -279,7 +280,9 @@ def test_tensors_that_require_grad_give_a_frozen_layer() -> None:
         for name, value in _tensors().items()
     }
     bias = torch.nn.Parameter(torch.randn(8))
-    layer = QuantLinear.from_tensors(SCHEME, tensors, bias=bias)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nor does any check convert a grad-requiring tensor to a number
+        layer = QuantLinear.from_tensors(SCHEME, tensors, bias=bias)
     plain = QuantLinear.from_tensors(SCHEME, _tensors(), bias=bias.detach())
     assert not any(buffer.requires_grad for buffer in layer.buffers())
     x = torch.randn(3, 64, dtype=torch.bfloat16)
