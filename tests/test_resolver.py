@@ -25,6 +25,7 @@ from qscheme.kernels.declaration import (
     ANY_DEVICE,
     WEIGHT_ONLY,
     ActivationSupport,
+    CheckResult,
     DeviceSupport,
     KernelDeclaration,
     Supports,
@@ -710,13 +711,44 @@ class _WrongReturnCheck:
         return "returns a string"
 
 
+class _ExitingCheck:
+    def check(self, problem: Problem) -> object:
+        raise SystemExit(5)  # sys.exit in a plugin's check must not end the command
+
+    def describe(self) -> str:
+        return "exits"
+
+
+class _BadFieldsCheck:
+    def check(self, problem: Problem) -> object:
+        return CheckResult(False, 123, None)  # type: ignore[arg-type]
+
+    def describe(self) -> str:
+        raise RuntimeError("describe blew up")
+
+
+def test_a_plugin_check_whose_describe_fails_is_listed_as_such() -> None:
+    broken = replace(REFERENCE, name="acme_kernel", plugin="acme", checks=(_BadFieldsCheck(),))  # type: ignore[arg-type]
+    assert broken.as_json()["checks"] == ["_BadFieldsCheck (its describe() raised RuntimeError: describe blew up)"]
+
+
 @pytest.mark.parametrize(
     ("check", "found"),
     [
         (_RaisingCheck(), "its check _RaisingCheck (plugin acme) raised ZeroDivisionError: check blew up"),
-        (_WrongReturnCheck(), "its check _WrongReturnCheck (plugin acme) returned str 'fine', not a CheckResult"),
+        (
+            _WrongReturnCheck(),
+            "its check _WrongReturnCheck (plugin acme) returned 'fine', not a CheckResult(ok: bool, reason: str, "
+            "hint: str)",
+        ),
+        (_ExitingCheck(), "its check _ExitingCheck (plugin acme) raised SystemExit: 5"),
+        (
+            _BadFieldsCheck(),
+            "its check _BadFieldsCheck (plugin acme) returned CheckResult(ok=False, reason=123, hint=None), not a "
+            "CheckResult(ok: bool, reason: str, hint: str)",
+        ),
     ],
-    ids=["raises", "wrong-return"],
+    ids=["raises", "wrong-return", "sys-exit", "bad-fields"],
 )
 def test_a_plugin_check_that_fails_rejects_its_kernel_only(check: object, found: str) -> None:
     broken = replace(REFERENCE, name="acme_kernel", priority=90, plugin="acme", checks=(check,))  # type: ignore[arg-type]

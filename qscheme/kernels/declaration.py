@@ -357,6 +357,16 @@ class ProblemCheck(Protocol):
     def describe(self) -> str: ...
 
 
+def describe_check(check: ProblemCheck) -> str:
+    """``check.describe()``; a plugin's describe() that raises (or returns a non-str) is shown as
+    such, so listing the kernels never fails on one plugin's bug."""
+    try:
+        text = check.describe()
+    except (Exception, SystemExit) as error:
+        return f"{type(check).__name__} (its describe() raised {type(error).__name__}: {error})"
+    return text if isinstance(text, str) else f"{type(check).__name__} (its describe() returned {text!r:.60})"
+
+
 @dataclass(frozen=True)
 class ShapeAlignment:
     """N and K must be multiples of one of the (n_multiple, k_multiple) options."""
@@ -480,5 +490,5 @@ class KernelDeclaration:
             "devices": [d.describe() for d in self.devices],
             "requires_modules": list(self.requires_modules),
             "torch_features": list(self.torch_features),
-            "checks": [c.describe() for c in self.checks],
+            "checks": [describe_check(c) for c in self.checks],
         }

@@ -423,12 +423,17 @@ def _run_check(declaration: KernelDeclaration, check: ProblemCheck, problem: Pro
     name = type(check).__name__
     try:
         result = check.check(problem)
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # sys.exit in a plugin's check must not end the command
         found = f"raised {type(error).__name__}: {error}"
     else:
-        if isinstance(result, CheckResult):
+        if (
+            isinstance(result, CheckResult)
+            and isinstance(result.ok, bool)
+            and isinstance(result.reason, str)
+            and isinstance(result.hint, str)
+        ):
             return result
-        found = f"returned {type(result).__name__} {result!r:.80}, not a CheckResult"
+        found = f"returned {result!r:.80}, not a CheckResult(ok: bool, reason: str, hint: str)"
     return CheckResult(
         False,
         f"its check {name} (plugin {declaration.plugin or '?'}) {found}",
