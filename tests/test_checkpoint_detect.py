@@ -262,6 +262,17 @@ def test_a_group_that_quantizes_activations_only_is_refused_by_name() -> None:
         detect(_ct([outputs]), tensors, SCHEMES)
 
 
+@pytest.mark.parametrize("target", ["re:.*nomatch$", "re:(?i).*nomatch$"], ids=["plain", "with-flags"])
+def test_an_activations_only_group_whose_targets_match_no_linear_passes(target: str) -> None:
+    """Only a group that really targets linear layers is refused; a regex with inline flags
+    (which the joined pre-filter cannot hold) is matched entry by entry, not assumed to match."""
+    inputs = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
+    group = ConfigGroup("group_1", (target,), None, inputs, None, "dense")
+    weights = ConfigGroup("group_0", ("re:.*proj$",), NVFP4_WEIGHTS, None, None, "nvfp4-pack-quantized")
+    detection = detect(_ct([weights, group]), _nvfp4_module("model.q_proj"), SCHEMES)
+    assert set(detection.modules) == {"model.q_proj"}
+
+
 def test_a_target_naming_no_stored_module_is_refused_with_the_stored_name() -> None:
     # transformers 5 stores a vision-language model's layers as language_model.model.* while the
     # producer wrote the runtime names, model.language_model.*: the W4A4 group would otherwise fall

@@ -598,7 +598,7 @@ def _targets_linear_layers(
     if targets.linear_class:
         return True
     return any(
-        module and looks_linear(members, quantized_names) and targets.possible(module, False)
+        module and looks_linear(members, quantized_names) and targets.matching(module, True)
         for module, members in modules.items()
     )
 
