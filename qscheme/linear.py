@@ -475,12 +475,18 @@ class QuantLinear(torch.nn.Module):
             f"{type(error).__name__}: {error} (scheme {self.scheme.name}, {activation_dtype} inputs, device "
             f"{self.torch_device}). Disable the kernel (QSCHEME_DISABLED_KERNELS={kernel.name}) or force another "
             f"(kernel=...) to run the layer, and report the failure to {kernel.provider}",
-            layer=self._name(),
-            kernel=kernel.name,
-            plugin=kernel.plugin,
-            scheme=self.scheme.name,
-            stage=stage,
+            **self._failure_fields(kernel, stage),
         )
+
+    def _failure_fields(self, kernel: KernelDeclaration, stage: str) -> dict[str, Any]:
+        """The attributes of a KernelExecutionError: who failed, where."""
+        return {
+            "layer": self._name(),
+            "kernel": kernel.name,
+            "plugin": kernel.plugin,
+            "scheme": self.scheme.name,
+            "stage": stage,
+        }
 
     def _run(self, implementation: Any, state: Any, x: Tensor, activation_dtype: str) -> Tensor:
         """``implementation.apply`` with its failures and its output checked."""
@@ -510,11 +516,7 @@ class QuantLinear(torch.nn.Module):
             f"expected {expected} ([..., N] in the input's dtype; scheme {self.scheme.name}). The "
             f"kernel's code is wrong: disable it (QSCHEME_DISABLED_KERNELS={kernel.name}) or force another "
             f"(kernel=...), and report it to {kernel.provider}",
-            layer=self._name(),
-            kernel=kernel.name,
-            plugin=kernel.plugin,
-            scheme=self.scheme.name,
-            stage="apply",
+            **self._failure_fields(kernel, "apply"),
         )
 
     @property

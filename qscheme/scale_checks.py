@@ -48,7 +48,7 @@ from qscheme.formats.scale_values import any_nonfinite, nonfinite
 FLOAT32_MAX = torch.finfo(torch.float32).max
 FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
 _FLOAT_CODES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_AMINMAX_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+AMINMAX_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def largest_element(scheme: Scheme) -> float:
@@ -91,7 +91,8 @@ def _require_finite_codes(weight: CanonicalWeight, where: str) -> None:
     name = weight.scheme.weight.tensor.name
     value = float(codes[position].to(torch.float32))
     raise QuantizeError(
-        f"{where}: weight {name!r} holds {value:g} at {list(position)} ({_count(count, codes.numel(), 'element')}); "
+        f"{where}: weight {name!r} holds {value:g} at {list(position)} "
+        f"({count_text(count, codes.numel(), 'element')}); "
         f"allowed: finite {weight.scheme.weight.format} elements; the file is corrupt: re-export the layer"
     )
 
@@ -118,7 +119,7 @@ def _require_usable_global(weight: CanonicalWeight, where: str) -> None:
         found = f"{name!r} holds {value:g}"
     at = f" at [{index}]" if multiplier.numel() > 1 else ""
     raise QuantizeError(
-        f"{where}: {found} in float32{at} ({_count(count, multiplier.numel(), 'value')}); allowed: a multiplier "
+        f"{where}: {found} in float32{at} ({count_text(count, multiplier.numel(), 'value')}); allowed: a multiplier "
         f"that is a finite, normal float32 > 0 ({FLOAT32_TINY:g} to {FLOAT32_MAX:g}), or any finite one over "
         f"all-zero elements; {_fix(weight)}"
     )
@@ -148,7 +149,7 @@ def _require_usable_activation_scales(weight: CanonicalWeight, where: str) -> No
         position, count = first_true(nonfinite(pre_scale))
         raise QuantizeError(
             f"{where}: input pre-scale {pre_spec.name!r} holds {float(pre_scale[position]):g} at {list(position)} "
-            f"({_count(count, pre_scale.numel(), 'value')}); allowed: finite factors; re-export the layer"
+            f"({count_text(count, pre_scale.numel(), 'value')}); allowed: finite factors; re-export the layer"
         )
 
 
@@ -210,7 +211,7 @@ def _require_usable_activation_multiplier(
     low, high = FLOAT32_TINY / min(smallest, 1.0), FLOAT32_MAX / max(largest, 1.0)
     convention = "a divisor (the multiplier is 1 / its value)" if spec.stored == "reciprocal" else "a multiplier"
     raise QuantizeError(
-        f"{where}: activation scale {found}{at} ({_count(count, values.numel(), 'value')}): the multiplier "
+        f"{where}: activation scale {found}{at} ({count_text(count, values.numel(), 'value')}): the multiplier "
         f"{problem}; allowed: a multiplier from {low:.6g} to {high:.6g} (normal, x {largest:g} finite, "
         f"x {smallest:g} normal in float32); "
         f"scheme {weight.scheme.name} reads {name!r} as {convention}: if the file stores the other convention, use "
@@ -261,7 +262,7 @@ def _require_usable_products(weight: CanonicalWeight, where: str) -> None:
             raise QuantizeError(
                 f"{where}: {_product_text(weight, product, position)}: the largest possible element ({largest:g}) "
                 f"of {_region(weight, position)} dequantizes to {_overflowed(product[position], largest)} in float32 "
-                f"({_count(count, product.numel(), 'scale')}); allowed: |scale"
+                f"({count_text(count, product.numel(), 'scale')}); allowed: |scale"
                 f"{' x global multiplier' if weight.global_scale is not None else ''} x {largest:g}| <= "
                 f"{FLOAT32_MAX:g}; {_fix(weight)}"
             )
@@ -279,7 +280,7 @@ def _require_usable_products(weight: CanonicalWeight, where: str) -> None:
     raise QuantizeError(
         f"{where}: {_product_text(weight, product, position)}, below float32's smallest normal ({FLOAT32_TINY:g}), "
         f"but {_region(weight, position)} holds nonzero elements, which would dequantize to zero or to subnormals "
-        f"that kernels flush to zero ({_count(count, product.numel(), 'scale')}); allowed: a product >= "
+        f"that kernels flush to zero ({count_text(count, product.numel(), 'scale')}); allowed: a product >= "
         f"{FLOAT32_TINY:g}, or a zero scale over all-zero elements; {_fix(weight)}"
     )
 
@@ -316,7 +317,7 @@ def _magnitude_bounds(scale: Tensor) -> tuple[float, float] | None:
                 return math.inf, 0.0
         values = torch.stack([low, high]).view(torch.float8_e4m3fn).to(torch.float64)
     else:
-        value = scale if scale.dtype in _AMINMAX_DTYPES else scale.to(torch.float32)
+        value = scale if scale.dtype in AMINMAX_DTYPES else scale.to(torch.float32)
         low, high = torch.aminmax(value)
         if not (math.isfinite(float(low)) and math.isfinite(float(high))):
             return None
@@ -444,5 +445,6 @@ def first_true(mask: Tensor) -> tuple[tuple[int, ...], int]:
     return tuple(reversed(position)), int(flat.sum())
 
 
-def _count(count: int, total: int, noun: str) -> str:
+def count_text(count: int, total: int, noun: str) -> str:
+    """'3 of 4096 scales': how many of how many values a message is about."""
     return f"{count} of {total} {noun}{'s' if total > 1 else ''}"

@@ -44,7 +44,8 @@ def single_threaded_torch() -> Iterator[None]:
 
 
 @functools.cache
-def _root() -> Path:
+def scratch_root() -> Path:
+    """One temporary folder for the test session's generated checkpoints, removed at exit."""
     root = Path(tempfile.mkdtemp(prefix="qscheme-checkpoints-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     return root
@@ -66,7 +67,7 @@ def ct_checkpoint(
     with one_thread():
         return write_ct_checkpoint(
             preset,
-            _root() / name,
+            scratch_root() / name,
             dtype=_DTYPES[dtype],
             ignore=ignore,
             targets=targets,

@@ -25,7 +25,6 @@ one core, 1,170 runs (``max_examples`` below); the deadline only catches a hang.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import copy
 import functools
@@ -34,7 +33,6 @@ import io
 import json
 import shutil
 import struct
-import tempfile
 from argparse import Namespace
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +42,7 @@ from typing import Any
 from unittest import mock
 
 import torch
-from checkpoint_cache import modelopt_fixture, single_threaded_torch  # noqa: F401  (autouse)
+from checkpoint_cache import modelopt_fixture, scratch_root, single_threaded_torch  # noqa: F401  (autouse)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -143,10 +141,9 @@ NESTING_DEPTHS = [50, 1000, 100_000]
 # ---------------------------------------------------------------------------- the examples
 
 
-@functools.cache
 def _root() -> Path:
-    root = Path(tempfile.mkdtemp(prefix="qscheme-fuzz-"))
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    root = scratch_root() / "fuzz"
+    root.mkdir(exist_ok=True)
     return root
 
 
@@ -427,26 +424,25 @@ def _write_safetensors(path: Path, header: bytes, prefix: int | None, data: byte
     path.write_bytes(struct.pack("<Q", len(header) if prefix is None else prefix) + header + data)
 
 
+def _check_damaged_header(data: st.DataObject, example: str) -> None:
+    original = _original(example)
+    header, tensor_data = _split(_example(example) / "model.safetensors")
+    text, prefix = data.draw(damaged_header(header))
+    folder = _case(example)
+    _write_safetensors(folder / "model.safetensors", text, prefix, tensor_data)
+    check_loads_same_or_refuses(folder, original)
+
+
 @settings(FUZZ, max_examples=400)
 @given(st.data())
 def test_damaged_safetensors_header_loads_the_same_or_raises(data: st.DataObject) -> None:
-    original = _original("ct")
-    header, tensor_data = _split(_example("ct") / "model.safetensors")
-    text, prefix = data.draw(damaged_header(header))
-    folder = _case("ct")
-    _write_safetensors(folder / "model.safetensors", text, prefix, tensor_data)
-    check_loads_same_or_refuses(folder, original)
+    _check_damaged_header(data, "ct")
 
 
 @settings(FUZZ, max_examples=120)
 @given(st.data())
 def test_damaged_modelopt_header_loads_the_same_or_raises(data: st.DataObject) -> None:
-    original = _original("modelopt")
-    header, tensor_data = _split(_example("modelopt") / "model.safetensors")
-    text, prefix = data.draw(damaged_header(header))
-    folder = _case("modelopt")
-    _write_safetensors(folder / "model.safetensors", text, prefix, tensor_data)
-    check_loads_same_or_refuses(folder, original)
+    _check_damaged_header(data, "modelopt")
 
 
 # ---------------------------------------------------------------------------- index files

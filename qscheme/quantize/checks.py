@@ -26,11 +26,14 @@ from qscheme.formats.elements import E8M0_NAN
 from qscheme.formats.scale_values import not_positive
 from qscheme.quantize.observe import ScaleLayout
 from qscheme.quantize.rules import GivenScales, WeightPlan
-from qscheme.scale_checks import dequantizes_to_nonfinite, first_true, largest_element
-
-_FLOAT32_MAX = torch.finfo(torch.float32).max
-_AMINMAX_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
+from qscheme.scale_checks import (
+    AMINMAX_DTYPES,
+    FLOAT32_MAX,
+    count_text,
+    dequantizes_to_nonfinite,
+    first_true,
+    largest_element,
+)
 
 # what a meta weight or scale is told (``qscheme.api_checks.require_tensor`` refuses them)
 META_FIX = f"meta tensors cannot be quantized: {api_checks.META_FIX}"
@@ -43,7 +46,7 @@ def require_positive(value: Tensor, scheme: Scheme, what: str, fix: str) -> None
         position, shown, count = _first_bad(value, bad)
         raise QuantizeError(
             f"scheme {scheme.name}: {what} must be finite and > 0, found {shown}{_at(position)} "
-            f"({_count(count, value.numel(), 'value')}); {fix}"
+            f"({count_text(count, value.numel(), 'value')}); {fix}"
         )
 
 
@@ -58,7 +61,7 @@ def require_storable(given: Tensor, stored: Tensor, scheme: Scheme, what: str, f
         _, kept, _ = _first_bad(stored, bad)
         raise QuantizeError(
             f"scheme {scheme.name}: {what} holds {shown}{_at(position)}, which becomes {kept} when stored as "
-            f"{_dtype_name(stored.dtype)} ({_count(count, given.numel(), 'value')}); {fix}"
+            f"{_dtype_name(stored.dtype)} ({count_text(count, given.numel(), 'value')}); {fix}"
         )
 
 
@@ -81,7 +84,7 @@ def require_usable_scales(plan: WeightPlan, tensors: Mapping[str, Tensor], padde
         raise QuantizeError(
             f"scheme {plan.scheme.name}: the {name} {origin} for {_region(plan, padded, *position)} is {shown}"
             f"{_in(stored.dtype)}, not a finite scale > 0 "
-            f"({_count(count, stored.numel(), 'scale')}); {_overflow_fix(plan)}"
+            f"({count_text(count, stored.numel(), 'scale')}); {_overflow_fix(plan)}"
         )
     largest_multiplier = 1 / low if spec.scale.stored == "reciprocal" else high  # Python floats: no overflow
     global_value, divides = None, False
@@ -100,7 +103,7 @@ def require_usable_scales(plan: WeightPlan, tensors: Mapping[str, Tensor], padde
         factor = float(global_value)
         largest_multiplier = largest_multiplier / factor if divides else largest_multiplier * factor
     largest = largest_element(plan.scheme)
-    if largest_multiplier * largest < _FLOAT32_MAX / 2:
+    if largest_multiplier * largest < FLOAT32_MAX / 2:
         return  # far from float32's limit: the float32 arithmetic below cannot overflow either
     multiplier = _multipliers(plan, stored)
     if global_value is not None:
@@ -110,7 +113,7 @@ def require_usable_scales(plan: WeightPlan, tensors: Mapping[str, Tensor], padde
         position, shown, count = _first_bad(multiplier, overflows)
         raise QuantizeError(
             f"scheme {plan.scheme.name}: the {name} of {_region(plan, padded, *position)} dequantizes its largest "
-            f"element, {largest:g} x {shown}, to infinity in float32 ({_count(count, stored.numel(), 'scale')}); "
+            f"element, {largest:g} x {shown}, to infinity in float32 ({count_text(count, stored.numel(), 'scale')}); "
             f"{_dequantize_overflow_fix(plan, given)}"
         )
 
@@ -131,7 +134,7 @@ def _extremes(stored: Tensor) -> tuple[float, float]:
             return math.nan, math.nan
         values = torch.stack([low, high]).view(torch.float8_e4m3fn).to(torch.float32)
     else:
-        low, high = torch.aminmax(stored if stored.dtype in _AMINMAX_DTYPES else stored.to(torch.float32))
+        low, high = torch.aminmax(stored if stored.dtype in AMINMAX_DTYPES else stored.to(torch.float32))
         values = torch.stack([low, high]).to(torch.float64)
     return float(values[0]), float(values[1])
 
@@ -210,10 +213,6 @@ def _in(dtype: torch.dtype) -> str:
 
 def _at(position: tuple[int, ...]) -> str:
     return f" at {list(position)}" if position else ""
-
-
-def _count(count: int, total: int, noun: str) -> str:
-    return f"{count} of {total} {noun}{'s' if total > 1 else ''}"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
