@@ -54,6 +54,8 @@ def _details(record: dict[str, Any]) -> list[str]:
     if needs:
         lines.append(f"  needs:      {'; '.join(needs)}")
     lines.append(f"  code:       {record['implementation'] or 'declared only (no implementation yet)'}")
+    for index, note in enumerate(record.get("notes") or ()):
+        lines.append(f"  {'notes:' if index == 0 else '      '}      {note}")
     return lines
 
 

@@ -425,7 +425,10 @@ class KernelDeclaration:
     of a class (instantiated without arguments) or an object with ``prepare`` and ``apply``;
     None for a kernel declared ahead of its code. ``requires_modules``: modules that must be
     importable (kernel libraries such as vllm or flashinfer). ``torch_features``: attributes
-    of the ``torch`` module it needs (e.g. ``float4_e2m1fn_x2``). ``plugin`` is set by the
+    of the ``torch`` module it needs (e.g. ``float4_e2m1fn_x2``), dotted paths below it
+    (``nn.functional.scaled_mm``) or operators (``ops.aten._weight_int4pack_mm``). ``notes``:
+    facts a user should know before relying on the kernel (its numerical error against the
+    reference, what it approximates), shown by ``qscheme kernels``. ``plugin`` is set by the
     plugin manager to the plugin that contributed the declaration.
     """
 
@@ -439,6 +442,7 @@ class KernelDeclaration:
     torch_features: tuple[str, ...] = ()
     checks: tuple[ProblemCheck, ...] = ()
     description: str = ""
+    notes: tuple[str, ...] = ()
     plugin: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -459,6 +463,7 @@ class KernelDeclaration:
         )
         _tuple_of(self.requires_modules, str, f"kernel {self.name}: requires_modules")
         _tuple_of(self.torch_features, str, f"kernel {self.name}: torch_features")
+        _tuple_of(self.notes, str, f"kernel {self.name}: notes")
         _require(
             isinstance(self.checks, tuple) and all(isinstance(c, ProblemCheck) for c in self.checks),
             f"kernel {self.name}: checks must be a tuple of objects with check(problem) and describe()",
@@ -491,4 +496,5 @@ class KernelDeclaration:
             "requires_modules": list(self.requires_modules),
             "torch_features": list(self.torch_features),
             "checks": [describe_check(c) for c in self.checks],
+            "notes": list(self.notes),
         }

@@ -49,6 +49,12 @@ class DeviceFacts:
     modules: frozenset[str] = frozenset()
     environment: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = ()
+    torch_build: str | None = None
+
+    @property
+    def cpu_only_torch(self) -> bool:
+        """Whether the torch these facts describe is a CPU-only build (no CUDA or ROCm kernels)."""
+        return self.torch_build == "cpu"
 
     @property
     def label(self) -> str:
@@ -85,6 +91,7 @@ class DeviceFacts:
             "modules": sorted(self.modules),
             "environment": dict(self.environment),
             "notes": list(self.notes),
+            "torch_build": self.torch_build,
         }
 
 
@@ -105,12 +112,38 @@ def module_available(name: str) -> bool:
         return False
 
 
+def _has_path(root: object, dotted: str) -> bool:
+    """Whether ``root.a.b.c`` exists for ``dotted`` = ``a.b.c`` (never raises)."""
+    value = root
+    for part in dotted.split("."):
+        try:
+            value = getattr(value, part)
+        except Exception:
+            return False
+    return True
+
+
 def _torch_features(names: Iterable[str]) -> frozenset[str]:
+    """Which of the names exist in the local torch: attributes of the ``torch`` module, dotted
+    paths below it (``nn.functional.scaled_mm``) or operators (``ops.aten._weight_int4pack_mm``)."""
     try:
         import torch
     except Exception:
         return frozenset()
-    return frozenset(name for name in names if hasattr(torch, name))
+    return frozenset(name for name in names if _has_path(torch, name))
+
+
+def _local_torch_build() -> str | None:
+    """``cpu``, ``cuda 12.8`` or ``rocm 6.4`` for the local torch; None without torch."""
+    try:
+        import torch
+    except Exception:
+        return None
+    hip = getattr(torch.version, "hip", None)
+    if hip:
+        return f"rocm {hip}"
+    cuda = getattr(torch.version, "cuda", None)
+    return f"cuda {cuda}" if cuda else "cpu"
 
 
 # Probed for every device (and shown by `qscheme kernels --json`); the features a declaration
@@ -127,6 +160,7 @@ def probe_device(index: int = 0) -> DeviceFacts:
     torch_version = _local_torch_version()
     triton_version = _distribution_version("triton")
     features = _torch_features(KNOWN_TORCH_FEATURES)
+    build = _local_torch_build()
     notes: list[str] = []
     try:
         import torch
@@ -134,19 +168,32 @@ def probe_device(index: int = 0) -> DeviceFacts:
         if torch.cuda.is_available():
             name = torch.cuda.get_device_name(index)
             if getattr(torch.version, "hip", None):
-                return DeviceFacts("rocm", name, None, torch_version, triton_version, False, features)
+                return DeviceFacts(
+                    "rocm", name, None, torch_version, triton_version, False, features, torch_build=build
+                )
             major, minor = torch.cuda.get_device_capability(index)
-            return DeviceFacts("cuda", name, (int(major), int(minor)), torch_version, triton_version, False, features)
+            capability = (int(major), int(minor))
+            return DeviceFacts(
+                "cuda", name, capability, torch_version, triton_version, False, features, torch_build=build
+            )
         mps = getattr(torch.backends, "mps", None)
         if mps is not None and mps.is_available():
-            return DeviceFacts("mps", "Apple GPU", None, torch_version, triton_version, False, features)
+            return DeviceFacts(
+                "mps", "Apple GPU", None, torch_version, triton_version, False, features, torch_build=build
+            )
     except Exception as exc:  # a broken driver must not break resolution: report it
         notes.append(f"probing the GPU failed: {type(exc).__name__}: {exc}")
-    return DeviceFacts("cpu", "cpu", None, torch_version, triton_version, False, features, notes=tuple(notes))
+    return DeviceFacts(
+        "cpu", "cpu", None, torch_version, triton_version, False, features, notes=tuple(notes), torch_build=build
+    )
 
 
-def simulated_device(name: str) -> DeviceFacts:
-    """A CUDA device this machine may not have, e.g. ``sm100``; UsageError for unknown names."""
+def simulated_device(name: str, torch_build: str = "cuda (assumed)") -> DeviceFacts:
+    """A CUDA device this machine may not have, e.g. ``sm100``; UsageError for unknown names.
+
+    The facts assume a CUDA build of the local torch release (``torch_build``); pass
+    ``torch_build="cpu"`` to judge the kernels as the local CPU-only build would run them there
+    (every kernel placed on cuda is then rejected with that reason)."""
     if name not in SIMULATED_DEVICES:
         raise UsageError(f"unknown simulated device {name!r}; choose one of {', '.join(SIMULATED_DEVICES)}")
     capability, family = SIMULATED_DEVICES[name]
@@ -164,6 +211,7 @@ def simulated_device(name: str) -> DeviceFacts:
             f"simulated: assumes a CUDA build of the local torch {torch_version or '(not installed)'}",
             "optional kernel libraries (vllm, sgl-kernel, flashinfer) are checked in the local environment",
         ),
+        torch_build=torch_build,
     )
 
 
@@ -176,7 +224,14 @@ def device_facts(name: str | None = None) -> DeviceFacts:
         if probed.type == "cpu":
             return probed
         return DeviceFacts(
-            "cpu", "cpu", None, probed.torch_version, probed.triton_version, False, probed.torch_features
+            "cpu",
+            "cpu",
+            None,
+            probed.torch_version,
+            probed.triton_version,
+            False,
+            probed.torch_features,
+            torch_build=probed.torch_build,
         )
     if name == "cuda":
         probed = probe_device()

@@ -333,6 +333,12 @@ def device_reasons(
     if missing_features:
         names = ", ".join(f"torch.{f}" for f in missing_features)
         reasons.append(f"needs {names}, which torch {device.torch_version or '(not installed)'} lacks")
+    if device.type in ("cuda", "rocm") and device.cpu_only_torch and not placement:
+        if all(d.type != ANY_DEVICE for d in declaration.devices):
+            reasons.append(
+                f"torch {device.torch_version or ''} here is a CPU-only build: it has no {device.type} kernels "
+                "(install a CUDA build of torch)"
+            )
     missing_modules = [m for m in declaration.requires_modules if m not in device.modules]
     if missing_modules:
         if not device.modules:
