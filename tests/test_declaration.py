@@ -121,6 +121,37 @@ def test_supports_validate_their_vocabulary() -> None:
 
 
 @pytest.mark.parametrize(
+    ("weight_formats", "message"),
+    [
+        (("e3m3",), r"weight_formats \['e3m3'\] are not among e2m1, e4m3, e5m2, int4, uint4, int8, uint8"),
+        (("e4m3", "float8"), r"weight_formats \['float8'\] are not among"),
+        ("e4m3", "weight_formats must be a tuple of str, not 'e4m3'"),
+        ((8,), "weight_formats must be a tuple of str"),
+    ],
+)
+def test_supports_refuse_unknown_weight_element_formats(weight_formats: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Supports(("fp8",), weight_formats=weight_formats)  # type: ignore[arg-type]
+
+
+def test_supports_weight_formats_are_optional_and_described() -> None:
+    assert Supports(("fp8",)).weight_formats == ()  # any element format of the family
+    e4m3 = Supports(("fp8",), weight_formats=("e4m3",), granularities=("tensor",))
+    assert e4m3.describe() == "fp8 weights (e4m3, tensor) x none (16-bit)"
+    assert (
+        Supports(("int4",), weight_formats=("int4", "uint4")).describe() == "int4 weights (int4/uint4) x none (16-bit)"
+    )
+
+
+def test_supports_refuse_family_names_and_foreign_weight_element_formats() -> None:
+    with pytest.raises(ValueError, match=r"weight_formats \['fp8'\] are not among e2m1, e4m3"):
+        Supports(("fp8",), weight_formats=("fp8",))
+    with pytest.raises(ValueError, match=r"weight_formats \['int4'\] are not element formats of the families fp8"):
+        Supports(("fp8",), weight_formats=("int4",))
+    assert Supports(("nvfp4", "fp4"), weight_formats=("e2m1",)).weight_formats == ("e2m1",)
+
+
+@pytest.mark.parametrize(
     ("changes", "message"),
     [
         ({"formats": "e4m3"}, "activation formats must be a tuple of str, not 'e4m3'"),
@@ -167,9 +198,17 @@ def test_builtin_declarations_serialize() -> None:
     for declaration in BUILTIN_DECLARATIONS:
         data = declaration.as_json()
         assert {"name", "provider", "priority", "supports", "devices"} <= set(data)
+    # priority first (highest first), then the name
     assert [d.name for d in sorted(BUILTIN_DECLARATIONS, key=KernelDeclaration.sort_key)] == [
         "native_fp4",
+        "native_mxfp4",
+        "native_fp8",
+        "native_fp8_block",
+        "native_fp8_rowwise",
         "marlin",
+        "tinygemm",
+        "tinygemm_cpu",
         "triton",
         "reference",
+        "native_fp8_cpu",
     ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -153,3 +155,87 @@ def test_a_plugin_kernel_needing_a_torch_feature_torch_has_is_chosen() -> None:
 def test_turing_can_be_simulated() -> None:
     facts = device_facts("sm75")
     assert facts.name == "simulated sm75, Turing (T4-class)" and facts.capability == (7, 5)
+
+
+# --- the torch build (DeviceFacts.torch_build) -------------------------------------------------------
+
+
+def test_the_probe_reports_the_local_torch_build() -> None:
+    if torch.version.cuda or getattr(torch.version, "hip", None):
+        pytest.skip("this torch is a CUDA or ROCm build")
+    facts = probe_device()
+    assert facts.torch_build == "cpu" and facts.cpu_only_torch
+    assert device_facts("cpu").torch_build == "cpu"
+    assert facts.as_json()["torch_build"] == "cpu"
+
+
+def test_a_probed_cuda_build_reports_its_cuda_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.version, "hip", None)
+    facts = probe_device()
+    assert facts.torch_build == "cuda 12.8" and not facts.cpu_only_torch
+
+
+def test_simulated_devices_assume_a_cuda_build_unless_told() -> None:
+    for facts in (simulated_device("sm90"), device_facts("sm90")):
+        assert facts.torch_build == "cuda (assumed)" and not facts.cpu_only_torch
+    cpu_only = simulated_device("sm90", torch_build="cpu")
+    assert cpu_only.torch_build == "cpu" and cpu_only.cpu_only_torch
+    assert cpu_only.capability == (9, 0) and cpu_only.simulated
+
+
+def test_a_cpu_only_torch_build_rejects_the_kernels_placed_on_cuda() -> None:
+    from kernel_fakes import builtin_scheme, isolated_plugins
+
+    from qscheme.kernels import registry
+    from qscheme.kernels.problem import Problem
+
+    cpu_only_build = "torch 2.13.0 here is a CPU-only build: it has no cuda kernels (install a CUDA build of torch)"
+    scheme = builtin_scheme("compressed-tensors/W4A16")
+    with isolated_plugins():
+        for build, expected in (("cuda (assumed)", "tinygemm"), ("cpu", "reference")):
+            facts = registry.complete_facts(simulated_device("sm90", torch_build=build))
+            facts = replace(facts, torch_version="2.13.0")  # the message names the version: keep it fixed
+            resolution = registry.resolve_layer(scheme, Problem(256, 512), facts, environ={})
+            assert resolution.kernel is not None and resolution.kernel.name == expected, resolution.trace
+            for name in ("triton", "tinygemm"):
+                candidate = resolution.candidate(name)
+                if build == "cpu":
+                    assert not candidate.accepted and candidate.stage == "device"
+                    assert [f.reason for f in candidate.failures if f.stage == "device"] == [cpu_only_build]
+                else:
+                    assert cpu_only_build not in candidate.reason
+            # the reference kernel runs on any device: a CPU-only build does not reject it
+            reference = resolution.candidate("reference")
+            assert reference.accepted and all(f.stage != "device" for f in reference.failures)
+            # kernels placed on the CPU are rejected for the placement, not the build
+            assert resolution.candidate("tinygemm_cpu").reason == "runs on cpu; device is cuda"
+
+
+# --- torch_features: attributes, dotted paths and operators ------------------------------------------
+
+
+def test_dotted_torch_features_and_operators_are_probed() -> None:
+    from qscheme.kernels import registry
+    from qscheme.kernels.declaration import ANY_DEVICE, DeviceSupport, KernelDeclaration, Supports
+    from qscheme.kernels.resolver import check_device
+
+    present = ("nn.functional.linear", "ops.aten.mm", "ops.aten._weight_int4pack_mm_for_cpu")
+    missing = ("ops.aten.no_such_op", "nn.functional.no_such_function", "nn.no_such_module.linear")
+    declaration = KernelDeclaration(
+        "dotted_feature_test",
+        "test",
+        1,
+        (Supports(("int4",)),),
+        (DeviceSupport(ANY_DEVICE),),
+        "qscheme_plugins.reference_kernel:ReferenceKernel",
+        torch_features=(*present, *missing),
+    )
+    for name in ("cpu", "sm90"):
+        facts = registry.complete_facts(device_facts(name), [declaration])
+        assert set(present) <= facts.torch_features
+        assert not set(missing) & facts.torch_features
+        assert check_device(declaration, facts) == (
+            "needs torch.ops.aten.no_such_op, torch.nn.functional.no_such_function, torch.nn.no_such_module.linear, "
+            f"which torch {facts.torch_version} lacks"
+        )

@@ -27,6 +27,7 @@ from qscheme.descriptor.model import (
     SCALE_FORMATS,
     weight_family,
 )
+from qscheme.descriptor.parse import ELEMENT_FORMATS
 
 if TYPE_CHECKING:
     from qscheme.kernels.problem import Problem
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 Capability = tuple[int, int]
 
 WEIGHT_FAMILIES: tuple[str, ...] = ("nvfp4", "mxfp4", "fp4", "int4", "int8", "fp8")
+# The element formats a descriptor's weight may name.
+WEIGHT_ELEMENT_FORMATS: tuple[str, ...] = ELEMENT_FORMATS
 ACTIVATION_FAMILIES: tuple[str, ...] = ("none", "nvfp4", "mxfp4", "fp4", "int8", "fp8")
 WEIGHT_GRANULARITIES: tuple[str, ...] = GRANULARITIES
 # The element and scale formats a descriptor's activation block may name (its ``format`` and
@@ -54,6 +57,11 @@ ANY_DEVICE = "any"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _REFERENCE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def _format_in_families(element: str, families: tuple[str, ...]) -> bool:
+    """Whether some scale format makes ``element`` a weight of one of ``families``."""
+    return any(weight_family(element, scale) in families for scale in SCALE_FORMATS)
 
 
 def format_capability(capability: Capability) -> str:
@@ -217,14 +225,17 @@ WEIGHT_ONLY = ActivationSupport("none")
 class Supports:
     """One set of scheme features a kernel implements; a kernel lists one or more.
 
-    Empty tuples mean "any". ``group_sizes`` applies to group-wise weight scales, ``blocks`` to
-    block-wise ones. ``per_partition_scales``: the kernel takes one global (or per-tensor) scale
-    per fused partition, so fused layers whose partitions' scales differ run exactly.
+    Empty tuples mean "any". ``weight_formats`` names the weight element formats taken (e.g.
+    ``("e4m3",)`` where the family ``fp8`` would also take ``e5m2``; ``("int4", "uint4")``).
+    ``group_sizes`` applies to group-wise weight scales, ``blocks`` to block-wise ones.
+    ``per_partition_scales``: the kernel takes one global (or per-tensor) scale per fused
+    partition, so fused layers whose partitions' scales differ run exactly.
     ``input_pre_scale``: the kernel multiplies the input by a per-channel pre-scale (AWQ).
     """
 
     weights: tuple[str, ...]
     activations: tuple[ActivationSupport, ...] = (WEIGHT_ONLY,)
+    weight_formats: tuple[str, ...] = ()
     granularities: tuple[str, ...] = ()
     group_sizes: tuple[int, ...] = ()
     blocks: tuple[tuple[int, int], ...] = ()
@@ -240,6 +251,14 @@ class Supports:
         _require(not unknown, f"weight families {unknown} are not among {', '.join(WEIGHT_FAMILIES)}")
         _tuple_of(self.activations, ActivationSupport, "activations")
         _require(bool(self.activations), "activations must list at least one ActivationSupport")
+        _tuple_of(self.weight_formats, str, "weight_formats")
+        bad = [f for f in self.weight_formats if f not in WEIGHT_ELEMENT_FORMATS]
+        _require(not bad, f"weight_formats {bad} are not among {', '.join(WEIGHT_ELEMENT_FORMATS)}")
+        foreign = [f for f in self.weight_formats if not _format_in_families(f, self.weights)]
+        _require(
+            not foreign,
+            f"weight_formats {foreign} are not element formats of the families {', '.join(self.weights)}",
+        )
         _tuple_of(self.granularities, str, "granularities")
         bad = [g for g in self.granularities if g not in WEIGHT_GRANULARITIES]
         _require(not bad, f"granularities {bad} are not among {', '.join(WEIGHT_GRANULARITIES)}")
@@ -250,6 +269,8 @@ class Supports:
     def describe(self) -> str:
         """``nvfp4 weights (group 16) x none (16-bit), nvfp4 dynamic per group of 16``."""
         details = []
+        if self.weight_formats:
+            details.append("/".join(self.weight_formats))
         if self.granularities:
             details.append("/".join(self.granularities))
         if self.group_sizes:

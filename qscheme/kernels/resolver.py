@@ -147,6 +147,7 @@ class SchemeFeatures:
 
     weight_family: str
     activation: ActivationSupport
+    weight_format: str
     granularity: str
     group_size: int | None
     block: tuple[int, int] | None
@@ -173,6 +174,7 @@ class SchemeFeatures:
         return cls(
             weight_family=scheme.weight_family,
             activation=activation,
+            weight_format=scheme.weight.format,
             granularity=scale.granularity,
             group_size=scale.group_size,
             block=scale.block,
@@ -227,6 +229,14 @@ def _supports_mismatches(supports: Supports, features: SchemeFeatures) -> list[t
     found: list[tuple[int, str]] = []
     if not any(activation_matches(a, features.activation) for a in supports.activations):
         found.append((1, ""))
+    if supports.weight_formats and features.weight_format not in supports.weight_formats:
+        found.append(
+            (
+                2,
+                f"takes {family} weights in {'/'.join(supports.weight_formats)}; "
+                f"scheme has {features.weight_format} weights",
+            )
+        )
     if supports.granularities and features.granularity not in supports.granularities:
         found.append(
             (
@@ -336,7 +346,8 @@ def device_reasons(
     if device.type in ("cuda", "rocm") and device.cpu_only_torch and not placement:
         if all(d.type != ANY_DEVICE for d in declaration.devices):
             reasons.append(
-                f"torch {device.torch_version or ''} here is a CPU-only build: it has no {device.type} kernels "
+                f"torch {device.torch_version or '(version unknown)'} here is a CPU-only build: it has no "
+                f"{device.type} kernels "
                 "(install a CUDA build of torch)"
             )
     missing_modules = [m for m in declaration.requires_modules if m not in device.modules]
