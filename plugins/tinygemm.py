@@ -1,0 +1,115 @@
+"""torch's tinygemm int4 GEMM: declarations of ``tinygemm`` (CUDA) and ``tinygemm_cpu`` (CPU).
+
+Both run weight-only int4 and uint4 weights (the ``int4`` family: compressed-tensors W4A16 and
+W4A16_ASYM, ModelOpt W4A16_AWQ) with float group scales of 32, 64, 128 or 256 along K, or one
+scale per output channel (exact: the channel scale is repeated over tinygemm's groups), with or
+without zero points, through ``torch._weight_int4pack_mm`` (sm80+) and
+``torch._weight_int4pack_mm_for_cpu``. tinygemm dequantizes ``(u - 8) * scale + zero`` with one
+bfloat16 scale and zero per group and output row: int4 codes become ``u = q + 8`` and uint4
+codes ``u = q``, with ``zero = -z * s`` (int4) or ``(8 - z) * s`` (uint4) for zero point z
+(0 without one). Any N and K run: the layer is padded (N to 8 on CUDA and 16 on the CPU, K to
+the group size) with zero scales and zero inputs, and the output sliced. The code is in
+``qscheme_plugins.tinygemm_kernel``.
+
+Only bfloat16 activations are declared, on both devices. CUDA's op takes nothing else. The CPU
+op also takes float16 and float32, but runs them on a scalar path: on 4096x4096 (group 128, two
+AVX512 cores) 15-21 ms at M = 1 and 60-82 ms at M = 4, 24-83x its bfloat16 path and 3-9x the
+reference kernel's float32 matmul, so those inputs are left to the reference kernel. With
+bfloat16 inputs ``tinygemm_cpu`` took 0.62-0.73 / 0.98-1.27 / 3.6-4.5 ms at M = 1 / 4 / 16 (two
+idle runs, medians): 6.7-7.1x / 9.0-10.7x / 2.6-3.7x faster than the reference kernel (1.2x at
+M = 256), and 3.5-4.1x / 2.1-2.3x / 0.83-0.88x bfloat16 ``F.linear`` on a dense weight; hence
+its priority 60, above the Triton kernel (50, on a CPU only under the interpreter) and the
+reference (0).
+"""
+
+from __future__ import annotations
+
+from qscheme.kernels.declaration import (
+    ActivationDtypes,
+    CapabilityRange,
+    DeviceSupport,
+    KernelDeclaration,
+    Supports,
+)
+from qscheme.plugins import hookimpl
+
+# The group sizes both ops take (torch refuses 16 and 512).
+TINYGEMM_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
+
+INT4_WEIGHT_ONLY = Supports(
+    weights=("int4",),
+    granularities=("group", "channel"),
+    group_sizes=TINYGEMM_GROUP_SIZES,
+    scale_formats=("fp32", "fp16", "bf16", "float"),
+    zero_points=True,
+    per_partition_scales=True,
+    input_pre_scale=True,
+)
+
+_SCALE_NOTE = (
+    "scales are rounded to bfloat16, the only scale dtype the op takes with bfloat16 inputs: exact for "
+    "bfloat16 scales; float16 or float32 scales (or a global scale folded in) move each weight by at most "
+    "|u - 8| * |s - bf16(s)| <= 8 * 2**-8 * |s| (u - 8 = q for int4 codes, q - 8 for uint4 codes)"
+)
+_ZERO_NOTE = (
+    "zero points become float zeros rounded once to bfloat16, zero = -z * s for int4 codes and (8 - z) * s "
+    "for uint4 codes: each weight moves by at most half a bfloat16 ulp of |zero| (<= 2**-8 * |zero|)"
+)
+_PRE_SCALE_NOTE = (
+    "an AWQ input pre-scale multiplies the input in float32 and the product is rounded to bfloat16 "
+    "(at most half a bfloat16 ulp per input element)"
+)
+_MEMORY_NOTE = (
+    "after the first forward a layer holds 2 + S / (C + S) times its 4-bit weight with scales (C code bytes, "
+    "S scale bytes; 2.03x at group 128 with bfloat16 scales): the packed weight repeats the codes and the "
+    "scale-and-zero pairs double the scales"
+)
+
+TINYGEMM = KernelDeclaration(
+    name="tinygemm",
+    provider="torch",
+    priority=70,
+    description="torch's tinygemm int4 GEMM (torch._weight_int4pack_mm) on bf16 tensor cores",
+    supports=(INT4_WEIGHT_ONLY,),
+    devices=(DeviceSupport("cuda", capabilities=(CapabilityRange((8, 0)),)),),
+    implementation="qscheme_plugins.tinygemm_kernel:TinygemmKernel",
+    torch_features=("ops.aten._convert_weight_to_int4pack", "ops.aten._weight_int4pack_mm"),
+    checks=(ActivationDtypes(("bfloat16",)),),
+    notes=(
+        "dequantizes by a bfloat16 fma, bf16(u - 8) * s + zero rounded once to bfloat16, so each weight also "
+        "moves by up to half a bfloat16 ulp of |w|; products are summed in float32 (mma m16n8k16) and the "
+        "output rounded once to bfloat16",
+        _SCALE_NOTE,
+        _ZERO_NOTE,
+        _PRE_SCALE_NOTE,
+        _MEMORY_NOTE,
+    ),
+)
+
+TINYGEMM_CPU = KernelDeclaration(
+    name="tinygemm_cpu",
+    provider="torch",
+    priority=60,
+    description="torch's tinygemm int4 GEMM for CPUs (torch._weight_int4pack_mm_for_cpu)",
+    supports=(INT4_WEIGHT_ONLY,),
+    devices=(DeviceSupport("cpu"),),
+    implementation="qscheme_plugins.tinygemm_kernel:TinygemmCpuKernel",
+    torch_features=("ops.aten._convert_weight_to_int4pack_for_cpu", "ops.aten._weight_int4pack_mm_for_cpu"),
+    checks=(ActivationDtypes(("bfloat16",)),),
+    notes=(
+        "dequantizes in float32, fma(u - 8, s, zero) with s and zero widened from bfloat16, sums in float32 "
+        "and rounds the output once to bfloat16: with bfloat16 scales and no zero points each weight is the "
+        "reference's exactly",
+        _SCALE_NOTE,
+        _ZERO_NOTE,
+        _PRE_SCALE_NOTE,
+        "float16 and float32 inputs are not declared: the op runs them on a scalar path 24-83x slower than "
+        "bfloat16 and 3-9x slower than the reference kernel (4096x4096, M = 1-4)",
+        _MEMORY_NOTE,
+    ),
+)
+
+
+@hookimpl
+def qscheme_kernels() -> list[KernelDeclaration]:
+    return [TINYGEMM, TINYGEMM_CPU]
