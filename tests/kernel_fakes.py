@@ -8,8 +8,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from qscheme_plugins.marlin import MARLIN
-from qscheme_plugins.native_fp4 import NATIVE_FP4
+from qscheme_plugins.native_fp4 import NATIVE_FP4, NATIVE_MXFP4
+from qscheme_plugins.native_fp8 import NATIVE_FP8, NATIVE_FP8_BLOCK, NATIVE_FP8_CPU, NATIVE_FP8_ROWWISE
 from qscheme_plugins.reference import REFERENCE
+from qscheme_plugins.tinygemm import TINYGEMM, TINYGEMM_CPU
 from qscheme_plugins.triton_declaration import TRITON
 
 if TYPE_CHECKING:
@@ -21,7 +23,6 @@ from qscheme.kernels.declaration import KernelDeclaration
 from qscheme.kernels.devices import SIMULATED_DEVICES, DeviceFacts
 
 FAKE_IMPLEMENTATION_MODULE = "fake_kernels"
-ALL_FEATURES = frozenset({"float4_e2m1fn_x2", "float8_e4m3fn", "_scaled_mm"})
 
 
 def implemented(declaration: KernelDeclaration) -> KernelDeclaration:
@@ -30,8 +31,25 @@ def implemented(declaration: KernelDeclaration) -> KernelDeclaration:
     return replace(declaration, implementation=reference, plugin=declaration.name)
 
 
-BUILTIN_DECLARATIONS: tuple[KernelDeclaration, ...] = (REFERENCE, TRITON, MARLIN, NATIVE_FP4)
+# Every kernel the built-in plugins declare (tests/test_plugins.py checks this against the plugins).
+BUILTIN_DECLARATIONS: tuple[KernelDeclaration, ...] = (
+    REFERENCE,
+    TRITON,
+    MARLIN,
+    NATIVE_FP4,
+    NATIVE_MXFP4,
+    NATIVE_FP8,
+    NATIVE_FP8_ROWWISE,
+    NATIVE_FP8_BLOCK,
+    NATIVE_FP8_CPU,
+    TINYGEMM,
+    TINYGEMM_CPU,
+)
 AS_IF_IMPLEMENTED: tuple[KernelDeclaration, ...] = tuple(implemented(d) for d in BUILTIN_DECLARATIONS)
+# A torch with everything any built-in kernel needs (fake devices have it unless told otherwise).
+ALL_FEATURES = frozenset({"float4_e2m1fn_x2", "float8_e4m3fn", "_scaled_mm"}) | {
+    feature for declaration in BUILTIN_DECLARATIONS for feature in declaration.torch_features
+}
 
 
 def all_modules(declarations: tuple[KernelDeclaration, ...] = AS_IF_IMPLEMENTED) -> frozenset[str]:

@@ -8,13 +8,25 @@ from pathlib import Path
 
 import pytest
 from kernel_fakes import isolated_plugins
+from qscheme_plugins.native_fp8 import NATIVE_FP8_BLOCK
 
 from qscheme.cli.main import main
 from qscheme.kernels.devices import module_available
 
 W4A8 = "modelopt/W4A8_NVFP4_FP8"
-# On a simulated CUDA device the Triton kernel wins once its code is installed; the reference otherwise.
-GPU_FALLBACK = "triton" if module_available("qscheme_plugins.triton_kernel") else "reference"
+BUILTIN_KERNELS_BY_PRIORITY = [
+    "native_fp4",
+    "native_mxfp4",
+    "native_fp8",
+    "native_fp8_block",
+    "native_fp8_rowwise",
+    "marlin",
+    "tinygemm",
+    "tinygemm_cpu",
+    "triton",
+    "reference",
+    "native_fp8_cpu",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +49,7 @@ def test_resolve_json_resolved(capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert code == 0
     data = json.loads(out)
-    assert data["kernel"] == GPU_FALLBACK  # native_fp4 and marlin are declared only
+    assert data["kernel"] == "native_fp4"  # NVFP4 x NVFP4 on compute capability 10.0
     assert data["problem"] == {
         "layer": None,
         "n": 4096,
@@ -48,12 +60,14 @@ def test_resolve_json_resolved(capsys: pytest.CaptureFixture[str]) -> None:
         "input_pre_scale": None,
     }
     assert data["device"]["capability"] == "10.0" and data["device"]["simulated"] is True
-    assert [t["kernel"] for t in data["trace"]] == ["native_fp4", "marlin", "triton", "reference"]
+    assert [t["kernel"] for t in data["trace"]] == BUILTIN_KERNELS_BY_PRIORITY
     for entry in data["trace"]:
         assert {"kernel", "accepted", "stage", "reason"} <= set(entry)
     native = data["trace"][0]
-    assert (native["accepted"], native["stage"]) == (False, "device")
-    assert native["reason"] == "declared only: no implementation is installed"
+    assert (native["accepted"], native["chosen"], native["stage"]) == (True, True, None)
+    marlin = next(entry for entry in data["trace"] if entry["kernel"] == "marlin")
+    assert (marlin["accepted"], marlin["stage"]) == (False, "scheme")  # it takes 16-bit activations only
+    assert "declared only: no implementation is installed" in marlin["reason"]
 
 
 def test_resolve_text_shows_decision_device_problem_and_trace(capsys: pytest.CaptureFixture[str]) -> None:
@@ -94,7 +108,7 @@ def test_forced_kernels(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.
     code, out, _ = run(["resolve", "compressed-tensors/W4A16", "--device", "sm90", "--kernel", "marlin"], capsys)
     assert code == 1
     assert out.startswith("kernel: none: forced kernel 'marlin' cannot run scheme compressed-tensors/W4A16")
-    assert f"hint: kernel {GPU_FALLBACK} can run this layer here: stop forcing 'marlin'" in out
+    assert "hint: kernel tinygemm can run this layer here: stop forcing 'marlin'" in out
     code, out, _ = run(["resolve", "compressed-tensors/W4A16", "--device", "sm90", "--kernel", "reference"], capsys)
     assert code == 0 and out.startswith("kernel: reference (forced)")
     code, _, err = run(["resolve", "compressed-tensors/W4A16", "--kernel", "marlinn"], capsys)
@@ -103,10 +117,10 @@ def test_forced_kernels(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.
     code, out, _ = run(["resolve", "compressed-tensors/W4A16", "--device", "sm90", "--json"], capsys)
     assert code == 1 and json.loads(out)["forced"] == "marlin"
     monkeypatch.delenv("QSCHEME_KERNEL")
-    monkeypatch.setenv("QSCHEME_DISABLED_KERNELS", "reference,triton")
+    monkeypatch.setenv("QSCHEME_DISABLED_KERNELS", "reference,triton,tinygemm_cpu")
     code, out, _ = run(["resolve", "compressed-tensors/W4A16", "--device", "cpu", "--json"], capsys)
     data = json.loads(out)
-    assert code == 1 and data["disabled"] == ["reference", "triton"]
+    assert code == 1 and data["disabled"] == ["reference", "tinygemm_cpu", "triton"]
 
 
 def test_fused_partitions_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -154,24 +168,35 @@ def test_kernels_lists_every_kernel_and_why_not(capsys: pytest.CaptureFixture[st
     code, out, _ = run(["kernels", "--device", "sm90", "--json"], capsys)
     assert code == 0
     records = {r["name"]: r for r in json.loads(out)}
-    assert set(records) == {"reference", "triton", "marlin", "native_fp4"}
+    assert list(records) == BUILTIN_KERNELS_BY_PRIORITY
     for record in records.values():
         assert {"name", "provider", "priority", "available", "reason"} <= set(record)
     assert records["reference"]["available"] is True and records["reference"]["reason"] is None
     assert "needs compute capability 10.0-10.3 or 12.0-12.1; device is 9.0" in records["native_fp4"]["reason"]
     assert records["marlin"]["provider"] == "vllm" and records["marlin"]["priority"] == 80
+    # on sm90: tensor-, row- and block-wise FP8 and CUDA tinygemm run; the CPU kernels do not
+    available = {name for name, record in records.items() if record["available"]}
+    assert available == {"native_fp8", "native_fp8_rowwise", "native_fp8_block", "tinygemm", "triton", "reference"}
+    assert records["tinygemm_cpu"]["reason"] == "runs on cpu; device is cuda"
+    assert records["native_mxfp4"]["reason"] == "needs compute capability 10.0-10.3; device is 9.0"
+    assert records["native_fp8_block"]["notes"] == list(NATIVE_FP8_BLOCK.notes) and NATIVE_FP8_BLOCK.notes
     code, out, _ = run(["kernels", "--device", "sm120"], capsys)
     assert code == 0
     assert "runs on:    cuda (compute capability 10.0-10.3 or 12.0-12.1)" in out
     assert "runs on:    cuda (compute capability 7.5 or newer)" in out
-    assert out.rstrip().endswith("4 kernels")
+    assert "runs on:    cuda (compute capability 8.9 or 9.0-9.9 or 10.0-10.3)" in out  # native_fp8_rowwise
+    assert "needs:      torch.ops.aten._convert_weight_to_int4pack; torch.ops.aten._weight_int4pack_mm;" in out
+    assert "  notes:      " in out  # the declarations' notes are shown
+    assert out.rstrip().endswith(f"{len(BUILTIN_KERNELS_BY_PRIORITY)} kernels")
 
 
 def test_plugins_lists_builtins(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["plugins", "--json"], capsys)
     assert code == 0
     plugins = {p["name"]: p for p in json.loads(out)}
-    assert {"reference", "triton", "marlin", "native_fp4"} <= set(plugins)
+    assert {"reference", "triton", "marlin", "native_fp4", "native_fp8", "tinygemm"} <= set(plugins)
+    assert plugins["native_fp4"]["kernels"] == ["native_fp4", "native_mxfp4"]
+    assert plugins["tinygemm"]["kernels"] == ["tinygemm", "tinygemm_cpu"]
     assert plugins["reference"]["builtin"] is True and plugins["reference"]["kernels"] == ["reference"]
     assert plugins["reference"]["distribution"] == "qscheme"
     code, out, _ = run(["plugins"], capsys)

@@ -21,8 +21,12 @@ from qscheme.plugins import hookimpl, register_plugin
 
 @pytest.fixture(autouse=True)
 def builtin_kernels_without_triton(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Built-in plugins only; Triton (interpreted on CPU, slow) is disabled unless a test forces it."""
-    monkeypatch.setenv("QSCHEME_DISABLED_KERNELS", "triton")
+    """Built-in plugins only; Triton (interpreted on CPU, slow) is disabled unless a test forces it.
+
+    tinygemm_cpu is disabled too: it would take the int4 layers with bf16 activations, and these
+    tests are about QuantLinear's mechanics, run on the reference kernel (tests/test_tinygemm.py
+    tests tinygemm through QuantLinear)."""
+    monkeypatch.setenv("QSCHEME_DISABLED_KERNELS", "triton,tinygemm_cpu")
     monkeypatch.delenv("QSCHEME_KERNEL", raising=False)
     with isolated_plugins():
         yield

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import tomllib
-from kernel_fakes import builtin_scheme, isolated_plugins
+from kernel_fakes import BUILTIN_DECLARATIONS, builtin_scheme, isolated_plugins
 
 from qscheme.catalog import load_catalog
 from qscheme.errors import PluginError
@@ -29,7 +29,19 @@ from qscheme.plugins import BUILTIN_PLUGINS, Plugins, hookimpl, load_plugins, re
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "plugins.md"
-BUILTIN_KERNELS = {"reference", "triton", "marlin", "native_fp4"}
+BUILTIN_KERNELS = {
+    "reference",
+    "triton",
+    "marlin",
+    "native_fp4",
+    "native_mxfp4",
+    "native_fp8",
+    "native_fp8_rowwise",
+    "native_fp8_block",
+    "native_fp8_cpu",
+    "tinygemm",
+    "tinygemm_cpu",
+}
 NO_AUTOLOAD = {"QSCHEME_DISABLE_PLUGIN_AUTOLOAD": "1"}
 EXTRA = KernelDeclaration(
     "extra_kernel",
@@ -79,6 +91,9 @@ def test_builtin_entry_points_match_pyproject() -> None:
 def test_builtins_load_and_declare_their_kernels() -> None:
     plugins = builtins_only()
     assert {d.name for d in plugins.kernel_declarations()} == BUILTIN_KERNELS
+    # tests/kernel_fakes.py's BUILTIN_DECLARATIONS, which the pure resolver tests use, are exactly these
+    by_name = {d.name: d for d in plugins.kernel_declarations()}
+    assert {d.name: d for d in BUILTIN_DECLARATIONS} == by_name
     assert plugins.failures() == ()
     infos = {i.name: i for i in plugins.infos()}
     assert infos["reference"].builtin and infos["reference"].kernels == ("reference",)
@@ -90,7 +105,7 @@ def test_declarations_load_without_importing_torch() -> None:
         "import sys\n"
         "from qscheme.plugins import load_plugins\n"
         "plugins = load_plugins(environ={'QSCHEME_DISABLE_PLUGIN_AUTOLOAD': '1'})\n"
-        "assert len(plugins.kernel_declarations()) == 4\n"
+        f"assert len(plugins.kernel_declarations()) == {len(BUILTIN_KERNELS)}\n"
         "assert 'torch' not in sys.modules, 'declarations imported torch'\n"
         "from qscheme.cli.main import main\n"
         "assert main(['plugins', '--json']) == 0\n"
@@ -313,12 +328,13 @@ def test_an_implementation_that_fails_to_import_is_rejected_not_fatal() -> None:
     scheme = builtin_scheme("compressed-tensors/W4A16")
     with isolated_plugins():
         register_plugin(BrokenCodePlugin(), "broken-code")
-        environ = {"QSCHEME_DISABLED_KERNELS": "triton"}
-        problem = Problem(256, 512)
-        # resolution already imports the kernel it would choose: it never reports broken_code
+        environ: dict[str, str] = {}
+        problem = Problem(256, 512)  # bf16 inputs
+        # resolution already imports the kernel it would choose: it never reports broken_code, and
+        # goes on to the next kernel by priority whose code loads (tinygemm_cpu, 60, on a CPU)
         reported = registry.resolve_layer(scheme, problem, "cpu", environ=environ)
         resolution, declaration, _ = registry.select_kernel(scheme, problem, "cpu", environ=environ)
-        assert reported.kernel == declaration and declaration.name == "reference"
+        assert reported.kernel == declaration and declaration.name == "tinygemm_cpu"
         rejected = resolution.candidate("broken_code")
         assert rejected.stage == "device"
         assert "failed to load: AttributeError: qscheme_plugins.reference has no attribute 'NoSuchKernel'" in (
@@ -367,7 +383,7 @@ def test_installed_example_plugin_appears_and_wins_with_higher_priority(cli) -> 
     assert kernels["example_dequant"]["priority"] == -10
     assert kernels["example_dequant"]["available"] is True
     low = cli(["resolve", "compressed-tensors/W4A16", "--device", "cpu", "--json"], **env)
-    assert json.loads(str(low["out"]))["kernel"] == "reference"
+    assert json.loads(str(low["out"]))["kernel"] == "tinygemm_cpu"  # the built-in CPU int4 kernel (priority 60)
     high = cli(
         ["resolve", "compressed-tensors/W4A16", "--device", "cpu", "--json"], QSCHEME_EXAMPLE_PRIORITY="1000", **env
     )
@@ -524,10 +540,11 @@ def test_resolve_rejects_kernels_whose_code_cannot_be_imported(broken_cli) -> No
     resolved = broken_cli("resolve", "compressed-tensors/W4A16", "--device", "cpu", "--json")
     assert resolved.returncode == 0, resolved.stderr
     decision = json.loads(resolved.stdout)
-    assert decision["kernel"] == "triton"  # the three broken kernels rank higher, and are all rejected
+    # the three broken kernels rank higher, and are all rejected; tinygemm_cpu (60) outranks triton (50)
+    assert decision["kernel"] == "tinygemm_cpu"
     _assert_rejected_for_their_code(decision["trace"])
     text = broken_cli("resolve", "compressed-tensors/W4A16", "--device", "cpu").stdout
-    assert text.startswith("kernel: triton for scheme compressed-tensors/W4A16")
+    assert text.startswith("kernel: tinygemm_cpu for scheme compressed-tensors/W4A16")
     for name, reason in BROKEN_KERNELS.items():
         assert re.search(
             rf"\n{name} +qscheme-broken-plugin +\d+ +rejected +device +implementation .*{re.escape(reason)}", text
@@ -537,14 +554,14 @@ def test_resolve_rejects_kernels_whose_code_cannot_be_imported(broken_cli) -> No
     assert forced.returncode == 1
     assert "kernel: none: forced kernel 'broken_interface' cannot run" in forced.stdout
     assert BROKEN_KERNELS["broken_interface"] in forced.stdout
-    assert "hint: kernel triton can run this layer here" in forced.stdout
+    assert "hint: kernel tinygemm_cpu can run this layer here" in forced.stdout
 
 
 def test_resolve_and_run_a_checkpoint_without_the_broken_kernels(broken_cli, tiny_w4a16: Path) -> None:  # type: ignore[no-untyped-def]
     resolved = broken_cli("resolve", str(tiny_w4a16), "--device", "cpu", "--json")
     assert resolved.returncode == 0, resolved.stderr
     decisions = json.loads(resolved.stdout)
-    assert {layer["kernel"] for layer in decisions["layers"]} == {"triton"}
+    assert {layer["kernel"] for layer in decisions["layers"]} == {"tinygemm_cpu"}
     unavailable = {u["kernel"]: u for u in decisions["unavailable_kernels"]}
     assert set(unavailable) == set(BROKEN_KERNELS)
     for name, reason in BROKEN_KERNELS.items():
@@ -556,13 +573,12 @@ def test_resolve_and_run_a_checkpoint_without_the_broken_kernels(broken_cli, tin
     assert "7 of 7 layers have a kernel\n\nkernels rejected: their code failed to import" in text
     assert "  broken_dependency (plugin broken-code): ModuleNotFoundError: No module named" in text
 
-    fast = {"QSCHEME_DISABLED_KERNELS": "triton"}  # the reference kernel: quicker on a CPU than the interpreter
-    ran = broken_cli("run", str(tiny_w4a16), "--rows", "2", "--json", **fast)
+    ran = broken_cli("run", str(tiny_w4a16), "--rows", "2", "--json")  # bf16 inputs: tinygemm_cpu runs them
     assert ran.returncode == 0, ran.stderr
     result = json.loads(ran.stdout)
-    assert result["failed"] == 0 and {layer["kernel"] for layer in result["layers"]} == {"reference"}
+    assert result["failed"] == 0 and {layer["kernel"] for layer in result["layers"]} == {"tinygemm_cpu"}
     assert {u["kernel"] for u in result["unavailable_kernels"]} == set(BROKEN_KERNELS)
-    text = broken_cli("run", str(tiny_w4a16), "--rows", "2", **fast).stdout
+    text = broken_cli("run", str(tiny_w4a16), "--rows", "2").stdout
     assert "kernels rejected: their code failed to import (`qscheme kernels` lists them):" in text
     for name, reason in BROKEN_KERNELS.items():
         assert f"  {name} (plugin broken-code): {reason.removeprefix('failed to load: ')}" in text
@@ -595,9 +611,12 @@ def test_the_documented_plugin_module_registers_as_written(tmp_path: Path) -> No
 
 def test_the_docs_say_which_builtin_kernels_are_declarations_only() -> None:
     declared_only = sorted(d.name for d in builtins_only().kernel_declarations() if d.implementation is None)
+    assert declared_only  # the docs' sentence would then have to go
     introduction = " ".join(DOCS.read_text().split("## The contract")[0].split())
-    names = " and ".join(f"`{name}`" for name in declared_only)
-    assert f"{names} are declarations only" in introduction
+    names = ", ".join(f"`{name}`" for name in declared_only[:-1])
+    names = f"{names} and `{declared_only[-1]}`" if names else f"`{declared_only[-1]}`"
+    sentence = "is a declaration only" if len(declared_only) == 1 else "are declarations only"
+    assert f"{names} {sentence}" in introduction
     assert "declared only" in introduction  # the reason the resolver gives, as `qscheme resolve` prints it
 
 

@@ -105,7 +105,19 @@ def test_rendered_resolution() -> None:
     data = resolution_json(resolution)
     assert data["kernel"] == "native_fp4"
     trace: list[dict[str, object]] = data["trace"]  # type: ignore[assignment]
-    assert [entry["kernel"] for entry in trace] == ["native_fp4", "marlin", "triton", "reference"]
+    assert [entry["kernel"] for entry in trace] == [
+        "native_fp4",
+        "native_mxfp4",
+        "native_fp8",
+        "native_fp8_block",
+        "native_fp8_rowwise",
+        "marlin",
+        "tinygemm",
+        "tinygemm_cpu",
+        "triton",
+        "reference",
+        "native_fp8_cpu",
+    ]
     assert set(trace[0]) >= {"kernel", "accepted", "stage", "reason"}
 
 
@@ -120,9 +132,10 @@ def test_activation_formats_no_kernel_takes(tmp_path: Path) -> None:
     data = resolution_json(resolution, declarations=AS_IF_IMPLEMENTED)
     assert data["kernel"] is None
     pairings: list[dict[str, object]] = data["pairings"]  # type: ignore[assignment]
-    assert {"activations": "fp8 dynamic per token (e4m3, fp32/float scales)", "kernels": ["triton", "reference"]} in (
-        pairings
-    )
+    assert {
+        "activations": "fp8 dynamic per token (e4m3, fp32/float scales)",
+        "kernels": ["native_fp8_rowwise", "triton", "reference", "native_fp8_cpu"],
+    } in pairings
 
 
 @dataclass(frozen=True)

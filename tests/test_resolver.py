@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from kernel_fakes import (
+    ALL_FEATURES,
     AS_IF_IMPLEMENTED,
     BUILTIN_DECLARATIONS,
     E5M2_PER_TOKEN,
@@ -30,7 +31,7 @@ from qscheme.kernels.declaration import (
     KernelDeclaration,
     Supports,
 )
-from qscheme.kernels.problem import Problem
+from qscheme.kernels.problem import Problem, normalize_dtype
 from qscheme.kernels.render import activation_pairings, no_kernel_message
 from qscheme.kernels.resolver import Candidate, Resolver, resolve
 
@@ -44,7 +45,9 @@ def reasons_at(candidate: Candidate, stage: str) -> str:
     return "; ".join(f.reason for f in candidate.failures if f.stage == stage)
 
 
-# (scheme, device, expected kernel) with every built-in kernel as if its code were installed.
+# (scheme, device, expected kernel) with every built-in kernel as if its code were installed, and
+# bf16 activations. Priorities: native_fp4 / native_mxfp4 100, native_fp8* 90, marlin 80, tinygemm 70,
+# tinygemm_cpu 60, triton 50, reference 0, native_fp8_cpu -10.
 EXPECTED: list[tuple[str, str, str | None]] = [
     # W4A4 NVFP4: native FP4 on both Blackwell families, Triton elsewhere on CUDA 8.0+.
     ("compressed-tensors/NVFP4", "sm100", "native_fp4"),
@@ -56,34 +59,55 @@ EXPECTED: list[tuple[str, str, str | None]] = [
     ("compressed-tensors/NVFP4", "cpu", "reference"),
     ("modelopt/NVFP4", "sm100", "native_fp4"),
     ("modelopt/NVFP4", "sm90", "triton"),
-    # W4A16: Marlin wherever CUDA 7.5+ (native FP4 needs FP4 activations).
+    ("modelopt/NVFP4_AWQ", "sm100", "native_fp4"),  # native_fp4 applies the AWQ pre-scale itself
+    # W4A16: Marlin wherever CUDA 7.5+ (native FP4 needs FP4 activations; tinygemm ranks below Marlin).
     ("compressed-tensors/NVFP4A16", "sm100", "marlin"),
     ("compressed-tensors/NVFP4A16", "sm80", "marlin"),
     ("modelopt/W4A16_NVFP4", "sm120", "marlin"),
     ("compressed-tensors/MXFP4A16", "sm90", "marlin"),
     ("compressed-tensors/W4A16", "sm86", "marlin"),
     ("compressed-tensors/W4A16_ASYM", "sm90", "marlin"),
-    ("compressed-tensors/W4A16", "cpu", "reference"),
+    ("compressed-tensors/NVFP4A16", "cpu", "reference"),
+    # int4 weight-only on a CPU: torch's tinygemm for CPUs (bf16 activations).
+    ("compressed-tensors/W4A16", "cpu", "tinygemm_cpu"),
+    ("compressed-tensors/W4A16_ASYM", "cpu", "tinygemm_cpu"),
+    ("modelopt/W4A16_AWQ", "cpu", "tinygemm_cpu"),
     ("modelopt/fp8_pb_wo", "sm90", "triton"),  # Marlin takes per-tensor/channel fp8 scales, not blocks
-    # MXFP4 W4A4: native on Blackwell, else Triton quantizes the activations itself.
-    ("compressed-tensors/MXFP4", "sm100", "native_fp4"),
+    # MXFP4 W4A4: native on datacenter Blackwell (10.x) only, else Triton quantizes the activations itself.
+    ("compressed-tensors/MXFP4", "sm100", "native_mxfp4"),
+    ("compressed-tensors/MXFP4", "sm103", "native_mxfp4"),
+    ("compressed-tensors/MXFP4", "sm120", "triton"),
     ("compressed-tensors/MXFP4", "sm90", "triton"),
     ("compressed-tensors/MXFP4", "cpu", "reference"),
-    ("modelopt/mxfp4", "sm120", "native_fp4"),
-    # Activation-quantized FP8 and int8: Triton on CUDA 8.0+, the reference emulation on a CPU.
-    ("compressed-tensors/FP8", "sm90", "triton"),
-    ("compressed-tensors/FP8_DYNAMIC", "sm89", "triton"),
+    ("modelopt/mxfp4", "sm100", "native_mxfp4"),
+    ("modelopt/mxfp4", "sm120", "triton"),
+    # FP8 W8A8: tensor-wise native FP8 from 8.9; row-wise on 8.9, 9.x and 10.0-10.3; block-wise on 9.0 only;
+    # Triton elsewhere on CUDA 8.0+; on a CPU the reference (native_fp8_cpu ranks below it).
+    ("compressed-tensors/FP8", "sm80", "triton"),
+    ("compressed-tensors/FP8", "sm89", "native_fp8"),
+    ("compressed-tensors/FP8", "sm90", "native_fp8"),
+    ("compressed-tensors/FP8", "sm120", "native_fp8"),
+    ("compressed-tensors/FP8", "cpu", "reference"),
+    ("compressed-tensors/FP8_DYNAMIC", "sm89", "native_fp8_rowwise"),
+    ("compressed-tensors/FP8_DYNAMIC", "sm100", "native_fp8_rowwise"),
+    ("compressed-tensors/FP8_DYNAMIC", "sm120", "triton"),
+    ("compressed-tensors/FP8_DYNAMIC", "cpu", "reference"),
+    ("compressed-tensors/FP8_BLOCK", "sm90", "native_fp8_block"),
     ("compressed-tensors/FP8_BLOCK", "sm100", "triton"),
+    ("compressed-tensors/FP8_BLOCK", "sm89", "triton"),
+    ("modelopt/FP8", "sm90", "native_fp8"),
+    # int8 W8A8: Triton on CUDA 8.0+, the reference emulation on a CPU.
     ("compressed-tensors/W8A8", "sm80", "triton"),
+    ("compressed-tensors/W8A8", "sm120", "triton"),
     ("compressed-tensors/W8A8", "cpu", "reference"),
-    ("modelopt/FP8", "sm90", "triton"),
     # AWQ with an always-present pre-scale would exclude Marlin; its pre-scale is optional.
     ("modelopt/W4A16_AWQ", "sm90", "marlin"),
-    # Turing (sm75, T4-class): Marlin for weight-only 4-bit; the Triton kernel needs 8.0.
+    # Turing (sm75, T4-class): Marlin for weight-only 4-bit; Triton and tinygemm need 8.0, native FP8 8.9.
     ("compressed-tensors/NVFP4A16", "sm75", "marlin"),
     ("compressed-tensors/W4A16", "sm75", "marlin"),
     ("compressed-tensors/NVFP4", "sm75", "reference"),
     ("compressed-tensors/FP8_DYNAMIC", "sm75", "reference"),
+    ("compressed-tensors/FP8", "sm75", "reference"),
     # NVFP4 weights with FP8 inputs: no kernel, anywhere.
     ("modelopt/W4A8_NVFP4_FP8", "sm100", None),
     ("modelopt/W4A8_NVFP4_FP8", "sm90", None),
@@ -100,13 +124,47 @@ def test_expected_kernel(scheme_name: str, device_name: str, expected: str | Non
     assert sum(c.chosen for c in resolution.trace) == (expected is not None)
 
 
+@pytest.mark.parametrize(
+    ("scheme_name", "device_name", "expected"),
+    [
+        ("compressed-tensors/W4A16", "sm80", "tinygemm"),
+        ("compressed-tensors/W4A16_ASYM", "sm90", "tinygemm"),
+        ("modelopt/W4A16_AWQ", "sm120", "tinygemm"),
+        ("compressed-tensors/W4A16", "sm75", "reference"),  # tinygemm needs 8.0
+        ("compressed-tensors/NVFP4A16", "sm90", "triton"),  # tinygemm is int4 only
+    ],
+)
+def test_without_vllm_int4_weight_only_layers_go_to_tinygemm(scheme_name: str, device_name: str, expected: str) -> None:
+    resolution = resolve(
+        builtin_scheme(scheme_name), SQUARE, fake_device(device_name, modules=NO_VLLM), AS_IF_IMPLEMENTED
+    )
+    assert resolution.kernel is not None and resolution.kernel.name == expected, resolution.trace
+    assert "needs module vllm" in resolution.candidate("marlin").reason
+
+
+def test_tinygemm_takes_bf16_activations_only() -> None:
+    scheme = builtin_scheme("compressed-tensors/W4A16")
+    for dtype in ("fp16", "fp32"):
+        on_cpu = resolve(scheme, Problem(4096, 4096, dtype), fake_device("cpu"), AS_IF_IMPLEMENTED)
+        assert on_cpu.kernel is not None and on_cpu.kernel.name == "reference"
+        cpu = on_cpu.candidate("tinygemm_cpu")
+        assert (cpu.stage, cpu.reason) == ("problem", f"takes bfloat16 activations; layer has {normalize_dtype(dtype)}")
+        on_gpu = resolve(scheme, Problem(4096, 4096, dtype), fake_device("sm90", modules=NO_VLLM), AS_IF_IMPLEMENTED)
+        assert on_gpu.kernel is not None and on_gpu.kernel.name == "triton"
+        assert on_gpu.candidate("tinygemm").stage == "problem"
+
+
 def test_triton_on_cpu_needs_the_interpreter() -> None:
     scheme = builtin_scheme("compressed-tensors/W4A16")
-    plain = resolve(scheme, SQUARE, fake_device("cpu"), AS_IF_IMPLEMENTED)
+    # tinygemm_cpu (60) outranks triton (50) for int4 with bf16 inputs on a CPU: leave it out here
+    without_tinygemm = {"tinygemm_cpu"}
+    plain = resolve(scheme, SQUARE, fake_device("cpu"), AS_IF_IMPLEMENTED, disabled=without_tinygemm)
     assert plain.kernel is not None and plain.kernel.name == "reference"
     triton = plain.candidate("triton")
     assert (triton.stage, triton.reason) == ("device", "on cpu needs TRITON_INTERPRET=1 (unset)")
-    interpreted = resolve(scheme, SQUARE, fake_device("cpu", environment=INTERPRETED), AS_IF_IMPLEMENTED)
+    interpreted = resolve(
+        scheme, SQUARE, fake_device("cpu", environment=INTERPRETED), AS_IF_IMPLEMENTED, disabled=without_tinygemm
+    )
     assert interpreted.kernel is not None and interpreted.kernel.name == "triton"
     rocm = resolve(scheme, SQUARE, fake_device("rocm"), AS_IF_IMPLEMENTED)
     assert rocm.kernel is not None and rocm.kernel.name == "triton"
@@ -170,7 +228,8 @@ def test_input_pre_scale_is_a_problem_fact() -> None:
     with_pre_scale = resolve(scheme, Problem(4096, 4096, input_pre_scale=True), fake_device("sm90"), AS_IF_IMPLEMENTED)
     assert with_pre_scale.candidate("marlin").stage == "problem"
     assert "pre-scale" in with_pre_scale.candidate("marlin").reason
-    assert with_pre_scale.kernel is not None and with_pre_scale.kernel.name == "triton"
+    # tinygemm declares input_pre_scale (it multiplies the input itself) and ranks next after Marlin
+    assert with_pre_scale.kernel is not None and with_pre_scale.kernel.name == "tinygemm"
 
 
 def test_missing_library_and_implementation_are_device_stage() -> None:
@@ -202,21 +261,50 @@ def test_missing_library_and_implementation_are_device_stage() -> None:
         fake_device("sm100", features=frozenset({"_scaled_mm"})),
         AS_IF_IMPLEMENTED,
     )
-    assert no_fp4_dtype.candidate("native_fp4").reason == "needs torch.float4_e2m1fn_x2, which torch 2.13.0 lacks"
+    assert no_fp4_dtype.candidate("native_fp4").reason == (
+        "needs torch.float4_e2m1fn_x2, torch.float8_e4m3fn, torch.nn.functional.scaled_mm, "
+        "torch.nn.functional.ScalingType.BlockWise1x16, torch.nn.functional.ScalingType.TensorWise, "
+        "torch.nn.functional.SwizzleType.SWIZZLE_32_4_4, which torch 2.13.0 lacks"
+    )
+    no_int4pack = resolve(
+        scheme,
+        SQUARE,
+        fake_device("cpu", features=ALL_FEATURES - {"ops.aten._weight_int4pack_mm_for_cpu"}),
+        AS_IF_IMPLEMENTED,
+    )
+    assert no_int4pack.candidate("tinygemm_cpu").reason == (
+        "needs torch.ops.aten._weight_int4pack_mm_for_cpu, which torch 2.13.0 lacks"
+    )
+    assert no_int4pack.kernel is not None and no_int4pack.kernel.name == "reference"
 
 
 def test_order_is_priority_then_name_whatever_the_input_order() -> None:
     twins = [
-        KernelDeclaration("b_twin", "test", 5, (Supports(("int4",)),), (DeviceSupport(ANY_DEVICE),), "fake_kernels:x"),
-        KernelDeclaration("a_twin", "test", 5, (Supports(("int4",)),), (DeviceSupport(ANY_DEVICE),), "fake_kernels:x"),
+        KernelDeclaration("b_twin", "test", 65, (Supports(("int4",)),), (DeviceSupport(ANY_DEVICE),), "fake_kernels:x"),
+        KernelDeclaration("a_twin", "test", 65, (Supports(("int4",)),), (DeviceSupport(ANY_DEVICE),), "fake_kernels:x"),
     ]
     declarations = [*AS_IF_IMPLEMENTED, *twins]
     scheme = builtin_scheme("compressed-tensors/W4A16")
     first = resolve(scheme, SQUARE, fake_device("cpu"), declarations)
     names = [c.kernel for c in first.trace]
-    assert names == ["native_fp4", "marlin", "triton", "a_twin", "b_twin", "reference"]
+    assert names == [
+        "native_fp4",
+        "native_mxfp4",
+        "native_fp8",
+        "native_fp8_block",
+        "native_fp8_rowwise",
+        "marlin",
+        "tinygemm",
+        "a_twin",
+        "b_twin",
+        "tinygemm_cpu",
+        "triton",
+        "reference",
+        "native_fp8_cpu",
+    ]
     assert first.kernel is not None and first.kernel.name == "a_twin"
     assert first.candidate("b_twin").reason == "not chosen: a_twin ranks higher"
+    assert first.candidate("tinygemm_cpu").reason == "not chosen: a_twin ranks higher"
     for seed in range(5):
         shuffled = list(declarations)
         random.Random(seed).shuffle(shuffled)
@@ -240,8 +328,11 @@ def test_forcing_and_disabling() -> None:
         resolve(scheme, SQUARE, device, AS_IF_IMPLEMENTED, force="marlinn")
 
     disabled = resolve(scheme, SQUARE, device, AS_IF_IMPLEMENTED, disabled={"marlin", "triton"})
-    assert disabled.kernel is not None and disabled.kernel.name == "reference"
+    assert disabled.kernel is not None and disabled.kernel.name == "tinygemm"  # the next by priority
     assert disabled.candidate("marlin").stage == "disabled"
+    all_three = resolve(scheme, SQUARE, device, AS_IF_IMPLEMENTED, disabled={"marlin", "tinygemm", "triton"})
+    assert all_three.kernel is not None and all_three.kernel.name == "reference"
+    assert {all_three.candidate(name).stage for name in ("marlin", "tinygemm", "triton")} == {"disabled"}
 
 
 def test_memoising_resolver_shares_resolutions_across_layer_names() -> None:
@@ -325,9 +416,9 @@ def test_nvfp4_weights_with_fp8_inputs_resolve_once_a_kernel_declares_the_pair(t
 def test_scheme_stage_reasons() -> None:
     device = fake_device("sm90")
     int8 = resolve(builtin_scheme("compressed-tensors/W8A8"), SQUARE, device, AS_IF_IMPLEMENTED)
-    assert (
-        reasons_at(int8.candidate("native_fp4"), "scheme") == "implements mxfp4, nvfp4 weights; scheme has int8 weights"
-    )
+    assert reasons_at(int8.candidate("native_fp4"), "scheme") == "implements nvfp4 weights; scheme has int8 weights"
+    assert reasons_at(int8.candidate("native_mxfp4"), "scheme") == "implements mxfp4 weights; scheme has int8 weights"
+    assert reasons_at(int8.candidate("tinygemm"), "scheme") == "implements int4 weights; scheme has int8 weights"
     assert int8.candidate("marlin").reason == (
         "takes int8 weights with none (16-bit) activations; scheme has int8 dynamic per token activations"
     )
@@ -407,7 +498,7 @@ def test_activation_formats_no_kernel_runs_fail_at_resolution_naming_the_format(
         resolution = resolve(scheme, SQUARE, device, AS_IF_IMPLEMENTED)
         assert resolution.kernel is None
         assert all(c.stage == "scheme" for c in resolution.trace)
-        for name in ("triton", "reference"):
+        for name in ("native_fp8_rowwise", "native_fp8_cpu", "triton", "reference"):
             assert reasons_at(resolution.candidate(name), "scheme") == (
                 "takes fp8 weights with fp8 dynamic per token (e4m3, fp32/float scales) activations; "
                 "scheme has fp8 dynamic per token (e5m2, bf16 scales) activations"
@@ -420,8 +511,17 @@ def test_activation_formats_no_kernel_runs_fail_at_resolution_naming_the_format(
             resolution.require(declarations=AS_IF_IMPLEMENTED)
         message = str(raised.value)
         assert "No kernel implements fp8 weights with fp8 dynamic per token (e5m2, bf16 scales) activations." in message
-        assert "fp8 dynamic per token (e4m3, fp32/float scales)            triton, reference" in message
-        assert "fp8 static per tensor (e4m3, fp32/float/fp16/bf16 scales)  triton, reference" in message
+        assert (
+            "fp8 dynamic per token (e4m3, fp32/float scales)            native_fp8_rowwise, triton, reference, "
+            "native_fp8_cpu" in message
+        )
+        assert (
+            "fp8 static per tensor (e4m3, fp32/float/fp16/bf16 scales)  native_fp8, native_fp8_rowwise, triton, "
+            "reference, native_fp8_cpu" in message
+        )
+        assert "fp8 dynamic per group of 128 (e4m3, fp32/float scales)     native_fp8_block, triton, reference" in (
+            message
+        )
     # A plugin kernel declaring the format takes the scheme.
     declarations = (*AS_IF_IMPLEMENTED, implemented(E5M2_KERNEL))
     resolution = resolve(scheme, SQUARE, fake_device("sm90"), declarations)
@@ -434,6 +534,72 @@ def test_activation_formats_no_kernel_runs_fail_at_resolution_naming_the_format(
         "takes fp8 weights with fp8 dynamic per token (e5m2, bf16 scales) activations; "
         "scheme has fp8 dynamic per token (e4m3, fp32 scales) activations"
     )
+
+
+# --- weight element formats (Supports.weight_formats) ------------------------------------------
+
+# e5m2 weights (one scale per tensor) with static per-tensor e4m3 inputs: the fp8 family, but not the
+# e4m3 weights the native FP8 kernels take.
+E5M2_WEIGHTS_STATIC_INPUTS = """\
+name: test/fp8-e5m2-weights-static-inputs
+weight:
+  format: e5m2
+  tensor: {name: weight, dtype: float8_e5m2, shape: [N, K]}
+  scale:
+    granularity: tensor
+    format: fp32
+    stored: multiplier
+    tensor: {name: weight_scale, dtype: float32, shape: [1]}
+activation:
+  format: e4m3
+  granularity: tensor
+  dynamic: false
+  scale:
+    stored: multiplier
+    tensor: {name: input_scale, dtype: float32, shape: [1]}
+"""
+
+E5M2_WEIGHTS_KERNEL = KernelDeclaration(
+    name="e5m2_weights",
+    provider="test",
+    priority=95,
+    supports=(
+        Supports(("fp8",), weight_formats=("e5m2",), activations=(ActivationSupport("fp8", "tensor", dynamic=False),)),
+    ),
+    devices=(DeviceSupport(ANY_DEVICE),),
+    implementation="fake_kernels:e5m2_weights",
+)
+
+
+def _e5m2_weights(tmp_path: Path) -> Scheme:
+    file = tmp_path / "e5m2_weights.yaml"
+    file.write_text(E5M2_WEIGHTS_STATIC_INPUTS)
+    return parse_scheme_file(file)
+
+
+def test_weight_element_formats_a_kernel_does_not_take_are_rejected_at_the_scheme_stage(tmp_path: Path) -> None:
+    scheme = _e5m2_weights(tmp_path)
+    assert (scheme.weight_family, scheme.weight.format) == ("fp8", "e5m2")
+    wrong_format = "takes fp8 weights in e4m3; scheme has e5m2 weights"
+    for device_name, native, winner in (("sm90", "native_fp8", "triton"), ("cpu", "native_fp8_cpu", "reference")):
+        resolution = resolve(scheme, SQUARE, fake_device(device_name), AS_IF_IMPLEMENTED)
+        rejected = resolution.candidate(native)
+        assert not rejected.accepted and rejected.stage == "scheme"
+        assert [(f.stage, f.reason) for f in rejected.failures] == [("scheme", wrong_format)]
+        assert resolution.kernel is not None and resolution.kernel.name == winner
+        assert resolution.candidate("reference").accepted  # the reference takes any fp8 element format
+    # The same scheme with e4m3 weights: the format was the only thing in the way.
+    e4m3 = replace(scheme, weight=replace(scheme.weight, format="e4m3"))
+    on_gpu = resolve(e4m3, SQUARE, fake_device("sm90"), AS_IF_IMPLEMENTED)
+    assert on_gpu.kernel is not None and on_gpu.kernel.name == "native_fp8"
+    on_cpu = resolve(e4m3, SQUARE, fake_device("cpu"), AS_IF_IMPLEMENTED)
+    assert on_cpu.candidate("native_fp8_cpu").reason == "not chosen: reference ranks higher"
+    # A kernel that declares e5m2 weights takes the scheme, and only e5m2 ones.
+    declarations = (*AS_IF_IMPLEMENTED, implemented(E5M2_WEIGHTS_KERNEL))
+    taken = resolve(scheme, SQUARE, fake_device("sm90"), declarations)
+    assert taken.kernel is not None and taken.kernel.name == "e5m2_weights"
+    refused = resolve(e4m3, SQUARE, fake_device("sm90"), declarations).candidate("e5m2_weights")
+    assert reasons_at(refused, "scheme") == "takes fp8 weights in e5m2; scheme has e4m3 weights"
 
 
 def _with_activation(base: str, **changes: object) -> Scheme:

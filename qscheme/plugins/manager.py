@@ -43,6 +43,8 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "triton": "qscheme_plugins.triton_declaration",
     "marlin": "qscheme_plugins.marlin",
     "native_fp4": "qscheme_plugins.native_fp4",
+    "native_fp8": "qscheme_plugins.native_fp8",
+    "tinygemm": "qscheme_plugins.tinygemm",
 }
 HOOKS: tuple[str, ...] = ("qscheme_kernels", "qscheme_schemes")
 
