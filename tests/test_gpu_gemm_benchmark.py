@@ -1,8 +1,10 @@
-"""benchmarks/gpu_gemm.py runs end to end on the CPU (--smoke, Triton interpreter) and, without
---smoke, stops with a clear message where no CUDA GPU is visible."""
+"""benchmarks/gpu_gemm.py runs end to end on the CPU (--smoke, Triton interpreter) with a row for
+every kernel the resolver accepts there, and, without --smoke, stops with a clear message where
+no CUDA GPU is visible."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -11,7 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).parent.parent / "benchmarks" / "gpu_gemm.py"
+from qscheme.catalog import load_scheme
+from qscheme.triton.samples import model_scale_dtype, random_weight
+
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+SCRIPT = BENCHMARKS / "gpu_gemm.py"
+HEADER = "| scheme | kernel | N x K | M | us | bf16 us | vs bf16 | vs triton | TFLOP/s | GB/s | bf16 GB/s |"
 
 
 def _run(*arguments: str) -> subprocess.CompletedProcess[str]:
@@ -21,14 +28,54 @@ def _run(*arguments: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_smoke_run_prints_the_table(tmp_path: Path) -> None:
+def _table(text: str, header: str) -> list[list[str]]:
+    rows = []
+    for line in text[text.index(header) :].splitlines()[2:]:
+        if not line.startswith("| "):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def _accepted(scheme_name: str, n: int, k: int) -> tuple[str, ...]:
+    """The kernels the resolver accepts for the layer on this CPU under the interpreter."""
+    sys.path.insert(0, str(BENCHMARKS))
+    kernel_table = importlib.import_module("kernel_table")
+    scheme = load_scheme(scheme_name)
+    weight = random_weight(scheme, n, k, seed=1, scale_dtype=model_scale_dtype(scheme, torch.bfloat16))
+    kernels: tuple[str, ...] = kernel_table.runnable_kernels(weight, kernel_table.device_facts("cpu", True)).kernels
+    return kernels
+
+
+def test_smoke_run_puts_every_accepted_kernel_side_by_side(tmp_path: Path) -> None:
     markdown = tmp_path / "table.md"
     completed = _run("--smoke", "--markdown", str(markdown))
     assert completed.returncode == 0, completed.stderr[-2000:]
     text = markdown.read_text()
-    assert "| M | N x K | triton us | bf16 us | speedup |" in text
-    assert "| 1 | 64x128 |" in text and "| 4 | 96x160 |" in text
-    assert "Largest error against the reference kernel" in text
+    sys.path.insert(0, str(BENCHMARKS))
+    gpu_gemm = importlib.import_module("gpu_gemm")
+    expected = {
+        (scheme, kernel, n, k, m)
+        for scheme in gpu_gemm.SMOKE_SCHEMES
+        for n, k in gpu_gemm.SMOKE_SHAPES
+        for kernel in _accepted(scheme, n, k)
+        for m in gpu_gemm.SMOKE_M_VALUES
+    }
+    assert {kernel for _, kernel, *_ in expected} >= {"triton", "reference"}
+    rows = _table(text, HEADER)
+    found = [(row[0], row[1], *map(int, row[2].split("x")), int(row[3])) for row in rows]
+    assert len(found) == len(set(found)) and set(found) == expected
+    assert {row[7] for row in rows if row[1] == "triton"} == {"1.00x"}  # vs triton: the same call's own time
+    assert all(row[7].endswith("x") and row[6].endswith("x") for row in rows)
+    errors = _table(text, "| scheme | kernel | N x K | error |")
+    assert {(row[0], row[1], row[2]) for row in errors} == {(s, kernel, f"{n}x{k}") for s, kernel, n, k, _ in expected}
+    assert all(float(row[3]) < 2.0**-6 for row in errors)
+    memory = _table(text, "| scheme | kernel | N x K | canonical MiB | resident MiB (cpu) | x canonical |")
+    n, k = gpu_gemm.SMOKE_SHAPES[0]
+    assert {(row[0], row[1]) for row in memory} == {
+        (s, kernel) for s, kernel, n_, k_, _ in expected if (n_, k_) == (n, k)
+    }
+    assert text.strip() in completed.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the script would benchmark it")
