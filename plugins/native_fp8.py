@@ -31,7 +31,9 @@ output sliced back, so no shape is refused.
   and fp32 activations. It holds the weight in 8 bits (a quarter of the reference kernel's
   float32 copy) but ran about 16x slower than the reference kernel at M = 1 and 7-9x at M = 4-16
   on a 4096x4096 layer (bf16 inputs, 2 CPU threads), so its priority is below the reference
-  kernel's: it runs when forced (or with the reference disabled), for the memory.
+  kernel's: it runs when forced (or with the reference disabled), for the resident memory
+  (torch's CPU ``_scaled_mm`` widens the whole weight to float32 during each call, so the running
+  layer's peak is higher than the reference kernel's).
 
 Not claimed: modelopt/fp8_pb_wo is weight-only (16-bit inputs); a W8A8 GEMM would add an
 activation quantization the scheme does not have, so its layers go to weight-only kernels. FP8

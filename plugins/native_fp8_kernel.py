@@ -259,6 +259,8 @@ GemmCall = Callable[[Tensor, Tensor, Run], Tensor]
 def run_gemms(state: Fp8State, values: Tensor, gemm: GemmCall) -> list[Tensor]:
     """One GEMM per run, the input quantized once per distinct static scale (or once per call for
     dynamic inputs); each output [M, run rows] with the padding sliced off."""
+    if values.shape[0] == 0:  # no rows: nothing to quantize (an empty [0, 1] scale has strides _scaled_mm refuses)
+        return [values.new_zeros((0, run.stop - run.start)) for run in state.runs]
     pieces: list[Tensor] = []
     quantized: dict[int | None, tuple[Tensor, Tensor]] = {}
     for run in state.runs:

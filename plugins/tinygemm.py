@@ -49,11 +49,13 @@ INT4_WEIGHT_ONLY = Supports(
 _SCALE_NOTE = (
     "scales are rounded to bfloat16, the only scale dtype the op takes with bfloat16 inputs: exact for "
     "bfloat16 scales; float16 or float32 scales (or a global scale folded in) move each weight by at most "
-    "|u - 8| * |s - bf16(s)| <= 8 * 2**-8 * |s| (u - 8 = q for int4 codes, q - 8 for uint4 codes)"
+    "|u - 8| * |s - bf16(s)| <= 8 * 2**-8 * |s| (u - 8 = q for int4 codes, q - 8 for uint4 codes), plus "
+    "2**-24 * |w| for the reference's own float32 rounding of (q - z) * s"
 )
 _ZERO_NOTE = (
     "zero points become float zeros rounded once to bfloat16, zero = -z * s for int4 codes and (8 - z) * s "
-    "for uint4 codes: each weight moves by at most half a bfloat16 ulp of |zero| (<= 2**-8 * |zero|)"
+    "for uint4 codes: each weight moves by at most half a bfloat16 ulp of |zero| (<= 2**-8 * |zero|), plus "
+    "2**-24 * |w| for the reference's own float32 rounding"
 )
 _PRE_SCALE_NOTE = (
     "an AWQ input pre-scale multiplies the input in float32 and the product is rounded to bfloat16 "
@@ -78,7 +80,8 @@ TINYGEMM = KernelDeclaration(
     notes=(
         "dequantizes by a bfloat16 fma, bf16(u - 8) * s + zero rounded once to bfloat16, so each weight also "
         "moves by up to half a bfloat16 ulp of |w|; products are summed in float32 (mma m16n8k16) and the "
-        "output rounded once to bfloat16",
+        "output rounded once to bfloat16; a bias is added to that bfloat16 output and the sum rounded again "
+        "(at most 2**-8 * (|x W^T| + |y|) more)",
         _SCALE_NOTE,
         _ZERO_NOTE,
         _PRE_SCALE_NOTE,
@@ -98,8 +101,9 @@ TINYGEMM_CPU = KernelDeclaration(
     checks=(ActivationDtypes(("bfloat16",)),),
     notes=(
         "dequantizes in float32, fma(u - 8, s, zero) with s and zero widened from bfloat16, sums in float32 "
-        "and rounds the output once to bfloat16: with bfloat16 scales and no zero points each weight is the "
-        "reference's exactly",
+        "and rounds the output once to bfloat16: with bfloat16 scales, no zero points and no global scale each "
+        "weight is the reference's exactly; a bias is added to that bfloat16 output and the sum rounded again "
+        "(at most 2**-8 * (|x W^T| + |y|) more)",
         _SCALE_NOTE,
         _ZERO_NOTE,
         _PRE_SCALE_NOTE,
