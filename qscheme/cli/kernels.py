@@ -43,6 +43,7 @@ def kernel_record(declaration: KernelDeclaration, device: DeviceFacts, unavailab
 
 def _details(record: dict[str, Any]) -> list[str]:
     needs = [f"module {m}" for m in record["requires_modules"]]
+    needs += list(record.get("requires_versions") or ())
     needs += [f"torch.{f}" for f in record["torch_features"]]
     needs += record["checks"]
     lines = [f"{record['name']} ({record['provider']}, priority {record['priority']}, plugin {record['plugin']})"]

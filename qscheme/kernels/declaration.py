@@ -28,6 +28,7 @@ from qscheme.descriptor.model import (
     weight_family,
 )
 from qscheme.descriptor.parse import ELEMENT_FORMATS
+from qscheme.kernels.versions import parse_specifier
 
 if TYPE_CHECKING:
     from qscheme.kernels.problem import Problem
@@ -445,7 +446,9 @@ class KernelDeclaration:
     ``priority``: higher wins; ties are broken by name. ``implementation``: "module:attribute"
     of a class (instantiated without arguments) or an object with ``prepare`` and ``apply``;
     None for a kernel declared ahead of its code. ``requires_modules``: modules that must be
-    importable (kernel libraries such as vllm or flashinfer). ``torch_features``: attributes
+    importable (kernel libraries such as vllm or flashinfer). ``requires_versions``: installed
+    distributions and the version ranges the kernel supports, e.g. ``(("vllm", ">=0.33,<0.34"),)``
+    (read from package metadata, nothing imported). ``torch_features``: attributes
     of the ``torch`` module it needs (e.g. ``float4_e2m1fn_x2``), dotted paths below it
     (``nn.functional.scaled_mm``) or operators (``ops.aten._weight_int4pack_mm``). ``notes``:
     facts a user should know before relying on the kernel (its numerical error against the
@@ -460,6 +463,7 @@ class KernelDeclaration:
     devices: tuple[DeviceSupport, ...]
     implementation: str | None = None
     requires_modules: tuple[str, ...] = ()
+    requires_versions: tuple[tuple[str, str], ...] = ()
     torch_features: tuple[str, ...] = ()
     checks: tuple[ProblemCheck, ...] = ()
     description: str = ""
@@ -483,6 +487,20 @@ class KernelDeclaration:
             f"kernel {self.name}: implementation must be 'module:attribute', not {self.implementation!r}",
         )
         _tuple_of(self.requires_modules, str, f"kernel {self.name}: requires_modules")
+        _require(
+            isinstance(self.requires_versions, tuple)
+            and all(
+                isinstance(v, tuple) and len(v) == 2 and all(isinstance(p, str) and p for p in v)
+                for v in self.requires_versions
+            ),
+            f"kernel {self.name}: requires_versions must be a tuple of (distribution, specifier) pairs, "
+            f"not {self.requires_versions!r}",
+        )
+        for distribution, specifier in self.requires_versions:
+            try:
+                parse_specifier(specifier)
+            except ValueError as error:
+                raise ValueError(f"kernel {self.name}: requires_versions {distribution}: {error}") from None
         _tuple_of(self.torch_features, str, f"kernel {self.name}: torch_features")
         _tuple_of(self.notes, str, f"kernel {self.name}: notes")
         _require(
@@ -515,6 +533,7 @@ class KernelDeclaration:
             "supports": self.describe_supports(),
             "devices": [d.describe() for d in self.devices],
             "requires_modules": list(self.requires_modules),
+            "requires_versions": [f"{d} {s}" for d, s in self.requires_versions],
             "torch_features": list(self.torch_features),
             "checks": [describe_check(c) for c in self.checks],
             "notes": list(self.notes),

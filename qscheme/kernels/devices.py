@@ -50,6 +50,14 @@ class DeviceFacts:
     environment: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = ()
     torch_build: str | None = None
+    distributions: tuple[tuple[str, str], ...] = ()
+
+    def distribution_version(self, name: str) -> str | None:
+        """The installed version of a distribution the declarations asked about (None: not installed)."""
+        for key, value in self.distributions:
+            if key == name:
+                return value
+        return None
 
     @property
     def cpu_only_torch(self) -> bool:
@@ -92,6 +100,7 @@ class DeviceFacts:
             "environment": dict(self.environment),
             "notes": list(self.notes),
             "torch_build": self.torch_build,
+            "distributions": dict(self.distributions),
         }
 
 
@@ -253,9 +262,11 @@ def with_environment(
     variables: Iterable[str] = (),
     environ: Mapping[str, str] | None = None,
     torch_features: Iterable[str] = (),
+    distributions: Iterable[str] = (),
 ) -> DeviceFacts:
-    """The facts plus which of ``modules`` are importable, the values of ``variables``, and which
-    of ``torch_features`` the local torch has (a simulated device assumes the same torch)."""
+    """The facts plus which of ``modules`` are importable, the values of ``variables``, which
+    of ``torch_features`` the local torch has (a simulated device assumes the same torch) and
+    the installed versions of ``distributions`` (from package metadata; nothing is imported)."""
     env = os.environ if environ is None else environ
     found = frozenset(m for m in modules if module_available(m))
     values = tuple(sorted((v, env[v]) for v in set(variables) if v in env))
@@ -263,4 +274,16 @@ def with_environment(
     wanted = set(torch_features) - features
     if wanted:  # only then is torch imported
         features = features | _torch_features(sorted(wanted))
-    return replace(facts, modules=facts.modules | found, environment=values, torch_features=features)
+    versions = dict(facts.distributions)
+    for name in distributions:
+        if name not in versions:
+            version = _distribution_version(name)
+            if version is not None:
+                versions[name] = version
+    return replace(
+        facts,
+        modules=facts.modules | found,
+        environment=values,
+        torch_features=features,
+        distributions=tuple(sorted(versions.items())),
+    )

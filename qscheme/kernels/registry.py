@@ -110,25 +110,27 @@ def overrides(kernel: str | None = None, environ: Mapping[str, str] | None = Non
     return forced, disabled
 
 
-def _requirements(decls: Sequence[KernelDeclaration]) -> tuple[set[str], set[str], set[str]]:
-    """The modules, environment variables and torch features the declarations ask about."""
+def _requirements(decls: Sequence[KernelDeclaration]) -> tuple[set[str], set[str], set[str], set[str]]:
+    """The modules, environment variables, torch features and distributions the declarations ask about."""
     modules: set[str] = set()
     variables: set[str] = set()
     features: set[str] = set()
+    distributions: set[str] = set()
     for declaration in decls:
+        distributions.update(name for name, _ in declaration.requires_versions)
         modules.update(declaration.requires_modules)
         if declaration.implementation_module:
             modules.add(declaration.implementation_module)
         for support in declaration.devices:
             variables.update(name for name, _ in support.environment)
         features.update(declaration.torch_features)
-    return modules, variables, features
+    return modules, variables, features, distributions
 
 
 def complete_facts(facts: DeviceFacts, decls: Sequence[KernelDeclaration] | None = None) -> DeviceFacts:
     """Device facts plus the modules, variables and torch features the declarations ask about."""
-    modules, variables, features = _requirements(declarations() if decls is None else decls)
-    return with_environment(facts, modules, variables, torch_features=features)
+    modules, variables, features, distributions = _requirements(declarations() if decls is None else decls)
+    return with_environment(facts, modules, variables, torch_features=features, distributions=distributions)
 
 
 def device_for(device: DeviceFacts | str | None = None) -> DeviceFacts:
@@ -144,7 +146,7 @@ def device_for(device: DeviceFacts | str | None = None) -> DeviceFacts:
     if name is not None and name.startswith("cuda:"):
         name = "cuda"
     decls = declarations()
-    _, variables, _ = _requirements(decls)
+    _, variables, _, _ = _requirements(decls)
     key = (name, id(decls), tuple((v, os.environ.get(v)) for v in sorted(variables)))
     hit = _devices.get(key)
     if hit is not None and hit[0] is decls:

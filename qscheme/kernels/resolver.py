@@ -42,6 +42,7 @@ from qscheme.kernels.declaration import (
 )
 from qscheme.kernels.devices import DeviceFacts
 from qscheme.kernels.problem import Problem
+from qscheme.kernels.versions import satisfies
 
 STAGES: tuple[str, ...] = ("disabled", "scheme", "device", "problem")
 
@@ -362,6 +363,14 @@ def device_reasons(
         else:
             where = ""
         reasons.append(f"needs module {', '.join(missing_modules)}, not importable here{where}")
+    for distribution, specifier in declaration.requires_versions:
+        if distribution in missing_modules:
+            continue  # already said: not importable
+        version = device.distribution_version(distribution)
+        if version is None:
+            reasons.append(f"needs {distribution} {specifier}; no installed {distribution} distribution was found")
+        elif not satisfies(version, specifier):
+            reasons.append(f"needs {distribution} {specifier}; {distribution} {version} is installed")
     if declaration.implementation is None:
         reasons.append("declared only: no implementation is installed")
     elif unavailable and declaration.name in unavailable:
