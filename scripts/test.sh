@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install, then run every check CI runs: ruff, mypy, the wheel install check, and the test suite.
+# Install, then run every check CI runs: ruff, mypy, the wheel install check, the producers'
+# side venvs (nvidia-modelopt, and vLLM's Python helpers for the Marlin layouts) used as test
+# oracles, and the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -15,5 +17,8 @@ bash scripts/check-wheel.sh
 echo "== modelopt oracle"
 bash scripts/install-modelopt-oracle.sh
 export QSCHEME_MODELOPT_PYTHON="$PWD/.venv-modelopt/bin/python"
+echo "== vllm oracle"
+bash scripts/install-vllm-oracle.sh
+export QSCHEME_VLLM_PYTHON="$PWD/.venv-vllm/bin/python"
 echo "== pytest"
 python -m pytest -p no:cacheprovider "$@"
