@@ -1,10 +1,31 @@
-"""Marlin (weight-only FP4, int4, int8 and fp8 with 16-bit activations): declaration only.
+"""Marlin (weight-only FP4, int4, int8 and FP8 with 16-bit activations) through vLLM's ops.
 
-Capabilities as vLLM's Marlin kernels have them (see shared formats.md, "Kernels in the
-field"): compute capability 7.5 or newer, 16-bit activations only, N % 64 == 0 and
-K % 128 == 0 (or N % 128 == 0 and K % 64 == 0), int group sizes channel/32/64/128, FP4 groups
-of 16 (NVFP4) and 32 (MXFP4), one global scale per layer. The kernel code ships in vLLM, so
-the module is required; no qscheme implementation exists yet.
+The GEMM and the weight repack are vLLM's compiled ops (``marlin_gemm``, ``gptq_marlin_repack``
+in ``vllm._custom_ops``, vLLM 0.33); the scale, zero-point and padding transforms are qscheme's
+own (``qscheme_plugins.marlin_layout``, checked against vLLM's Python helpers). The code is in
+``qscheme_plugins.marlin_kernel``.
+
+What vLLM 0.33's Marlin takes (``marlin_utils.query_marlin_supported_quant_types`` and
+``MARLIN_SUPPORTED_GROUP_SIZES``, ``marlin_utils_fp4`` / ``marlin_utils_fp8``):
+
+- scalar types ``uint4b8`` (int4), ``uint4`` with zero points (int4 / uint4 codes with zero
+  points; only 4-bit weights take zero points), ``uint8b128`` (int8), ``float8_e4m3fn`` and
+  ``float4_e2m1f`` (NVFP4 with e4m3 groups of 16);
+- integer scales per channel or in groups of 32, 64 or 128 along K; FP8 scales per tensor,
+  per channel or in groups of 128 (128x128 blocks are groups of 128 repeated along N: vLLM
+  builds FP8 Marlin for channel scales and groups of 128 only); compute capability 8.0 or newer;
+  bfloat16 or float16 activations, which also set the scales' dtype;
+- N and K multiples of (64, 128) or (128, 64): other shapes are zero-padded at prepare (as
+  vLLM 0.33 does, ``marlin_padded_nk``), the input padded and the output sliced per call, so no
+  shape is rejected;
+- one global scale per GEMM: fused NVFP4 partitions whose global scales differ run one GEMM per
+  partition (exact, one launch each); FP8 per-tensor partition scales become channel scales.
+
+Not claimed, though Marlin has kernels for them: MXFP4 (e8m0 groups of 32), compiled for
+bfloat16 activations only, and compute capability 7.5, float16 only; a declaration's dtype check
+holds for all its schemes and devices, so either would be chosen where its float16 call fails.
+
+The ops change signature across vLLM releases; only 0.33 is checked (``requires_versions``).
 """
 
 from __future__ import annotations
@@ -14,27 +35,79 @@ from qscheme.kernels.declaration import (
     CapabilityRange,
     DeviceSupport,
     KernelDeclaration,
-    ShapeAlignment,
     Supports,
 )
 from qscheme.plugins import hookimpl
+
+# The vLLM releases whose Marlin ops the implementation calls (only 0.33.0 is checked).
+VLLM_VERSIONS = ">=0.33,<0.34"
+# Float formats of integer and FP8 weight scales (e4m3 / e8m0 scales are FP4 formats to Marlin).
+_FLOAT_SCALES = ("fp32", "fp16", "bf16", "float")
+_GROUPS = (32, 64, 128)
 
 MARLIN = KernelDeclaration(
     name="marlin",
     provider="vllm",
     priority=80,
-    description="Marlin mixed-precision GEMM (weights repacked into Marlin tiles at load time)",
+    description="vLLM's Marlin mixed-precision GEMM (weights repacked into Marlin tiles at prepare)",
     supports=(
-        Supports(weights=("nvfp4",), granularities=("group",), group_sizes=(16,), scale_formats=("e4m3",)),
-        Supports(weights=("mxfp4",), granularities=("group",), group_sizes=(32,), scale_formats=("e8m0",)),
-        Supports(weights=("int4",), granularities=("channel", "group"), group_sizes=(32, 64, 128), zero_points=True),
-        Supports(weights=("int8",), granularities=("channel", "group"), group_sizes=(32, 64, 128)),
-        Supports(weights=("fp8",), granularities=("tensor", "channel")),
+        Supports(
+            weights=("nvfp4",),
+            granularities=("group",),
+            group_sizes=(16,),
+            scale_formats=("e4m3",),
+            per_partition_scales=True,
+            input_pre_scale=True,
+        ),
+        Supports(
+            weights=("int4",),
+            weight_formats=("int4", "uint4"),
+            granularities=("channel", "group"),
+            group_sizes=_GROUPS,
+            scale_formats=_FLOAT_SCALES,
+            zero_points=True,
+            per_partition_scales=True,
+            input_pre_scale=True,
+        ),
+        Supports(
+            weights=("int8",),
+            weight_formats=("int8",),
+            granularities=("channel", "group"),
+            group_sizes=_GROUPS,
+            scale_formats=_FLOAT_SCALES,
+            per_partition_scales=True,
+            input_pre_scale=True,
+        ),
+        Supports(
+            weights=("fp8",),
+            weight_formats=("e4m3",),
+            granularities=("tensor", "channel", "group", "block"),
+            group_sizes=(128,),
+            blocks=((128, 128),),
+            scale_formats=_FLOAT_SCALES,
+            per_partition_scales=True,
+            input_pre_scale=True,
+        ),
     ),
-    devices=(DeviceSupport("cuda", capabilities=(CapabilityRange((7, 5)),)),),
-    implementation=None,
+    # 8.0 or newer: vLLM 0.33's Turing (7.5) build runs float16 activations only ("Turing only
+    # support FP16 or INT8 activation"), which a kernel-wide dtype check cannot say per device.
+    devices=(DeviceSupport("cuda", capabilities=(CapabilityRange((8, 0)),)),),
+    implementation="qscheme_plugins.marlin_kernel:MarlinKernel",
     requires_modules=("vllm",),
-    checks=(ShapeAlignment(((64, 128), (128, 64))), ActivationDtypes(("bfloat16", "float16"))),
+    requires_versions=(("vllm", VLLM_VERSIONS),),
+    checks=(ActivationDtypes(("bfloat16", "float16")),),
+    notes=(
+        "unverified on a GPU: the GEMM has not run on hardware in qscheme's tests (CPU tests check "
+        "the operands passed to vLLM's ops with a stub vLLM)",
+        "scales are rounded to the activation dtype (bfloat16 or float16), as vLLM does; NVFP4 "
+        "group scales are re-encoded exactly (vLLM's S0E5M3 bytes), an AWQ pre-scale multiplies the "
+        "input in the activation dtype (one more rounding than the reference's float32)",
+        "shapes off Marlin's tiles (N % 64 and K % 128, or N % 128 and K % 64) are zero-padded: the "
+        "input is padded and the output sliced on every call",
+        "fused NVFP4 partitions with different global scales run one GEMM per partition",
+        "not claimed: MXFP4 (vLLM 0.33 compiles its MXFP4 Marlin kernels for bfloat16 activations only, "
+        "which this kernel-wide declaration cannot say per scheme) and compute capability 7.5 (float16 only)",
+    ),
 )
 
 
