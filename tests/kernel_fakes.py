@@ -19,10 +19,12 @@ if TYPE_CHECKING:
 
 from qscheme.catalog import load_catalog
 from qscheme.descriptor import Scheme
-from qscheme.kernels.declaration import KernelDeclaration
+from qscheme.kernels.declaration import ActivationDtypes, KernelDeclaration, ShapeAlignment
 from qscheme.kernels.devices import SIMULATED_DEVICES, DeviceFacts
 
 FAKE_IMPLEMENTATION_MODULE = "fake_kernels"
+# The vLLM release fake devices have installed when the "vllm" module is importable on them.
+FAKE_VLLM_VERSION = "0.33.0"
 
 
 def implemented(declaration: KernelDeclaration) -> KernelDeclaration:
@@ -46,6 +48,24 @@ BUILTIN_DECLARATIONS: tuple[KernelDeclaration, ...] = (
     TINYGEMM_CPU,
 )
 AS_IF_IMPLEMENTED: tuple[KernelDeclaration, ...] = tuple(implemented(d) for d in BUILTIN_DECLARATIONS)
+# A test-local, stricter Marlin (provider "test"), with the checks Marlin had before its
+# implementation: tile-aligned shapes only, one global scale per layer, no AWQ pre-scale. The real
+# declaration pads any shape, runs partitions with different scales one GEMM each and multiplies
+# the pre-scale in, so those problem-stage checks are exercised on this one (it replaces
+# ``marlin`` in ``STRICT_MARLIN_SET``).
+STRICT_MARLIN = implemented(
+    replace(
+        MARLIN,
+        name="strict_marlin",
+        provider="test",
+        supports=tuple(replace(s, per_partition_scales=False, input_pre_scale=False) for s in MARLIN.supports),
+        checks=(ShapeAlignment(((64, 128), (128, 64))), ActivationDtypes(("bfloat16", "float16"))),
+        implementation=None,
+        requires_modules=(),
+        requires_versions=(),
+    )
+)
+STRICT_MARLIN_SET = (*(d for d in AS_IF_IMPLEMENTED if d.name != "marlin"), STRICT_MARLIN)
 # A torch with everything any built-in kernel needs (fake devices have it unless told otherwise).
 ALL_FEATURES = frozenset({"float4_e2m1fn_x2", "float8_e4m3fn", "_scaled_mm"}) | {
     feature for declaration in BUILTIN_DECLARATIONS for feature in declaration.torch_features
@@ -53,9 +73,10 @@ ALL_FEATURES = frozenset({"float4_e2m1fn_x2", "float8_e4m3fn", "_scaled_mm"}) | 
 
 
 def all_modules(declarations: tuple[KernelDeclaration, ...] = AS_IF_IMPLEMENTED) -> frozenset[str]:
+    """Every module the declarations need, and the fake module test-local kernels are "implemented" in."""
     modules = {m for d in declarations for m in d.requires_modules}
     modules |= {d.implementation_module for d in declarations if d.implementation_module}
-    return frozenset(modules)
+    return frozenset(modules | {FAKE_IMPLEMENTATION_MODULE})
 
 
 def fake_device(
@@ -64,13 +85,28 @@ def fake_device(
     environment: tuple[tuple[str, str], ...] = (),
     features: frozenset[str] = ALL_FEATURES,
 ) -> DeviceFacts:
-    """Facts for "cpu", "rocm" or a simulated "smXY", with fixed versions (stable snapshots)."""
+    """Facts for "cpu", "rocm" or a simulated "smXY", with fixed versions (stable snapshots).
+
+    When "vllm" is among the modules, its distribution is installed too, at the release
+    Marlin's declaration supports (``FAKE_VLLM_VERSION``)."""
     present = all_modules() if modules is None else modules
+    distributions = (("vllm", FAKE_VLLM_VERSION),) if "vllm" in present else ()
     if name in ("cpu", "rocm"):
-        return DeviceFacts(name, name, None, "2.13.0", "3.9.0", False, features, present, environment)
+        return DeviceFacts(
+            name, name, None, "2.13.0", "3.9.0", False, features, present, environment, distributions=distributions
+        )
     capability, family = SIMULATED_DEVICES[name]
     return DeviceFacts(
-        "cuda", f"simulated {name}, {family}", capability, "2.13.0", "3.9.0", True, features, present, environment
+        "cuda",
+        f"simulated {name}, {family}",
+        capability,
+        "2.13.0",
+        "3.9.0",
+        True,
+        features,
+        present,
+        environment,
+        distributions=distributions,
     )
 
 

@@ -67,7 +67,11 @@ def test_resolve_json_resolved(capsys: pytest.CaptureFixture[str]) -> None:
     assert (native["accepted"], native["chosen"], native["stage"]) == (True, True, None)
     marlin = next(entry for entry in data["trace"] if entry["kernel"] == "marlin")
     assert (marlin["accepted"], marlin["stage"]) == (False, "scheme")  # it takes 16-bit activations only
-    assert "declared only: no implementation is installed" in marlin["reason"]
+    assert marlin["reason"].startswith(
+        "takes nvfp4 weights with none (16-bit) activations; scheme has nvfp4 dynamic per group of 16 activations"
+    )
+    assert ("needs module vllm, not importable here" in marlin["reason"]) is not module_available("vllm")
+    assert "declared only" not in marlin["reason"]  # marlin has its code (vLLM's ops)
 
 
 def test_resolve_text_shows_decision_device_problem_and_trace(capsys: pytest.CaptureFixture[str]) -> None:
@@ -183,7 +187,10 @@ def test_kernels_lists_every_kernel_and_why_not(capsys: pytest.CaptureFixture[st
     code, out, _ = run(["kernels", "--device", "sm120"], capsys)
     assert code == 0
     assert "runs on:    cuda (compute capability 10.0-10.3 or 12.0-12.1)" in out
-    assert "runs on:    cuda (compute capability 7.5 or newer)" in out
+    marlin = out.split("\nmarlin (vllm, priority 80, plugin marlin)\n")[1].split("\n\n")[0]
+    assert "  runs on:    cuda (compute capability 8.0 or newer)\n" in marlin
+    assert "  needs:      module vllm; vllm >=0.33,<0.34; bfloat16 or float16 activations\n" in marlin
+    assert "  code:       qscheme_plugins.marlin_kernel:MarlinKernel\n" in marlin
     assert "runs on:    cuda (compute capability 8.9 or 9.0-9.9 or 10.0-10.3)" in out  # native_fp8_rowwise
     assert "needs:      torch.ops.aten._convert_weight_to_int4pack; torch.ops.aten._weight_int4pack_mm;" in out
     assert "  notes:      " in out  # the declarations' notes are shown
@@ -216,7 +223,8 @@ def _rows(out: str, kernel: str) -> list[str]:
 
 
 def test_resolve_lists_every_failing_check_of_the_forced_kernel(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["resolve", "compressed-tensors/NVFP4A16", "--kernel", "marlin", "--shape", "100,100"]
+    """Float32 inputs fail Marlin's problem check (the 100x100 shape does not: Marlin pads it)."""
+    argv = ["resolve", "compressed-tensors/NVFP4A16", "--kernel", "marlin", "--shape", "100,100", "--dtype", "fp32"]
     code, out, _ = run(argv, capsys)  # on whatever device this machine has
     assert code == 1
     assert out.startswith(
@@ -227,10 +235,10 @@ def test_resolve_lists_every_failing_check_of_the_forced_kernel(capsys: pytest.C
         "(weight_scale [N, K/16] needs K % 16 == 0)"
     ) in out
     rows = [" ".join(row.split()) for row in _rows(out, "marlin")]
-    assert rows[0].startswith("marlin vllm 80 rejected device ")
-    assert "device declared only: no implementation is installed" in rows
-    assert "problem needs N % 64 == 0 and K % 128 == 0, or N % 128 == 0 and K % 64 == 0; layer has N=100, K=100" in rows
-    assert "hint: pad the layer to N=128, K=128" in rows  # the plugin check's own hint, in text
+    assert rows[0].startswith("marlin vllm 80 rejected ")
+    assert "problem takes bfloat16 or float16 activations; layer has float32" in rows
+    assert "hint: cast the inputs to bfloat16" in rows  # the check's own hint, in text
+    assert not any("N % 64" in row for row in rows)
     assert out.rstrip().splitlines()[-1].startswith("hint: pad the layer to N=100, K=112 for scheme")
 
     code, out, _ = run([*argv, "--device", "cpu"], capsys)
@@ -238,7 +246,7 @@ def test_resolve_lists_every_failing_check_of_the_forced_kernel(capsys: pytest.C
     assert code == 1
     assert rows[0] == "marlin vllm 80 rejected device runs on cuda; device is cpu"
     assert ("device needs module vllm, not importable here" in rows) is not module_available("vllm")
-    assert "device declared only: no implementation is installed" in rows
+    assert "problem takes bfloat16 or float16 activations; layer has float32" in rows
 
     code, out, _ = run([*argv, "--device", "cpu", "--json"], capsys)
     data = json.loads(out)
@@ -252,19 +260,57 @@ def test_resolve_lists_every_failing_check_of_the_forced_kernel(capsys: pytest.C
 
 
 def test_resolve_lists_scheme_device_and_problem_failures_together(capsys: pytest.CaptureFixture[str]) -> None:
-    """NVFP4 W4A4 on Marlin: wrong activations, declared only, shape not aligned: three rows."""
-    code, out, _ = run(
-        ["resolve", "compressed-tensors/NVFP4", "--kernel", "marlin", "--shape", "96,96", "--device", "sm90"], capsys
-    )
+    """NVFP4 W4A4 on Marlin: wrong activations, vLLM missing (where it is), float32 inputs: a row each."""
+    argv = ["resolve", "compressed-tensors/NVFP4", "--kernel", "marlin", "--shape", "96,96", "--device", "sm90"]
+    code, out, _ = run([*argv, "--dtype", "fp32"], capsys)
     assert code == 1 and "layout:" not in out
     rows = [" ".join(row.split()) for row in _rows(out, "marlin")]
     assert rows[0] == (
         "marlin vllm 80 rejected scheme takes nvfp4 weights with none (16-bit) activations; "
         "scheme has nvfp4 dynamic per group of 16 activations"
     )
-    assert "device declared only: no implementation is installed" in rows
-    assert "problem needs N % 64 == 0 and K % 128 == 0, or N % 128 == 0 and K % 64 == 0; layer has N=96, K=96" in rows
-    assert "hint: pad the layer to N=128, K=128" in rows
+    vllm_missing = (
+        "device needs module vllm, not importable here (optional kernel libraries are checked in the local environment)"
+    )
+    assert (vllm_missing in rows) is not module_available("vllm")
+    assert "problem takes bfloat16 or float16 activations; layer has float32" in rows
+    assert "hint: cast the inputs to bfloat16" in rows
+    # The 96x96 shape, off Marlin's tiles, is no failure: Marlin pads it.
+    code, out, _ = run(argv, capsys)
+    assert code == 1 and not any(row.split()[0] == "problem" for row in _rows(out, "marlin")[1:])
+
+
+def test_resolve_says_a_declared_only_kernel_has_no_code(capsys: pytest.CaptureFixture[str]) -> None:
+    """No built-in is declared only; a plugin's kernel declared ahead of its code is rejected so."""
+    from dataclasses import replace
+
+    from qscheme_plugins.marlin import MARLIN
+
+    from qscheme.kernels import registry
+    from qscheme.kernels.declaration import KernelDeclaration
+    from qscheme.plugins import hookimpl, register_plugin
+
+    class DeclaredOnly:
+        @hookimpl
+        def qscheme_kernels(self) -> list[KernelDeclaration]:
+            return [
+                replace(MARLIN, name="declared_marlin", implementation=None, requires_modules=(), requires_versions=())
+            ]
+
+    register_plugin(DeclaredOnly(), "declared-only")
+    registry.reset()
+    argv = ["resolve", "compressed-tensors/W4A16", "--kernel", "declared_marlin", "--device", "sm90"]
+    code, out, _ = run(argv, capsys)
+    assert code == 1
+    rows = [" ".join(row.split()) for row in _rows(out, "declared_marlin")]
+    assert rows == ["declared_marlin vllm 80 rejected device declared only: no implementation is installed"]
+    code, out, _ = run(["kernels", "--device", "sm90", "--json"], capsys)
+    records = {r["name"]: r for r in json.loads(out)}
+    assert records["declared_marlin"]["available"] is False
+    assert records["declared_marlin"]["reason"] == "declared only: no implementation is installed"
+    assert all(records[name]["implementation"] for name in BUILTIN_KERNELS_BY_PRIORITY)
+    code, out, _ = run(["kernels", "--device", "sm90"], capsys)
+    assert "code:       declared only (no implementation yet)" in out
 
 
 def test_resolve_a_shape_the_scheme_cannot_store(capsys: pytest.CaptureFixture[str]) -> None:
@@ -289,4 +335,7 @@ def test_resolve_on_a_simulated_turing_gpu(capsys: pytest.CaptureFixture[str]) -
     assert {"stage": "device", "reason": "needs compute capability 8.0 or newer; device is 7.5", "hint": ""} in (
         trace["triton"]["failures"]
     )
-    assert not any("compute capability" in f["reason"] for f in trace["marlin"]["failures"])  # 7.5 or newer
+    # Marlin needs 8.0 (vLLM 0.33's Turing build takes float16 activations only, not declared)
+    assert {"stage": "device", "reason": "needs compute capability 8.0 or newer; device is 7.5", "hint": ""} in (
+        trace["marlin"]["failures"]
+    )

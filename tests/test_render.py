@@ -12,7 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from kernel_fakes import AS_IF_IMPLEMENTED, E5M2_PER_TOKEN, all_modules, builtin_scheme, fake_device, implemented
+from kernel_fakes import (
+    AS_IF_IMPLEMENTED,
+    E5M2_PER_TOKEN,
+    STRICT_MARLIN,
+    STRICT_MARLIN_SET,
+    all_modules,
+    builtin_scheme,
+    fake_device,
+    implemented,
+)
 from qscheme_plugins.marlin import MARLIN
 from qscheme_plugins.native_fp4 import NATIVE_FP4
 
@@ -73,22 +82,23 @@ def test_forced_kernel_that_cannot_run() -> None:
 
 
 def test_fused_partitions_with_different_scales_and_disabled_kernels() -> None:
+    """Marlin runs such partitions one GEMM each: a strict, one-global-scale Marlin stands in."""
     problem = Problem(6144, 4096, partitions=3, partition_scales_differ=True, layer="model.layers.0.self_attn.qkv_proj")
-    resolution = resolve(
-        builtin_scheme("compressed-tensors/NVFP4A16"),
-        problem,
-        fake_device("sm90"),
-        AS_IF_IMPLEMENTED,
-        disabled={"triton", "reference"},
-    )
-    check_snapshot("no_kernel_fused_partitions_disabled", error_text(resolution, AS_IF_IMPLEMENTED))
+    scheme = builtin_scheme("compressed-tensors/NVFP4A16")
+    resolution = resolve(scheme, problem, fake_device("sm90"), STRICT_MARLIN_SET, disabled={"triton", "reference"})
+    check_snapshot("no_kernel_fused_partitions_disabled", error_text(resolution, STRICT_MARLIN_SET))
+    real = resolve(scheme, problem, fake_device("sm90"), AS_IF_IMPLEMENTED, disabled={"triton", "reference"})
+    assert real.kernel is not None and real.kernel.name == "marlin"
 
 
 def test_problem_stage_hint() -> None:
-    declarations = [implemented(MARLIN)]
+    """A kernel that takes tile-aligned shapes only (Marlin pads them: a strict Marlin stands in)."""
+    declarations = [STRICT_MARLIN]
     problem = Problem(4096, 4000, layer="model.layers.7.mlp.down_proj")
     resolution = resolve(builtin_scheme("compressed-tensors/W4A16"), problem, fake_device("sm90"), declarations)
     check_snapshot("no_kernel_unaligned_shape", error_text(resolution, declarations))
+    padded = resolve(builtin_scheme("compressed-tensors/W4A16"), problem, fake_device("sm90"), [implemented(MARLIN)])
+    assert padded.kernel is not None and padded.kernel.name == "marlin"
 
 
 def test_device_stage_hint_names_a_device_that_would_work() -> None:
@@ -180,8 +190,9 @@ def test_plugin_check_hints_show_in_text_as_in_json() -> None:
 
 
 def test_every_failing_check_with_a_layout_the_scheme_cannot_store() -> None:
-    """NVFP4A16 forced onto Marlin for a 100x100 layer on a CPU: the scheme's groups of 16 cannot
-    store K=100, and each of Marlin's failing checks has its row."""
+    """NVFP4A16 forced onto Marlin for a 100x100 layer on a CPU without vLLM: the scheme's groups
+    of 16 cannot store K=100, and each of Marlin's failing checks has its row (two device rows; the
+    shape is none: Marlin pads it to its tiles)."""
     resolution = resolve(
         builtin_scheme("compressed-tensors/NVFP4A16"),
         Problem(100, 100),
@@ -191,6 +202,11 @@ def test_every_failing_check_with_a_layout_the_scheme_cannot_store() -> None:
     )
     text = render_resolution(resolution, hint=suggest(resolution, AS_IF_IMPLEMENTED, ALTERNATIVE_DEVICES))
     check_snapshot("resolve_every_failing_check", text)
+    marlin = resolution.candidate("marlin")
+    assert [(f.stage, f.reason) for f in marlin.failures] == [
+        ("device", "runs on cuda; device is cpu"),
+        ("device", "needs module vllm, not importable here"),
+    ]
     assert "layout: scheme compressed-tensors/NVFP4A16 stores layers with K % 16 == 0, not N=100, K=100" in text
     assert text.rstrip().endswith(
         "hint: pad the layer to N=100, K=112 for scheme compressed-tensors/NVFP4A16, "

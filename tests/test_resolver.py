@@ -12,11 +12,14 @@ from kernel_fakes import (
     AS_IF_IMPLEMENTED,
     BUILTIN_DECLARATIONS,
     E5M2_PER_TOKEN,
+    STRICT_MARLIN,
+    STRICT_MARLIN_SET,
     all_modules,
     builtin_scheme,
     fake_device,
     implemented,
 )
+from qscheme_plugins.marlin import MARLIN
 from qscheme_plugins.reference import REFERENCE
 from qscheme_plugins.triton_declaration import TRITON
 
@@ -60,11 +63,11 @@ EXPECTED: list[tuple[str, str, str | None]] = [
     ("modelopt/NVFP4", "sm100", "native_fp4"),
     ("modelopt/NVFP4", "sm90", "triton"),
     ("modelopt/NVFP4_AWQ", "sm100", "native_fp4"),  # native_fp4 applies the AWQ pre-scale itself
-    # W4A16: Marlin wherever CUDA 7.5+ (native FP4 needs FP4 activations; tinygemm ranks below Marlin).
+    # W4A16: Marlin wherever CUDA 8.0+ (native FP4 needs FP4 activations; tinygemm ranks below Marlin).
     ("compressed-tensors/NVFP4A16", "sm100", "marlin"),
     ("compressed-tensors/NVFP4A16", "sm80", "marlin"),
     ("modelopt/W4A16_NVFP4", "sm120", "marlin"),
-    ("compressed-tensors/MXFP4A16", "sm90", "marlin"),
+    ("compressed-tensors/MXFP4A16", "sm90", "triton"),  # Marlin does not claim MXFP4 (bf16-only in vLLM 0.33)
     ("compressed-tensors/W4A16", "sm86", "marlin"),
     ("compressed-tensors/W4A16_ASYM", "sm90", "marlin"),
     ("compressed-tensors/NVFP4A16", "cpu", "reference"),
@@ -72,7 +75,7 @@ EXPECTED: list[tuple[str, str, str | None]] = [
     ("compressed-tensors/W4A16", "cpu", "tinygemm_cpu"),
     ("compressed-tensors/W4A16_ASYM", "cpu", "tinygemm_cpu"),
     ("modelopt/W4A16_AWQ", "cpu", "tinygemm_cpu"),
-    ("modelopt/fp8_pb_wo", "sm90", "triton"),  # Marlin takes per-tensor/channel fp8 scales, not blocks
+    ("modelopt/fp8_pb_wo", "sm90", "marlin"),  # Marlin runs 128x128 fp8 blocks as groups of 128
     # MXFP4 W4A4: native on datacenter Blackwell (10.x) only, else Triton quantizes the activations itself.
     ("compressed-tensors/MXFP4", "sm100", "native_mxfp4"),
     ("compressed-tensors/MXFP4", "sm103", "native_mxfp4"),
@@ -102,9 +105,11 @@ EXPECTED: list[tuple[str, str, str | None]] = [
     ("compressed-tensors/W8A8", "cpu", "reference"),
     # AWQ with an always-present pre-scale would exclude Marlin; its pre-scale is optional.
     ("modelopt/W4A16_AWQ", "sm90", "marlin"),
-    # Turing (sm75, T4-class): Marlin for weight-only 4-bit; Triton and tinygemm need 8.0, native FP8 8.9.
-    ("compressed-tensors/NVFP4A16", "sm75", "marlin"),
-    ("compressed-tensors/W4A16", "sm75", "marlin"),
+    # Turing (sm75, T4-class): the reference only. Marlin, Triton and tinygemm need 8.0 (vLLM 0.33's
+    # Turing Marlin runs float16 activations only, which Marlin's declaration does not claim), native FP8 8.9.
+    ("compressed-tensors/NVFP4A16", "sm75", "reference"),
+    ("compressed-tensors/W4A16", "sm75", "reference"),
+    ("modelopt/fp8_pb_wo", "sm75", "reference"),
     ("compressed-tensors/NVFP4", "sm75", "reference"),
     ("compressed-tensors/FP8_DYNAMIC", "sm75", "reference"),
     ("compressed-tensors/FP8", "sm75", "reference"),
@@ -191,45 +196,61 @@ def test_turing_is_simulated_and_judged_by_capability() -> None:
 
 
 def test_marlin_reasons_say_compute_capability() -> None:
-    turing = replace(fake_device("sm80"), capability=(7, 0))
-    marlin = resolve(builtin_scheme("compressed-tensors/W4A16"), SQUARE, turing, AS_IF_IMPLEMENTED).candidate("marlin")
-    assert marlin.reason == "needs compute capability 7.5 or newer; device is 7.0"
-    assert "CUDA>=" not in marlin.reason
+    for capability in ((7, 0), (7, 5)):
+        older = replace(fake_device("sm80"), capability=capability)
+        scheme = builtin_scheme("compressed-tensors/W4A16")
+        marlin = resolve(scheme, SQUARE, older, AS_IF_IMPLEMENTED).candidate("marlin")
+        assert marlin.reason == f"needs compute capability 8.0 or newer; device is {capability[0]}.{capability[1]}"
+        assert "CUDA>=" not in marlin.reason
 
 
 def test_problem_stage_alignment_dtype_and_partitions() -> None:
     scheme = builtin_scheme("compressed-tensors/NVFP4A16")
     device = fake_device("sm90")
-    ragged = resolve(scheme, Problem(4096, 4000), device, AS_IF_IMPLEMENTED)
-    marlin = ragged.candidate("marlin")
-    assert marlin.stage == "problem"
-    assert marlin.reason == (
+    ragged = resolve(scheme, Problem(4096, 4000), device, STRICT_MARLIN_SET)
+    strict = ragged.candidate("strict_marlin")
+    assert strict.stage == "problem"
+    assert strict.reason == (
         "needs N % 64 == 0 and K % 128 == 0, or N % 128 == 0 and K % 64 == 0; layer has N=4096, K=4000"
     )
-    assert marlin.hint == "pad the layer to N=4096, K=4096"
+    assert strict.hint == "pad the layer to N=4096, K=4096"
     assert ragged.kernel is not None and ragged.kernel.name == "triton"
+    # The real Marlin pads N and K to its tiles (as vLLM 0.33 does): any shape is taken.
+    padded = resolve(scheme, Problem(4096, 4000), device, AS_IF_IMPLEMENTED)
+    assert padded.candidate("marlin").failures == ()
+    assert padded.kernel is not None and padded.kernel.name == "marlin"
 
     fp32 = resolve(scheme, Problem(4096, 4096, "fp32"), device, AS_IF_IMPLEMENTED)
+    assert fp32.candidate("marlin").stage == "problem"
     assert fp32.candidate("marlin").reason == "takes bfloat16 or float16 activations; layer has float32"
+    assert fp32.candidate("marlin").hint == "cast the inputs to bfloat16"
     assert fp32.kernel is not None and fp32.kernel.name == "triton"
 
     fused = Problem(6144, 4096, partitions=3, partition_scales_differ=True, layer="model.layers.0.self_attn.qkv_proj")
-    resolution = resolve(scheme, fused, device, AS_IF_IMPLEMENTED)
-    assert resolution.candidate("marlin").reason == (
+    resolution = resolve(scheme, fused, device, STRICT_MARLIN_SET)
+    assert resolution.candidate("strict_marlin").reason == (
         "takes one global scale per layer; its 3 fused partitions have different scales"
     )
     assert resolution.kernel is not None and resolution.kernel.name == "triton"
-    equal = resolve(scheme, replace(fused, partition_scales_differ=False), device, AS_IF_IMPLEMENTED)
-    assert equal.kernel is not None and equal.kernel.name == "marlin"
+    equal = resolve(scheme, replace(fused, partition_scales_differ=False), device, STRICT_MARLIN_SET)
+    assert equal.kernel is not None and equal.kernel.name == "strict_marlin"
+    # The real Marlin runs fused partitions with different global scales one GEMM each.
+    per_partition = resolve(scheme, fused, device, AS_IF_IMPLEMENTED)
+    assert per_partition.kernel is not None and per_partition.kernel.name == "marlin"
 
 
 def test_input_pre_scale_is_a_problem_fact() -> None:
     scheme = builtin_scheme("modelopt/W4A16_AWQ")
-    with_pre_scale = resolve(scheme, Problem(4096, 4096, input_pre_scale=True), fake_device("sm90"), AS_IF_IMPLEMENTED)
-    assert with_pre_scale.candidate("marlin").stage == "problem"
-    assert "pre-scale" in with_pre_scale.candidate("marlin").reason
+    problem = Problem(4096, 4096, input_pre_scale=True)
+    with_pre_scale = resolve(scheme, problem, fake_device("sm90"), STRICT_MARLIN_SET)
+    assert with_pre_scale.candidate("strict_marlin").stage == "problem"
+    assert "pre-scale" in with_pre_scale.candidate("strict_marlin").reason
     # tinygemm declares input_pre_scale (it multiplies the input itself) and ranks next after Marlin
     assert with_pre_scale.kernel is not None and with_pre_scale.kernel.name == "tinygemm"
+    # The real Marlin declares it too (it multiplies the input in the activation dtype).
+    marlin = resolve(scheme, problem, fake_device("sm90"), AS_IF_IMPLEMENTED)
+    assert marlin.kernel is not None and marlin.kernel.name == "marlin"
+    assert resolve(scheme, Problem(4096, 4096), fake_device("sm90"), STRICT_MARLIN_SET).kernel == STRICT_MARLIN
 
 
 def test_missing_library_and_implementation_are_device_stage() -> None:
@@ -238,8 +259,23 @@ def test_missing_library_and_implementation_are_device_stage() -> None:
     assert no_vllm.candidate("marlin").reason == (
         "needs module vllm, not importable here (optional kernel libraries are checked in the local environment)"
     )
-    declared_only = resolve(scheme, SQUARE, fake_device("sm90"), BUILTIN_DECLARATIONS)
-    assert "declared only: no implementation is installed" in declared_only.candidate("marlin").reason
+    # A declared-only kernel (no implementation) is rejected at the device stage; no built-in is one.
+    assert all(d.implementation for d in BUILTIN_DECLARATIONS)
+    declared_only_marlin = replace(MARLIN, name="declared_marlin", implementation=None, plugin="declared_marlin")
+    declared_only = resolve(scheme, SQUARE, fake_device("sm90"), (*BUILTIN_DECLARATIONS, declared_only_marlin))
+    assert (declared_only.candidate("declared_marlin").stage, declared_only.candidate("declared_marlin").reason) == (
+        "device",
+        "declared only: no implementation is installed",
+    )
+    assert declared_only.kernel is not None and declared_only.kernel.name == "marlin"
+    # vLLM importable but not at the release whose ops Marlin calls (package metadata, not imported).
+    for installed, reason in (
+        ((("vllm", "0.32.1"),), "needs vllm >=0.33,<0.34; vllm 0.32.1 is installed"),
+        ((), "needs vllm >=0.33,<0.34; no installed vllm distribution was found"),
+    ):
+        other = resolve(scheme, SQUARE, replace(fake_device("sm90"), distributions=installed), AS_IF_IMPLEMENTED)
+        assert (other.candidate("marlin").stage, other.candidate("marlin").reason) == ("device", reason)
+        assert other.kernel is not None and other.kernel.name == "tinygemm"
     no_triton_code = resolve(
         scheme,
         SQUARE,
@@ -422,8 +458,16 @@ def test_scheme_stage_reasons() -> None:
     assert int8.candidate("marlin").reason == (
         "takes int8 weights with none (16-bit) activations; scheme has int8 dynamic per token activations"
     )
-    block = resolve(builtin_scheme("modelopt/fp8_pb_wo"), SQUARE, device, AS_IF_IMPLEMENTED)
-    assert block.candidate("marlin").reason == "takes fp8 weights with tensor/channel scales; scheme has block scales"
+    mxfp4 = resolve(builtin_scheme("compressed-tensors/MXFP4A16"), SQUARE, device, AS_IF_IMPLEMENTED)
+    assert mxfp4.candidate("marlin").reason == "implements fp8, int4, int8, nvfp4 weights; scheme has mxfp4 weights"
+    fp8_blocks = builtin_scheme("modelopt/fp8_pb_wo")
+    assert resolve(fp8_blocks, SQUARE, device, AS_IF_IMPLEMENTED).kernel == implemented(MARLIN)  # 128x128 blocks
+    assert fp8_blocks.weight.scale is not None
+    small_blocks = replace(
+        fp8_blocks, weight=replace(fp8_blocks.weight, scale=replace(fp8_blocks.weight.scale, block=(64, 64)))
+    )
+    block = resolve(small_blocks, SQUARE, device, AS_IF_IMPLEMENTED)
+    assert block.candidate("marlin").reason == "takes fp8 weight blocks of 128x128; scheme has 64x64 blocks"
     group32 = KernelDeclaration(
         "g32", "test", 1, (Supports(("int4",), group_sizes=(32,)),), (DeviceSupport(ANY_DEVICE),), "fake_kernels:x"
     )
@@ -719,22 +763,35 @@ def test_int8_zero_points_with_int8_inputs_are_declared_by_both_builtin_kernels(
 
 
 def test_a_rejected_kernel_lists_every_failing_check_across_stages() -> None:
-    """NVFP4 W4A4 on Marlin on a CPU with a 100x100 layer: wrong activations, wrong device and an
-    unaligned shape, each its own failure; ``stage`` stays the first failing one."""
-    problem = Problem(96, 96)  # storable by the scheme (K % 16 == 0), unaligned for Marlin
-    marlin = resolve(builtin_scheme("compressed-tensors/NVFP4"), problem, fake_device("cpu"), AS_IF_IMPLEMENTED)
-    candidate = marlin.candidate("marlin")
-    assert not candidate.accepted and candidate.stage == "scheme"
-    assert [(f.stage, f.reason) for f in candidate.failures] == [
+    """NVFP4 W4A4 on Marlin on a CPU with a float32 96x96 layer: wrong activations, wrong device and
+    a float32 input, each its own failure; ``stage`` stays the first failing one. The shape, off
+    Marlin's tiles, is no failure: Marlin pads it (a strict, tile-aligned-only Marlin lists it)."""
+    problem = Problem(96, 96, "fp32")  # storable by the scheme (K % 16 == 0), off Marlin's tiles
+    scheme_and_device = [
         (
             "scheme",
             "takes nvfp4 weights with none (16-bit) activations; scheme has nvfp4 dynamic per group of 16 activations",
         ),
         ("device", "runs on cuda; device is cpu"),
-        ("problem", "needs N % 64 == 0 and K % 128 == 0, or N % 128 == 0 and K % 64 == 0; layer has N=96, K=96"),
     ]
-    assert candidate.failures[2].hint == "pad the layer to N=128, K=128"
-    assert candidate.hint == "pad the layer to N=128, K=128"  # the first hint of any check
+    marlin = resolve(builtin_scheme("compressed-tensors/NVFP4"), problem, fake_device("cpu"), AS_IF_IMPLEMENTED)
+    candidate = marlin.candidate("marlin")
+    assert not candidate.accepted and candidate.stage == "scheme"
+    assert [(f.stage, f.reason) for f in candidate.failures] == [
+        *scheme_and_device,
+        ("problem", "takes bfloat16 or float16 activations; layer has float32"),
+    ]
+    assert candidate.failures[2].hint == "cast the inputs to bfloat16"
+    assert candidate.hint == "cast the inputs to bfloat16"  # the first hint of any check
+    strict = resolve(
+        builtin_scheme("compressed-tensors/NVFP4"), problem, fake_device("cpu"), STRICT_MARLIN_SET
+    ).candidate("strict_marlin")
+    assert [(f.stage, f.reason) for f in strict.failures] == [
+        *scheme_and_device,
+        ("problem", "needs N % 64 == 0 and K % 128 == 0, or N % 128 == 0 and K % 64 == 0; layer has N=96, K=96"),
+        ("problem", "takes bfloat16 or float16 activations; layer has float32"),
+    ]
+    assert strict.hint == "pad the layer to N=128, K=128"  # the first hint of any check
     assert candidate.reason == "; ".join(f.reason for f in candidate.failures)
     assert candidate.as_json()["failures"] == [f.as_json() for f in candidate.failures]
     chosen = marlin.candidate("reference")
@@ -773,10 +830,13 @@ def test_the_problem_is_judged_even_when_the_scheme_is_not_taken() -> None:
     """A fused layer with different scales, on a kernel whose weight family entries lack
     per-partition scales: the problem row says so next to the scheme row."""
     fused = Problem(6144, 4096, partitions=3, partition_scales_differ=True)
-    resolution = resolve(builtin_scheme("compressed-tensors/NVFP4"), fused, fake_device("sm90"), AS_IF_IMPLEMENTED)
-    stages = [f.stage for f in resolution.candidate("marlin").failures]
+    resolution = resolve(builtin_scheme("compressed-tensors/NVFP4"), fused, fake_device("sm90"), STRICT_MARLIN_SET)
+    stages = [f.stage for f in resolution.candidate("strict_marlin").failures]
     assert stages == ["scheme", "problem"]
-    assert "3 fused partitions have different scales" in resolution.candidate("marlin").reason
+    assert "3 fused partitions have different scales" in resolution.candidate("strict_marlin").reason
+    # Marlin's own entries declare per-partition scales: only the scheme row is left.
+    marlin = resolve(builtin_scheme("compressed-tensors/NVFP4"), fused, fake_device("sm90"), AS_IF_IMPLEMENTED)
+    assert [f.stage for f in marlin.candidate("marlin").failures] == ["scheme"]
 
 
 def test_disabled_kernels_still_show_their_other_checks() -> None:
