@@ -21,9 +21,9 @@ What vLLM 0.33's Marlin takes (``marlin_utils.query_marlin_supported_quant_types
 - one global scale per GEMM: fused NVFP4 partitions whose global scales differ run one GEMM per
   partition (exact, one launch each); FP8 per-tensor partition scales become channel scales.
 
-Not claimed, though Marlin has kernels for them: MXFP4 (e8m0 groups of 32), compiled for
-bfloat16 activations only, and compute capability 7.5, float16 only; a declaration's dtype check
-holds for all its schemes and devices, so either would be chosen where its float16 call fails.
+MXFP4 (e8m0 groups of 32) is a second declaration, ``marlin_mxfp4``, on the same code: vLLM 0.33
+compiles its MXFP4 Marlin for bfloat16 activations only, and a declaration's dtype check holds
+for all its schemes. Compute capability 7.5 (Turing, float16 only) is not claimed.
 
 The ops change signature across vLLM releases; only 0.33 is checked (``requires_versions``).
 """
@@ -105,12 +105,43 @@ MARLIN = KernelDeclaration(
         "shapes off Marlin's tiles (N % 64 and K % 128, or N % 128 and K % 64) are zero-padded: the "
         "input is padded and the output sliced on every call",
         "fused NVFP4 partitions with different global scales run one GEMM per partition",
-        "not claimed: MXFP4 (vLLM 0.33 compiles its MXFP4 Marlin kernels for bfloat16 activations only, "
-        "which this kernel-wide declaration cannot say per scheme) and compute capability 7.5 (float16 only)",
+        "not claimed: MXFP4, which marlin_mxfp4 declares (vLLM 0.33 compiles MXFP4 Marlin for bfloat16 "
+        "activations only), and compute capability 7.5 (float16 only)",
+    ),
+)
+
+# The same code for MXFP4 weights, declared apart because vLLM 0.33 compiles its MXFP4 Marlin
+# kernels for bfloat16 activations only (a float16 call fails), and a declaration's dtype check
+# holds for every scheme it takes.
+MARLIN_MXFP4 = KernelDeclaration(
+    name="marlin_mxfp4",
+    provider="vllm",
+    priority=80,
+    description="vLLM's Marlin GEMM for MXFP4 weights (e8m0 groups of 32), bfloat16 activations",
+    supports=(
+        Supports(
+            weights=("mxfp4",),
+            granularities=("group",),
+            group_sizes=(32,),
+            scale_formats=("e8m0",),
+            # MXFP4 has no global scale: every scale is a per-row block scale.
+            per_partition_scales=True,
+            input_pre_scale=True,
+        ),
+    ),
+    devices=(DeviceSupport("cuda", capabilities=(CapabilityRange((8, 0)),)),),
+    implementation="qscheme_plugins.marlin_kernel:MarlinKernel",
+    requires_modules=("vllm",),
+    requires_versions=(("vllm", VLLM_VERSIONS),),
+    checks=(ActivationDtypes(("bfloat16",)),),
+    notes=(
+        "unverified on a GPU: the GEMM has not run on hardware in qscheme's tests (CPU tests check "
+        "the operands passed to vLLM's ops with a stub vLLM; the e8m0 scales are bit-exact against vLLM 0.33)",
+        "bfloat16 activations only: vLLM 0.33 compiles no float16 MXFP4 Marlin kernel",
     ),
 )
 
 
 @hookimpl
 def qscheme_kernels() -> list[KernelDeclaration]:
-    return [MARLIN]
+    return [MARLIN, MARLIN_MXFP4]

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from qscheme_plugins.marlin import MARLIN
+from qscheme_plugins.marlin import MARLIN, MARLIN_MXFP4
 from qscheme_plugins.native_fp4 import NATIVE_FP4, NATIVE_MXFP4
 from qscheme_plugins.native_fp8 import NATIVE_FP8, NATIVE_FP8_BLOCK, NATIVE_FP8_CPU, NATIVE_FP8_ROWWISE
 from qscheme_plugins.reference import REFERENCE
@@ -38,6 +38,7 @@ BUILTIN_DECLARATIONS: tuple[KernelDeclaration, ...] = (
     REFERENCE,
     TRITON,
     MARLIN,
+    MARLIN_MXFP4,
     NATIVE_FP4,
     NATIVE_MXFP4,
     NATIVE_FP8,

@@ -21,6 +21,7 @@ BUILTIN_KERNELS_BY_PRIORITY = [
     "native_fp8_block",
     "native_fp8_rowwise",
     "marlin",
+    "marlin_mxfp4",
     "tinygemm",
     "tinygemm_cpu",
     "triton",

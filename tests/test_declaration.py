@@ -206,6 +206,7 @@ def test_builtin_declarations_serialize() -> None:
         "native_fp8_block",
         "native_fp8_rowwise",
         "marlin",
+        "marlin_mxfp4",
         "tinygemm",
         "tinygemm_cpu",
         "triton",

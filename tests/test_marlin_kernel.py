@@ -402,25 +402,42 @@ def test_every_claimed_builtin_scheme_resolves_to_marlin_with_vllm_0_33(name: st
     assert resolution.kernel is not None and resolution.kernel.name == "marlin", render_resolution(resolution)
 
 
-@pytest.mark.parametrize(
-    ("name", "device", "dtype", "reason"),
-    [
-        (
-            "compressed-tensors/MXFP4A16",
-            "sm90",
-            "bfloat16",
-            "implements fp8, int4, int8, nvfp4 weights; scheme has mxfp4 weights",
-        ),
-        ("compressed-tensors/W4A16", "sm75", "float16", "needs compute capability 8.0 or newer; device is 7.5"),
-    ],
-)
-def test_what_vllm_033_compiles_no_kernel_for_is_not_claimed(name: str, device: str, dtype: str, reason: str) -> None:
-    """MXFP4 Marlin exists for bf16 only and Turing for fp16 only: neither is declared, so
-    neither is chosen where its call would fail."""
-    problem = Problem(4096, 4096, activation_dtype=dtype)
-    resolution = resolve(builtin_scheme(name), problem, vllm_device("0.33.0", device), AS_IF_IMPLEMENTED)
-    entry = trace_entry(resolution, "marlin")
-    assert not entry.accepted and reason in entry.reason
+def test_mxfp4_runs_on_marlin_mxfp4_with_bf16_inputs_only() -> None:
+    """vLLM 0.33 compiles MXFP4 Marlin for bf16 inputs only: marlin_mxfp4 takes MXFP4 in bf16,
+    refuses fp16 with the dtype reason (triton runs it then), and marlin itself never claims MXFP4."""
+    scheme = builtin_scheme("compressed-tensors/MXFP4A16")
+    device = vllm_device("0.33.0", "sm90")
+    bf16 = resolve(scheme, Problem(4096, 4096), device, AS_IF_IMPLEMENTED)
+    assert bf16.kernel is not None and bf16.kernel.name == "marlin_mxfp4", render_resolution(bf16)
+    assert "scheme has mxfp4 weights" in trace_entry(bf16, "marlin").reason
+    fp16 = resolve(scheme, Problem(4096, 4096, activation_dtype="float16"), device, AS_IF_IMPLEMENTED)
+    assert fp16.kernel is not None and fp16.kernel.name == "triton"
+    assert "takes bfloat16 activations; layer has float16" in trace_entry(fp16, "marlin_mxfp4").reason
+
+
+def test_mxfp4_operands_reach_the_ops(fake_vllm: ModuleType) -> None:
+    weight = canonical("compressed-tensors/MXFP4A16", 128, 256)
+    kernel = marlin_kernel.MarlinKernel()
+    state = kernel.prepare(weight, torch.device("cpu"))
+    y = kernel.apply(state, torch.randn(3, 256).to(torch.bfloat16), None)
+    (gemm,) = calls(fake_vllm, "marlin_gemm")
+    expected = marlin_operands(weight, torch.bfloat16)
+    assert gemm["b_q_type"].name == "float4_e2m1f" and gemm["global_scale"] is None
+    assert gemm["b_scales"].dtype == torch.float8_e8m0fnu and torch.equal(
+        gemm["b_scales"].view(torch.uint8), expected.scales.view(torch.uint8)
+    )
+    assert y.shape == (3, 128) and y.dtype == torch.bfloat16
+
+
+def test_turing_is_not_claimed() -> None:
+    """vLLM 0.33's Turing build runs fp16 only; a kernel-wide dtype check cannot say so per device."""
+    resolution = resolve(
+        builtin_scheme("compressed-tensors/W4A16"),
+        Problem(4096, 4096),
+        vllm_device("0.33.0", "sm75"),
+        AS_IF_IMPLEMENTED,
+    )
+    assert "needs compute capability 8.0 or newer; device is 7.5" in trace_entry(resolution, "marlin").reason
 
 
 def test_absent_vllm_leaves_triton() -> None:

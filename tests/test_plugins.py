@@ -33,6 +33,7 @@ BUILTIN_KERNELS = {
     "reference",
     "triton",
     "marlin",
+    "marlin_mxfp4",
     "native_fp4",
     "native_mxfp4",
     "native_fp8",

@@ -187,7 +187,8 @@ def test_kernels_lists_a_kernel_as_available_only_when_its_code_imports(
         ("", r"an empty kernel name"),
         (
             "refrence",
-            r"unknown kernel 'refrence' was forced\. Did you mean 'reference'\? Known kernels: marlin, native_fp4",
+            r"unknown kernel 'refrence' was forced\. Did you mean 'reference'\? "
+            r"Known kernels: marlin, marlin_mxfp4, native_fp4",
         ),
     ],
 )

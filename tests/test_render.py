@@ -122,6 +122,7 @@ def test_rendered_resolution() -> None:
         "native_fp8_block",
         "native_fp8_rowwise",
         "marlin",
+        "marlin_mxfp4",
         "tinygemm",
         "tinygemm_cpu",
         "triton",

@@ -67,7 +67,7 @@ EXPECTED: list[tuple[str, str, str | None]] = [
     ("compressed-tensors/NVFP4A16", "sm100", "marlin"),
     ("compressed-tensors/NVFP4A16", "sm80", "marlin"),
     ("modelopt/W4A16_NVFP4", "sm120", "marlin"),
-    ("compressed-tensors/MXFP4A16", "sm90", "triton"),  # Marlin does not claim MXFP4 (bf16-only in vLLM 0.33)
+    ("compressed-tensors/MXFP4A16", "sm90", "marlin_mxfp4"),  # MXFP4 Marlin: bf16 only, declared apart
     ("compressed-tensors/W4A16", "sm86", "marlin"),
     ("compressed-tensors/W4A16_ASYM", "sm90", "marlin"),
     ("compressed-tensors/NVFP4A16", "cpu", "reference"),
@@ -330,6 +330,7 @@ def test_order_is_priority_then_name_whatever_the_input_order() -> None:
         "native_fp8_block",
         "native_fp8_rowwise",
         "marlin",
+        "marlin_mxfp4",
         "tinygemm",
         "a_twin",
         "b_twin",
