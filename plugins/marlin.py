@@ -30,6 +30,8 @@ The ops change signature across vLLM releases; only 0.33 is checked (``requires_
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from qscheme.kernels.declaration import (
     ActivationDtypes,
     CapabilityRange,
@@ -113,10 +115,9 @@ MARLIN = KernelDeclaration(
 # The same code for MXFP4 weights, declared apart because vLLM 0.33 compiles its MXFP4 Marlin
 # kernels for bfloat16 activations only (a float16 call fails), and a declaration's dtype check
 # holds for every scheme it takes.
-MARLIN_MXFP4 = KernelDeclaration(
+MARLIN_MXFP4 = replace(
+    MARLIN,
     name="marlin_mxfp4",
-    provider="vllm",
-    priority=80,
     description="vLLM's Marlin GEMM for MXFP4 weights (e8m0 groups of 32), bfloat16 activations",
     supports=(
         Supports(
@@ -129,10 +130,6 @@ MARLIN_MXFP4 = KernelDeclaration(
             input_pre_scale=True,
         ),
     ),
-    devices=(DeviceSupport("cuda", capabilities=(CapabilityRange((8, 0)),)),),
-    implementation="qscheme_plugins.marlin_kernel:MarlinKernel",
-    requires_modules=("vllm",),
-    requires_versions=(("vllm", VLLM_VERSIONS),),
     checks=(ActivationDtypes(("bfloat16",)),),
     notes=(
         "unverified on a GPU: the GEMM has not run on hardware in qscheme's tests (CPU tests check "

@@ -184,9 +184,11 @@ def static_input_scales(weight: CanonicalWeight) -> list[float] | None:
     return values if len(values) == count else values * count
 
 
-def split_runs(
-    weight: CanonicalWeight, by_weight_scale: bool
-) -> tuple[list[tuple[int, int, int | None, float | None]], list[float]]:
+# (start, stop, input scale index, per-tensor weight multiplier) of one run of partitions.
+RunSpan = tuple[int, int, int | None, float | None]
+
+
+def split_runs(weight: CanonicalWeight, by_weight_scale: bool) -> tuple[list[RunSpan], list[float]]:
     """Adjacent partitions merged while they share their static input scale (and, when
     ``by_weight_scale``, their per-tensor weight scale): (start, stop, input index, weight scale)
     runs and the distinct input scales in order of first use."""
@@ -278,54 +280,22 @@ def run_gemms(state: Fp8State, values: Tensor, gemm: GemmCall) -> list[Tensor]:
 # --- the kernels ----------------------------------------------------------------------------------
 
 
-class NativeFp8Kernel:
-    """``native_fp8``: tensor-wise torch._scaled_mm (cuBLASLt) on CUDA, float32 output."""
+class _ScaledMmKernel:
+    """What the ``_scaled_mm`` kernels share: one GEMM per run of partitions, each run's weight
+    rows padded to ``multiple`` (and K too), stored as ``weight_operand`` gives them, with the
+    scale ``run_scales`` gives it. ``by_weight_scale``: runs also split where per-tensor weight
+    scales differ (a tensor-wise GEMM takes one weight scale)."""
 
-    name = "native_fp8"
-
-    def prepare(self, weight: CanonicalWeight, device: torch.device) -> Fp8State:
-        device = torch.device(device)
-        check_weight(weight, self.name)
-        padded_k = round_up(weight.k, CUDA_MULTIPLE)
-        runs, inputs = split_runs(weight, by_weight_scale=True)
-        return Fp8State(
-            n=weight.n,
-            k=weight.k,
-            padded_k=padded_k,
-            activation=activation_kind(weight),
-            runs=tuple(
-                Run(
-                    start,
-                    stop,
-                    padded_codes(weight.codes[start:stop], round_up(stop - start, CUDA_MULTIPLE), padded_k).to(device),
-                    scalar(weight_scale if weight_scale is not None else 1.0, device),
-                    input_index,
-                )
-                for start, stop, input_index, weight_scale in runs
-            ),
-            input_scales=tuple(scalar(value, device) for value in inputs),
-        )
-
-    def apply(self, state: Fp8State, x: Tensor, bias: Tensor | None) -> Tensor:
-        def gemm(codes: Tensor, input_scale: Tensor, run: Run) -> Tensor:
-            return torch._scaled_mm(codes, run.weight.t(), input_scale, run.weight_scale, out_dtype=torch.float32)
-
-        return finish(run_gemms(state, flat_input(state, x), gemm), x, bias, state.n)
-
-
-class NativeFp8RowwiseKernel:
-    """``native_fp8_rowwise``: row-wise torch._scaled_mm on CUDA (per-token or expanded static
-    input scales x per-row weight scales), bf16 output."""
-
-    name = "native_fp8_rowwise"
-    multiple = CUDA_MULTIPLE
+    name: str
+    multiple: int = CUDA_MULTIPLE
+    by_weight_scale: bool = False
 
     def prepare(self, weight: CanonicalWeight, device: torch.device) -> Fp8State:
         device = torch.device(device)
         check_weight(weight, self.name)
         padded_k = round_up(weight.k, self.multiple)
-        runs, inputs = split_runs(weight, by_weight_scale=False)
-        scales = row_scales(weight)
+        runs, inputs = split_runs(weight, by_weight_scale=self.by_weight_scale)
+        scales = self.run_scales(weight, runs, device)
         return Fp8State(
             n=weight.n,
             k=weight.k,
@@ -338,17 +308,49 @@ class NativeFp8RowwiseKernel:
                     self.weight_operand(
                         padded_codes(weight.codes[start:stop], round_up(stop - start, self.multiple), padded_k)
                     ).to(device),
-                    padded_rows(scales[start:stop], round_up(stop - start, self.multiple)).to(device),
+                    scale,
                     input_index,
                 )
-                for start, stop, input_index, _ in runs
+                for (start, stop, input_index, _), scale in zip(runs, scales, strict=True)
             ),
             input_scales=tuple(scalar(value, device) for value in inputs),
         )
 
+    def run_scales(self, weight: CanonicalWeight, runs: list[RunSpan], device: torch.device) -> list[Tensor]:
+        """Each run's weight scale: float32 [1, padded rows] of the reference's row multipliers."""
+        scales = row_scales(weight)
+        return [
+            padded_rows(scales[start:stop], round_up(stop - start, self.multiple)).to(device)
+            for start, stop, _, _ in runs
+        ]
+
     def weight_operand(self, codes: Tensor) -> Tensor:
         """The stored weight: [rows, K] row-major, handed to the GEMM transposed (column-major)."""
         return codes
+
+
+class NativeFp8Kernel(_ScaledMmKernel):
+    """``native_fp8``: tensor-wise torch._scaled_mm (cuBLASLt) on CUDA, float32 output."""
+
+    name = "native_fp8"
+    by_weight_scale = True
+
+    def run_scales(self, weight: CanonicalWeight, runs: list[RunSpan], device: torch.device) -> list[Tensor]:
+        """Each run's one weight multiplier, 0-dim float32 (runs split where it changes)."""
+        return [scalar(weight_scale if weight_scale is not None else 1.0, device) for _, _, _, weight_scale in runs]
+
+    def apply(self, state: Fp8State, x: Tensor, bias: Tensor | None) -> Tensor:
+        def gemm(codes: Tensor, input_scale: Tensor, run: Run) -> Tensor:
+            return torch._scaled_mm(codes, run.weight.t(), input_scale, run.weight_scale, out_dtype=torch.float32)
+
+        return finish(run_gemms(state, flat_input(state, x), gemm), x, bias, state.n)
+
+
+class NativeFp8RowwiseKernel(_ScaledMmKernel):
+    """``native_fp8_rowwise``: row-wise torch._scaled_mm on CUDA (per-token or expanded static
+    input scales x per-row weight scales), bf16 output."""
+
+    name = "native_fp8_rowwise"
 
     def apply(self, state: Fp8State, x: Tensor, bias: Tensor | None) -> Tensor:
         def gemm(codes: Tensor, input_scale: Tensor, run: Run) -> Tensor:

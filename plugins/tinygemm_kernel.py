@@ -32,12 +32,13 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from qscheme_plugins.tinygemm import TINYGEMM_GROUP_SIZES
 from torch import Tensor
 
 from qscheme.canonical import CanonicalWeight, effective_scale
 from qscheme.errors import QuantizeError, UsageError
 
-GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
+GROUP_SIZES: tuple[int, ...] = TINYGEMM_GROUP_SIZES  # the declaration's: the group sizes both ops take
 OP_DTYPE = torch.bfloat16
 # Rows of the int32 copy the CPU packing op is fed at a time: a multiple of the 64-row blocks
 # its layout is local to (AVX512 packs 64 rows together, AVX2 32).

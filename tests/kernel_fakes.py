@@ -48,6 +48,22 @@ BUILTIN_DECLARATIONS: tuple[KernelDeclaration, ...] = (
     TINYGEMM,
     TINYGEMM_CPU,
 )
+# The built-in kernels in the resolver's order: highest priority first, then by name (written
+# out, so that a priority change shows in the tests that compare a trace's order with it).
+BUILTIN_KERNELS_BY_PRIORITY: list[str] = [
+    "native_fp4",
+    "native_mxfp4",
+    "native_fp8",
+    "native_fp8_block",
+    "native_fp8_rowwise",
+    "marlin",
+    "marlin_mxfp4",
+    "tinygemm",
+    "tinygemm_cpu",
+    "triton",
+    "reference",
+    "native_fp8_cpu",
+]
 AS_IF_IMPLEMENTED: tuple[KernelDeclaration, ...] = tuple(implemented(d) for d in BUILTIN_DECLARATIONS)
 # A test-local, stricter Marlin (provider "test"), with the checks Marlin had before its
 # implementation: tile-aligned shapes only, one global scale per layer, no AWQ pre-scale. The real

@@ -7,27 +7,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kernel_fakes import isolated_plugins
+from kernel_fakes import BUILTIN_KERNELS_BY_PRIORITY, isolated_plugins
 from qscheme_plugins.native_fp8 import NATIVE_FP8_BLOCK
 
 from qscheme.cli.main import main
 from qscheme.kernels.devices import module_available
 
 W4A8 = "modelopt/W4A8_NVFP4_FP8"
-BUILTIN_KERNELS_BY_PRIORITY = [
-    "native_fp4",
-    "native_mxfp4",
-    "native_fp8",
-    "native_fp8_block",
-    "native_fp8_rowwise",
-    "marlin",
-    "marlin_mxfp4",
-    "tinygemm",
-    "tinygemm_cpu",
-    "triton",
-    "reference",
-    "native_fp8_cpu",
-]
 
 
 @pytest.fixture(autouse=True)

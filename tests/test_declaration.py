@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kernel_fakes import BUILTIN_DECLARATIONS
+from kernel_fakes import BUILTIN_DECLARATIONS, BUILTIN_KERNELS_BY_PRIORITY
 from qscheme_plugins.native_fp4 import BLACKWELL
 
 from qscheme.kernels.declaration import (
@@ -199,17 +199,4 @@ def test_builtin_declarations_serialize() -> None:
         data = declaration.as_json()
         assert {"name", "provider", "priority", "supports", "devices"} <= set(data)
     # priority first (highest first), then the name
-    assert [d.name for d in sorted(BUILTIN_DECLARATIONS, key=KernelDeclaration.sort_key)] == [
-        "native_fp4",
-        "native_mxfp4",
-        "native_fp8",
-        "native_fp8_block",
-        "native_fp8_rowwise",
-        "marlin",
-        "marlin_mxfp4",
-        "tinygemm",
-        "tinygemm_cpu",
-        "triton",
-        "reference",
-        "native_fp8_cpu",
-    ]
+    assert [d.name for d in sorted(BUILTIN_DECLARATIONS, key=KernelDeclaration.sort_key)] == BUILTIN_KERNELS_BY_PRIORITY

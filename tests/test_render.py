@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from kernel_fakes import (
     AS_IF_IMPLEMENTED,
+    BUILTIN_KERNELS_BY_PRIORITY,
     E5M2_PER_TOKEN,
     STRICT_MARLIN,
     STRICT_MARLIN_SET,
@@ -115,20 +116,7 @@ def test_rendered_resolution() -> None:
     data = resolution_json(resolution)
     assert data["kernel"] == "native_fp4"
     trace: list[dict[str, object]] = data["trace"]  # type: ignore[assignment]
-    assert [entry["kernel"] for entry in trace] == [
-        "native_fp4",
-        "native_mxfp4",
-        "native_fp8",
-        "native_fp8_block",
-        "native_fp8_rowwise",
-        "marlin",
-        "marlin_mxfp4",
-        "tinygemm",
-        "tinygemm_cpu",
-        "triton",
-        "reference",
-        "native_fp8_cpu",
-    ]
+    assert [entry["kernel"] for entry in trace] == BUILTIN_KERNELS_BY_PRIORITY
     assert set(trace[0]) >= {"kernel", "accepted", "stage", "reason"}
 
 
