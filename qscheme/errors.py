@@ -98,6 +98,12 @@ class OutputError(QSchemeError):
     """The command's output could not be written (a full disk, a closed stream): exit code 1."""
 
 
+class DestinationError(OutputError):
+    """A checkpoint's output folder is refused or cannot be written (exit code 1): it exists, it
+    is or holds the source, or the disk refused it. Unlike a failing stdout, the command can still
+    report it, on stderr and as ``--json``'s error object."""
+
+
 class NoKernelError(QSchemeError):
     """No kernel can run a layer; the message holds the full resolution trace."""
 

@@ -1,7 +1,9 @@
 """Read a checkpoint's producer config (config.json / hf_quant_config.json) into typed values.
 
-Three outcomes: ``CompressedTensorsConfig`` (config.json ``quant_method: compressed-tensors``),
-``ModeloptConfig`` (hf_quant_config.json, or config.json ``quant_method: modelopt``) or
+Four outcomes: ``CompressedTensorsConfig`` (config.json ``quant_method: compressed-tensors``),
+``ModeloptConfig`` (hf_quant_config.json, or config.json ``quant_method: modelopt``),
+``QschemeConfig`` (config.json ``quant_method: qscheme``: a self-describing checkpoint written by
+``qscheme quantize`` in a scheme no producer writes, with the descriptor embedded) or
 ``NoQuantization``. Both the 0.19 and 0.20 JSON forms of compressed-tensors are accepted; the
 argument objects are kept as written (normalisation for matching is detect.py's job).
 Malformed JSON and wrongly typed fields raise CheckpointError naming the file, the line and
@@ -114,7 +116,22 @@ class NoQuantization:
     has_kv_cache: bool = False
 
 
-ProducerConfig = CompressedTensorsConfig | ModeloptConfig | NoQuantization
+@dataclass(frozen=True)
+class QschemeConfig:
+    """config.json ``quantization_config`` with ``quant_method: qscheme``: the scheme's name and its
+    whole descriptor (YAML text), so that the checkpoint loads where the YAML file is unknown."""
+
+    file: str
+    scheme: str
+    descriptor: str
+    ignore: tuple[str, ...]
+    producer: str = "qscheme"
+    producer_version: str | None = None
+    producer_note: str | None = None
+    has_kv_cache: bool = False
+
+
+ProducerConfig = CompressedTensorsConfig | ModeloptConfig | QschemeConfig | NoQuantization
 
 
 @dataclass
@@ -320,9 +337,29 @@ def read_producer_config(folder: str | Path) -> ProducerConfig:
         return _compressed_tensors(fields)
     if method == "modelopt":
         return _modelopt(fields, fields.child("producer"), exclude_key="ignore")
+    if method == "qscheme":
+        return _qscheme(fields)
     raise CheckpointError(
         f"{config_path}: quantization_config.quant_method {method!r} is not supported; qscheme reads "
-        "'compressed-tensors' and 'modelopt' checkpoints (convert others with llm-compressor or ModelOpt)"
+        "'compressed-tensors', 'modelopt' and its own self-describing 'qscheme' checkpoints (convert others with "
+        "llm-compressor or ModelOpt)"
+    )
+
+
+def _qscheme(fields: _Fields) -> QschemeConfig:
+    """A self-describing config: ``scheme`` and ``descriptor`` (the YAML text) are required."""
+    scheme = fields.string("scheme", required=True)
+    descriptor = fields.string("descriptor", required=True)
+    assert scheme is not None and descriptor is not None  # required=True raised otherwise
+    producer = fields.child("producer")
+    return QschemeConfig(
+        file=fields.file,
+        scheme=scheme,
+        descriptor=descriptor,
+        ignore=fields.strings("ignore"),
+        producer=(producer.string("name") if producer else None) or "qscheme",
+        producer_version=producer.string("version") if producer else None,
+        producer_note=producer.string("note") if producer else None,
     )
 
 

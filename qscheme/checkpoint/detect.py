@@ -14,6 +14,10 @@ refused, and so are tensor names longer than ``MAX_NAME_LENGTH``, see patterns.p
 to modules with a 2-D ``weight`` or quantized-linear tensors. When several groups target a
 module the most specific wins (exact name, then regex, then class), as in compressed-tensors.
 ModelOpt's exclude_modules and ignore lists are fnmatch wildcards.
+
+A self-describing config (``quant_method: qscheme``) names no detection rule: its embedded
+descriptor is parsed, and every module storing that scheme's tensors (and not in its ``ignore``:
+exact names, ``re:`` patterns or wildcards) uses it, whatever the catalog holds.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from qscheme.checkpoint.config import (
     ModeloptConfig,
     NoQuantization,
     ProducerConfig,
+    QschemeConfig,
     block_sizes,
 )
 from qscheme.checkpoint.patterns import MAX_NAME_LENGTH, any_of, compile_entries
@@ -407,7 +412,11 @@ def detect(config: ProducerConfig, tensors: Mapping[str, TensorInfo], schemes: I
     if isinstance(config, NoQuantization):
         _refuse_unconfigured(config, modules, quantized_names)
         return Detection(producer=config, modules={}, ignored={}, plain=tuple(sorted(tensors)))
-    if isinstance(config, CompressedTensorsConfig):
+    if isinstance(config, QschemeConfig):
+        scheme = embedded_scheme(config)
+        assigned, ignored = _detect_self_described(config, scheme, modules, quantized_tensor_names([scheme]))
+        unused: list[str] = []
+    elif isinstance(config, CompressedTensorsConfig):
         assigned, ignored, unused = _detect_compressed_tensors(config, modules, schemes, quantized_names)
     else:
         assigned, ignored = _detect_modelopt(config, modules, schemes, quantized_names)
@@ -690,4 +699,65 @@ def _detect_modelopt(
         if quantized:
             assert default_scheme is not None
             assigned[module] = (default_scheme, f"quant_algo {config.quant_algo}")
+    return assigned, ignored
+
+
+def embedded_scheme(config: QschemeConfig) -> Scheme:
+    """The scheme a self-describing config embeds; CheckpointError naming the config when it does
+    not parse or is not the scheme it names."""
+    from qscheme.descriptor import parse_scheme_text
+    from qscheme.errors import SchemeError
+
+    where = f"<{config.file}: quantization_config.descriptor>"
+    try:
+        scheme = parse_scheme_text(config.descriptor, where, source="checkpoint")
+    except SchemeError as exc:
+        raise CheckpointError(
+            f"{config.file}: quantization_config.descriptor (scheme {config.scheme!r}) is not a valid scheme "
+            f"descriptor:\n{exc}\nre-write the checkpoint with `qscheme quantize`"
+        ) from None
+    if scheme.name != config.scheme:
+        raise CheckpointError(
+            f"{config.file}: quantization_config.scheme is {config.scheme!r} but the embedded descriptor is named "
+            f"{scheme.name!r}; the two must agree: fix the config or re-write the checkpoint"
+        )
+    return scheme
+
+
+def _ignored_by(module: str, entries: Iterable[str], compiled: Mapping[str, re.Pattern[str]]) -> str | None:
+    for entry in entries:
+        if entry.startswith(PATTERN_PREFIX):
+            if compiled[entry].match(module):
+                return entry
+        elif any(char in entry for char in "*?["):
+            if fnmatch.fnmatchcase(module, entry):
+                return entry
+        elif entry == module:
+            return entry
+    return None
+
+
+def _detect_self_described(
+    config: QschemeConfig,
+    scheme: Scheme,
+    modules: Mapping[str, Mapping[str, TensorInfo]],
+    quantized_names: frozenset[str],
+) -> tuple[dict[str, tuple[Scheme, str]], dict[str, str]]:
+    assigned: dict[str, tuple[Scheme, str]] = {}
+    ignored: dict[str, str] = {}
+    compiled = compile_entries(config.ignore, {}, config.file, "quantization_config.ignore")
+    for module, members in sorted(modules.items()):
+        if not module or not looks_linear(members, quantized_names):
+            continue
+        quantized = looks_quantized(members, quantized_names)
+        entry = _ignored_by(module, config.ignore, compiled)
+        if entry is not None:
+            if quantized:
+                raise CheckpointError(
+                    f"{config.file}: module {module} is in quantization_config.ignore ({entry!r}) but stores "
+                    f"quantized tensors ({', '.join(sorted(members))}); the config does not describe these weights"
+                )
+            ignored[module] = entry
+        elif quantized:
+            assigned[module] = (scheme, f"quantization_config.descriptor (scheme {scheme.name})")
     return assigned, ignored

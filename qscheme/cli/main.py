@@ -30,13 +30,24 @@ from typing import TYPE_CHECKING, TextIO
 
 from qscheme import __version__
 from qscheme.cli.output import GuardedOutput, TerminalOutput, bounded_message, json_output
-from qscheme.errors import OutputError, QSchemeError
+from qscheme.errors import DestinationError, OutputError, QSchemeError
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
 
 # Command modules under qscheme.cli, in the order `qscheme --help` lists them.
-COMMANDS: tuple[str, ...] = ("schemes", "show", "validate", "kernels", "plugins", "resolve", "inspect", "run")
+COMMANDS: tuple[str, ...] = (
+    "schemes",
+    "show",
+    "validate",
+    "kernels",
+    "plugins",
+    "resolve",
+    "inspect",
+    "run",
+    "quantize",
+    "convert",
+)
 
 EPILOG = """\
 exit codes:
@@ -213,23 +224,30 @@ def _run(arguments: list[str]) -> int:
             stdout.flush()
         return code
     except OutputError as exc:
-        _discard_stdout()
-        sys.stderr.write(f"qscheme {args.command}: error: {exc}\n")
-        return exc.exit_code
+        if not isinstance(exc, DestinationError):  # stdout itself failed: nothing more to print there
+            _discard_stdout()
+            sys.stderr.write(f"qscheme {args.command}: error: {exc}\n")
+            return exc.exit_code
+        return _report_error(args.command, exc, stdout, wants_json)
     except QSchemeError as exc:
-        with contextlib.suppress(OutputError, BrokenPipeError):
-            stdout.flush()  # what the command printed before it failed
-        message = bounded_message(str(exc))
-        sys.stderr.write(f"qscheme {args.command}: error: {message}\n")
-        if wants_json:
-            _error_json(type(exc).__name__, message, exc.exit_code)
-        return exc.exit_code
+        return _report_error(args.command, exc, stdout, wants_json)
     except BrokenPipeError:  # the reader closed the pipe (`| head`): nothing to tell it
         _discard_stdout()
         return OutputError.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
+
+
+def _report_error(command: str, exc: QSchemeError, stdout: GuardedOutput | TerminalOutput, wants_json: bool) -> int:
+    """A failed command's error on stderr (and as ``--json``'s error object), after its output."""
+    with contextlib.suppress(OutputError, BrokenPipeError):
+        stdout.flush()  # what the command printed before it failed
+    message = bounded_message(str(exc))
+    sys.stderr.write(f"qscheme {command}: error: {message}\n")
+    if wants_json:
+        _error_json(type(exc).__name__, message, exc.exit_code)
+    return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,73 @@
+"""`qscheme convert SRC DST --to SCHEME [--allow-requantize] [--force] [--json]`.
+
+Converts a quantized checkpoint folder into another scheme that shares its math (ModelOpt NVFP4
+<-> compressed-tensors NVFP4, ...; see ``qscheme.writing.convert``): tensors renamed, scales
+re-conventioned, codes untouched. The summary lists, per layer, the largest deviation of the
+dequantized weight in float32 ulps that the conversion caused, and its largest absolute error.
+A conversion that would change codes is refused unless ``--allow-requantize``. DST is written
+beside itself and appears only complete and verified; SRC is never modified. A progress bar
+shows on a terminal; ``--json`` prints the summary as JSON. Exit 0 on success, 1 when the
+checkpoint could not be converted or written, 2 on a usage or input error (an unknown scheme, a
+refused requantization, a SRC that does not exist), 128 + the signal number when SIGTERM or
+SIGHUP stopped it (130 on Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from qscheme.cli.output import print_json
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser("convert", help="convert a quantized checkpoint to another scheme with the same math")
+    parser.add_argument("src", metavar="SRC", help="a quantized checkpoint folder (compressed-tensors or ModelOpt)")
+    parser.add_argument("dst", metavar="DST", help="the output folder (must not exist, unless --force)")
+    parser.add_argument("--to", required=True, metavar="SCHEME", help="the target scheme (`qscheme schemes`)")
+    parser.add_argument(
+        "--allow-requantize",
+        action="store_true",
+        help="dequantize and quantize again where the schemes do not share the math (the error is reported)",
+    )
+    parser.add_argument("--force", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.set_defaults(handler=run)
+
+
+def layer_lines(rows: list[Any]) -> list[str]:
+    """One line per converted layer: its action, largest deviation in ulps and absolute error."""
+    written = [row for row in rows if row.action != "copied"]
+    if not written:
+        return []
+    width = max(len(row.name) for row in written)
+    lines = [f"{'layer':<{width}}  {'action':<11}  {'max ulps':>8}  max abs error"]
+    for row in written:
+        ulps = "-" if row.max_ulps is None else f"{row.max_ulps:g}"
+        error = "-" if row.max_abs_error is None else f"{row.max_abs_error:.3g}"
+        lines.append(f"{row.name:<{width}}  {row.action:<11}  {ulps:>8}  {error}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    from qscheme.writing.convert import convert_checkpoint  # imports torch
+    from qscheme.writing.output import Terminated
+
+    try:
+        summary = convert_checkpoint(
+            args.src,
+            args.dst,
+            args.to,
+            allow_requantize=args.allow_requantize,
+            force=args.force,
+            progress=None if not args.json else sys.stderr.isatty(),
+        )
+    except Terminated as stop:
+        sys.stderr.write(f"qscheme convert: {stop}; nothing was written to {args.dst}\n")
+        return 128 + stop.signal_number
+    if args.json:
+        print_json(summary.to_json())
+    else:
+        sys.stdout.write("\n".join([summary.render(), *layer_lines(summary.layers)]) + "\n")
+    return 0

@@ -1,0 +1,66 @@
+"""`qscheme quantize SRC DST --scheme NAME [--ignore PATTERN ...] [--calibration FILE] [--force] [--json]`.
+
+Quantizes an unquantized Hugging Face safetensors checkpoint (a folder, sharded or not, or one
+.safetensors file) into any scheme by round-to-nearest with the producer's arithmetic (see
+``qscheme.writing.quantize``). DST is written beside itself and appears only complete and
+verified; SRC is never modified. A progress bar shows on a terminal; ``--json`` prints the
+summary as JSON. Exit 0 on success, 1 when the checkpoint could not be quantized or written,
+2 on a usage or input error (an unknown scheme, a SRC that does not exist, a bad calibration
+file), 128 + the signal number when SIGTERM or SIGHUP stopped it (130 on Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from qscheme.cli.output import print_json
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser(
+        "quantize", help="quantize an unquantized safetensors checkpoint into a scheme (round-to-nearest)"
+    )
+    parser.add_argument("src", metavar="SRC", help="an unquantized checkpoint folder, or one .safetensors file")
+    parser.add_argument("dst", metavar="DST", help="the output folder (must not exist, unless --force)")
+    parser.add_argument("--scheme", required=True, help="a scheme name (`qscheme schemes`) or a descriptor file")
+    parser.add_argument(
+        "--ignore",
+        action="append",
+        metavar="PATTERN",
+        help="a module to leave unquantized: an exact name, re:REGEX or a wildcard; repeat for more "
+        "(default: lm_head; giving any replaces the default)",
+    )
+    parser.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="per-module input amax (JSON), needed by schemes with static activation scales (docs/writing.md)",
+    )
+    parser.add_argument("--force", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from qscheme.writing.output import Terminated
+    from qscheme.writing.quantize import quantize_checkpoint  # imports torch
+
+    try:
+        summary = quantize_checkpoint(
+            args.src,
+            args.dst,
+            args.scheme,
+            ignore=args.ignore,
+            calibration=args.calibration,
+            force=args.force,
+            progress=None if not args.json else sys.stderr.isatty(),
+        )
+    except Terminated as stop:
+        sys.stderr.write(f"qscheme quantize: {stop}; nothing was written to {args.dst}\n")
+        return 128 + stop.signal_number
+    if args.json:
+        print_json(summary.to_json())
+    else:
+        sys.stdout.write(summary.render() + "\n")
+    return 0

@@ -1,0 +1,129 @@
+"""The calibration file: per-module input amax values, for schemes with static activation scales.
+
+Round-to-nearest needs only the weights, except where a scheme stores a scale for the layer's
+*input* computed at export time (compressed-tensors FP8 ``input_scale``, NVFP4
+``input_global_scale``, ModelOpt ``input_scale``). Those come from the largest absolute input
+value each module saw on calibration data, given in a JSON file::
+
+    {"format": "qscheme-calibration/1",
+     "input_amax": {"model.layers.0.self_attn.q_proj": 3.25, ...}}
+
+Keys are module names as stored in the checkpoint (no ``.weight``); values are finite numbers
+> 0. From an amax the stored scales follow the descriptor, computed as the producers compute
+them (in float32): a static per-tensor scale is ``amax / element max`` as a multiplier
+(``element max / amax`` as a divisor); an activation global scale (a two-level format such as
+NVFP4) is ``amax / (element max * block scale max)`` as a multiplier, the inverse product as a
+divisor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from qscheme.checkpoint.config import read_json
+from qscheme.descriptor import Scheme
+from qscheme.errors import CheckpointError, InputError, QuantizeError
+from qscheme.formats import get_element_format
+
+CALIBRATION_FORMAT = "qscheme-calibration/1"
+_EXAMPLE = '{"format": "qscheme-calibration/1", "input_amax": {"model.layers.0.self_attn.q_proj": 3.25}}'
+
+
+class CalibrationError(QuantizeError, InputError):
+    """The calibration file is missing, malformed, or lacks a module the scheme needs (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Input amax per module name, and the file it came from."""
+
+    file: str
+    input_amax: Mapping[str, float]
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        """Read and check a calibration file; CalibrationError naming the file and the entry."""
+        path = Path(path)
+        if not path.exists():
+            raise CalibrationError(f"{path}: calibration file does not exist; write one like {_EXAMPLE}")
+        try:
+            data = read_json(path)
+        except CheckpointError as exc:
+            raise CalibrationError(str(exc)) from None
+        return cls.from_mapping(data, str(path))
+
+    @classmethod
+    def from_mapping(cls, data: object, file: str = "<calibration>") -> Calibration:
+        if not isinstance(data, Mapping) or data.get("format") != CALIBRATION_FORMAT:
+            found = data.get("format") if isinstance(data, Mapping) else type(data).__name__
+            raise CalibrationError(
+                f'{file}: expected an object with "format": "{CALIBRATION_FORMAT}", found {json.dumps(found)}; '
+                f"write it like {_EXAMPLE}"
+            )
+        unknown = sorted(set(data) - {"format", "input_amax"})
+        if unknown:
+            raise CalibrationError(
+                f"{file}: unknown key(s) {', '.join(map(repr, unknown))}; allowed: format, input_amax"
+            )
+        values = data.get("input_amax")
+        if not isinstance(values, Mapping):
+            raise CalibrationError(f"{file}: input_amax must be an object of module name -> amax; {_EXAMPLE}")
+        checked: dict[str, float] = {}
+        for module, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise CalibrationError(
+                    f"{file}: input_amax[{module!r}] is {json.dumps(value)}; it must be a finite number > 0 (the "
+                    "largest absolute input value the module saw)"
+                )
+            if module.endswith(".weight"):
+                raise CalibrationError(
+                    f"{file}: input_amax key {module!r} names a tensor; use the module name "
+                    f"{module.removesuffix('.weight')!r}"
+                )
+            checked[module] = float(value)
+        return cls(file, checked)
+
+    def require(self, modules: list[str]) -> None:
+        """Every module listed must have an entry; CalibrationError listing those that do not."""
+        missing = [module for module in modules if module not in self.input_amax]
+        if missing:
+            shown = ", ".join(repr(module) for module in missing[:5]) + (
+                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            )
+            raise CalibrationError(
+                f"{self.file}: no input_amax for {len(missing)} module(s) to quantize: {shown}; add an entry for each "
+                "quantized module (or ignore those modules)"
+            )
+
+
+def needs_calibration(scheme: Scheme) -> bool:
+    """Whether the scheme stores activation scales computed at export (static, or a global scale)."""
+    activation = scheme.activation
+    return activation is not None and (activation.scale is not None or activation.global_scale is not None)
+
+
+def activation_tensors(scheme: Scheme, amax: float) -> dict[str, Tensor]:
+    """The activation scales to give ``quantize_weight`` for one module, by checkpoint name (float32)."""
+    activation = scheme.activation
+    if activation is None:
+        return {}
+    element_max = float(get_element_format(activation.format).max_value)
+    value = torch.tensor([amax], dtype=torch.float32)
+    out: dict[str, Tensor] = {}
+    # Python-number bounds, as the producers write them: ``amax / 448`` divides, while
+    # compressed-tensors' ``2688 / amax`` is torch's reversed division (reciprocal, then multiply).
+    if activation.scale is not None:
+        bound = element_max
+        out[activation.scale.tensor.name] = value / bound if activation.scale.stored == "multiplier" else bound / value
+    if activation.global_scale is not None:
+        bound = element_max * float(get_element_format(activation.scale_format).max_value)
+        stored = activation.global_scale.stored
+        out[activation.global_scale.tensor.name] = value / bound if stored == "multiplier" else bound / value
+    return out

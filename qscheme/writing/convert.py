@@ -1,0 +1,361 @@
+"""``convert_checkpoint``: a quantized checkpoint in one scheme -> the same checkpoint in another.
+
+The source is read with the checkpoint loader's own planning (``plan_checkpoint``: producer
+config, headers, each module's scheme, layout checks), so that convert accepts exactly what
+``load_checkpoint`` accepts. Each quantized module then goes through ``convert_layer``: renamed
+and re-conventioned as the two descriptors say, codes untouched, with the deviation of its
+dequantized weight reported. Everything else (embeddings, norms, unquantized layers, biases,
+KV-cache scales) and the other files (tokenizer, generation config) are copied through, and
+the target producer's ``config.json`` (and ``hf_quant_config.json`` for ModelOpt) written.
+
+Before anything is written every module is checked from the headers alone: a conversion that
+would change codes is refused (RequantizationRefusedError) unless ``allow_requantize``, and one
+that needs data the source lacks (UnconvertibleLayerError) always is. Writing then streams one
+source shard at a time into a temporary folder beside ``dst`` (``OutputFolder``), verified by
+re-reading before it is renamed into place.
+
+Provenance of inverted scales. A scale stored as a multiplier in one scheme and a reciprocal in
+the other is inverted in float32, which rounds: ``fl(1/fl(1/x))`` is not always ``x``. Each
+output shard records, in its safetensors metadata under ``ORIGINALS_KEY``, the source tensor
+every inverted scale came from (name, dtype, shape and bytes). Converting back restores a
+recorded original when inverting it gives exactly the tensor found, so that a round trip gives
+the original files' tensors bit for bit. Libraries that read the files ignore the metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qscheme.catalog import load_scheme, require_scheme_argument
+from qscheme.checkpoint.config import NoQuantization
+from qscheme.checkpoint.detect import split_name
+from qscheme.checkpoint.header import DTYPE_BY_TORCH_NAME
+from qscheme.checkpoint.plan import Plan, format_problems, plan_checkpoint
+from qscheme.checkpoint.progress import Progress
+from qscheme.descriptor import Scheme
+from qscheme.errors import CheckpointError, UsageError
+from qscheme.writing.convert_layer import LayerConversion, check_conversion, convert_layer
+from qscheme.writing.convert_math import compare_schemes
+from qscheme.writing.output import OutputFolder, raise_on_termination
+from qscheme.writing.producer_config import config_files, producer_of
+from qscheme.writing.shards import DEFAULT_METADATA, ShardRecord, write_index, write_json, write_shard
+from qscheme.writing.source import SourceCheckpoint, SourceShard
+from qscheme.writing.summary import LayerRow, WriteSummary, peak_rss_bytes
+from qscheme.writing.verify import verify_folder
+
+ORIGINALS_KEY = "qscheme.convert.originals"
+
+
+class NotQuantizedError(CheckpointError):
+    """The source checkpoint holds no quantized module: there is nothing to convert."""
+
+
+def convert_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    to: Scheme | str | Path,
+    *,
+    allow_requantize: bool = False,
+    force: bool = False,
+    progress: bool | None = None,
+) -> WriteSummary:
+    """Convert the quantized checkpoint folder ``src`` into scheme ``to``, written to ``dst``.
+
+    ``to`` is a catalog name (``compressed-tensors/NVFP4A16``), a descriptor path or a Scheme.
+    Schemes that share the math convert exactly (see ``qscheme.writing.convert_math``); others
+    are refused with RequantizationRefusedError naming the layer, both schemes and what differs,
+    unless ``allow_requantize`` (then dequantized and quantized again, the error reported per
+    layer). ``force`` replaces an existing ``dst``; ``progress`` shows a bar on stderr (default:
+    when stderr is a terminal). Nothing is written when a check fails; ``src`` is never
+    modified. Returns a WriteSummary whose rows carry each layer's largest deviation in ulps.
+    """
+    started = time.perf_counter()
+    require_scheme_argument(to, "convert_checkpoint")
+    for flag, value in (("allow_requantize", allow_requantize), ("force", force)):
+        if not isinstance(value, bool):
+            raise UsageError(f"convert_checkpoint: {flag} must be True or False, not {value!r}")
+    target = load_scheme(to)
+    if producer_of(target) == "qscheme":
+        raise UsageError(
+            f"convert_checkpoint: {target.name} is a scheme no producer writes; convert writes compressed-tensors "
+            "or ModelOpt schemes. Quantize the unquantized model with `qscheme quantize` for a YAML-only scheme"
+        )
+    source = SourceCheckpoint.open(src)
+    if source.folder is None:
+        raise UsageError(
+            f"{src}: convert needs the checkpoint folder (its config.json names the quantization), "
+            "not one .safetensors file"
+        )
+    plan = _checked_plan(source.folder)
+    layers = _preflight(plan, target, allow_requantize)
+    output = OutputFolder(dst, force=force, sources=[source.path])
+    summary = WriteSummary(command="convert", src=str(src), dst=str(dst), scheme=target.name)
+    writer = _Writer(source, plan, target, layers, allow_requantize, summary)
+    with (
+        raise_on_termination(),
+        output as out,
+        Progress(len(source.tensors), "converting", enabled=progress) as bar,
+    ):
+        summary.files_copied = _copy_other_files(source, out.path)
+        records = [writer.write(shard, out.path, bar) for shard in source.shards]
+        if source.sharded:
+            weight_map = {tensor.name: record.path.name for record in records for tensor in record.tensors}
+            write_index(out.path, weight_map, sum(record.data_bytes for record in records))
+        unquantized = _unquantized_linear(plan)
+        configs = config_files(
+            target,
+            source.config,
+            ignore=unquantized,
+            unquantized_modules=unquantized,
+            note=f"converted by qscheme from {', '.join(sorted(plan.detection.scheme_counts()))}",
+        )
+        for file_name, contents in configs.items():
+            write_json(out.path / file_name, contents)
+        verify_folder(out.path, records)
+        out.commit()
+    summary.notes.extend(writer.notes())
+    summary.shards = [record.path.name for record in records]
+    summary.bytes_written = sum(record.size for record in records)
+    summary.bytes_read = source.total_bytes
+    summary.seconds = time.perf_counter() - started
+    summary.peak_rss_bytes = peak_rss_bytes()
+    return summary
+
+
+# --- checks before anything is written -----------------------------------------------------------
+
+
+def _checked_plan(folder: Path) -> Plan:
+    plan = plan_checkpoint(folder)
+    if plan.problems:
+        raise CheckpointError(
+            f"{folder}: {len(plan.problems)} problem(s) found, nothing was written:\n{format_problems(plan.problems)}"
+        )
+    if not plan.detection.modules:
+        why = plan.config.reason if isinstance(plan.config, NoQuantization) else "no module is quantized"
+        raise NotQuantizedError(
+            f"{folder}: not a quantized checkpoint ({why}); convert changes the scheme of a quantized checkpoint. "
+            "Use `qscheme quantize SRC DST --scheme NAME` (quantize_checkpoint) for an unquantized model"
+        )
+    return plan
+
+
+def _preflight(plan: Plan, target: Scheme, allow_requantize: bool) -> dict[str, Scheme]:
+    """Every module's source scheme, after checking from the headers that it converts."""
+    layers: dict[str, Scheme] = {}
+    comparisons = {}
+    for module, layout in plan.layouts.items():
+        source = layout.scheme
+        if source.name not in comparisons:
+            comparisons[source.name] = compare_schemes(source, target)
+        check_conversion(module, comparisons[source.name], layout.declared, allow_requantize=allow_requantize)
+        layers[module] = source
+    return layers
+
+
+def _unquantized_linear(plan: Plan) -> list[str]:
+    """Modules holding a plain 2-D ``weight`` (unquantized linears, embeddings): the target's ignore list."""
+    files = plan.files.tensors
+    out = []
+    for name in plan.detection.plain:
+        module, short = split_name(name)
+        if short == "weight" and len(files[name].shape) == 2:
+            out.append(module)
+    return sorted(set(out))
+
+
+def _copy_other_files(source: SourceCheckpoint, folder: Path) -> list[str]:
+    from qscheme.writing.quantize import _copy_other_files as copy
+
+    return copy(source, folder)
+
+
+# --- provenance of inverted scales ----------------------------------------------------------------
+
+
+def _record(name: str, value: Tensor) -> dict[str, Any]:
+    data = value.detach().contiguous().reshape(-1).view(torch.uint8)
+    return {
+        "name": name,
+        "dtype": str(value.dtype).removeprefix("torch."),
+        "shape": list(value.shape),
+        "hex": bytes(data.tolist()).hex(),
+    }
+
+
+def _from_record(record: object) -> tuple[str, Tensor] | None:
+    """(original tensor name, tensor) of a metadata record; None for anything malformed."""
+    if not isinstance(record, Mapping):
+        return None
+    name, dtype_name, shape, text = (record.get(key) for key in ("name", "dtype", "shape", "hex"))
+    if not (isinstance(name, str) and isinstance(dtype_name, str) and isinstance(text, str)):
+        return None
+    if not isinstance(shape, list) or not all(isinstance(size, int) and 0 <= size for size in shape):
+        return None
+    found = DTYPE_BY_TORCH_NAME.get(dtype_name)
+    if found is None or found.torch_dtype is None or found.bits < 8:
+        return None
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        return None
+    numel = 1
+    for size in shape:
+        numel *= size
+    if len(raw) != numel * found.bits // 8 or numel > 4096:
+        return None
+    tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(found.torch_dtype).reshape(shape).clone()
+    return name, tensor
+
+
+def _originals(shard: SourceShard) -> dict[str, tuple[str, Tensor]]:
+    """The shard's records of inverted scales: converted tensor name -> (original name, tensor)."""
+    metadata = shard.header.metadata or {}
+    text = metadata.get(ORIGINALS_KEY)
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    out = {}
+    if isinstance(value, Mapping):
+        for name, record in value.items():
+            parsed = _from_record(record)
+            if isinstance(name, str) and parsed is not None:
+                out[name] = parsed
+    return out
+
+
+# --- writing --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Counts:
+    converted: int = 0
+    requantized: int = 0
+    inverted: int = 0
+    restored: int = 0
+    deviating: int = 0
+
+
+class _Writer:
+    """Converts and writes one source shard at a time."""
+
+    def __init__(
+        self,
+        source: SourceCheckpoint,
+        plan: Plan,
+        target: Scheme,
+        layers: Mapping[str, Scheme],
+        allow_requantize: bool,
+        summary: WriteSummary,
+    ) -> None:
+        self.source = source
+        self.plan = plan
+        self.target = target
+        self.layers = layers
+        self.allow_requantize = allow_requantize
+        self.summary = summary
+        self.counts = _Counts()
+        self.layer_notes: list[str] = []
+        self.owner: dict[str, str] = {}  # tensor name -> its quantized module
+        for module, assignment in plan.detection.modules.items():
+            for short, info in assignment.tensors.items():
+                if short != "bias":
+                    self.owner[info.name] = module
+        self.unquantized = set(_unquantized_linear(plan))
+
+    def write(self, shard: SourceShard, folder: Path, bar: Progress) -> ShardRecord:
+        tensors: dict[str, Tensor] = {}
+        records: dict[str, dict[str, Any]] = {}
+        originals = _originals(shard)
+        for name in shard.tensors:
+            module = self.owner.get(name)
+            if module is None:
+                tensors[name] = self.source.read(name)
+                owner, short = split_name(name)
+                if short == "weight" and owner in self.unquantized:
+                    self.summary.layers.append(LayerRow(owner, self.target.name, "copied"))
+            elif name == self.plan.layouts[module].declared[self.layers[module].weight.tensor.name].name:
+                result = self._convert(module, originals)
+                for short, value in result.tensors.items():
+                    tensors[f"{module}.{short}"] = value
+                for short, value in result.originals.items():
+                    source_name = self._source_name(module, result, short)
+                    records[f"{module}.{short}"] = _record(source_name, value)
+            bar.advance(item=name)
+        metadata = dict(DEFAULT_METADATA)
+        if records:
+            metadata[ORIGINALS_KEY] = json.dumps(records, sort_keys=True, separators=(",", ":"))
+        return write_shard(folder / self.source.output_shard_name(shard), tensors, metadata)
+
+    def _source_name(self, module: str, result: LayerConversion, target_short: str) -> str:
+        source = self.layers[module]
+        role = next(role for role, spec in self.target.tensor_specs().items() if spec.name == target_short)
+        return f"{module}.{source.tensor_specs()[role].name}"
+
+    def _convert(self, module: str, originals: Mapping[str, tuple[str, Tensor]]) -> LayerConversion:
+        source = self.layers[module]
+        layout = self.plan.layouts[module]
+        tensors = {short: self.source.read(info.name) for short, info in layout.declared.items() if short != "bias"}
+        tensors.update({short: self.source.read(f"{module}.{short}") for short in layout.tolerated})
+        restore = self._restore(module, source, originals)
+        result = convert_layer(
+            module, source, self.target, tensors, allow_requantize=self.allow_requantize, restore=restore
+        )
+        self.summary.layers.append(
+            LayerRow(module, self.target.name, result.action, float(result.max_ulps), result.max_abs_error)
+        )
+        counts = self.counts
+        counts.converted += result.action == "converted"
+        counts.requantized += result.action == "requantized"
+        counts.inverted += len(result.inverted)
+        counts.restored += len(result.restored)
+        counts.deviating += result.max_ulps > 0
+        self.layer_notes.extend(f"{module}: {note}" for note in result.notes)
+        return result
+
+    def _restore(self, module: str, source: Scheme, originals: Mapping[str, tuple[str, Tensor]]) -> dict[str, Tensor]:
+        """Recorded originals for this module's scales, keyed by the target's short names."""
+        restore = {}
+        target_specs = self.target.tensor_specs()
+        for role, spec in source.tensor_specs().items():
+            found = originals.get(f"{module}.{spec.name}")
+            if found is None or role not in target_specs:
+                continue
+            name, tensor = found
+            if name == f"{module}.{target_specs[role].name}":
+                restore[target_specs[role].name] = tensor
+        return restore
+
+    def notes(self) -> list[str]:
+        counts = self.counts
+        out = []
+        if counts.inverted:
+            out.append(
+                f"{counts.inverted} scale(s) inverted between multiplier and reciprocal conventions "
+                f"({counts.restored} restored bit for bit from the source's record); {counts.deviating} layer(s) "
+                "dequantize differently by the float32 rounding of the inversion (see max_ulps)"
+            )
+        if counts.requantized:
+            out.append(f"{counts.requantized} layer(s) requantized (--allow-requantize): see max_abs_error")
+        kv_cache = self.plan.detection.kv_cache
+        if kv_cache:
+            out.append(
+                f"{len(kv_cache)} KV-cache scale tensor(s) copied through; the target config does not declare "
+                "the KV-cache quantization"
+            )
+        shown = self.layer_notes[:20]
+        out.extend(shown)
+        if len(self.layer_notes) > len(shown):
+            out.append(f"... and {len(self.layer_notes) - len(shown)} more layer note(s)")
+        return out

@@ -1,0 +1,130 @@
+"""Writing safetensors shards and their index, recording a digest of every tensor written.
+
+``write_shard`` writes the safetensors format directly (an 8-byte little-endian header length,
+the JSON header padded with spaces to a multiple of 8, then the tensors' bytes in order): each
+tensor goes from its own memory to the file once, with no staging copy, and its CRC-32 is taken
+on the way so that ``verify`` can re-read the file and compare. Output metadata is
+``{"format": "pt"}``, as torch's ``save_file`` writes it. ``write_index`` writes
+``model.safetensors.index.json`` as transformers does (``metadata.total_size``, ``weight_map``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from qscheme.checkpoint.header import DTYPE_BY_TORCH_NAME
+from qscheme.errors import DestinationError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DEFAULT_METADATA = {"format": "pt"}
+_WRITE_CHUNK = 1 << 28
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """What was written for one tensor: safetensors dtype code, header shape, byte span, CRC-32."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # byte offset in the data section
+    end: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One written shard: its file, its tensors in file order, and its size in bytes."""
+
+    path: Path
+    tensors: tuple[TensorRecord, ...]
+    metadata: Mapping[str, str]
+    size: int
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(record.end - record.start for record in self.tensors)
+
+
+def dtype_code(tensor: Tensor) -> tuple[str, int]:
+    """(safetensors dtype code, bits per element) for a tensor's dtype; DestinationError if it has none."""
+    name = str(tensor.dtype).removeprefix("torch.")
+    found = DTYPE_BY_TORCH_NAME.get(name)
+    if found is None:
+        raise DestinationError(f"tensor dtype {tensor.dtype} has no safetensors code; it cannot be written")
+    return found.code, found.bits
+
+
+def tensor_bytes(tensor: Tensor) -> Tensor:
+    """The tensor's bytes as a flat uint8 CPU tensor (no copy when it is contiguous on the CPU)."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.dtype == torch.uint8:
+        return flat
+    return flat.view(torch.uint8)
+
+
+def write_shard(
+    path: str | Path, tensors: Mapping[str, Tensor], metadata: Mapping[str, str] | None = None
+) -> ShardRecord:
+    """Write ``tensors`` (in their order) to a safetensors file at ``path``; DestinationError on failure."""
+    path = Path(path)
+    metadata = dict(DEFAULT_METADATA if metadata is None else metadata)
+    header: dict[str, object] = {"__metadata__": metadata}
+    layout: list[tuple[str, str, tuple[int, ...], int, int, Tensor]] = []
+    offset = 0
+    for name, tensor in tensors.items():
+        code, bits = dtype_code(tensor)
+        shape = tuple(int(size) for size in tensor.shape)
+        if bits == 4:  # torch holds two FP4 values per element along the last dimension
+            shape = (*shape[:-1], shape[-1] * 2)
+        data = tensor_bytes(tensor)
+        end = offset + data.numel()
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, end]}
+        layout.append((name, code, shape, offset, end, data))
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    records = []
+    try:
+        with open(path, "wb") as handle:
+            handle.write(struct.pack("<Q", len(text)))
+            handle.write(text)
+            for name, code, shape, start, end, data in layout:
+                view = data.numpy().data.cast("B")
+                crc = 0
+                for begin in range(0, len(view), _WRITE_CHUNK):
+                    chunk = view[begin : begin + _WRITE_CHUNK]
+                    handle.write(chunk)
+                    crc = zlib.crc32(chunk, crc)
+                records.append(TensorRecord(name, code, shape, start, end, crc))
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as exc:
+        raise DestinationError(f"{path}: cannot write the shard: {exc.strerror}") from None
+    return ShardRecord(path=path, tensors=tuple(records), metadata=metadata, size=8 + len(text) + offset)
+
+
+def write_json(path: str | Path, value: object) -> None:
+    """A JSON file as transformers writes its configs (indent 2, sorted keys, final newline)."""
+    path = Path(path)
+    try:
+        path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise DestinationError(f"{path}: cannot write: {exc.strerror}") from None
+
+
+def write_index(folder: str | Path, weight_map: Mapping[str, str], total_size: int) -> Path:
+    """``model.safetensors.index.json`` in ``folder``: ``{"metadata": {"total_size"}, "weight_map"}``."""
+    path = Path(folder) / INDEX_FILE
+    write_json(path, {"metadata": {"total_size": int(total_size)}, "weight_map": dict(sorted(weight_map.items()))})
+    return path

@@ -1,0 +1,97 @@
+"""Re-read a written checkpoint folder before it is renamed into place.
+
+Every shard's header is parsed with the loader's own checks (``read_file_header``) and must list
+exactly the tensors recorded while writing (names, dtypes, shapes, byte spans); every tensor's
+bytes are read back and their CRC-32 compared with the one taken while writing. The index must
+map exactly those tensors to their shards, and ``config.json`` / ``hf_quant_config.json`` must
+parse. Any difference is a DestinationError naming the file and the tensor, and the folder is then
+never renamed to DST.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+from qscheme.checkpoint.config import CONFIG_FILE, MODELOPT_FILE, config_file_present, read_json
+from qscheme.checkpoint.header import read_file_header
+from qscheme.errors import CheckpointError, DestinationError
+from qscheme.writing.shards import INDEX_FILE, ShardRecord
+
+_READ_CHUNK = 1 << 26
+
+
+def verify_folder(folder: str | Path, shards: Sequence[ShardRecord]) -> int:
+    """Check the written folder against the shard records; the bytes re-read, or DestinationError."""
+    folder = Path(folder)
+    read = 0
+    for record in shards:
+        read += _verify_shard(record)
+    _verify_index(folder, shards)
+    for name in (CONFIG_FILE, MODELOPT_FILE):
+        path = folder / name
+        try:
+            if config_file_present(path):
+                read_json(path)
+        except CheckpointError as exc:
+            raise DestinationError(f"{path}: the written file does not read back: {exc}") from None
+    return read
+
+
+def _verify_shard(record: ShardRecord) -> int:
+    path = record.path
+    try:
+        header = read_file_header(path)
+    except CheckpointError as exc:
+        raise DestinationError(f"{path}: the written shard does not read back: {exc}") from None
+    expected = {tensor.name: tensor for tensor in record.tensors}
+    if set(header.tensors) != set(expected):
+        missing = sorted(set(expected) - set(header.tensors))
+        extra = sorted(set(header.tensors) - set(expected))
+        raise DestinationError(
+            f"{path}: the written shard lists other tensors than written (missing {missing}, extra {extra})"
+        )
+    data_start = header.size - record.data_bytes
+    read = 0
+    with path.open("rb", buffering=0) as handle:
+        for tensor in record.tensors:
+            info = header.tensors[tensor.name]
+            if tuple(info.shape) != tensor.shape or info.offset != data_start + tensor.start:
+                raise DestinationError(
+                    f"{path}: tensor {tensor.name!r} reads back as shape {list(info.shape)} at byte {info.offset}, "
+                    f"written as {list(tensor.shape)} at byte {data_start + tensor.start}"
+                )
+            handle.seek(info.offset)
+            remaining = tensor.end - tensor.start
+            crc = 0
+            while remaining:
+                chunk = handle.read(min(remaining, _READ_CHUNK))
+                if not chunk:
+                    raise DestinationError(f"{path}: tensor {tensor.name!r}: the file ends inside the tensor")
+                crc = zlib.crc32(chunk, crc)
+                remaining -= len(chunk)
+            read += tensor.end - tensor.start
+            if crc != tensor.crc32:
+                raise DestinationError(
+                    f"{path}: tensor {tensor.name!r} reads back with other bytes than were written (CRC-32 "
+                    f"{crc:08x}, written {tensor.crc32:08x}); the disk or file system corrupted it: nothing was "
+                    "moved into place"
+                )
+    return read
+
+
+def _verify_index(folder: Path, shards: Sequence[ShardRecord]) -> None:
+    index = folder / INDEX_FILE
+    if not index.exists():
+        if len(shards) > 1:
+            raise DestinationError(f"{folder}: {len(shards)} shards were written but no {INDEX_FILE}")
+        return
+    try:
+        data = read_json(index)
+    except CheckpointError as exc:
+        raise DestinationError(f"{index}: the written index does not read back: {exc}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    expected = {tensor.name: record.path.name for record in shards for tensor in record.tensors}
+    if weight_map != expected:
+        raise DestinationError(f"{index}: the written weight_map does not match the shards written")

@@ -1,0 +1,76 @@
+"""OutputFolder: refusals before writing, the temporary folder beside DST, commit, cleanup, stale folders."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qscheme.errors import OutputError
+from qscheme.writing.output import OutputFolder, Terminated, raise_on_termination
+
+
+def test_commit_renames_the_partial_folder_into_place(tmp_path: Path) -> None:
+    with OutputFolder(tmp_path / "dst", force=False, sources=[tmp_path / "src"]) as out:
+        assert out.path.parent == tmp_path and out.path.name.startswith(".dst.qscheme-partial-")
+        (out.path / "a.txt").write_text("a")
+        assert not (tmp_path / "dst").exists()
+        out.commit()
+    assert (tmp_path / "dst" / "a.txt").read_text() == "a"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
+
+
+def test_an_exception_removes_the_partial_folder(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError), OutputFolder(tmp_path / "dst", force=False, sources=[]) as out:
+        (out.path / "a.txt").write_text("a")
+        raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refusals_happen_before_anything_is_written(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (tmp_path / "dst").mkdir()
+    with pytest.raises(OutputError, match=r"already exists.*--force"):
+        OutputFolder(tmp_path / "dst", force=False, sources=[src])
+    with pytest.raises(OutputError, match="would be the source"):
+        OutputFolder(src, force=True, sources=[src])
+    with pytest.raises(OutputError, match="inside the source"):
+        OutputFolder(src / "out", force=False, sources=[src])
+    with pytest.raises(OutputError, match="contains the source"):
+        OutputFolder(tmp_path, force=True, sources=[src])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
+
+
+def test_force_replaces_only_after_the_new_folder_is_complete(tmp_path: Path) -> None:
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError), OutputFolder(tmp_path / "dst", force=True, sources=[]) as out:
+        raise RuntimeError("failed mid-write")
+    assert (tmp_path / "dst" / "old.txt").read_text() == "old"  # a failed run keeps the old DST
+    with OutputFolder(tmp_path / "dst", force=True, sources=[]) as out:
+        (out.path / "new.txt").write_text("new")
+        out.commit()
+    assert sorted(p.name for p in (tmp_path / "dst").iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
+
+
+def test_stale_partial_folders_of_dead_processes_are_removed(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".dst.qscheme-partial-{int(dead.stdout)}"
+    stale.mkdir()
+    alive = tmp_path / f".dst.qscheme-partial-{os.getppid()}"  # a live process: left alone
+    alive.mkdir()
+    with OutputFolder(tmp_path / "dst", force=False, sources=[]) as out:
+        out.commit()
+    assert not stale.exists() and alive.exists()
+
+
+def test_sigterm_raises_terminated_inside_the_block() -> None:
+    with pytest.raises(Terminated, match="SIGTERM"), raise_on_termination():
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
