@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qscheme.checkpoint.plan import FuseSpec, Plan, plan_checkpoint
-from qscheme.checkpoint.text import listing, problem_lines, shown
+from qscheme.checkpoint.text import group_label, listing, problem_lines, shown
 from qscheme.errors import CheckpointError
 
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
@@ -70,12 +70,13 @@ class Inspection:
         return dict(sorted(counts.items()))
 
     def grouped(self) -> list[tuple[str, str, int, int, int]]:
-        """(module pattern, scheme, N, K, count), in first-seen order."""
-        groups: dict[tuple[str, str, int, int], int] = {}
+        """(module pattern, scheme, N, K, count), in first-seen order; a MoE block's experts show
+        their index range (``experts.{0..7}.gate_proj``, see ``group_label``)."""
+        groups: dict[tuple[str, str, int, int], list[str]] = {}
         for row in self.modules:
             key = (module_pattern(row.module), row.scheme, row.n, row.k)
-            groups[key] = groups.get(key, 0) + 1
-        return [(*key, count) for key, count in groups.items()]
+            groups.setdefault(key, []).append(row.module)
+        return [(group_label(key[0], names), *key[1:], len(names)) for key, names in groups.items()]
 
     def as_json(self) -> dict[str, object]:
         return {

@@ -9,6 +9,12 @@ checkpoint's extra modules and tensors are left out, the model keeps its own val
 the checkpoint does not provide, and the report's notes list both. A module or tensor that both
 have but that disagree (type, shape, bias) raises either way.
 
+Fused MoE experts (transformers 5's experts modules with 3-D ``gate_up_proj`` / ``down_proj``
+parameters, ``qscheme.experts``) take the checkpoint's per-expert layers
+(``<experts>.<e>.gate_proj`` ...): a module whose experts the checkpoint quantizes becomes a
+``QuantExperts`` holding every one of them (an expert missing raises); one whose experts the
+checkpoint stores unquantized gets their weights stacked into its fused parameters.
+
 Everything is checked before the model is changed: when apply_to_model raises, the model is
 left exactly as it was, never half-converted.
 """
@@ -25,6 +31,7 @@ from qscheme.checkpoint.load import Checkpoint, FusePolicyChoice, load_checkpoin
 from qscheme.checkpoint.plan import FuseSpec
 from qscheme.checkpoint.text import listing
 from qscheme.errors import CheckpointError, UsageError
+from qscheme.experts import ExpertsSpec, QuantExperts, find_expert_modules
 from qscheme.linear import QuantLinear, checked_device
 
 _ACTIVATION_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -121,6 +128,60 @@ def _refuse_unwritable(state: dict[str, torch.Tensor], expected: dict[str, torch
             )
 
 
+def _expert_layers(checkpoint: Checkpoint, spec: ExpertsSpec) -> dict[str, QuantLinear]:
+    return {name: layer for name, layer in checkpoint.items() if spec.split(name) is not None}
+
+
+def _build_experts(
+    model: torch.nn.Module, checkpoint: Checkpoint, specs: dict[str, ExpertsSpec], folder: Path
+) -> tuple[list[tuple[torch.nn.Module, str, QuantExperts]], set[str]]:
+    """A QuantExperts for every experts module whose layers the checkpoint quantizes: the swaps,
+    and the checkpoint layers they take."""
+    swaps: list[tuple[torch.nn.Module, str, QuantExperts]] = []
+    taken: set[str] = set()
+    for name, spec in specs.items():
+        layers = _expert_layers(checkpoint, spec)
+        if not layers:
+            continue
+        if spec.problem is not None:
+            raise CheckpointError(
+                f"{folder}: the checkpoint quantizes the experts of {name!r} ({spec.module_type}), but {spec.problem}; "
+                "load the checkpoint with qscheme.load_checkpoint(path) and call its layers"
+            )
+        act_fn = getattr(model.get_submodule(name), "act_fn", None)
+        if not callable(act_fn):  # _layout_problem refuses a module without one: unreachable
+            raise CheckpointError(f"{folder}: the model's {name!r} ({spec.module_type}) has no act_fn")
+        try:
+            experts = QuantExperts.from_checkpoint(spec, layers, act_fn)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{folder}: {exc}") from None
+        parent_name, _, child = name.rpartition(".")
+        swaps.append((model.get_submodule(parent_name) if parent_name else model, child, experts))
+        taken.update(layers)
+    return swaps, taken
+
+
+def _stack_plain_experts(state: dict[str, torch.Tensor], specs: dict[str, ExpertsSpec]) -> dict[str, torch.Tensor]:
+    """Unquantized per-expert weights (``<experts>.<e>.gate_proj.weight``...) stacked into the
+    model's fused ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] (gate rows first)."""
+    for name, spec in specs.items():
+        keys = {
+            (e, p): f"{name}.{e}.{p}.weight"
+            for e in range(spec.num_experts)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        }
+        if not all(key in state for key in keys.values()) or spec.problem is not None:
+            continue
+        gate_up = [
+            torch.cat([state[keys[(e, "gate_proj")]], state[keys[(e, "up_proj")]]]) for e in range(spec.num_experts)
+        ]
+        down = [state[keys[(e, "down_proj")]] for e in range(spec.num_experts)]
+        state = {key: value for key, value in state.items() if key not in set(keys.values())}
+        state[f"{name}.gate_up_proj"] = torch.stack(gate_up)
+        state[f"{name}.down_proj"] = torch.stack(down)
+    return state
+
+
 def apply_to_model(
     model: torch.nn.Module,
     path: str | Path,
@@ -143,6 +204,7 @@ def apply_to_model(
         raise UsageError(f"apply_to_model: model must be a torch.nn.Module, not {type(model).__name__}")
     _refuse_meta(model)
     model_device, activation_dtype = _model_device_and_dtype(model)
+    expert_specs = find_expert_modules(model)
     torch_device = checked_device(device, "apply_to_model") if device is not None else model_device
     checkpoint = load_checkpoint(
         path,
@@ -155,10 +217,13 @@ def apply_to_model(
     )
     folder = Path(path)
 
-    # 1. Check every quantized module against the model's.
-    swaps: list[tuple[torch.nn.Module, str, QuantLinear]] = []
+    # 1. Check every quantized module against the model's (experts: all of a module's or none).
+    expert_swaps, expert_layers = _build_experts(model, checkpoint, expert_specs, folder)
+    swaps: list[tuple[torch.nn.Module, str, torch.nn.Module]] = [*expert_swaps]
     absent: list[str] = []
     for name, layer in checkpoint.items():
+        if name in expert_layers:
+            continue
         place = _place(model, name, layer, folder)
         if place is None:
             absent.append(name)
@@ -172,12 +237,14 @@ def apply_to_model(
         )
 
     # 2. Check every plain tensor; the replaced Linear modules' own weights are not loaded.
-    replaced = tuple(f"{name}." for name in checkpoint if name not in absent)
+    replaced = tuple(f"{name}." for name in checkpoint if name not in absent and name not in expert_layers)
+    replaced += tuple(f"{experts.spec.module}." for _, _, experts in expert_swaps)
     expected = {
         name: value for name, value in model.state_dict(keep_vars=True).items() if not name.startswith(replaced)
     }
     kv_cache = set(checkpoint.report.kv_cache_tensors)
     state = {name: value for name, value in checkpoint.tensors.items() if name not in kv_cache}
+    state = _stack_plain_experts(state, expert_specs)
     unexpected = sorted(set(state) - set(expected))
     if unexpected and strict:
         raise CheckpointError(
@@ -215,8 +282,8 @@ def apply_to_model(
     with torch.no_grad():
         for name, value in values.items():
             expected[name].copy_(value)
-    for parent, child, layer in swaps:
-        setattr(parent, child, layer)
+    for parent, child, replacement in swaps:
+        setattr(parent, child, replacement)
 
     notes = []
     if absent:

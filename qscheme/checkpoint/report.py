@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qscheme.checkpoint.fuse import FuseOutcome
-from qscheme.checkpoint.text import shown
+from qscheme.checkpoint.text import expert_blocks, listing, shown
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,10 @@ class CheckpointReport:
         for layer in self.layers:
             kernels[layer.kernel or "-"] = kernels.get(layer.kernel or "-", 0) + 1
         lines.append("kernels: " + ", ".join(f"{shown(k)}: {v}" for k, v in sorted(kernels.items())))
+        blocks = expert_blocks([layer.name for layer in self.layers])
+        if blocks:
+            count = sum(len(members) for members in blocks.values())
+            lines.append(f"expert layers: {count} in {len(blocks)} MoE blocks: {listing(list(blocks), 4)}")
         for layer in self.fused:
             assert layer.fuse is not None
             lines.append(f"fused {shown(layer.fuse.describe(), limit=1000)} [{shown(layer.fuse_reason, limit=1000)}]")

@@ -16,6 +16,7 @@ import torch
 
 from qscheme.checkpoint.inspect import module_pattern
 from qscheme.checkpoint.plan import FuseSpec, Plan, format_problems, plan_checkpoint
+from qscheme.checkpoint.text import group_label
 from qscheme.errors import CheckpointError
 from qscheme.kernels.problem import Problem, normalize_dtype
 from qscheme.kernels.resolver import Resolution
@@ -114,8 +115,10 @@ def resolve_checkpoint(
 
 
 def group_decisions(decisions: list[LayerDecision]) -> list[tuple[str, LayerDecision, int]]:
-    """(module pattern, a representative decision, count) for identical decisions."""
+    """(module pattern, a representative decision, count) for identical decisions; a MoE block's
+    experts show their index range (``experts.{0..7}.gate_proj``, see ``group_label``)."""
     groups: dict[tuple[object, ...], tuple[str, LayerDecision, int]] = {}
+    names: dict[tuple[object, ...], list[str]] = {}
     for decision in decisions:
         problem = decision.resolution.problem
         key = (
@@ -131,7 +134,8 @@ def group_decisions(decisions: list[LayerDecision]) -> list[tuple[str, LayerDeci
         )
         found = groups.get(key)
         groups[key] = (key[0], decision, 1) if found is None else (found[0], found[1], found[2] + 1)  # type: ignore[assignment]
-    return list(groups.values())
+        names.setdefault(key, []).append(decision.name)
+    return [(group_label(pattern, names[key]), decision, count) for key, (pattern, decision, count) in groups.items()]
 
 
 def render_checkpoint_resolution(path: str, decisions: list[LayerDecision]) -> str:

@@ -143,3 +143,53 @@ def problem_lines(
             f"of {len(hidden):,} other {kinds_text}{rest_hint}"
         )
     return lines
+
+
+# Module names whose numbered children are a MoE block's experts (``...mlp.experts.<e>.down_proj``).
+EXPERT_CONTAINERS = ("experts",)
+_EXPERT_INDEX = re.compile(r"(?:^|\.)(?:" + "|".join(EXPERT_CONTAINERS) + r")\.(\d+)(?=\.|$)")
+
+
+def expert_index_range(names: Sequence[str]) -> str | None:
+    """``{0..7}`` for names whose experts are 0 to 7, ``{0,2,5}`` for a gappy set (a few then
+    ``...``); None when the names are not experts' layers."""
+    indices: set[int] = set()
+    for name in names:
+        found = _EXPERT_INDEX.search(name)
+        if found is None:
+            return None
+        indices.add(int(found.group(1)))
+    ordered = sorted(indices)
+    if not ordered:
+        return None
+    if ordered == list(range(ordered[0], ordered[-1] + 1)) and len(ordered) > 1:
+        return f"{{{ordered[0]}..{ordered[-1]}}}"
+    shown_indices = ",".join(str(index) for index in ordered[:8]) + (",..." if len(ordered) > 8 else "")
+    return f"{{{shown_indices}}}"
+
+
+def group_label(pattern: str, names: Sequence[str]) -> str:
+    """A grouping pattern (``model.layers.*.mlp.experts.*.gate_proj``) with its experts' index
+    written as the range the group's ``names`` hold (``model.layers.*.mlp.experts.{0..7}.gate_proj``),
+    so a MoE model's experts read as one row that says how many there are."""
+    indices = expert_index_range(names)
+    if indices is None:
+        return pattern
+    for container in EXPERT_CONTAINERS:
+        marker = f"{container}.*"
+        at = pattern.find(marker)
+        if at >= 0 and (at == 0 or pattern[at - 1] == "."):
+            end = at + len(marker)
+            return pattern[: end - 1] + indices + pattern[end:]
+    return pattern
+
+
+def expert_blocks(names: Sequence[str]) -> dict[str, list[str]]:
+    """Experts' layer names by their MoE block, with the index written as a range:
+    ``{"model.layers.0.mlp.experts.{0..7}": [...names...]}``; other names are left out."""
+    blocks: dict[str, list[str]] = {}
+    for name in names:
+        found = _EXPERT_INDEX.search(name)
+        if found is not None:
+            blocks.setdefault(name[: found.start(1)].rstrip("."), []).append(name)
+    return {f"{block}.{expert_index_range(members)}": members for block, members in blocks.items()}
