@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from qscheme.dequantize import dequantize_weight
     from qscheme.linear import QuantLinear
     from qscheme.quantize import quantize_weight
+    from qscheme.writing import WriteSummary, convert_checkpoint, quantize_checkpoint
 
 __version__ = "0.1.0"
 
@@ -39,14 +40,17 @@ __all__ = [
     "Scheme",
     "SchemeError",
     "UsageError",
+    "WriteSummary",
     "__version__",
     "apply_to_model",
+    "convert_checkpoint",
     "dequantize_weight",
     "load_catalog",
     "load_checkpoint",
     "load_scheme",
     "parse_scheme_file",
     "parse_scheme_text",
+    "quantize_checkpoint",
     "quantize_weight",
 ]
 
@@ -59,6 +63,9 @@ _LAZY: dict[str, str] = {
     "apply_to_model": "qscheme.checkpoint.model",
     "quantize_weight": "qscheme.quantize",
     "dequantize_weight": "qscheme.dequantize",
+    "quantize_checkpoint": "qscheme.writing.quantize",
+    "convert_checkpoint": "qscheme.writing.convert",
+    "WriteSummary": "qscheme.writing.summary",
 }
 
 
@@ -69,3 +76,16 @@ def __getattr__(name: str) -> object:
     import importlib
 
     return getattr(importlib.import_module(module), name)
+
+
+def _register_with_transformers() -> None:
+    """Register qscheme's transformers quantizers when transformers is already imported (importing
+    it here would make ``import qscheme`` take seconds); ``import qscheme.transformers`` does it
+    in any order."""
+    import sys
+
+    if "transformers" in sys.modules:
+        import qscheme.transformers  # noqa: F401
+
+
+_register_with_transformers()

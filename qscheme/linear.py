@@ -52,6 +52,7 @@ from qscheme.kernels.interface import KernelExecutionError
 from qscheme.kernels.problem import Problem, normalize_dtype
 from qscheme.kernels.registry import checked_kernel, device_for, select_kernel
 from qscheme.kernels.resolver import Resolution
+from qscheme.ops import handle_for
 
 
 def _differ(values: Tensor | None) -> bool:
@@ -187,6 +188,7 @@ class QuantLinear(torch.nn.Module):
         self._kernel_device = self.torch_device  # the device _facts, _resolved and _states are for
         self._lock = threading.RLock()
         self._default_dtype = normalize_dtype(activation_dtype)
+        self._op_handle = handle_for(self)  # how torch.compile's custom op finds this layer (qscheme.ops)
         self._resolve(self._default_dtype)
 
     # -- construction --------------------------------------------------------------------------
@@ -345,6 +347,7 @@ class QuantLinear(torch.nn.Module):
         # layers pickled by an earlier qscheme lack the newer bookkeeping
         self.__dict__.setdefault("_routes_told", set())
         self.__dict__.setdefault("_output_shapes", {})
+        self._op_handle = handle_for(self)  # a copy is a layer of its own for the custom ops
 
     # -- kernel selection ----------------------------------------------------------------------
 
@@ -399,8 +402,8 @@ class QuantLinear(torch.nn.Module):
         return self._resolved[activation_dtype][2], state
 
     def prepare(self, activation_dtype: str | torch.dtype | None = None) -> QuantLinear:
-        """Run the kernel's prepare now (it otherwise runs on the first forward); returns self.
-        ``torch.compile(..., fullgraph=True)`` needs it done first."""
+        """Run the kernel's prepare now (it otherwise runs on the first forward, compiled or
+        not: ``qscheme.ops``); returns self."""
         self._prepare(normalize_dtype(activation_dtype) if activation_dtype is not None else self._default_dtype)
         return self
 
@@ -569,6 +572,10 @@ class QuantLinear(torch.nn.Module):
                 f"{name}: the layer is on the meta device, which holds no values to compute with; move it to a real "
                 "device and load its tensors (load_state_dict), or load it from its checkpoint"
             )
+        if torch.compiler.is_compiling():
+            # one opaque operator for the graph: prepare and the kernel's code run outside it
+            y: Tensor = torch.ops.qscheme.quant_linear(x, self._op_handle, self.out_features)
+            return y
         implementation, state = self._prepared(dtype)
         if dtype != self._default_dtype and dtype not in self._routes_told:
             self._tell_route(dtype)
@@ -577,10 +584,35 @@ class QuantLinear(torch.nn.Module):
             if not torch.is_grad_enabled():  # inference: no context to enter (host time per call)
                 return self._run(implementation, state, x, dtype)
             if x.requires_grad:
-                y: Tensor = _ThroughDequantized.apply(x, self, implementation, state, dtype)
+                y = _ThroughDequantized.apply(x, self, implementation, state, dtype)
                 return y
             with torch.no_grad():
                 return self._run(implementation, state, x, dtype)
+
+    def _kernel_forward(self, x: Tensor) -> Tensor:
+        """The kernel's output for a checked input, without gradient: what the custom op
+        ``qscheme::quant_linear`` runs (``forward`` checked x and cast it for autocast)."""
+        dtype = _INPUT_DTYPE_NAMES[x.dtype]
+        implementation, state = self._prepared(dtype)
+        if dtype != self._default_dtype and dtype not in self._routes_told:
+            self._tell_route(dtype)
+        with torch.autocast(x.device.type, enabled=False), torch.no_grad():
+            return self._run(implementation, state, x, dtype)
+
+    def _input_grad(self, grad_y: Tensor) -> Tensor:
+        """grad_x = grad_y @ effective_weight(), in grad_y's dtype (straight through activation
+        quantization); dequantized where the gradient is."""
+        weight = _effective_weight(self.weight_canonical.to(grad_y.device))
+        return (grad_y.to(torch.float32) @ weight).to(grad_y.dtype)
+
+    @property
+    def weight(self) -> QuantizedWeight:
+        """A stand-in for ``nn.Linear.weight`` that model code can read: ``shape`` [N, K],
+        ``dtype`` (the layer's activation dtype), ``device``, ``requires_grad`` (False) and
+        ``size()``/``dim()``/``numel()``. It holds no values: computing with it, training it
+        (``requires_grad_``, an optimizer) or writing it raises QuantizedWeightError. Use
+        ``layer(x)``, ``dequantize()`` or ``effective_weight()`` instead."""
+        return QuantizedWeight.of(self)
 
     def extra_repr(self) -> str:
         return (
@@ -590,6 +622,93 @@ class QuantLinear(torch.nn.Module):
 
 
 _INPUT_DTYPE_NAMES = {dtype: normalize_dtype(dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
+_TORCH_DTYPES = {name: dtype for dtype, name in _INPUT_DTYPE_NAMES.items()}
+
+
+class QuantizedWeightError(UsageError):
+    """Something was asked of ``QuantLinear.weight`` that a quantized weight cannot do (compute
+    with it, train it, write it)."""
+
+
+class QuantizedWeight(Tensor):
+    """``QuantLinear.weight``: metadata of the weight, no values (see ``QuantLinear.weight``).
+
+    A tensor subclass on the meta device whose ``device`` reads as the layer's, so that code
+    doing ``module.weight.dtype`` / ``.device`` / ``.shape`` keeps working, while any use of the
+    values raises QuantizedWeightError naming the layer and what to do instead.
+    """
+
+    _layer_name: str
+    _layer_device: torch.device
+
+    @staticmethod
+    def of(layer: QuantLinear) -> QuantizedWeight:
+        dtype = _TORCH_DTYPES.get(layer.activation_dtype, torch.bfloat16)
+        empty = torch.empty((layer.out_features, layer.in_features), dtype=dtype, device="meta")
+        view = Tensor._make_subclass(QuantizedWeight, empty, False)
+        view._layer_name = layer.layer_name or "QuantLinear"
+        view._layer_device = layer.torch_device
+        return view
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func == _DEVICE_GETTER and args and isinstance(args[0], QuantizedWeight):
+            return args[0]._layer_device
+        if func in _WEIGHT_METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        view = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, QuantizedWeight)), None)
+        layer = view._layer_name if view is not None else "a QuantLinear"
+        what = _operation_name(func)
+        if func in _TRAINING:
+            raise QuantizedWeightError(
+                f"{layer}: its weight is quantized and frozen ({what}): it cannot be trained. Train the "
+                "unquantized model, or adapters beside the quantized layers (the input gets its gradient)"
+            )
+        raise QuantizedWeightError(
+            f"{layer}: .weight of a quantized layer holds no values ({what} needs them); it tells only shape, "
+            "dtype and device. Call the layer (layer(x)), or use layer.dequantize() / layer.effective_weight() "
+            "for the float32 weight"
+        )
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        shape = list(self.shape)
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"QuantizedWeight({self._layer_name}, shape={shape}, dtype={dtype}, device={self._layer_device})"
+
+
+def _operation_name(func: Callable[..., Any]) -> str:
+    """``.requires_grad = ...`` for a property setter, ``.data`` for a getter, else the function's name."""
+    name = getattr(func, "__name__", None) or repr(func)
+    attribute = getattr(getattr(func, "__self__", None), "__name__", None)
+    if name in ("__get__", "__set__") and attribute:
+        return f".{attribute}" + (" = ..." if name == "__set__" else "")
+    return name
+
+
+_DEVICE_GETTER = Tensor.device.__get__  # type: ignore[attr-defined]
+_WEIGHT_METADATA = {
+    Tensor.shape.__get__,  # type: ignore[attr-defined]
+    Tensor.dtype.__get__,  # type: ignore[attr-defined]
+    Tensor.ndim.__get__,  # type: ignore[attr-defined]
+    Tensor.requires_grad.__get__,  # type: ignore[attr-defined]
+    Tensor.size,
+    Tensor.dim,
+    Tensor.numel,
+    Tensor.element_size,
+    Tensor.is_floating_point,
+    Tensor.__len__,
+}
+_TRAINING = {  # is_leaf: the first thing an optimizer asks of its parameters
+    Tensor.is_leaf.__get__,  # type: ignore[attr-defined]
+    Tensor.requires_grad.__set__,  # type: ignore[attr-defined]
+    Tensor.requires_grad_,
+    Tensor.grad.__get__,  # type: ignore[attr-defined,union-attr]
+    Tensor.grad.__set__,  # type: ignore[attr-defined,union-attr]
+    Tensor.retains_grad.__get__,  # type: ignore[attr-defined]
+}
 _OUTPUT_SHAPES_LIMIT = 256
 
 
@@ -662,6 +781,4 @@ class _ThroughDequantized(torch.autograd.Function):
     def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, None, None, None, None]:
         layer: QuantLinear = ctx.layer
         # dequantized where the gradient is (a transient copy of the compact tensors moves there)
-        weight = _effective_weight(layer.weight_canonical.to(grad_y.device))
-        grad_x = (grad_y.to(torch.float32) @ weight).to(grad_y.dtype)
-        return grad_x, None, None, None, None
+        return layer._input_grad(grad_y), None, None, None, None

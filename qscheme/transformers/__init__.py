@@ -1,0 +1,120 @@
+"""transformers integration: ``from_pretrained`` loads quantized checkpoints through qscheme.
+
+Importing this package (``import qscheme`` does it when transformers is installed) registers,
+through transformers' public ``register_quantization_config`` / ``register_quantizer``:
+
+- ``modelopt``: NVIDIA ModelOpt exports, which transformers has no loader for;
+- ``qscheme``: checkpoints whose config names a qscheme scheme;
+- ``qscheme-compressed-tensors``: the opt-in route for compressed-tensors checkpoints. The name
+  ``compressed-tensors`` stays transformers' own quantizer (it decompresses, or runs the
+  library's modules); ``via_qscheme(path)`` gives a config that routes one checkpoint here.
+
+A name transformers (or anyone) already registered is left alone and reported by
+``registered()``: qscheme never replaces a quantizer it did not register. See docs/transformers.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from qscheme.errors import UsageError
+from qscheme.transformers._config import (
+    COMPRESSED_TENSORS,
+    COMPRESSED_TENSORS_VIA_QSCHEME,
+    CONFIGS,
+    MODELOPT,
+    QSCHEME,
+    ROUTED_FROM,
+    CompressedTensorsViaQSchemeConfig,
+    ModeloptQuantizationConfig,
+    QSchemeQuantizationConfig,
+)
+from qscheme.transformers._quantizer import (
+    CompressedTensorsViaQSchemeHfQuantizer,
+    ModeloptHfQuantizer,
+    QSchemeHfQuantizer,
+    SelfDescribingHfQuantizer,
+)
+
+__all__ = [
+    "COMPRESSED_TENSORS_VIA_QSCHEME",
+    "MODELOPT",
+    "QSCHEME",
+    "CompressedTensorsViaQSchemeConfig",
+    "ModeloptQuantizationConfig",
+    "QSchemeHfQuantizer",
+    "QSchemeQuantizationConfig",
+    "register",
+    "registered",
+    "via_qscheme",
+]
+
+_QUANTIZERS: dict[str, type[QSchemeHfQuantizer]] = {
+    MODELOPT: ModeloptHfQuantizer,
+    QSCHEME: SelfDescribingHfQuantizer,
+    COMPRESSED_TENSORS_VIA_QSCHEME: CompressedTensorsViaQSchemeHfQuantizer,
+}
+_REGISTERED: dict[str, str] = {}  # method -> "qscheme" or why it was left to another quantizer
+
+
+def register() -> dict[str, str]:
+    """Register qscheme's quantizers with transformers (idempotent); returns ``registered()``."""
+    from transformers.quantizers.auto import (
+        AUTO_QUANTIZATION_CONFIG_MAPPING,
+        AUTO_QUANTIZER_MAPPING,
+        register_quantization_config,
+        register_quantizer,
+    )
+
+    for method, quantizer in _QUANTIZERS.items():
+        config = CONFIGS[method]
+        have_config = AUTO_QUANTIZATION_CONFIG_MAPPING.get(method)
+        have_quantizer = AUTO_QUANTIZER_MAPPING.get(method)
+        if have_config is config and have_quantizer is quantizer:
+            _REGISTERED[method] = "qscheme"
+            continue
+        if have_config is not None or have_quantizer is not None:
+            owner = have_quantizer or have_config
+            _REGISTERED[method] = f"left to {getattr(owner, '__module__', '?')}.{getattr(owner, '__name__', owner)}"
+            continue
+        register_quantization_config(method)(config)
+        register_quantizer(method)(quantizer)
+        _REGISTERED[method] = "qscheme"
+    return registered()
+
+
+def registered() -> dict[str, str]:
+    """quant_method -> ``"qscheme"`` where qscheme's quantizer is registered, else who has the name."""
+    return dict(_REGISTERED)
+
+
+def via_qscheme(path: str | Path, **config_kwargs: Any) -> Any:
+    """The checkpoint's transformers config (``AutoConfig.from_pretrained(path)``) with its
+    compressed-tensors ``quantization_config`` routed through qscheme: pass it as
+    ``from_pretrained(path, config=via_qscheme(path))``. ModelOpt and qscheme checkpoints need
+    no routing (their methods are qscheme's already)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, **config_kwargs)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None and not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method in (MODELOPT, QSCHEME, COMPRESSED_TENSORS_VIA_QSCHEME):
+        return config
+    if method != COMPRESSED_TENSORS:
+        raise UsageError(
+            f"via_qscheme({str(path)!r}): config.json's quantization_config has quant_method {method!r}; qscheme "
+            f"routes {COMPRESSED_TENSORS!r} checkpoints (and loads {MODELOPT!r} and {QSCHEME!r} ones without routing)"
+        )
+    assert isinstance(quantization, dict)
+    config.quantization_config = {
+        **quantization,
+        "quant_method": COMPRESSED_TENSORS_VIA_QSCHEME,
+        ROUTED_FROM: COMPRESSED_TENSORS,
+    }
+    return config
+
+
+register()

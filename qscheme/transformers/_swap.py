@@ -1,0 +1,247 @@
+"""Put a checkpoint's quantized layers into a transformers model that is still on the meta device.
+
+transformers builds the model on the meta device, lets the quantizer change it, loads the
+checkpoint's tensors into whatever parameters the model has, materialises what was not loaded
+(``torch.empty_like``) and finally hands the model back to the quantizer.
+
+``plan_swap`` runs before the weights load: it plans the checkpoint (config and headers only),
+checks every quantized module against the model's (an ``nn.Linear`` of the same shape and bias,
+or an expert projection of a fused experts module) and puts a ``PendingLayer`` (no parameters,
+no buffers) in place of each, so transformers neither allocates float weights for them nor
+overwrites what qscheme loads. ``Swap.load`` runs after: it reads the quantized tensors one
+module at a time, straight into each ``QuantLinear``'s canonical buffers, and replaces the
+placeholders. No float copy of a quantized weight is ever made. ``taken_key_patterns`` tells
+transformers which checkpoint keys qscheme reads itself (so that they are not reported as
+unexpected).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from qscheme.checkpoint.load import check_module_values
+from qscheme.checkpoint.plan import Plan, format_problems, plan_checkpoint
+from qscheme.descriptor import Scheme
+from qscheme.errors import CheckpointError, UsageError
+from qscheme.linear import QuantLinear
+
+
+class PendingLayer(torch.nn.Module):
+    """Stands where a quantized layer (or experts module) will be once its tensors are read."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.layer_name = name
+
+    def forward(self, *args: object, **kwargs: object) -> None:
+        raise UsageError(
+            f"{self.layer_name}: this quantized layer was never loaded (from_pretrained did not finish); load the "
+            "model again"
+        )
+
+    def extra_repr(self) -> str:
+        return self.layer_name
+
+
+@contextmanager
+def _plain_tensor_creation() -> Iterator[None]:
+    """Undo transformers' model-init context (meta default device, the model's default dtype)
+    while qscheme builds layers: canonical tensors are real, and their dtypes are the scheme's."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+def _expert_specs(model: torch.nn.Module) -> dict[str, object]:
+    try:
+        from qscheme.experts import find_expert_modules
+    except ImportError:  # qscheme without MoE support: no fused experts are recognised
+        return {}
+    return dict(find_expert_modules(model))
+
+
+def _owner(name: str, specs: dict[str, object]) -> object | None:
+    for spec in specs.values():
+        if spec.split(name) is not None:  # type: ignore[attr-defined]
+            return spec
+    return None
+
+
+def _check_linear(model: torch.nn.Module, name: str, n: int, k: int, has_bias: bool, folder: Path) -> None:
+    try:
+        target = model.get_submodule(name)
+    except AttributeError:
+        raise CheckpointError(
+            f"{folder}: the checkpoint quantizes {name!r}, which the model ({type(model).__name__}) does not have; "
+            "is config.json the checkpoint's own?"
+        ) from None
+    if not isinstance(target, torch.nn.Linear):
+        raise CheckpointError(
+            f"{folder}: the checkpoint quantizes {name!r}, but the model's module there is a {type(target).__name__}, "
+            "not an nn.Linear; qscheme replaces nn.Linear modules and fused experts only"
+        )
+    if (target.out_features, target.in_features) != (n, k):
+        raise CheckpointError(
+            f"{folder}: {name!r} is [{n}, {k}] in the checkpoint but the model's Linear is "
+            f"[{target.out_features}, {target.in_features}]; is config.json the checkpoint's own?"
+        )
+    if (target.bias is not None) != has_bias:
+        raise CheckpointError(
+            f"{folder}: {name!r}: the model's Linear {'has' if target.bias is not None else 'has no'} bias but the "
+            "checkpoint disagrees"
+        )
+
+
+def _refuse_tied_quantized(model: torch.nn.Module, quantized: set[str], folder: Path) -> None:
+    """A quantized lm_head cannot share the embedding's weight (which stays a float table)."""
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    if not getattr(text_config, "tie_word_embeddings", False):
+        return
+    get_output = getattr(model, "get_output_embeddings", None)
+    output = get_output() if callable(get_output) else None
+    if output is None:
+        return
+    name = next((n for n, module in model.named_modules() if module is output), None)
+    if name in quantized:
+        raise CheckpointError(
+            f"{folder}: the checkpoint quantizes {name!r}, but config.json ties it to the input embeddings "
+            "(tie_word_embeddings: true); a quantized output layer cannot share the embedding's float weight. "
+            "Set tie_word_embeddings to false in config.json (the checkpoint then needs its own embedding tensor), "
+            "or leave the output layer unquantized"
+        )
+
+
+def _bias_names(plan: Plan) -> set[str]:
+    return {name[: -len(".bias")] for name in plan.files.tensors if name.endswith(".bias")}
+
+
+def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+@dataclass
+class Swap:
+    """A checked plan of which modules of a model become quantized layers (``plan_swap``)."""
+
+    plan: Plan
+    device: torch.device | str
+    activation_dtype: str | torch.dtype
+    kernel: str | None
+    specs: dict[str, object]  # fused experts module -> its ExpertsSpec
+    experts: dict[str, list[str]]  # fused experts module -> its checkpoint modules
+    linears: list[str]  # checkpoint modules that replace an nn.Linear
+    act_fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    kernels: dict[str, str] = field(default_factory=dict)  # filled by load: layer -> kernel name
+
+    @property
+    def folder(self) -> Path:
+        return self.plan.path
+
+    def taken_key_patterns(self) -> list[str]:
+        """Regexes matching the checkpoint keys qscheme reads itself: every tensor of a quantized
+        module (bias included) and of a replaced experts module."""
+        prefixes = [re.escape(name) for name in (*self.experts, *self.linears)]
+        return [rf"^(?:{'|'.join(prefixes)})\."] if prefixes else []
+
+    def load(self, model: torch.nn.Module) -> None:
+        """Read every quantized module's tensors into its QuantLinear and put the layers (and the
+        QuantExperts holding expert layers) where the placeholders are."""
+        experts: dict[str, object] = {}
+        if self.experts:
+            from qscheme.experts import QuantExperts
+
+            experts = {
+                name: QuantExperts(self.specs[name], self.act_fns[name])  # type: ignore[arg-type]
+                for name in self.experts
+            }
+        owner_of = {member: module for module, members in self.experts.items() for member in members}
+        with _plain_tensor_creation(), torch.no_grad():
+            for name, layout in self.plan.layouts.items():
+                biases: dict[str, torch.Tensor] = {}
+                weight, problems = check_module_values(self.plan, layout, biases)
+                if weight is None:
+                    raise CheckpointError(f"{self.folder}: {name}: nothing was loaded:\n{format_problems(problems)}")
+                layer = QuantLinear.from_canonical(
+                    weight,
+                    device=self.device,
+                    kernel=self.kernel,
+                    bias=biases.get(name),
+                    layer_name=name,
+                    activation_dtype=self.activation_dtype,
+                )
+                owner = owner_of.get(name)
+                if owner is None:
+                    _set(model, name, layer)
+                else:
+                    relative = name[len(owner) + 1 :]
+                    experts[owner].set_layer(relative, layer)  # type: ignore[attr-defined]
+                self.kernels[name] = layer.kernel.name
+        for name, module in experts.items():
+            module.require_complete()  # type: ignore[attr-defined]
+            _set(model, name, module)  # type: ignore[arg-type]
+
+
+def plan_swap(
+    model: torch.nn.Module,
+    folder: str | Path,
+    *,
+    schemes: Sequence[Scheme] | None = None,
+    device: torch.device | str = "cpu",
+    activation_dtype: str | torch.dtype = "bfloat16",
+    kernel: str | None = None,
+) -> Swap:
+    """Check the checkpoint in ``folder`` against ``model`` (on the meta device or not) and put a
+    PendingLayer where each quantized module (``nn.Linear`` or fused experts module) is.
+
+    Everything is checked before the model is changed; a problem raises CheckpointError. No
+    tensor data is read (``Swap.load`` reads it).
+    """
+    folder = Path(folder)
+    with _plain_tensor_creation():  # it reads the small weight_shape tensors
+        plan = plan_checkpoint(folder, schemes=schemes)
+    if plan.problems:
+        raise CheckpointError(
+            f"{folder}: {len(plan.problems)} problem(s) found, nothing was loaded:\n{format_problems(plan.problems)}"
+        )
+    if not plan.layouts:
+        raise CheckpointError(
+            f"{folder}: the checkpoint has no quantized module qscheme recognises; run `qscheme inspect {folder}` "
+            "to see what was detected"
+        )
+    _refuse_tied_quantized(model, set(plan.layouts), folder)
+    specs = _expert_specs(model)
+    with_bias = _bias_names(plan)
+    experts: dict[str, list[str]] = {}
+    linears: list[str] = []
+    for name, layout in plan.layouts.items():
+        spec = _owner(name, specs)
+        if spec is None:
+            _check_linear(model, name, layout.n, layout.k, name in with_bias, folder)
+            linears.append(name)
+            continue
+        problem = getattr(spec, "problem", None)
+        module = getattr(spec, "module", "")
+        if problem is not None:
+            raise CheckpointError(f"{folder}: the checkpoint quantizes {name!r}, but {module}: {problem}")
+        experts.setdefault(module, []).append(name)
+    act_fns = {}
+    for module_name in experts:
+        act_fn = getattr(model.get_submodule(module_name), "act_fn", None)
+        if not callable(act_fn):
+            raise CheckpointError(f"{folder}: the fused experts module {module_name!r} has no act_fn")
+        act_fns[module_name] = act_fn
+    for name in (*linears, *experts):
+        _set(model, name, PendingLayer(name))
+    return Swap(plan, device, activation_dtype, kernel, specs, experts, linears, act_fns)
