@@ -31,6 +31,17 @@ faster than bf16 and 60% of the roofline.
 Memory: for each (scheme, kernel) at 4096x4096 after the first forward, what the layer holds
 in host memory (its canonical tensors) and on the GPU (its kernel state), as with
 ``cpu_gemm.py``.
+
+Two rows besides the resolver's kernels:
+
+- ``gemlite``: GemLite 0.6 (``pip install gemlite``, or the wheel ``scripts/build-gemlite-wheel.sh``
+  builds from its pure-Python sdist) on int4 / uint4 group-scaled weight-only schemes (W4A16,
+  W4A16_ASYM), through its public API (``gemlite.helper.A16Wn(...).from_weights``: codes 0..15,
+  scales and zero points per group, ``(W_q - zeros) * scales``), from the same weight; skipped
+  with the reason in the notes where gemlite does not import, there is no GPU, or the scheme is
+  not one it runs (``--no-gemlite`` leaves it out);
+- ``triton (gemv)``: the Triton kernel with ``QSCHEME_TRITON_GEMV=1`` at M <= 4, where the
+  heuristic then takes the CUDA-core GEMV instead of its default GEMM tile: the two side by side.
 """
 
 from __future__ import annotations
@@ -68,6 +79,9 @@ from kernel_table import (
     state_bytes,
 )
 
+from qscheme.triton.configs import GEMV_MAX_M
+from qscheme.triton.linear import GEMV_VARIABLE
+
 SCHEMES = (
     "compressed-tensors/NVFP4A16",
     "compressed-tensors/NVFP4",
@@ -87,6 +101,8 @@ SMOKE_SHAPES = ((64, 128), (96, 160))
 CHECK_M = 16
 ERROR_LIMIT = 2.0**-6
 TRITON = "triton"  # the peer of the "vs triton" column (plugins/triton_declaration.py)
+GEMLITE = "gemlite"
+TRITON_GEMV = "triton (gemv)"
 REFERENCE = "reference"
 # Peak memory bandwidth in GB/s by device-name fragment (first match wins).
 PEAK_BANDWIDTH_GBS = (
@@ -246,6 +262,74 @@ def prepared_bytes(prepared: object) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
+def gemlite_operands(weight: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | str:
+    """GemLite's A16W4 operands for a canonical int4 / uint4 group-scaled weight-only layer:
+    (codes 0..15 as uint8 [N, K], scales [N, K/g], zero points [N, K/g], g), dequantizing as
+    ``(codes - zeros) * scales`` to the canonical weight; or why the layer is not one GemLite runs."""
+    from qscheme.canonical import CanonicalWeight
+
+    assert isinstance(weight, CanonicalWeight)
+    scheme = weight.scheme
+    spec = scheme.weight
+    if scheme.activation is not None or spec.format not in ("int4", "uint4") or spec.scale.granularity != "group":
+        return f"{scheme.name}: GemLite's A16W4 takes int4 / uint4 group-scaled weight-only layers"
+    group = int(spec.scale.group_size or 0)
+    if weight.global_scale is not None or weight.input_pre_scale is not None or weight.k % group or weight.k % 32:
+        return f"{scheme.name} {weight.n}x{weight.k}: a global scale, a pre-scale or K not a multiple of the group"
+    codes = weight.codes
+    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(weight.n, -1)[:, : weight.k]
+    base = 0
+    if spec.format == "int4":  # offset binary: q + 8 is the nibble with its sign bit flipped
+        nibbles, base = nibbles ^ 0x8, 8
+    scales = weight.scale.reshape(weight.n, weight.k // group)
+    zeros = torch.full_like(scales, float(base), dtype=torch.float32)
+    if weight.zero_point is not None:
+        zeros = zeros + weight.zero_point.reshape(scales.shape).float()
+    return nibbles.contiguous(), scales, zeros, group
+
+
+def gemlite_layer(weight: object, device: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A GemLite 0.6 A16W4 layer (bf16) of ``weight`` on ``device``; raises if it cannot be built."""
+    from gemlite.helper import A16Wn
+
+    operands = gemlite_operands(weight)
+    if isinstance(operands, str):
+        raise ValueError(operands)
+    codes, scales, zeros, group = operands
+    builder = A16Wn(device=device, dtype=torch.bfloat16)
+    layer: Callable[[torch.Tensor], torch.Tensor] = builder.from_weights(
+        codes.to(device),
+        scales.to(device, torch.bfloat16),
+        zeros.to(device, torch.bfloat16),
+        W_nbits=4,
+        group_size=group,
+    )
+    return layer
+
+
+def module_bytes(layer: object) -> int:
+    """Bytes of the tensors a module holds (parameters, buffers and plain tensor attributes)."""
+    tensors: dict[int, torch.Tensor] = {}
+    if isinstance(layer, torch.nn.Module):
+        tensors.update({id(t): t for t in [*layer.parameters(), *layer.buffers()]})
+    tensors.update({id(t): t for t in vars(layer).values() if isinstance(t, torch.Tensor)})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def gemlite_unavailable(smoke: bool) -> str | None:
+    """Why the GemLite row cannot run here, or None."""
+    if smoke:
+        return "gemlite: not run in a smoke run (its kernels need a CUDA GPU); its operands were checked"
+    try:
+        import gemlite  # noqa: F401
+    except Exception as error:
+        return (
+            f"gemlite: not importable ({type(error).__name__}: {error}); build its wheel with "
+            "scripts/build-gemlite-wheel.sh and install it with pip install --no-deps build/wheels/gemlite-*.whl"
+        )
+    return None
+
+
 @dataclass
 class Measured:
     rows: list[Row]
@@ -301,11 +385,29 @@ def measure_shape(n: int, k: int, args: argparse.Namespace, facts: object, found
                 continue
             if (n, k) == args.memory_shape:
                 found.memory.append(memory_row(scheme, kernel, layer))
+            if kernel == TRITON and not smoke and any(m <= GEMV_MAX_M for m in args.m_values):
+                small = {m: x for m, x in inputs.items() if m <= GEMV_MAX_M}
+                os.environ[GEMV_VARIABLE] = "1"  # the GEMV where the heuristic takes the GEMM's tiles
+                try:
+                    with torch.no_grad():
+                        times[TRITON_GEMV] = {
+                            m: timed([lambda copy=copy, x=x: copy(x) for copy in layers], smoke)
+                            for m, x in small.items()
+                        }
+                    moved[TRITON_GEMV] = moved[TRITON]
+                except Exception as error:
+                    found.notes.append(f"{scheme.name} {n}x{k}: {TRITON_GEMV} failed: {type(error).__name__}: {error}")
+                finally:
+                    del os.environ[GEMV_VARIABLE]
             del layers, layer
+        if args.gemlite:
+            measure_gemlite(weight, n, k, args, inputs, x_check, expected, found, times, moved)
         for m in args.m_values:
             io_bytes = (m * k + m * n) * 2
             triton = times.get(TRITON, {}).get(m)
             for kernel, by_m in times.items():
+                if m not in by_m:
+                    continue
                 seconds, eager = by_m[m]
                 row = Row(
                     scheme.name,
@@ -322,6 +424,47 @@ def measure_shape(n: int, k: int, args: argparse.Namespace, facts: object, found
                 )
                 found.rows.append(row)
                 print(row.line(args.peak), flush=True)
+
+
+def measure_gemlite(
+    weight: object,
+    n: int,
+    k: int,
+    args: argparse.Namespace,
+    inputs: dict[int, torch.Tensor],
+    x_check: torch.Tensor,
+    expected: torch.Tensor,
+    found: Measured,
+    times: dict[str, dict[int, tuple[float, bool]]],
+    moved: dict[str, int],
+) -> None:
+    """The GemLite row of one (scheme, shape), or a note saying why there is none."""
+    operands = gemlite_operands(weight)
+    name = getattr(getattr(weight, "scheme", None), "name", "?")
+    if isinstance(operands, str):
+        return  # not an int4 group-scaled weight-only scheme: no GemLite row, nothing to say
+    if args.smoke:  # the operands must dequantize to the canonical weight, bit for bit
+        from qscheme.canonical import dequantize
+
+        codes, scales, zeros, group = operands
+        rebuilt = (codes.float().reshape(n, -1, group) - zeros[..., None]) * scales.float()[..., None]
+        if not torch.equal(rebuilt.reshape(n, k), dequantize(weight)):  # type: ignore[arg-type]
+            found.notes.append(f"{name} {n}x{k}: gemlite failed: its operands do not dequantize to the weight")
+    reason = gemlite_unavailable(args.smoke)
+    if reason is not None:
+        if reason not in found.notes:
+            found.notes.append(reason)
+        return
+    try:
+        layer = gemlite_layer(weight, args.device)
+        moved[GEMLITE] = module_bytes(layer)
+        with torch.no_grad():
+            found.errors[(name, GEMLITE, n, k)] = relative_error(layer(x_check), expected)
+        layers = [layer] + [gemlite_layer(weight, args.device) for _ in range(copies_for(moved[GEMLITE]) - 1)]
+        with torch.no_grad():
+            times[GEMLITE] = {m: timed([lambda c=c, x=x: c(x) for c in layers], False) for m, x in inputs.items()}
+    except Exception as error:  # GemLite failing must not lose the other kernels' figures
+        found.notes.append(f"{name} {n}x{k}: kernel {GEMLITE} failed: {type(error).__name__}: {error}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -419,6 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
     parser.add_argument("--peak-bandwidth", type=float, help="the GPU's peak memory bandwidth, GB/s")
     parser.add_argument("--markdown", help="also write the tables to this file")
+    parser.add_argument("--no-gemlite", dest="gemlite", action="store_false", help="leave the GemLite row out")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print(

@@ -83,3 +83,29 @@ def test_without_a_gpu_it_says_so() -> None:
     completed = _run()
     assert completed.returncode == 2
     assert "no CUDA GPU is visible" in completed.stderr and "--smoke" in completed.stderr
+
+
+@pytest.mark.parametrize("name", ["compressed-tensors/W4A16", "compressed-tensors/W4A16_ASYM"])
+def test_gemlite_operands_dequantize_to_the_canonical_weight(name: str) -> None:
+    """GemLite's A16W4 computes (codes - zeros) * scales per group: the operands built for it
+    give the canonical weight's float32 dequantization bit for bit (what GemLite then runs is
+    timed on a GPU only)."""
+    from qscheme.canonical import dequantize
+
+    sys.path.insert(0, str(BENCHMARKS))
+    gpu_gemm = importlib.import_module("gpu_gemm")
+    weight = random_weight(load_scheme(name), 48, 384, seed=3, scale_dtype=torch.bfloat16)
+    operands = gpu_gemm.gemlite_operands(weight)
+    assert not isinstance(operands, str), operands
+    codes, scales, zeros, group = operands
+    assert codes.dtype == torch.uint8 and codes.shape == (48, 384) and int(codes.max()) <= 15 and group == 128
+    rebuilt = (codes.float().reshape(48, 3, 128) - zeros[..., None].float()) * scales.float()[..., None]
+    assert torch.equal(rebuilt.reshape(48, 384), dequantize(weight))
+
+
+def test_gemlite_is_not_offered_what_it_cannot_run() -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    gpu_gemm = importlib.import_module("gpu_gemm")
+    reason = gpu_gemm.gemlite_operands(random_weight(load_scheme("compressed-tensors/NVFP4A16"), 32, 128))
+    assert isinstance(reason, str) and "int4 / uint4 group-scaled weight-only" in reason
+    assert "need a CUDA GPU" in gpu_gemm.gemlite_unavailable(smoke=True)

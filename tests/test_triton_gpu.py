@@ -172,3 +172,44 @@ def test_weights_first_matches_the_reference_on_gpu(
         assert torch.equal(outputs[first, "fused"], outputs[first, "two-pass"])
     apart = float((outputs[True, "fused"].double() - outputs[False, "fused"].double()).abs().max())
     assert apart <= 1e-2 * scale  # the sum's order differs, not its terms
+
+
+WEIGHT_ONLY = [s for s in BUILTIN if s.activation is None]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 4096, 4096), (3, 1000, 2304)], ids=["1x4096x4096", "3x1000x2304"])
+@pytest.mark.parametrize("scheme", WEIGHT_ONLY, ids=[s.name for s in WEIGHT_ONLY])
+def test_gemv_and_gemm_tiles_match_the_reference_on_gpu(
+    scheme: Scheme, m: int, n: int, k: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At M <= 4 the heuristic takes the CUDA-core GEMV (qscheme.triton.gemv) with
+    QSCHEME_TRITON_GEMV=1: it, and the GEMM tile the heuristic takes by default, against the
+    reference, in both split-K modes (ragged N and K, M = 1 and 3)."""
+    from qscheme.triton import linear as lin
+
+    generator = torch.Generator().manual_seed(m + n)
+    weight = (torch.randn(n, k, generator=generator) * 0.05).to(dtype)
+    canonical = canonicalize(scheme, quantize_weight(weight, scheme, **static_inputs(scheme, k)))
+    device = torch.device("cuda")
+    prepared = lin.prepare_weight(canonical, device)
+    x = (torch.randn(m, k, generator=generator) * 2).to(dtype).to(device)
+    bias = torch.randn(n, generator=generator).to(dtype).to(device)
+    reference = ReferenceKernel()
+    expected = reference.apply(reference.prepare(canonical, device), x.float(), bias.float()).double()
+    scale = float(expected.abs().max())
+    facts = lin._device_facts(torch.cuda.current_device())
+    monkeypatch.setenv(lin.GEMV_VARIABLE, "1")
+    gemv_tile = lin.heuristic_for(prepared, m, n, k, dtype, facts)
+    assert gemv_tile.gemv
+    monkeypatch.delenv(lin.GEMV_VARIABLE)
+    gemm_tile = lin.heuristic_for(prepared, m, n, k, dtype, facts)
+    assert not gemm_tile.gemv
+    for tile in (gemv_tile, gemm_tile):
+        for mode in lin.SPLIT_K_MODES:
+            monkeypatch.setenv(lin.SPLIT_K_VARIABLE, mode)
+            actual = lin.linear(prepared, x, bias, tile)
+            error = float((actual.double() - expected).abs().max())
+            assert error <= 1e-2 * scale, (
+                f"{scheme.name} {tile.describe()} {mode}: max error {error:.3e} of {scale:.3e}"
+            )

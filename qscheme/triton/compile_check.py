@@ -281,14 +281,14 @@ def _dedupe(variants: Iterable[Variant]) -> list[Variant]:
 
 
 def full_plan(schemes: Sequence[Scheme], targets: Sequence[str]) -> list[tuple[Variant, str]]:
-    """Every distinct variant of every scheme for every target: bf16 decode and prefill tiles,
-    and fp16 and fp32 too for the first scheme."""
+    """Every distinct variant of every scheme for every target: bf16 GEMV (M=1, weight-only
+    schemes), decode and prefill tiles, and fp16 and fp32 too for the first scheme."""
     jobs: list[tuple[Variant, str]] = []
     for target in targets:
         variants: list[Variant] = []
         for index, scheme in enumerate(schemes):
             dtypes = (torch.bfloat16, torch.float16, torch.float32) if index == 0 else (torch.bfloat16,)
-            variants.extend(scheme_variants(scheme, target, dtypes))
+            variants.extend(scheme_variants(scheme, target, dtypes, (1, 16, 256)))
         jobs.extend((variant, target) for variant in _dedupe(variants))
     return jobs
 
@@ -306,7 +306,11 @@ def ci_plan(schemes: Sequence[Scheme], targets: Sequence[str]) -> list[tuple[Var
       and the bf16 prefill tile (M=256);
     - every other distinct specialisation of ``schemes`` (bf16, decode tile, no split-K) on one
       target, the targets taken in turn: each specialisation compiles for some GPU;
-    - int4 with tiled zero points at a ragged K (the decoded weights past K zeroed) on the second.
+    - int4 with tiled zero points at a ragged K (the decoded weights past K zeroed) on the second;
+    - the CUDA-core GEMV (the heuristic's tile at M <= 4, ``qscheme.triton.gemv``): NVFP4
+      weight-only at M=1 (split-K, two-pass and fused) on every target, and every other
+      weight-only specialisation at M=4 (with fp16 inputs too for int4) on one target each, the
+      targets taken in turn.
     """
     by_name = {scheme.name: scheme for scheme in schemes}
     core = [by_name[name] for name in CI_CORE if name in by_name]
@@ -326,6 +330,20 @@ def ci_plan(schemes: Sequence[Scheme], targets: Sequence[str]) -> list[tuple[Var
         target = targets[1 % len(targets)]
         ragged = scheme_variants(by_name["compressed-tensors/W4A16_ASYM"], target, (torch.bfloat16,), (16,), k=_K - 96)
         jobs.extend((variant, target) for variant in ragged if variant.launch.constexprs.get("W_MASK_K"))
+    gemv_schemes = [scheme for scheme in schemes if scheme.activation is None]
+    for index, target in enumerate(targets):
+        for scheme in gemv_schemes:
+            if scheme.name in CI_CORE:
+                gemv = scheme_variants(scheme, target, (torch.bfloat16,), (1,))
+                gemv += scheme_variants(scheme, target, (torch.bfloat16,), (1,), fused_split_k=True)
+            elif gemv_schemes.index(scheme) % len(targets) == index:
+                dtypes = (
+                    (torch.bfloat16, torch.float16) if scheme.name == "compressed-tensors/W4A16" else (torch.bfloat16,)
+                )
+                gemv = scheme_variants(scheme, target, dtypes, (4,), split_k=False)
+            else:
+                continue
+            jobs.extend((variant, target) for variant in _dedupe(gemv) if " gemv " in variant.name)
     compiled = {(_key(variant), target) for variant, target in jobs}
     others = [scheme for scheme in schemes if scheme.name not in CI_CORE]
     for index, scheme in enumerate(others):

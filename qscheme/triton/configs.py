@@ -43,12 +43,15 @@ class TileConfig:
     num_stages: int = 3
     group_m: int = 8
     weights_first: bool = False  # the dot computes y^T = W x^T (see gemm.mma_k_order)
+    gemv: bool = False  # the CUDA-core GEMV kernel (qscheme.triton.gemv) instead of the GEMM
 
     def describe(self) -> str:
         text = f"{self.block_m}x{self.block_n}x{self.block_k}"
         if self.split_k > 1:
             text += f" split-k {self.split_k}"
         text += f" warps {self.num_warps} stages {self.num_stages}"
+        if self.gemv:
+            text += " gemv"
         return text + " weights-first" if self.weights_first else text
 
 
@@ -108,9 +111,43 @@ def interpreted_config(m: int, n: int, k: int) -> TileConfig:
     )
 
 
+# The largest M the CUDA-core GEMV runs (``gemv_config``): up to 4 input rows the weight is
+# decoded once and multiplied with each row in float32 FMAs; beyond, the tensor cores win.
+GEMV_MAX_M = 4
+
+
 def m_bucket(m: int) -> int:
-    """The M a config is chosen for: powers of two from 16 to 512 (decode shapes share one)."""
+    """The M a config is chosen for: 1, 2 and 4 (the GEMV's rows, ``GEMV_MAX_M``), then powers
+    of two from 16 to 512 (M 5..16 share one)."""
+    if m <= GEMV_MAX_M:
+        return next_power_of_2(m)
     return _clamp_power_of_two(m, 16, 512)
+
+
+def gemv_config(
+    m: int, n: int, k: int, weight_bits: int, device: DeviceFacts, scales: ScaleTiles | None = None
+) -> TileConfig:
+    """The GEMV's tile for M <= ``GEMV_MAX_M`` (``qscheme.triton.gemv``).
+
+    Each program streams 32 weight rows, 128 bytes of each per K step (256 4-bit codes or 128
+    8-bit ones: one cache line per row, 128-bit loads), with all M rows of x (BLOCK_M = M's
+    next power of two). K is split until there are four programs per multiprocessor (a GEMV
+    hides memory latency with programs in flight, not with MMA pipelining), keeping at least
+    four K steps per split; the float32 partial sums are M x N x 4 bytes per split, nothing
+    next to the weight. Gathered scale groups (neither dividing nor spanning the K step) take
+    K steps of 64, as in the GEMM.
+    """
+    block_k = 256 if weight_bits == 4 else 128
+    if scales is not None and scales.gathered(block_k):
+        block_k = 64
+    block_k = min(block_k, max(32, next_power_of_2(k)))
+    config = TileConfig(next_power_of_2(min(m, GEMV_MAX_M)), 32, block_k, num_warps=4, num_stages=3, gemv=True)
+    k_tiles = cdiv(k, block_k)
+    target = 4 * device.multiprocessors
+    split_k = 1
+    while _tiles(config, m, n) * split_k < target and k_tiles // (split_k * 2) >= 4 and split_k < 16:
+        split_k *= 2
+    return replace(config, split_k=split_k)
 
 
 def _shared_memory_bytes(
@@ -140,8 +177,12 @@ def heuristic_config(
     wide_decode: bool = False,
     scales: ScaleTiles | None = None,
     software_decodes_both: bool = False,
+    gemv: bool = False,
 ) -> TileConfig:
     """A sensible config without timing anything (see the module docstring).
+
+    ``gemv``: the weight can run on the CUDA-core GEMV (weight-only, 16-bit inputs); at
+    M <= ``GEMV_MAX_M`` it does (``gemv_config``).
 
     ``wide_decode``: the caller's kernel variant was measured faster at M <= 16 with 64-wide
     column tiles and more K splits (see below); the linear layer asks for it for e2m1 weights
@@ -158,6 +199,8 @@ def heuristic_config(
     BLOCK_K is at most K's next power of two (at least 32), and split-K leaves no split
     without K tiles.
     """
+    if gemv and m <= GEMV_MAX_M:
+        return gemv_config(m, n, k, weight_bits, device, scales)
     if input_bytes == 4:  # float32 activations: an FMA dot, large in registers and shared memory
         config = TileConfig(_clamp_power_of_two(m, 16, 32), 64, 32, num_warps=4, num_stages=2)
     elif m <= 16:
@@ -228,7 +271,7 @@ def candidate_configs(base: TileConfig, k: int) -> list[TileConfig]:
         {"split_k": max(1, base.split_k // 2)},
         {"num_stages": base.num_stages + 1},
         {"num_warps": 8 if base.num_warps == 4 else 4},
-        {"weights_first": not base.weights_first},
+        {"weights_first": not base.weights_first and not base.gemv},
     ):
         option = replace(base, **change)  # type: ignore[arg-type]
         if option not in options and option.block_k <= max(32, next_power_of_2(k)):

@@ -36,6 +36,7 @@ from qscheme.formats import decode, get_element_format
 from qscheme.triton import configs
 from qscheme.triton.act_quant import decoded_dtype, quantize_input
 from qscheme.triton.gemm import DOT_BF16, DOT_FP16, DOT_FP32, quantized_gemm_kernel, split_k_epilogue_kernel
+from qscheme.triton.gemv import quantized_gemv_kernel
 from qscheme.triton.launch import Launch, cdiv, has_fp8_conversion
 from qscheme.triton.layout import four_bit_words
 from qscheme.triton.spec import (
@@ -361,10 +362,11 @@ def _config(
         return configs.interpreted_config(m, rows, k)
     index = _device_index(x.device)
     bucket = configs.m_bucket(m)
-    memo = ("config key", index, x.dtype, bucket, rows)
+    gemv = runs_gemv(prepared.spec, x.dtype) and m <= configs.GEMV_MAX_M
+    memo = ("config key", index, x.dtype, bucket, rows, gemv)
     key = prepared.memo.get(memo)
     if key is None:  # the cache key, as text (it is also the config file's key)
-        parts = (_device_facts(index).name, prepared.spec, x.dtype, bucket, rows, k)
+        parts = (_device_facts(index).name, prepared.spec, x.dtype, bucket, rows, k) + (("gemv",) if gemv else ())
         key = prepared.memo.setdefault(memo, "|".join(str(part) for part in parts))
 
     def time_config(config: configs.TileConfig) -> float:
@@ -394,7 +396,23 @@ def heuristic_for(
         wide_decode(spec, input_dtype, prepared.scale_dtype),
         scale_tiles(prepared),
         software_decodes_both=_software_decodes_both(spec, input_dtype, device),
+        gemv=runs_gemv(spec, input_dtype),
     )
+
+
+GEMV_VARIABLE = "QSCHEME_TRITON_GEMV"
+
+
+def runs_gemv(spec: Specialization, input_dtype: torch.dtype) -> bool:
+    """Whether the tile heuristic may choose the CUDA-core GEMV (``qscheme.triton.gemv``) at
+    M <= ``configs.GEMV_MAX_M``: weight-only schemes with 16-bit inputs (the GEMV multiplies
+    the inputs as given; quantized activations take the GEMM and its pre-pass), and only with
+    ``QSCHEME_TRITON_GEMV=1``. The GEMV has not been timed on a GPU and its static count per
+    weight (docs/notes/triton-decode.md) is above the GEMM tile's, so the GEMM's tiles stay the
+    default at every M until a GPU run (benchmarks/gpu_gemm.py times both) shows it faster."""
+    if os.environ.get(GEMV_VARIABLE, "").strip() != "1":
+        return False
+    return not spec.A_QUANTIZED and input_dtype in (torch.bfloat16, torch.float16)
 
 
 def _software_decodes_both(spec: Specialization, input_dtype: torch.dtype, device: configs.DeviceFacts) -> bool:
@@ -616,6 +634,7 @@ class _GemmTemplate:
 
     tile: configs.TileConfig
     fused: bool
+    kernel: Any  # quantized_gemm_kernel, or quantized_gemv_kernel for a GEMV tile
     start: int  # the segment's output rows [start, end)
     end: int
     whole: bool  # the segment is every row: the call's out and bias are passed as they are
@@ -647,7 +666,7 @@ class _GemmTemplate:
             "bias_ptr": placeholder if bias_rows is None else bias_rows,
         }
         gemm = Launch(
-            kernel=quantized_gemm_kernel,
+            kernel=self.kernel,
             grid=(tiles, tile.split_k),
             args={
                 **self.gemm_args,
@@ -722,9 +741,15 @@ def _gemm_template(
     pre_scale = prepared.pre_scale if not spec.A_QUANTIZED else None
     on_gpu = backend != "interpreter"
     placeholder = prepared.codes  # any pointer, for arguments a specialisation does not read
+    if tile.gemv and spec.A_QUANTIZED and not decoded_input:
+        raise QuantizeError(
+            f"scheme {prepared.scheme_name}: the GEMV tile {tile.describe()} takes 16- or 32-bit inputs, but the "
+            "scheme quantizes its activations to codes; use a GEMM tile (gemv=False)"
+        )
     return _GemmTemplate(
         tile=tile,
         fused=fused,
+        kernel=quantized_gemv_kernel if tile.gemv else quantized_gemm_kernel,
         start=start,
         end=end,
         whole=start == 0 and end == prepared.n,
@@ -762,7 +787,7 @@ def _gemm_template(
                 "W_MASK_K": mask_k(spec, prepared.k, tile.block_k),
             }
         ),
-        gemm_label=f"gemm {prepared.scheme_name} {tile.describe()}",
+        gemm_label=f"{'gemv' if tile.gemv else 'gemm'} {prepared.scheme_name} {tile.describe()}",
         epilogue_args={"row_scale_ptr": placeholder if row_scale is None else row_scale},
         epilogue_constexprs=types.MappingProxyType(
             {
@@ -786,6 +811,7 @@ __all__ = [
     "interpreted",
     "linear",
     "prepare_weight",
+    "runs_gemv",
     "scale_tiles",
     "wide_decode",
 ]
