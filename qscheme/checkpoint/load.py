@@ -305,6 +305,9 @@ def load_checkpoint(
     activation_dtype: str = "bfloat16",
     schemes: Iterable[Scheme] | None = None,
     progress: bool | None = None,
+    tp_rank: int | None = None,
+    tp_size: int = 1,
+    tp_plan: object = None,
 ) -> Checkpoint:
     """Load a compressed-tensors or ModelOpt checkpoint folder exactly.
 
@@ -316,7 +319,35 @@ def load_checkpoint(
     kernel's name), ``fuse`` or ``fuse_policy`` raises UsageError before anything is read;
     CheckpointError (nothing loaded) on any malformed config, file or tensor, or on ``fuse``
     members the checkpoint does not have.
+
+    ``tp_rank`` (default: the torch.distributed rank) / ``tp_size`` / ``tp_plan``: load one
+    tensor-parallel rank's shards, reading only their bytes (``qscheme.parallel.
+    load_checkpoint_tp``, docs/parallel.md); ShardError naming every layer a split would cut,
+    with the degrees that would work.
     """
+    if tp_rank is not None or tp_size != 1 or tp_plan is not None:
+        from qscheme.parallel.load import load_checkpoint_tp
+
+        if tp_rank is None:
+            if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+                raise UsageError(
+                    f"load_checkpoint: tp_size={tp_size!r} needs tp_rank (this process's rank), or an initialised "
+                    "torch.distributed process group to take it from"
+                )
+            tp_rank = torch.distributed.get_rank()
+        return load_checkpoint_tp(
+            path,
+            tp_rank,
+            tp_size,
+            tp_plan,
+            device=device,
+            kernel=kernel,
+            fuse=fuse,
+            fuse_policy=fuse_policy,
+            activation_dtype=activation_dtype,
+            schemes=schemes,
+            progress=progress,
+        )
     if not isinstance(path, str | Path):
         raise UsageError(f"load_checkpoint: path must be a folder path (str or Path), not {type(path).__name__}")
     if schemes is not None:

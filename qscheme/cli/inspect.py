@@ -1,4 +1,4 @@
-"""`qscheme inspect CHECKPOINT [--json]`: what a checkpoint holds and what is wrong with it.
+"""`qscheme inspect CHECKPOINT [--tp N|auto [--device D]] [--json]`: what a checkpoint holds and what is wrong with it.
 
 Shows the producer, the detected scheme of every quantized module (grouped, with counts), the
 ignored modules, plain and tolerated tensors, and every problem found (layout and scale
@@ -13,6 +13,10 @@ it longer than 2,000 characters (a config value; no tensor name load accepts is 
 keeps its start and end around ``... [N characters cut] ...``, and a message longer than 8,000
 characters is cut the same way. At most 1,000 problems are listed: ``problem_count`` says how
 many were found, ``problems_cut`` how many of them are not listed.
+
+``--tp N`` adds, for a checkpoint without problems, how every layer splits N ways (each
+tensor's slice, shard shapes, each shard's kernel and the rejections at that degree; exit 1
+when a layer cannot split or has no kernel); ``--tp auto`` the degrees where all of them do.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from typing import TYPE_CHECKING, Any
 from qscheme.checkpoint.text import NAME_LIMIT, bounded_problem, escape, shown
 from qscheme.cli.inputs import checkpoint_argument
 from qscheme.cli.output import print_json
+from qscheme.cli.resolve import parse_tp
+from qscheme.errors import UsageError
+from qscheme.kernels.devices import DEVICE_CHOICES
 
 if TYPE_CHECKING:
     from qscheme.checkpoint.inspect import Inspection
@@ -43,6 +50,20 @@ def register(sub: Any) -> None:
         help=f"print JSON (every module listed; at most {JSON_PROBLEMS:,} problems, each bounded, "
         "with problem_count and problems_cut)",
     )
+    parser.add_argument(
+        "--tp",
+        default=None,
+        metavar="N|auto",
+        help="also show how every layer splits N ways (tensor parallel): each tensor's slice, the shard "
+        "shapes, each shard's kernel and what rejects kernels at that degree; 'auto' lists the degrees "
+        "at which every layer splits and has a kernel",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICE_CHOICES,
+        default=None,
+        help="with --tp: the device whose kernels the shards are resolved on (default: probe this machine)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -50,12 +71,52 @@ def run(args: argparse.Namespace) -> int:
     from qscheme.checkpoint.inspect import inspect_checkpoint, render_inspection  # imports torch
 
     checkpoint_argument(args.checkpoint)
+    if args.device is not None and args.tp is None:
+        raise UsageError("--device: only with --tp (inspect resolves kernels only for the shards of --tp)")
+    degree = parse_tp(args.tp) if args.tp is not None else None  # a bad --tp fails before any reading
     inspection = inspect_checkpoint(args.checkpoint)
-    if args.json:
-        print_json(_bounded_json(inspection))
+    if args.tp is None or not inspection.ok:
+        if args.json:
+            print_json(_bounded_json(inspection))
+        else:
+            sys.stdout.write(render_inspection(_for_terminal(inspection)) + "\n")
+        return 0 if inspection.ok else 1
+    return _run_tp(args, inspection, degree)
+
+
+def _run_tp(args: argparse.Namespace, inspection: Inspection, degree: int | None) -> int:
+    """The inspection, then the split of every layer at ``degree`` (or every degree's verdict)."""
+    from qscheme.checkpoint.inspect import render_inspection
+    from qscheme.kernels import registry
+    from qscheme.parallel.plan import checked_tp_plan, shard_layers
+    from qscheme.parallel.report import auto_json, render_auto, render_splits, render_tp, tp_json
+    from qscheme.parallel.resolve import auto_degrees, resolve_tp
+
+    device = registry.device_for(args.device)
+    target = args.checkpoint
+    if degree is None:
+        _, verdicts = auto_degrees(target, device=device)
+        section = auto_json(target, verdicts, device.describe())
+        text = render_auto(target, verdicts, device.describe())
+        ok = any(v.ok and v.tp_size > 1 for v in verdicts)
     else:
-        sys.stdout.write(render_inspection(_for_terminal(inspection)) + "\n")
-    return 0 if inspection.ok else 1
+        plan, decisions = resolve_tp(target, degree, device=device)
+        shards, _ = shard_layers(plan, checked_tp_plan(None), degree)
+        section = {
+            **tp_json(target, degree, decisions, device.describe()),
+            "splits": [shard.as_json() for shard in shards.values()],
+        }
+        text = (
+            render_splits(degree, list(shards.values()))
+            + "\n\n"
+            + render_tp(target, degree, decisions, device.describe())
+        )
+        ok = all(d.ok for d in decisions)
+    if args.json:
+        print_json({**_bounded_json(inspection), "tensor_parallel": section})
+    else:
+        sys.stdout.write(render_inspection(_for_terminal(inspection)) + "\n\n" + text + "\n")
+    return 0 if ok else 1
 
 
 def _bounded_json(inspection: Inspection) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""`qscheme resolve TARGET [--device D] [--kernel K] [--shape N,K] [--dtype T] [--json]`.
+"""`qscheme resolve TARGET [--device D] [--kernel K] [--shape N,K] [--dtype T] [--tp N|auto] [--json]`.
 
 Which kernel would run a layer of the scheme (a catalog name or a descriptor file), and why
 every other kernel would not. Exit 0 when a kernel is chosen, 1 when none can run it, 2 when the
@@ -57,10 +57,51 @@ def register(sub: Any) -> None:
         action="store_true",
         help="the fused partitions have different global scales (not for a checkpoint)",
     )
+    parser.add_argument(
+        "--tp",
+        default=None,
+        metavar="N|auto",
+        help="for a checkpoint: split every layer N ways (tensor parallel) and resolve each shard; "
+        "'auto' lists the degrees at which every layer splits and has a kernel",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(handler=run)
 
 
+def parse_tp(text: str) -> int | None:
+    """``--tp``: a degree >= 1, or None for ``auto``; UsageError otherwise."""
+    if text.strip().lower() == "auto":
+        return None
+    if not text.strip().isdigit() or not 1 <= int(text) <= MAX_TP:
+        raise UsageError(f"--tp {text!r}: expected a tensor-parallel degree in 1..{MAX_TP}, or 'auto'")
+    return int(text)
+
+
+def run_tp(args: argparse.Namespace, target: str) -> int:
+    """``--tp N`` / ``--tp auto`` on a checkpoint folder (resolve and inspect share it)."""
+    from qscheme.parallel.report import auto_json, render_auto, render_tp, tp_json
+    from qscheme.parallel.resolve import auto_degrees, resolve_tp
+
+    degree = parse_tp(args.tp)
+    device = registry.device_for(args.device)
+    dtype = getattr(args, "dtype", None) or "bf16"
+    kernel = getattr(args, "kernel", None)
+    if degree is None:
+        _, verdicts = auto_degrees(target, device=device, kernel=kernel, activation_dtype=dtype)
+        if args.json:
+            print_json(auto_json(target, verdicts, device.describe()))
+        else:
+            sys.stdout.write(render_auto(target, verdicts, device.describe()) + "\n")
+        return 0 if any(v.ok and v.tp_size > 1 for v in verdicts) else 1
+    _, decisions = resolve_tp(target, degree, device=device, kernel=kernel, activation_dtype=dtype)
+    if args.json:
+        print_json(tp_json(target, degree, decisions, device.describe()))
+    else:
+        sys.stdout.write(render_tp(target, degree, decisions, device.describe()) + "\n")
+    return 0 if all(d.ok for d in decisions) else 1
+
+
+MAX_TP = 1024  # larger than any tensor-parallel group
 MAX_FEATURES = 1 << 24  # 16M: larger than any linear layer; bounds what a typo can ask for
 _SHAPE = re.compile(r"\s*([0-9]+)\s*[,xX]\s*([0-9]+)\s*")
 
@@ -78,6 +119,11 @@ def parse_shape(text: str | None) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tp is not None and not Path(args.target).is_dir():
+        raise UsageError(
+            f"--tp: for a checkpoint folder, whose layers it splits; {args.target!r} is not a folder "
+            "(for one scheme, resolve the shard's shape with --shape N,K instead)"
+        )
     if Path(args.target).is_dir():  # a checkpoint folder: one decision per layer
         from qscheme.checkpoint.resolve import resolve_command
 
@@ -95,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{' and '.join(given)}: not for a checkpoint folder ({args.target}), whose layers have their own "
                 "shapes and partitions; drop them, or resolve a scheme name or descriptor file instead"
             )
+        if args.tp is not None:
+            return run_tp(args, args.target)
         return resolve_command(args)
     n, k = parse_shape(args.shape)
     if args.scales_differ and args.partitions < 2:

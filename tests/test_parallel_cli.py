@@ -1,0 +1,134 @@
+"""`qscheme resolve/inspect CHECKPOINT --tp N|auto`: golden outputs, and one test per failure
+mode of the issue (a kernel tile the shard's K no longer fills, an NVFP4 group cut at TP8,
+W4A16 scales that must split along K, fused q/k/v whose members must split each).
+
+Goldens live in tests/snapshots/parallel/; regenerate with QSCHEME_UPDATE_SNAPSHOTS=1.
+A test-local kernel (`tile_aligned`) has the tile checks Marlin declared before it learnt to
+pad (N % 64 and K % 128, or N % 128 and K % 64), on the reference implementation, so that a
+problem-stage rejection at one degree shows on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from kernel_fakes import isolated_plugins
+from parallel_checkpoints import write_checkpoint
+from qscheme_plugins.reference import REFERENCE
+
+from qscheme.cli.main import main
+from qscheme.kernels.declaration import ShapeAlignment
+from qscheme.plugins import hookimpl
+from qscheme.plugins.manager import register_plugin
+
+GOLDEN = Path(__file__).parent / "snapshots" / "parallel"
+UPDATE = os.environ.get("QSCHEME_UPDATE_SNAPSHOTS") == "1"
+TILE_ALIGNED = replace(
+    REFERENCE, name="tile_aligned", provider="test", priority=5, checks=(ShapeAlignment(((64, 128), (128, 64))),)
+)
+SHAPES = {  # o_proj: N = 64, K = 384: whole tiles at tp 1, K = 192 per rank at tp 2
+    "self_attn.q_proj": (256, 256),
+    "self_attn.k_proj": (128, 256),
+    "self_attn.o_proj": (64, 384),
+}
+
+
+class TilePlugin:
+    @hookimpl
+    def qscheme_kernels(self) -> list[object]:
+        return [TILE_ALIGNED]
+
+
+@pytest.fixture(autouse=True)
+def plugins(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in list(os.environ):
+        if name.startswith(("QSCHEME_", "TRITON_")) and name != "QSCHEME_UPDATE_SNAPSHOTS":
+            monkeypatch.delenv(name)
+    with isolated_plugins():
+        assert register_plugin(TilePlugin(), "tile-test")
+        yield
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("cli") / "ck", "compressed-tensors/NVFP4A16", SHAPES)
+
+
+def run(args: list[str], capsys: pytest.CaptureFixture[str], folder: Path) -> tuple[int, str]:
+    code = main(args)
+    out = capsys.readouterr().out.replace(str(folder), "CHECKPOINT")
+    kept = [line.rstrip() for line in out.splitlines() if not line.startswith(("device:", "note:"))]
+    return code, "\n".join(kept) + "\n"
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / f"{name}.txt"
+    if UPDATE or not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text(), f"{path} differs; review, then regenerate with QSCHEME_UPDATE_SNAPSHOTS=1"
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "code"),
+    [
+        ("resolve_tp2", ["resolve", "{ck}", "--tp", "2", "--device", "cpu"], 0),
+        ("resolve_tp_auto", ["resolve", "{ck}", "--tp", "auto", "--device", "cpu"], 0),
+        ("inspect_tp2", ["inspect", "{ck}", "--tp", "2", "--device", "cpu"], 0),
+    ],
+)
+def test_golden(name: str, args: list[str], code: int, checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    got, text = run([a.format(ck=checkpoint) for a in args], capsys, checkpoint)
+    assert got == code
+    check_golden(name, text)
+
+
+def test_a_kernel_tile_the_shard_no_longer_fills(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, text = run(["resolve", str(checkpoint), "--tp", "1", "--device", "cpu"], capsys, checkpoint)
+    assert code == 0 and "64x384       1      tile_aligned" in text
+    code, text = run(["resolve", str(checkpoint), "--tp", "2", "--device", "cpu", "--json"], capsys, checkpoint)
+    layer = next(x for x in json.loads(text)["layers"] if x["layer"].endswith("o_proj"))
+    assert (layer["shard_n"], layer["shard_k"], layer["kernel"]) == (64, 192, "reference")
+    assert {"kernel": "tile_aligned", "stage": "problem"}.items() <= layer["rejections"][0].items()
+    assert "192" in layer["rejections"][0]["reason"]
+
+
+def test_an_nvfp4_group_cut_at_tp8(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = write_checkpoint(tmp_path / "ck", "compressed-tensors/NVFP4", {"mlp.down_proj": (128, 1856)})
+    code, text = run(["resolve", str(folder), "--tp", "8", "--device", "cpu"], capsys, folder)
+    assert code == 1 and "CANNOT SPLIT" in text
+    assert "tp_size 8 splits K = 1856 into 232 per rank, which cuts a scale group of 16" in text
+    assert "K = 1856 splits whole at tp_size 1, 2, 4, 29, 58" in text
+    code, text = run(["resolve", str(folder), "--tp", "auto", "--device", "cpu", "--json"], capsys, folder)
+    assert json.loads(text)["working"] == [1, 2, 4, 29, 58]
+
+
+def test_w4a16_scales_split_along_k(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = write_checkpoint(tmp_path / "ck", "compressed-tensors/W4A16", {"mlp.down_proj": (128, 512)})
+    code, text = run(["inspect", str(folder), "--tp", "2", "--device", "cpu"], capsys, folder)
+    assert code == 0 and "weight_scale [128, 4] -> [128, 2] (dim 1)" in text
+    code, text = run(["inspect", str(folder), "--tp", "8", "--device", "cpu"], capsys, folder)
+    assert code == 1 and "which cuts a scale group of 128 (weight_scale [N, ceil(K/128)]): 64 % 128 = 64" in text
+
+
+def test_fused_qkv_members_split_each(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shapes = {"self_attn.q_proj": (256, 256), "self_attn.k_proj": (128, 256), "self_attn.v_proj": (128, 256)}
+    folder = write_checkpoint(tmp_path / "ck", "compressed-tensors/FP8_BLOCK", shapes)
+    code, text = run(["resolve", str(folder), "--tp", "2", "--device", "cpu"], capsys, folder)
+    assert code == 1  # k and v (N = 128, one block) cannot split: named, with the degrees that work
+    assert "layer model.layers.0.self_attn.k_proj (compressed-tensors/FP8_BLOCK, column-parallel)" in text
+    assert "N = 128 splits whole only at tp_size 1" in text
+
+
+def test_tp_needs_a_checkpoint_and_a_degree(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["resolve", "compressed-tensors/NVFP4", "--tp", "2"]) == 2
+    assert "--tp: for a checkpoint folder" in capsys.readouterr().err
+    assert main(["resolve", str(checkpoint), "--tp", "0"]) == 2
+    assert "expected a tensor-parallel degree" in capsys.readouterr().err
+    assert main(["inspect", str(checkpoint), "--device", "cpu"]) == 2
+    assert "only with --tp" in capsys.readouterr().err
