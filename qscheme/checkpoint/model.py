@@ -192,6 +192,9 @@ def apply_to_model(
     fuse_policy: FusePolicyChoice = None,
     strict: bool = True,
     progress: bool | None = None,
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
+    tp_plan: object = None,
 ) -> Checkpoint:
     """Replace the model's matching nn.Linear modules with QuantLinear and load the rest.
 
@@ -199,7 +202,32 @@ def apply_to_model(
     model must be materialised (not on the meta device). ``strict`` is described in the module
     docstring. Everything is checked before the model is changed, so on any error the model is
     left as it was. Returns the loaded Checkpoint (its ``report`` says what was done).
+
+    ``tp_rank`` and ``tp_size`` (together; ``tp_plan`` optional) make this rank's part of a
+    tensor-parallel model on torch.distributed (``qscheme.parallel.apply_to_model_tp``,
+    docs/parallel.md).
     """
+    if tp_size is not None or tp_rank is not None or tp_plan is not None:
+        if tp_size is None or tp_rank is None:
+            raise UsageError(
+                "apply_to_model: pass tp_rank and tp_size together, e.g. tp_rank=torch.distributed.get_rank(), "
+                "tp_size=torch.distributed.get_world_size()"
+            )
+        from qscheme.parallel.model import apply_to_model_tp
+
+        return apply_to_model_tp(
+            model,
+            path,
+            tp_rank,
+            tp_size,
+            tp_plan,
+            device=device,
+            kernel=kernel,
+            fuse=fuse,
+            fuse_policy=fuse_policy,
+            strict=strict,
+            progress=progress,
+        )
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"apply_to_model: model must be a torch.nn.Module, not {type(model).__name__}")
     _refuse_meta(model)

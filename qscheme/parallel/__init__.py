@@ -6,12 +6,16 @@
 * ``plan``: which layers split which way (Llama default, or a mapping of module patterns);
 * ``read``: only this rank's bytes of each tensor, counted;
 * ``load``: ``load_checkpoint_tp``, one rank's shard-sized QuantLinear modules;
+* ``linear``: column- and row-parallel wrappers (gather, all-reduce, or partial sums);
+* ``model``: ``apply_to_model_tp``, a transformers model running tensor-parallel;
 * ``resolve`` / ``report``: per-shard kernel resolution and the ``--tp`` views of the CLI.
 """
 
 from __future__ import annotations
 
+from qscheme.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from qscheme.parallel.load import ShardedCheckpoint, load_checkpoint_tp
+from qscheme.parallel.model import apply_to_model_tp
 from qscheme.parallel.plan import DEFAULT_TP_PLAN, LayerShard, TPPlan, checked_tp_plan, shard_layers
 from qscheme.parallel.read import ReadCounter, read_slice
 from qscheme.parallel.rules import (
@@ -27,8 +31,10 @@ from qscheme.parallel.rules import (
 
 __all__ = [
     "DEFAULT_TP_PLAN",
+    "ColumnParallelLinear",
     "LayerShard",
     "ReadCounter",
+    "RowParallelLinear",
     "ShardError",
     "ShardLayout",
     "ShardedCheckpoint",
@@ -36,6 +42,7 @@ __all__ = [
     "Style",
     "TPPlan",
     "TensorShard",
+    "apply_to_model_tp",
     "checked_tp_plan",
     "load_checkpoint_tp",
     "read_slice",

@@ -1,0 +1,361 @@
+"""``apply_to_model_tp``: a transformers model runs tensor-parallel on torch.distributed.
+
+Every rank builds the whole model from the checkpoint's config (as for ``apply_to_model``) and
+calls ``apply_to_model_tp(model, path, tp_rank, tp_size)``. The rank then loads only its shard
+of each split layer (``load_checkpoint_tp``) and the model changes as follows:
+
+- each column-parallel module (q/k/v, gate/up) becomes a ``ColumnParallelLinear`` whose output
+  stays sharded: the rank's attention heads, its slice of the MLP's intermediate size;
+- each row-parallel module (o_proj, down_proj) becomes a ``RowParallelLinear`` that
+  all-reduces its partial sums over the default process group;
+- planned modules the checkpoint leaves unquantized (an ignored layer) are split the same way
+  from their plain weights, so that the layers around them see the sizes they expect;
+- embeddings, norms, lm_head and every other module are replicated: each rank holds them whole.
+
+Attention needs no change of code: transformers' attention reshapes the projections' output
+into ``[..., -1, head_dim]``, so a rank with 1/n of the q, k and v features runs 1/n of the
+heads, and the query heads per key/value head stay the same. What must hold is that every
+rank gets whole heads: tp_size must divide the number of query heads and of key/value heads
+(checked before anything is read; replicating key/value heads, as vLLM does when there are
+fewer than ranks, is not done). Head-count attributes on the attention modules
+(``num_heads``, ``num_key_value_heads``, ``hidden_size`` where a model keeps them) are set to
+the rank's share, for model code that reshapes with them.
+
+As with ``apply_to_model``, everything is checked before the model is changed: on any error
+the model is left as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import cast
+
+import torch
+import torch.distributed as dist
+
+from qscheme.checkpoint.load import FusePolicyChoice
+from qscheme.checkpoint.model import (
+    _model_device_and_dtype,
+    _refuse_meta,
+    _refuse_tied_conflicts,
+    _refuse_unwritable,
+)
+from qscheme.checkpoint.plan import FuseSpec
+from qscheme.checkpoint.text import listing
+from qscheme.errors import CheckpointError, UsageError
+from qscheme.linear import QuantLinear, checked_device
+from qscheme.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from qscheme.parallel.load import ShardedCheckpoint, load_checkpoint_tp
+from qscheme.parallel.plan import TPPlan, checked_tp_plan
+from qscheme.parallel.rules import Style, checked_degree, working_degrees
+
+_HEAD_PROJECTIONS = {"q_proj": "query", "k_proj": "key/value", "v_proj": "key/value"}
+_SHARED_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "hidden_size")
+
+
+def _listing(names: list[str]) -> str:
+    return listing(names, 5, sentence=True)
+
+
+def _refuse_other_group(tp_rank: int, tp_size: int) -> None:
+    """UsageError when torch.distributed is initialised with another rank or size than asked for."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # the wrappers check again on the first forward
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if (rank, size) != (tp_rank, tp_size):
+        raise UsageError(
+            f"apply_to_model(tp_rank={tp_rank}, tp_size={tp_size}): this process is rank {rank} of {size} in the "
+            "default process group; pass tp_rank=torch.distributed.get_rank(), "
+            "tp_size=torch.distributed.get_world_size()"
+        )
+
+
+def _head_counts(attention: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """projection -> (heads, head_dim) for an attention module with ``head_dim`` and q/k/v Linear children."""
+    head_dim = getattr(attention, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim < 1:
+        return {}
+    counts: dict[str, tuple[int, int]] = {}
+    for child in _HEAD_PROJECTIONS:
+        projection = getattr(attention, child, None)
+        if isinstance(projection, torch.nn.Linear) and projection.out_features % head_dim == 0:
+            counts[child] = (projection.out_features // head_dim, head_dim)
+    return counts
+
+
+def check_heads(model: torch.nn.Module, tp_plan: TPPlan, tp_size: int) -> list[tuple[str, torch.nn.Module]]:
+    """The attention modules whose q/k/v the plan splits, after checking every rank gets whole
+    heads; UsageError naming the module, its head counts and the degrees that work otherwise."""
+    attentions: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():
+        counts = _head_counts(module)
+        split = {child: c for child, c in counts.items() if tp_plan.style_for(f"{name}.{child}") == "column"}
+        if not split:
+            continue
+        attentions.append((name, module))
+        for child, (heads, _) in split.items():
+            if heads % tp_size:
+                working = [t for t in working_degrees(heads, 1) if all(h % t == 0 for h, _ in split.values())]
+                raise UsageError(
+                    f"apply_to_model(tp_size={tp_size}): {name} has {heads} {_HEAD_PROJECTIONS[child]} heads "
+                    f"({child}), which {tp_size} ranks cannot share whole; every rank needs whole heads: "
+                    f"tp_size {', '.join(map(str, working))} divide all of this module's head counts "
+                    "(or replicate the attention with tp_plan)"
+                )
+    return attentions
+
+
+_PAIRS = ((("q_proj", "k_proj", "v_proj"), "o_proj"), (("gate_proj", "up_proj"), "down_proj"))
+"""Layers whose outputs feed one layer: the feeders split N (their outputs stay sharded) exactly
+when the layer they feed splits K, so that the residual stream stays whole on every rank."""
+
+
+def check_pairs(model: torch.nn.Module, tp_plan: TPPlan) -> None:
+    """UsageError when the plan splits attention's q/k/v and o_proj, or the MLP's gate/up and
+    down_proj, inconsistently: the feeders must be column-parallel and the layer they feed
+    row-parallel, or all replicated."""
+    for name, module in model.named_modules():
+        for feeders, fed in _PAIRS:
+            children = (*feeders, fed)
+            if not all(isinstance(getattr(module, child, None), torch.nn.Linear) for child in children):
+                continue
+            styles = {child: tp_plan.style_for(f"{name}.{child}") for child in children}
+            fed_by = {styles[feeder] for feeder in feeders}
+            if (fed_by, styles[fed]) in (({"column"}, "row"), ({"replicate"}, "replicate")):
+                continue
+            shown = ", ".join(f"{child} {style}" for child, style in styles.items())
+            raise UsageError(
+                f"tp_plan splits {name} inconsistently ({shown}): {'/'.join(feeders)} column-parallel feed {fed} "
+                f"row-parallel (their outputs stay sharded, {fed} takes its slice of them), or all of them are "
+                "replicated; give them styles that pair so"
+            )
+
+
+def _target(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str, torch.nn.Linear] | None:
+    """(parent, attribute, Linear) for a module name; None when the model has no such module."""
+    parent_name, _, child = name.rpartition(".")
+    try:
+        target = model.get_submodule(name)
+        parent = model.get_submodule(parent_name) if parent_name else model
+    except AttributeError:
+        return None
+    if isinstance(target, QuantLinear | ColumnParallelLinear | RowParallelLinear):
+        raise CheckpointError(
+            f"model module {name!r} is already a {type(target).__name__}: apply_to_model was run on this model "
+            "before; build a fresh model from the checkpoint's config.json"
+        )
+    if not isinstance(target, torch.nn.Linear):
+        raise CheckpointError(
+            f"model module {name!r} is a {type(target).__name__}, not an nn.Linear: apply_to_model replaces "
+            "nn.Linear modules only; use qscheme.load_checkpoint(path, tp_rank=..., tp_size=...) and call its layers"
+        )
+    return parent, child, target
+
+
+def _wrap(layer: torch.nn.Module, style: Style, rank: int, size: int, partitions: tuple[int, ...]) -> torch.nn.Module:
+    if style == "column":
+        return ColumnParallelLinear(layer, rank, size, partitions=partitions)
+    if style == "row":
+        return RowParallelLinear(layer, rank, size)
+    return layer
+
+
+def _plain_shard(linear: torch.nn.Linear, style: Style, rank: int, size: int, name: str) -> torch.nn.Linear:
+    """An nn.Linear holding this rank's rows (column) or columns (row) of an unquantized Linear.
+
+    The bias follows the rows of a column split; a row split's shard keeps it on rank 0 only
+    (RowParallelLinear adds it there). Called after the checkpoint's values are in ``linear``.
+    """
+    n, k = linear.out_features, linear.in_features
+    whole = n if style == "column" else k
+    if whole % size:
+        raise UsageError(
+            f"apply_to_model(tp_size={size}): unquantized {style}-parallel module {name!r} has "
+            f"{'N' if style == 'column' else 'K'} = {whole}, which {size} ranks cannot split evenly; working "
+            f"degrees: {', '.join(map(str, working_degrees(whole, 1)))}; or replicate it with tp_plan"
+        )
+    part = whole // size
+    weight = linear.weight.detach()
+    bias: torch.Tensor | None = linear.bias.detach() if linear.bias is not None else None
+    if style == "column":
+        weight = weight[rank * part : (rank + 1) * part]
+        bias = bias[rank * part : (rank + 1) * part] if bias is not None else None
+        shape = (k, part)
+    else:
+        weight = weight[:, rank * part : (rank + 1) * part]
+        bias = bias if rank == 0 else None
+        shape = (part, n)
+    shard = torch.nn.Linear(*shape, bias=bias is not None, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        shard.weight.copy_(weight)
+        if bias is not None and shard.bias is not None:
+            shard.bias.copy_(bias)
+    shard.requires_grad_(linear.weight.requires_grad)
+    return shard
+
+
+def _quantized_swaps(
+    model: torch.nn.Module, checkpoint: ShardedCheckpoint, folder: Path
+) -> tuple[list[tuple[torch.nn.Module, str, torch.nn.Module]], list[str]]:
+    """(parent, attribute, wrapped shard) for each quantized layer, and the layers the model lacks."""
+    swaps: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
+    absent: list[str] = []
+    members = dict(checkpoint.plan.layers())
+    for name, layer in checkpoint.items():
+        found = _target(model, name)
+        if found is None:
+            absent.append(name)
+            continue
+        parent, child, target = found
+        shard = checkpoint.shards[name]
+        if (target.out_features, target.in_features) != (shard.n, shard.k):
+            raise CheckpointError(
+                f"{folder}: module {name!r}: the model's Linear is [{target.out_features}, {target.in_features}] but "
+                f"the checkpoint's weight is [{shard.n}, {shard.k}]"
+            )
+        layouts = [checkpoint.plan.layouts[member] for member in members.get(name, (name,))]
+        if (target.bias is not None) != any(layout.bias is not None for layout in layouts):
+            raise CheckpointError(
+                f"{folder}: module {name!r}: the model's Linear {'has' if target.bias is not None else 'has no'} bias "
+                "but the checkpoint disagrees"
+            )
+        partitions = tuple(member.n for member in shard.members)
+        swaps.append((parent, child, _wrap(layer, shard.style, checkpoint.tp_rank, checkpoint.tp_size, partitions)))
+    return swaps, absent
+
+
+def apply_to_model_tp(
+    model: torch.nn.Module,
+    path: str | Path,
+    tp_rank: int,
+    tp_size: int,
+    tp_plan: object = None,
+    *,
+    device: str | torch.device | None = None,
+    kernel: str | None = None,
+    fuse: FuseSpec | None = None,
+    fuse_policy: FusePolicyChoice = None,
+    strict: bool = True,
+    progress: bool | None = None,
+) -> ShardedCheckpoint:
+    """Make ``model`` rank ``tp_rank`` of a ``tp_size``-way tensor-parallel model of ``path``.
+
+    Run on every rank of the default process group (``torchrun``), each with its rank. The
+    quantized layers the plan splits load as this rank's shards (``load_checkpoint_tp``),
+    wrapped to communicate (see the module docstring); the plain tensors load into the model
+    as ``apply_to_model`` loads them. ``tp_plan``: module-name patterns -> ``column`` / ``row``
+    / ``replicate`` (None: the Llama default). ``strict`` and the other arguments are
+    ``apply_to_model``'s. Returns the rank's ShardedCheckpoint (its ``shards`` say how each
+    layer was split, its ``bytes_read`` what this rank read).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"apply_to_model: model must be a torch.nn.Module, not {type(model).__name__}")
+    tp_size, tp_rank = checked_degree(tp_size, tp_rank)
+    plan_of_ranks = checked_tp_plan(tp_plan)
+    _refuse_meta(model)
+    _refuse_other_group(tp_rank, tp_size)
+    check_pairs(model, plan_of_ranks)
+    attentions = check_heads(model, plan_of_ranks, tp_size)
+    model_device, activation_dtype = _model_device_and_dtype(model)
+    torch_device = checked_device(device, "apply_to_model") if device is not None else model_device
+    checkpoint = load_checkpoint_tp(
+        path,
+        tp_rank,
+        tp_size,
+        plan_of_ranks,
+        device=torch_device,
+        kernel=kernel,
+        fuse=fuse,
+        fuse_policy=fuse_policy,
+        activation_dtype=activation_dtype,
+        progress=progress,
+    )
+    folder = Path(path)
+
+    # 1. Every quantized layer against the model's Linear (full sizes), wrapped for its style.
+    swaps, absent = _quantized_swaps(model, checkpoint, folder)
+    if absent and strict:
+        raise CheckpointError(
+            f"{folder}: the model has no module {_listing([repr(name) for name in absent])} for the checkpoint's "
+            "quantized layers; build the model from the checkpoint's config.json, or pass strict=False"
+        )
+
+    # 2. Plain tensors, as apply_to_model loads them (full sizes: the model is still whole).
+    replaced = tuple(f"{name}." for name in checkpoint if name not in absent)
+    expected = {
+        name: value for name, value in model.state_dict(keep_vars=True).items() if not name.startswith(replaced)
+    }
+    kv_cache = set(checkpoint.report.kv_cache_tensors)
+    state = {name: value for name, value in checkpoint.tensors.items() if name not in kv_cache}
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected and strict:
+        raise CheckpointError(
+            f"{folder}: the checkpoint has tensors the model lacks: {_listing(unexpected)}; build the model from "
+            "the checkpoint's config.json, or pass strict=False"
+        )
+    state = {name: value for name, value in state.items() if name in expected}
+    mismatched = [name for name, value in state.items() if tuple(expected[name].shape) != tuple(value.shape)]
+    if mismatched:
+        first = mismatched[0]
+        raise CheckpointError(
+            f"{folder}: tensor {first!r} is {list(state[first].shape)} in the checkpoint but "
+            f"{list(expected[first].shape)} in the model; build the model from the checkpoint's config.json"
+        )
+    loaded = {id(expected[name]) for name in state} | {expected[name].data_ptr() for name in state}
+    missing = [
+        name
+        for name, value in expected.items()
+        if name not in state and id(value) not in loaded and value.data_ptr() not in loaded
+    ]
+    if missing and strict:
+        raise CheckpointError(
+            f"{folder}: the checkpoint does not provide the model's {_listing(missing)}; pass strict=False to keep "
+            "the model's own values"
+        )
+
+    # 3. Unquantized Linear modules the plan splits: checked now, sliced once their values are in.
+    quantized = {name for name in checkpoint if name not in absent}
+    plain_split: list[tuple[str, Style]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name not in quantized:
+            style = plan_of_ranks.style_for(name)
+            if style != "replicate":
+                whole = module.out_features if style == "column" else module.in_features
+                if whole % tp_size:
+                    _plain_shard(module, style, tp_rank, tp_size, name)  # raises, naming the working degrees
+                plain_split.append((name, style))
+
+    _refuse_tied_conflicts(state, expected, folder)
+    _refuse_unwritable(state, expected)
+
+    # 4. Only now change the model.
+    values = {name: value.to(device=expected[name].device, dtype=expected[name].dtype) for name, value in state.items()}
+    with torch.no_grad():
+        for name, value in values.items():
+            expected[name].copy_(value)
+    for name, style in plain_split:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        linear = cast(torch.nn.Linear, model.get_submodule(name))  # listed from named_modules above
+        shard = _plain_shard(linear, style, tp_rank, tp_size, name)
+        setattr(parent, child, _wrap(shard, style, tp_rank, tp_size, (linear.out_features,)))
+    for parent, child, layer in swaps:
+        setattr(parent, child, layer)
+    for _, attention in attentions:
+        for attribute in _SHARED_ATTRIBUTES:
+            count = attention.__dict__.get(attribute)
+            if isinstance(count, int) and not isinstance(count, bool) and count % tp_size == 0:
+                setattr(attention, attribute, count // tp_size)
+
+    notes = [f"apply_to_model: tensor parallel, rank {tp_rank} of {tp_size}"]
+    if plain_split:
+        notes.append(f"apply_to_model: unquantized modules split by the plan: {_listing([n for n, _ in plain_split])}")
+    if absent:
+        notes.append(f"apply_to_model: the model has no module for {_listing(absent)}; left out (strict=False)")
+    if unexpected:
+        notes.append(f"apply_to_model: the model has no tensor {_listing(unexpected)}; left out (strict=False)")
+    if missing:
+        notes.append(f"apply_to_model: the checkpoint does not provide {_listing(missing)}; the model keeps its own")
+    checkpoint.report = dataclasses.replace(checkpoint.report, notes=(*checkpoint.report.notes, *notes))
+    return checkpoint
