@@ -4,7 +4,8 @@ Importing this package (``import qscheme`` does it when transformers is installe
 through transformers' public ``register_quantization_config`` / ``register_quantizer``:
 
 - ``modelopt``: NVIDIA ModelOpt exports, which transformers has no loader for;
-- ``qscheme``: checkpoints whose config names a qscheme scheme;
+- ``qscheme``: the self-describing checkpoints ``qscheme quantize`` writes for a scheme no
+  producer writes (config.json embeds the descriptor, so no YAML file is needed to load them);
 - ``qscheme-compressed-tensors``: the opt-in route for compressed-tensors checkpoints. The name
   ``compressed-tensors`` stays transformers' own quantizer (it decompresses, or runs the
   library's modules); ``via_qscheme(path)`` gives a config that routes one checkpoint here.
@@ -89,11 +90,13 @@ def registered() -> dict[str, str]:
     return dict(_REGISTERED)
 
 
-def via_qscheme(path: str | Path, **config_kwargs: Any) -> Any:
-    """The checkpoint's transformers config (``AutoConfig.from_pretrained(path)``) with its
-    compressed-tensors ``quantization_config`` routed through qscheme: pass it as
-    ``from_pretrained(path, config=via_qscheme(path))``. ModelOpt and qscheme checkpoints need
-    no routing (their methods are qscheme's already)."""
+def via_qscheme(path: str | Path, *, kernel: str | None = None, **config_kwargs: Any) -> Any:
+    """The checkpoint's transformers config (``AutoConfig.from_pretrained(path, **config_kwargs)``)
+    with its compressed-tensors ``quantization_config`` routed through qscheme: pass it as
+    ``from_pretrained(path, config=via_qscheme(path))``. ``kernel`` (a kernel name, e.g.
+    ``"triton"``) forces that kernel for every quantized layer instead of the resolver's choice.
+    ModelOpt and qscheme checkpoints need no routing (their methods are qscheme's already), but
+    take ``kernel`` the same way."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, **config_kwargs)
@@ -101,19 +104,20 @@ def via_qscheme(path: str | Path, **config_kwargs: Any) -> Any:
     if quantization is not None and not isinstance(quantization, dict):
         quantization = quantization.to_dict()
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-    if method in (MODELOPT, QSCHEME, COMPRESSED_TENSORS_VIA_QSCHEME):
-        return config
-    if method != COMPRESSED_TENSORS:
+    if method not in (COMPRESSED_TENSORS, MODELOPT, QSCHEME, COMPRESSED_TENSORS_VIA_QSCHEME):
         raise UsageError(
             f"via_qscheme({str(path)!r}): config.json's quantization_config has quant_method {method!r}; qscheme "
             f"routes {COMPRESSED_TENSORS!r} checkpoints (and loads {MODELOPT!r} and {QSCHEME!r} ones without routing)"
         )
     assert isinstance(quantization, dict)
-    config.quantization_config = {
-        **quantization,
-        "quant_method": COMPRESSED_TENSORS_VIA_QSCHEME,
-        ROUTED_FROM: COMPRESSED_TENSORS,
-    }
+    routed = dict(quantization)
+    if method == COMPRESSED_TENSORS:
+        routed.update({"quant_method": COMPRESSED_TENSORS_VIA_QSCHEME, ROUTED_FROM: COMPRESSED_TENSORS})
+    if kernel is not None:
+        if not isinstance(kernel, str) or not kernel:
+            raise UsageError(f"via_qscheme: kernel must be a kernel name such as 'triton', not {kernel!r}")
+        routed["kernel"] = kernel
+    config.quantization_config = routed
     return config
 
 

@@ -1,15 +1,15 @@
 """The transformers quantizers (``HfQuantizer``) that load checkpoints through qscheme.
 
-One class per ``quant_method``; they differ only in which schemes detection may pick. Each
-loads pre-quantized checkpoints only (qscheme does not quantize while loading: run
-``qscheme quantize`` first) and does its work before transformers loads weights
-(``plan_swap``: placeholders) and after (``Swap.load``: the quantized layers); transformers
-loads the plain tensors in between.
+One class per ``quant_method`` (transformers maps a method to a class). They share everything:
+qscheme's loader reads the checkpoint's own config files and detects each module's scheme from
+them (a self-describing ``qscheme`` checkpoint embeds its descriptor). Each loads pre-quantized
+checkpoints only (qscheme does not quantize while loading: run ``qscheme quantize`` first) and
+does its work before transformers loads weights (``plan_swap``: placeholders) and after
+(``Swap.load``: the quantized layers); transformers loads the plain tensors in between.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,6 @@ import torch
 from transformers.quantizers.base import HfQuantizer
 
 from qscheme.checkpoint.text import shown
-from qscheme.descriptor import Scheme
 from qscheme.errors import UsageError
 from qscheme.transformers._config import QSchemeQuantizationConfig
 from qscheme.transformers._swap import Swap, plan_swap
@@ -53,10 +52,6 @@ class QSchemeHfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self.swap: Swap | None = None
 
-    def schemes(self) -> Sequence[Scheme] | None:
-        """The schemes detection may choose from (None: the whole catalog)."""
-        return None
-
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         if not self.pre_quantized:
             method = self.quantization_config.quant_method
@@ -79,7 +74,6 @@ class QSchemeHfQuantizer(HfQuantizer):
         self.swap = plan_swap(
             model,
             folder,
-            schemes=self.schemes(),
             device=_device(kwargs.get("device_map")),
             activation_dtype=dtype,
             kernel=self.quantization_config.kernel,
@@ -117,13 +111,7 @@ class CompressedTensorsViaQSchemeHfQuantizer(QSchemeHfQuantizer):
 
 
 class SelfDescribingHfQuantizer(QSchemeHfQuantizer):
-    """``quant_method: qscheme``: checkpoints ``qscheme quantize`` writes; ``scheme`` names the
-    scheme (a catalog name), which restricts detection to it."""
-
-    def schemes(self) -> Sequence[Scheme] | None:
-        name = self.quantization_config.fields.get("scheme")
-        if not isinstance(name, str):
-            return None
-        from qscheme.catalog import load_scheme
-
-        return [load_scheme(name)]
+    """``quant_method: qscheme``: the self-describing checkpoints ``qscheme quantize`` writes for a
+    scheme no producer writes. config.json embeds the scheme's descriptor, and the loader
+    (qscheme.checkpoint) builds the scheme from it: the YAML file need not be on any search path,
+    and the scheme need not be in the catalog."""

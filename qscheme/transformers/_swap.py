@@ -6,9 +6,12 @@ checkpoint's tensors into whatever parameters the model has, materialises what w
 
 ``plan_swap`` runs before the weights load: it plans the checkpoint (config and headers only),
 checks every quantized module against the model's (an ``nn.Linear`` of the same shape and bias,
-or an expert projection of a fused experts module) and puts a ``PendingLayer`` (no parameters,
-no buffers) in place of each, so transformers neither allocates float weights for them nor
-overwrites what qscheme loads. ``Swap.load`` runs after: it reads the quantized tensors one
+or an expert projection of a fused experts module, every expert of which must be quantized)
+and puts a ``PendingLayer`` (no parameters, no buffers) in place of each, so transformers neither
+allocates float weights for them nor overwrites what qscheme loads. A fused experts module's
+checkpoint tensors (``experts.<e>.gate_proj...``) then match no parameter of the model, so
+transformers' weight-conversion mapping (which merges them into ``gate_up_proj``) never reads
+them. ``Swap.load`` runs after: it reads the quantized tensors one
 module at a time, straight into each ``QuantLinear``'s canonical buffers, and replaces the
 placeholders. No float copy of a quantized weight is ever made. ``taken_key_patterns`` tells
 transformers which checkpoint keys qscheme reads itself (so that they are not reported as
@@ -29,6 +32,7 @@ from qscheme.checkpoint.load import check_module_values
 from qscheme.checkpoint.plan import Plan, format_problems, plan_checkpoint
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, UsageError
+from qscheme.experts import ExpertsSpec, QuantExperts, find_expert_modules
 from qscheme.linear import QuantLinear
 
 
@@ -62,17 +66,9 @@ def _plain_tensor_creation() -> Iterator[None]:
         torch.set_default_dtype(dtype)
 
 
-def _expert_specs(model: torch.nn.Module) -> dict[str, object]:
-    try:
-        from qscheme.experts import find_expert_modules
-    except ImportError:  # qscheme without MoE support: no fused experts are recognised
-        return {}
-    return dict(find_expert_modules(model))
-
-
-def _owner(name: str, specs: dict[str, object]) -> object | None:
+def _owner(name: str, specs: dict[str, ExpertsSpec]) -> ExpertsSpec | None:
     for spec in specs.values():
-        if spec.split(name) is not None:  # type: ignore[attr-defined]
+        if spec.split(name) is not None:
             return spec
     return None
 
@@ -122,6 +118,37 @@ def _refuse_tied_quantized(model: torch.nn.Module, quantized: set[str], folder: 
         )
 
 
+def _require_every_expert(spec: ExpertsSpec, members: Sequence[str], folder: Path) -> None:
+    """CheckpointError, before anything loads, when the checkpoint lacks some expert projections
+    of a fused experts module or has experts the model does not (QuantExperts checks the same
+    again as it is filled)."""
+    module, count = spec.module, spec.num_experts
+    present: dict[int, set[str]] = {}
+    for name in members:
+        parsed = spec.split(name)
+        assert parsed is not None  # members are the names _owner gave this spec
+        index, projection = parsed
+        if index >= count:
+            raise CheckpointError(
+                f"{folder}: the checkpoint quantizes {name!r}, but the model's {module} has {count} experts "
+                f"(0..{count - 1}); is config.json the checkpoint's own?"
+            )
+        present.setdefault(index, set()).add(projection)
+    missing: list[str] = []
+    for index in range(count):
+        have = present.get(index, set())
+        needed = ["down_proj"] if "gate_up_proj" in have else ["gate_proj", "up_proj", "down_proj"]
+        missing.extend(f"{module}.{index}.{projection}" for projection in needed if projection not in have)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(
+            f"{folder}: {module}: {len(missing)} of the model's expert projections have no quantized layer in the "
+            f"checkpoint: {shown}. Every expert must be quantized in one checkpoint; a checkpoint that leaves some "
+            "experts unquantized must list them all in its ignore list, so that they load through the model's own "
+            "fused parameters"
+        )
+
+
 def _bias_names(plan: Plan) -> set[str]:
     return {name[: -len(".bias")] for name in plan.files.tensors if name.endswith(".bias")}
 
@@ -139,7 +166,7 @@ class Swap:
     device: torch.device | str
     activation_dtype: str | torch.dtype
     kernel: str | None
-    specs: dict[str, object]  # fused experts module -> its ExpertsSpec
+    specs: dict[str, ExpertsSpec]  # fused experts module -> its spec
     experts: dict[str, list[str]]  # fused experts module -> its checkpoint modules
     linears: list[str]  # checkpoint modules that replace an nn.Linear
     act_fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
@@ -158,14 +185,7 @@ class Swap:
     def load(self, model: torch.nn.Module) -> None:
         """Read every quantized module's tensors into its QuantLinear and put the layers (and the
         QuantExperts holding expert layers) where the placeholders are."""
-        experts: dict[str, object] = {}
-        if self.experts:
-            from qscheme.experts import QuantExperts
-
-            experts = {
-                name: QuantExperts(self.specs[name], self.act_fns[name])  # type: ignore[arg-type]
-                for name in self.experts
-            }
+        experts = {name: QuantExperts.empty(self.specs[name], self.act_fns[name]) for name in self.experts}
         owner_of = {member: module for module, members in self.experts.items() for member in members}
         with _plain_tensor_creation(), torch.no_grad():
             for name, layout in self.plan.layouts.items():
@@ -186,11 +206,11 @@ class Swap:
                     _set(model, name, layer)
                 else:
                     relative = name[len(owner) + 1 :]
-                    experts[owner].set_layer(relative, layer)  # type: ignore[attr-defined]
+                    experts[owner].set_layer(relative, layer)
                 self.kernels[name] = layer.kernel.name
         for name, module in experts.items():
-            module.require_complete()  # type: ignore[attr-defined]
-            _set(model, name, module)  # type: ignore[arg-type]
+            module.require_complete()
+            _set(model, name, module)
 
 
 def plan_swap(
@@ -221,7 +241,7 @@ def plan_swap(
             "to see what was detected"
         )
     _refuse_tied_quantized(model, set(plan.layouts), folder)
-    specs = _expert_specs(model)
+    specs = find_expert_modules(model)
     with_bias = _bias_names(plan)
     experts: dict[str, list[str]] = {}
     linears: list[str] = []
@@ -231,11 +251,11 @@ def plan_swap(
             _check_linear(model, name, layout.n, layout.k, name in with_bias, folder)
             linears.append(name)
             continue
-        problem = getattr(spec, "problem", None)
-        module = getattr(spec, "module", "")
-        if problem is not None:
-            raise CheckpointError(f"{folder}: the checkpoint quantizes {name!r}, but {module}: {problem}")
-        experts.setdefault(module, []).append(name)
+        if spec.problem is not None:
+            raise CheckpointError(f"{folder}: the checkpoint quantizes {name!r}, but {spec.module}: {spec.problem}")
+        experts.setdefault(spec.module, []).append(name)
+    for module_name, members in experts.items():
+        _require_every_expert(specs[module_name], members, folder)
     act_fns = {}
     for module_name in experts:
         act_fn = getattr(model.get_submodule(module_name), "act_fn", None)
