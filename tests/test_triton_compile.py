@@ -25,6 +25,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     environment["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
     environment.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    # The GEMV is opt-in: its compile cases need it on (the GEMM tile it replaces at M <= 4 is
+    # the M = 16 tile's kernel, compiled either way).
+    environment["QSCHEME_TRITON_GEMV"] = "1"
     command = [sys.executable, "-m", "qscheme.triton.compile_check", "--subset", "ci", "--json"]
     command += ["--targets", ",".join(TARGETS)]
     for path in YAML_SCHEMES:
@@ -140,3 +143,14 @@ def test_the_gemv_compiles_on_every_target_for_every_weight_only_scheme(results:
     # no spills on sm80-sm100 (sm120's NVFP4 GEMV at M=1 spills: an open item, docs/notes/triton-decode.md)
     spilled = [r for r in gemv if r["spill_bytes"] and r["target"] != "sm120"]
     assert not spilled, spilled
+
+
+def test_the_inline_ptx_decoder_settings_the_defaults_leave_out_compile(results: list[dict[str, object]]) -> None:
+    """int4's pure decoder on CUDA (QSCHEME_TRITON_ASM_DECODE=0) and the opt-in e2m1 asm
+    decoders (=1, scale folded and not): compiled, no spills (int4's default asm decoder is
+    compiled with the other specialisations)."""
+    from qscheme.triton.compile_check import ASM_DECODE_CASES
+
+    forced = [r for r in results if " gemm asm " in str(r["variant"]) or " gemm pure " in str(r["variant"])]
+    assert {str(r["variant"]).split(" ")[0] for r in forced} == {name for name, _ in ASM_DECODE_CASES}
+    assert all(r["ok"] and not r["spill_bytes"] for r in forced), forced

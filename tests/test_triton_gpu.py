@@ -213,3 +213,39 @@ def test_gemv_and_gemm_tiles_match_the_reference_on_gpu(
             assert error <= 1e-2 * scale, (
                 f"{scheme.name} {tile.describe()} {mode}: max error {error:.3e} of {scale:.3e}"
             )
+
+
+FOUR_BIT = [scheme for scheme in BUILTIN if scheme.weight.format in ("e2m1", "int4", "uint4")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("scheme", FOUR_BIT, ids=[s.name for s in FOUR_BIT])
+def test_asm_decode_gives_the_pure_decoders_bits_on_gpu(
+    scheme: Scheme, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QSCHEME_TRITON_ASM_DECODE=1 (inline-PTX 4-bit decoders, qscheme.triton.asm_decode) and
+    =0 (pure Triton) give the same output bits, GEMM tile and GEMV, M = 1 and 16."""
+    from qscheme.triton import linear as lin
+    from qscheme.triton.configs import TileConfig
+
+    generator = torch.Generator().manual_seed(5)
+    n, k = 1000, 2304
+    weight = (torch.randn(n, k, generator=generator) * 0.05).to(dtype)
+    canonical = canonicalize(scheme, quantize_weight(weight, scheme, **static_inputs(scheme, k)))
+    device = torch.device("cuda")
+    prepared = lin.prepare_weight(canonical, device)
+    tiles = [
+        TileConfig(16, 64, 128, split_k=4, num_warps=4, num_stages=4, weights_first=first) for first in (False, True)
+    ]
+    if not prepared.spec.A_QUANTIZED:
+        tiles.append(TileConfig(1, 32, 256, split_k=4, num_warps=4, num_stages=1, gemv=True))
+    for m in (1, 16):
+        x = (torch.randn(m, k, generator=generator) * 2).to(dtype).to(device)
+        for tile in tiles:
+            if tile.gemv and m > tile.block_m:
+                continue
+            outputs = []
+            for setting in ("0", "1"):
+                monkeypatch.setenv(lin.ASM_DECODE_VARIABLE, setting)
+                outputs.append(lin.linear(prepared, x, None, tile))
+            assert torch.equal(outputs[0], outputs[1]), f"{scheme.name} {tile.describe()} m={m}: asm vs pure decode"

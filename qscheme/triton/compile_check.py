@@ -104,6 +104,7 @@ def scheme_variants(
     split_k: bool = True,
     fused_split_k: bool = False,
     k: int = _K,
+    asm_decode: bool | None = None,
 ) -> list[Variant]:
     """The launches one scheme makes on ``target``: the pre-pass (if any) and the GEMM, with the
     tile the heuristic picks for a K=4096 layer, for each M and input dtype. Float scales are
@@ -112,6 +113,7 @@ def scheme_variants(
     ``split_k=False`` keeps the GEMM in one pass (no split-K epilogue launch);
     ``fused_split_k`` reduces split-K partial sums in the GEMM launch (QSCHEME_TRITON_SPLIT_K=fused).
     ``k``: another K (a ragged one: the GEMM then zeroes padded weights where zero points need it).
+    ``asm_decode``: force the inline-PTX 4-bit decoders on or off (default: the process's setting).
     """
     backend = TARGETS[target][0]
     device = target_device(target)
@@ -141,11 +143,25 @@ def scheme_variants(
             bias = torch.zeros((_N,), dtype=dtype)
             native_fp8 = backend == "cuda" and int(TARGETS[target][1]) >= 89
             launches = gemm_launches(
-                prepared, segment, inputs, x_scale, bias, out, tile, dtype, backend, native_fp8, decoded, fused_split_k
+                prepared,
+                segment,
+                inputs,
+                x_scale,
+                bias,
+                out,
+                tile,
+                dtype,
+                backend,
+                native_fp8,
+                decoded,
+                fused_split_k,
+                asm_decode,
             )
             for launch in launches:
                 kind = launch.label.split(" ")[0]
                 fused = " fused" if fused_split_k and tile.split_k > 1 else ""
+                if asm_decode is not None and "ASM_DECODE" in launch.constexprs:
+                    fused += " asm" if launch.constexprs.get("ASM_DECODE") else " pure"
                 shape = "" if k == _K else f" K={k}"
                 name = f"{scheme.name} {kind}{fused} {dtype_name(dtype)} M={m}{shape} {tile.describe()}"
                 variants.append(Variant(name, launch))
@@ -307,6 +323,8 @@ def ci_plan(schemes: Sequence[Scheme], targets: Sequence[str]) -> list[tuple[Var
     - every other distinct specialisation of ``schemes`` (bf16, decode tile, no split-K) on one
       target, the targets taken in turn: each specialisation compiles for some GPU;
     - int4 with tiled zero points at a ragged K (the decoded weights past K zeroed) on the second;
+    - the inline-PTX decoder settings the defaults leave out (``ASM_DECODE_CASES``), one CUDA
+      target each;
     - the CUDA-core GEMV (the heuristic's tile at M <= 4, ``qscheme.triton.gemv``): NVFP4
       weight-only at M=1 (split-K, two-pass and fused) on every target, and every other
       weight-only specialisation at M=4 (with fp16 inputs too for int4) on one target each, the
@@ -330,6 +348,7 @@ def ci_plan(schemes: Sequence[Scheme], targets: Sequence[str]) -> list[tuple[Var
         target = targets[1 % len(targets)]
         ragged = scheme_variants(by_name["compressed-tensors/W4A16_ASYM"], target, (torch.bfloat16,), (16,), k=_K - 96)
         jobs.extend((variant, target) for variant in ragged if variant.launch.constexprs.get("W_MASK_K"))
+    jobs.extend(_asm_decode_jobs(by_name, targets))
     gemv_schemes = [scheme for scheme in schemes if scheme.activation is None]
     for index, target in enumerate(targets):
         for scheme in gemv_schemes:
@@ -355,9 +374,31 @@ def ci_plan(schemes: Sequence[Scheme], targets: Sequence[str]) -> list[tuple[Var
     return jobs
 
 
+# The inline-PTX decoders' settings the defaults do not compile (``linear.asm_decode_enabled``):
+# (scheme, forced setting); one target each, taken in turn.
+ASM_DECODE_CASES = (
+    ("compressed-tensors/W4A16", False),  # int4's pure decoder on CUDA (QSCHEME_TRITON_ASM_DECODE=0)
+    ("compressed-tensors/NVFP4A16", True),  # e2m1, unscaled (scale folded), opt-in
+    ("compressed-tensors/MXFP4A16", True),  # e2m1 times 2**126 in the asm, opt-in
+)
+
+
+def _asm_decode_jobs(by_name: dict[str, Scheme], targets: Sequence[str]) -> list[tuple[Variant, str]]:
+    """The GEMM of each ``ASM_DECODE_CASES`` entry (bf16, decode tile, one pass) on one CUDA target."""
+    cuda = [target for target in targets if TARGETS[target][0] == "cuda"]
+    jobs: list[tuple[Variant, str]] = []
+    for index, (name, setting) in enumerate(ASM_DECODE_CASES):
+        if name not in by_name or not cuda:
+            continue
+        target = cuda[index % len(cuda)]
+        variants = scheme_variants(by_name[name], target, (torch.bfloat16,), (16,), split_k=False, asm_decode=setting)
+        jobs.extend((variant, target) for variant in variants if "ASM_DECODE" in variant.launch.constexprs)
+    return jobs
+
+
 def _compiled_elsewhere(variant: Variant, jobs: Sequence[tuple[Variant, str]]) -> bool:
     """Whether the same specialisation (up to target-dependent flags) is already planned."""
-    flags = ("USE_PTX", "NATIVE_FP8")
+    flags = ("USE_PTX", "NATIVE_FP8", "ASM_DECODE")
     constants = {k: v for k, v in variant.launch.constexprs.items() if k not in flags}
     return any(
         other.launch.kernel is variant.launch.kernel

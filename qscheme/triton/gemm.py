@@ -25,7 +25,9 @@ decode tile). With ``SPLIT_K > 1`` programs write float32
 partial sums and ``split_k_epilogue_kernel`` adds them and applies the epilogue, or, with
 ``FUSED_SPLIT_K``, the last program of each output tile does (one launch instead of two; a
 per-tile arrival counter in ``counter_ptr``, zero between launches). ``USE_PTX``
-(CUDA only) lets the 4-bit decoders split registers with one ``mov``.
+(CUDA only) lets the 4-bit decoders split registers with one ``mov``; ``ASM_DECODE`` (CUDA
+only) decodes 4-bit words with the inline-PTX decoders of ``qscheme.triton.asm_decode`` (same
+bits) where they cover the format and decode dtype.
 """
 
 from __future__ import annotations
@@ -33,8 +35,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from qscheme.triton.asm_decode import asm_decode_e2m1_words, asm_decode_int4_words
 from qscheme.triton.decode import (
+    DECODE_BF16,
     DECODE_FP16,
+    DECODE_FP32,
     E2M1,
     INT4,
     SCALE_FLOAT,
@@ -201,6 +206,7 @@ def load_weight_tile(
     NATIVE_FP8: tl.constexpr,
     W_FOLD_SCALE: tl.constexpr,
     W_MASK_K: tl.constexpr,
+    ASM_DECODE: tl.constexpr = False,
 ):
     """The [BLOCK_N, BLOCK_K] tile of decoded weights (zero points and tiled scales applied).
 
@@ -218,8 +224,12 @@ def load_weight_tile(
         # computed in the kernel, Triton knows its divisibility and vectorises the load.
         mask = n_mask[:, None] & (offs_word[None, :] < stride_wn)
         words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_word[None, :], mask=mask, other=0)
-        if W_FORMAT == E2M1:
+        if W_FORMAT == E2M1 and ASM_DECODE and W_DECODE == DECODE_BF16:
+            values = asm_decode_e2m1_words(words, BLOCK_N, BLOCK_K // 8, W_FOLD_SCALE)
+        elif W_FORMAT == E2M1:
             values = decode_e2m1_words(words, BLOCK_N, BLOCK_K // 8, W_DECODE, USE_PTX, W_FOLD_SCALE)
+        elif ASM_DECODE and W_DECODE != DECODE_FP32:
+            values = asm_decode_int4_words(words, BLOCK_N, BLOCK_K // 8, W_FORMAT == INT4, W_DECODE)
         else:
             values = decode_int4_words(words, BLOCK_N, BLOCK_K // 8, W_FORMAT == INT4, W_DECODE, USE_PTX)
     else:
@@ -396,6 +406,7 @@ def quantized_gemm_kernel(
     GROUP_M: tl.constexpr,
     WEIGHTS_FIRST: tl.constexpr,
     W_MASK_K: tl.constexpr,
+    ASM_DECODE: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile (over one K split); see the module docstring."""
     pid = tl.program_id(0)
@@ -473,6 +484,7 @@ def quantized_gemm_kernel(
             NATIVE_FP8,
             W_FOLD_SCALE,
             W_MASK_K,
+            ASM_DECODE,
         )
         if WEIGHTS_FIRST:  # acc is y^T: W x^T
             acc = dot_nt(mma_k_order(w, BLOCK_N, BLOCK_K), mma_k_order(a, BLOCK_M, BLOCK_K), acc, DOT_DTYPE)

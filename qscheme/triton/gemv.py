@@ -97,6 +97,7 @@ def quantized_gemv_kernel(
     GROUP_M: tl.constexpr,
     WEIGHTS_FIRST: tl.constexpr,
     W_MASK_K: tl.constexpr,
+    ASM_DECODE: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile over one K split; see the module docstring."""
     tl.static_assert(not A_QUANTIZED, "the GEMV takes 16- or 32-bit inputs (weight-only schemes)")
@@ -154,6 +155,7 @@ def quantized_gemv_kernel(
             NATIVE_FP8,
             W_FOLD_SCALE,
             W_MASK_K,
+            ASM_DECODE,
         ).to(tl.float32)  # exact: the decode dtype's values are float32 values
         for row in tl.static_range(BLOCK_M):
             x_row = load_input_row(x_ptr, pre_scale, pid_m * BLOCK_M + row, offs_k, M, K, stride_xm, HAS_PRE_SCALE)

@@ -31,7 +31,7 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from qscheme.canonical import CanonicalWeight
-from qscheme.errors import QuantizeError
+from qscheme.errors import QuantizeError, UsageError
 from qscheme.formats import decode, get_element_format
 from qscheme.triton import configs
 from qscheme.triton.act_quant import decoded_dtype, quantize_input
@@ -400,6 +400,26 @@ def heuristic_for(
     )
 
 
+ASM_DECODE_VARIABLE = "QSCHEME_TRITON_ASM_DECODE"
+# Element formats whose CUDA launches take the inline-PTX decoders by default: those whose
+# static count per weight goes down with them (int4 and uint4, 4-12% fewer loop instructions on
+# sm80-sm120; e2m1 compiles to the same SASS either way). docs/notes/triton-decode.md.
+ASM_DECODE_DEFAULT_FORMATS = (ELEMENT_IDS["int4"], ELEMENT_IDS["uint4"])
+
+
+def asm_decode_enabled(spec: Specialization) -> bool:
+    """Whether CUDA launches decode this weight's 4-bit words with the inline-PTX decoders
+    (``qscheme.triton.asm_decode``: bit for bit the pure decoders' results, proven on the host
+    by emulating the PTX program over every byte value). ``QSCHEME_TRITON_ASM_DECODE=1`` takes
+    them for every format they cover, ``=0`` for none; unset, ``ASM_DECODE_DEFAULT_FORMATS``."""
+    value = os.environ.get(ASM_DECODE_VARIABLE, "").strip()
+    if value in ("0", "1"):
+        return value == "1"
+    if value:
+        raise UsageError(f"{ASM_DECODE_VARIABLE}={value!r}: expected 0 or 1 (or unset for the default)")
+    return spec.W_FOUR_BIT and spec.W_FORMAT in ASM_DECODE_DEFAULT_FORMATS
+
+
 GEMV_VARIABLE = "QSCHEME_TRITON_GEMV"
 
 
@@ -594,6 +614,7 @@ def gemm_launches(
     native_fp8: bool | None = None,
     decoded_input: bool = False,
     fused_split_k: bool | None = None,
+    asm_decode: bool | None = None,
 ) -> list[Launch]:
     """The GEMM (and split-K epilogue) launches for one segment of output rows.
 
@@ -603,7 +624,9 @@ def gemm_launches(
     ``QSCHEME_TRITON_SPLIT_K`` setting, see ``split_k_mode``) reduces split-K partial sums in
     the GEMM launch itself instead of a second one. ``backend`` ("cuda", "hip" or "interpreter")
     defaults to the one this process runs; ``native_fp8`` (decode e4m3 with the hardware
-    conversion) to whether ``inputs``' device has it.
+    conversion) to whether ``inputs``' device has it. ``asm_decode`` (default: the
+    ``QSCHEME_TRITON_ASM_DECODE`` setting, see ``asm_decode_enabled``) decodes 4-bit words with
+    the inline-PTX decoders; it applies to CUDA launches only.
 
     What depends on the weight and the tile alone (weight pointers, constexprs, labels) is
     built once per weight and kept (``_gemm_template``); a call adds its own tensors and M.
@@ -617,11 +640,14 @@ def gemm_launches(
     tile = _fit_split_k(tile, inputs.shape[0], segment.end - segment.start)
     fused = fused_split_k and tile.split_k > 1
     has_bias = bias is not None
-    key = (segment, tile, input_dtype, backend, native_fp8, decoded_input, fused, has_bias)
+    if asm_decode is None:
+        asm_decode = asm_decode_enabled(prepared.spec)
+    asm_decode = asm_decode and backend == "cuda"
+    key = (segment, tile, input_dtype, backend, native_fp8, decoded_input, fused, has_bias, asm_decode)
     template = prepared.memo.get(key)
     if template is None:
         template = _gemm_template(
-            prepared, segment, tile, input_dtype, backend, native_fp8, decoded_input, fused, has_bias
+            prepared, segment, tile, input_dtype, backend, native_fp8, decoded_input, fused, has_bias, asm_decode
         )
         prepared.memo[key] = template
     return template.launches(inputs, x_scale, bias, out)
@@ -726,6 +752,7 @@ def _gemm_template(
     decoded_input: bool,
     fused: bool,
     has_bias: bool,
+    asm_decode: bool,
 ) -> _GemmTemplate:
     spec = prepared.spec
     start, end = segment.start, segment.end
@@ -775,6 +802,7 @@ def _gemm_template(
                 "HAS_BIAS": has_bias,
                 "DOT_DTYPE": _DOT_DTYPES[input_dtype] if on_gpu else DOT_FP32.value,
                 "USE_PTX": backend == "cuda",
+                "ASM_DECODE": asm_decode,
                 "W_DECODE": decode_dtype(spec, input_dtype, prepared.scale_dtype, on_gpu),
                 "W_FOLD_SCALE": _fold_scale(spec, input_dtype, on_gpu),
                 "NATIVE_FP8": native_fp8,
