@@ -20,5 +20,7 @@ export QSCHEME_MODELOPT_PYTHON="$PWD/.venv-modelopt/bin/python"
 echo "== vllm oracle"
 bash scripts/install-vllm-oracle.sh
 export QSCHEME_VLLM_PYTHON="$PWD/.venv-vllm/bin/python"
+echo "== llmcompressor oracle"; bash scripts/install-llmcompressor-oracle.sh
+export QSCHEME_LLMCOMPRESSOR_PYTHON="$PWD/.venv-llmcompressor/bin/python"
 echo "== pytest"
 python -m pytest -p no:cacheprovider "$@"
