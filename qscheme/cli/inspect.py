@@ -71,11 +71,12 @@ def run(args: argparse.Namespace) -> int:
     from qscheme.checkpoint.inspect import inspect_checkpoint, render_inspection  # imports torch
 
     checkpoint_argument(args.checkpoint)
-    if args.device is not None and args.tp is None:
+    tp = getattr(args, "tp", None)  # a Namespace built by hand (tests, embedders) may lack the --tp options
+    if getattr(args, "device", None) is not None and tp is None:
         raise UsageError("--device: only with --tp (inspect resolves kernels only for the shards of --tp)")
-    degree = parse_tp(args.tp) if args.tp is not None else None  # a bad --tp fails before any reading
+    degree = parse_tp(tp) if tp is not None else None  # a bad --tp fails before any reading
     inspection = inspect_checkpoint(args.checkpoint)
-    if args.tp is None or not inspection.ok:
+    if tp is None or not inspection.ok:
         if args.json:
             print_json(_bounded_json(inspection))
         else:
