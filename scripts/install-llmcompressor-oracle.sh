@@ -29,4 +29,4 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
     accelerate datasets loguru pyyaml numpy requests tqdm safetensors
 "$VENV/bin/pip" install -q --no-deps -c constraints.txt "llmcompressor==${LLMCOMPRESSOR_VERSION}"
 "$VENV/bin/python" -c "$PRESENT" && "$VENV/bin/python" -c "$CHECK" >/dev/null 2>&1
-echo "llmcompressor oracle: $("$VENV/bin/python" -c 'import llmcompressor; print(llmcompressor.__version__)' 2>/dev/null)"
+echo "llmcompressor oracle: $("$VENV/bin/python" -c "from importlib.metadata import version; print(version('llmcompressor'))")"
