@@ -239,6 +239,7 @@ def canonicalize(
     k: int | None = None,
     *,
     layer: str | None = None,
+    check_finite: bool = True,
 ) -> CanonicalWeight:
     """Checkpoint tensors (by checkpoint name) of one layer -> CanonicalWeight.
 
@@ -246,6 +247,8 @@ def canonicalize(
     ``qscheme.checkpoint.validate``). What that cannot see is refused here with QuantizeError
     (naming ``layer`` when given): a mapping that does not hold plain tensors keyed by name,
     and scales whose product would dequantize to inf, NaN or zero (``qscheme.scale_checks``).
+    ``check_finite=False`` skips that last check, for tensors derived from ones already checked
+    (a conversion's target, built from a canonicalized source).
     """
     # imported here: scale_checks builds on this module's effective_scale
     from qscheme.scale_checks import require_finite_dequantization
@@ -336,7 +339,8 @@ def canonicalize(
         input_global_scale_divisor=input_divisor,
         input_pre_scale=pre_scale,
     )
-    require_finite_dequantization(canonical, layer)
+    if check_finite:
+        require_finite_dequantization(canonical, layer)
     return canonical
 
 

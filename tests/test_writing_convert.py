@@ -226,3 +226,78 @@ def test_bad_input_writes_nothing(tmp_path: Path) -> None:
     assert digest(source) == before
     convert_checkpoint(source, tmp_path / "out", "compressed-tensors/FP8", force=True)
     assert (tmp_path / "out" / "config.json").exists() and not (tmp_path / "out" / "keep.txt").exists()
+
+
+def test_unchanged_bytes_are_copied_from_the_source_file_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copied-through tensors and untouched codes go from the source file to the output by the
+    kernel (recorded with their source range, which verify compares them with): no tensor is read."""
+    import qscheme.writing.convert as convert_module
+    from qscheme.writing.source import SourceCheckpoint
+
+    folder = ct_checkpoint("NVFP4")
+    records = []
+    write_shard = convert_module.write_shard
+
+    def recording(*args: object, **kwargs: object) -> object:
+        record = write_shard(*args, **kwargs)  # type: ignore[arg-type]
+        records.append(record)
+        return record
+
+    def no_reads(self: object, name: str) -> torch.Tensor:
+        raise AssertionError(f"{name} was read into memory")
+
+    monkeypatch.setattr(convert_module, "write_shard", recording)
+    monkeypatch.setattr(SourceCheckpoint, "read", no_reads)
+    summary = convert_checkpoint(folder, tmp_path / "mo", "modelopt/NVFP4")
+    source = {}
+    for path in folder.glob("*.safetensors"):
+        source.update(load_file(str(path)))
+    written = {t.name: t for record in records for t in record.tensors}
+    converted = {row.name for row in summary.layers if row.action == "converted"}
+    assert converted
+    for name, tensor in written.items():
+        module, _, short = name.rpartition(".")
+        if module not in converted:  # copied through: the source's tensor, from its file
+            assert tensor.same_as is not None and tensor.same_as[0].parent == folder, name
+        elif short == "weight":  # the codes, untouched
+            assert tensor.same_as is not None, name
+            assert same_bits(
+                load_file(str(tmp_path / "mo" / records[0].path.name))[name], source[f"{module}.weight_packed"]
+            )
+        elif short == "weight_scale_2":  # inverted: computed, checked by CRC-32
+            assert tensor.same_as is None, name
+
+
+@pytest.mark.parametrize("where", ["write", "verify"])
+def test_a_failure_mid_write_leaves_no_dst_and_no_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """An interrupt in the main thread while a shard is written, or a failed re-read in a worker
+    thread, ends the run with nothing at DST, no partial folder and no thread left behind."""
+    import threading
+
+    import qscheme.writing.convert as convert_module
+
+    folder = ct_checkpoint("NVFP4", max_shard_size="100KB")
+    before = digest(folder)
+    calls = [0]
+    name = "write_shard" if where == "write" else "verify_shard"
+    original = getattr(convert_module, name)
+
+    def failing(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        if calls[0] == 2:
+            if where == "write":
+                raise KeyboardInterrupt
+            raise OutputError("the re-read found other bytes")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(convert_module, name, failing)
+    with pytest.raises(KeyboardInterrupt if where == "write" else OutputError):
+        convert_checkpoint(folder, tmp_path / "mo", "modelopt/NVFP4")
+    assert calls[0] >= 2
+    assert nothing_written(tmp_path, "mo")
+    assert digest(folder) == before
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("qscheme-convert")]

@@ -159,6 +159,24 @@ def test_the_counting_pass_gives_the_same_figures(monkeypatch: pytest.MonkeyPatc
     assert expected[0] > 0
 
 
+def test_the_search_without_its_sample_gives_the_same_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sample only shortcuts the search: with it finding nothing, every triple's tiles are searched."""
+    source, _ = layer("compressed-tensors/NVFP4A16", 64, 128, 11)
+    target = perturbed_scale(source, 8)
+    sampled = [0]
+
+    def nothing(*args: object) -> bool:
+        sampled[0] += 1
+        return False
+
+    monkeypatch.setattr(convert_deviation, "_sampled_hit", nothing)
+    for keep in (0xFF, 0x33, 0x70):
+        a, b = thinned(source, keep), thinned(target, keep)
+        fast = weight_deviation(a, b)
+        assert (fast.max_ulps, fast.max_abs_error) == reference(a, b)
+    assert sampled[0] > 0
+
+
 def test_identical_scales_give_zero_and_shapes_must_match() -> None:
     source, _ = layer("compressed-tensors/NVFP4A16", 16, 32, 1)
     assert weight_deviation(source, source).max_ulps == 0

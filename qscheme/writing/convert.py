@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,14 +43,24 @@ from qscheme.checkpoint.plan import Plan, format_problems, plan_checkpoint
 from qscheme.checkpoint.progress import Progress
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, UsageError
+from qscheme.writing.bytes_copy import MappedShard, RawSpan
+from qscheme.writing.convert_deviation import Deviation
 from qscheme.writing.convert_layer import LayerConversion, check_conversion, convert_layer
 from qscheme.writing.convert_math import compare_schemes
 from qscheme.writing.output import OutputFolder, raise_on_termination
 from qscheme.writing.producer_config import config_files, producer_of
-from qscheme.writing.shards import DEFAULT_METADATA, ShardRecord, write_index, write_json, write_shard
+from qscheme.writing.shards import (
+    DEFAULT_METADATA,
+    ShardRecord,
+    dtype_code,
+    sync_file,
+    write_index,
+    write_json,
+    write_shard,
+)
 from qscheme.writing.source import SourceCheckpoint, SourceShard
 from qscheme.writing.summary import LayerRow, WriteSummary, peak_rss_bytes
-from qscheme.writing.verify import verify_folder
+from qscheme.writing.verify import verify_folder, verify_shard
 
 ORIGINALS_KEY = "qscheme.convert.originals"
 
@@ -105,7 +116,7 @@ def convert_checkpoint(
         Progress(len(source.tensors), "converting", enabled=progress) as bar,
     ):
         summary.files_copied = _copy_other_files(source, out.path)
-        records = [writer.write(shard, out.path, bar) for shard in source.shards]
+        records = writer.write_all(out.path, bar)
         if source.sharded:
             weight_map = {tensor.name: record.path.name for record in records for tensor in record.tensors}
             write_index(out.path, weight_map, sum(record.data_bytes for record in records))
@@ -119,7 +130,7 @@ def convert_checkpoint(
         )
         for file_name, contents in configs.items():
             write_json(out.path / file_name, contents)
-        verify_folder(out.path, records)
+        verify_folder(out.path, records, reread=False)  # each shard was re-read by write_all
         out.commit()
     summary.notes.extend(writer.notes())
     summary.shards = [record.path.name for record in records]
@@ -238,6 +249,31 @@ def _originals(shard: SourceShard) -> dict[str, tuple[str, Tensor]]:
 # --- writing --------------------------------------------------------------------------------------
 
 
+def _key(value: Tensor) -> tuple[int, int, torch.dtype]:
+    return value.data_ptr(), value.numel(), value.dtype
+
+
+def _unchanged_span(
+    mapped: MappedShard, sources: Mapping[tuple[int, int, torch.dtype], str], value: Tensor
+) -> RawSpan | None:
+    """``value`` as bytes of the source file when it is a source tensor of this shard as it is
+    (the same memory, reshaped at most), else None."""
+    name = sources.get(_key(value))
+    if name is None or name not in mapped.header.tensors or not value.is_contiguous():
+        return None
+    shape = tuple(int(size) for size in value.shape)
+    code, bits = dtype_code(value)
+    if bits == 4:
+        shape = (*shape[:-1], shape[-1] * 2)
+    span = mapped.span(name, code, shape)
+    if span.nbytes != value.numel() * value.element_size():
+        return None
+    return span
+
+
+_Pending = list[tuple[int, LayerConversion, "Future[Deviation]"]]  # (summary row, result, its report)
+
+
 @dataclass
 class _Counts:
     converted: int = 0
@@ -274,21 +310,63 @@ class _Writer:
                     self.owner[info.name] = module
         self.unquantized = set(_unquantized_linear(plan))
 
-    def write(self, shard: SourceShard, folder: Path, bar: Progress) -> ShardRecord:
-        tensors: dict[str, Tensor] = {}
+    def write_all(self, folder: Path, bar: Progress) -> list[ShardRecord]:
+        """Every shard written, flushed to the disk and re-read (``verify_shard``). Worker threads
+        overlap the work with the writing: one computes the shard's deviation reports while its
+        bytes are copied, two flush and re-read each written shard while the next one is written
+        (torch, zlib, numpy and the system calls release the GIL). Torch runs one thread per op
+        meanwhile, which on few cores is faster than its threads contending with these."""
+        records: list[ShardRecord] = []
+        checks: list[Future[object]] = []
+        reports = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qscheme-convert-report")
+        flushes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="qscheme-convert-verify")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            previous: _Pending = []
+            for shard in self.source.shards:
+                record, pending = self.write(shard, folder, bar, reports)
+                # one shard's reports run on while the next is written; at most two shards' codes are mapped
+                self.collect(previous)
+                previous = pending
+                records.append(record)
+                checks.append(flushes.submit(sync_file, record.path))  # both before the commit, in parallel
+                checks.append(flushes.submit(verify_shard, record))
+            self.collect(previous)
+            for check in checks:
+                check.result()
+        finally:
+            for pool in (reports, flushes):
+                pool.shutdown(wait=True, cancel_futures=True)
+            torch.set_num_threads(threads)
+        return records
+
+    def write(
+        self, shard: SourceShard, folder: Path, bar: Progress, pool: ThreadPoolExecutor
+    ) -> tuple[ShardRecord, _Pending]:
+        """Convert and write one shard (flushed to the disk and re-read by ``write_all``).
+
+        Bytes that do not change (copied-through tensors, untouched codes) go straight from the
+        source file to the output (``bytes_copy``); each layer's deviation report runs in ``pool``
+        while the shard (and the next one) is written: the reports still to collect are returned."""
+        mapped = MappedShard(shard.path, shard.header)
+        tensors: dict[str, Tensor | RawSpan] = {}
         records: dict[str, dict[str, Any]] = {}
         originals = _originals(shard)
+        pending: _Pending = []
         for name in shard.tensors:
             module = self.owner.get(name)
             if module is None:
-                tensors[name] = self.source.read(name)
+                tensors[name] = mapped.span(name)
                 owner, short = split_name(name)
                 if short == "weight" and owner in self.unquantized:
                     self.summary.layers.append(LayerRow(owner, self.target.name, "copied"))
             elif name == self.plan.layouts[module].declared[self.layers[module].weight.tensor.name].name:
-                result = self._convert(module, originals)
+                sources, result = self._convert(module, originals, mapped)
+                if result.pending is not None:
+                    pending.append((len(self.summary.layers) - 1, result, pool.submit(result.pending)))
                 for short, value in result.tensors.items():
-                    tensors[f"{module}.{short}"] = value
+                    tensors[f"{module}.{short}"] = _unchanged_span(mapped, sources, value) or value
                 for short, value in result.originals.items():
                     source_name = self._source_name(module, result, short)
                     records[f"{module}.{short}"] = _record(source_name, value)
@@ -296,33 +374,63 @@ class _Writer:
         metadata = dict(DEFAULT_METADATA)
         if records:
             metadata[ORIGINALS_KEY] = json.dumps(records, sort_keys=True, separators=(",", ":"))
-        return write_shard(folder / self.source.output_shard_name(shard), tensors, metadata)
+        record = write_shard(folder / self.source.output_shard_name(shard), tensors, metadata, fsync=False)
+        mapped.close()  # the mapping goes once the pending reports are done with its codes
+        return record, pending
+
+    def collect(self, pending: _Pending) -> None:
+        """Wait for deviation reports and put them in the summary."""
+        for index, result, future in pending:
+            self._report(index, result.with_deviation(future.result()))
 
     def _source_name(self, module: str, result: LayerConversion, target_short: str) -> str:
         source = self.layers[module]
         role = next(role for role, spec in self.target.tensor_specs().items() if spec.name == target_short)
         return f"{module}.{source.tensor_specs()[role].name}"
 
-    def _convert(self, module: str, originals: Mapping[str, tuple[str, Tensor]]) -> LayerConversion:
+    def _convert(
+        self, module: str, originals: Mapping[str, tuple[str, Tensor]], mapped: MappedShard
+    ) -> tuple[dict[tuple[int, int, torch.dtype], str], LayerConversion]:
+        """(the source tensors' names by (data pointer, size, dtype); the layer's conversion)."""
         source = self.layers[module]
         layout = self.plan.layouts[module]
-        tensors = {short: self.source.read(info.name) for short, info in layout.declared.items() if short != "bias"}
-        tensors.update({short: self.source.read(f"{module}.{short}") for short in layout.tolerated})
+        names = {short: info.name for short, info in layout.declared.items() if short != "bias"}
+        names.update({short: f"{module}.{short}" for short in layout.tolerated})
+        tensors = {short: self._read(name, mapped) for short, name in names.items()}
         restore = self._restore(module, source, originals)
         result = convert_layer(
-            module, source, self.target, tensors, allow_requantize=self.allow_requantize, restore=restore
+            module,
+            source,
+            self.target,
+            tensors,
+            allow_requantize=self.allow_requantize,
+            restore=restore,
+            defer_deviation=True,
         )
-        self.summary.layers.append(
-            LayerRow(module, self.target.name, result.action, float(result.max_ulps), result.max_abs_error)
-        )
+        self.summary.layers.append(LayerRow(module, self.target.name, result.action))
         counts = self.counts
         counts.converted += result.action == "converted"
         counts.requantized += result.action == "requantized"
         counts.inverted += len(result.inverted)
         counts.restored += len(result.restored)
-        counts.deviating += result.max_ulps > 0
         self.layer_notes.extend(f"{module}: {note}" for note in result.notes)
-        return result
+        if result.pending is None:
+            self._report(len(self.summary.layers) - 1, result)
+        by_pointer = {names[short]: value for short, value in tensors.items()}
+        return {_key(value): name for name, value in by_pointer.items() if value.numel()}, result
+
+    def _read(self, name: str, mapped: MappedShard) -> Tensor:
+        """A tensor of this shard viewing its mapping; one in another shard (a layer cut by a shard
+        boundary) read into memory of its own."""
+        if name in mapped.header.tensors:
+            return mapped.tensor(name)
+        return self.source.read(name)
+
+    def _report(self, index: int, result: LayerConversion) -> None:
+        self.summary.layers[index] = LayerRow(
+            result.module, self.target.name, result.action, float(result.max_ulps), result.max_abs_error
+        )
+        self.counts.deviating += result.max_ulps > 0
 
     def _restore(self, module: str, source: Scheme, originals: Mapping[str, tuple[str, Tensor]]) -> dict[str, Tensor]:
         """Recorded originals for this module's scales, keyed by the target's short names."""

@@ -17,8 +17,10 @@ Two ways to get it, with the same result:
   remains is which pairs occur. The pairs are tried from the largest deviation down: the tiles
   of the pair's triple are gathered and their code bytes looked up, and the first pair found
   present gives the figure (in practice the first one tried: each triple covers many tiles,
-  and every code occurs in them). Should the search gather more code bytes than the layer
-  holds, or the tiles not be whole rows of bytes, one integer pass over all code bytes counts
+  and every code occurs in them). Before that, a sample of tiles spread over the layer is
+  looked at for all of the level's pairs at once, which settles most layers in one small
+  step. Should the search gather more code bytes than the layer holds, or the tiles not be
+  whole rows of bytes, one integer pass over all code bytes counts
   the (triple, byte) keys instead (``torch.bincount``). Either way the figure is the exact
   maximum over the elements present, not a bound.
 - ``full_deviation`` (the reference, and the fallback for layers whose codes differ): both sides
@@ -168,6 +170,7 @@ def full_deviation(source: CanonicalWeight, target: CanonicalWeight) -> Deviatio
 # --- the fast path: (triple, code) tables, then which pairs occur -------------------------------------
 
 TABLE_LIMIT = 1 << 22  # triples x codes beyond which the full comparison is used (memory)
+SAMPLE_TILES = 256  # tiles looked at first, spread over the layer, for the pairs of a level
 
 
 @dataclass(frozen=True)
@@ -304,6 +307,9 @@ def _search(table: Tensor, tables: _Tables, units: _Units, row_tiles: Tensor, bu
         if level <= 0:
             return torch.zeros((), dtype=table.dtype)
         hits = candidates.isnan() if level.isnan() else candidates == level
+        budget[0] -= SAMPLE_TILES * row_tiles.shape[1]
+        if _sampled_hit(hits, tables, units, row_tiles):
+            return level
         triples = hits.any(dim=1).nonzero().reshape(-1)
         for triple in triples[torch.argsort(tables.tiles[triples], descending=True, stable=True)].tolist():
             budget[0] -= int(tables.tiles[triple]) * row_tiles.shape[1] + flat_index.numel() // 4
@@ -314,6 +320,19 @@ def _search(table: Tensor, tables: _Tables, units: _Units, row_tiles: Tensor, bu
             if bool(wanted[chosen.to(torch.int32)].any()):
                 return level
             candidates[triple] = torch.where(hits[triple], floor, candidates[triple])
+
+
+def _sampled_hit(hits: Tensor, tables: _Tables, units: _Units, row_tiles: Tensor) -> bool:
+    """Whether a sample of ``SAMPLE_TILES`` tiles spread over the layer holds a (triple, code) pair
+    of ``hits`` [T, C]: one vectorized look that settles the search in the common case (a pair
+    found is present; one not found is looked for in every tile of its triple)."""
+    count = row_tiles.shape[0]
+    step = max(1, count // SAMPLE_TILES)
+    chosen = torch.arange(0, count, step)[:SAMPLE_TILES]
+    wanted = hits.index_select(0, tables.index.reshape(-1).index_select(0, chosen).to(torch.int64))  # [S, C]
+    units_held = units.holds.index_select(0, row_tiles.index_select(0, chosen).reshape(-1).to(torch.int64))
+    held = units_held.reshape(chosen.numel(), row_tiles.shape[1], -1)  # [S, units per tile, C]
+    return bool((held & wanted.unsqueeze(1)).any())
 
 
 def _present_codes(units: _Units, tables: _Tables, tile: tuple[int, int]) -> Tensor:

@@ -27,8 +27,8 @@ error that introduced.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -82,6 +82,12 @@ class LayerConversion:
     originals: dict[str, Tensor] = field(default_factory=dict)  # target short name -> source tensor inverted
     restored: tuple[str, ...] = ()  # target short names given back from a recorded original
     notes: tuple[str, ...] = ()
+    # with defer_deviation: the deviation, still to compute (max_ulps / max_abs_error are 0 until then)
+    pending: Callable[[], Deviation] | None = None
+
+    def with_deviation(self, deviation: Deviation) -> LayerConversion:
+        """This result with its deviation filled in (see ``pending``)."""
+        return replace(self, max_ulps=deviation.max_ulps, max_abs_error=deviation.max_abs_error, pending=None)
 
 
 # --- lookups -----------------------------------------------------------------------------------
@@ -208,6 +214,7 @@ def convert_layer(
     *,
     allow_requantize: bool = False,
     restore: Mapping[str, Tensor] | None = None,
+    defer_deviation: bool = False,
 ) -> LayerConversion:
     """The target tensors of one layer (keyed by the target's short names) and a report.
 
@@ -217,6 +224,8 @@ def convert_layer(
     docstring). Raises RequantizationRefusedError when the codes would change and
     ``allow_requantize`` is false, UnconvertibleLayerError when the target needs data the source
     does not have, QuantizeError when the source tensors do not fit their scheme.
+    ``defer_deviation`` leaves an exact conversion's deviation report to the caller: the result's
+    ``pending`` computes it (e.g. in a worker thread while the tensors are written).
     """
     comparison = compare_schemes(source, target)
     check_conversion(module, comparison, tensors, allow_requantize=allow_requantize)
@@ -234,7 +243,7 @@ def convert_layer(
     if comparison.weight_differences or extra:
         return _requantize(module, comparison, original, tensors, extra)
     dropped = sorted(set(tensors) - set(declared))
-    return _convert(module, comparison, original, declared, n, k, restore or {}, dropped)
+    return _convert(module, comparison, original, declared, n, k, restore or {}, dropped, defer_deviation)
 
 
 def _convert(
@@ -246,6 +255,7 @@ def _convert(
     k: int,
     restore: Mapping[str, Tensor],
     dropped: list[str],
+    defer_deviation: bool = False,
 ) -> LayerConversion:
     source, target = comparison.source, comparison.target
     source_specs, target_specs = source.tensor_specs(), target.tensor_specs()
@@ -292,23 +302,36 @@ def _convert(
     notes.extend(f"dropped {name!r}, which {source.name} tolerates and {target.name} does not use" for name in dropped)
     if comparison.activation_differences:
         notes.append(f"activation quantization changes: {'; '.join(comparison.activation_differences)}")
-    converted = canonicalize(target, out, n, k, layer=module)
-    if not torch.equal(converted.codes.view(torch.uint8), original.codes.view(torch.uint8)):
-        raise QuantizeError(f"layer {module}: the codes changed in conversion to {target.name}; this is a bug")
-    deviation = weight_deviation(original, converted)
+
+    def measure() -> Deviation:
+        # the target is built from the checked source tensors: its finiteness follows (check_finite=False)
+        converted = canonicalize(target, out, n, k, layer=module, check_finite=False)
+        if not _same_codes(converted.codes, original.codes):
+            raise QuantizeError(f"layer {module}: the codes changed in conversion to {target.name}; this is a bug")
+        return weight_deviation(original, converted)
+
+    deviation = None if defer_deviation else measure()
     return LayerConversion(
         module=module,
         source_scheme=source.name,
         target_scheme=target.name,
         action="converted",
         tensors=out,
-        max_ulps=deviation.max_ulps,
-        max_abs_error=deviation.max_abs_error,
+        max_ulps=deviation.max_ulps if deviation else 0,
+        max_abs_error=deviation.max_abs_error if deviation else 0.0,
         inverted=tuple(inverted),
         originals=originals,
         restored=tuple(restored),
         notes=tuple(notes),
+        pending=None if deviation else measure,
     )
+
+
+def _same_codes(a: Tensor, b: Tensor) -> bool:
+    a, b = a.view(torch.uint8), b.view(torch.uint8)
+    if a.shape == b.shape and a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
+        return True  # the very same memory
+    return bool(torch.equal(a, b))
 
 
 def _fits(value: Tensor, spec: TensorSpec, n: int, k: int) -> bool:

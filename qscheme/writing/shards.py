@@ -3,7 +3,9 @@
 ``write_shard`` writes the safetensors format directly (an 8-byte little-endian header length,
 the JSON header padded with spaces to a multiple of 8, then the tensors' bytes in order): each
 tensor goes from its own memory to the file once, with no staging copy, and its CRC-32 is taken
-on the way so that ``verify`` can re-read the file and compare. Output metadata is
+on the way so that ``verify`` can re-read the file and compare. Bytes that do not change
+(``RawSpan``, see ``bytes_copy``) are copied by the kernel from the source file instead, and
+recorded with their source range, which ``verify`` compares them with. Output metadata is
 ``{"format": "pt"}``, as torch's ``save_file`` writes it. ``write_index`` writes
 ``model.safetensors.index.json`` as transformers does (``metadata.total_size``, ``weight_map``).
 """
@@ -23,23 +25,26 @@ from torch import Tensor
 
 from qscheme.checkpoint.header import DTYPE_BY_TORCH_NAME
 from qscheme.errors import DestinationError
+from qscheme.writing.bytes_copy import RawSpan, copy_span
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DEFAULT_METADATA = {"format": "pt"}
-_WRITE_CHUNK = 1 << 28
+_WRITE_CHUNK = 1 << 22  # small enough that the CRC leaves each chunk in the CPU cache for the write
 
 
 @dataclass(frozen=True)
 class TensorRecord:
-    """What was written for one tensor: safetensors dtype code, header shape, byte span, CRC-32."""
+    """What was written for one tensor: safetensors dtype code, header shape, byte span, and what to
+    check it against: its CRC-32, or for bytes copied from a source file the source range."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     start: int  # byte offset in the data section
     end: int
-    crc32: int
+    crc32: int  # of the bytes written (0 for a copied span: see ``same_as``)
+    same_as: tuple[Path, int] | None = None  # a RawSpan's (source file, offset): verify compares with it
 
 
 @dataclass(frozen=True)
@@ -74,44 +79,85 @@ def tensor_bytes(tensor: Tensor) -> Tensor:
 
 
 def write_shard(
-    path: str | Path, tensors: Mapping[str, Tensor], metadata: Mapping[str, str] | None = None
+    path: str | Path,
+    tensors: Mapping[str, Tensor | RawSpan],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    fsync: bool = True,
 ) -> ShardRecord:
-    """Write ``tensors`` (in their order) to a safetensors file at ``path``; DestinationError on failure."""
+    """Write ``tensors`` (in their order) to a safetensors file at ``path``; DestinationError on failure.
+
+    A value is a tensor, or a ``RawSpan`` (bytes viewing a source file, written as they are under
+    the span's dtype code and shape). ``fsync=False`` leaves flushing the file to the caller
+    (``sync_file``), e.g. in another thread while the next shard is written.
+    """
     path = Path(path)
     metadata = dict(DEFAULT_METADATA if metadata is None else metadata)
     header: dict[str, object] = {"__metadata__": metadata}
-    layout: list[tuple[str, str, tuple[int, ...], int, int, Tensor]] = []
+    layout: list[tuple[str, str, tuple[int, ...], int, int, memoryview | RawSpan]] = []
     offset = 0
     for name, tensor in tensors.items():
-        code, bits = dtype_code(tensor)
-        shape = tuple(int(size) for size in tensor.shape)
-        if bits == 4:  # torch holds two FP4 values per element along the last dimension
-            shape = (*shape[:-1], shape[-1] * 2)
-        data = tensor_bytes(tensor)
-        end = offset + data.numel()
+        view: memoryview | RawSpan
+        if isinstance(tensor, RawSpan):
+            code, shape, view = tensor.dtype, tuple(tensor.shape), tensor
+        else:
+            code, bits = dtype_code(tensor)
+            shape = tuple(int(size) for size in tensor.shape)
+            if bits == 4:  # torch holds two FP4 values per element along the last dimension
+                shape = (*shape[:-1], shape[-1] * 2)
+            view = tensor_bytes(tensor).numpy().data.cast("B")
+        end = offset + view.nbytes
         header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, end]}
-        layout.append((name, code, shape, offset, end, data))
+        layout.append((name, code, shape, offset, end, view))
         offset = end
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)
     records = []
+    sources: dict[Path, int] = {}
     try:
-        with open(path, "wb") as handle:
-            handle.write(struct.pack("<Q", len(text)))
-            handle.write(text)
-            for name, code, shape, start, end, data in layout:
-                view = data.numpy().data.cast("B")
+        with open(path, "wb", buffering=0) as handle:
+            descriptor = handle.fileno()
+            _write_all(descriptor, struct.pack("<Q", len(text)) + text)
+            for name, code, shape, start, end, view in layout:
+                if isinstance(view, RawSpan):
+                    if view.path not in sources:
+                        sources[view.path] = os.open(view.path, os.O_RDONLY)
+                    copy_span(view, sources[view.path], descriptor)
+                    records.append(TensorRecord(name, code, shape, start, end, 0, (view.path, view.offset)))
+                    continue
                 crc = 0
                 for begin in range(0, len(view), _WRITE_CHUNK):
                     chunk = view[begin : begin + _WRITE_CHUNK]
-                    handle.write(chunk)
-                    crc = zlib.crc32(chunk, crc)
+                    crc = zlib.crc32(chunk, crc)  # first: the chunk is then in the CPU cache for the write
+                    _write_all(descriptor, chunk)
                 records.append(TensorRecord(name, code, shape, start, end, crc))
-            handle.flush()
-            os.fsync(handle.fileno())
+            if fsync:
+                os.fsync(descriptor)
     except OSError as exc:
-        raise DestinationError(f"{path}: cannot write the shard: {exc.strerror}") from None
+        raise DestinationError(f"{path}: cannot write the shard: {exc.strerror or exc}") from None
+    finally:
+        for source in sources.values():
+            os.close(source)
     return ShardRecord(path=path, tensors=tuple(records), metadata=metadata, size=8 + len(text) + offset)
+
+
+def _write_all(descriptor: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view.nbytes:
+        written = os.write(descriptor, view)
+        view = view[written:]
+
+
+def sync_file(path: str | Path) -> None:
+    """Flush a written file to the disk (``fsync``); DestinationError on failure."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+    except OSError as exc:
+        raise DestinationError(f"{path}: cannot flush the shard to the disk: {exc.strerror}") from None
 
 
 def write_json(path: str | Path, value: object) -> None:
