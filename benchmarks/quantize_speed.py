@@ -19,7 +19,8 @@ With model_free_ptq measured, the two NVFP4A16 outputs are also compared tensor 
 
 Time is each tool's own call (imports excluded: llm-compressor's take ~10 s); the process wall time
 is shown beside it. Dirty pages are flushed (``os.sync``) before each run; the copy is a plain
-``copyfile`` (in-kernel, no fsync), while qscheme fsyncs and re-reads what it wrote to verify it.
+``copyfile`` (in-kernel, no fsync), while qscheme fsyncs and re-reads what it wrote to verify it,
+so a second copy that fsyncs each file is shown beside it for reference.
 Throughput is the size of the input's safetensors files over the call's time. Peak RSS is each
 subprocess's ``ru_maxrss`` (``os.wait4``), set against the issue's bound for its input: largest
 shard + 3 x largest tensor + 300 MB. Targets: quantize >= 2x model_free_ptq's throughput with a
@@ -47,15 +48,21 @@ from writing_checkpoints import LlamaShape  # noqa: E402
 MB = 1e6
 LLMCOMPRESSOR_ENV = "QSCHEME_LLMCOMPRESSOR_PYTHON"
 QSCHEME_CLI = "import sys; from qscheme.cli.main import main; sys.exit(main(sys.argv[1:]))"
-COPY = """import shutil, sys, time
+COPY = """import os, shutil, sys, time
 from pathlib import Path
-src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+src, dst, durable = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "fsync"
 dst.mkdir()
 start = time.perf_counter()
 for path in sorted(src.iterdir()):
     shutil.copyfile(path, dst / path.name)
+    if durable:
+        fd = os.open(dst / path.name, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
 print('{"seconds": %r}' % (time.perf_counter() - start))
 """
+COPY_TOOL = "copy (shutil.copyfile)"
+DURABLE_COPY_TOOL = "copy + fsync"
 
 
 @dataclass(frozen=True)
@@ -178,9 +185,12 @@ def run_llmcompressor(python: str, src: Path, dst: Path) -> Run:
     return Run("quantize", tool, safetensors_bytes(src), seconds, wall, peak, memory_bound(src))
 
 
-def run_copy(src: Path, dst: Path) -> Run:
-    seconds, wall, peak, _ = measure([sys.executable, "-c", COPY, str(src), str(dst)], "whole")
-    return Run("convert", "copy (shutil.copyfile)", safetensors_bytes(src), seconds, wall, peak, memory_bound(src))
+def run_copy(src: Path, dst: Path, durable: bool = False) -> Run:
+    """The files copied; ``durable``: each also fsynced, as qscheme's writer does before the rename."""
+    command = [sys.executable, "-c", COPY, str(src), str(dst), "fsync" if durable else "plain"]
+    seconds, wall, peak, _ = measure(command, "whole")
+    tool = DURABLE_COPY_TOOL if durable else COPY_TOOL
+    return Run("convert", tool, safetensors_bytes(src), seconds, wall, peak, memory_bound(src))
 
 
 COMPARE = """import json, sys
@@ -235,6 +245,7 @@ def benchmark(root: Path, gigabytes: float, shards: int, hidden: int, llmcompres
         runs[0] = dataclasses.replace(runs[0], identical=identical)
     warm(nvfp4a16)
     runs.append(run_copy(nvfp4a16, root / "copy"))
+    runs.append(run_copy(nvfp4a16, root / "copy-fsync", durable=True))
     convert = [str(nvfp4a16), str(root / "modelopt"), "--to", "modelopt/W4A16_NVFP4"]
     runs.append(run_qscheme("convert", convert, nvfp4a16))
     return runs
@@ -254,9 +265,13 @@ def verdicts(runs: list[Run]) -> list[str]:
             lines.append(f"quantize output bit-identical to model_free_ptq's: {oracle.identical}")
     else:
         lines.append(f"model_free_ptq not measured: {LLMCOMPRESSOR_ENV} is not set")
-    convert, copy = by_tool["qscheme convert"], by_tool["copy (shutil.copyfile)"]
+    convert, copy = by_tool["qscheme convert"], by_tool[COPY_TOOL]
     ratio = convert.throughput / copy.throughput
     lines.append(f"convert throughput: {ratio:.2f}x the copy's (target >= 0.5x): {_met(ratio >= 0.5)}")
+    durable = by_tool.get(DURABLE_COPY_TOOL)
+    if durable is not None:  # qscheme fsyncs before the rename; a plain copy leaves data in the page cache
+        ratio = convert.throughput / durable.throughput
+        lines.append(f"convert throughput: {ratio:.2f}x a copy that also fsyncs each file (for reference)")
     for run in (quantize, convert):
         within = run.peak_rss_bytes <= run.bound_bytes
         peak, bound = run.peak_rss_bytes / MB, run.bound_bytes / MB

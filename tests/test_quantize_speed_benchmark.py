@@ -43,7 +43,7 @@ def test_smoke_measures_every_step_and_writes_the_table(smoke: tuple[str, str]) 
     assert text == stdout  # printed as written
     rows = {tool.strip(): values for step, tool, *values in ROW.findall(text)}
     # model_free_ptq is left out without its venv, and the table says so
-    assert set(rows) == {"qscheme quantize", "copy (shutil.copyfile)", "qscheme convert"}
+    assert set(rows) == {"qscheme quantize", "copy (shutil.copyfile)", "copy + fsync", "qscheme convert"}
     assert f"model_free_ptq not measured: {quantize_speed.LLMCOMPRESSOR_ENV} is not set" in text
     for values in rows.values():
         megabytes, call, wall, throughput, peak, bound = map(float, values)
@@ -53,8 +53,10 @@ def test_smoke_measures_every_step_and_writes_the_table(smoke: tuple[str, str]) 
     assert rows["qscheme convert"][0] == rows["copy (shutil.copyfile)"][0]
     # a child's peak RSS is its own: the copy imports no torch
     assert float(rows["copy (shutil.copyfile)"][4]) < 100 < float(rows["qscheme quantize"][4])
-    verdicts = [line for line in text.splitlines() if line.startswith("- ") and "not measured" not in line]
+    lines = [line for line in text.splitlines() if line.startswith("- ") and "not measured" not in line]
+    verdicts = [line for line in lines if "for reference" not in line]
     assert len(verdicts) == 3 and all(line.endswith((": met", ": MISSED")) for line in verdicts)
+    assert any("a copy that also fsyncs" in line for line in lines)
 
 
 def test_source_size_layout_and_memory_bound(tmp_path: Path) -> None:
