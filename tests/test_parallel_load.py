@@ -164,3 +164,14 @@ def test_load_checkpoint_delegates_to_the_rank_loader(folders: dict[str, Path]) 
     assert shard[name].out_features * 2 == whole[name].out_features
     with pytest.raises(UsageError, match="needs tp_rank"):
         load_checkpoint(folder, tp_size=2)
+
+
+def test_a_projection_stored_fused_is_not_cut_into_contiguous_runs(tmp_path: Path) -> None:
+    """A checkpoint storing qkv_proj already fused (q 256 + k 64 + v 64 rows): a contiguous split
+    would give rank 0 only q rows, so it is refused, naming the layer; replicated, it loads."""
+    folder = write_checkpoint(tmp_path / "fused", "compressed-tensors/W4A16", {"self_attn.qkv_proj": (384, 256)})
+    with pytest.raises(ShardError, match=r"model\.layers\.0\.self_attn\.qkv_proj.*already fused") as caught:
+        load_checkpoint_tp(folder, 0, 2)
+    assert "replicate" in str(caught.value)
+    replicated = load_checkpoint_tp(folder, 0, 2, {"qkv_proj": "replicate"})
+    assert replicated["model.layers.0.self_attn.qkv_proj"].out_features == 384

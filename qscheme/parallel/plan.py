@@ -3,8 +3,9 @@
 The default is the Llama layout every decoder engine uses: the attention's q/k/v and the MLP's
 gate/up are column-parallel (each rank computes a slice of the outputs: its heads, its part of
 the intermediate size), o_proj and down_proj are row-parallel (each rank contracts its slice of
-K and the partial sums are all-reduced). Fused names (qkv_proj, gate_up_proj) are column-parallel
-too, split per member so that q, k and v rows stay aligned. A layer no pattern matches is
+K and the partial sums are all-reduced). Modules fused by the loader (``fuse=``) are split per
+member so that q, k and v rows stay aligned; a projection the checkpoint stores already fused
+(``STORED_FUSED_NAMES``) cannot be, and a column split of it is refused. A layer no pattern matches is
 replicated: every rank loads all of it.
 
 A user mapping replaces the default. Patterns are fnmatch wildcards matched against the full
@@ -34,6 +35,13 @@ DEFAULT_TP_PLAN: Mapping[str, Style] = {
     "o_proj": "row",
     "down_proj": "row",
 }
+# Module names under which checkpoints store projections already fused into one tensor (q, k and
+# v, or gate and up, concatenated along N). Cut into contiguous runs of N, rank 0 would get only
+# q (or gate) rows: their partition sizes are the model's, not the checkpoint's, so a column
+# split of such a stored tensor is refused; load q/k/v apart and fuse with ``fuse=`` instead.
+STORED_FUSED_NAMES: frozenset[str] = frozenset(
+    {"qkv_proj", "gate_up_proj", "query_key_value", "c_attn", "W_pack", "wqkv", "Wqkv"}
+)
 STYLE_ALIASES: Mapping[str, Style] = {
     "column": "column",
     "colwise": "column",
@@ -162,6 +170,24 @@ def shard_layers(plan: Plan, tp_plan: TPPlan, tp_size: int) -> tuple[dict[str, L
         if not all(layout.ok for layout in layouts):
             continue
         style = tp_plan.style_for(name) if len(members) == 1 else tp_plan.fused_style(name, members)
+        stored_fused = len(members) == 1 and name.rsplit(".", 1)[-1] in STORED_FUSED_NAMES
+        if stored_fused and style == "column" and tp_size > 1:
+            layout = layouts[0]
+            problems.append(
+                SplitProblem(
+                    layout.module,
+                    layout.scheme.name,
+                    style,
+                    "N",
+                    layout.n,
+                    tp_size,
+                    "the checkpoint stores this projection already fused (its partitions concatenated along N), "
+                    "and a contiguous split would give each rank other partitions' rows; store q/k/v (gate/up) "
+                    "apart and fuse them with fuse=, or map the layer to 'replicate' in tp_plan",
+                    (1,),
+                )
+            )
+            continue
         split: list[ShardLayout] = []
         for layout in layouts:
             stored = {short: info.shape for short, info in layout.declared.items()}
