@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -273,5 +274,25 @@ def test_ignore_patterns(tmp_path: Path) -> None:
     assert not any(name.endswith("o_proj") for name in quantized) and len(quantized) == 14 - 3 - 2
     assert "ignore entry 'nothing' matched no module" in summary.notes
     config = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
-    assert config["ignore"] == ["lm_head", "re:.*\\.1\\.mlp\\..*", "*.o_proj", "nothing"]
+    # compressed-tensors knows exact names and re: patterns only: the wildcard is written as the
+    # pattern it means, so every module left in 16 bits is ignored there too (and no other)
+    assert config["ignore"][:2] == ["lm_head", "re:.*\\.1\\.mlp\\..*"] and config["ignore"][3] == "nothing"
+    assert config["ignore"][2].startswith("re:")
+    written = config["ignore"][2][3:]
+    layers = [row.name for row in summary.layers if row.action in ("quantized", "copied")]
+    assert {n for n in layers if re.match(written, n)} == {f"model.layers.{i}.self_attn.o_proj" for i in (0, 1)}
     assert len(qscheme.load_checkpoint(tmp_path / "dst")) == 14 - 3 - 2
+
+
+def test_a_linear_named_like_an_embedding_is_quantized(tmp_path: Path) -> None:
+    """GPT-NeoX's output head is ``embed_out``: a Linear, quantized like model_free_ptq does;
+    ``embed_in`` (the embedding) is not."""
+    tensors = {
+        "gpt_neox.embed_in.weight": torch.randn(64, 128, dtype=torch.bfloat16),
+        "gpt_neox.layers.0.mlp.dense_h_to_4h.weight": torch.randn(256, 128, dtype=torch.bfloat16),
+        "embed_out.weight": torch.randn(64, 128, dtype=torch.bfloat16),
+    }
+    src = write_source_checkpoint(tmp_path / "src", tensors)
+    summary = quantize_checkpoint(src, tmp_path / "dst", "compressed-tensors/W4A16")
+    quantized = {row.name for row in summary.layers if row.action == "quantized"}
+    assert quantized == {"gpt_neox.layers.0.mlp.dense_h_to_4h", "embed_out"}

@@ -15,10 +15,9 @@ SIGHUP stopped it (130 on Ctrl-C).
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from qscheme.cli.output import print_json
+from qscheme.cli.writes import run_write
 
 
 def register(sub: Any) -> None:
@@ -52,22 +51,18 @@ def layer_lines(rows: list[Any]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from qscheme.writing.convert import convert_checkpoint  # imports torch
-    from qscheme.writing.output import Terminated
 
-    try:
-        summary = convert_checkpoint(
+    return run_write(
+        "convert",
+        args.dst,
+        lambda progress: convert_checkpoint(
             args.src,
             args.dst,
             args.to,
             allow_requantize=args.allow_requantize,
             force=args.force,
-            progress=None if not args.json else sys.stderr.isatty(),
-        )
-    except Terminated as stop:
-        sys.stderr.write(f"qscheme convert: {stop}; nothing was written to {args.dst}\n")
-        return 128 + stop.signal_number
-    if args.json:
-        print_json(summary.to_json())
-    else:
-        sys.stdout.write("\n".join([summary.render(), *layer_lines(summary.layers)]) + "\n")
-    return 0
+            progress=progress,
+        ),
+        as_json=args.json,
+        details=lambda summary: layer_lines(summary.layers),
+    )

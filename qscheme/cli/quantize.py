@@ -12,10 +12,9 @@ file), 128 + the signal number when SIGTERM or SIGHUP stopped it (130 on Ctrl-C)
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from qscheme.cli.output import print_json
+from qscheme.cli.writes import run_write
 
 
 def register(sub: Any) -> None:
@@ -43,24 +42,19 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qscheme.writing.output import Terminated
     from qscheme.writing.quantize import quantize_checkpoint  # imports torch
 
-    try:
-        summary = quantize_checkpoint(
+    return run_write(
+        "quantize",
+        args.dst,
+        lambda progress: quantize_checkpoint(
             args.src,
             args.dst,
             args.scheme,
             ignore=args.ignore,
             calibration=args.calibration,
             force=args.force,
-            progress=None if not args.json else sys.stderr.isatty(),
-        )
-    except Terminated as stop:
-        sys.stderr.write(f"qscheme quantize: {stop}; nothing was written to {args.dst}\n")
-        return 128 + stop.signal_number
-    if args.json:
-        print_json(summary.to_json())
-    else:
-        sys.stdout.write(summary.render() + "\n")
-    return 0
+            progress=progress,
+        ),
+        as_json=args.json,
+    )

@@ -36,6 +36,11 @@ def dtype_of(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The descriptor's name of a torch dtype (``float8_e4m3fn``, ...), else torch's own without ``torch.``."""
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def allowed_dtype(spec: TensorSpec, preferred: torch.dtype) -> torch.dtype:
     """``preferred`` when the descriptor allows it, else the first dtype it lists."""
     if _DTYPE_NAMES.get(preferred) in spec.dtypes:

@@ -38,23 +38,11 @@ from qscheme.canonical import CanonicalWeight, canonicalize, dequantize, layer_s
 from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.errors import QuantizeError, UsageError
 from qscheme.formats import get_element_format, pack_fp4_k, pack_int4_n, pack_int32_k, unpack_fp4_k
+from qscheme.quantize.write import dtype_name, dtype_of
 from qscheme.writing.convert_deviation import Deviation, compare_dequantized, weight_deviation
 from qscheme.writing.convert_math import SchemeComparison, compare_schemes
 
 Action = Literal["converted", "requantized"]
-
-_DTYPES: dict[str, torch.dtype] = {
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-}
-_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 class RequantizationRefusedError(UsageError):
@@ -98,7 +86,7 @@ def _roles_by_name(scheme: Scheme) -> dict[str, str]:
 
 
 def _dtype_name(value: Tensor) -> str:
-    return _DTYPE_NAMES.get(value.dtype, str(value.dtype).removeprefix("torch."))
+    return dtype_name(value.dtype)
 
 
 def _target_shape(spec: TensorSpec, n: int, k: int, numel: int, scheme: Scheme, module: str) -> tuple[int, ...]:
@@ -116,7 +104,7 @@ def _target_shape(spec: TensorSpec, n: int, k: int, numel: int, scheme: Scheme, 
 
 def _invert(value: Tensor, spec: TensorSpec) -> Tensor:
     inverse = torch.reciprocal(value.to(torch.float32))
-    dtype = torch.float32 if "float32" in spec.dtypes else _DTYPES[spec.dtypes[0]]
+    dtype = torch.float32 if "float32" in spec.dtypes else dtype_of(spec.dtypes[0])
     return inverse.to(dtype)
 
 
@@ -273,7 +261,7 @@ def _convert(
             out[name] = value.reshape(_target_shape(target_spec, n, k, value.numel(), target, module))
             continue
         if role == "weight_shape":
-            dtype = _DTYPES[target_spec.dtypes[0]]
+            dtype = dtype_of(target_spec.dtypes[0])
             out[name] = torch.tensor([n, k], dtype=dtype).reshape(_target_shape(target_spec, n, k, 2, target, module))
             continue
         source_spec = source_specs.get(role)
@@ -342,7 +330,7 @@ def _cast(module: str, value: Tensor, spec: TensorSpec, target: Scheme) -> Tenso
     """``value`` in a dtype ``spec`` allows: its own where allowed, else a cast that must be exact."""
     if _dtype_name(value) in spec.dtypes:
         return value
-    wanted = _DTYPES[spec.dtypes[0]]
+    wanted = dtype_of(spec.dtypes[0])
     cast = value.to(wanted)
     if not _identical(cast.to(value.dtype), value):
         raise RequantizationRefusedError(

@@ -55,7 +55,15 @@ DEFAULT_IGNORE: tuple[str, ...] = ("lm_head",)
 WEIGHT_SUFFIX = ".weight"
 QUANTIZABLE_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 # Module leaf names that are not Linear layers although they hold a 2-D weight.
-NOT_LINEAR = (re.compile(r".*norm"), re.compile(r".*embed.*"), re.compile(r"wte|wpe"))
+# Embeddings by their usual leaf names only: a Linear named like one (GPT-NeoX's output head
+# ``embed_out``) is quantized, as model_free_ptq quantizes every 2-D weight not ignored.
+NOT_LINEAR = (
+    re.compile(r".*norm"),
+    re.compile(
+        r"embed_tokens|embed_in|embed_positions|embeddings|word_embeddings|position_embeddings|"
+        r"token_type_embeddings|wte|wpe"
+    ),
+)
 # Modules that inference engines fuse into one GEMM: (parent regex, member leaf names). As
 # llm-compressor's model_free_ptq (DEFAULT_FUSED_MAPPINGS) and ModelOpt (layers sharing an input).
 FUSED_SETS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -120,7 +128,7 @@ def quantize_checkpoint(
         configs = config_files(
             chosen,
             source.config,
-            ignore=ignore_entries,
+            ignore=config_ignore(ignore_entries),
             unquantized_modules=plan.unquantized_linear,
             descriptor_text=descriptor_text,
             note=note,
@@ -155,6 +163,18 @@ def _checked_ignore(ignore: Iterable[str] | None) -> tuple[str, ...]:
             except re.error as exc:
                 raise UsageError(f"ignore entry {entry!r}: invalid regular expression: {exc}") from None
     return entries
+
+
+def config_ignore(entries: Sequence[str]) -> list[str]:
+    """The ignore entries as a producer's config states them: exact names and ``re:`` patterns as
+    given, wildcards as the ``re:`` pattern they mean (compressed-tensors knows no wildcards, so a
+    ``*`` written as such would match nothing there and the layer would be taken as quantized)."""
+    written = []
+    for entry in entries:
+        if not entry.startswith("re:") and any(char in entry for char in "*?["):
+            entry = "re:" + fnmatch.translate(entry)
+        written.append(entry)
+    return written
 
 
 def _ignored_by(module: str, entries: Sequence[str]) -> str | None:

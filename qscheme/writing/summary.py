@@ -45,6 +45,8 @@ class WriteSummary:
     bytes_read: int = 0
     bytes_written: int = 0
     seconds: float = 0.0
+    # The process's peak RSS when the write ended (ru_maxrss): this write's own peak in a fresh
+    # process (the CLI); in a long-running one it includes whatever the process held before.
     peak_rss_bytes: int = 0
     notes: list[str] = field(default_factory=list)
 
