@@ -334,6 +334,15 @@ class QuantLinear(torch.nn.Module):
         self._states.clear()
         self._resolved.clear()  # the resolver reads values (whether partition scales differ)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "weight":  # the property has no setter; say so instead of nn.Module's KeyError
+            raise QuantizedWeightError(
+                f"{self.layer_name or 'QuantLinear'}: .weight of a quantized layer cannot be replaced (tying or "
+                "resizing it needs the unquantized weight): keep this layer out of the tying, or load the module "
+                "unquantized (ignore it when quantizing)"
+            )
+        super().__setattr__(name, value)
+
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (torch.save, deepcopy) without kernel choice or state: both are rebuilt on
         first use, for the device the layer lands on."""
@@ -656,6 +665,8 @@ class QuantizedWeight(Tensor):
     ) -> Any:
         if func == _DEVICE_GETTER and args and isinstance(args[0], QuantizedWeight):
             return args[0]._layer_device
+        if func in _DEVICE_KIND and args and isinstance(args[0], QuantizedWeight):
+            return args[0]._layer_device.type == _DEVICE_KIND[func]
         if func in _WEIGHT_METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
@@ -689,6 +700,11 @@ def _operation_name(func: Callable[..., Any]) -> str:
 
 
 _DEVICE_GETTER = Tensor.device.__get__  # type: ignore[attr-defined]
+_DEVICE_KIND = {  # answered for the layer's device, as .device is
+    Tensor.is_meta.__get__: "meta",  # type: ignore[attr-defined]
+    Tensor.is_cuda.__get__: "cuda",  # type: ignore[attr-defined]
+    Tensor.is_cpu.__get__: "cpu",  # type: ignore[attr-defined]
+}
 _WEIGHT_METADATA = {
     Tensor.shape.__get__,  # type: ignore[attr-defined]
     Tensor.dtype.__get__,  # type: ignore[attr-defined]

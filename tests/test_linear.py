@@ -486,3 +486,18 @@ def test_cpu_with_an_index_is_the_cpu() -> None:
     assert layer.torch_device == torch.device("cpu")
     x = torch.randn(2, 64)
     torch.testing.assert_close(layer(x), x @ layer.dequantize().t())
+
+
+def test_weight_answers_device_kind_and_refuses_replacement() -> None:
+    """``.weight.is_meta`` / ``is_cpu`` answer for the layer's device (as ``.device`` does), and
+    assigning ``.weight`` (weight tying, resizing) is a typed error naming the layer."""
+    from qscheme.linear import QuantizedWeightError
+
+    scheme = builtin_scheme("compressed-tensors/W4A16")
+    layer = QuantLinear.from_tensors(scheme, layer_tensors(scheme, n=64, k=256), device="cpu", layer_name="lm_head")
+    weight = layer.weight
+    assert (weight.is_meta, weight.is_cpu, weight.is_cuda) == (False, True, False)
+    assert weight.device == torch.device("cpu") and weight.shape == (64, 256)
+    with pytest.raises(QuantizedWeightError, match=r"lm_head: \.weight of a quantized layer cannot be replaced"):
+        layer.weight = torch.nn.Parameter(torch.zeros(64, 256))
+    layer.bias = None  # other attributes are set as on any module
