@@ -370,45 +370,75 @@ def load_checkpoint(
         reports: list[LayerReport] = []
         for name, members in layers:
             weights = [canonical[m] for m in members]
-            outcome: FuseOutcome | None = None
-            reason = ""
-            if len(members) == 1:
-                weight = weights[0]
-            else:
-                requested = _policy_for(name, fuse_policy)
-                policy, reason = choose_fuse_policy(
-                    name, weights[0].scheme, weights, torch_device, kernel, activation_dtype, requested
-                )
-                weight, outcome = fuse_members(name, members, weights, policy)
             bias = _bias(biases, members, [w.n for w in weights])
-            layer = QuantLinear.from_canonical(
-                weight,
+            layer, layer_report = build_layer(
+                plan,
+                name,
+                members,
+                weights,
+                bias,
                 device=torch_device,
                 kernel=kernel,
-                bias=bias,
-                layer_name=name,
                 activation_dtype=activation_dtype,
+                fuse_policy=fuse_policy,
             )
             modules[name] = layer
-            layouts = [plan.layouts[m] for m in members]
-            reports.append(
-                LayerReport(
-                    name=name,
-                    scheme=weight.scheme.name,
-                    n=weight.n,
-                    k=weight.k,
-                    origin=plan.detection.modules[members[0]].origin,
-                    members=tuple(members),
-                    kernel=layer.kernel.name,
-                    tolerated=tuple(f"{lay.module}.{t}" for lay in layouts for t in lay.tolerated),
-                    fuse=outcome,
-                    fuse_reason=reason,
-                )
-            )
+            reports.append(layer_report)
             bar.advance(item=name)
     if torch_device.type != "cpu":
         tensors = {name: value.to(torch_device) for name, value in tensors.items()}
-    report = CheckpointReport(
+    report = checkpoint_report(plan, reports, plan.notes)
+    return Checkpoint(plan.path, modules, tensors, report, plan)
+
+
+def build_layer(
+    plan: Plan,
+    name: str,
+    members: Sequence[str],
+    weights: Sequence[CanonicalWeight],
+    bias: Tensor | None,
+    *,
+    device: torch.device,
+    kernel: str | None,
+    activation_dtype: str,
+    fuse_policy: FusePolicyChoice,
+    origin: str | None = None,
+) -> tuple[QuantLinear, LayerReport]:
+    """One layer's QuantLinear from its members' canonical weights (fused by the chosen policy
+    when there are several), and its report row (``origin``: the detection's, unless given)."""
+    outcome: FuseOutcome | None = None
+    reason = ""
+    if len(members) == 1:
+        weight = weights[0]
+    else:
+        requested = _policy_for(name, fuse_policy)
+        policy, reason = choose_fuse_policy(
+            name, weights[0].scheme, list(weights), device, kernel, activation_dtype, requested
+        )
+        weight, outcome = fuse_members(name, list(members), list(weights), policy)
+    layer = QuantLinear.from_canonical(
+        weight, device=device, kernel=kernel, bias=bias, layer_name=name, activation_dtype=activation_dtype
+    )
+    layouts = [plan.layouts[m] for m in members]
+    report = LayerReport(
+        name=name,
+        scheme=weight.scheme.name,
+        n=weight.n,
+        k=weight.k,
+        origin=origin if origin is not None else plan.detection.modules[members[0]].origin,
+        members=tuple(members),
+        kernel=layer.kernel.name,
+        tolerated=tuple(f"{lay.module}.{t}" for lay in layouts for t in lay.tolerated),
+        fuse=outcome,
+        fuse_reason=reason,
+    )
+    return layer, report
+
+
+def checkpoint_report(plan: Plan, reports: Sequence[LayerReport], notes: Sequence[str]) -> CheckpointReport:
+    """What a load did: the plan's files and detection, one row per layer, and ``notes``."""
+    detection = plan.detection
+    return CheckpointReport(
         path=str(plan.path),
         producer=plan.config.producer,
         producer_version=plan.config.producer_version,
@@ -420,6 +450,5 @@ def load_checkpoint(
         plain_tensors=detection.plain,
         kv_cache_tensors=detection.kv_cache,
         tolerated_tensors=tuple(t for r in reports for t in r.tolerated),
-        notes=tuple(plan.notes),
+        notes=tuple(notes),
     )
-    return Checkpoint(plan.path, modules, tensors, report, plan)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -267,12 +268,61 @@ def apply_to_model(
     # 2. Check every plain tensor; the replaced Linear modules' own weights are not loaded.
     replaced = tuple(f"{name}." for name in checkpoint if name not in absent and name not in expert_layers)
     replaced += tuple(f"{experts.spec.module}." for _, _, experts in expert_swaps)
+    stack = lambda state: _stack_plain_experts(state, expert_specs)  # noqa: E731
+    plain = check_plain_tensors(model, checkpoint, replaced, folder, strict, stack)
+    state, expected, unexpected, missing = plain.state, plain.expected, plain.unexpected, plain.missing
+
+    _refuse_tied_conflicts(state, expected, folder)
+    _refuse_unwritable(state, expected)
+    # Values in the targets' devices and dtypes first (the step that can run out of memory),
+    # then the copies (same shape, device and dtype), then the swaps.
+    values = {name: value.to(device=expected[name].device, dtype=expected[name].dtype) for name, value in state.items()}
+
+    # 3. Only now change the model.
+    with torch.no_grad():
+        for name, value in values.items():
+            expected[name].copy_(value)
+    for parent, child, replacement in swaps:
+        setattr(parent, child, replacement)
+
+    notes = []
+    if absent:
+        notes.append(f"apply_to_model: the model has no module for {_listing(absent)}; left out (strict=False)")
+    if unexpected:
+        notes.append(f"apply_to_model: the model has no tensor {_listing(unexpected)}; left out (strict=False)")
+    if missing:
+        notes.append(f"apply_to_model: the checkpoint does not provide {_listing(missing)}; the model keeps its own")
+    if notes:
+        checkpoint.report = dataclasses.replace(checkpoint.report, notes=(*checkpoint.report.notes, *notes))
+    return checkpoint
+
+
+@dataclasses.dataclass
+class PlainTensors:
+    """The checkpoint's plain tensors matched to the model's (``check_plain_tensors``)."""
+
+    state: dict[str, torch.Tensor]  # checkpoint tensors the model has, by state-dict name
+    expected: dict[str, torch.Tensor]  # the model's tensors (not under a replaced module)
+    unexpected: list[str]  # checkpoint tensors the model lacks (strict=False only)
+    missing: list[str]  # model tensors the checkpoint does not provide (strict=False only)
+
+
+def check_plain_tensors(
+    model: torch.nn.Module,
+    checkpoint: Checkpoint,
+    replaced: tuple[str, ...],
+    folder: Path,
+    strict: bool,
+    transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda state: state,
+) -> PlainTensors:
+    """Match the checkpoint's plain tensors (``transform``-ed) to the model's state dict, leaving
+    out modules under the ``replaced`` prefixes: CheckpointError for any shape mismatch, and with
+    ``strict`` for tensors only one side has (tied tensors count as provided)."""
     expected = {
         name: value for name, value in model.state_dict(keep_vars=True).items() if not name.startswith(replaced)
     }
     kv_cache = set(checkpoint.report.kv_cache_tensors)
-    state = {name: value for name, value in checkpoint.tensors.items() if name not in kv_cache}
-    state = _stack_plain_experts(state, expert_specs)
+    state = transform({name: value for name, value in checkpoint.tensors.items() if name not in kv_cache})
     unexpected = sorted(set(state) - set(expected))
     if unexpected and strict:
         raise CheckpointError(
@@ -299,27 +349,4 @@ def apply_to_model(
             f"{folder}: the checkpoint does not provide the model's {_listing(missing)}; pass strict=False to keep "
             "the model's own values"
         )
-
-    _refuse_tied_conflicts(state, expected, folder)
-    _refuse_unwritable(state, expected)
-    # Values in the targets' devices and dtypes first (the step that can run out of memory),
-    # then the copies (same shape, device and dtype), then the swaps.
-    values = {name: value.to(device=expected[name].device, dtype=expected[name].dtype) for name, value in state.items()}
-
-    # 3. Only now change the model.
-    with torch.no_grad():
-        for name, value in values.items():
-            expected[name].copy_(value)
-    for parent, child, replacement in swaps:
-        setattr(parent, child, replacement)
-
-    notes = []
-    if absent:
-        notes.append(f"apply_to_model: the model has no module for {_listing(absent)}; left out (strict=False)")
-    if unexpected:
-        notes.append(f"apply_to_model: the model has no tensor {_listing(unexpected)}; left out (strict=False)")
-    if missing:
-        notes.append(f"apply_to_model: the checkpoint does not provide {_listing(missing)}; the model keeps its own")
-    if notes:
-        checkpoint.report = dataclasses.replace(checkpoint.report, notes=(*checkpoint.report.notes, *notes))
-    return checkpoint
+    return PlainTensors(state, expected, unexpected, missing)

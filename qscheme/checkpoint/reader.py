@@ -194,56 +194,12 @@ class CheckpointFiles:
         self._headers[path] = header
         return header.tensors
 
-    def _changed(self, path: Path, handle: BinaryIO) -> str | None:
-        """How the open file differs from the one whose header was checked, or None."""
-        header = self._headers[path]
-        stat = os.fstat(handle.fileno())
-        if stat.st_size != header.size:
-            return f"its size changed from {header.size} to {stat.st_size} bytes"
-        if (stat.st_dev, stat.st_ino, stat.st_mtime_ns) != header.identity:
-            return "it was rewritten"
-        return None
-
-    def _read_into(self, info: TensorInfo, out: torch.Tensor) -> None:
-        # A file of its own per read: no handle outlives the call, and threads never share a position.
-        view = out.numpy().data.cast("B")
-        with info.file.open("rb", buffering=0) as handle:
-            change = self._changed(info.file, handle)
-            if change is not None:
-                raise CheckpointError(
-                    f"{shown_file(info.file)}: tensor {info.name!r} cannot be read: {change} since its header was "
-                    "checked (another program writes the checkpoint?); load it again once the file is complete"
-                )
-            handle.seek(info.offset)
-            done = 0
-            while done < len(view):
-                count = handle.readinto(view[done : done + _READ_CHUNK])
-                if not count:
-                    raise CheckpointError(
-                        f"{shown_file(info.file)}: tensor {info.name!r}: the file ends at byte {info.offset + done}, "
-                        "inside the tensor; it was truncated after its header was checked: load it again once it is "
-                        "complete"
-                    )
-                done += count
-
     def get(self, name: str) -> torch.Tensor:
         """One tensor, read into memory of its own; CheckpointError naming the file on failure."""
         info = self.tensors.get(name)
         if info is None:
             raise CheckpointError(f"{self.folder}: no tensor named {name!r}")
-        dtype = DTYPE_BY_TORCH_NAME[info.dtype].torch_dtype
-        assert dtype is not None  # read_file_header refuses dtypes torch lacks
-        data = torch.empty(info.nbytes, dtype=torch.uint8)
-        try:
-            self._read_into(info, data)
-        except OSError as exc:
-            raise CheckpointError(
-                f"{shown_file(info.file)}: tensor {info.name!r} cannot be read: {exc.strerror}"
-            ) from None
-        shape = list(info.shape)
-        if DTYPE_BY_TORCH_NAME[info.dtype].bits == 4:
-            shape[-1] //= 2  # two FP4 values per torch element
-        return data.view(dtype).reshape(shape)
+        return read_checked_tensor(info, self._headers[info.file])
 
     def get_many(self, names: Mapping[str, str]) -> dict[str, torch.Tensor]:
         """{key: tensor} for {key: tensor name}."""
@@ -257,3 +213,49 @@ class CheckpointFiles:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _changed(header: FileHeader, handle: BinaryIO) -> str | None:
+    """How the open file differs from the one whose header was checked, or None."""
+    stat = os.fstat(handle.fileno())
+    if stat.st_size != header.size:
+        return f"its size changed from {header.size} to {stat.st_size} bytes"
+    if (stat.st_dev, stat.st_ino, stat.st_mtime_ns) != header.identity:
+        return "it was rewritten"
+    return None
+
+
+def read_checked_tensor(info: TensorInfo, header: FileHeader) -> torch.Tensor:
+    """One tensor of a file whose ``header`` was checked, read into memory of its own; a
+    CheckpointError naming the file when it was rewritten or truncated since, or cannot be read.
+    A file of its own per read: no handle outlives the call, and threads never share a position."""
+    dtype = DTYPE_BY_TORCH_NAME[info.dtype].torch_dtype
+    assert dtype is not None  # read_file_header refuses dtypes torch lacks
+    data = torch.empty(info.nbytes, dtype=torch.uint8)
+    view = data.numpy().data.cast("B")
+    try:
+        with info.file.open("rb", buffering=0) as handle:
+            change = _changed(header, handle)
+            if change is not None:
+                raise CheckpointError(
+                    f"{shown_file(info.file)}: tensor {info.name!r} cannot be read: {change}: the file changed since "
+                    "its header was checked (another program writes the checkpoint?); load it again once the file is "
+                    "complete"
+                )
+            handle.seek(info.offset)
+            done = 0
+            while done < len(view):
+                count = handle.readinto(view[done : done + _READ_CHUNK])
+                if not count:
+                    raise CheckpointError(
+                        f"{shown_file(info.file)}: tensor {info.name!r}: the file ends at byte {info.offset + done}, "
+                        "inside the tensor; it was truncated after its header was checked: load it again once it is "
+                        "complete"
+                    )
+                done += count
+    except OSError as exc:
+        raise CheckpointError(f"{shown_file(info.file)}: tensor {info.name!r} cannot be read: {exc.strerror}") from None
+    shape = list(info.shape)
+    if DTYPE_BY_TORCH_NAME[info.dtype].bits == 4:
+        shape[-1] //= 2  # two FP4 values per torch element
+    return data.view(dtype).reshape(shape)

@@ -26,17 +26,17 @@ from torch import Tensor
 
 from qscheme.canonical import CanonicalWeight, canonicalize
 from qscheme.checkpoint.detect import BIAS
-from qscheme.checkpoint.fuse import FuseOutcome, fuse_members
 from qscheme.checkpoint.load import (
     Checkpoint,
     FusePolicyChoice,
+    build_layer,
     check_fuse_policy,
     checked_schemes,
-    choose_fuse_policy,
+    checkpoint_report,
 )
 from qscheme.checkpoint.plan import FuseSpec, Plan, check_fuse_spec, format_problems, plan_checkpoint
 from qscheme.checkpoint.progress import Progress, auto_enabled
-from qscheme.checkpoint.report import CheckpointReport, LayerReport
+from qscheme.checkpoint.report import LayerReport
 from qscheme.checkpoint.validate import ModuleLayout, TensorProblem, check_values
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, QuantizeError, UsageError
@@ -140,12 +140,6 @@ def _fused_bias(biases: list[Tensor | None], sizes: list[int]) -> Tensor | None:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _requested_policy(name: str, choice: FusePolicyChoice) -> str | None:
-    if choice is None or isinstance(choice, str):
-        return choice
-    return choice.get(name, choice.get(name.rpartition(".")[2]))
-
-
 def load_checkpoint_tp(
     path: str | Path,
     tp_rank: int,
@@ -213,60 +207,26 @@ def load_checkpoint_tp(
         reports: list[LayerReport] = []
         for name, members in layers:
             weights, biases = built[name]
-            outcome: FuseOutcome | None = None
-            reason = ""
-            if len(members) == 1:
-                weight = weights[0]
-            else:
-                requested = _requested_policy(name, fuse_policy)
-                policy, reason = choose_fuse_policy(
-                    name, weights[0].scheme, weights, torch_device, kernel, activation_dtype, requested
-                )
-                weight, outcome = fuse_members(name, members, weights, policy)
-            layer = QuantLinear.from_canonical(
-                weight,
+            style = shards[name].style
+            layer, layer_report = build_layer(
+                plan,
+                name,
+                members,
+                weights,
+                _fused_bias(biases, [w.n for w in weights]),
                 device=torch_device,
                 kernel=kernel,
-                bias=_fused_bias(biases, [w.n for w in weights]),
-                layer_name=name,
                 activation_dtype=activation_dtype,
+                fuse_policy=fuse_policy,
+                origin=f"{detection.modules[members[0]].origin}; {style}-parallel rank {tp_rank} of {tp_size}",
             )
             modules[name] = layer
-            style = shards[name].style
-            reports.append(
-                LayerReport(
-                    name=name,
-                    scheme=weight.scheme.name,
-                    n=weight.n,
-                    k=weight.k,
-                    origin=f"{detection.modules[members[0]].origin}; {style}-parallel rank {tp_rank} of {tp_size}",
-                    members=tuple(members),
-                    kernel=layer.kernel.name,
-                    tolerated=tuple(
-                        f"{plan.layouts[m].module}.{t}" for m in members for t in plan.layouts[m].tolerated
-                    ),
-                    fuse=outcome,
-                    fuse_reason=reason,
-                )
-            )
+            reports.append(layer_report)
             bar.advance(item=name)
     if torch_device.type != "cpu":
         tensors = {name: value.to(torch_device) for name, value in tensors.items()}
     notes = [*plan.notes, f"tensor parallel: rank {tp_rank} of {tp_size}, read {counter.total} tensor bytes"]
     notes.extend(sorted({note for shard in shards.values() for member in shard.members for note in member.notes}))
-    report = CheckpointReport(
-        path=str(plan.path),
-        producer=plan.config.producer,
-        producer_version=plan.config.producer_version,
-        config_file=getattr(plan.config, "file", None),
-        files=tuple(p.name for p in plan.files.files),
-        total_bytes=plan.files.total_bytes,
-        layers=tuple(reports),
-        ignored=detection.ignored,
-        plain_tensors=detection.plain,
-        kv_cache_tensors=detection.kv_cache,
-        tolerated_tensors=tuple(t for r in reports for t in r.tolerated),
-        notes=tuple(notes),
-    )
+    report = checkpoint_report(plan, reports, notes)
     base = Checkpoint(plan.path, modules, tensors, report, plan)
     return ShardedCheckpoint(base, tp_rank, tp_size, plan_of_ranks, shards, counter)

@@ -40,6 +40,7 @@ from qscheme.checkpoint.model import (
     _refuse_meta,
     _refuse_tied_conflicts,
     _refuse_unwritable,
+    check_plain_tensors,
 )
 from qscheme.checkpoint.plan import FuseSpec
 from qscheme.checkpoint.text import listing
@@ -283,36 +284,8 @@ def apply_to_model_tp(
 
     # 2. Plain tensors, as apply_to_model loads them (full sizes: the model is still whole).
     replaced = tuple(f"{name}." for name in checkpoint if name not in absent)
-    expected = {
-        name: value for name, value in model.state_dict(keep_vars=True).items() if not name.startswith(replaced)
-    }
-    kv_cache = set(checkpoint.report.kv_cache_tensors)
-    state = {name: value for name, value in checkpoint.tensors.items() if name not in kv_cache}
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected and strict:
-        raise CheckpointError(
-            f"{folder}: the checkpoint has tensors the model lacks: {_listing(unexpected)}; build the model from "
-            "the checkpoint's config.json, or pass strict=False"
-        )
-    state = {name: value for name, value in state.items() if name in expected}
-    mismatched = [name for name, value in state.items() if tuple(expected[name].shape) != tuple(value.shape)]
-    if mismatched:
-        first = mismatched[0]
-        raise CheckpointError(
-            f"{folder}: tensor {first!r} is {list(state[first].shape)} in the checkpoint but "
-            f"{list(expected[first].shape)} in the model; build the model from the checkpoint's config.json"
-        )
-    loaded = {id(expected[name]) for name in state} | {expected[name].data_ptr() for name in state}
-    missing = [
-        name
-        for name, value in expected.items()
-        if name not in state and id(value) not in loaded and value.data_ptr() not in loaded
-    ]
-    if missing and strict:
-        raise CheckpointError(
-            f"{folder}: the checkpoint does not provide the model's {_listing(missing)}; pass strict=False to keep "
-            "the model's own values"
-        )
+    plain = check_plain_tensors(model, checkpoint, replaced, folder, strict)
+    state, expected, unexpected, missing = plain.state, plain.expected, plain.unexpected, plain.missing
 
     # 3. Unquantized Linear modules the plan splits: checked now, sliced once their values are in.
     quantized = {name for name in checkpoint if name not in absent}

@@ -23,15 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from qscheme.checkpoint.config import CONFIG_FILE, MODELOPT_FILE, config_file_present, read_json
-from qscheme.checkpoint.header import DTYPE_BY_TORCH_NAME, FileHeader, TensorInfo, read_file_header, shown_file
-from qscheme.checkpoint.reader import INDEX_FILE, SINGLE_FILE, CheckpointFiles
+from qscheme.checkpoint.header import FileHeader, TensorInfo, read_file_header
+from qscheme.checkpoint.reader import INDEX_FILE, SINGLE_FILE, CheckpointFiles, read_checked_tensor
 from qscheme.errors import CheckpointError, CheckpointNotFoundError
-
-_READ_CHUNK = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -133,40 +130,8 @@ class SourceCheckpoint:
         info = self.tensors.get(name)
         if info is None:
             raise CheckpointError(f"{self.path}: no tensor named {name!r}")
-        return read_tensor(info, self._headers[info.file])
+        return read_checked_tensor(info, self._headers[info.file])
 
 
 def _in_file_order(header: FileHeader) -> dict[str, TensorInfo]:
     return dict(sorted(header.tensors.items(), key=lambda item: (item[1].offset, item[0])))
-
-
-def read_tensor(info: TensorInfo, header: FileHeader) -> Tensor:
-    """Read one tensor of a checked file, refusing a file rewritten or truncated since."""
-    dtype = DTYPE_BY_TORCH_NAME[info.dtype].torch_dtype
-    assert dtype is not None  # read_file_header refuses dtypes torch lacks
-    data = torch.empty(info.nbytes, dtype=torch.uint8)
-    view = data.numpy().data.cast("B")
-    try:
-        with info.file.open("rb", buffering=0) as handle:
-            stat = os.fstat(handle.fileno())
-            if stat.st_size != header.size or (stat.st_dev, stat.st_ino, stat.st_mtime_ns) != header.identity:
-                raise CheckpointError(
-                    f"{shown_file(info.file)}: tensor {info.name!r} cannot be read: the file changed since its header "
-                    "was checked (another program writes the checkpoint?); run again once it is complete"
-                )
-            handle.seek(info.offset)
-            done = 0
-            while done < len(view):
-                count = handle.readinto(view[done : done + _READ_CHUNK])
-                if not count:
-                    raise CheckpointError(
-                        f"{shown_file(info.file)}: tensor {info.name!r}: the file ends inside the tensor; it was "
-                        "truncated after its header was checked"
-                    )
-                done += count
-    except OSError as exc:
-        raise CheckpointError(f"{shown_file(info.file)}: tensor {info.name!r} cannot be read: {exc.strerror}") from None
-    shape = list(info.shape)
-    if DTYPE_BY_TORCH_NAME[info.dtype].bits == 4:
-        shape[-1] //= 2
-    return data.view(dtype).reshape(shape)
