@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ class LayerDecision:
         }
 
 
-def _stored_scalars(plan: Plan, module: str) -> list[torch.Tensor]:
+def stored_scalars(plan: Plan, module: str) -> list[torch.Tensor]:
     """A module's stored per-partition scalars (global / per-tensor weight scale, static input scales)."""
     layout = plan.layouts[module]
     scheme = layout.scheme
@@ -65,8 +66,9 @@ def _stored_scalars(plan: Plan, module: str) -> list[torch.Tensor]:
     ]
 
 
-def _scales_differ(plan: Plan, members: tuple[str, ...]) -> bool:
-    values = [_stored_scalars(plan, m) for m in members]
+def scales_differ(plan: Plan, members: Sequence[str]) -> bool:
+    """Whether fused members' stored per-partition scalars differ (a fuse policy must be chosen)."""
+    values = [stored_scalars(plan, m) for m in members]
     return any(not torch.equal(values[0][i], other[i]) for other in values[1:] for i in range(len(values[0])))
 
 
@@ -90,7 +92,7 @@ def resolve_checkpoint(
     for name, members in plan.layers():
         layouts = [plan.layouts[m] for m in members]
         scheme = layouts[0].scheme
-        differ = len(members) > 1 and _scales_differ(plan, members)
+        differ = len(members) > 1 and scales_differ(plan, members)
         pre_scale = scheme.input_pre_scale is not None and scheme.input_pre_scale.name in layouts[0].declared
         problem = Problem(
             n=sum(layout.n for layout in layouts),

@@ -14,9 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
 from qscheme.checkpoint.plan import FuseSpec, Plan, format_problems, plan_checkpoint
+from qscheme.checkpoint.resolve import scales_differ
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError
 from qscheme.kernels.devices import DeviceFacts
@@ -115,25 +114,6 @@ class DegreeVerdict:
         }
 
 
-def _stored_scalars(plan: Plan, module: str) -> list[torch.Tensor]:
-    """A module's per-partition scalars: global (or per-tensor) weight scale, static input scales."""
-    layout = plan.layouts[module]
-    scheme = layout.scheme
-    names = []
-    if scheme.weight.global_scale is not None:
-        names.append(scheme.weight.global_scale.tensor.name)
-    elif scheme.weight.scale.granularity == "tensor":
-        names.append(scheme.weight.scale.tensor.name)
-    if scheme.activation is not None:
-        names.extend(s.tensor.name for s in (scheme.activation.scale, scheme.activation.global_scale) if s is not None)
-    return [plan.files.get(layout.declared[n].name).reshape(-1).float() for n in names if n in layout.declared]
-
-
-def _scales_differ(plan: Plan, members: Sequence[str]) -> bool:
-    values = [_stored_scalars(plan, m) for m in members]
-    return any(not torch.equal(a, b) for other in values[1:] for a, b in zip(values[0], other, strict=False))
-
-
 class _Context:
     """What every degree shares: the plan, the device, whether fused scales differ, a resolution memo."""
 
@@ -143,7 +123,7 @@ class _Context:
         self.device = device
         self.kernel = kernel
         self.dtype = dtype
-        self.differ = {name: len(m) > 1 and _scales_differ(plan, m) for name, m in plan.layers()}
+        self.differ = {name: len(m) > 1 and scales_differ(plan, m) for name, m in plan.layers()}
         self._memo: dict[tuple[object, ...], Resolution] = {}
 
     def resolve(self, shard: LayerShard, members: tuple[str, ...]) -> tuple[Resolution, str | None]:

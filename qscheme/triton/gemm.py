@@ -355,6 +355,128 @@ def epilogue(
 
 
 @triton.jit
+def tile_start(
+    w_zero_ptr,
+    M,
+    N,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    W_ZERO: tl.constexpr,
+):
+    """Where a program's output tile and K split lie (the GEMM's and the GEMV's): program id,
+    row-tile id, row and column offsets, per-row zero points, split index and its K range."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: GROUP_M row tiles share each weight tile while it is in L2.
+    group_width = GROUP_M * num_pid_n
+    first_m = (pid // group_width) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_width) % group_rows
+    pid_n = (pid % group_width) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    zero_per_row = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if W_ZERO == _ZERO_PER_ROW:
+        zero_per_row = tl.load(w_zero_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
+
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    split = tl.program_id(1)
+    k_begin = split * tiles_per_split * BLOCK_K
+    k_end = tl.minimum(k_begin + tiles_per_split * BLOCK_K, K)
+    return pid, pid_m, offs_m, offs_n, zero_per_row, split, k_begin, k_end
+
+
+@triton.jit
+def tile_finish(
+    acc,
+    pid,
+    split,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    x_scale_ptr,
+    row_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    final_ptr,
+    counter_ptr,
+    stride_om,
+    stride_split,
+    A_SCALE: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    FUSED_SPLIT_K: tl.constexpr,
+    W_FOLD_SCALE: tl.constexpr,
+    W_DECODE: tl.constexpr,
+):
+    """A program's [BLOCK_M, BLOCK_N] float32 result: the folded power of two restored, then
+    through the epilogue into the output, or, split over K, stored as a partial sum (reduced by
+    the tile's last program with FUSED_SPLIT_K)."""
+    if W_FOLD_SCALE and W_DECODE == DECODE_FP16:
+        acc = acc * _FOLD_RESTORE_FP16
+    elif W_FOLD_SCALE:
+        acc = acc * _FOLD_RESTORE_BF16
+
+    if SPLIT_K == 1:
+        epilogue(
+            acc,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            x_scale_ptr,
+            row_scale_ptr,
+            bias_ptr,
+            out_ptr,
+            stride_om,
+            A_SCALE,
+            HAS_ROW_SCALE,
+            HAS_BIAS,
+        )
+    else:
+        tile_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        offsets = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(out_ptr + split * stride_split + offsets, acc, mask=tile_mask)
+        if FUSED_SPLIT_K:
+            # The last of the tile's SPLIT_K programs to finish adds the partial sums in split
+            # order (as split_k_epilogue_kernel does: same bits, deterministic), applies the
+            # epilogue and resets the tile's counter to zero for the next launch. The barrier
+            # orders every thread's partial store before the counter's release; the acquire
+            # (broadcast to the program by the scalar atomic) orders the reads after it.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                reduce_partials(
+                    out_ptr,
+                    offs_m,
+                    offs_n,
+                    M,
+                    N,
+                    stride_split,
+                    x_scale_ptr,
+                    row_scale_ptr,
+                    bias_ptr,
+                    final_ptr,
+                    stride_om,
+                    A_SCALE,
+                    HAS_ROW_SCALE,
+                    HAS_BIAS,
+                    SPLIT_K,
+                    ".cg",  # past the L1 cache: other programs wrote the partials
+                )
+                tl.atomic_xchg(counter_ptr + pid, 0)
+
+
+@triton.jit
 def quantized_gemm_kernel(
     x_ptr,
     x_scale_ptr,
@@ -409,27 +531,9 @@ def quantized_gemm_kernel(
     ASM_DECODE: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile (over one K split); see the module docstring."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped ordering: GROUP_M row tiles share each weight tile while it is in L2.
-    group_width = GROUP_M * num_pid_n
-    first_m = (pid // group_width) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_width) % group_rows
-    pid_n = (pid % group_width) // group_rows
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    zero_per_row = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if W_ZERO == _ZERO_PER_ROW:
-        zero_per_row = tl.load(w_zero_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
-
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
-    split = tl.program_id(1)
-    k_begin = split * tiles_per_split * BLOCK_K
-    k_end = tl.minimum(k_begin + tiles_per_split * BLOCK_K, K)
+    pid, _pid_m, offs_m, offs_n, zero_per_row, split, k_begin, k_end = tile_start(
+        w_zero_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GROUP_M, W_ZERO
+    )
 
     if WEIGHTS_FIRST:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -492,59 +596,30 @@ def quantized_gemm_kernel(
             acc = dot_nt(a, w, acc, DOT_DTYPE)
     if WEIGHTS_FIRST:
         acc = tl.trans(acc)
-    if W_FOLD_SCALE and W_DECODE == DECODE_FP16:
-        acc = acc * _FOLD_RESTORE_FP16
-    elif W_FOLD_SCALE:
-        acc = acc * _FOLD_RESTORE_BF16
-
-    if SPLIT_K == 1:
-        epilogue(
-            acc,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            x_scale_ptr,
-            row_scale_ptr,
-            bias_ptr,
-            out_ptr,
-            stride_om,
-            A_SCALE,
-            HAS_ROW_SCALE,
-            HAS_BIAS,
-        )
-    else:
-        tile_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        offsets = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(out_ptr + split * stride_split + offsets, acc, mask=tile_mask)
-        if FUSED_SPLIT_K:
-            # The last of the tile's SPLIT_K programs to finish adds the partial sums in split
-            # order (as split_k_epilogue_kernel does: same bits, deterministic), applies the
-            # epilogue and resets the tile's counter to zero for the next launch. The barrier
-            # orders every thread's partial store before the counter's release; the acquire
-            # (broadcast to the program by the scalar atomic) orders the reads after it.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                reduce_partials(
-                    out_ptr,
-                    offs_m,
-                    offs_n,
-                    M,
-                    N,
-                    stride_split,
-                    x_scale_ptr,
-                    row_scale_ptr,
-                    bias_ptr,
-                    final_ptr,
-                    stride_om,
-                    A_SCALE,
-                    HAS_ROW_SCALE,
-                    HAS_BIAS,
-                    SPLIT_K,
-                    ".cg",  # past the L1 cache: other programs wrote the partials
-                )
-                tl.atomic_xchg(counter_ptr + pid, 0)
+    tile_finish(
+        acc,
+        pid,
+        split,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        x_scale_ptr,
+        row_scale_ptr,
+        bias_ptr,
+        out_ptr,
+        final_ptr,
+        counter_ptr,
+        stride_om,
+        stride_split,
+        A_SCALE,
+        HAS_ROW_SCALE,
+        HAS_BIAS,
+        SPLIT_K,
+        FUSED_SPLIT_K,
+        W_FOLD_SCALE,
+        W_DECODE,
+    )
 
 
 @triton.jit

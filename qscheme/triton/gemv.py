@@ -26,13 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from qscheme.triton.decode import DECODE_FP16
-from qscheme.triton.gemm import epilogue, load_weight_tile, reduce_partials
-from qscheme.triton.spec import ZERO_PER_ROW
-
-_ZERO_PER_ROW: tl.constexpr = tl.constexpr(ZERO_PER_ROW)
-_FOLD_RESTORE_BF16: tl.constexpr = tl.constexpr(128.0)
-_FOLD_RESTORE_FP16: tl.constexpr = tl.constexpr(16384.0)
+from qscheme.triton.gemm import load_weight_tile, tile_finish, tile_start
 
 
 @triton.jit
@@ -101,26 +95,9 @@ def quantized_gemv_kernel(
 ):
     """One [BLOCK_M, BLOCK_N] output tile over one K split; see the module docstring."""
     tl.static_assert(not A_QUANTIZED, "the GEMV takes 16- or 32-bit inputs (weight-only schemes)")
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_width = GROUP_M * num_pid_n
-    first_m = (pid // group_width) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_width) % group_rows
-    pid_n = (pid % group_width) // group_rows
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    zero_per_row = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if W_ZERO == _ZERO_PER_ROW:
-        zero_per_row = tl.load(w_zero_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
-
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
-    split = tl.program_id(1)
-    k_begin = split * tiles_per_split * BLOCK_K
-    k_end = tl.minimum(k_begin + tiles_per_split * BLOCK_K, K)
+    pid, pid_m, offs_m, offs_n, zero_per_row, split, k_begin, k_end = tile_start(
+        w_zero_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, GROUP_M, W_ZERO
+    )
 
     columns = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T: one column per input row
@@ -162,51 +139,27 @@ def quantized_gemv_kernel(
             partial = tl.sum(w * x_row[None, :], axis=1)
             acc = tl.where(columns[None, :] == row, acc + partial[:, None], acc)
     acc = tl.trans(acc)
-    if W_FOLD_SCALE and W_DECODE == DECODE_FP16:
-        acc = acc * _FOLD_RESTORE_FP16
-    elif W_FOLD_SCALE:
-        acc = acc * _FOLD_RESTORE_BF16
-
-    if SPLIT_K == 1:
-        epilogue(
-            acc,
-            offs_m,
-            offs_n,
-            M,
-            N,
-            x_scale_ptr,
-            row_scale_ptr,
-            bias_ptr,
-            out_ptr,
-            stride_om,
-            A_SCALE,
-            HAS_ROW_SCALE,
-            HAS_BIAS,
-        )
-    else:
-        tile_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        offsets = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(out_ptr + split * stride_split + offsets, acc, mask=tile_mask)
-        if FUSED_SPLIT_K:  # as in the GEMM: the tile's last program reduces in split order
-            tl.debug_barrier()
-            arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                reduce_partials(
-                    out_ptr,
-                    offs_m,
-                    offs_n,
-                    M,
-                    N,
-                    stride_split,
-                    x_scale_ptr,
-                    row_scale_ptr,
-                    bias_ptr,
-                    final_ptr,
-                    stride_om,
-                    A_SCALE,
-                    HAS_ROW_SCALE,
-                    HAS_BIAS,
-                    SPLIT_K,
-                    ".cg",
-                )
-                tl.atomic_xchg(counter_ptr + pid, 0)
+    tile_finish(
+        acc,
+        pid,
+        split,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        x_scale_ptr,
+        row_scale_ptr,
+        bias_ptr,
+        out_ptr,
+        final_ptr,
+        counter_ptr,
+        stride_om,
+        stride_split,
+        A_SCALE,
+        HAS_ROW_SCALE,
+        HAS_BIAS,
+        SPLIT_K,
+        FUSED_SPLIT_K,
+        W_FOLD_SCALE,
+        W_DECODE,
+    )
