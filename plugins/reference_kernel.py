@@ -1,25 +1,67 @@
 """The torch reference kernel: exact dequantize-then-matmul, with exact activation emulation.
 
-``prepare`` dequantizes the canonical weight once to float32 [N, K] (bit-identical to the
-producer's own dequantization, ``qscheme.canonical.dequantize``). ``apply`` multiplies the
-input by the AWQ pre-scale if any, quantizes and dequantizes it as the scheme says
-(``qscheme.emulation``) when the scheme quantizes activations, and multiplies in float32. A
-fused layer whose partitions carry different static input scales quantizes the shared input
-once per distinct scale, each partition with its own, as separate layers would. The result is
-returned in the input's dtype.
+``prepare`` keeps the canonical weight as it is (moved to the device): no dequantized copy.
+``apply`` multiplies the input by the AWQ pre-scale if any, quantizes and dequantizes it as the
+scheme says (``qscheme.emulation``) when the scheme quantizes activations, and then, a chunk of
+output rows at a time, dequantizes those rows (``qscheme.canonical.dequantize_rows``: bit for
+bit the rows of ``qscheme.canonical.dequantize``) and multiplies them. A fused layer whose
+partitions carry different static input scales quantizes the shared input once per distinct
+scale, each partition with its own, as separate layers would. The result is returned in the
+input's dtype.
+
+Memory: a chunk holds at most ``CHUNK_BYTES`` (16 MiB) of float32 rows and never more bytes
+than one copy of the whole layer in the input's dtype, and it is freed before the next, so a
+forward adds no resident memory and at most one chunk at a time. The price is speed: every
+call dequantizes the weight again.
+
+Why float32 and not the activation dtype: the products are taken in float32 (input and chunk),
+so the output is ``x @ dequantize(weight).T`` rounded once to the input's dtype, the exact
+math that the other kernels' tests compare against. Multiplying in bfloat16 would round every
+weight to bfloat16 first; with float32 chunks the memory bound above holds anyway.
+
+Opt-in cache: ``QSCHEME_REFERENCE_CACHE=1`` keeps one dequantized copy of each layer's weight
+per input dtype (built chunk by chunk at the first call with that dtype) and multiplies in that
+dtype: faster, at the memory of an unquantized model, and no longer exact (the weight is
+rounded to the input's dtype). ``0`` or unset: no cache. Other values raise UsageError.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from qscheme.canonical import CanonicalWeight, dequantize
+from qscheme.canonical import CanonicalWeight, dequantize_rows, scale_tile
 from qscheme.descriptor import ActivationSpec
 from qscheme.emulation import apply_pre_scale, fake_quantize_activation
 from qscheme.errors import UsageError
+
+CHUNK_BYTES = 16 << 20  # float32 bytes of weight rows dequantized at once (at most)
+CACHE_VARIABLE = "QSCHEME_REFERENCE_CACHE"
+CACHE_VALUES = {"": False, "0": False, "1": True}
+
+
+def cache_requested(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
+    """Whether ``QSCHEME_REFERENCE_CACHE`` asks for the dequantized-weight cache (see the module
+    docstring); UsageError naming the value otherwise."""
+    value = (os.environ if environ is None else environ).get(CACHE_VARIABLE, "")
+    if value.strip() not in CACHE_VALUES:
+        raise UsageError(
+            f"{CACHE_VARIABLE}={value!r} is not understood; allowed: 1 (cache each layer's dequantized weight in "
+            f"the input's dtype) or 0 / unset (no cache, the default); e.g. export {CACHE_VARIABLE}=1 or unset it"
+        )
+    return CACHE_VALUES[value.strip()]
+
+
+def chunk_rows(n: int, k: int, activation_bytes: int, tile_rows: int = 1) -> int:
+    """Output rows dequantized at once: float32 rows within ``CHUNK_BYTES`` and within one copy of
+    the whole [n, k] layer in the activation dtype (``activation_bytes`` per element), a multiple
+    of ``tile_rows`` (the scale's rows) where that fits; at least one row."""
+    budget = min(CHUNK_BYTES, n * k * activation_bytes)
+    rows = max(1, budget // max(1, k * 4))
+    return rows - rows % tile_rows if rows >= tile_rows else rows
 
 
 @dataclass(frozen=True)
@@ -45,13 +87,19 @@ class InputScaling:
 
 @dataclass(frozen=True)
 class ReferenceState:
-    """What ``prepare`` computes once: the float32 weight and how to quantize the input."""
+    """What ``prepare`` keeps: the canonical weight on the device (no dequantized copy), how to
+    quantize the input, and the opt-in cache (``cache`` is None unless asked for)."""
 
-    weight: Tensor
+    canonical: CanonicalWeight
     k: int
     activation: ActivationSpec | None
     scalings: tuple[InputScaling, ...]
     pre_scale: Tensor | None
+    cache: dict[torch.dtype, Tensor] | None = field(default=None, compare=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.canonical.codes.device
 
 
 def _partition_value(values: Tensor | None, index: int) -> Tensor | None:
@@ -100,19 +148,20 @@ class ReferenceKernel:
 
     def prepare(self, weight: CanonicalWeight, device: torch.device) -> ReferenceState:
         device = torch.device(device)
-        dense = dequantize(weight).to(device=device, dtype=torch.float32)
+        cache: dict[torch.dtype, Tensor] | None = {} if cache_requested() else None
         pre_scale = weight.input_pre_scale
         return ReferenceState(
-            weight=dense,
+            canonical=weight.to(device),
             k=weight.k,
             activation=weight.scheme.activation,
             scalings=input_scalings(weight, device) if weight.scheme.activation is not None else (),
             pre_scale=None if pre_scale is None else pre_scale.to(device=device, dtype=torch.float32),
+            cache=cache,
         )
 
     def quantize_input(self, state: ReferenceState, x: Tensor) -> list[tuple[InputScaling | None, Tensor]]:
         """The float32 input each output slice multiplies: pre-scaled, then fake-quantized."""
-        values = x.to(device=state.weight.device, dtype=torch.float32)
+        values = x.to(device=state.device, dtype=torch.float32)
         if state.pre_scale is not None:
             values = apply_pre_scale(values, state.pre_scale)
         if state.activation is None:
@@ -136,11 +185,34 @@ class ReferenceKernel:
     def apply(self, state: ReferenceState, x: Tensor, bias: Tensor | None) -> Tensor:
         if x.shape[-1] != state.k:
             raise UsageError(f"input has {x.shape[-1]} features in its last dim; the layer takes K={state.k}")
+        weight = state.canonical
+        cached = None if state.cache is None else self._cached(state, x.dtype)
+        rows = chunk_rows(weight.n, weight.k, x.element_size(), scale_tile(weight, weight.scale)[0])
         pieces = []
         for scaling, values in self.quantize_input(state, x):
-            rows = state.weight if scaling is None else state.weight[scaling.start : scaling.stop]
-            pieces.append(torch.matmul(values, rows.t()))
+            start, stop = (0, weight.n) if scaling is None else (scaling.start, scaling.stop)
+            if cached is not None:
+                pieces.append(torch.matmul(values.to(cached.dtype), cached[start:stop].t()).to(torch.float32))
+                continue
+            for first in range(start, stop, rows):
+                chunk = dequantize_rows(weight, first, min(stop, first + rows))
+                pieces.append(torch.matmul(values, chunk.t()))
+                del chunk  # freed before the next chunk is dequantized
         y = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
         if bias is not None:
             y = y + bias.to(device=y.device, dtype=torch.float32)
         return y.to(x.dtype)
+
+    def _cached(self, state: ReferenceState, dtype: torch.dtype) -> Tensor:
+        """The opt-in cache: the whole weight in ``dtype``, built chunk by chunk on first use."""
+        assert state.cache is not None
+        found = state.cache.get(dtype)
+        if found is None:
+            weight = state.canonical
+            found = torch.empty(weight.n, weight.k, dtype=dtype, device=state.device)
+            rows = chunk_rows(weight.n, weight.k, found.element_size())
+            for first in range(0, weight.n, rows):
+                last = min(weight.n, first + rows)
+                found[first:last] = dequantize_rows(weight, first, last)
+            state.cache[dtype] = found
+        return found

@@ -424,26 +424,35 @@ def _expand_rows(per_partition: Tensor, partitions: tuple[int, ...]) -> Tensor:
     return per_partition.repeat_interleave(sizes).reshape(-1, 1)
 
 
-def effective_scale(weight: CanonicalWeight) -> Tensor:
+def effective_scale(weight: CanonicalWeight, scale_rows: slice | None = None) -> Tensor:
     """float32 scale in its own layout with the global scale folded in as the producer does.
 
     For a stored divisor this is ``block_scale / divisor`` and for a multiplier
     ``block_scale * multiplier``, each rounded once in float32, exactly as compressed-tensors
-    and ModelOpt compute it.
+    and ModelOpt compute it. ``scale_rows``: only these rows of the result (the same values as
+    slicing the whole result: every element is computed on its own); a single tensor-wide scale
+    stays one value.
     """
     spec = weight.scheme.weight.scale
+    stored = weight.scale if scale_rows is None or spec.granularity == "tensor" else weight.scale[scale_rows]
     if spec.format == "e8m0":
-        scale = decode(weight.scale, "e8m0")
+        scale = decode(stored, "e8m0")
     else:
-        scale = weight.scale.to(torch.float32)
+        scale = stored.to(torch.float32)
     if weight.global_scale is None:
         if spec.granularity == "tensor":
-            return _expand_rows(scale.expand(len(weight.partitions)), weight.partitions)
+            rows = _expand_rows(scale.expand(len(weight.partitions)), weight.partitions)
+            return rows if scale_rows is None else rows[scale_rows]
         return scale
-    rows = _global_rows(weight, scale)
+    rows_of = _global_rows(weight, scale)
     if weight.global_scale_divisor is not None:
-        return scale / rows(weight.global_scale_divisor)
-    return scale * rows(weight.global_scale)
+        return scale / _some_rows(rows_of(weight.global_scale_divisor), scale_rows)
+    return scale * _some_rows(rows_of(weight.global_scale), scale_rows)
+
+
+def _some_rows(value: Tensor, rows: slice | None) -> Tensor:
+    """``value[rows]`` for a per-row value ([N, 1]); a single value as it is."""
+    return value if rows is None or (value.ndim == 1 and value.shape[0] == 1) else value[rows]
 
 
 def _global_rows(weight: CanonicalWeight, scale: Tensor):  # type: ignore[no-untyped-def]
@@ -490,35 +499,52 @@ def dequantize(weight: CanonicalWeight) -> Tensor:
     (see qscheme.quantize.slabs; imported here, not at the top, to keep this core module's
     imports free of the quantize package).
     """
+    return dequantize_rows(weight, 0, weight.n)
+
+
+def dequantize_rows(weight: CanonicalWeight, start: int, stop: int) -> Tensor:
+    """Rows [start, stop) of ``dequantize(weight)`` as float32 [stop - start, K], bit for bit,
+    computed from those rows' codes, scales and zero points only (a kernel that must not hold
+    the whole float32 weight dequantizes it a chunk of rows at a time)."""
     from qscheme.quantize import slabs
 
+    if not 0 <= start <= stop <= weight.n:
+        raise QuantizeError(
+            f"scheme {weight.scheme.name}: rows [{start}, {stop}) are not within the weight's N={weight.n} rows; "
+            f"pass 0 <= start <= stop <= {weight.n}"
+        )
     with slabs.single_threaded_caller():
-        return _dequantize_slabs(weight, slabs)
+        return _dequantize_slabs(weight, slabs, start, stop)
 
 
-def _dequantize_slabs(weight: CanonicalWeight, slabs: types.ModuleType) -> Tensor:
-    n, k = weight.n, weight.k
-    scale = effective_scale(weight)
+def _dequantize_slabs(weight: CanonicalWeight, slabs: types.ModuleType, start: int, stop: int) -> Tensor:
+    k = weight.k
+    tile = scale_tile(weight, weight.scale)
+    # the scale (and zero-point) rows under weight rows [start, stop); weight row r is row
+    # r - offset of them
+    first, last = start // tile[0], -(-stop // tile[0])
+    offset = first * tile[0]
+    scale = effective_scale(weight, slice(first, last))
     if weight.scheme.weight.scale.granularity == "tensor" and scale.numel() == 1:
-        scale = scale.reshape(1, 1).expand(n, 1)  # one scale, broadcast as one per row
-    tile = scale_tile(weight, scale)
-    zero = None if weight.zero_point is None else weight.zero_point.to(torch.float32)
-    out = torch.empty(n, k, dtype=torch.float32, device=weight.codes.device)
+        scale = scale.reshape(1, 1).expand(last - first, 1)  # one scale, broadcast as one per row
+    zero = None if weight.zero_point is None else weight.zero_point[first:last].to(torch.float32)
+    out = torch.empty(stop - start, k, dtype=torch.float32, device=weight.codes.device)
     # group scales over whole groups multiply through a view, without expanding the scale
     grouped = tile[0] == 1 and tile[1] < k and k % tile[1] == 0
 
     def work(rows: slice) -> None:
-        values = _decode_rows(weight, rows)
+        values = _decode_rows(weight, slice(start + rows.start, start + rows.stop))
+        local = slice(start + rows.start - offset, start + rows.stop - offset)
         if grouped:
             groups = (rows.stop - rows.start, k // tile[1], tile[1])
             values = values.reshape(groups)
             if zero is not None:
-                values = values - zero[rows].unsqueeze(-1)
-            torch.mul(values, scale[rows].unsqueeze(-1), out=out[rows].view(groups))
+                values = values - zero[local].unsqueeze(-1)
+            torch.mul(values, scale[local].unsqueeze(-1), out=out[rows].view(groups))
             return
         if zero is not None:
-            values = values - expand_tiles(zero, tile, rows, k)
-        torch.mul(values, expand_tiles(scale, tile, rows, k), out=out[rows])
+            values = values - expand_tiles(zero, tile, local, k)
+        torch.mul(values, expand_tiles(scale, tile, local, k), out=out[rows])
 
-    slabs.run_slabs(work, slabs.slabs_for(out.device, n, k, tile[0]), out.device)
+    slabs.run_slabs(work, slabs.slabs_for(out.device, stop - start, k, tile[0]), out.device)
     return out

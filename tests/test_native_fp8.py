@@ -53,7 +53,7 @@ from qscheme_plugins.reference_kernel import ReferenceKernel
 from qscheme_plugins.triton_declaration import TRITON
 from torch.nn import functional
 
-from qscheme.canonical import CanonicalWeight, canonicalize
+from qscheme.canonical import CanonicalWeight, canonicalize, dequantize
 from qscheme.checkpoint.fuse import concatenate
 from qscheme.descriptor import Scheme, parse_scheme_text
 from qscheme.emulation import quantize_activation
@@ -153,10 +153,11 @@ def reference_and_bound(
     (``bias_rounded``: the GEMM's own output is rounded before the bias is added)."""
     reference = ReferenceKernel()
     state = reference.prepare(weight, x.device)
+    dense = dequantize(weight).to(x.device)
     magnitude = torch.cat(
         [
             values.double().abs()
-            @ (state.weight if scaling is None else state.weight[scaling.start : scaling.stop]).double().abs().t()
+            @ (dense if scaling is None else dense[scaling.start : scaling.stop]).double().abs().t()
             for scaling, values in reference.quantize_input(state, x)
         ],
         dim=-1,
