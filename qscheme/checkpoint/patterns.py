@@ -19,6 +19,10 @@ and detect.py refuses tensor names longer than ``MAX_NAME_LENGTH`` before any pa
 (real ones are under ~300 characters), so one pattern's worst case against any name the loader
 accepts is a few tens of milliseconds (``benchmarks/regex_speed.py --hostile``). Each entry of a
 config is checked and compiled once, when the config is read (``compile_entries``).
+
+The check itself takes time linear in the pattern's length: what each sequence of the pattern
+can start with is worked out once, and what can follow each item in one pass from the end
+(``check_steps`` counts the work; a 100,000-character pattern is checked in well under a second).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import functools
 import importlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from qscheme.errors import CheckpointError
@@ -81,6 +85,10 @@ class PatternRefused(Exception):
 class _Analysis:
     ignore_case: bool
     backtracking: int = 0
+    # Each sequence's (first characters, can match nothing), by id: the parsed pattern holds every
+    # sequence for the whole check, so ids stay unique; computed once, so the check is linear.
+    firsts: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    steps: int = 0  # items looked at, summed over the check (linear in the pattern's length)
 
 
 def _mask(predicate: Any) -> int:
@@ -136,17 +144,25 @@ def _set_mask(items: Sequence[tuple[Any, Any]]) -> int:
 
 
 def _first(items: Iterable[tuple[Any, Any]], analysis: _Analysis) -> tuple[int, bool]:
-    """(characters a match of the sequence ``items`` can start with, whether it can match nothing)."""
-    mask = 0
+    """(characters a match of the sequence ``items`` can start with, whether it can match nothing).
+
+    Computed once per sequence of the parsed pattern (``analysis.firsts``)."""
+    known = analysis.firsts.get(id(items))
+    if known is not None:
+        return known
+    mask, nullable = 0, True
     for op, value in items:
-        item_mask, nullable = _item_first(op, value, analysis)
+        item_mask, item_nullable = _item_first(op, value, analysis)
         mask |= item_mask
-        if not nullable:
-            return mask, False
-    return mask, True
+        if not item_nullable:
+            nullable = False
+            break
+    analysis.firsts[id(items)] = (mask, nullable)
+    return mask, nullable
 
 
 def _item_first(op: Any, value: Any, analysis: _Analysis) -> tuple[int, bool]:
+    analysis.steps += 1
     if op is _sre.LITERAL:
         mask = _literal_mask(value)
     elif op is _sre.NOT_LITERAL:
@@ -183,9 +199,8 @@ def _or(masks: Iterable[int]) -> int:
 def _walk(items: Sequence[tuple[Any, Any]], follow: int, analysis: _Analysis, repeated: bool) -> None:
     """Check ``items`` (a sequence), followed by text starting with ``follow``; ``repeated`` when
     an enclosing quantifier can run it more than once."""
-    for index, (op, value) in enumerate(items):
-        rest, rest_nullable = _first(items[index + 1 :], analysis)
-        after = rest | (follow if rest_nullable else 0)
+    for (op, value), after in zip(items, _followers(items, follow, analysis), strict=True):
+        analysis.steps += 1
         if op in (_sre.GROUPREF, _sre.GROUPREF_EXISTS) or op is getattr(_sre, "GROUPREF_IGNORE", None):
             raise PatternRefused(
                 "it uses a backreference or a conditional group, which can take exponential time to match"
@@ -220,6 +235,20 @@ def _walk(items: Sequence[tuple[Any, Any]], follow: int, analysis: _Analysis, re
             _walk(value[1], 0, analysis, repeated)
 
 
+def _followers(items: Sequence[tuple[Any, Any]], follow: int, analysis: _Analysis) -> list[int]:
+    """For each item of ``items``, the characters text after it can start with (the rest of the
+    sequence, then ``follow`` where the rest can match nothing): one pass from the end."""
+    afters = [0] * len(items)
+    rest, rest_nullable = 0, True
+    for index in range(len(items) - 1, -1, -1):
+        afters[index] = rest | (follow if rest_nullable else 0)
+        op, value = items[index]
+        mask, nullable = _item_first(op, value, analysis)
+        rest = mask | (rest if nullable else 0)
+        rest_nullable = nullable and rest_nullable
+    return afters
+
+
 def _check_repeated_choice(branches: Sequence[Sequence[tuple[Any, Any]]], analysis: _Analysis) -> None:
     seen = 0
     for branch in branches:
@@ -234,28 +263,40 @@ def _check_repeated_choice(branches: Sequence[Sequence[tuple[Any, Any]]], analys
 
 def pattern_problem(pattern: str) -> str | None:
     """Why ``pattern`` (the text after ``re:``) is refused, or None when it may be matched."""
+    return _check(pattern)[0]
+
+
+def check_steps(pattern: str) -> int:
+    """How many pattern items the structural check looked at: at most a few per character of
+    ``pattern`` (each sequence's first characters are worked out once), so a check takes time
+    linear in the pattern's length; tests and benchmarks/regex_speed.py count it."""
+    return _check(pattern)[1]
+
+
+def _check(pattern: str) -> tuple[str | None, int]:
+    """(why ``pattern`` is refused or None, the items the structural check looked at)."""
     try:
         parsed = _sre_parse.parse(pattern)
         re.compile(pattern)
     except re.error as exc:
         at = f" at {exc.pos}" if exc.pos is not None else ""
-        return f"is not a valid regular expression ({exc.msg}{at})"
+        return f"is not a valid regular expression ({exc.msg}{at})", 0
     except (RecursionError, OverflowError, MemoryError):
-        return "is not a usable regular expression (nested too deeply or a repeat count too large to compile)"
+        return "is not a usable regular expression (nested too deeply or a repeat count too large to compile)", 0
     analysis = _Analysis(ignore_case=_uses_ignore_case(parsed))
     try:
         _walk(list(parsed), 0, analysis, repeated=False)
     except PatternRefused as exc:
-        return f"is refused: {exc}"
+        return f"is refused: {exc}", analysis.steps
     except RecursionError:
-        return "is not a usable regular expression (groups nested too deeply to check)"
+        return "is not a usable regular expression (groups nested too deeply to check)", analysis.steps
     if analysis.backtracking > MAX_BACKTRACKING_REPEATS:
         return (
             f"is refused: it has {analysis.backtracking} variable-length repeats (such as '.*') that can give "
             f"characters back to what follows them; a failing match tries about len(name)**{analysis.backtracking} "
             f"ways to split a module name (at most {MAX_BACKTRACKING_REPEATS} are allowed)"
-        )
-    return None
+        ), analysis.steps
+    return None, analysis.steps
 
 
 def _uses_ignore_case(parsed: Any) -> bool:
