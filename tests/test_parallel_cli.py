@@ -132,3 +132,114 @@ def test_tp_needs_a_checkpoint_and_a_degree(checkpoint: Path, capsys: pytest.Cap
     assert "expected a tensor-parallel degree" in capsys.readouterr().err
     assert main(["inspect", str(checkpoint), "--device", "cpu"]) == 2
     assert "only with --tp" in capsys.readouterr().err
+
+
+def _with_heads(folder: Path, query: int, key_value: int | None, nested: str | None = None) -> Path:
+    """Add head counts to the checkpoint's config.json (top level, or in a nested text config)."""
+    config = json.loads((folder / "config.json").read_text())
+    counts = {"num_attention_heads": query} | ({"num_key_value_heads": key_value} if key_value is not None else {})
+    if nested is None:
+        config.update(counts)
+    else:
+        config[nested] = counts
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_tp_auto_leaves_out_degrees_the_key_value_heads_rule_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = write_checkpoint(tmp_path / "ck", "compressed-tensors/NVFP4A16")
+    code, text = run(["resolve", str(folder), "--tp", "auto", "--device", "cpu", "--json"], capsys, folder)
+    assert code == 0 and json.loads(text)["working"][:4] == [1, 2, 4, 8]  # the layers alone allow 4 and 8
+    _with_heads(folder, 8, 2)
+    code, text = run(["resolve", str(folder), "--tp", "auto", "--device", "cpu", "--json"], capsys, folder)
+    verdicts = json.loads(text)
+    assert code == 0 and verdicts["working"] == [1, 2]
+    four = verdicts["degrees"][3]
+    assert four["tp_size"] == 4 and not four["ok"]
+    assert "8 query, 2 key/value heads; 2 key/value heads do not divide by 4" in four["first_failure"]
+    code, text = run(["resolve", str(folder), "--tp", "4", "--device", "cpu"], capsys, folder)
+    assert code == 1
+    for projection in ("q_proj", "k_proj", "v_proj"):
+        assert f"model.layers.*.self_attn.{projection}  compressed-tensors/NVFP4A16  column" in text
+    assert text.count("CANNOT SPLIT") == 3 and "key/value heads = 2 splits whole at tp_size 1, 2 " in text
+
+
+@pytest.mark.parametrize(
+    ("query", "key_value", "nested", "working"),
+    [
+        (8, 8, None, [1, 2, 4, 8]),  # multi-head attention: the layers' own limit (N = 256 per q/k/v)
+        (8, None, None, [1, 2, 4, 8]),  # num_key_value_heads defaults to num_attention_heads
+        (12, 4, None, [1, 2, 4]),  # 4 key/value heads; the query heads (12) allow 4 too
+        (6, 6, None, [1, 2]),  # the query heads rule out 4 and 8
+        (8, 1, "text_config", [1]),  # multi-query attention, counts in a nested config
+    ],
+)
+def test_tp_auto_takes_the_head_counts_from_config(
+    tmp_path: Path, query: int, key_value: int | None, nested: str | None, working: list[int]
+) -> None:
+    from qscheme.parallel.resolve import auto_degrees
+
+    folder = _with_heads(write_checkpoint(tmp_path / "ck", "compressed-tensors/NVFP4A16"), query, key_value, nested)
+    _, verdicts = auto_degrees(folder, max_degree=8, device="cpu")
+    assert [v.tp_size for v in verdicts if v.ok] == working
+
+
+def test_tp_auto_checks_heads_of_an_attention_the_checkpoint_leaves_unquantized(tmp_path: Path) -> None:
+    """apply_to_model_tp splits plain q/k/v by the plan too, so their heads still bound the degree;
+    a plan that replicates the attention lifts the bound."""
+    from qscheme.parallel.resolve import auto_degrees
+
+    folder = write_checkpoint(tmp_path / "ck", "compressed-tensors/NVFP4A16", {"mlp.down_proj": (128, 512)})
+    _with_heads(folder, 4, 2)
+    _, verdicts = auto_degrees(folder, max_degree=8, device="cpu")
+    assert [v.tp_size for v in verdicts if v.ok] == [1, 2]
+    assert verdicts[3].first_failure.startswith("attention (q/k/v split by the plan): 4 ranks cannot share")
+    mlp_only = {"gate_proj": "column", "up_proj": "column", "down_proj": "row"}
+    _, verdicts = auto_degrees(folder, max_degree=8, device="cpu", tp_plan=mlp_only)
+    assert [v.tp_size for v in verdicts if v.ok] == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize(
+    ("counts", "message"),
+    [
+        ({"num_attention_heads": "8"}, "num_attention_heads is '8'; a head count is a positive integer"),
+        ({"num_attention_heads": 8, "num_key_value_heads": 0}, "num_key_value_heads is 0"),
+        ({"num_attention_heads": 8, "num_key_value_heads": 3}, "num_attention_heads = 8 is not a multiple of"),
+    ],
+)
+def test_bad_head_counts_are_named(
+    tmp_path: Path, counts: dict[str, object], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = write_checkpoint(tmp_path / "ck", "compressed-tensors/NVFP4A16", {"mlp.down_proj": (128, 512)})
+    config = json.loads((folder / "config.json").read_text()) | counts
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["resolve", str(folder), "--tp", "auto", "--device", "cpu"]) == 1
+    error = capsys.readouterr().err
+    assert "config.json" in error and message in error
+
+
+def test_the_head_rule_is_apply_to_models(tmp_path: Path) -> None:
+    """For a transformers Llama of 12 query and 4 key/value heads, apply_to_model_tp's head check
+    refuses exactly the degrees the config's counts rule out."""
+    transformers = pytest.importorskip("transformers")
+    from qscheme.errors import UsageError
+    from qscheme.parallel.heads import head_counts
+    from qscheme.parallel.model import check_heads
+    from qscheme.parallel.plan import checked_tp_plan
+
+    folder = _with_heads(write_checkpoint(tmp_path / "ck", "compressed-tensors/NVFP4A16", {}), 12, 4)
+    config = transformers.LlamaConfig(
+        hidden_size=96, intermediate_size=64, num_hidden_layers=1, num_attention_heads=12, num_key_value_heads=4
+    )
+    model = transformers.LlamaForCausalLM(config)
+    heads = head_counts(folder)
+    assert heads is not None
+    for tp_size in range(1, 13):
+        try:
+            check_heads(model, checked_tp_plan(None), tp_size)
+            refused = False
+        except UsageError:
+            refused = True
+        assert refused == (heads.reason(tp_size) is not None), tp_size

@@ -5,7 +5,9 @@ longer fills (Marlin-style ``K % 128``), a group the shard cuts. ``resolve_tp`` 
 the headers alone (plus the few scalar scales that say whether fused partitions differ), what
 each layer becomes at one degree: its style, shard shape, the kernel each shard gets and every
 check that rejects a kernel at that shape. ``auto_degrees`` tries every degree up to 64 and
-says at which ones every layer splits and has a kernel, and why the others fail.
+says at which ones every layer splits and has a kernel, and why the others fail. Degrees
+that would not give every rank whole attention heads (config.json's ``num_attention_heads``
+and ``num_key_value_heads``, as ``apply_to_model_tp`` requires) fail too.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from qscheme.errors import CheckpointError
 from qscheme.kernels.devices import DeviceFacts
 from qscheme.kernels.problem import Problem, normalize_dtype
 from qscheme.kernels.resolver import Resolution
+from qscheme.parallel.heads import ATTENTION_PROJECTIONS, SAMPLE_ATTENTION, HeadCounts, head_counts
 from qscheme.parallel.plan import LayerShard, TPPlan, checked_tp_plan, shard_layers
-from qscheme.parallel.rules import MAX_LISTED_DEGREE, SplitProblem, Style, checked_degree
+from qscheme.parallel.rules import MAX_LISTED_DEGREE, SplitProblem, Style, checked_degree, describe_degrees
 
 SHAPE_STAGES: tuple[str, ...] = ("problem",)
 """Trace stages that depend on the layer's shape (the others are the same at every degree)."""
@@ -117,8 +120,17 @@ class DegreeVerdict:
 class _Context:
     """What every degree shares: the plan, the device, whether fused scales differ, a resolution memo."""
 
-    def __init__(self, plan: Plan, tp_plan: TPPlan, device: DeviceFacts, kernel: str | None, dtype: str) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        tp_plan: TPPlan,
+        device: DeviceFacts,
+        kernel: str | None,
+        dtype: str,
+        heads: HeadCounts | None = None,
+    ) -> None:
         self.plan = plan
+        self.heads = heads
         self.tp_plan = tp_plan
         self.device = device
         self.kernel = kernel
@@ -154,7 +166,41 @@ class _Context:
             self._memo[key] = found
         return replace(found, problem=problem)
 
+    def splits_attention(self, name: str, members: tuple[str, ...], style: Style) -> bool:
+        """Whether a layer is (or fuses) q/k/v split column-wise: its ranks need whole heads."""
+        short = {member.rsplit(".", 1)[-1] for member in (name, *members)}
+        return style == "column" and bool(short & set(ATTENTION_PROJECTIONS))
+
+    def heads_problem(self, tp_size: int) -> str | None:
+        """Why ``tp_size`` ranks cannot share the attention heads, for a checkpoint that quantizes no
+        q/k/v (apply_to_model_tp still splits them from their plain weights when the plan says so)."""
+        if self.heads is None or tp_size == 1:
+            return None
+        if any(self.splits_attention(n, m, "column") for n, m in self.plan.layers()):
+            return None  # the quantized q/k/v layers carry the problem themselves
+        styles = {self.tp_plan.style_for(f"{SAMPLE_ATTENTION}.{p}") for p in ATTENTION_PROJECTIONS}
+        if "column" not in styles:
+            return None
+        reason = self.heads.reason(tp_size)
+        if reason is None:
+            return None
+        degrees = describe_degrees("key/value heads", self.heads.key_value, self.heads.degrees())
+        return f"attention (q/k/v split by the plan): {reason}; {degrees}"
+
+    def _with_heads(self, decision: ShardDecision) -> ShardDecision:
+        if self.heads is None or decision.tp_size == 1:
+            return decision
+        if not self.splits_attention(decision.name, decision.members, decision.style):
+            return decision
+        problem = self.heads.split_problem(decision.name, decision.scheme, decision.tp_size)
+        if problem is None:
+            return decision
+        return replace(decision, split_problems=(*decision.split_problems, problem))
+
     def decisions(self, tp_size: int) -> list[ShardDecision]:
+        return [self._with_heads(decision) for decision in self._decisions(tp_size)]
+
+    def _decisions(self, tp_size: int) -> list[ShardDecision]:
         shards, problems = shard_layers(self.plan, self.tp_plan, tp_size)
         by_layer: dict[str, list[SplitProblem]] = {}
         fused = self.plan.fused_members
@@ -206,7 +252,7 @@ def _context(
     plan = plan_checkpoint(path, fuse=fuse)
     if plan.problems:
         raise CheckpointError(f"{plan.path}: {len(plan.problems)} problem(s) found:\n{format_problems(plan.problems)}")
-    return _Context(plan, plan_of_ranks, registry.device_for(device), kernel, dtype)
+    return _Context(plan, plan_of_ranks, registry.device_for(device), kernel, dtype, head_counts(plan.path))
 
 
 def resolve_tp(
@@ -225,9 +271,12 @@ def resolve_tp(
     return context.plan, context.decisions(tp_size)
 
 
-def verdict(tp_size: int, decisions: Sequence[ShardDecision]) -> DegreeVerdict:
-    """One degree's verdict from its decisions: the first failing layer says why."""
+def verdict(tp_size: int, decisions: Sequence[ShardDecision], model_problem: str | None = None) -> DegreeVerdict:
+    """One degree's verdict from its decisions: the first failing layer says why (``model_problem``:
+    a reason the model as a whole cannot split, such as its attention heads, counted as one failure)."""
     failing = [d for d in decisions if not d.ok]
+    if model_problem is not None:
+        return DegreeVerdict(tp_size, False, len(failing) + 1, model_problem)
     if not failing:
         return DegreeVerdict(tp_size, True)
     first = failing[0]
@@ -253,4 +302,4 @@ def auto_degrees(
 ) -> tuple[Plan, list[DegreeVerdict]]:
     """The verdict of every degree 1..max_degree: where every layer splits and has a kernel."""
     context = _context(path, tp_plan, device, kernel, fuse, activation_dtype)
-    return context.plan, [verdict(t, context.decisions(t)) for t in range(1, max_degree + 1)]
+    return context.plan, [verdict(t, context.decisions(t), context.heads_problem(t)) for t in range(1, max_degree + 1)]
