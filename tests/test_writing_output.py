@@ -59,15 +59,37 @@ def test_force_replaces_only_after_the_new_folder_is_complete(tmp_path: Path) ->
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
 
 
+_LEAVE_PARTIAL = """
+import os, sys, time
+from qscheme.writing.output import OutputFolder
+out = OutputFolder(sys.argv[1], force=False, sources=[]).__enter__()
+print(out.path, flush=True)
+if sys.argv[2] == "die":
+    os._exit(0)  # no cleanup, as after SIGKILL
+time.sleep(600)
+"""
+
+
+def _leave_partial(dst: Path, mode: str) -> tuple[Path, subprocess.Popen[str]]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", _LEAVE_PARTIAL, str(dst), mode], stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    return Path(process.stdout.readline().strip()), process
+
+
 def test_stale_partial_folders_of_dead_processes_are_removed(tmp_path: Path) -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f".dst.qscheme-partial-{int(dead.stdout)}"
-    stale.mkdir()
-    alive = tmp_path / f".dst.qscheme-partial-{os.getppid()}"  # a live process: left alone
-    alive.mkdir()
-    with OutputFolder(tmp_path / "dst", force=False, sources=[]) as out:
-        out.commit()
-    assert not stale.exists() and alive.exists()
+    alive, running = _leave_partial(tmp_path / "dst", "live")  # a live process: left alone
+    stale, dead = _leave_partial(tmp_path / "dst", "die")
+    dead.wait(timeout=60)
+    try:
+        assert stale.is_dir() and alive.is_dir()
+        with OutputFolder(tmp_path / "dst", force=False, sources=[]) as out:
+            out.commit()
+        assert not stale.exists() and alive.exists()
+    finally:
+        running.kill()
+        running.wait(timeout=60)
 
 
 def test_sigterm_raises_terminated_inside_the_block() -> None:

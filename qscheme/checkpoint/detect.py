@@ -724,7 +724,9 @@ def embedded_scheme(config: QschemeConfig) -> Scheme:
     return scheme
 
 
-def _ignored_by(module: str, entries: Iterable[str], compiled: Mapping[str, re.Pattern[str]]) -> str | None:
+def ignored_by(module: str, entries: Iterable[str], compiled: Mapping[str, re.Pattern[str]]) -> str | None:
+    """The first ignore entry matching ``module`` (exact name, ``re:`` pattern from ``compiled``, or
+    shell wildcard), or None. The writer matches ``--ignore`` with this same function."""
     for entry in entries:
         if entry.startswith(PATTERN_PREFIX):
             if compiled[entry].match(module):
@@ -750,7 +752,7 @@ def _detect_self_described(
         if not module or not looks_linear(members, quantized_names):
             continue
         quantized = looks_quantized(members, quantized_names)
-        entry = _ignored_by(module, config.ignore, compiled)
+        entry = ignored_by(module, config.ignore, compiled)
         if entry is not None:
             if quantized:
                 raise CheckpointError(

@@ -3,7 +3,8 @@
 Converts a quantized checkpoint folder into another scheme that shares its math (ModelOpt NVFP4
 <-> compressed-tensors NVFP4, ...; see ``qscheme.writing.convert``): tensors renamed, scales
 re-conventioned, codes untouched. The summary lists, per layer, the largest deviation of the
-dequantized weight in float32 ulps that the conversion caused, and its largest absolute error.
+dequantized weight in float32 ulps that the conversion caused (for a requantized layer, its
+relative error ||W - Q(W)||_F / ||W||_F instead), and its largest absolute error.
 A conversion that would change codes is refused unless ``--allow-requantize``. DST is written
 beside itself and appears only complete and verified; SRC is never modified. A progress bar
 shows on a terminal; ``--json`` prints the summary as JSON. Exit 0 on success, 1 when the
@@ -36,16 +37,20 @@ def register(sub: Any) -> None:
 
 
 def layer_lines(rows: list[Any]) -> list[str]:
-    """One line per converted layer: its action, largest deviation in ulps and absolute error."""
+    """One line per converted layer: its action and how far its dequantized weight moved: the
+    largest deviation in float32 ulps for a conversion (exact or near-exact), the relative error
+    ``||W - Q(W)||_F / ||W||_F`` for a requantization (ulps of a new rounding are meaningless), and
+    the largest absolute error."""
     written = [row for row in rows if row.action != "copied"]
     if not written:
         return []
     width = max(len(row.name) for row in written)
-    lines = [f"{'layer':<{width}}  {'action':<11}  {'max ulps':>8}  max abs error"]
+    lines = [f"{'layer':<{width}}  {'action':<11}  {'max ulps':>8}  {'relative error':>14}  max abs error"]
     for row in written:
         ulps = "-" if row.max_ulps is None else f"{row.max_ulps:g}"
+        relative = "-" if row.relative_error is None else f"{row.relative_error:.3g}"
         error = "-" if row.max_abs_error is None else f"{row.max_abs_error:.3g}"
-        lines.append(f"{row.name:<{width}}  {row.action:<11}  {ulps:>8}  {error}")
+        lines.append(f"{row.name:<{width}}  {row.action:<11}  {ulps:>8}  {relative:>14}  {error}")
     return lines
 
 

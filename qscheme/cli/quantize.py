@@ -3,10 +3,12 @@
 Quantizes an unquantized Hugging Face safetensors checkpoint (a folder, sharded or not, or one
 .safetensors file) into any scheme by round-to-nearest with the producer's arithmetic (see
 ``qscheme.writing.quantize``). DST is written beside itself and appears only complete and
-verified; SRC is never modified. A progress bar shows on a terminal; ``--json`` prints the
-summary as JSON. Exit 0 on success, 1 when the checkpoint could not be quantized or written,
-2 on a usage or input error (an unknown scheme, a SRC that does not exist, a bad calibration
-file), 128 + the signal number when SIGTERM or SIGHUP stopped it (130 on Ctrl-C).
+verified; SRC is never modified. The summary gives each layer's quantization error (relative,
+||W - Q(W)||_F / ||W||_F, and largest absolute; the worst layers in the text summary, every layer
+in ``--json``). A progress bar shows on a terminal; ``--json`` prints the summary as JSON. Exit 0
+on success, 1 when the checkpoint could not be quantized or written, 2 on a usage or input error
+(an unknown scheme, a SRC that does not exist, a bad calibration file), 128 + the signal number
+when SIGTERM or SIGHUP stopped it (130 on Ctrl-C).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The write is called with the progress setting (None: a bar on a terminal, quiet otherwise; with
 ``--json``, a bar only when stderr is a terminal, so stdout stays JSON). A SIGTERM or SIGHUP
-that stopped it exits 128 + the signal number, saying that nothing was written.
+that stopped it exits 128 + the signal number, saying what is on disk: nothing written, or (the
+signal came once the finished checkpoint was in place) DST complete.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ def run_write(
     try:
         summary = write(sys.stderr.isatty() if as_json else None)
     except Terminated as stop:
-        sys.stderr.write(f"qscheme {command}: {stop}; nothing was written to {dst}\n")
+        if stop.committed is not None:
+            state = f"the checkpoint was already complete and in place at {stop.committed}"
+        else:
+            state = f"nothing was written to {dst}"
+        sys.stderr.write(f"qscheme {command}: {stop}; {state}\n")
         return 128 + stop.signal_number
     if as_json:
         print_json(summary.to_json())

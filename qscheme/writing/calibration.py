@@ -8,8 +8,12 @@ value each module saw on calibration data, given in a JSON file::
     {"format": "qscheme-calibration/1",
      "input_amax": {"model.layers.0.self_attn.q_proj": 3.25, ...}}
 
-Keys are module names as stored in the checkpoint (no ``.weight``); values are finite numbers
-> 0. From an amax the stored scales follow the descriptor, computed as the producers compute
+Keys are module names as stored in the checkpoint (no ``.weight``); values are numbers > 0 that
+are normal float32 values (no NaN, infinity, string, list, boolean), and whose activation
+scales are themselves finite normal float32 values (an amax of 1e-37 would give an infinite
+``448 / amax``). Anything else is a CalibrationError naming the file and the key.
+
+From an amax the stored scales follow the descriptor, computed as the producers compute
 them (in float32): a static per-tensor scale is ``amax / element max`` as a multiplier
 (``element max / amax`` as a divisor); an activation global scale (a two-level format such as
 NVFP4) is ``amax / (element max * block scale max)`` as a multiplier, the inverse product as a
@@ -42,10 +46,16 @@ class CalibrationError(QuantizeError, InputError):
 
 @dataclass(frozen=True)
 class Calibration:
-    """Input amax per module name, and the file it came from."""
+    """Input amax per module name, and the file it came from (checked when built)."""
 
     file: str
     input_amax: Mapping[str, float]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.input_amax, Mapping):
+            raise CalibrationError(f"{self.file}: input_amax must be a mapping of module name -> amax; {_EXAMPLE}")
+        for module, value in self.input_amax.items():
+            _check_entry(self.file, module, value)
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
@@ -77,18 +87,22 @@ class Calibration:
             raise CalibrationError(f"{file}: input_amax must be an object of module name -> amax; {_EXAMPLE}")
         checked: dict[str, float] = {}
         for module, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-                raise CalibrationError(
-                    f"{file}: input_amax[{module!r}] is {json.dumps(value)}; it must be a finite number > 0 (the "
-                    "largest absolute input value the module saw)"
-                )
-            if module.endswith(".weight"):
-                raise CalibrationError(
-                    f"{file}: input_amax key {module!r} names a tensor; use the module name "
-                    f"{module.removesuffix('.weight')!r}"
-                )
+            _check_entry(file, module, value)
             checked[module] = float(value)
         return cls(file, checked)
+
+    def check_scales(self, scheme: Scheme, modules: list[str]) -> None:
+        """CalibrationError naming the file and key when an amax gives activation scales that are
+        not finite normal float32 values for ``scheme``."""
+        for module in modules:
+            for name, value in activation_tensors(scheme, self.input_amax[module]).items():
+                number = float(value.reshape(-1)[0])
+                if not (math.isfinite(number) and number >= _FLOAT32_TINY):
+                    raise CalibrationError(
+                        f"{self.file}: input_amax[{module!r}] = {self.input_amax[module]!r} gives {name} = {number!r} "
+                        f"for scheme {scheme.name}, which is not a finite normal float32 value; an amax must lie "
+                        "within about 1e-30 .. 1e30 (the largest absolute input value the module saw)"
+                    )
 
     def require(self, modules: list[str]) -> None:
         """Every module listed must have an entry; CalibrationError listing those that do not."""
@@ -101,6 +115,37 @@ class Calibration:
                 f"{self.file}: no input_amax for {len(missing)} module(s) to quantize: {shown}; add an entry for each "
                 "quantized module (or ignore those modules)"
             )
+
+
+_FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _check_entry(file: str, module: object, value: object) -> None:
+    """CalibrationError naming the file and key for an entry that is not ``module name -> amax``."""
+    if not isinstance(module, str) or not module:
+        raise CalibrationError(
+            f"{file}: input_amax key {module!r} is not a module name (a non-empty string such as "
+            "'model.layers.0.self_attn.q_proj')"
+        )
+    number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
+    if number is None or not math.isfinite(number) or not _FLOAT32_TINY <= abs(number) <= _FLOAT32_MAX or number < 0:
+        raise CalibrationError(
+            f"{file}: input_amax[{module!r}] is {_shown(value)}; it must be a number > 0 that float32 holds as a "
+            "normal value (the largest absolute input value the module saw, e.g. 3.25)"
+        )
+    if module.endswith(".weight"):
+        raise CalibrationError(
+            f"{file}: input_amax key {module!r} names a tensor; use the module name {module.removesuffix('.weight')!r}"
+        )
+
+
+def _shown(value: object) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def needs_calibration(scheme: Scheme) -> bool:

@@ -47,6 +47,8 @@ from qscheme.writing.bytes_copy import MappedShard, RawSpan
 from qscheme.writing.convert_deviation import Deviation
 from qscheme.writing.convert_layer import LayerConversion, check_conversion, convert_layer
 from qscheme.writing.convert_math import compare_schemes
+from qscheme.writing.loads_back import check_flags, check_loads_back, refuse_collisions
+from qscheme.writing.other_files import copy_other_files, plan_other_files
 from qscheme.writing.output import OutputFolder, raise_on_termination
 from qscheme.writing.producer_config import config_files, producer_of
 from qscheme.writing.shards import (
@@ -89,10 +91,8 @@ def convert_checkpoint(
     modified. Returns a WriteSummary whose rows carry each layer's largest deviation in ulps.
     """
     started = time.perf_counter()
+    check_flags("convert_checkpoint", allow_requantize=allow_requantize, force=force, progress=progress)
     require_scheme_argument(to, "convert_checkpoint")
-    for flag, value in (("allow_requantize", allow_requantize), ("force", force)):
-        if not isinstance(value, bool):
-            raise UsageError(f"convert_checkpoint: {flag} must be True or False, not {value!r}")
     target = load_scheme(to)
     if producer_of(target) == "qscheme":
         raise UsageError(
@@ -107,15 +107,18 @@ def convert_checkpoint(
         )
     plan = _checked_plan(source.folder)
     layers = _preflight(plan, target, allow_requantize)
-    output = OutputFolder(dst, force=force, sources=[source.path])
     summary = WriteSummary(command="convert", src=str(src), dst=str(dst), scheme=target.name)
     writer = _Writer(source, plan, target, layers, allow_requantize, summary)
+    produced = {f"{module}.{spec.name}": module for module in layers for spec in target.tensor_specs().values()}
+    refuse_collisions(source, produced, consumed=writer.owner)
+    others = plan_other_files(source.folder, source.other_files())
+    output = OutputFolder(dst, force=force, sources=[source.path])
     with (
         raise_on_termination(),
         output as out,
         Progress(len(source.tensors), "converting", enabled=progress) as bar,
     ):
-        summary.files_copied = _copy_other_files(source, out.path)
+        summary.files_copied = copy_other_files(others, source.folder, out.path)
         records = writer.write_all(out.path, bar)
         if source.sharded:
             weight_map = {tensor.name: record.path.name for record in records for tensor in record.tensors}
@@ -131,6 +134,7 @@ def convert_checkpoint(
         for file_name, contents in configs.items():
             write_json(out.path / file_name, contents)
         verify_folder(out.path, records, reread=False)  # each shard was re-read by write_all
+        check_loads_back(out.path, list(layers), target.name)
         out.commit()
     summary.notes.extend(writer.notes())
     summary.shards = [record.path.name for record in records]
@@ -181,12 +185,6 @@ def _unquantized_linear(plan: Plan) -> list[str]:
         if short == "weight" and len(files[name].shape) == 2:
             out.append(module)
     return sorted(set(out))
-
-
-def _copy_other_files(source: SourceCheckpoint, folder: Path) -> list[str]:
-    from qscheme.writing.quantize import _copy_other_files as copy
-
-    return copy(source, folder)
 
 
 # --- provenance of inverted scales ----------------------------------------------------------------
@@ -427,10 +425,16 @@ class _Writer:
         return self.source.read(name)
 
     def _report(self, index: int, result: LayerConversion) -> None:
+        requantized = result.action == "requantized"  # ulps of a new rounding say nothing: its relative error does
         self.summary.layers[index] = LayerRow(
-            result.module, self.target.name, result.action, float(result.max_ulps), result.max_abs_error
+            result.module,
+            self.target.name,
+            result.action,
+            None if requantized else float(result.max_ulps),
+            result.max_abs_error,
+            result.relative_error if requantized else None,
         )
-        self.counts.deviating += result.max_ulps > 0
+        self.counts.deviating += result.action == "converted" and result.max_ulps > 0
 
     def _restore(self, module: str, source: Scheme, originals: Mapping[str, tuple[str, Tensor]]) -> dict[str, Tensor]:
         """Recorded originals for this module's scales, keyed by the target's short names."""
@@ -455,7 +459,9 @@ class _Writer:
                 "dequantize differently by the float32 rounding of the inversion (see max_ulps)"
             )
         if counts.requantized:
-            out.append(f"{counts.requantized} layer(s) requantized (--allow-requantize): see max_abs_error")
+            out.append(
+                f"{counts.requantized} layer(s) requantized (--allow-requantize): see relative_error and max_abs_error"
+            )
         kv_cache = self.plan.detection.kv_cache
         if kv_cache:
             out.append(

@@ -41,6 +41,7 @@ from qscheme.formats import get_element_format, pack_fp4_k, pack_int4_n, pack_in
 from qscheme.quantize.write import dtype_name, dtype_of
 from qscheme.writing.convert_deviation import Deviation, compare_dequantized, weight_deviation
 from qscheme.writing.convert_math import SchemeComparison, compare_schemes
+from qscheme.writing.error_report import compare_weights
 
 Action = Literal["converted", "requantized"]
 
@@ -72,6 +73,8 @@ class LayerConversion:
     notes: tuple[str, ...] = ()
     # with defer_deviation: the deviation, still to compute (max_ulps / max_abs_error are 0 until then)
     pending: Callable[[], Deviation] | None = None
+    # a requantized layer's ||W - Q(W)||_F / ||W||_F against the source's dequantized weight
+    relative_error: float | None = None
 
     def with_deviation(self, deviation: Deviation) -> LayerConversion:
         """This result with its deviation filled in (see ``pending``)."""
@@ -375,7 +378,9 @@ def _requantize(
     except QuantizeError as error:
         raise QuantizeError(f"layer {module}: requantizing {source.name} as {target.name} failed: {error}") from error
     converted = canonicalize(target, out, original.n, original.k, layer=module)
-    deviation: Deviation = compare_dequantized(weight, dequantize(converted))
+    requantized = dequantize(converted)
+    deviation: Deviation = compare_dequantized(weight, requantized)
+    measured = compare_weights(weight, requantized)
     differences = [*comparison.weight_differences, *comparison.activation_differences, *extra]
     return LayerConversion(
         module=module,
@@ -385,6 +390,7 @@ def _requantize(
         tensors=out,
         max_ulps=deviation.max_ulps,
         max_abs_error=deviation.max_abs_error,
+        relative_error=measured.relative,
         notes=(f"requantized: {'; '.join(differences)}",),
     )
 

@@ -3,24 +3,38 @@
 The guarantees, in order:
 
 - before anything is written, a DST that exists (without ``force``), or that is, lies inside or
-  contains a source, is refused with a DestinationError;
-- the files go into a hidden temporary folder in DST's parent (``.<name>.qscheme-partial-<pid>``),
-  so the final rename stays on one file system and is atomic;
-- ``commit()`` renames it to DST. With ``force`` an existing DST is first renamed aside
-  (``.<name>.qscheme-old-<pid>``) and deleted only once the new folder is in place; if the
-  rename fails, the old DST is put back;
+  contains a source, is refused with a DestinationError; with ``force``, so is a DST that holds
+  something the source still needs: a file or folder a link of the source resolves into (the
+  Hugging Face cache layout: a snapshot's files are links to ``../../blobs``);
+- the files go into a hidden temporary folder in DST's parent,
+  ``.<name>.qscheme-partial-<pid>-<random token>``, created exclusively by this run (so the final
+  rename stays on one file system and is atomic). It holds an owner record (``run_owner``) until
+  the commit. Besides its own folder, a run deletes only partial folders for the same DST whose
+  name parses exactly and whose owner record shows a run of this machine and process-id
+  namespace that is gone (SIGKILL, power loss): never a live run's, another container's or
+  machine's, or a folder without a record;
+- ``commit()`` renames it to DST. With ``force`` an existing DST is first renamed aside to
+  ``.<name>.qscheme-old-<pid>-<token>``, the new folder renamed in, and the old one deleted
+  only then. SIGINT, SIGTERM and SIGHUP are held back (``pthread_sigmask``) during the two
+  renames, so a signal cannot land between them; any failure there puts the old DST back, and
+  the error says what is on disk;
 - leaving the ``with`` block without ``commit()`` (an exception, Ctrl-C, or SIGTERM / SIGHUP
-  turned into ``Terminated`` by ``raise_on_termination``) deletes the temporary folder.
+  turned into ``Terminated`` by ``raise_on_termination``) deletes the temporary folder. A signal
+  that arrives once the commit is done is raised as well, and ``Terminated.committed`` then names
+  DST, which is complete.
 
-A run killed outright (SIGKILL, power loss) cannot clean up: it leaves no DST, only the hidden
-partial folder, which the next run for the same DST deletes (when the process that made it is
-gone).
+A run killed outright (SIGKILL, power loss) cannot clean up: it leaves its hidden partial folder,
+which the next run for the same DST on the same machine deletes (see above); a folder from
+another machine sharing the file system is left for the user to delete. Killed between the two
+renames of a forced commit, it leaves the old DST complete under its ``-old-`` name, which is
+never deleted automatically: rename it back.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 from collections.abc import Iterator, Sequence
@@ -28,17 +42,26 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from qscheme.errors import DestinationError
+from qscheme.writing.run_owner import remove_dead_runs, remove_owner, this_run, write_owner
 
 PARTIAL_MARK = ".qscheme-partial-"
 OLD_MARK = ".qscheme-old-"
+# Entries of the source walked to find links into DST before a forced replace: far more than a
+# checkpoint folder holds; a source with more is refused rather than half checked.
+MAX_SOURCE_ENTRIES = 100_000
+_HELD_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
 
 class Terminated(BaseException):
-    """SIGTERM or SIGHUP arrived while a checkpoint was being written (raised to run the cleanup)."""
+    """SIGTERM or SIGHUP arrived while a checkpoint was being written (raised to run the cleanup).
+
+    ``committed`` is DST when the signal arrived after the finished checkpoint was moved into
+    place (it is complete), None when nothing was moved into place."""
 
     def __init__(self, signal_number: int) -> None:
         super().__init__(f"terminated by signal {signal.Signals(signal_number).name}")
         self.signal_number = signal_number
+        self.committed: Path | None = None
 
 
 @contextlib.contextmanager
@@ -67,6 +90,20 @@ def raise_on_termination() -> Iterator[None]:
             signal.signal(number, old)
 
 
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP are held back inside the block and delivered after it (their
+    handlers then run: ``Terminated`` or KeyboardInterrupt is raised after the block)."""
+    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - not POSIX
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _resolved(path: Path) -> Path:
     return Path(os.path.realpath(path))
 
@@ -75,16 +112,36 @@ def _within(inner: Path, outer: Path) -> bool:
     return inner == outer or outer in inner.parents
 
 
-def _process_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def links_into(source: Path, folder: Path) -> Path | None:
+    """The first entry of ``source`` (the folder itself, or any link in it, walked without
+    following links to folders) that resolves into ``folder``; None when there is none.
+    DestinationError when the source has more than ``MAX_SOURCE_ENTRIES`` entries."""
+    if _within(_resolved(source), folder):
+        return source
+    if source.is_symlink() or not source.is_dir():
+        return None
+    seen = 0
+    pending = [source]
+    while pending:
+        current = pending.pop()
+        try:
+            entries = list(os.scandir(current))
+        except OSError:
+            continue  # unreadable: the writer refuses it when it reads it
+        for entry in entries:
+            seen += 1
+            if seen > MAX_SOURCE_ENTRIES:
+                raise DestinationError(
+                    f"{source}: holds more than {MAX_SOURCE_ENTRIES} entries; --force cannot check that none of "
+                    "them links into the output folder: choose an output folder that does not exist"
+                )
+            path = Path(entry.path)
+            if entry.is_symlink():
+                if _within(_resolved(path), folder):
+                    return path
+            elif entry.is_dir(follow_symlinks=False):
+                pending.append(path)
+    return None
 
 
 class OutputFolder:
@@ -115,57 +172,60 @@ class OutputFolder:
                 f"{self.dst}: already exists (a {kind}); nothing was written. Pass --force (force=True) to "
                 "replace it, or choose another output folder"
             )
+        if os.path.lexists(self.dst):
+            self._refuse_needed_by_source(sources, resolved)
         self.parent = self.dst.parent if str(self.dst.parent) else Path(".")
-        self.path = self.parent / f".{self.dst.name}{PARTIAL_MARK}{os.getpid()}"
+        self.token = f"{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = self.parent / f".{self.dst.name}{PARTIAL_MARK}{self.token}"
+        self.created = False
         self.committed = False
+
+    def _refuse_needed_by_source(self, sources: Sequence[str | Path], resolved: Path) -> None:
+        for source in sources:
+            link = links_into(Path(source), resolved)
+            if link is not None:
+                raise DestinationError(
+                    f"{self.dst}: --force would delete what the source still needs: {link} resolves to "
+                    f"{_resolved(link)}, inside the output folder (the Hugging Face cache links a snapshot's files "
+                    "this way); nothing was written. Choose another output folder"
+                )
 
     def __enter__(self) -> OutputFolder:
         try:
             self.parent.mkdir(parents=True, exist_ok=True)
-            self.remove_stale()
-            self.path.mkdir()
+            self.path.mkdir()  # exclusive: fails if the name exists, so the folder is this run's own
+            self.created = True
+            me = this_run(self.token)
+            write_owner(self.path, me)
+            remove_dead_runs(self.parent, f".{self.dst.name}{PARTIAL_MARK}", me)
         except OSError as exc:
             raise DestinationError(f"{self.path}: cannot create the temporary output folder: {exc.strerror}") from None
         return self
 
-    def remove_stale(self) -> list[Path]:
-        """Delete partial folders for this DST left by runs that were killed (their process is gone)."""
-        removed = []
-        prefix = f".{self.dst.name}"
-        for mark in (PARTIAL_MARK, OLD_MARK):
-            for candidate in self.parent.glob(f"{prefix}{mark}*"):
-                pid_text = candidate.name[len(prefix) + len(mark) :]
-                if not pid_text.isdigit():
-                    continue
-                pid = int(pid_text)
-                if pid == os.getpid() or not _process_alive(pid):
-                    shutil.rmtree(candidate, ignore_errors=True)
-                    removed.append(candidate)
-        return removed
-
     def commit(self) -> None:
         """Rename the finished folder to DST (replacing an existing DST only with ``force``)."""
         old: Path | None = None
-        try:
+        with signals_held():
+            remove_owner(self.path)
             if os.path.lexists(self.dst):
                 if not self.force:  # appeared while we were writing
                     raise DestinationError(
                         f"{self.dst}: appeared while the checkpoint was written; nothing was replaced. Pass --force "
                         "to replace it"
                     )
-                old = self.parent / f".{self.dst.name}{OLD_MARK}{os.getpid()}"
-                os.replace(self.dst, old)
+                old = self.parent / f".{self.dst.name}{OLD_MARK}{self.token}"
+                try:
+                    os.replace(self.dst, old)
+                except OSError as exc:
+                    raise DestinationError(
+                        f"{self.dst}: cannot move the existing output aside to replace it: {exc.strerror}; it is "
+                        "unchanged and nothing was written"
+                    ) from None
             try:
                 os.replace(self.path, self.dst)
-            except OSError:
-                if old is not None:
-                    os.replace(old, self.dst)
-                raise
-        except OSError as exc:
-            raise DestinationError(
-                f"{self.dst}: cannot move the finished checkpoint into place: {exc.strerror}"
-            ) from None
-        self.committed = True
+            except OSError as exc:
+                raise DestinationError(self._failed_commit(old, exc)) from None
+            self.committed = True
         if old is not None:
             if old.is_dir() and not old.is_symlink():
                 shutil.rmtree(old, ignore_errors=True)
@@ -173,8 +233,26 @@ class OutputFolder:
                 with contextlib.suppress(OSError):
                     old.unlink()
 
+    def _failed_commit(self, old: Path | None, exc: OSError) -> str:
+        """Put the old DST back after the new folder could not be renamed in; what is on disk."""
+        said = f"{self.dst}: cannot move the finished checkpoint into place: {exc.strerror}"
+        if old is None:
+            return f"{said}; nothing was written"
+        try:
+            os.replace(old, self.dst)
+        except OSError as again:
+            return (
+                f"{said}, and the previous output could not be put back ({again.strerror}): it is kept, complete, "
+                f"at {old}; rename it to {self.dst}. The new checkpoint was deleted"
+            )
+        return f"{said}; the previous output is back in place, unchanged, and nothing was written"
+
     def __exit__(
         self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        if not self.committed:
+        if self.committed:
+            if isinstance(value, Terminated):
+                value.committed = self.dst
+            return
+        if self.created:
             shutil.rmtree(self.path, ignore_errors=True)

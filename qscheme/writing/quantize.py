@@ -6,8 +6,19 @@ shard by shard, and the result is written with the producer's names, dtypes and 
 
 Which tensors are quantized (as llm-compressor's ``model_free_ptq`` decides, from names and
 shapes alone): every 2-D ``<module>.weight`` except modules matched by ``ignore`` (default
-``lm_head``), modules whose own name ends in ``norm``, and embeddings (a name containing
-``embed``, or ``wte`` / ``wpe``), which are not Linear layers. Everything else is copied.
+``lm_head``; matched by the loader's own ``ignored_by``, ``re:`` entries checked by its
+backtracking guard), modules whose own name ends in ``norm``, embeddings (by their usual names),
+which are not Linear layers, and MoE routers (``ROUTERS``: ``*.mlp.gate``, ``*.router``,
+``*.shared_expert_gate``...), which llm-compressor's MoE recipes ignore (``re:.*mlp.gate$``,
+``re:.*shared_expert_gate$``) and transformers' quantizers refuse quantized. Everything else is
+copied.
+
+Before anything is written: a source tensor that is copied under a name the writer produces for
+a quantized module (``x.weight_scale`` beside a quantized ``x``) is refused (``NameCollisionError``);
+the other files are checked (``qscheme.writing.other_files``). Each layer's result is checked as
+the loader checks it (``canonicalize``) and its error measured (``error_report``); the written
+folder is planned by the loader (``plan_checkpoint``) before it is renamed into place, and must
+show exactly the modules quantized.
 
 Fused partitions. Where a scheme has a per-tensor second-level scale (``weight.global_scale``:
 NVFP4's global scale, ModelOpt's ``weight_scale_2``), the modules an inference engine fuses
@@ -26,7 +37,6 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-import shutil
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,15 +45,21 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from qscheme.canonical import canonicalize
 from qscheme.catalog import load_scheme, require_scheme_argument
+from qscheme.checkpoint.detect import ignored_by
 from qscheme.checkpoint.header import TensorInfo
+from qscheme.checkpoint.patterns import compile_entries, pattern_problem
 from qscheme.checkpoint.progress import Progress
 from qscheme.checkpoint.text import shown
 from qscheme.descriptor import Scheme
-from qscheme.errors import CheckpointError, DestinationError, QuantizeError, UsageError
+from qscheme.errors import CheckpointError, QuantizeError, UsageError
 from qscheme.quantize import quantize_weight
 from qscheme.quantize.rules import get_rules
 from qscheme.writing.calibration import Calibration, CalibrationError, activation_tensors, needs_calibration
+from qscheme.writing.error_report import ErrorReport, quantization_error
+from qscheme.writing.loads_back import check_flags, check_loads_back, refuse_collisions
+from qscheme.writing.other_files import copy_other_files, plan_other_files
 from qscheme.writing.output import OutputFolder, raise_on_termination
 from qscheme.writing.producer_config import config_files, producer_of
 from qscheme.writing.shards import ShardRecord, write_index, write_json, write_shard
@@ -63,6 +79,15 @@ NOT_LINEAR = (
         r"embed_tokens|embed_in|embed_positions|embeddings|word_embeddings|position_embeddings|"
         r"token_type_embeddings|wte|wpe"
     ),
+)
+# MoE routers: Linear layers that pick the experts, kept unquantized (module-name regexes, matched
+# whole; written to a compressed-tensors config's ignore list as ``re:<regex>$``). The names of
+# Qwen2/3-MoE, DeepSeek, OLMoE (``mlp.gate``), Mixtral / Phi-MoE (``block_sparse_moe.gate``),
+# Llama 4 / Jamba (``feed_forward.router``), gpt-oss (``mlp.router``) and Qwen's shared-expert gate.
+ROUTERS: tuple[str, ...] = (
+    r".*\.(mlp|block_sparse_moe|moe|feed_forward)\.gate",
+    r".*\.(mlp|feed_forward|moe)\.router",
+    r".*\.shared_expert_gate",
 )
 # Modules that inference engines fuse into one GEMM: (parent regex, member leaf names). As
 # llm-compressor's model_free_ptq (DEFAULT_FUSED_MAPPINGS) and ModelOpt (layers sharing an input).
@@ -105,20 +130,23 @@ def quantize_checkpoint(
     ``dst`` appears only complete and verified. Returns a WriteSummary.
     """
     started = time.perf_counter()
+    check_flags("quantize_checkpoint", force=force, progress=progress)
     require_scheme_argument(scheme, "quantize_checkpoint")
     chosen = load_scheme(scheme)
-    ignore_entries = _checked_ignore(ignore)
+    ignore_entries, patterns = _checked_ignore(ignore)
     _check_quantizable(chosen)
     descriptor_text = _descriptor_text(chosen) if producer_of(chosen) == "qscheme" else None
     source = SourceCheckpoint.open(src)
     _refuse_quantized_source(source)
-    plan = _plan(source, chosen, ignore_entries)
+    plan = _plan(source, chosen, ignore_entries, patterns)
+    refuse_collisions(source, _produced_names(chosen, plan.quantized), consumed=_weights(plan.quantized))
     calibrated = _calibration(chosen, calibration, plan.quantized)
+    others = plan_other_files(source.folder, source.other_files()) if source.folder is not None else []
     output = OutputFolder(dst, force=force, sources=[source.path])
     summary = WriteSummary(command="quantize", src=str(src), dst=str(dst), scheme=chosen.name)
     summary.notes.extend(plan.notes)
     with raise_on_termination(), output as out, Progress(len(source.tensors), "quantizing", enabled=progress) as bar:
-        summary.files_copied = _copy_other_files(source, out.path)
+        summary.files_copied = copy_other_files(others, source.folder or source.path, out.path)
         writer = _ShardWriter(source, chosen, plan, calibrated, bar, summary)
         records = [writer.write(shard, out.path) for shard in source.shards]
         if source.sharded:
@@ -128,7 +156,7 @@ def quantize_checkpoint(
         configs = config_files(
             chosen,
             source.config,
-            ignore=config_ignore(ignore_entries),
+            ignore=config_ignore(ignore_entries, plan.ignored, plan.routers),
             unquantized_modules=plan.unquantized_linear,
             descriptor_text=descriptor_text,
             note=note,
@@ -136,6 +164,7 @@ def quantize_checkpoint(
         for name, value in configs.items():
             write_json(out.path / name, value)
         verify_folder(out.path, records)
+        check_loads_back(out.path, plan.quantized, chosen.name)
         out.commit()
     summary.shards = [record.path.name for record in records]
     summary.bytes_written = sum(record.size for record in records)
@@ -148,46 +177,50 @@ def quantize_checkpoint(
 # --- checks before anything is written ----------------------------------------------------------
 
 
-def _checked_ignore(ignore: Iterable[str] | None) -> tuple[str, ...]:
+def _checked_ignore(ignore: Iterable[str] | None) -> tuple[tuple[str, ...], dict[str, re.Pattern[str]]]:
+    """The ignore entries and their ``re:`` patterns, checked and compiled by the loader's guard
+    (``compile_entries``): a pattern that could backtrack catastrophically is a UsageError."""
     if ignore is None:
-        return DEFAULT_IGNORE
-    if isinstance(ignore, str | bytes) or not isinstance(ignore, Iterable):
+        entries = DEFAULT_IGNORE
+    elif isinstance(ignore, str | bytes) or not isinstance(ignore, Iterable):
         raise UsageError(f"ignore must be a list of module names or patterns, e.g. ['lm_head'], not {ignore!r}")
-    entries = tuple(ignore)
+    else:
+        entries = tuple(ignore)
     for entry in entries:
         if not isinstance(entry, str) or not entry:
             raise UsageError(f"ignore entries must be non-empty strings, got {entry!r}")
-        if entry.startswith("re:"):
-            try:
-                re.compile(entry[3:])
-            except re.error as exc:
-                raise UsageError(f"ignore entry {entry!r}: invalid regular expression: {exc}") from None
-    return entries
+    try:
+        patterns = compile_entries(entries, {}, "--ignore", "ignore")
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    return entries, patterns
 
 
-def config_ignore(entries: Sequence[str]) -> list[str]:
+def _is_wildcard(entry: str) -> bool:
+    return not entry.startswith("re:") and any(char in entry for char in "*?[")
+
+
+def config_ignore(
+    entries: Sequence[str], ignored: Mapping[str, str] | None = None, routers: Sequence[str] = ()
+) -> list[str]:
     """The ignore entries as a producer's config states them: exact names and ``re:`` patterns as
-    given, wildcards as the ``re:`` pattern they mean (compressed-tensors knows no wildcards, so a
-    ``*`` written as such would match nothing there and the layer would be taken as quantized)."""
+    given; a wildcard as the ``re:`` pattern it means (compressed-tensors knows no wildcards, so a
+    ``*`` written as such would match nothing there and the layer would be taken as quantized),
+    or, when the loader's guard would refuse that pattern (several ``*`` translate to more
+    backtracking repeats than it allows), as the exact module names it matched (``ignored``:
+    module -> entry); then one ``re:`` entry per ``ROUTERS`` regex in ``routers``."""
     written = []
     for entry in entries:
-        if not entry.startswith("re:") and any(char in entry for char in "*?["):
-            entry = "re:" + fnmatch.translate(entry)
+        if _is_wildcard(entry):
+            translated = fnmatch.translate(entry)
+            if pattern_problem(translated) is None:
+                written.append("re:" + translated)
+            else:
+                written.extend(module for module, matched in (ignored or {}).items() if matched == entry)
+            continue
         written.append(entry)
+    written.extend(f"re:{router}$" for router in routers)
     return written
-
-
-def _ignored_by(module: str, entries: Sequence[str]) -> str | None:
-    for entry in entries:
-        if entry.startswith("re:"):
-            if re.match(entry[3:], module):
-                return entry
-        elif any(char in entry for char in "*?["):
-            if fnmatch.fnmatchcase(module, entry):
-                return entry
-        elif entry == module:
-            return entry
-    return None
 
 
 def _check_quantizable(scheme: Scheme) -> None:
@@ -229,15 +262,23 @@ def _refuse_quantized_source(source: SourceCheckpoint) -> None:
 class _Plan:
     quantized: list[str]  # module names, in checkpoint order
     fused: dict[str, FusedGroup]  # member module -> its group (only for schemes with a global scale)
-    unquantized_linear: list[str]  # 2-D weights left in 16 bits (ignored, embeddings)
+    unquantized_linear: list[str]  # 2-D weights left in 16 bits (ignored, embeddings, routers)
     ignored: dict[str, str]
     notes: list[str]
+    routers: list[str]  # the ROUTERS regexes that matched a module
 
 
-def _plan(source: SourceCheckpoint, scheme: Scheme, ignore: Sequence[str]) -> _Plan:
+def _router(module: str) -> str | None:
+    return next((pattern for pattern in ROUTERS if re.fullmatch(pattern, module)), None)
+
+
+def _plan(
+    source: SourceCheckpoint, scheme: Scheme, ignore: Sequence[str], patterns: Mapping[str, re.Pattern[str]]
+) -> _Plan:
     quantized: list[str] = []
     unquantized: list[str] = []
     ignored: dict[str, str] = {}
+    routers: dict[str, str] = {}
     problems: list[str] = []
     for name, info in source.tensors.items():
         if not name.endswith(WEIGHT_SUFFIX) or len(info.shape) != 2:
@@ -247,9 +288,14 @@ def _plan(source: SourceCheckpoint, scheme: Scheme, ignore: Sequence[str]) -> _P
         if any(pattern.fullmatch(leaf) for pattern in NOT_LINEAR):
             unquantized.append(module)
             continue
-        entry = _ignored_by(module, ignore)
+        entry = ignored_by(module, ignore, patterns)
         if entry is not None:
             ignored[module] = entry
+            unquantized.append(module)
+            continue
+        router = _router(module)
+        if router is not None:
+            routers[module] = router
             unquantized.append(module)
             continue
         problem = _shape_problem(scheme, info)
@@ -265,8 +311,24 @@ def _plan(source: SourceCheckpoint, scheme: Scheme, ignore: Sequence[str]) -> _P
             "check --ignore"
         )
     notes = [f"ignore entry {entry!r} matched no module" for entry in ignore if entry not in ignored.values()]
+    if routers:
+        shown = ", ".join(list(routers)[:3]) + (f" and {len(routers) - 3} more" if len(routers) > 3 else "")
+        notes.append(
+            f"kept {len(routers)} MoE router(s) unquantized ({shown}): a router picks the experts, is small, and "
+            "transformers refuses a quantized one; llm-compressor's MoE recipes ignore them too"
+        )
     fused = _fused_groups(quantized) if scheme.weight.global_scale is not None else {}
-    return _Plan(quantized, fused, unquantized, ignored, notes)
+    return _Plan(quantized, fused, unquantized, ignored, notes, list(dict.fromkeys(routers.values())))
+
+
+def _weights(modules: Sequence[str]) -> set[str]:
+    return {module + WEIGHT_SUFFIX for module in modules}
+
+
+def _produced_names(scheme: Scheme, modules: Sequence[str]) -> dict[str, str]:
+    """Every tensor name the writer produces for the quantized ``modules`` -> its module."""
+    shorts = [spec.name for spec in scheme.tensor_specs().values()]
+    return {f"{module}.{short}": module for module in modules for short in shorts}
 
 
 def _shape_problem(scheme: Scheme, info: TensorInfo) -> str | None:
@@ -333,25 +395,11 @@ def _calibration(
             f"calibration must be a file path, a Calibration or a mapping, not {type(calibration).__name__}"
         )
     loaded.require(modules)
+    loaded.check_scales(scheme, modules)
     return loaded
 
 
 # --- writing ------------------------------------------------------------------------------------
-
-
-def _copy_other_files(source: SourceCheckpoint, folder: Path) -> list[str]:
-    copied = []
-    for entry in source.other_files():
-        target = folder / entry.name
-        try:
-            if entry.is_dir():
-                shutil.copytree(entry, target, copy_function=shutil.copyfile)
-            else:
-                shutil.copyfile(entry, target)
-        except OSError as exc:
-            raise DestinationError(f"{entry}: cannot be copied to the output: {exc.strerror or exc}") from None
-        copied.append(entry.name)
-    return copied
 
 
 class _ShardWriter:
@@ -377,6 +425,7 @@ class _ShardWriter:
         self.shared: dict[str, Tensor] = {}  # fused group parent+first member -> stored global scale
         self.pending: dict[str, dict[str, Tensor]] = {}  # results computed early (the group's largest member)
         self.current: set[str] = set()  # tensor names of the shard being written
+        self.errors: dict[str, ErrorReport] = {}  # module -> its quantization error, until its row is written
 
     def write(self, shard_info: object, folder: Path) -> ShardRecord:
         from qscheme.writing.source import SourceShard
@@ -394,7 +443,16 @@ class _ShardWriter:
                 result = self._quantize(module, weight, loaded)
                 for short, value in result.items():
                     tensors[f"{module}.{short}"] = value
-                self.summary.layers.append(LayerRow(module, self.scheme.name, "quantized"))
+                error = self.errors.pop(module)
+                self.summary.layers.append(
+                    LayerRow(
+                        module,
+                        self.scheme.name,
+                        "quantized",
+                        max_abs_error=error.max_abs,
+                        relative_error=error.relative,
+                    )
+                )
             else:
                 tensors[name] = loaded.pop(name) if name in loaded else self.source.read(name)
                 if module is not None and module in self.plan.unquantized_linear:
@@ -418,11 +476,17 @@ class _ShardWriter:
         return self._run(module, weight, given)
 
     def _run(self, module: str, weight: Tensor, given: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Quantize one weight; check the result as the loader does (``canonicalize``: a scale that
+        would not dequantize is refused here, not by the loader later) and measure its error."""
         try:
-            return quantize_weight(weight, self.scheme, **given)
+            result = quantize_weight(weight, self.scheme, **given)
+            n, k = weight.shape
+            canonical = canonicalize(self.scheme, result, n, k, layer=module)
         except QuantizeError as exc:
             info = self.source.tensors[module + WEIGHT_SUFFIX]
             raise QuantizeError(f"{shown(info.file.name)}: tensor {info.name!r}: {exc}; nothing was written") from None
+        self.errors[module] = quantization_error(weight, canonical)
+        return result
 
     def _activation_scales(self, module: str) -> dict[str, Tensor]:
         if self.calibration is None:

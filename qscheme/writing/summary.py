@@ -12,16 +12,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 Action = Literal["quantized", "converted", "requantized", "copied"]
+WORST_SHOWN = 5  # layers listed in the text summary's quantization-error lines
 
 
 @dataclass(frozen=True)
 class LayerRow:
     """One layer's line in the summary.
 
-    ``max_ulps`` is the largest deviation, in units in the last place, of the layer's dequantized
-    weight from the reference (convert: the source's dequantized weight); ``max_abs_error`` the
-    largest absolute difference from the reference (quantize: from the source weight). None when
-    not measured.
+    ``max_ulps`` is the largest deviation, in float32 units in the last place, of the layer's
+    dequantized weight from the source's (an exact or near-exact conversion); ``relative_error``
+    is ``||W - Q(W)||_F / ||W||_F`` (Frobenius norms, ``qscheme.writing.error_report``) and
+    ``max_abs_error`` ``max |W - Q(W)|``, where ``W`` is the reference (quantize: the source weight;
+    a requantizing convert: the source's dequantized weight). None when not measured (copied
+    layers; ulps of a quantized or requantized layer, relative error of an exact conversion).
     """
 
     name: str
@@ -29,6 +32,7 @@ class LayerRow:
     action: Action
     max_ulps: float | None = None
     max_abs_error: float | None = None
+    relative_error: float | None = None
 
 
 @dataclass
@@ -76,12 +80,27 @@ class WriteSummary:
             f"read {self.bytes_read / 1e6:.1f} MB, wrote {self.bytes_written / 1e6:.1f} MB in {self.seconds:.2f} s"
             f"{speed}; peak RSS {self.peak_rss_bytes / 1e6:.0f} MB",
         ]
-        worst = [row for row in self.layers if row.max_ulps is not None]
-        if worst:
-            top = max(worst, key=lambda row: row.max_ulps or 0.0)
+        deviating = [row for row in self.layers if row.max_ulps is not None and row.action == "converted"]
+        if deviating:
+            top = max(deviating, key=lambda row: row.max_ulps or 0.0)
             lines.append(f"largest deviation: {top.max_ulps:g} ulp ({top.name})")
+        lines.extend(self.worst_error_lines())
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+    def worst_error_lines(self, count: int = WORST_SHOWN) -> list[str]:
+        """The layers with the largest relative quantization error, worst first."""
+        measured = [row for row in self.layers if row.relative_error is not None]
+        if not measured:
+            return []
+        measured.sort(key=lambda row: -(row.relative_error or 0.0))
+        lines = [
+            f"quantization error (relative: ||W - Q(W)||_F / ||W||_F, Frobenius norms; max abs: max |W - Q(W)|), "
+            f"worst {min(count, len(measured))} of {len(measured)} layer(s):"
+        ]
+        for row in measured[:count]:
+            lines.append(f"  {row.name}: relative {row.relative_error:.3g}, max abs {row.max_abs_error:.3g}")
+        return lines
 
 
 def peak_rss_bytes() -> int:

@@ -1,0 +1,71 @@
+"""How far quantization moved a layer's weight: relative (Frobenius) and largest absolute error.
+
+``relative`` is ``||W - Q(W)||_F / ||W||_F``: the Frobenius norm (the square root of the sum of
+squared elements) of the difference between the reference weight ``W`` (quantize: the source
+weight; a requantizing convert: the source's dequantized weight) and the dequantized result
+``Q(W)``, divided by that of ``W``; 0 when both are zero (an all-zero weight quantizes exactly),
+None when only ``W`` is (no relative figure exists).
+``max_abs`` is ``max |W - Q(W)|``. Both in float64 sums over float32 differences, computed a
+slab of rows at a time so that no float32 copy of the whole weight is held.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qscheme.canonical import CanonicalWeight, dequantize_rows
+
+SLAB_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    """A layer's quantization error (see the module docstring)."""
+
+    relative: float | None
+    max_abs: float
+
+
+def compare_weights(reference: Tensor, approximation: Tensor) -> ErrorReport:
+    """The error of ``approximation`` against ``reference`` (same shape, any float dtypes)."""
+    sums = _Sums()
+    sums.add(reference, approximation)
+    return sums.report()
+
+
+def quantization_error(reference: Tensor, weight: CanonicalWeight) -> ErrorReport:
+    """The error of the quantized ``weight`` (dequantized slab by slab) against ``reference`` [N, K]."""
+    sums = _Sums()
+    step = max(1, SLAB_ELEMENTS // max(1, weight.k))
+    for start in range(0, weight.n, step):
+        stop = min(weight.n, start + step)
+        sums.add(reference[start:stop], dequantize_rows(weight, start, stop))
+    return sums.report()
+
+
+class _Sums:
+    def __init__(self) -> None:
+        self.difference = 0.0
+        self.reference = 0.0
+        self.max_abs = 0.0
+
+    def add(self, reference: Tensor, approximation: Tensor) -> None:
+        if reference.numel() == 0:
+            return
+        exact = reference.to(torch.float32)
+        difference = (exact - approximation.to(torch.float32)).to(torch.float64)
+        self.difference += float(difference.square().sum())
+        self.reference += float(exact.to(torch.float64).square().sum())
+        self.max_abs = max(self.max_abs, float(difference.abs().max()))
+
+    def report(self) -> ErrorReport:
+        relative: float | None
+        if self.reference == 0.0:
+            relative = 0.0 if self.difference == 0.0 else None
+        else:
+            relative = math.sqrt(self.difference) / math.sqrt(self.reference)
+        return ErrorReport(relative, self.max_abs)
