@@ -79,13 +79,11 @@ def __getattr__(name: str) -> object:
 
 
 def _register_with_transformers() -> None:
-    """Register qscheme's transformers quantizers when transformers is already imported (importing
-    it here would make ``import qscheme`` take seconds); ``import qscheme.transformers`` does it
-    in any order."""
-    import sys
+    """Register qscheme's transformers quantizers now if transformers' quantizer registry is loaded,
+    else as soon as it loads (an import hook: ``import qscheme`` never imports transformers)."""
+    from qscheme._transformers_hook import install
 
-    if "transformers" in sys.modules:
-        import qscheme.transformers  # noqa: F401
+    install()
 
 
 _register_with_transformers()
