@@ -38,6 +38,9 @@ STRICT_VARIABLE = "QSCHEME_STRICT_PLUGINS"
 DISABLE_AUTOLOAD_VARIABLE = "QSCHEME_DISABLE_PLUGIN_AUTOLOAD"
 ALLOW_VARIABLE = "QSCHEME_PLUGINS"
 
+# The one list of built-in plugins (entry point name -> module). pyproject.toml's
+# [project.entry-points.qscheme] declares the same table for installs; tests/test_packaging.py
+# checks that it, the installed distribution's entry points and a built wheel's equal this.
 BUILTIN_PLUGINS: dict[str, str] = {
     "reference": "qscheme_plugins.reference",
     "triton": "qscheme_plugins.triton_declaration",
