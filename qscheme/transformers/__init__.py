@@ -1,7 +1,10 @@
 """transformers integration: ``from_pretrained`` loads quantized checkpoints through qscheme.
 
-Importing this package (``import qscheme`` does it when transformers is installed) registers,
-through transformers' public ``register_quantization_config`` / ``register_quantizer``:
+Importing this package registers, through transformers' public ``register_quantization_config``
+/ ``register_quantizer``, the quantizers below. ``import qscheme`` arranges the same in either
+import order without importing transformers: it registers at once when transformers' registry
+(``transformers.quantizers.auto``) is loaded, else a one-shot import hook
+(``qscheme._transformers_hook``) imports this package right after transformers loads it.
 
 - ``modelopt``: NVIDIA ModelOpt exports, which transformers has no loader for;
 - ``qscheme``: the self-describing checkpoints ``qscheme quantize`` writes for a scheme no
