@@ -18,7 +18,7 @@ only, so that summing (all-reducing) the ranks' outputs adds it once. Plain tens
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, QuantizeError, UsageError
 from qscheme.kernels.registry import checked_kernel
 from qscheme.linear import QuantLinear, checked_device
+from qscheme.parallel.agree import failures_shared, plan_digest
 from qscheme.parallel.plan import LayerShard, TPPlan, checked_tp_plan, shard_layers
 from qscheme.parallel.read import ReadCounter, read_slice, read_whole
 from qscheme.parallel.rules import ShardError, ShardLayout, Style, checked_degree
@@ -69,6 +70,10 @@ class ShardedCheckpoint(Checkpoint):
         self.tp_plan = tp_plan
         self.shards = shards
         self.bytes_read = bytes_read
+
+    def digest(self, extra: Sequence[object] = ()) -> bytes:
+        """The checksum the ranks compare: every layer's split, the plain tensors, and ``extra``."""
+        return plan_digest(self.tp_size, self.shards, list(self.tensors), extra)
 
     def style(self, name: str) -> Style:
         """column, row or replicate: how module ``name`` was split."""
@@ -153,6 +158,7 @@ def load_checkpoint_tp(
     activation_dtype: str = "bfloat16",
     schemes: Iterable[Scheme] | None = None,
     progress: bool | None = None,
+    verify_ranks: bool = True,
 ) -> ShardedCheckpoint:
     """Load rank ``tp_rank`` of ``tp_size``: shard-sized QuantLinear modules, reading only their bytes.
 
@@ -161,10 +167,40 @@ def load_checkpoint_tp(
     ``load_checkpoint``'s. UsageError for bad arguments before anything is read; ShardError
     (a CheckpointError) naming every layer a split would cut, with the degrees that would work,
     before any tensor data is read; CheckpointError as ``load_checkpoint`` for bad files.
+
+    When the default process group is this tensor-parallel group (rank ``tp_rank`` of
+    ``tp_size``), the ranks compare their plans' checksums (``qscheme.parallel.agree``) and every
+    rank raises PlanMismatchError, naming the ranks that differ, unless all hold the same plan;
+    a rank that fails announces it, so the others raise too. ``verify_ranks=False`` skips this,
+    for a process that loads a shard alone (the group's other ranks would wait for it).
     """
     if not isinstance(path, str | Path):
         raise UsageError(f"load_checkpoint: path must be a folder path (str or Path), not {type(path).__name__}")
     tp_size, tp_rank = checked_degree(tp_size, tp_rank)
+    if not isinstance(verify_ranks, bool):
+        raise UsageError(f"load_checkpoint: verify_ranks must be True or False, not {verify_ranks!r}")
+    what = f"load_checkpoint({str(path)!r}, tp_rank={tp_rank}, tp_size={tp_size})"
+    with failures_shared(what, tp_rank, tp_size, verify_ranks) as done:
+        checkpoint = _load_rank(
+            path, tp_rank, tp_size, tp_plan, device, kernel, fuse, fuse_policy, activation_dtype, schemes, progress
+        )
+        done(checkpoint.digest())
+    return checkpoint
+
+
+def _load_rank(
+    path: str | Path,
+    tp_rank: int,
+    tp_size: int,
+    tp_plan: object,
+    device: str | torch.device,
+    kernel: str | None,
+    fuse: FuseSpec | None,
+    fuse_policy: FusePolicyChoice,
+    activation_dtype: str,
+    schemes: Iterable[Scheme] | None,
+    progress: bool | None,
+) -> ShardedCheckpoint:
     plan_of_ranks = checked_tp_plan(tp_plan)
     if schemes is not None:
         schemes = checked_schemes(schemes)

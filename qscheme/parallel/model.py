@@ -22,7 +22,9 @@ fewer than ranks, is not done). Head-count attributes on the attention modules
 the rank's share, for model code that reshapes with them.
 
 As with ``apply_to_model``, everything is checked before the model is changed: on any error
-the model is left as it was.
+the model is left as it was. Before changing it, the ranks of the default process group compare
+checksums of their plans (``qscheme.parallel.agree``): ranks that would split the model
+differently, or that failed, make every rank raise PlanMismatchError naming them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from qscheme.checkpoint.plan import FuseSpec
 from qscheme.checkpoint.text import listing
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.linear import QuantLinear, checked_device
+from qscheme.parallel.agree import failures_shared
 from qscheme.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from qscheme.parallel.load import ShardedCheckpoint, load_checkpoint_tp
 from qscheme.parallel.plan import TPPlan, checked_tp_plan
@@ -253,54 +256,59 @@ def apply_to_model_tp(
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"apply_to_model: model must be a torch.nn.Module, not {type(model).__name__}")
     tp_size, tp_rank = checked_degree(tp_size, tp_rank)
-    plan_of_ranks = checked_tp_plan(tp_plan)
-    _refuse_meta(model)
-    _refuse_other_group(tp_rank, tp_size)
-    check_pairs(model, plan_of_ranks)
-    attentions = check_heads(model, plan_of_ranks, tp_size)
-    model_device, activation_dtype = _model_device_and_dtype(model)
-    torch_device = checked_device(device, "apply_to_model") if device is not None else model_device
-    checkpoint = load_checkpoint_tp(
-        path,
-        tp_rank,
-        tp_size,
-        plan_of_ranks,
-        device=torch_device,
-        kernel=kernel,
-        fuse=fuse,
-        fuse_policy=fuse_policy,
-        activation_dtype=activation_dtype,
-        progress=progress,
-    )
-    folder = Path(path)
-
-    # 1. Every quantized layer against the model's Linear (full sizes), wrapped for its style.
-    swaps, absent = _quantized_swaps(model, checkpoint, folder)
-    if absent and strict:
-        raise CheckpointError(
-            f"{folder}: the model has no module {_listing([repr(name) for name in absent])} for the checkpoint's "
-            "quantized layers; build the model from the checkpoint's config.json, or pass strict=False"
+    what = f"apply_to_model({str(path)!r}, tp_rank={tp_rank}, tp_size={tp_size})"
+    with failures_shared(what, tp_rank, tp_size) as done:
+        plan_of_ranks = checked_tp_plan(tp_plan)
+        _refuse_meta(model)
+        _refuse_other_group(tp_rank, tp_size)
+        check_pairs(model, plan_of_ranks)
+        attentions = check_heads(model, plan_of_ranks, tp_size)
+        model_device, activation_dtype = _model_device_and_dtype(model)
+        torch_device = checked_device(device, "apply_to_model") if device is not None else model_device
+        checkpoint = load_checkpoint_tp(
+            path,
+            tp_rank,
+            tp_size,
+            plan_of_ranks,
+            device=torch_device,
+            kernel=kernel,
+            fuse=fuse,
+            fuse_policy=fuse_policy,
+            activation_dtype=activation_dtype,
+            progress=progress,
+            verify_ranks=False,
         )
+        folder = Path(path)
 
-    # 2. Plain tensors, as apply_to_model loads them (full sizes: the model is still whole).
-    replaced = tuple(f"{name}." for name in checkpoint if name not in absent)
-    plain = check_plain_tensors(model, checkpoint, replaced, folder, strict)
-    state, expected, unexpected, missing = plain.state, plain.expected, plain.unexpected, plain.missing
+        # 1. Every quantized layer against the model's Linear (full sizes), wrapped for its style.
+        swaps, absent = _quantized_swaps(model, checkpoint, folder)
+        if absent and strict:
+            raise CheckpointError(
+                f"{folder}: the model has no module {_listing([repr(name) for name in absent])} for the checkpoint's "
+                "quantized layers; build the model from the checkpoint's config.json, or pass strict=False"
+            )
 
-    # 3. Unquantized Linear modules the plan splits: checked now, sliced once their values are in.
-    quantized = {name for name in checkpoint if name not in absent}
-    plain_split: list[tuple[str, Style]] = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name not in quantized:
-            style = plan_of_ranks.style_for(name)
-            if style != "replicate":
-                whole = module.out_features if style == "column" else module.in_features
-                if whole % tp_size:
-                    _plain_shard(module, style, tp_rank, tp_size, name)  # raises, naming the working degrees
-                plain_split.append((name, style))
+        # 2. Plain tensors, as apply_to_model loads them (full sizes: the model is still whole).
+        replaced = tuple(f"{name}." for name in checkpoint if name not in absent)
+        plain = check_plain_tensors(model, checkpoint, replaced, folder, strict)
+        state, expected, unexpected, missing = plain.state, plain.expected, plain.unexpected, plain.missing
 
-    _refuse_tied_conflicts(state, expected, folder)
-    _refuse_unwritable(state, expected)
+        # 3. Unquantized Linear modules the plan splits: checked now, sliced once their values are in.
+        quantized = {name for name in checkpoint if name not in absent}
+        plain_split: list[tuple[str, Style]] = []
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name not in quantized:
+                style = plan_of_ranks.style_for(name)
+                if style != "replicate":
+                    whole = module.out_features if style == "column" else module.in_features
+                    if whole % tp_size:
+                        _plain_shard(module, style, tp_rank, tp_size, name)  # raises, naming the working degrees
+                    plain_split.append((name, style))
+
+        _refuse_tied_conflicts(state, expected, folder)
+        _refuse_unwritable(state, expected)
+        # Every rank must split the same layers the same way before any of them communicates.
+        done(checkpoint.digest([sorted(plain_split), sorted(absent), sorted(name for name, _ in attentions)]))
 
     # 4. Only now change the model.
     values = {name: value.to(device=expected[name].device, dtype=expected[name].dtype) for name, value in state.items()}
