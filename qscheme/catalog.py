@@ -36,8 +36,9 @@ class SchemePathWarning(UserWarning):
 
 def strict_schemes(environ: Mapping[str, str] | None = None) -> bool:
     """Whether QSCHEME_STRICT_SCHEMES asks for skipped descriptors to be errors."""
-    value = (os.environ if environ is None else environ).get(STRICT_VARIABLE, "")
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    from qscheme.environment import env_flag
+
+    return env_flag(STRICT_VARIABLE, environ)
 
 
 def builtin_scheme_dir() -> Path:

@@ -663,3 +663,51 @@ def test_a_hook_that_exits_is_recorded_not_fatal() -> None:
     failures = {f.plugin: f for f in plugins.failures()}
     assert failures["exiter"].stage == "hook qscheme_kernels"
     assert "SystemExit" in failures["exiter"].error
+
+
+@pytest.mark.parametrize("variable", ["QSCHEME_STRICT_PLUGINS", "QSCHEME_DISABLE_PLUGIN_AUTOLOAD"])
+@pytest.mark.parametrize("value", ["2", "enable", "ture", "1 1", "y"])
+def test_plugin_switches_refuse_values_that_are_neither_on_nor_off(variable: str, value: str) -> None:
+    from qscheme.errors import UsageError
+
+    with pytest.raises(UsageError) as caught:
+        load_plugins(environ={variable: value}, entry_points=FAKE_POINTS)
+    message = str(caught.value)
+    assert f"environment variable {variable}={value!r} is not understood" in message
+    assert "allowed: 1, true, yes, on (on) or 0, false, no, off, empty or unset (off)" in message
+
+
+@pytest.mark.parametrize(("value", "autoload"), [("0", True), ("false", True), (" Off ", True), ("", True)])
+def test_plugin_switches_take_explicit_off_values(value: str, autoload: bool) -> None:
+    plugins = load_plugins(environ={"QSCHEME_DISABLE_PLUGIN_AUTOLOAD": value}, entry_points=FAKE_POINTS)
+    skipped = {i.name: i.skipped for i in plugins.infos() if not i.builtin}
+    assert (not skipped["good"]) == autoload
+    strict_off = load_plugins(environ={"QSCHEME_STRICT_PLUGINS": value}, entry_points=FAKE_POINTS)
+    assert [f.plugin for f in strict_off.failures()] == ["importfail"]  # recorded, not raised
+
+
+@pytest.mark.parametrize("value", ["ON", "Yes", " true "])
+def test_plugin_switches_take_every_on_spelling(value: str) -> None:
+    plugins = load_plugins(environ={"QSCHEME_DISABLE_PLUGIN_AUTOLOAD": value}, entry_points=FAKE_POINTS)
+    assert {i.name: i.skipped for i in plugins.infos() if not i.builtin}["good"] == "QSCHEME_DISABLE_PLUGIN_AUTOLOAD=1"
+    with pytest.raises(PluginError, match="QSCHEME_STRICT_PLUGINS=1 makes plugin failures fatal"):
+        load_plugins(environ={"QSCHEME_STRICT_PLUGINS": value}, entry_points=FAKE_POINTS)
+
+
+@pytest.mark.parametrize("value", ["good;rm -rf", "good, other dist", "$(id)", "good,/tmp/x"])
+def test_plugin_allow_list_refuses_entries_that_are_not_names(value: str) -> None:
+    from qscheme.errors import UsageError
+
+    with pytest.raises(
+        UsageError, match=r"environment variable QSCHEME_PLUGINS=.*is not a plugin name; allowed: comma"
+    ):
+        load_plugins(environ={"QSCHEME_PLUGINS": value}, entry_points=FAKE_POINTS)
+    spaced = load_plugins(environ={"QSCHEME_PLUGINS": " other-dist , ,"}, entry_points=FAKE_POINTS)
+    assert "extra_kernel" in {d.name for d in spaced.kernel_declarations()}
+
+
+def test_a_bad_plugin_variable_is_a_usage_error_of_the_command(cli) -> None:  # type: ignore[no-untyped-def]
+    result = cli(["resolve", "compressed-tensors/W4A16", "--device", "sm90"], QSCHEME_STRICT_PLUGINS="maybe")
+    assert result["code"] == 2
+    assert "environment variable QSCHEME_STRICT_PLUGINS='maybe' is not understood" in str(result["err"])
+    assert "Traceback" not in str(result["err"])

@@ -12,6 +12,9 @@ Which plugins load:
 - third-party entry points in the ``qscheme`` group, unless
   ``QSCHEME_DISABLE_PLUGIN_AUTOLOAD=1``; ``QSCHEME_PLUGINS=a,b`` loads only the entry points or
   distributions named (an empty value loads none);
+- switches take 1/true/yes/on or 0/false/no/off/empty; any other value, or a
+  ``QSCHEME_PLUGINS`` entry that is not a name, is a UsageError naming the variable
+  (``qscheme.environment``);
 - objects registered in-process with ``register_plugin``.
 """
 
@@ -28,6 +31,7 @@ from typing import Any, Protocol
 
 import pluggy
 
+from qscheme.environment import env_flag, env_names
 from qscheme.errors import PluginError, Problem, SchemeError
 from qscheme.kernels.declaration import KernelDeclaration
 from qscheme.plugins import hookspecs
@@ -50,10 +54,6 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "tinygemm": "qscheme_plugins.tinygemm",
 }
 HOOKS: tuple[str, ...] = ("qscheme_kernels", "qscheme_schemes")
-
-
-def _flag(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _describe_error(exc: BaseException) -> str:
@@ -456,14 +456,13 @@ def load_plugins(
 ) -> Plugins:
     """Built-ins, then third-party entry points as the environment allows (module docstring)."""
     env = os.environ if environ is None else environ
-    plugins = Plugins(strict=_flag(env.get(STRICT_VARIABLE)))
+    strict = env_flag(STRICT_VARIABLE, env)  # every variable checked before any plugin loads
+    allowed = env_names(ALLOW_VARIABLE, env)
+    autoload = not env_flag(DISABLE_AUTOLOAD_VARIABLE, env)
+    plugins = Plugins(strict=strict)
     points = list(discover_entry_points() if entry_points is None else entry_points)
     builtin = [ep for ep in points if (_distribution_of(ep)[0] or "").lower() == BUILTIN_DISTRIBUTION]
     plugins.load_builtins(builtin)
-    allowed: set[str] | None = None
-    if ALLOW_VARIABLE in env:
-        allowed = {part.strip() for part in env[ALLOW_VARIABLE].split(",") if part.strip()}
-    autoload = not _flag(env.get(DISABLE_AUTOLOAD_VARIABLE))
     for ep in points:
         if any(ep is b for b in builtin):
             continue

@@ -337,7 +337,9 @@ def config_cache() -> ConfigCache:
 
 
 def autotune_enabled() -> bool:
-    return os.environ.get(AUTOTUNE_VARIABLE, "").strip().lower() in ("1", "true", "yes")
+    from qscheme.environment import env_flag
+
+    return env_flag(AUTOTUNE_VARIABLE)
 
 
 def choose_config(

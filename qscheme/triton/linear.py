@@ -430,7 +430,9 @@ def runs_gemv(spec: Specialization, input_dtype: torch.dtype) -> bool:
     ``QSCHEME_TRITON_GEMV=1``. The GEMV has not been timed on a GPU and its static count per
     weight (docs/notes/triton-decode.md) is above the GEMM tile's, so the GEMM's tiles stay the
     default at every M until a GPU run (benchmarks/gpu_gemm.py times both) shows it faster."""
-    if os.environ.get(GEMV_VARIABLE, "").strip() != "1":
+    from qscheme.environment import env_flag
+
+    if not env_flag(GEMV_VARIABLE):
         return False
     return not spec.A_QUANTIZED and input_dtype in (torch.bfloat16, torch.float16)
 
