@@ -1,13 +1,9 @@
 #!/usr/bin/env bash
-# A separate venv with nvidia-modelopt (CPU), used by tests/test_quantize_modelopt.py as an
-# oracle through QSCHEME_MODELOPT_PYTHON. Kept apart from .venv: modelopt pulls its own pins.
+# The modelopt test oracle's side venv (see scripts/oracle-venv.sh: pinned in scripts/oracles/modelopt.lock,
+# cached outside the clone). Links it as .venv-modelopt here for convenience, unless that path exists,
+# and prints the line to export.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv-modelopt/bin/python ]; then
-    python3 -m venv .venv-modelopt
-fi
-export PIP_DISABLE_PIP_VERSION_CHECK=1
-.venv-modelopt/bin/pip install -q -c constraints.txt torch==2.13.0
-.venv-modelopt/bin/pip install -q -c constraints.txt nvidia-modelopt==0.47.0 transformers==5.24.0 safetensors requests numpy
-.venv-modelopt/bin/python -c "import modelopt.torch.quantization.qtensor, modelopt.torch.export.quant_utils" 2>/dev/null
-echo "modelopt oracle: $(.venv-modelopt/bin/python -c 'import modelopt; print(modelopt.__version__)')"
+venv="$(bash scripts/oracle-venv.sh modelopt)"
+[ -e .venv-modelopt ] || ln -s "$venv" .venv-modelopt
+echo "export QSCHEME_MODELOPT_PYTHON=$venv/bin/python"

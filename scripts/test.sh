@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install, then run every check CI runs: ruff, mypy, the wheel install check, the producers'
-# side venvs (nvidia-modelopt, and vLLM's Python helpers for the Marlin layouts) used as test
-# oracles, and the test suite.
+# side venvs used as test oracles (nvidia-modelopt, vLLM's Python helpers, llm-compressor; see
+# scripts/oracle-venv.sh), and the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -14,13 +14,10 @@ echo "== mypy"
 mypy qscheme plugins
 echo "== wheel"
 bash scripts/check-wheel.sh
-echo "== modelopt oracle"
-bash scripts/install-modelopt-oracle.sh
-export QSCHEME_MODELOPT_PYTHON="$PWD/.venv-modelopt/bin/python"
-echo "== vllm oracle"
-bash scripts/install-vllm-oracle.sh
-export QSCHEME_VLLM_PYTHON="$PWD/.venv-vllm/bin/python"
-echo "== llmcompressor oracle"; bash scripts/install-llmcompressor-oracle.sh
-export QSCHEME_LLMCOMPRESSOR_PYTHON="$PWD/.venv-llmcompressor/bin/python"
+echo "== oracles (side venvs cached outside the clone, keyed by their pinned versions)"
+for oracle in modelopt vllm llmcompressor; do
+    venv="$(bash scripts/oracle-venv.sh "$oracle")"
+    export "QSCHEME_${oracle^^}_PYTHON=$venv/bin/python"
+done
 echo "== pytest"
 python -m pytest -p no:cacheprovider "$@"
