@@ -15,9 +15,9 @@ The guarantees, in order:
   machine's, or a folder without a record;
 - ``commit()`` renames it to DST. With ``force`` an existing DST is first renamed aside to
   ``.<name>.qscheme-old-<pid>-<token>``, the new folder renamed in, and the old one deleted
-  only then. SIGINT, SIGTERM and SIGHUP are held back (``pthread_sigmask``) during the two
-  renames, so a signal cannot land between them; any failure there puts the old DST back, and
-  the error says what is on disk;
+  only then. SIGINT, SIGTERM and SIGHUP are held back (``signals_held``) during the two
+  renames (their handlers run after the commit), so a signal cannot land between them; any
+  failure there puts the old DST back, and the error says what is on disk;
 - leaving the ``with`` block without ``commit()`` (an exception, Ctrl-C, or SIGTERM / SIGHUP
   turned into ``Terminated`` by ``raise_on_termination``) deletes the temporary folder. A signal
   that arrives once the commit is done is raised as well, and ``Terminated.committed`` then names
@@ -92,16 +92,42 @@ def raise_on_termination() -> Iterator[None]:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """SIGINT, SIGTERM and SIGHUP are held back inside the block and delivered after it (their
-    handlers then run: ``Terminated`` or KeyboardInterrupt is raised after the block)."""
-    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - not POSIX
+    """SIGINT, SIGTERM and SIGHUP arriving inside the block are held and handled after it: their
+    previous handler then runs (``Terminated`` or KeyboardInterrupt is raised after the block; a
+    default action ends the process then). Python runs signal handlers in the main thread only,
+    so elsewhere nothing can interrupt the block and nothing is changed. (A thread signal mask
+    would not do: the kernel hands a process's signal to any thread that does not block it, and
+    Python's handler then runs in the main thread all the same.)"""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    pending: list[int] = []
+
+    def hold(number: int, frame: FrameType | None) -> None:
+        pending.append(number)
+
+    previous = {number: signal.signal(number, hold) for number in _HELD_SIGNALS}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for number, old in previous.items():
+            signal.signal(number, old)
+        if pending:
+            number, old = pending[0], previous[pending[0]]
+            if callable(old):
+                old(number, None)
+            elif old == signal.SIG_DFL:
+                signal.raise_signal(number)
+
+
+def _delete(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _resolved(path: Path) -> Path:
@@ -205,33 +231,31 @@ class OutputFolder:
     def commit(self) -> None:
         """Rename the finished folder to DST (replacing an existing DST only with ``force``)."""
         old: Path | None = None
-        with signals_held():
-            remove_owner(self.path)
-            if os.path.lexists(self.dst):
-                if not self.force:  # appeared while we were writing
-                    raise DestinationError(
-                        f"{self.dst}: appeared while the checkpoint was written; nothing was replaced. Pass --force "
-                        "to replace it"
-                    )
-                old = self.parent / f".{self.dst.name}{OLD_MARK}{self.token}"
+        try:
+            with signals_held():  # a signal held here is raised when the block ends: after the commit
+                remove_owner(self.path)
+                if os.path.lexists(self.dst):
+                    if not self.force:  # appeared while we were writing
+                        raise DestinationError(
+                            f"{self.dst}: appeared while the checkpoint was written; nothing was replaced. Pass "
+                            "--force to replace it"
+                        )
+                    old = self.parent / f".{self.dst.name}{OLD_MARK}{self.token}"
+                    try:
+                        os.replace(self.dst, old)
+                    except OSError as exc:
+                        raise DestinationError(
+                            f"{self.dst}: cannot move the existing output aside to replace it: {exc.strerror}; it "
+                            "is unchanged and nothing was written"
+                        ) from None
                 try:
-                    os.replace(self.dst, old)
+                    os.replace(self.path, self.dst)
                 except OSError as exc:
-                    raise DestinationError(
-                        f"{self.dst}: cannot move the existing output aside to replace it: {exc.strerror}; it is "
-                        "unchanged and nothing was written"
-                    ) from None
-            try:
-                os.replace(self.path, self.dst)
-            except OSError as exc:
-                raise DestinationError(self._failed_commit(old, exc)) from None
-            self.committed = True
-        if old is not None:
-            if old.is_dir() and not old.is_symlink():
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    old.unlink()
+                    raise DestinationError(self._failed_commit(old, exc)) from None
+                self.committed = True
+        finally:
+            if self.committed and old is not None:
+                _delete(old)
 
     def _failed_commit(self, old: Path | None, exc: OSError) -> str:
         """Put the old DST back after the new folder could not be renamed in; what is on disk."""
