@@ -9,9 +9,12 @@ partitions carry different static input scales quantizes the shared input once p
 scale, each partition with its own, as separate layers would. The result is returned in the
 input's dtype.
 
-Memory: a chunk holds at most ``CHUNK_BYTES`` (16 MiB) of float32 rows and never more bytes
-than one copy of the whole layer in the input's dtype, and it is freed before the next, so a
-forward adds no resident memory and at most one chunk at a time. The price is speed: every
+Memory: a chunk holds at most ``CHUNK_BYTES`` (8 MiB) of float32 rows and never more bytes
+than half a copy of the whole layer in the input's dtype, and it is freed before the next, so
+a forward holds one chunk at a time and keeps nothing. (glibc's malloc may keep a freed chunk
+or two resident for reuse, which is why a chunk is half a copy: what stays resident after any
+number of forwards is then within one activation-dtype copy of the largest layer, however many
+layers the model has; tests/test_reference_memory.py measures it.) The price is speed: every
 call dequantizes the weight again.
 
 Why float32 and not the activation dtype: the products are taken in float32 (input and chunk),
@@ -38,7 +41,7 @@ from qscheme.descriptor import ActivationSpec
 from qscheme.emulation import apply_pre_scale, fake_quantize_activation
 from qscheme.errors import UsageError
 
-CHUNK_BYTES = 16 << 20  # float32 bytes of weight rows dequantized at once (at most)
+CHUNK_BYTES = 8 << 20  # float32 bytes of weight rows dequantized at once (at most)
 CACHE_VARIABLE = "QSCHEME_REFERENCE_CACHE"
 CACHE_VALUES = {"": False, "0": False, "1": True}
 
@@ -56,10 +59,10 @@ def cache_requested(environ: dict[str, str] | os._Environ[str] | None = None) ->
 
 
 def chunk_rows(n: int, k: int, activation_bytes: int, tile_rows: int = 1) -> int:
-    """Output rows dequantized at once: float32 rows within ``CHUNK_BYTES`` and within one copy of
-    the whole [n, k] layer in the activation dtype (``activation_bytes`` per element), a multiple
-    of ``tile_rows`` (the scale's rows) where that fits; at least one row."""
-    budget = min(CHUNK_BYTES, n * k * activation_bytes)
+    """Output rows dequantized at once: float32 rows within ``CHUNK_BYTES`` and within half a copy
+    of the whole [n, k] layer in the activation dtype (``activation_bytes`` per element), a
+    multiple of ``tile_rows`` (the scale's rows) where that fits; at least one row."""
+    budget = min(CHUNK_BYTES, n * k * activation_bytes // 2)
     rows = max(1, budget // max(1, k * 4))
     return rows - rows % tile_rows if rows >= tile_rows else rows
 
@@ -189,15 +192,18 @@ class ReferenceKernel:
         cached = None if state.cache is None else self._cached(state, x.dtype)
         rows = chunk_rows(weight.n, weight.k, x.element_size(), scale_tile(weight, weight.scale)[0])
         pieces = []
+        buffer: Tensor | None = None  # one chunk of float32 rows, reused chunk after chunk
         for scaling, values in self.quantize_input(state, x):
             start, stop = (0, weight.n) if scaling is None else (scaling.start, scaling.stop)
             if cached is not None:
                 pieces.append(torch.matmul(values.to(cached.dtype), cached[start:stop].t()).to(torch.float32))
                 continue
+            if buffer is None:
+                buffer = torch.empty(min(rows, weight.n), weight.k, dtype=torch.float32, device=state.device)
             for first in range(start, stop, rows):
-                chunk = dequantize_rows(weight, first, min(stop, first + rows))
+                last = min(stop, first + rows)
+                chunk = dequantize_rows(weight, first, last, out=buffer[: last - first])
                 pieces.append(torch.matmul(values, chunk.t()))
-                del chunk  # freed before the next chunk is dequantized
         y = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
         if bias is not None:
             y = y + bias.to(device=y.device, dtype=torch.float32)
@@ -211,8 +217,9 @@ class ReferenceKernel:
             weight = state.canonical
             found = torch.empty(weight.n, weight.k, dtype=dtype, device=state.device)
             rows = chunk_rows(weight.n, weight.k, found.element_size())
+            buffer = torch.empty(min(rows, weight.n), weight.k, dtype=torch.float32, device=state.device)
             for first in range(0, weight.n, rows):
                 last = min(weight.n, first + rows)
-                found[first:last] = dequantize_rows(weight, first, last)
+                found[first:last] = dequantize_rows(weight, first, last, out=buffer[: last - first])
             state.cache[dtype] = found
         return found

@@ -502,10 +502,12 @@ def dequantize(weight: CanonicalWeight) -> Tensor:
     return dequantize_rows(weight, 0, weight.n)
 
 
-def dequantize_rows(weight: CanonicalWeight, start: int, stop: int) -> Tensor:
+def dequantize_rows(weight: CanonicalWeight, start: int, stop: int, out: Tensor | None = None) -> Tensor:
     """Rows [start, stop) of ``dequantize(weight)`` as float32 [stop - start, K], bit for bit,
     computed from those rows' codes, scales and zero points only (a kernel that must not hold
-    the whole float32 weight dequantizes it a chunk of rows at a time)."""
+    the whole float32 weight dequantizes it a chunk of rows at a time). ``out``: a contiguous
+    float32 [stop - start, K] tensor on the weight's device to write them into (a buffer reused
+    from chunk to chunk)."""
     from qscheme.quantize import slabs
 
     if not 0 <= start <= stop <= weight.n:
@@ -514,10 +516,12 @@ def dequantize_rows(weight: CanonicalWeight, start: int, stop: int) -> Tensor:
             f"pass 0 <= start <= stop <= {weight.n}"
         )
     with slabs.single_threaded_caller():
-        return _dequantize_slabs(weight, slabs, start, stop)
+        return _dequantize_slabs(weight, slabs, start, stop, out)
 
 
-def _dequantize_slabs(weight: CanonicalWeight, slabs: types.ModuleType, start: int, stop: int) -> Tensor:
+def _dequantize_slabs(
+    weight: CanonicalWeight, slabs: types.ModuleType, start: int, stop: int, out: Tensor | None
+) -> Tensor:
     k = weight.k
     tile = scale_tile(weight, weight.scale)
     # the scale (and zero-point) rows under weight rows [start, stop); weight row r is row
@@ -528,7 +532,17 @@ def _dequantize_slabs(weight: CanonicalWeight, slabs: types.ModuleType, start: i
     if weight.scheme.weight.scale.granularity == "tensor" and scale.numel() == 1:
         scale = scale.reshape(1, 1).expand(last - first, 1)  # one scale, broadcast as one per row
     zero = None if weight.zero_point is None else weight.zero_point[first:last].to(torch.float32)
-    out = torch.empty(stop - start, k, dtype=torch.float32, device=weight.codes.device)
+    shape = (stop - start, k)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=weight.codes.device)
+    elif (
+        out.shape != shape or out.dtype != torch.float32 or out.device != weight.codes.device or not out.is_contiguous()
+    ):
+        raise QuantizeError(
+            f"scheme {weight.scheme.name}: out= must be a contiguous float32 [{shape[0]}, {k}] tensor on "
+            f"{weight.codes.device} for rows [{start}, {stop}), got {out.dtype} {list(out.shape)} on {out.device}; "
+            "pass such a tensor or out=None"
+        )
     # group scales over whole groups multiply through a view, without expanding the scale
     grouped = tile[0] == 1 and tile[1] < k and k % tile[1] == 0
 

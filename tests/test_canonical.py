@@ -12,11 +12,19 @@ import torch
 from checkpoint_cache import copy_checkpoint, ct_checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_fakes import builtin_schemes
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from qscheme import canonical
-from qscheme.canonical import CanonicalWeight, canonicalize, dequantize, effective_scale, element_values
+from qscheme.canonical import (
+    CanonicalWeight,
+    canonicalize,
+    dequantize,
+    dequantize_rows,
+    effective_scale,
+    element_values,
+)
 from qscheme.catalog import load_catalog, load_scheme
 from qscheme.checkpoint import load_checkpoint
 from qscheme.descriptor import Scheme, parse_scheme_text
@@ -181,6 +189,31 @@ def test_dequantize_does_not_depend_on_the_number_of_threads() -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(single, dequantize(layer))
+
+
+@pytest.mark.parametrize("name", sorted(scheme.name for scheme in builtin_schemes()))
+def test_dequantize_rows_are_the_rows_of_dequantize_bit_for_bit(name: str) -> None:
+    from qscheme.triton.samples import random_weight
+
+    # three fused partitions (per-partition global scales), rows not aligned to 128-row blocks
+    weight = random_weight(_builtin(name), 300, 200, partitions=(100, 150, 50), seed=5)
+    if weight.scheme.weight.scale.granularity in ("block", "tensor") and weight.global_scale is not None:
+        weight = random_weight(_builtin(name), 300, 200, seed=5)
+    whole = dequantize(weight)
+    for start, stop in [(0, 300), (0, 1), (37, 130), (128, 256), (299, 300), (150, 150), (5, 299)]:
+        assert torch.equal(dequantize_rows(weight, start, stop), whole[start:stop]), (name, start, stop)
+    buffer = torch.full((93, 200), float("nan"))
+    assert dequantize_rows(weight, 37, 130, out=buffer) is buffer and torch.equal(buffer, whole[37:130])
+
+
+def test_dequantize_rows_outside_the_weight_or_a_wrong_buffer_are_refused() -> None:
+    from qscheme.triton.samples import random_weight
+
+    weight = random_weight(_builtin("compressed-tensors/NVFP4A16"), 64, 32)
+    with pytest.raises(QuantizeError, match=r"rows \[10, 65\) are not within the weight's N=64 rows"):
+        dequantize_rows(weight, 10, 65)
+    with pytest.raises(QuantizeError, match=r"out= must be a contiguous float32 \[4, 32\] tensor"):
+        dequantize_rows(weight, 0, 4, out=torch.empty(4, 32, dtype=torch.bfloat16))
 
 
 def _uint8_scheme(zero_point: str, name: str = "test/UINT8_G32_ZP") -> Scheme:
