@@ -65,6 +65,10 @@ class _RegisteringLoader(importlib.abc.Loader):
         self._finder = finder
         self._loader = loader
 
+    def __getattr__(self, name: str) -> object:
+        # get_source, get_filename, ... while the module executes (warnings, inspect) are its loader's
+        return getattr(self._loader, name)
+
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
