@@ -108,18 +108,19 @@ def signals_held() -> Iterator[None]:
     def hold(number: int, frame: FrameType | None) -> None:
         pending.append(number)
 
-    previous = {number: signal.signal(number, hold) for number in _HELD_SIGNALS}
+    previous = {int(number): signal.signal(number, hold) for number in _HELD_SIGNALS}
     try:
         yield
     finally:
         for number, old in previous.items():
             signal.signal(number, old)
         if pending:
-            number, old = pending[0], previous[pending[0]]
-            if callable(old):
-                old(number, None)
-            elif old == signal.SIG_DFL:
-                signal.raise_signal(number)
+            first = pending[0]
+            handler = previous[first]
+            if callable(handler):
+                handler(first, None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(first)
 
 
 def _delete(path: Path) -> None:
