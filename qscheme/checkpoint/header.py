@@ -22,11 +22,14 @@ the checkpoint chooses, are shown escaped (``shown_file``). Checked, in order:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import json
 import math
 import os
 import struct
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +45,9 @@ MAX_NESTING = 64  # safetensors' JSON parser stops near 128 levels; a real heade
 MAX_SIZE = 2**64 - 1  # shapes and offsets are u64 in safetensors
 MAX_TORCH_SIZE = 2**63 - 1  # torch holds each dimension, and the element count, in an int64
 _MAX_DIGITS = len(str(MAX_SIZE))
+# json's C parser reads integers with int(), bounded by Python's int_max_str_digits (4300 by
+# default); above this bound (or unbounded, 0) every integer goes through _parse_int instead.
+_FAST_INT_DIGITS = 10_000
 _FIX = "re-save or re-download the file"
 
 
@@ -89,6 +95,7 @@ SAFETENSORS_DTYPES: dict[str, Dtype] = {
     )
 }
 DTYPE_BY_TORCH_NAME: dict[str, Dtype] = {d.torch_name: d for d in SAFETENSORS_DTYPES.values() if d.torch_name}
+_TORCH_DTYPES: dict[str, torch.dtype | None] = {code: d.torch_dtype for code, d in SAFETENSORS_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -139,7 +146,10 @@ class _HeaderError(ValueError):
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
+    result = dict(pairs)
+    if len(result) == len(pairs):
+        return result  # the usual case, a million tensors included: no loop in Python
+    result = {}
     for key, value in pairs:
         if key in result:
             raise _HeaderError(
@@ -156,6 +166,20 @@ def _parse_int(text: str) -> int | float:
     value = int(text)
     # safetensors' JSON parser reads -0 as the float -0.0, which is not a size
     return -0.0 if value == 0 and text.startswith("-") else value
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a header's millions of small objects are built
+    (none of them is a cycle): each collection would walk all of them again, which made a
+    million-tensor header take twice as long."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _parse_float(text: str) -> float:
@@ -212,14 +236,17 @@ def _check_nested(path: Path, where: str, value: object, depth: int) -> None:
             _check_text(path, where, item)
 
 
-def _load_json(path: Path, raw: bytes) -> dict[str, Any]:
+def _load_json(path: Path, raw: bytes, strict: bool = True) -> dict[str, Any]:
+    """The header's JSON object. ``strict`` reads every integer through ``_parse_int`` (a Python
+    call each); without it json's C parser reads them, which a caller may use only where the text
+    holds no ``-0`` and where it reads the header again strictly on any error (``read_file_header``)."""
     file = shown_file(path)
     try:
         text = raw.decode("utf-8")
         header = json.loads(
             text,
             object_pairs_hook=_no_duplicates,
-            parse_int=_parse_int,
+            parse_int=_parse_int if strict else int,
             parse_float=_parse_float,
             parse_constant=_refuse_constant,
         )
@@ -273,16 +300,17 @@ def _short(value: object) -> str:
 
 def _sizes(value: object, count: int | None) -> bool:
     """A list of ``count`` (any when None) integers in [0, 2**64); booleans are not sizes."""
-    return (
-        isinstance(value, list)
-        and (count is None or len(value) == count)
-        and all(type(item) is int and 0 <= item <= MAX_SIZE for item in value)
-    )
+    if type(value) is not list or (count is not None and len(value) != count):
+        return False
+    for item in value:  # a plain loop: a header can hold millions of these short lists
+        if type(item) is not int or item < 0 or item > MAX_SIZE:
+            return False
+    return True
 
 
-def _check_shape(path: Path, where: str, code: str, shape: list[int], torch_dtype: torch.dtype, bits: int) -> None:
-    """A shape safetensors can size and torch can hold, zero-element shapes included."""
-    file = shown_file(path)
+def _check_shape(file: str, where: str, shape: list[int], torch_dtype: torch.dtype, bits: int) -> int:
+    """A shape safetensors can size and torch can hold, zero-element shapes included; its element
+    count. ``file`` is the file as messages show it (``shown_file``)."""
     count = 1
     for size in shape:
         # safetensors multiplies the sizes in order and refuses any overflow, even one a later 0 would undo
@@ -293,14 +321,14 @@ def _check_shape(path: Path, where: str, code: str, shape: list[int], torch_dtyp
                 f"passes 2**64-1 (safetensors refuses it: 'overflow computing buffer size'); every partial "
                 f"product must stay below 2**64: {_FIX}"
             )
-    big = [size for size in shape if size > MAX_TORCH_SIZE]
+    big = [size for size in shape if size > MAX_TORCH_SIZE] if shape and max(shape) > MAX_TORCH_SIZE else []
     if big:
         raise CheckpointError(
             f"{file}: {where}: shape {_short(shape)} has size {big[0]}, more than torch's largest "
             f"dimension 2**63-1: {_FIX}"
         )
     if count or not shape:
-        return  # the data check bounds every size by the file's length, so torch holds the tensor
+        return count  # the data check bounds every size by the file's length, so torch holds the tensor
     sizes = [*shape[:-1], shape[-1] // 2] if bits == 4 else shape
     try:
         torch.empty(0, dtype=torch.uint8).view(torch_dtype).reshape(sizes)  # no element: nothing allocated
@@ -308,75 +336,84 @@ def _check_shape(path: Path, where: str, code: str, shape: list[int], torch_dtyp
         raise CheckpointError(
             f"{file}: {where}: torch cannot hold an empty tensor of shape {_short(shape)} ({shown(exc, 120)}): {_FIX}"
         ) from None
+    return count
 
 
-def _tensor(path: Path, name: str, entry: object, data_start: int, data_size: int) -> tuple[TensorInfo, int]:
-    """(TensorInfo, end offset in the data section) of one checked header entry."""
-    file = shown_file(path)
-    where = f"tensor {name!r}"
-    _check_text(path, "a tensor name", name)
+_ENTRY_KEYS = ("dtype", "shape", "data_offsets")
+
+
+def _tensor(
+    path: Path, file: str, name: str, entry: object, data_start: int, data_size: int, escapes: bool = True
+) -> tuple[TensorInfo, int]:
+    """(TensorInfo, end offset in the data section) of one checked header entry; ``file`` is
+    ``shown_file(path)``, worked out once per file (a header can list a million tensors);
+    ``escapes``: whether the header holds a ``\\u`` escape, without which no name can hold a lone
+    surrogate."""
+    if escapes:
+        _check_text(path, "a tensor name", name)
     if not isinstance(entry, dict):
         raise CheckpointError(
-            f"{file}: {where}: header entry is a {_json_type(entry)}, not an object with dtype, shape and "
+            f"{file}: tensor {name!r}: header entry is a {_json_type(entry)}, not an object with dtype, shape and "
             f"data_offsets: {_FIX}"
         )
-    missing = [key for key in ("dtype", "shape", "data_offsets") if key not in entry]
+    missing = [key for key in _ENTRY_KEYS if key not in entry]
     if missing:
-        raise CheckpointError(f"{file}: {where}: header entry lacks {', '.join(missing)}: {_FIX}")
-    extra = {key: value for key, value in entry.items() if key not in ("dtype", "shape", "data_offsets")}
-    if extra:
-        _check_nested(path, where, extra, 2)
+        raise CheckpointError(f"{file}: tensor {name!r}: header entry lacks {', '.join(missing)}: {_FIX}")
+    if len(entry) > len(_ENTRY_KEYS):
+        _check_nested(
+            path, f"tensor {name!r}", {key: value for key, value in entry.items() if key not in _ENTRY_KEYS}, 2
+        )
     code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     dtype = SAFETENSORS_DTYPES.get(code) if isinstance(code, str) else None
     if dtype is None:
         raise CheckpointError(
-            f"{file}: {where}: unknown dtype {_short(code)}; safetensors writes {', '.join(SAFETENSORS_DTYPES)}"
+            f"{file}: tensor {name!r}: unknown dtype {_short(code)}; safetensors writes {', '.join(SAFETENSORS_DTYPES)}"
         )
-    torch_dtype = dtype.torch_dtype
+    torch_dtype = _TORCH_DTYPES[dtype.code]
     if torch_dtype is None:
         readable = [d.code for d in SAFETENSORS_DTYPES.values() if d.torch_dtype is not None]
         raise CheckpointError(
-            f"{file}: {where}: dtype {code} has no torch dtype in torch {torch.__version__}, so qscheme cannot read "
-            f"it; readable: {', '.join(readable)}"
+            f"{file}: tensor {name!r}: dtype {code} has no torch dtype in torch {torch.__version__}, so qscheme "
+            f"cannot read it; readable: {', '.join(readable)}"
         )
     if not _sizes(shape, None):
         raise CheckpointError(
-            f"{file}: {where}: shape {_short(shape)} is not a list of sizes (integers from 0 to 2**64-1; "
+            f"{file}: tensor {name!r}: shape {_short(shape)} is not a list of sizes (integers from 0 to 2**64-1; "
             f"true/false, decimals and -0 are not sizes): {_FIX}"
         )
     if not _sizes(offsets, 2):
         raise CheckpointError(
-            f"{file}: {where}: data_offsets {_short(offsets)} is not [begin, end], two integers from 0 to "
+            f"{file}: tensor {name!r}: data_offsets {_short(offsets)} is not [begin, end], two integers from 0 to "
             f"2**64-1 (-0 and decimals are not integers): {_FIX}"
         )
-    _check_shape(path, where, code, shape, torch_dtype, dtype.bits)
+    numel = _check_shape(file, f"tensor {name!r}", shape, torch_dtype, dtype.bits)
     begin, end = offsets
     info = TensorInfo(name=name, dtype=dtype.torch_name or "", shape=tuple(shape), file=path, offset=data_start + begin)
-    bits = info.numel * dtype.bits
+    bits = numel * dtype.bits
     if bits > MAX_SIZE:
-        raise CheckpointError(f"{file}: {where}: {code} x {list(shape)} is more than 2**64 bits: {_FIX}")
+        raise CheckpointError(f"{file}: tensor {name!r}: {code} x {list(shape)} is more than 2**64 bits: {_FIX}")
     if bits % 8:
         multiple = 8 // math.gcd(dtype.bits, 8)
         raise CheckpointError(
-            f"{file}: {where}: {code} x {list(shape)} is {info.numel} values of {dtype.bits} bits, which does not "
+            f"{file}: tensor {name!r}: {code} x {list(shape)} is {numel} values of {dtype.bits} bits, which does not "
             f"end on a byte ({bits} bits); a {dtype.bits}-bit tensor needs a multiple of {multiple} "
             f"values: {_FIX}"
         )
     if dtype.bits == 4 and (not shape or shape[-1] % 2):
         raise CheckpointError(
-            f"{file}: {where}: F4 x {list(shape)}: torch holds two FP4 values per byte along the last dimension, so "
-            f"it must be even: {_FIX}"
+            f"{file}: tensor {name!r}: F4 x {list(shape)}: torch holds two FP4 values per byte along the last "
+            f"dimension, so it must be even: {_FIX}"
         )
     if not begin <= end:
-        raise CheckpointError(f"{file}: {where}: data_offsets [{begin}, {end}] are not increasing: {_FIX}")
+        raise CheckpointError(f"{file}: tensor {name!r}: data_offsets [{begin}, {end}] are not increasing: {_FIX}")
     if end - begin != bits // 8:
         raise CheckpointError(
-            f"{file}: {where}: header says {end - begin} bytes (offsets [{begin}, {end}]) but "
+            f"{file}: tensor {name!r}: header says {end - begin} bytes (offsets [{begin}, {end}]) but "
             f"{code} x {list(shape)} needs {bits // 8}"
         )
     if end > data_size:
         raise CheckpointError(
-            f"{file}: {where}: data ends at byte {end} of the data section but the file holds only "
+            f"{file}: tensor {name!r}: data ends at byte {end} of the data section but the file holds only "
             f"{data_size} bytes there (file truncated, or the header lies about offsets)"
         )
     return info, end
@@ -438,20 +475,52 @@ def read_file_header(path: Path) -> FileHeader:
         raise CheckpointError(f"{file}: cannot be read: {exc.strerror}") from None
     if len(raw) < header_size:
         raise CheckpointError(f"{file}: shrank while its header was read; is another program writing it?")
-    header = _load_json(path, raw)
-    metadata = _metadata(path, header.get("__metadata__"))
     data_start = 8 + header_size
-    data_size = file_size - data_start
+    with _collector_paused():
+        # Integers read by json's C parser first (a million-tensor header in seconds): a -0 needs
+        # _parse_int to tell it from 0, and an integer longer than any size (which _parse_int
+        # refuses) fails a later check, so any error reads the header again strictly, for the
+        # message strict reading gives.
+        if b"-0" not in raw and 0 < sys.get_int_max_str_digits() <= _FAST_INT_DIGITS:
+            try:
+                tensors, metadata = _checked(path, file, raw, data_start, file_size - data_start, strict=False)
+            except CheckpointError:
+                pass
+            else:
+                return FileHeader(path, tensors, metadata, file_size, (stat.st_dev, stat.st_ino, stat.st_mtime_ns))
+        tensors, metadata = _checked(path, file, raw, data_start, file_size - data_start, strict=True)
+    return FileHeader(path, tensors, metadata, file_size, (stat.st_dev, stat.st_ino, stat.st_mtime_ns))
+
+
+def _checked(
+    path: Path, file: str, raw: bytes, data_start: int, data_size: int, strict: bool
+) -> tuple[dict[str, TensorInfo], dict[str, str] | None]:
+    """The checked tensors and metadata of one header (``raw``); ``strict``: see ``_load_json``."""
+    header = _load_json(path, raw, strict)
+    metadata = _metadata(path, header.get("__metadata__"))
     tensors: dict[str, TensorInfo] = {}
     spans: list[tuple[int, int, str]] = []
+    escapes = b"\\u" in raw
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        info, end = _tensor(path, name, entry, data_start, data_size)
+        info, end = _tensor(path, file, name, entry, data_start, data_size, escapes)
         tensors[name] = info
         spans.append((info.offset - data_start, end, name))
     _check_coverage(path, spans, data_size)
-    return FileHeader(path, tensors, metadata, file_size, (stat.st_dev, stat.st_ino, stat.st_mtime_ns))
+    if not strict:
+        _refuse_long_integers(path, header)
+    return tensors, metadata
+
+
+def _refuse_long_integers(path: Path, header: dict[str, Any]) -> None:
+    """An integer ``_parse_int`` would have refused, in a field no other check reads (an entry's
+    extra keys): a CheckpointError, so that the caller reads the header again strictly."""
+    for name, entry in header.items():
+        if name != "__metadata__" and len(entry) > len(_ENTRY_KEYS):
+            for item, _ in _walk(entry, 1):
+                if type(item) is int and abs(item) >= 10**_MAX_DIGITS:
+                    raise CheckpointError(f"{shown_file(path)}: tensor {name!r}: an integer longer than any size")
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
