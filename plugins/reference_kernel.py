@@ -14,8 +14,14 @@ than half a copy of the whole layer in the input's dtype, and it is freed before
 a forward holds one chunk at a time and keeps nothing. (glibc's malloc may keep a freed chunk
 or two resident for reuse, which is why a chunk is half a copy: what stays resident after any
 number of forwards is then within one activation-dtype copy of the largest layer, however many
-layers the model has; tests/test_reference_memory.py measures it.) The price is speed: every
-call dequantizes the weight again.
+layers the model has; tests/test_reference_memory.py measures it.)
+
+Speed: every call dequantizes the weight again, on qscheme's slab workers
+(``qscheme.quantize.slabs``), with the calling thread single-threaded for the whole call (the
+chunk products included): switching torch's thread count per chunk, or letting the caller's
+OpenMP team spin beside the workers, cost several times the dequantization itself. On a
+4096x4096 layer this makes a call a few times slower than with a kept float32 copy at M=1 (the
+figures are in docs/benchmarks.md).
 
 Why float32 and not the activation dtype: the products are taken in float32 (input and chunk),
 so the output is ``x @ dequantize(weight).T`` rounded once to the input's dtype, the exact
@@ -40,6 +46,7 @@ from qscheme.canonical import CanonicalWeight, dequantize_rows, scale_tile
 from qscheme.descriptor import ActivationSpec
 from qscheme.emulation import apply_pre_scale, fake_quantize_activation
 from qscheme.errors import UsageError
+from qscheme.quantize import slabs
 
 CHUNK_BYTES = 8 << 20  # float32 bytes of weight rows dequantized at once (at most)
 CACHE_VARIABLE = "QSCHEME_REFERENCE_CACHE"
@@ -189,8 +196,13 @@ class ReferenceKernel:
         if x.shape[-1] != state.k:
             raise UsageError(f"input has {x.shape[-1]} features in its last dim; the layer takes K={state.k}")
         weight = state.canonical
-        cached = None if state.cache is None else self._cached(state, x.dtype)
         rows = chunk_rows(weight.n, weight.k, x.element_size(), scale_tile(weight, weight.scale)[0])
+        with slabs.single_threaded_caller():  # see the module docstring: Speed
+            return self._multiply(state, x, bias, rows)
+
+    def _multiply(self, state: ReferenceState, x: Tensor, bias: Tensor | None, rows: int) -> Tensor:
+        weight = state.canonical
+        cached = None if state.cache is None else self._cached(state, x.dtype)
         pieces = []
         buffer: Tensor | None = None  # one chunk of float32 rows, reused chunk after chunk
         for scaling, values in self.quantize_input(state, x):

@@ -40,12 +40,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qscheme.api_checks import require_tensor
+from qscheme.api_checks import require_optional_name, require_tensor
 from qscheme.canonical import TENSOR_FIELDS, CanonicalWeight, canonicalize, dequantize
 from qscheme.catalog import require_scheme_argument
 from qscheme.checkpoint.validate import require_valid_tensors
 from qscheme.descriptor import Scheme
 from qscheme.errors import QSchemeError, UsageError
+from qscheme.input_checks import poison_non_finite_rows, refuse_non_finite
 from qscheme.kernels.declaration import KernelDeclaration
 from qscheme.kernels.devices import DeviceFacts
 from qscheme.kernels.interface import KernelExecutionError
@@ -162,7 +163,7 @@ class QuantLinear(torch.nn.Module):
         # carry along; not in the state dict.
         self.register_buffer("_device_anchor", torch.empty(0, device=torch_device), persistent=False)
         self.forced_kernel = kernel
-        self.layer_name = layer_name
+        self.layer_name = require_optional_name(layer_name, "layer_name", "QuantLinear")
         self.in_features = weight.k
         self.out_features = weight.n
         self._facts = device_facts
@@ -179,7 +180,7 @@ class QuantLinear(torch.nn.Module):
         else:
             self.bias = None
         # Resolution happens now (a layer that cannot run fails at load time); the kernel's
-        # prepare (repack, or the reference kernel's float32 weight) waits for the first forward
+        # prepare (a repack; the reference kernel keeps the canonical tensors) waits for the first forward
         # or an explicit prepare(), so that loading a checkpoint stays close to its file size.
         self._resolved: dict[str, tuple[Resolution, KernelDeclaration, Any]] = {}
         self._states: dict[str, Any] = {}
@@ -501,14 +502,19 @@ class QuantLinear(torch.nn.Module):
         }
 
     def _run(self, implementation: Any, state: Any, x: Tensor, activation_dtype: str) -> Tensor:
-        """``implementation.apply`` with its failures and its output checked."""
+        """``implementation.apply`` with its failures and its output checked; a non-finite input to
+        a layer that quantizes activations is refused on a CPU, NaN-propagated elsewhere
+        (``qscheme.input_checks``)."""
+        quantizes = self.scheme.activation is not None
+        if quantizes and x.device.type == "cpu":
+            refuse_non_finite(x, self._name(), self.scheme.name)
         try:
             y = implementation.apply(state, x, self.bias)
         except (Exception, SystemExit) as exc:  # a plugin's code may raise anything: name who failed, where
             raise self._kernel_error(activation_dtype, "apply", exc) from exc
         if not isinstance(y, Tensor) or y.dtype != x.dtype or y.shape != self._output_shape(x):
             raise self._bad_output(y, x, activation_dtype)
-        return y
+        return poison_non_finite_rows(y, x) if quantizes and x.device.type != "cpu" else y
 
     def _output_shape(self, x: Tensor) -> torch.Size:
         """[..., N] for x of shape [..., K], memoised: slicing a torch.Size costs more than the lookup."""
