@@ -43,7 +43,7 @@ def test_each_quantized_layer_reports_its_relative_and_max_abs_error(tmp_path: P
     assert len(rows) == 7
     for row in rows:
         relative, max_abs = _expected(tensors[row.name + ".weight"], loaded[row.name].dequantize())
-        assert row.relative_error is not None and math.isclose(row.relative_error, relative, rel_tol=1e-6)
+        assert row.relative_error is not None and math.isclose(row.relative_error, relative, rel_tol=1e-5)
         assert row.max_abs_error == pytest.approx(max_abs, rel=1e-6)
         assert 0 < row.relative_error < 0.5  # round-to-nearest of a Gaussian weight: a few percent
     copied = [row for row in summary.layers if row.action == "copied"]
@@ -89,7 +89,7 @@ def test_a_requantizing_convert_reports_relative_error_not_ulps(
     assert len(rows) == 7
     for row in rows:
         relative, _ = _expected(reference[row.name], written[row.name].dequantize())
-        assert row.max_ulps is None and row.relative_error == pytest.approx(relative, rel=1e-6)
+        assert row.max_ulps is None and row.relative_error == pytest.approx(relative, rel=1e-5)
     argv = ["convert", str(source), str(tmp_path / "int4b"), "--to", "compressed-tensors/W4A16", "--allow-requantize"]
     assert main(argv) == 0
     out = capsys.readouterr().out
