@@ -16,7 +16,7 @@ from pathlib import Path
 
 from qscheme.checkpoint.plan import FuseSpec, Plan, plan_checkpoint
 from qscheme.checkpoint.text import group_label, listing, problem_lines, shown
-from qscheme.errors import CheckpointError
+from qscheme.errors import CheckpointError, UsageError
 
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
 
@@ -154,6 +154,8 @@ def inspect_checkpoint(path: str | Path, *, fuse: FuseSpec | None = None, read_v
     except CheckpointError as exc:
         inspection.problems.append(str(exc))
         return inspection
+    except UsageError:
+        raise  # the caller's mistake (an empty path, a bad fuse=), not the checkpoint's
     except (RecursionError, ValueError, OSError) as exc:  # a backstop: inspect reports, it never raises
         inspection.problems.append(f"{path}: cannot be inspected: {type(exc).__name__}: {exc}")
         return inspection

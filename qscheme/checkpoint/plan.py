@@ -17,7 +17,7 @@ import torch
 
 from qscheme.checkpoint.config import ProducerConfig, read_producer_config
 from qscheme.checkpoint.detect import Detection, ModuleAssignment, detect, split_name
-from qscheme.checkpoint.reader import CheckpointFiles
+from qscheme.checkpoint.reader import CheckpointFiles, refuse_empty_path
 from qscheme.checkpoint.text import problem_lines
 from qscheme.checkpoint.validate import ModuleLayout, TensorProblem, check_layout
 from qscheme.descriptor import Scheme
@@ -228,7 +228,9 @@ def plan_checkpoint(
     schemes: Iterable[Scheme] | None = None,
     fuse: FuseSpec | None = None,
 ) -> Plan:
-    """Config + headers + detection + layout checks for a checkpoint folder."""
+    """Config + headers + detection + layout checks for a checkpoint folder (UsageError for an
+    empty path, which would name the current folder)."""
+    refuse_empty_path(path)
     fuse_spec = check_fuse_spec(fuse)  # a malformed fuse= is a UsageError before any file is read
     folder = Path(path)
     files = CheckpointFiles(folder)

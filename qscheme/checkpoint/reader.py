@@ -37,7 +37,7 @@ from qscheme.checkpoint.header import (
     shown_file,
 )
 from qscheme.checkpoint.text import listing, shown
-from qscheme.errors import CheckpointError
+from qscheme.errors import CheckpointError, UsageError
 
 __all__ = [
     "INDEX_FILE",
@@ -66,10 +66,21 @@ def _is_file_name(shard: str) -> bool:
     return Path(shard).name == shard
 
 
+def refuse_empty_path(path: object, caller: str = "") -> None:
+    """UsageError (exit code 2) for an empty path: ``Path("")`` is the current folder, which the
+    caller never meant (an unset variable, a missing argument)."""
+    if isinstance(path, str) and path == "":
+        raise UsageError(
+            f"{caller + ': ' if caller else ''}the checkpoint path is empty (''), which would name the current "
+            "folder; pass the checkpoint folder (config.json + *.safetensors), or '.' for the current folder"
+        )
+
+
 class CheckpointFiles:
     """The tensors of a checkpoint folder, by name, read lazily from their files."""
 
     def __init__(self, folder: str | Path) -> None:
+        refuse_empty_path(folder, "CheckpointFiles")
         self.folder = Path(folder)
         try:
             is_folder = self.folder.is_dir()

@@ -10,11 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from qscheme.checkpoint.text import shown
-from qscheme.errors import CheckpointNotFoundError
+from qscheme.errors import CheckpointNotFoundError, UsageError
 
 
 def checkpoint_argument(path: str) -> None:
-    """Refuse (exit 2) a checkpoint path that does not exist or is not a folder."""
+    """Refuse (exit 2) a checkpoint path that is empty (``Path("")`` is the current folder), does
+    not exist or is not a folder."""
+    if path == "":
+        raise UsageError(
+            "CHECKPOINT is empty (''), which would name the current folder; pass the checkpoint folder "
+            "(config.json + *.safetensors), or '.' for the current folder"
+        )
     folder = Path(path)
     named = shown(path, limit=1000)
     if not folder.exists():
