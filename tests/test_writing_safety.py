@@ -349,3 +349,21 @@ def test_a_backtracking_ignore_pattern_is_refused_quickly(tmp_path: Path) -> Non
     with pytest.raises(UsageError, match=re.escape(f"{entry!r} is refused")):
         quantize_checkpoint(source, tmp_path / "dst", SCHEME, ignore=[entry])
     assert time.perf_counter() - started < 5 and leftovers(tmp_path, "dst") == []
+
+
+def test_the_cli_says_what_is_on_disk_after_a_signal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from qscheme.cli.writes import run_write
+
+    def stopped(committed: Path | None):  # type: ignore[no-untyped-def]
+        def write(progress: bool | None) -> None:
+            stop = Terminated(signal.SIGTERM)
+            stop.committed = committed
+            raise stop
+
+        return write
+
+    assert run_write("quantize", str(tmp_path / "dst"), stopped(None), as_json=False) == 128 + signal.SIGTERM
+    assert "nothing was written to" in capsys.readouterr().err
+    assert run_write("quantize", str(tmp_path / "dst"), stopped(tmp_path / "dst"), as_json=False) == 143
+    err = capsys.readouterr().err
+    assert "already complete and in place" in err and "nothing was written" not in err
