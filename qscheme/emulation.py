@@ -66,7 +66,10 @@ quantization computes ``e4m3(x * (448 / amax)) * (1 / (448 / amax))`` from its c
 which the exported ``input_scale = amax / 448`` does not recover exactly; this module follows
 compressed-tensors' ``x / input_scale`` for the static FP8 scale of both producers.
 
-NaN and infinite inputs are not supported (their groups' results are unspecified).
+NaN and infinite inputs are not supported here (their groups' results are unspecified and
+differ between kernels). ``QuantLinear`` checks its inputs before any kernel quantizes them: a
+CPU input holding inf or NaN raises NonFiniteInputError naming the layer, and on other devices
+the output rows of such inputs are NaN (``qscheme.input_checks``).
 """
 
 from __future__ import annotations
