@@ -4,7 +4,8 @@ A value that is not a plain tensor fails deep inside torch (a sparse tensor has 
 meta tensor no values, a nested tensor no sizes), far from the call that passed it. These
 checks refuse it first, with QuantizeError naming the tensor, what it is, and what to pass. (A
 scheme argument of the wrong type is refused by qscheme.catalog.require_scheme_argument, which
-needs no torch.)
+needs no torch.) Flags and names (``strict``, ``progress``, ``layer_name``) are checked for
+their type too: ``strict="no"`` would otherwise count as true.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from qscheme.errors import QuantizeError
+from qscheme.errors import QuantizeError, UsageError
 
 META_FIX = "materialise it first (load the real weights, e.g. module.to_empty(device='cpu') then load_state_dict)"
 
@@ -66,3 +67,33 @@ def require_tensor_mapping(tensors: object, source: str, example: str) -> Mappin
             )
         require_tensor(value, source, repr(name))
     return tensors
+
+
+def require_flag(value: object, name: str, caller: str) -> bool:
+    """``value`` if it is True or False; UsageError otherwise (``strict="no"`` is not False)."""
+    if isinstance(value, bool):
+        return value
+    raise UsageError(
+        f"{caller}: {name} must be True or False, not {value!r} ({type(value).__name__}); a string such as "
+        f"'no' would count as true: pass {name}=False"
+    )
+
+
+def require_optional_flag(value: object, name: str, caller: str) -> bool | None:
+    """``value`` if it is True, False or None (automatic); UsageError otherwise."""
+    if value is None or isinstance(value, bool):
+        return value
+    raise UsageError(
+        f"{caller}: {name} must be True, False or None (automatic), not {value!r} ({type(value).__name__}); "
+        f"pass {name}=True or {name}=False"
+    )
+
+
+def require_optional_name(value: object, name: str, caller: str) -> str | None:
+    """``value`` if it is a str or None; UsageError otherwise."""
+    if value is None or isinstance(value, str):
+        return value
+    raise UsageError(
+        f"{caller}: {name} must be a str (the module's name, e.g. 'model.layers.0.mlp.up_proj') or None, "
+        f"not {value!r} ({type(value).__name__})"
+    )

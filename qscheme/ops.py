@@ -54,10 +54,40 @@ def layer_for(handle: int) -> QuantLinear:
     return layer
 
 
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _checked_call(
+    op: str, layer: QuantLinear, value: Tensor, features: int, sizes: tuple[str, int, str, int]
+) -> QuantLinear:
+    """``layer`` once ``value`` and the size argument fit it; UsageError naming the operator, the
+    layer and the bad value otherwise (a direct call of the operator with arguments no
+    QuantLinear forward would pass)."""
+    name = layer.layer_name or "QuantLinear"
+    last, last_size, argument, expected = sizes
+    if value.dtype not in _FLOAT_DTYPES:
+        raise UsageError(
+            f"qscheme::{op} for layer {name}: a {value.dtype} tensor; the operator takes bfloat16, float16 or float32"
+        )
+    if value.dim() == 0 or value.shape[-1] != last_size:
+        raise UsageError(
+            f"qscheme::{op} for layer {name}: a tensor of shape {list(value.shape)}; its last dim must be the "
+            f"layer's {last} = {last_size}"
+        )
+    if features != expected:
+        raise UsageError(f"qscheme::{op} for layer {name}: {argument}={features}, but the layer's is {expected}")
+    wanted = layer.torch_device
+    if value.device.type != wanted.type or value.device.type == "meta":
+        raise UsageError(f"qscheme::{op} for layer {name}: a tensor on {value.device}, the layer is on {wanted}")
+    return layer
+
+
 @torch.library.custom_op("qscheme::quant_linear", mutates_args=())
 def quant_linear(x: Tensor, handle: int, out_features: int) -> Tensor:
     """y = layer(x) for the QuantLinear behind ``handle``, run eagerly by its kernel (no gradient)."""
-    return layer_for(handle)._kernel_forward(x)
+    layer = layer_for(handle)
+    sizes = ("K", layer.in_features, "out_features", layer.out_features)
+    return _checked_call("quant_linear", layer, x, out_features, sizes)._kernel_forward(x)
 
 
 @quant_linear.register_fake
@@ -68,7 +98,9 @@ def _quant_linear_fake(x: Tensor, handle: int, out_features: int) -> Tensor:
 @torch.library.custom_op("qscheme::quant_linear_input_grad", mutates_args=())
 def quant_linear_input_grad(grad_y: Tensor, handle: int, in_features: int) -> Tensor:
     """grad_x = grad_y @ effective_weight for the layer behind ``handle``, in grad_y's dtype."""
-    return layer_for(handle)._input_grad(grad_y)
+    layer = layer_for(handle)
+    sizes = ("N", layer.out_features, "in_features", layer.in_features)
+    return _checked_call("quant_linear_input_grad", layer, grad_y, in_features, sizes)._input_grad(grad_y)
 
 
 @quant_linear_input_grad.register_fake

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -335,3 +337,151 @@ def test_load_checkpoint_refuses_schemes_of_the_wrong_type(schemes: object, expe
 
     with pytest.raises(UsageError, match=expected):
         load_checkpoint("/nonexistent-folder-checked-later", schemes=schemes)  # type: ignore[arg-type]
+
+
+# --- odd API paths: flags, names, degrees, devices, fuse= (issue 24) ----------------------------
+
+FIXTURE_FOLDER = Path(__file__).resolve().parents[1] / FIXTURE
+
+
+def _tiny_model() -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.from_pretrained(str(FIXTURE_FOLDER))
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model: torch.nn.Module = transformers.LlamaForCausalLM(config)
+    return model
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, object]:
+    return {name: type(module).__name__ for name, module in model.named_modules()}
+
+
+@pytest.mark.parametrize("strict", ["no", "False", 0, 1, None])
+@pytest.mark.parametrize("parallel", [False, True], ids=["apply_to_model", "apply_to_model_tp"])
+def test_strict_takes_a_bool_only(strict: object, parallel: bool) -> None:
+    """strict="no" used to count as true; any non-bool is now refused before the model changes."""
+    from qscheme.checkpoint import apply_to_model
+    from qscheme.parallel import apply_to_model_tp
+
+    model = _tiny_model()
+    before = _snapshot(model)
+    pattern = rf"apply_to_model: strict must be True or False, not {re.escape(repr(strict))}"
+    with pytest.raises(UsageError, match=pattern):
+        if parallel:
+            apply_to_model_tp(model, FIXTURE_FOLDER, 0, 1, strict=strict)  # type: ignore[arg-type]
+        else:
+            apply_to_model(model, FIXTURE_FOLDER, strict=strict)  # type: ignore[arg-type]
+    assert _snapshot(model) == before
+
+
+@pytest.mark.parametrize("progress", ["no", "yes", 0, 2.0])
+def test_progress_takes_a_bool_or_none(progress: object) -> None:
+    from qscheme.checkpoint import load_checkpoint
+    from qscheme.parallel import load_checkpoint_tp
+
+    expected = rf"progress must be True, False or None \(automatic\), not {re.escape(repr(progress))}"
+    with pytest.raises(UsageError, match=expected):
+        load_checkpoint(FIXTURE_FOLDER, progress=progress)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=expected):
+        load_checkpoint_tp(FIXTURE_FOLDER, 0, 2, progress=progress)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("layer_name", [5, b"up", ["up"]], ids=repr)
+def test_layer_name_takes_a_str_or_none(layer_name: object) -> None:
+    with pytest.raises(UsageError, match=r"QuantLinear: layer_name must be a str .* or None, not"):
+        QuantLinear.from_tensors(SCHEME, _tensors(), layer_name=layer_name)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"tp_rank": -1, "tp_size": 2}, r"tp_rank must be in 0\.\.1 for tp_size=2, not -1"),
+        ({"tp_rank": 2, "tp_size": 2}, r"tp_rank must be in 0\.\.1 for tp_size=2, not 2"),
+        ({"tp_rank": "0", "tp_size": 2}, r"tp_rank must be an int, not '0' \(str\)"),
+        ({"tp_rank": 0, "tp_size": 0}, r"tp_size must be >= 1, not 0"),
+        ({"tp_rank": 0, "tp_size": 2.0}, r"tp_size must be an int, not 2\.0 \(float\)"),
+        ({"tp_rank": 0, "tp_size": True}, r"tp_size must be an int, not True \(bool\)"),
+        ({"device": "cpux"}, r"load_checkpoint\(device='cpux'\): not a device"),
+        ({"device": "cuda:abc"}, r"load_checkpoint\(device='cuda:abc'\): not a device"),
+        ({"device": ""}, r"load_checkpoint\(device=''\): not a device"),
+        ({"device": -1}, r"load_checkpoint\(device=-1\): a device is 'cpu', 'cuda', 'cuda:N' or a torch\.device"),
+        ({"fuse": "qkv_proj"}, r"fuse must map each fused module name to its member module names"),
+        ({"fuse": {"qkv_proj": "q_proj,k_proj"}}, r"fuse\['qkv_proj'\] must list the member module names"),
+        ({"fuse": {"qkv_proj": [1, 2]}}, r"fuse\['qkv_proj'\]: member 1 must be a module's own name"),
+        ({"fuse": {1: ["q_proj", "k_proj"]}}, r"fuse: fused name 1 must be a non-empty module name"),
+        ({"fuse_policy": 1}, r"fuse_policy must be one of per_partition, rescale, requantize, refuse"),
+        ({"tp_rank": 0, "tp_size": 2, "tp_plan": ["q_proj"]}, r"tp_plan must map module-name patterns"),
+        ({"tp_rank": 0, "tp_size": 2, "tp_plan": {"q_proj": "diagonal"}}, r"'diagonal' is not a parallel style"),
+    ],
+    ids=lambda value: repr(value) if isinstance(value, dict) else "",
+)
+def test_load_checkpoint_odd_arguments_are_usage_errors(options: dict[str, object], expected: str) -> None:
+    from qscheme.checkpoint import load_checkpoint
+
+    with pytest.raises(UsageError, match=expected):
+        load_checkpoint(FIXTURE_FOLDER, **options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"tp_rank": -1, "tp_size": 2}, r"tp_rank must be in 0\.\.1 for tp_size=2, not -1"),
+        ({"tp_rank": 5, "tp_size": 2}, r"tp_rank must be in 0\.\.1 for tp_size=2, not 5"),
+        ({"tp_rank": 0, "tp_size": "2"}, r"tp_size must be an int, not '2' \(str\)"),
+        ({"tp_size": 2}, r"apply_to_model: pass tp_rank and tp_size together"),
+        ({"device": "gpu"}, r"apply_to_model\(device='gpu'\): not a device"),
+        ({"fuse": {"qkv_proj": "q_proj"}}, r"fuse\['qkv_proj'\] must list the member module names"),
+    ],
+    ids=lambda value: repr(value) if isinstance(value, dict) else "",
+)
+def test_apply_to_model_odd_arguments_are_usage_errors(options: dict[str, object], expected: str) -> None:
+    from qscheme.checkpoint import apply_to_model
+
+    model = _tiny_model()
+    before = _snapshot(model)
+    with pytest.raises(UsageError, match=expected):
+        apply_to_model(model, FIXTURE_FOLDER, **options)  # type: ignore[arg-type]
+    assert _snapshot(model) == before
+
+
+# --- the custom ops called directly (torch.ops.qscheme.*) ------------------------------------------
+
+
+def test_the_custom_ops_check_their_arguments_against_the_layer() -> None:
+    layer = QuantLinear.from_tensors(SCHEME, _tensors(), layer_name="mlp.up", activation_dtype="float32")
+    handle = layer._op_handle
+    ops = torch.ops.qscheme
+    cases = [
+        (lambda: ops.quant_linear(torch.ones(2, 64, dtype=torch.int64), handle, 8), "a torch.int64 tensor"),
+        (lambda: ops.quant_linear(torch.randn(2, 60), handle, 8), r"shape \[2, 60\]; its last dim must be .* K = 64"),
+        (lambda: ops.quant_linear(torch.randn(2, 64), handle, 7), "out_features=7, but the layer's is 8"),
+        (lambda: ops.quant_linear_input_grad(torch.randn(2, 7), handle, 64), r"last dim must be the layer's N = 8"),
+        (lambda: ops.quant_linear_input_grad(torch.ones(2, 8, dtype=torch.int32), handle, 64), "torch.int32"),
+        (lambda: ops.quant_linear_input_grad(torch.randn(2, 8), handle, 63), "in_features=63, but the layer's is 64"),
+        (lambda: ops.quant_linear(torch.randn(2, 64), 10**9, 8), "names no live QuantLinear"),
+    ]
+    for call, expected in cases:
+        with pytest.raises(UsageError, match=expected):
+            call()
+    x = torch.randn(2, 64)
+    assert torch.equal(ops.quant_linear(x, handle, 8), layer(x))  # the checked call still computes
+
+
+def test_a_kernel_raising_a_torch_error_under_compile_is_a_kernel_execution_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from qscheme.kernels.interface import KernelExecutionError
+
+    layer = QuantLinear.from_tensors(
+        SCHEME, _tensors(), layer_name="mlp.up", activation_dtype="float32", kernel="reference"
+    )
+    implementation, _ = layer._prepared("float32")
+
+    def broken(state: object, x: Tensor, bias: Tensor | None) -> Tensor:
+        return torch.mm(x, torch.ones(3, 3))  # a torch RuntimeError from inside the kernel's code
+
+    monkeypatch.setattr(implementation, "apply", broken)
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    with pytest.raises(KernelExecutionError, match=r"kernel 'reference' .* failed in apply\(\) for layer mlp\.up"):
+        compiled(torch.randn(2, 64))

@@ -62,7 +62,11 @@ class Progress:
 
 
 def auto_enabled(total_bytes: int, requested: bool | None) -> bool:
-    """Show progress when asked, or by default for large checkpoints on a terminal."""
-    if requested is not None:
-        return requested
+    """Show progress when asked, or by default for large checkpoints on a terminal; UsageError
+    for a ``progress`` that is not True, False or None."""
+    from qscheme.api_checks import require_optional_flag
+
+    asked = require_optional_flag(requested, "progress", "the progress bar")
+    if asked is not None:
+        return asked
     return total_bytes >= LARGE_CHECKPOINT_BYTES and sys.stderr.isatty()

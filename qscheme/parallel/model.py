@@ -36,6 +36,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
+from qscheme.api_checks import require_flag
 from qscheme.checkpoint.load import FusePolicyChoice
 from qscheme.checkpoint.model import (
     _model_device_and_dtype,
@@ -46,6 +47,7 @@ from qscheme.checkpoint.model import (
 )
 from qscheme.checkpoint.plan import FuseSpec
 from qscheme.checkpoint.text import listing
+from qscheme.dtype_fallback import warn_dtype_fallbacks
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.linear import QuantLinear, checked_device
 from qscheme.parallel.agree import failures_shared
@@ -256,6 +258,7 @@ def apply_to_model_tp(
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"apply_to_model: model must be a torch.nn.Module, not {type(model).__name__}")
     tp_size, tp_rank = checked_degree(tp_size, tp_rank)
+    require_flag(strict, "strict", "apply_to_model")
     what = f"apply_to_model({str(path)!r}, tp_rank={tp_rank}, tp_size={tp_size})"
     with failures_shared(what, tp_rank, tp_size) as done:
         plan_of_ranks = checked_tp_plan(tp_plan)
@@ -339,4 +342,5 @@ def apply_to_model_tp(
     if missing:
         notes.append(f"apply_to_model: the checkpoint does not provide {_listing(missing)}; the model keeps its own")
     checkpoint.report = dataclasses.replace(checkpoint.report, notes=(*checkpoint.report.notes, *notes))
+    warn_dtype_fallbacks(model, f"apply_to_model (tensor-parallel rank {tp_rank})")
     return checkpoint
