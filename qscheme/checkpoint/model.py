@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from qscheme.api_checks import require_flag
 from qscheme.checkpoint.load import Checkpoint, FusePolicyChoice, load_checkpoint
 from qscheme.checkpoint.plan import FuseSpec
 from qscheme.checkpoint.text import listing
@@ -208,6 +209,7 @@ def apply_to_model(
     tensor-parallel model on torch.distributed (``qscheme.parallel.apply_to_model_tp``,
     docs/parallel.md).
     """
+    require_flag(strict, "strict", "apply_to_model")
     if tp_size is not None or tp_rank is not None or tp_plan is not None:
         if tp_size is None or tp_rank is None:
             raise UsageError(
