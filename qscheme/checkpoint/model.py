@@ -296,6 +296,9 @@ def apply_to_model(
         notes.append(f"apply_to_model: the checkpoint does not provide {_listing(missing)}; the model keeps its own")
     if notes:
         checkpoint.report = dataclasses.replace(checkpoint.report, notes=(*checkpoint.report.notes, *notes))
+    from qscheme.dtype_fallback import warn_dtype_fallbacks  # here: it imports qscheme.linear
+
+    warn_dtype_fallbacks(model, "apply_to_model")
     return checkpoint
 
 

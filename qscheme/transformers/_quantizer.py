@@ -17,6 +17,7 @@ import torch
 from transformers.quantizers.base import HfQuantizer
 
 from qscheme.checkpoint.text import shown
+from qscheme.dtype_fallback import warn_dtype_fallbacks
 from qscheme.errors import UsageError
 from qscheme.transformers._config import QSchemeQuantizationConfig
 from qscheme.transformers._swap import Swap, plan_swap
@@ -88,6 +89,7 @@ class QSchemeHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
         if self.swap is not None:
             self.swap.load(model)
+            warn_dtype_fallbacks(model, "from_pretrained")
         return model
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
