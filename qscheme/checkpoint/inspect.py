@@ -132,8 +132,10 @@ def _fill(inspection: Inspection, plan: Plan, read_values: bool) -> None:
         plan.layers()  # load refuses two layers of one name before it reads a value: so does inspect
     except CheckpointError as exc:
         inspection.problems.append(str(exc))
+    inspection.problems.extend(oversized_tensors(plan))
     if read_values:
         from qscheme.checkpoint.load import check_module_values  # load imports the kernels: only when needed
+        from qscheme.checkpoint.plain import read_plain_problems
 
         for layout in plan.layouts.values():
             if layout.problems:
@@ -144,6 +146,18 @@ def _fill(inspection: Inspection, plan: Plan, read_values: bool) -> None:
                 inspection.problems.append(str(exc))
                 continue
             inspection.problems.extend(str(p) for p in found)
+        inspection.problems.extend(read_plain_problems(plan.files, plan.detection.plain))
+    inspection.problems = list(dict.fromkeys(inspection.problems))  # an oversized tensor is also refused when read
+
+
+def oversized_tensors(plan: Plan) -> list[str]:
+    """Tensors whose header claims more bytes than this machine's memory (a sparse file can claim
+    terabytes): load refuses them when it reads them; inspect says so from the headers."""
+    from qscheme.checkpoint.reader import memory_bytes, too_large
+
+    memory = memory_bytes()
+    found = (too_large(info, memory) for info in plan.files.tensors.values())
+    return [problem for problem in found if problem is not None]
 
 
 def inspect_checkpoint(path: str | Path, *, fuse: FuseSpec | None = None, read_values: bool = True) -> Inspection:

@@ -20,6 +20,7 @@ from qscheme.canonical import CanonicalWeight, canonicalize
 from qscheme.catalog import load_scheme, require_scheme_argument
 from qscheme.checkpoint.detect import BIAS
 from qscheme.checkpoint.fuse import FUSE_POLICIES, FuseOutcome, fuse_members, scales_differ
+from qscheme.checkpoint.plain import plain_problems
 from qscheme.checkpoint.plan import FuseSpec, Plan, check_fuse_spec, format_problems, plan_checkpoint
 from qscheme.checkpoint.progress import Progress, auto_enabled
 from qscheme.checkpoint.report import CheckpointReport, LayerReport
@@ -366,6 +367,11 @@ def load_checkpoint(
         # Read before any module is built: a file that changed since its header was checked
         # fails here, with nothing half-loaded.
         tensors = {name: plan.files.get(name) for name in (*detection.plain, *detection.kv_cache)}
+        plain_found = plain_problems(plan.files, {name: tensors[name] for name in detection.plain})
+        if plain_found:
+            raise CheckpointError(
+                f"{plan.path}: {len(plain_found)} problem(s) found, nothing was loaded:\n{format_problems(plain_found)}"
+            )
         modules: dict[str, QuantLinear] = {}
         reports: list[LayerReport] = []
         for name, members in layers:

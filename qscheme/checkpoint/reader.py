@@ -236,13 +236,69 @@ def _changed(header: FileHeader, handle: BinaryIO) -> str | None:
     return None
 
 
+def memory_bytes() -> int:
+    """This machine's memory, physical plus swap (0 when unknown): no tensor larger than this
+    can be read into memory."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 0
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("SwapTotal:"):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(total)
+
+
+_TOO_LARGE_FIX = "the header claims more data than a real checkpoint's tensor holds: re-download or re-export the file"
+
+
+def _tensor_label(info: TensorInfo) -> str:
+    return f"{shown_file(info.file)}: tensor {info.name!r} ({info.dtype} x {list(info.shape)})"
+
+
+def too_large(info: TensorInfo, memory: int, wanted: int | None = None) -> str | None:
+    """Why ``wanted`` bytes (default: the whole tensor's) of ``info`` cannot be read on a machine
+    of ``memory`` bytes (0: unknown), or None."""
+    wanted = info.nbytes if wanted is None else wanted
+    if not memory or wanted <= memory:
+        return None
+    return (
+        f"{_tensor_label(info)}: reading it needs {wanted:,} bytes, more than this machine's {memory:,} bytes of "
+        f"memory (physical plus swap); {_TOO_LARGE_FIX}"
+    )
+
+
+def allocate_bytes(info: TensorInfo, count: int | None = None) -> torch.Tensor:
+    """``count`` (default: all of the tensor's) uninitialised bytes to read ``info`` into; a
+    CheckpointError naming the file, the tensor and the bytes when they cannot be had: more than
+    this machine's memory (``memory_bytes``), or refused by the allocator. A header may claim
+    any size a sparse file can hold (terabytes), so this is where a hostile shape is stopped."""
+    wanted = info.nbytes if count is None else count
+    problem = too_large(info, memory_bytes(), wanted)
+    if problem is not None:
+        raise CheckpointError(problem)
+    try:
+        return torch.empty(wanted, dtype=torch.uint8)
+    except (RuntimeError, MemoryError) as exc:  # torch's allocator: RuntimeError "can't allocate memory"
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        raise CheckpointError(
+            f"{_tensor_label(info)}: {wanted:,} bytes could not be allocated to read it ({type(exc).__name__}: "
+            f"{shown(first_line, 160)}); free memory, or {_TOO_LARGE_FIX}"
+        ) from None
+
+
 def read_checked_tensor(info: TensorInfo, header: FileHeader) -> torch.Tensor:
     """One tensor of a file whose ``header`` was checked, read into memory of its own; a
-    CheckpointError naming the file when it was rewritten or truncated since, or cannot be read.
-    A file of its own per read: no handle outlives the call, and threads never share a position."""
+    CheckpointError naming the file when it was rewritten or truncated since, cannot be read,
+    or cannot be allocated (``allocate_bytes``). A file of its own per read: no handle outlives
+    the call, and threads never share a position."""
     dtype = DTYPE_BY_TORCH_NAME[info.dtype].torch_dtype
     assert dtype is not None  # read_file_header refuses dtypes torch lacks
-    data = torch.empty(info.nbytes, dtype=torch.uint8)
+    data = allocate_bytes(info)
     view = data.numpy().data.cast("B")
     try:
         with info.file.open("rb", buffering=0) as handle:
