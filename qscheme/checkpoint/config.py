@@ -346,11 +346,26 @@ def read_producer_config(folder: str | Path) -> ProducerConfig:
     )
 
 
+def _check_embedded_size(file: str, descriptor: str) -> None:
+    """An embedded descriptor is at most MAX_EMBEDDED_DESCRIPTOR_BYTES of UTF-8 (the built-in
+    descriptors are 1-3 KB): a larger one is refused before it is parsed."""
+    from qscheme.descriptor.files import MAX_EMBEDDED_DESCRIPTOR_BYTES
+
+    size = len(descriptor.encode("utf-8", "surrogatepass"))
+    if size > MAX_EMBEDDED_DESCRIPTOR_BYTES:
+        raise CheckpointError(
+            f"{file}: quantization_config.descriptor is {size:,} bytes; an embedded scheme descriptor is at most "
+            f"{MAX_EMBEDDED_DESCRIPTOR_BYTES:,} bytes (256 KiB; real ones are a few KB): this is not a config "
+            "qscheme quantize wrote; re-write the checkpoint with `qscheme quantize`, or re-download it"
+        )
+
+
 def _qscheme(fields: _Fields) -> QschemeConfig:
     """A self-describing config: ``scheme`` and ``descriptor`` (the YAML text) are required."""
     scheme = fields.string("scheme", required=True)
     descriptor = fields.string("descriptor", required=True)
     assert scheme is not None and descriptor is not None  # required=True raised otherwise
+    _check_embedded_size(fields.file, descriptor)
     producer = fields.child("producer")
     return QschemeConfig(
         file=fields.file,

@@ -41,10 +41,11 @@ from qscheme.checkpoint.config import (
 from qscheme.checkpoint.patterns import MAX_NAME_LENGTH, any_of, compile_entries
 from qscheme.checkpoint.patterns import PREFIX as PATTERN_PREFIX
 from qscheme.checkpoint.reader import TensorInfo
-from qscheme.checkpoint.text import listing, shown
+from qscheme.checkpoint.text import cut, listing, shown
 from qscheme.descriptor import CompressedTensorsRule, Scheme
 from qscheme.errors import CheckpointError
 
+EMBEDDED_PROBLEMS_SHOWN = 20  # problems of an embedded descriptor listed in the error (then a count)
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 # Per-layer tensors that belong to the KV cache, not to the linear (kept as plain tensors when
 # the config declares KV-cache quantization): scales, and an affine KV cache's biases, which
@@ -712,9 +713,15 @@ def embedded_scheme(config: QschemeConfig) -> Scheme:
     try:
         scheme = parse_scheme_text(config.descriptor, where, source="checkpoint")
     except SchemeError as exc:
+        problems = [str(problem) for problem in exc.problems] or [str(exc)]
+        listed = problems[:EMBEDDED_PROBLEMS_SHOWN]
+        more = len(problems) - len(listed)
         raise CheckpointError(
             f"{config.file}: quantization_config.descriptor (scheme {config.scheme!r}) is not a valid scheme "
-            f"descriptor:\n{exc}\nre-write the checkpoint with `qscheme quantize`"
+            f"descriptor ({len(problems)} problem(s)):\n"
+            + "\n".join(cut(problem, 1000) for problem in listed)
+            + (f"\n... and {more} more problem(s) like these" if more else "")
+            + "\nre-write the checkpoint with `qscheme quantize`"
         ) from None
     if scheme.name != config.scheme:
         raise CheckpointError(

@@ -19,6 +19,11 @@ from qscheme.errors import Location, Problem, SchemeError
 MAX_DESCRIPTOR_BYTES = 1 << 20
 """Largest descriptor file read (1 MiB); the built-in ones are 1-3 KB."""
 
+MAX_EMBEDDED_DESCRIPTOR_BYTES = 256 * 1024
+"""Largest descriptor a self-describing checkpoint's config.json may embed (256 KiB of UTF-8):
+the config comes with a downloaded checkpoint, so its size is the checkpoint author's choice,
+and the embedded text is parsed (and its problems listed) whenever the checkpoint is read."""
+
 _KINDS: tuple[tuple[Callable[[int], bool], str], ...] = (
     (stat.S_ISDIR, "a folder"),
     (stat.S_ISFIFO, "a FIFO (named pipe)"),
