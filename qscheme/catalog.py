@@ -158,13 +158,32 @@ class Catalog:
         folded = [s for n, s in self.schemes.items() if n.lower() == name.lower()]
         return folded[0] if len(folded) == 1 else None
 
+    def suggestions(self, name: str) -> list[str]:
+        """Known names ``name`` may have meant: those whose part after the producer is ``name``'s
+        (``NVFP4A16`` -> ``compressed-tensors/NVFP4A16``, llm-compressor's preset name without a
+        producer; ``FP8`` -> both producers' FP8), else the closest full names, else the names
+        whose part after the producer is closest to ``name``'s."""
+        short = name.rpartition("/")[2].lower()
+        by_short: dict[str, list[str]] = {}
+        for known in self.schemes:
+            by_short.setdefault(known.rpartition("/")[2].lower(), []).append(known)
+        if short in by_short:
+            return sorted(by_short[short])
+        close = difflib.get_close_matches(name, list(self.schemes), n=3, cutoff=0.5)
+        if close:
+            return close
+        near = difflib.get_close_matches(short, list(by_short), n=2, cutoff=0.75)
+        return sorted(known for key in near for known in by_short[key])[:3]
+
     def get(self, name: str) -> Scheme:
         """The scheme called ``name``; SchemeError listing close names otherwise."""
         scheme = self.find(name)
         if scheme is not None:
             return scheme
-        close = difflib.get_close_matches(name, list(self.schemes), n=3, cutoff=0.5)
-        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        close = self.suggestions(name)
+        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        if close and "/" not in name:
+            hint += " Scheme names start with their producer (compressed-tensors/, modelopt/, ...)."
         raise SchemeNotFoundError(
             f"unknown scheme {name!r}.{hint} Run `qscheme schemes` to list the {len(self.schemes)} known schemes, "
             f"or pass a descriptor file path."

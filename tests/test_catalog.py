@@ -395,3 +395,38 @@ def test_a_link_to_a_sibling_folder_is_not_a_loop(tmp_path: Path, monkeypatch: p
         f"skipped {tmp_path / 'b' / 'up'}: is a symlink to '..', a folder that contains this link (a loop); it is "
         "not read; remove the link"
     ]
+
+
+@pytest.mark.parametrize(
+    ("name", "suggested"),
+    [
+        ("NVFP4A16", ["compressed-tensors/NVFP4A16"]),  # llm-compressor's preset name, no producer
+        ("w4a16", ["compressed-tensors/W4A16"]),
+        ("FP8", ["compressed-tensors/FP8", "modelopt/FP8"]),
+        ("fp8_pb_wo", ["modelopt/fp8_pb_wo"]),
+        ("llmcompressor/NVFP4A16", ["compressed-tensors/NVFP4A16"]),  # another producer's prefix
+        ("NVFP4", ["compressed-tensors/NVFP4", "modelopt/NVFP4"]),
+        ("W4A16_ASYMM", ["compressed-tensors/W4A16_ASYM"]),  # a typo after no prefix
+    ],
+)
+def test_a_preset_name_without_its_producer_gets_suggestions(name: str, suggested: list[str]) -> None:
+    catalog = load_catalog(include_plugins=False)
+    assert catalog.suggestions(name) == suggested
+    with pytest.raises(SchemeError) as caught:
+        catalog.get(name)
+    message = str(caught.value)
+    assert "Did you mean " + " or ".join(repr(s) for s in suggested) + "?" in message
+    assert ("Scheme names start with their producer" in message) == ("/" not in name)
+
+
+def test_an_unrelated_name_gets_no_suggestion() -> None:
+    with pytest.raises(SchemeError) as caught:
+        load_catalog(include_plugins=False).get("xyz")
+    assert "Did you mean" not in str(caught.value)
+
+
+def test_the_command_line_suggests_the_producer(capsys: pytest.CaptureFixture[str]) -> None:
+    from qscheme.cli.main import main
+
+    assert main(["show", "NVFP4A16"]) == 2
+    assert "Did you mean 'compressed-tensors/NVFP4A16'?" in capsys.readouterr().err
