@@ -31,6 +31,7 @@ import torch
 from qscheme.api_checks import require_flag
 from qscheme.checkpoint.load import Checkpoint, FusePolicyChoice, load_checkpoint
 from qscheme.checkpoint.plan import FuseSpec
+from qscheme.checkpoint.routers import router_hint
 from qscheme.checkpoint.text import listing
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.experts import ExpertsSpec, QuantExperts, find_expert_modules
@@ -83,7 +84,7 @@ def _place(model: torch.nn.Module, name: str, layer: QuantLinear, path: Path) ->
             f"{path}: model module {name!r} is a {type(target).__name__}, not an nn.Linear: apply_to_model replaces "
             "nn.Linear modules only. A model built from another config: build it from the checkpoint's config.json; "
             "a model whose projections are other module types (e.g. GPT-2's Conv1D): use "
-            "qscheme.load_checkpoint(path) and call its layers"
+            "qscheme.load_checkpoint(path) and call its layers" + router_hint(name, type(target).__name__)
         )
     if (target.out_features, target.in_features) != (layer.out_features, layer.in_features):
         raise CheckpointError(

@@ -46,6 +46,7 @@ from qscheme.checkpoint.model import (
     check_plain_tensors,
 )
 from qscheme.checkpoint.plan import FuseSpec
+from qscheme.checkpoint.routers import router_hint
 from qscheme.checkpoint.text import listing
 from qscheme.dtype_fallback import warn_dtype_fallbacks
 from qscheme.errors import CheckpointError, UsageError
@@ -155,6 +156,7 @@ def _target(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str, to
         raise CheckpointError(
             f"model module {name!r} is a {type(target).__name__}, not an nn.Linear: apply_to_model replaces "
             "nn.Linear modules only; use qscheme.load_checkpoint(path, tp_rank=..., tp_size=...) and call its layers"
+            + router_hint(name, type(target).__name__)
         )
     return parent, child, target
 

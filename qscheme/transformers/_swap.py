@@ -30,6 +30,7 @@ import torch
 
 from qscheme.checkpoint.load import check_module_values
 from qscheme.checkpoint.plan import Plan, format_problems, plan_checkpoint
+from qscheme.checkpoint.routers import router_hint
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.experts import ExpertsSpec, QuantExperts, find_expert_modules
@@ -85,6 +86,7 @@ def _check_linear(model: torch.nn.Module, name: str, n: int, k: int, has_bias: b
         raise CheckpointError(
             f"{folder}: the checkpoint quantizes {name!r}, but the model's module there is a {type(target).__name__}, "
             "not an nn.Linear; qscheme replaces nn.Linear modules and fused experts only"
+            + router_hint(name, type(target).__name__)
         )
     if (target.out_features, target.in_features) != (n, k):
         raise CheckpointError(
