@@ -25,8 +25,8 @@ output) over its time. ``--threads`` sets ``torch.set_num_threads`` (default: to
 Memory: for each (scheme, kernel) at 4096x4096, after the layer's first forward, the distinct
 storages of its buffers (the canonical tensors: the quantized weight with its scales) and of
 every tensor reachable from its prepared kernel state, as a multiple of the canonical tensors
-and of a bf16 weight. The reference kernel keeps a float32 copy (8x the 4-bit codes, about 9x
-the canonical tensors in all). For 4-bit weight-only schemes the run ends with whether each
+and of a bf16 weight. The reference kernel keeps no copy (1x: it dequantizes chunks of rows at
+every call, which is what makes it slow). For 4-bit weight-only schemes the run ends with whether each
 kernel is faster than the reference kernel at every M <= 16 and holds at most twice the
 canonical tensors there.
 """
@@ -198,8 +198,8 @@ def claims(rows: Sequence[Row], memory: Sequence[MemoryRow], shape: tuple[int, i
         held = entry.total / entry.canonical
         if entry.kernel == REFERENCE:
             out.append(
-                f"- {entry.scheme} {entry.kernel}: holds {held:.2f}x the canonical tensors (beside them, a float32 "
-                "copy of the weight: 8x its 4-bit codes)"
+                f"- {entry.scheme} {entry.kernel}: holds {held:.2f}x the canonical tensors (no dequantized copy: "
+                "it dequantizes chunks of rows at every call)"
             )
             continue
         ratios = [

@@ -569,7 +569,15 @@ def _dequantize_slabs(
     # group scales over whole groups multiply through a view, without expanding the scale
     grouped = tile[0] == 1 and tile[1] < k and k % tile[1] == 0
 
+    # the workers run in the caller's inference mode (thread-local), or writing into an ``out``
+    # made under torch.inference_mode() would be refused
+    inference = torch.is_inference_mode_enabled()
+
     def work(rows: slice) -> None:
+        with torch.inference_mode(inference):
+            _work(rows)
+
+    def _work(rows: slice) -> None:
         values = _decode_rows(weight, slice(start + rows.start, start + rows.stop))
         local = slice(start + rows.start - offset, start + rows.stop - offset)
         if grouped:

@@ -112,12 +112,8 @@ def test_smoke_writes_the_error_and_memory_tables(smoke: tuple[subprocess.Comple
     }
     rows = {(row[0], row[1]) for row in _rows(text)}
     assert set(memory) == rows
-    # the reference kernel holds the canonical tensors and a float32 [N, K] copy
-    weight = _weight("compressed-tensors/W4A16", n, k)
-    canonical = _tensor_bytes(weight.tensors().values())  # type: ignore[attr-defined]
-    assert memory[("compressed-tensors/W4A16", "reference")][1] == pytest.approx(
-        (canonical + n * k * 4) / canonical, abs=0.006
-    )
+    # the reference kernel holds the canonical tensors only (no dequantized copy)
+    assert memory[("compressed-tensors/W4A16", "reference")][1] == pytest.approx(1.0, abs=0.006)
 
 
 @pytest.mark.parametrize("scheme_name", ["compressed-tensors/W4A16", "modelopt/W4A16_AWQ", "compressed-tensors/FP8"])
@@ -130,13 +126,12 @@ def test_resident_bytes_of_a_reference_layer(scheme_name: str) -> None:
     assert kernel_table.resident_bytes(layer) == {"cpu": canonical}  # nothing prepared yet
     with torch.inference_mode():
         layer(torch.randn(3, k, dtype=torch.bfloat16))
-    # + the float32 copy; AWQ's float32 pre-scale is the canonical buffer itself, not a second copy
-    assert kernel_table.resident_bytes(layer) == {"cpu": canonical + n * k * 4}
-    # the state: that copy, and the float32 canonical pre-scale and static input scales it reads (shared)
-    kept = [getattr(weight, name) for name in ("input_pre_scale", "input_scale", "input_global_scale")]
-    assert kernel_table.state_bytes(layer) == n * k * 4 + _tensor_bytes(t for t in kept if t is not None)
+    # no dequantized copy: the state holds the canonical tensors themselves (AWQ's float32
+    # pre-scale and the static input scales are the canonical buffers too, not second copies)
+    assert kernel_table.resident_bytes(layer) == {"cpu": canonical}
+    assert kernel_table.state_bytes(layer) == canonical
     row = kernel_table.memory_row(weight.scheme, "reference", layer)  # type: ignore[attr-defined]
-    assert row.total == canonical + n * k * 4 and row.bf16_weight == n * k * 2
+    assert row.total == canonical and row.bf16_weight == n * k * 2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -161,3 +161,20 @@ def test_an_unset_or_zero_cache_variable_asks_for_no_cache() -> None:
     assert cache_requested({CACHE_VARIABLE: "0"}) is False
     assert cache_requested({CACHE_VARIABLE: ""}) is False
     assert cache_requested({CACHE_VARIABLE: "1"}) is True
+
+
+@pytest.mark.parametrize("scheme_name", ["compressed-tensors/W4A16", "compressed-tensors/FP8_DYNAMIC"])
+def test_forwards_and_dequantize_run_under_inference_mode_on_several_threads(scheme_name: str) -> None:
+    # the slab workers write into tensors made under the caller's inference mode
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        weight = random_weight(load_scheme(scheme_name), 1024, 512)
+        layer = QuantLinear.from_canonical(weight, kernel="reference")
+        x = torch.randn(3, 512, dtype=torch.bfloat16)
+        expected = layer(x)
+        with torch.inference_mode():
+            assert torch.equal(layer(x), expected)
+            assert torch.equal(dequantize(weight), layer.dequantize())
+    finally:
+        torch.set_num_threads(threads)
