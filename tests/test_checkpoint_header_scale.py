@@ -11,13 +11,19 @@ import gc
 import json
 import struct
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from unittest import mock
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_checkpoint_fuzz import FUZZ, _example, _split, _write_safetensors, damaged_header
 
+import qscheme.checkpoint.header as header_module
 from qscheme.checkpoint.header import read_file_header
 from qscheme.errors import CheckpointError
 
@@ -111,3 +117,29 @@ def test_an_integer_longer_than_any_size_in_an_extra_field_gets_the_strict_messa
     path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length :])
     with pytest.raises(CheckpointError, match=rf"not valid JSON: an integer of {digits} digits"):
         read_file_header(path)
+
+
+def _outcome(path: Path) -> object:
+    """What read_file_header gives: the tensors and metadata, or the error's message."""
+    try:
+        header = read_file_header(path)
+    except CheckpointError as exc:
+        return str(exc)
+    return header.tensors, header.metadata
+
+
+@settings(FUZZ, max_examples=150)
+@given(st.data())
+def test_reading_integers_in_c_gives_what_strict_reading_gives(data: st.DataObject) -> None:
+    """Over the fuzz test's damaged headers (huge integers, -0, booleans, floats, duplicate keys,
+    byte damage...): the same tensors, or the same message, as reading every integer through the
+    strict hook."""
+    header, tensor_data = _split(_example("ct") / "model.safetensors")
+    text, prefix = data.draw(damaged_header(header))
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "model.safetensors"
+        _write_safetensors(path, text, prefix, tensor_data)
+        fast = _outcome(path)
+        with mock.patch.object(header_module, "_FAST_INT_DIGITS", 0):  # every header read strictly
+            strict = _outcome(path)
+    assert fast == strict
