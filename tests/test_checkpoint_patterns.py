@@ -269,3 +269,22 @@ def test_a_long_pattern_gets_the_same_verdict_as_before() -> None:
     assert pattern_problem("(?:a?b)" * 20_000) is None  # an 'a' never matches what follows a?
     assert pattern_problem("model\\." + "x\\." * 30_000 + ".*q_proj$") is None
     assert pattern_problem("(?:(?:\\d+\\.)+){2}") is not None  # nested variable-length repeat
+
+
+def test_ignored_by_checks_an_entry_it_was_not_given_compiled() -> None:
+    """The writer's --ignore matcher: a re: entry missing from ``compiled`` is checked before it
+    runs, so '(a+)+' against a long name is refused at once instead of taking minutes."""
+    from qscheme.checkpoint.detect import ignored_by
+
+    with pytest.raises(CheckpointError, match="nests a variable-length repeat"):
+        ignored_by("model." + "a" * 28 + "!", ["re:model\\.(a+)+$"], {})
+    assert ignored_by("model.layers.0.mlp.gate", ["lm_head", "re:.*mlp\\.gate$"], {}) == "re:.*mlp\\.gate$"
+    assert ignored_by("model.layers.0.mlp.gate", ["*.mlp.gate"], {}) == "*.mlp.gate"
+    assert ignored_by("lm_head", ["lm_head"], {}) == "lm_head"
+
+
+def test_ignored_by_refuses_a_name_longer_than_any_module_name() -> None:
+    from qscheme.checkpoint.detect import ignored_by
+
+    with pytest.raises(CheckpointError, match=f"at most {MAX_NAME_LENGTH:,} characters"):
+        ignored_by("a" * (MAX_NAME_LENGTH + 1), ["re:.*a.*b$"], {})

@@ -23,6 +23,7 @@ exact names, ``re:`` patterns or wildcards) uses it, whatever the catalog holds.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -38,7 +39,7 @@ from qscheme.checkpoint.config import (
     QschemeConfig,
     block_sizes,
 )
-from qscheme.checkpoint.patterns import MAX_NAME_LENGTH, any_of, compile_entries
+from qscheme.checkpoint.patterns import MAX_NAME_LENGTH, any_of, compile_entries, compile_pattern
 from qscheme.checkpoint.patterns import PREFIX as PATTERN_PREFIX
 from qscheme.checkpoint.reader import TensorInfo
 from qscheme.checkpoint.text import cut, listing, shown
@@ -731,12 +732,31 @@ def embedded_scheme(config: QschemeConfig) -> Scheme:
     return scheme
 
 
+@functools.lru_cache(maxsize=256)
+def _checked_pattern(entry: str) -> re.Pattern[str]:
+    """``compile_pattern`` for ``ignored_by``'s callers that pass no compiled entry (checked once)."""
+    return compile_pattern(entry)
+
+
 def ignored_by(module: str, entries: Iterable[str], compiled: Mapping[str, re.Pattern[str]]) -> str | None:
     """The first ignore entry matching ``module`` (exact name, ``re:`` pattern from ``compiled``, or
-    shell wildcard), or None. The writer matches ``--ignore`` with this same function."""
+    shell wildcard), or None. The writer matches ``--ignore`` with this same function.
+
+    Bounded whatever the caller passes: a ``re:`` entry missing from ``compiled`` is checked for
+    catastrophic backtracking before it runs (``compile_pattern``, CheckpointError when refused),
+    and a module name longer than MAX_NAME_LENGTH is a CheckpointError before any pattern runs."""
+    if len(module) > MAX_NAME_LENGTH:
+        raise CheckpointError(
+            f"module {shown(module, 80)} has a name of {len(module):,} characters; qscheme matches names of at most "
+            f"{MAX_NAME_LENGTH:,} characters (real module names are under ~300), so that re: patterns run in "
+            "bounded time: rename the tensor, or re-export the checkpoint"
+        )
     for entry in entries:
         if entry.startswith(PATTERN_PREFIX):
-            if compiled[entry].match(module):
+            pattern = compiled.get(entry)
+            if pattern is None:
+                pattern = _checked_pattern(entry)
+            if pattern.match(module):
                 return entry
         elif any(char in entry for char in "*?["):
             if fnmatch.fnmatchcase(module, entry):
