@@ -20,7 +20,7 @@ Speed: every call dequantizes the weight again, on qscheme's slab workers
 (``qscheme.quantize.slabs``), with the calling thread single-threaded for the whole call (the
 chunk products included): switching torch's thread count per chunk, or letting the caller's
 OpenMP team spin beside the workers, cost several times the dequantization itself. On a
-4096x4096 layer this makes a call a few times slower than with a kept float32 copy at M=1 (the
+4096x4096 layer a call at M=1 takes about ten times as long as with a kept float32 copy (the
 figures are in docs/benchmarks.md).
 
 Why float32 and not the activation dtype: the products are taken in float32 (input and chunk),
