@@ -177,3 +177,15 @@ def test_an_allocation_the_allocator_refuses_is_a_typed_error(
         load_checkpoint(huge_lm_head)
     assert main(["inspect", str(huge_lm_head)]) == 1
     assert "could not be allocated" in capsys.readouterr().out
+
+
+def test_a_tensor_parallel_rank_checks_plain_tensors_too(tmp_path: Path) -> None:
+    folder = _export(tmp_path)
+    _rewrite(folder, "lm_head.weight", _poison((1, 2), float("nan")))
+    with pytest.raises(CheckpointError, match=r"on rank 0, nothing was loaded:\n.*'lm_head.weight': 1 of its"):
+        load_checkpoint(folder, tp_rank=0, tp_size=1)  # the rank loader, one rank
+
+
+def test_a_tensor_parallel_rank_refuses_a_tensor_larger_than_memory(huge_lm_head: Path) -> None:
+    with pytest.raises(CheckpointError, match=rf"'lm_head.weight' .*reading it needs {HUGE_BYTES:,} bytes"):
+        load_checkpoint(huge_lm_head, tp_rank=0, tp_size=1)

@@ -34,6 +34,7 @@ from qscheme.checkpoint.load import (
     checked_schemes,
     checkpoint_report,
 )
+from qscheme.checkpoint.plain import plain_problems
 from qscheme.checkpoint.plan import FuseSpec, Plan, check_fuse_spec, format_problems, plan_checkpoint
 from qscheme.checkpoint.progress import Progress, auto_enabled
 from qscheme.checkpoint.report import LayerReport
@@ -239,6 +240,12 @@ def _load_rank(
             )
         detection = plan.detection
         tensors = {name: read_whole(plan.files.info(name), counter) for name in (*detection.plain, *detection.kv_cache)}
+        plain_found = plain_problems(plan.files, {name: tensors[name] for name in detection.plain})
+        if plain_found:
+            raise CheckpointError(
+                f"{plan.path}: {len(plain_found)} problem(s) found on rank {tp_rank}, nothing was loaded:\n"
+                f"{format_problems(plain_found)}"
+            )
         modules: dict[str, QuantLinear] = {}
         reports: list[LayerReport] = []
         for name, members in layers:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qscheme.checkpoint.header import DTYPE_BY_TORCH_NAME, TensorInfo, shown_file
+from qscheme.checkpoint.reader import allocate_bytes
 from qscheme.errors import CheckpointError
 
 
@@ -94,7 +95,7 @@ def read_slice(info: TensorInfo, index: Sequence[slice], counter: ReadCounter | 
     start, stop = (slices[dim].start, slices[dim].stop) if shape else (0, 1)
     run = (stop - start) * inner
     stride = (shape[dim] if shape else 1) * inner
-    data = torch.empty(outer * run, dtype=torch.uint8)
+    data = allocate_bytes(info, outer * run)  # a typed error when a claimed size cannot be had
     view = data.numpy().data.cast("B")
     try:
         with info.file.open("rb", buffering=0) as handle:
