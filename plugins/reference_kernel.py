@@ -31,12 +31,13 @@ weight to bfloat16 first; with float32 chunks the memory bound above holds anywa
 Opt-in cache: ``QSCHEME_REFERENCE_CACHE=1`` keeps one dequantized copy of each layer's weight
 per input dtype (built chunk by chunk at the first call with that dtype) and multiplies in that
 dtype: faster, at the memory of an unquantized model, and no longer exact (the weight is
-rounded to the input's dtype). ``0`` or unset: no cache. Other values raise UsageError.
+rounded to the input's dtype). ``0`` or unset: no cache. The variable is a switch like every
+QSCHEME_* one (1/true/yes/on, 0/false/no/off/empty); other values raise UsageError.
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -45,24 +46,19 @@ from torch import Tensor
 from qscheme.canonical import CanonicalWeight, dequantize_rows, scale_tile
 from qscheme.descriptor import ActivationSpec
 from qscheme.emulation import apply_pre_scale, fake_quantize_activation
+from qscheme.environment import env_flag
 from qscheme.errors import UsageError
 from qscheme.quantize import slabs
 
 CHUNK_BYTES = 8 << 20  # float32 bytes of weight rows dequantized at once (at most)
 CACHE_VARIABLE = "QSCHEME_REFERENCE_CACHE"
-CACHE_VALUES = {"": False, "0": False, "1": True}
 
 
-def cache_requested(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
+def cache_requested(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``QSCHEME_REFERENCE_CACHE`` asks for the dequantized-weight cache (see the module
-    docstring); UsageError naming the value otherwise."""
-    value = (os.environ if environ is None else environ).get(CACHE_VARIABLE, "")
-    if value.strip() not in CACHE_VALUES:
-        raise UsageError(
-            f"{CACHE_VARIABLE}={value!r} is not understood; allowed: 1 (cache each layer's dequantized weight in "
-            f"the input's dtype) or 0 / unset (no cache, the default); e.g. export {CACHE_VARIABLE}=1 or unset it"
-        )
-    return CACHE_VALUES[value.strip()]
+    docstring); read as every qscheme switch is (``qscheme.environment.env_flag``): UsageError
+    naming the value when it is neither on nor off."""
+    return env_flag(CACHE_VARIABLE, environ)
 
 
 def chunk_rows(n: int, k: int, activation_bytes: int, tile_rows: int = 1) -> int:
