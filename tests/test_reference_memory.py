@@ -50,13 +50,20 @@ print(json.dumps({"growth": after - before, "kernel": model[0].kernel.name, "fin
 """
 
 
+# glibc's malloc with a fixed mmap threshold: blocks of 128 KiB and more are mapped and unmapped
+# on free, so the RSS growth is what stays allocated. By default the threshold rises to the
+# largest block freed so far, and freed chunks stay in the heap for reuse: a few tens of MiB,
+# however many layers the model has (docs/benchmarks.md, from_pretrained memory).
+RETURN_FREED = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
 def resident_growth(scheme: str, n: int, k: int, layers: int, dtype: str, environ: dict[str, str]) -> int:
-    env = {key: value for key, value in os.environ.items() if key != CACHE_VARIABLE} | environ
+    env = {key: value for key, value in os.environ.items() if key not in (CACHE_VARIABLE, *RETURN_FREED)}
     done = subprocess.run(
         [sys.executable, "-c", MEASURE, scheme, str(n), str(k), str(layers), dtype],
         capture_output=True,
         text=True,
-        env=env,
+        env=env | environ,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -79,9 +86,12 @@ def test_forwards_grow_resident_memory_by_at_most_one_activation_copy_of_the_lar
     n = k = 4096
     layers = 4
     copy = n * k * getattr(torch, dtype).itemsize  # one activation-dtype copy of the largest layer
-    growth = resident_growth(scheme, n, k, layers, dtype, {})
     # A float32 copy per layer (what the kernel kept before) would be layers * n * k * 4 bytes.
-    assert growth <= copy, f"forwards grew RSS by {growth / MIB:.1f} MiB; allowed {copy / MIB:.0f} MiB"
+    growth = resident_growth(scheme, n, k, layers, dtype, RETURN_FREED)
+    assert growth <= copy, f"forwards kept {growth / MIB:.1f} MiB allocated; allowed {copy / MIB:.0f} MiB"
+    # With malloc's defaults, freed chunks it keeps for reuse come on top, but not per layer.
+    growth = resident_growth(scheme, n, k, layers, dtype, {})
+    assert growth <= 2 * copy, f"forwards grew RSS by {growth / MIB:.1f} MiB; allowed {2 * copy / MIB:.0f} MiB"
 
 
 @linux_only
@@ -89,9 +99,10 @@ def test_the_opt_in_cache_keeps_one_activation_copy_per_layer_and_the_measure_se
     n = k = 2048
     layers = 4
     copy = n * k * 2
-    growth = resident_growth("compressed-tensors/NVFP4A16", n, k, layers, "bfloat16", {CACHE_VARIABLE: "1"})
-    # at least the bf16 copies, and less than float32 copies would take
-    assert layers * copy * 0.9 <= growth < layers * n * k * 4, f"cache grew RSS by {growth / MIB:.1f} MiB"
+    growth = resident_growth(
+        "compressed-tensors/NVFP4A16", n, k, layers, "bfloat16", {CACHE_VARIABLE: "1", **RETURN_FREED}
+    )
+    assert layers * copy * 0.95 <= growth <= (layers + 1) * copy, f"cache grew RSS by {growth / MIB:.1f} MiB"
 
 
 def test_a_chunk_stays_within_half_an_activation_copy_of_its_layer_and_the_chunk_budget() -> None:
