@@ -17,6 +17,7 @@ not mention is an error; other unmentioned .safetensors files are noted and not 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -236,9 +237,10 @@ def _changed(header: FileHeader, handle: BinaryIO) -> str | None:
     return None
 
 
+@functools.cache
 def memory_bytes() -> int:
     """This machine's memory, physical plus swap (0 when unknown): no tensor larger than this
-    can be read into memory."""
+    can be read into memory. Read once per process (every tensor read asks)."""
     try:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
