@@ -28,12 +28,12 @@ output sliced back, so no shape is refused.
 - ``native_fp8_cpu``: torch 2.13's CPU ``_scaled_mm`` (tensor-wise and row-wise scaling, any
   output dtype, float32 bias added before the one output rounding; no block scaling: it refuses
   1x128 / 128x128 scales). The schemes of ``native_fp8`` and ``native_fp8_rowwise``, bf16, fp16
-  and fp32 activations. It holds the weight in 8 bits (a quarter of the reference kernel's
-  float32 copy) but ran about 16x slower than the reference kernel at M = 1 and 7-9x at M = 4-16
-  on a 4096x4096 layer (bf16 inputs, 2 CPU threads), so its priority is below the reference
-  kernel's: it runs when forced (or with the reference disabled), for the resident memory
-  (torch's CPU ``_scaled_mm`` widens the whole weight to float32 during each call, so the running
-  layer's peak is higher than the reference kernel's).
+  and fp32 activations. It keeps a transposed 8-bit copy of the weight (2.00x the canonical
+  tensors, where the reference kernel keeps none) and torch's CPU ``_scaled_mm`` widens the whole
+  weight to float32 during each call; it ran about 3x slower than the reference kernel (which
+  dequantizes chunks of rows at every call) at M = 1 and 16 on a 4096x4096 layer (bf16 inputs,
+  2 CPU threads; benchmarks/cpu_gemm.py). Its priority is below the reference kernel's: it runs when forced (or
+  with the reference disabled).
 
 Not claimed: modelopt/fp8_pb_wo is weight-only (16-bit inputs); a W8A8 GEMM would add an
 activation quantization the scheme does not have, so its layers go to weight-only kernels. FP8
@@ -192,9 +192,10 @@ NATIVE_FP8_CPU = KernelDeclaration(
         EXACT_ACTIVATIONS,
         "|y - y_ref| <= 2**-16 * sum_k |x_k * w_k| (float32 accumulation order) + u * |y_ref| with u = 0 for "
         "float32, 2**-7 for bf16, 2**-10 for fp16 inputs: torch adds the float32 bias before the one rounding",
-        "holds the weight in 8 bits (a quarter of the reference kernel's float32 copy) but torch 2.13's CPU "
-        "_scaled_mm ran about 16x slower than the reference kernel at M = 1 and 7-9x at M = 4-16 (4096x4096, "
-        "bf16 inputs, 2 threads): below the reference by priority, it runs when forced or with the reference disabled",
+        "keeps a transposed 8-bit copy of the weight (the reference kernel keeps none) and torch 2.13's CPU "
+        "_scaled_mm widens it to float32 in each call, about 3x slower than the reference kernel at M = 1 and 16 "
+        "(4096x4096, bf16 inputs, 2 threads): below the reference by priority, it runs when forced or with the "
+        "reference disabled",
     ),
 )
 
