@@ -20,6 +20,7 @@ from qscheme.checkpoint.text import shown
 from qscheme.dtype_fallback import warn_dtype_fallbacks
 from qscheme.errors import UsageError
 from qscheme.transformers._config import QSchemeQuantizationConfig
+from qscheme.transformers._finite import check_plain_finite
 from qscheme.transformers._swap import Swap, plan_swap
 
 
@@ -52,6 +53,7 @@ class QSchemeHfQuantizer(HfQuantizer):
     def __init__(self, quantization_config: QSchemeQuantizationConfig, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
         self.swap: Swap | None = None
+        self.folder: Path | None = None
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         if not self.pre_quantized:
@@ -71,6 +73,7 @@ class QSchemeHfQuantizer(HfQuantizer):
                 "(pass a folder with model.safetensors or an index and its shards)"
             )
         folder = Path(files[0]).parent
+        self.folder = folder
         dtype = kwargs.get("dtype") or getattr(model.config, "dtype", None) or torch.bfloat16
         self.swap = plan_swap(
             model,
@@ -89,6 +92,7 @@ class QSchemeHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
         if self.swap is not None:
             self.swap.load(model)
+            check_plain_finite(model, self.folder)
             warn_dtype_fallbacks(model, "from_pretrained")
         return model
 
