@@ -42,9 +42,9 @@ from qscheme.checkpoint.config import (
 from qscheme.checkpoint.patterns import MAX_NAME_LENGTH, any_of, compile_entries, compile_pattern
 from qscheme.checkpoint.patterns import PREFIX as PATTERN_PREFIX
 from qscheme.checkpoint.reader import TensorInfo
-from qscheme.checkpoint.text import cut, listing, shown
 from qscheme.descriptor import CompressedTensorsRule, Scheme
 from qscheme.errors import CheckpointError
+from qscheme.text import cut, listing, shown
 
 EMBEDDED_PROBLEMS_SHOWN = 20  # problems of an embedded descriptor listed in the error (then a count)
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})

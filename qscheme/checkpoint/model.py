@@ -32,10 +32,10 @@ from qscheme.api_checks import require_flag
 from qscheme.checkpoint.load import Checkpoint, FusePolicyChoice, load_checkpoint
 from qscheme.checkpoint.plan import FuseSpec
 from qscheme.checkpoint.routers import router_hint
-from qscheme.checkpoint.text import listing
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.experts import ExpertsSpec, QuantExperts, find_expert_modules
 from qscheme.linear import QuantLinear, checked_device
+from qscheme.text import listing
 
 _ACTIVATION_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 

@@ -20,11 +20,11 @@ from torch import Tensor
 from qscheme.api_checks import require_tensor_mapping
 from qscheme.canonical import stored_layer_shape
 from qscheme.checkpoint.detect import BIAS, FLOAT_DTYPES, ModuleAssignment
-from qscheme.checkpoint.header import shown_file
 from qscheme.checkpoint.reader import TensorInfo
 from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.errors import QuantizeError
 from qscheme.formats.scale_values import any_negative, any_nonfinite, negative, nonfinite, not_positive
+from qscheme.text import shown_file
 
 
 @dataclass(frozen=True)
