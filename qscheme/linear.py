@@ -43,7 +43,6 @@ from torch import Tensor
 from qscheme.api_checks import require_optional_name, require_tensor
 from qscheme.canonical import TENSOR_FIELDS, CanonicalWeight, canonicalize, dequantize
 from qscheme.catalog import require_scheme_argument
-from qscheme.checkpoint.validate import require_valid_tensors
 from qscheme.descriptor import Scheme
 from qscheme.errors import QSchemeError, UsageError
 from qscheme.input_checks import poison_non_finite_rows, refuse_non_finite
@@ -54,6 +53,7 @@ from qscheme.kernels.problem import Problem, normalize_dtype
 from qscheme.kernels.registry import checked_kernel, device_for, select_kernel
 from qscheme.kernels.resolver import Resolution
 from qscheme.ops import handle_for
+from qscheme.tensor_checks import require_valid_tensors
 
 
 def _differ(values: Tensor | None) -> bool:

@@ -11,8 +11,8 @@ import pytest
 from qscheme.checkpoint.plan import format_problems
 from qscheme.checkpoint.progress import Progress
 from qscheme.checkpoint.report import CheckpointReport
-from qscheme.checkpoint.validate import TensorProblem
 from qscheme.cli.output import TerminalOutput
+from qscheme.tensor_checks import TensorProblem
 from qscheme.text import (
     NAME_LIMIT,
     bounded_problem,
