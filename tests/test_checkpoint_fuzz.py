@@ -53,7 +53,7 @@ from qscheme.checkpoint.load import load_checkpoint
 from qscheme.cli.inspect import run as inspect_command
 from qscheme.errors import QSchemeError
 from qscheme.examples.make_checkpoint import make_checkpoint
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 
 FUZZ = settings(
     derandomize=True,

@@ -26,7 +26,7 @@ from qscheme.checkpoint import Checkpoint, load_checkpoint
 from qscheme.checkpoint.load import UnknownModuleError
 from qscheme.checkpoint.progress import Progress
 from qscheme.errors import CheckpointError, UsageError
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 
 
 def test_public_entry_points() -> None:

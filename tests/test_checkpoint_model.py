@@ -16,7 +16,7 @@ from transformers import AutoConfig, LlamaForCausalLM
 
 from qscheme.checkpoint import apply_to_model
 from qscheme.errors import CheckpointError, UsageError
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 
 
 def _model(folder: Path, dtype: torch.dtype = torch.float32, **overrides: object) -> LlamaForCausalLM:

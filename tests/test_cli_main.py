@@ -335,7 +335,7 @@ def test_a_skipped_descriptor_is_one_warning_line_on_stderr(command: str, code: 
 def test_qscheme_warnings_are_one_line_once_and_others_untouched(capsys: pytest.CaptureFixture[str]) -> None:
     from qscheme.catalog import SchemePathWarning
     from qscheme.cli.main import qscheme_warnings
-    from qscheme.linear import KernelRouteWarning
+    from qscheme.modules import KernelRouteWarning
 
     with pytest.warns(UserWarning, match="not ours") as record, qscheme_warnings():
         for _ in range(2):

@@ -16,7 +16,7 @@ from checkpoint_cache import ct_checkpoint, single_threaded_torch  # noqa: F401
 from checkpoint_factory import build_model
 
 from qscheme.checkpoint.model import apply_to_model
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 
 TOKENS = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(11))
 

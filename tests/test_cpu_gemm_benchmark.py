@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from qscheme.catalog import load_scheme
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.triton.samples import model_scale_dtype, random_weight
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"

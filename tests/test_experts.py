@@ -26,8 +26,7 @@ from qscheme.checkpoint.inspect import inspect_checkpoint, render_inspection
 from qscheme.checkpoint.model import apply_to_model
 from qscheme.checkpoint.resolve import render_checkpoint_resolution, resolve_checkpoint
 from qscheme.errors import CheckpointError, UsageError
-from qscheme.experts import QuantExperts, find_expert_modules
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantExperts, QuantLinear, find_expert_modules
 from qscheme.quantize import quantize_weight
 
 EXPERTS = 8

@@ -93,7 +93,7 @@ from checkpoint_cache import ct_checkpoint, modelopt_fixture  # noqa: E402
 
 from qscheme.checkpoint import apply_to_model  # noqa: E402
 from qscheme.errors import UsageError  # noqa: E402
-from qscheme.linear import QuantLinear  # noqa: E402
+from qscheme.modules import QuantLinear  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

@@ -399,7 +399,7 @@ def test_installed_example_plugin_appears_and_wins_with_higher_priority(cli) -> 
     # The example kernel's code really runs a layer (through QuantLinear, as a loader would).
     import torch
 
-    from qscheme.linear import QuantLinear
+    from qscheme.modules import QuantLinear
 
     weight = torch.randn(64, 128)
     scale = weight.abs().amax() / 448

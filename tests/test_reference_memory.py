@@ -16,7 +16,7 @@ from qscheme.canonical import dequantize
 from qscheme.catalog import load_scheme
 from qscheme.errors import UsageError
 from qscheme.kernels.interface import KernelExecutionError
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.triton.samples import random_weight
 
 MIB = 1 << 20
@@ -29,7 +29,7 @@ MEASURE = """
 import ctypes, json, sys
 import psutil, torch
 from qscheme.catalog import load_scheme
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.triton.samples import random_weight
 
 scheme_name, n, k, layers, dtype_name = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]

@@ -38,7 +38,7 @@ from qscheme.kernels.declaration import KernelDeclaration
 from qscheme.kernels.devices import DeviceFacts, simulated_device
 from qscheme.kernels.problem import Problem
 from qscheme.kernels.resolver import Resolution, SchemeFeatures, check_layout, check_scheme
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.triton.samples import random_weight
 
 CPU = torch.device("cpu")

@@ -24,7 +24,7 @@ FIXTURE = modelopt_fixture("nvfp4")
 
 LOAD = """
 from transformers import AutoModelForCausalLM
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 layers = sorted(name for name, module in model.named_modules() if isinstance(module, QuantLinear))
 registry = sys.modules["transformers.quantizers.auto"]

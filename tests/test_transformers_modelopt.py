@@ -36,7 +36,7 @@ pytest.importorskip("transformers")
 from checkpoint_cache import modelopt_fixture
 
 import qscheme  # noqa: F401  (registers the quantizers)
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.transformers import registered
 
 MODELOPT_PYTHON = os.environ.get("QSCHEME_MODELOPT_PYTHON")
@@ -135,7 +135,7 @@ def test_plain_tensors_come_from_the_checkpoint_and_nothing_is_left_over() -> No
 
 
 def test_the_model_reads_weight_metadata_and_refuses_training() -> None:
-    from qscheme.linear import QuantizedWeightError
+    from qscheme.modules import QuantizedWeightError
 
     model = _load("fp8")
     layer = model.get_submodule("model.layers.0.self_attn.q_proj")

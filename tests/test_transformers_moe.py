@@ -40,8 +40,7 @@ from test_experts import (
 )
 
 from qscheme.errors import CheckpointError
-from qscheme.experts import QuantExperts
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantExperts, QuantLinear
 from qscheme.transformers import via_qscheme
 
 PRESETS = ("NVFP4A16", "W4A16")

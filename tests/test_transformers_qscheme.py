@@ -31,7 +31,7 @@ import qscheme.transformers  # noqa: F401  (registers the quantizers)
 from qscheme.catalog import SCHEME_PATH_VARIABLE
 from qscheme.checkpoint.model import apply_to_model
 from qscheme.errors import CheckpointError
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.writing.quantize import quantize_checkpoint
 
 SCHEME_FILE = Path(__file__).parent / "data" / "triton_schemes" / "uint4_g48_zero_points.yaml"
@@ -62,7 +62,7 @@ import qscheme.transformers
 from transformers import AutoModelForCausalLM
 from qscheme.catalog import load_scheme
 from qscheme.errors import SchemeNotFoundError
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 
 folder, out = sys.argv[1], sys.argv[2]
 try:

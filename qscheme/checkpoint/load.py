@@ -26,7 +26,7 @@ from qscheme.checkpoint.report import CheckpointReport, LayerReport
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, QuantizeError, UsageError
 from qscheme.kernels.registry import checked_kernel
-from qscheme.linear import QuantLinear, checked_device, problem_for
+from qscheme.modules import QuantLinear, checked_device, problem_for
 from qscheme.tensor_checks import BIAS, ModuleLayout, TensorProblem, check_values, value_reads
 from qscheme.text import listing, shown
 

@@ -40,7 +40,7 @@ from qscheme.checkpoint.report import LayerReport
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, QuantizeError, UsageError
 from qscheme.kernels.registry import checked_kernel
-from qscheme.linear import QuantLinear, checked_device
+from qscheme.modules import QuantLinear, checked_device
 from qscheme.parallel.agree import failures_shared, plan_digest
 from qscheme.parallel.plan import LayerShard, TPPlan, checked_tp_plan, shard_layers
 from qscheme.parallel.read import ReadCounter, read_slice, read_whole

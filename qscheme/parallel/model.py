@@ -49,7 +49,7 @@ from qscheme.checkpoint.plan import FuseSpec
 from qscheme.checkpoint.routers import router_hint
 from qscheme.dtype_fallback import warn_dtype_fallbacks
 from qscheme.errors import CheckpointError, UsageError
-from qscheme.linear import QuantLinear, checked_device
+from qscheme.modules import QuantLinear, checked_device
 from qscheme.parallel.agree import failures_shared
 from qscheme.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from qscheme.parallel.load import ShardedCheckpoint, load_checkpoint_tp
