@@ -59,6 +59,7 @@ from qscheme.formats import (
     unpack_int32_k,
     unpack_int32_n,
 )
+from qscheme.formats.table import FORMAT_FACTS
 from qscheme.scale_checks import require_finite_dequantization
 
 __all__ = [
@@ -307,7 +308,7 @@ def canonicalize(
 
 def _int_to_codes(values: Tensor, element: str) -> Tensor:
     """Integer values [N, K] of ``element`` (int4 in [-8, 7], uint4 in [0, 15], ...) -> canonical codes."""
-    if element in ("int4", "uint4"):
+    if FORMAT_FACTS[element].bits == 4:
         return pack_fp4_k((values.to(torch.int16) & 0xF).to(torch.uint8))
     if element == "int8":
         return values.to(torch.int8)
@@ -323,7 +324,7 @@ def _int32_k_to_codes(stored: Tensor, element: str, k: int) -> Tensor:
     value turns offset binary into two's complement without unpacking.
     """
     bits = element_bits(element)
-    signed = not element.startswith("uint")
+    signed = FORMAT_FACTS[element].signed
     if sys.byteorder == "little" and stored.dtype == torch.int32 and stored.ndim == 2:
         width = -(-k // 2) if bits == 4 else k
         raw = stored.contiguous().view(torch.uint8)
