@@ -8,7 +8,8 @@ layers pickled before the move (whose pickles name ``qscheme.linear.QuantLinear`
 from __future__ import annotations
 
 from qscheme.modules.device import DEVICE_FORMS, checked_device
-from qscheme.modules.linear import BUFFER_PREFIX, HOST_DEVICES, KernelRouteWarning, QuantLinear
+from qscheme.modules.failures import KernelRouteWarning
+from qscheme.modules.linear import BUFFER_PREFIX, HOST_DEVICES, QuantLinear
 from qscheme.modules.linear import _Layout as _Layout  # named by pickles of layers saved before the move
 from qscheme.modules.problem import problem_for
 from qscheme.modules.weight import QuantizedWeight, QuantizedWeightError

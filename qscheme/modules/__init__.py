@@ -8,6 +8,7 @@ or from canonical tensors (``from_canonical``), and import nothing of ``qscheme.
 - ``weight``: ``QuantizedWeight``, what ``QuantLinear.weight`` gives (metadata, no values).
 - ``experts``: ``QuantExperts``, quantized fused mixture-of-experts layers.
 - ``ops``: the torch custom ops (``qscheme::quant_linear``) that torch.compile sees.
+- ``failures``: the typed errors of a kernel that misbehaves, ``KernelRouteWarning``.
 - ``device``: ``checked_device``, the ``device=`` argument checked.
 - ``problem``: ``problem_for``, the resolver's view of one canonical layer.
 
@@ -26,7 +27,8 @@ from qscheme.modules.experts import (
     QuantExperts,
     find_expert_modules,
 )
-from qscheme.modules.linear import KernelRouteWarning, QuantLinear
+from qscheme.modules.failures import KernelRouteWarning
+from qscheme.modules.linear import QuantLinear
 from qscheme.modules.ops import handle_for, layer_for
 from qscheme.modules.problem import problem_for
 from qscheme.modules.weight import QuantizedWeight, QuantizedWeightError

@@ -44,7 +44,7 @@ from qscheme.api_checks import require_optional_name, require_tensor
 from qscheme.canonical import TENSOR_FIELDS, CanonicalWeight, canonicalize, dequantize
 from qscheme.catalog import load_scheme, require_scheme_argument
 from qscheme.descriptor import Scheme
-from qscheme.errors import QSchemeError, UsageError
+from qscheme.errors import UsageError
 from qscheme.input_checks import poison_non_finite_rows, refuse_non_finite
 from qscheme.kernels.declaration import KernelDeclaration
 from qscheme.kernels.devices import DeviceFacts
@@ -53,6 +53,7 @@ from qscheme.kernels.problem import normalize_dtype
 from qscheme.kernels.registry import checked_kernel, device_for, select_kernel
 from qscheme.kernels.resolver import Resolution
 from qscheme.modules.device import checked_device
+from qscheme.modules.failures import KernelRouteWarning, bad_output_error, kernel_error, route_message
 from qscheme.modules.ops import handle_for
 from qscheme.modules.problem import problem_for
 from qscheme.modules.weight import QuantizedWeight, QuantizedWeightError
@@ -399,38 +400,14 @@ class QuantLinear(torch.nn.Module):
         with contextlib.suppress(KeyError):
             candidate = self.resolution_for(activation_dtype).candidate(usual.name)
             why = f" ({usual.name}: {candidate.reason})" if candidate.reason else ""
-        warnings.warn(
-            f"{self._name()}: {activation_dtype} inputs run on kernel {routed.name!r}{_plugin_text(routed)}, not "
-            f"{usual.name!r}, which the layer reports for its {self._default_dtype} inputs{why}. "
-            f"layer.kernel_for({activation_dtype!r}) and layer.resolution_for({activation_dtype!r}) show the choice; "
-            f"cast the input to {self._default_dtype}, or build the layer with activation_dtype={activation_dtype!r}",
-            KernelRouteWarning,
-            stacklevel=3,
-        )
+        message = route_message(self._name(), activation_dtype, routed, usual, self._default_dtype, why)
+        warnings.warn(message, KernelRouteWarning, stacklevel=3)
 
     def _kernel_error(self, activation_dtype: str, stage: str, error: BaseException) -> KernelExecutionError:
         """The typed error for a kernel whose ``stage`` (prepare or apply) raised ``error``."""
         kernel = self._resolved[activation_dtype][1]
-        cls = KernelExecutionError
-        if isinstance(error, QSchemeError) and not isinstance(error, KernelExecutionError):
-            cls = _combined_error(type(error))  # ``except QuantizeError`` and its exit code still apply
-        return cls(
-            f"kernel {kernel.name!r}{_plugin_text(kernel)} failed in {stage}() for layer {self._name()}: "
-            f"{type(error).__name__}: {error} (scheme {self.scheme.name}, {activation_dtype} inputs, device "
-            f"{self.torch_device}). Disable the kernel (QSCHEME_DISABLED_KERNELS={kernel.name}) or force another "
-            f"(kernel=...) to run the layer, and report the failure to {kernel.provider}",
-            **self._failure_fields(kernel, stage),
-        )
-
-    def _failure_fields(self, kernel: KernelDeclaration, stage: str) -> dict[str, Any]:
-        """The attributes of a KernelExecutionError: who failed, where."""
-        return {
-            "layer": self._name(),
-            "kernel": kernel.name,
-            "plugin": kernel.plugin,
-            "scheme": self.scheme.name,
-            "stage": stage,
-        }
+        where = f"{activation_dtype} inputs, device {self.torch_device}"
+        return kernel_error(kernel, stage, error, self._name(), self.scheme.name, where)
 
     def _run(self, implementation: Any, state: Any, x: Tensor, activation_dtype: str) -> Tensor:
         """``implementation.apply`` with its failures and its output checked; a non-finite input to
@@ -460,13 +437,7 @@ class QuantLinear(torch.nn.Module):
         kernel = self._resolved[activation_dtype][1]
         found = f"{list(y.shape)} {y.dtype}" if isinstance(y, Tensor) else f"a {type(y).__name__}"
         expected = f"{[*x.shape[:-1], self.out_features]} {x.dtype}"
-        return KernelExecutionError(
-            f"kernel {kernel.name!r}{_plugin_text(kernel)} returned {found} from apply() for layer {self._name()}; "
-            f"expected {expected} ([..., N] in the input's dtype; scheme {self.scheme.name}). The "
-            f"kernel's code is wrong: disable it (QSCHEME_DISABLED_KERNELS={kernel.name}) or force another "
-            f"(kernel=...), and report it to {kernel.provider}",
-            **self._failure_fields(kernel, "apply"),
-        )
+        return bad_output_error(kernel, found, expected, self._name(), self.scheme.name)
 
     @property
     def scheme(self) -> Scheme:
@@ -569,26 +540,6 @@ class QuantLinear(torch.nn.Module):
 
 _INPUT_DTYPE_NAMES = {dtype: normalize_dtype(dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
 _OUTPUT_SHAPES_LIMIT = 256
-
-
-class KernelRouteWarning(UserWarning):
-    """An input dtype runs on another kernel than the one ``QuantLinear.kernel`` reports."""
-
-
-def _plugin_text(kernel: KernelDeclaration) -> str:
-    return f" (plugin {kernel.plugin})" if kernel.plugin else ""
-
-
-_COMBINED_ERRORS: dict[type, type[KernelExecutionError]] = {}
-
-
-def _combined_error(original: type[QSchemeError]) -> type[KernelExecutionError]:
-    """KernelExecutionError that is also the kernel's own typed error class (made once per class)."""
-    found = _COMBINED_ERRORS.get(original)
-    if found is None:
-        found = type(f"KernelExecutionError[{original.__name__}]", (KernelExecutionError, original), {})
-        _COMBINED_ERRORS[original] = found
-    return found
 
 
 BUFFER_PREFIX = "canonical_"
