@@ -32,6 +32,7 @@ from qscheme.api_checks import require_flag
 from qscheme.checkpoint.load import Checkpoint, FusePolicyChoice, load_checkpoint
 from qscheme.checkpoint.plan import FuseSpec
 from qscheme.checkpoint.routers import router_hint
+from qscheme.dtype_fallback import warn_dtype_fallbacks
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.modules import ExpertsSpec, QuantExperts, QuantLinear, checked_device, find_expert_modules
 from qscheme.text import listing
@@ -296,8 +297,6 @@ def apply_to_model(
         notes.append(f"apply_to_model: the checkpoint does not provide {_listing(missing)}; the model keeps its own")
     if notes:
         checkpoint.report = dataclasses.replace(checkpoint.report, notes=(*checkpoint.report.notes, *notes))
-    from qscheme.dtype_fallback import warn_dtype_fallbacks  # here: it imports qscheme.modules
-
     warn_dtype_fallbacks(model, "apply_to_model")
     return checkpoint
 
