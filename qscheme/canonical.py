@@ -209,7 +209,7 @@ def canonicalize(
     """Checkpoint tensors (by checkpoint name) of one layer -> CanonicalWeight.
 
     The tensors must already have been validated against the scheme (names, dtypes, shapes;
-    ``qscheme.checkpoint.validate``). What that cannot see is refused here with QuantizeError
+    ``qscheme.tensor_checks``). What that cannot see is refused here with QuantizeError
     (naming ``layer`` when given): a mapping that does not hold plain tensors keyed by name,
     and scales whose product would dequantize to inf, NaN or zero (``qscheme.scale_checks``).
     ``check_finite=False`` skips that last check, for tensors derived from ones already checked
