@@ -235,6 +235,7 @@ torch.save(results, out)
 
 
 @pytest.mark.parametrize("mode", ["truncate", "rewrite"])
+@pytest.mark.subprocess
 def test_changing_the_files_after_load_neither_crashes_nor_changes_the_modules(tmp_path: Path, mode: str) -> None:
     # A memory-mapped module would die of SIGBUS here (truncate) or compute with other weights (rewrite):
     # loading copies what the modules keep, so the files may change or go once load returns.

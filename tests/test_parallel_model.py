@@ -154,6 +154,7 @@ def _single_process_logits(folder: Path, dtype: str = "float32") -> torch.Tensor
     return logits.float()
 
 
+@pytest.mark.distributed
 def test_two_ranks_give_the_single_process_logits(tmp_path: Path) -> None:
     nvfp4, excluded, fp8_block = ct_checkpoint("NVFP4"), modelopt_fixture("nvfp4_exclude"), ct_checkpoint("FP8_BLOCK")
     runs = {

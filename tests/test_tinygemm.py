@@ -188,6 +188,7 @@ def assert_within(actual: Tensor, expected: Tensor, bound: Tensor, what: str) ->
 # --- declarations and resolution ----------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_the_declaration_module_imports_no_torch() -> None:
     code = "import sys, qscheme_plugins.tinygemm; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

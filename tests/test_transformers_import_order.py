@@ -20,6 +20,8 @@ pytest.importorskip("transformers")
 from checkpoint_cache import modelopt_fixture
 from safetensors import safe_open
 
+pytestmark = pytest.mark.subprocess
+
 FIXTURE = modelopt_fixture("nvfp4")
 
 LOAD = """

@@ -92,6 +92,7 @@ def test_modelopt_quantizer_is_registered() -> None:
 
 
 @pytest.mark.parametrize("fixture", sorted(FIXTURES))
+@pytest.mark.oracle
 def test_logits_and_greedy_tokens_equal_modelopts_model(fixture: str, oracles: dict[str, dict[str, object]]) -> None:
     """qscheme's model of the fixture against ModelOpt's model holding the fixture's tensors.
 
