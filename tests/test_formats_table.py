@@ -97,6 +97,7 @@ def test_descriptor_vocabularies_come_from_the_table() -> None:
     }
 
 
+@pytest.mark.subprocess
 def test_the_table_imports_no_torch() -> None:
     code = (
         "import sys\n"
