@@ -115,7 +115,7 @@ def wrapper_time(reps: int) -> float:
     import torch
 
     from qscheme.catalog import load_scheme
-    from qscheme.linear import QuantLinear
+    from qscheme.modules import QuantLinear
     from qscheme.triton.samples import random_weight
 
     layer = QuantLinear.from_canonical(

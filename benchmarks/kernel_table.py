@@ -28,7 +28,7 @@ from qscheme.canonical import CanonicalWeight
 from qscheme.descriptor import Scheme
 from qscheme.kernels import registry
 from qscheme.kernels.devices import DeviceFacts
-from qscheme.linear import QuantLinear, problem_for
+from qscheme.modules import QuantLinear, problem_for
 
 INTERPRETER_VARIABLE = "TRITON_INTERPRET"
 REFERENCE_KERNEL = "reference"  # the oracle every kernel is checked against (plugins/reference.py)

@@ -160,7 +160,7 @@ def _load_without_prepare(folder: Path) -> object:
     from qscheme.checkpoint.load import load_canonical
     from qscheme.checkpoint.plan import plan_checkpoint
     from qscheme.kernels.registry import resolve_layer
-    from qscheme.linear import problem_for
+    from qscheme.modules import problem_for
 
     plan = plan_checkpoint(folder)
     canonical = load_canonical(plan)

@@ -49,6 +49,7 @@ from torch.nn import functional
 
 from qscheme.canonical import CanonicalWeight
 from qscheme.errors import UsageError
+from qscheme.formats.table import FORMAT_FACTS
 
 TILE = 16  # Marlin tiles are 16 x 16 elements
 PERM_BLOCK = 1024  # the weight permutation acts on blocks of 4 tiles
@@ -69,7 +70,7 @@ SCALAR_TYPES: dict[tuple[str, bool], str] = {
 
 # Offset turning a canonical code into the scalar type's unsigned storage.
 _CODE_OFFSETS: dict[str, int] = {"int4": 8, "int8": 128}
-_BITS: dict[str, int] = {"int4": 4, "uint4": 4, "e2m1": 4, "int8": 8, "e4m3": 8}
+_BITS: dict[str, int] = {name: FORMAT_FACTS[name].bits for name in ("int4", "uint4", "e2m1", "int8", "e4m3")}
 # Within 8 (4-bit) or 4 (8-bit) consecutive values, the order Marlin's dequantizer reads them in.
 _INTERLEAVE: dict[int, tuple[int, ...]] = {4: (0, 2, 4, 6, 1, 3, 5, 7), 8: (0, 2, 1, 3)}
 # Exponent bias Marlin's dequantizer leaves out of FP4 and FP8 values, per activation dtype.

@@ -17,7 +17,7 @@ layers and 25 MiB on a 154-layer model, not growing with the number of layers;
 tests/test_reference_memory.py measures both.)
 
 Speed: every call dequantizes the weight again, on qscheme's slab workers
-(``qscheme.quantize.slabs``), with the calling thread single-threaded for the whole call (the
+(``qscheme.slabs``), with the calling thread single-threaded for the whole call (the
 chunk products included): switching torch's thread count per chunk, or letting the caller's
 OpenMP team spin beside the workers, cost several times the dequantization itself. On a
 4096x4096 layer a call at M=1 takes about ten times as long as with a kept float32 copy (the
@@ -43,12 +43,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from qscheme import slabs
 from qscheme.canonical import CanonicalWeight, dequantize_rows, scale_tile
 from qscheme.descriptor import ActivationSpec
 from qscheme.emulation import apply_pre_scale, fake_quantize_activation
 from qscheme.environment import env_flag
 from qscheme.errors import UsageError
-from qscheme.quantize import slabs
 
 CHUNK_BYTES = 8 << 20  # float32 bytes of weight rows dequantized at once (at most)
 CACHE_VARIABLE = "QSCHEME_REFERENCE_CACHE"

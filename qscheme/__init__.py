@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from qscheme.checkpoint.load import Checkpoint, load_checkpoint
     from qscheme.checkpoint.model import apply_to_model
     from qscheme.dequantize import dequantize_weight
-    from qscheme.linear import QuantLinear
+    from qscheme.modules.linear import QuantLinear
     from qscheme.quantize import quantize_weight
     from qscheme.writing import WriteSummary, convert_checkpoint, quantize_checkpoint
 
@@ -57,7 +57,7 @@ __all__ = [
 
 # Names whose modules import torch: loaded on first use so that `import qscheme` stays light.
 _LAZY: dict[str, str] = {
-    "QuantLinear": "qscheme.linear",
+    "QuantLinear": "qscheme.modules.linear",
     "Checkpoint": "qscheme.checkpoint.load",
     "load_checkpoint": "qscheme.checkpoint.load",
     "apply_to_model": "qscheme.checkpoint.model",

@@ -10,8 +10,8 @@ from torch import Tensor
 
 from qscheme.canonical import canonicalize, dequantize
 from qscheme.catalog import load_scheme, require_scheme_argument
-from qscheme.checkpoint.validate import require_valid_tensors
 from qscheme.descriptor import Scheme
+from qscheme.tensor_checks import require_valid_tensors
 
 
 def dequantize_weight(tensors: Mapping[str, Tensor], scheme: Scheme | str | Path) -> Tensor:

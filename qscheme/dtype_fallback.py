@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 
 REFERENCE = "reference"
 ACTIVATION_DTYPES = ("bfloat16", "float16", "float32")

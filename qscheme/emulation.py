@@ -87,6 +87,7 @@ from qscheme.descriptor import ActivationSpec
 from qscheme.descriptor.model import ActivationGranularity
 from qscheme.errors import FormatError, QuantizeError
 from qscheme.formats import FORMAT_ALIASES, decode, encode, get_element_format, mx_scale_exponent
+from qscheme.formats.table import range_half
 
 __all__ = [
     "SUPPORTED_ACTIVATIONS",
@@ -144,12 +145,12 @@ class ActivationRule:
 _FLOAT_SCALES = ("fp32", "float")
 
 SUPPORTED_ACTIVATIONS: tuple[ActivationRule, ...] = (
-    ActivationRule("NVFP4", "e2m1", "group", 16, True, ("e4m3",), "nvfp4", 6.0),
+    ActivationRule("NVFP4", "e2m1", "group", 16, True, ("e4m3",), "nvfp4", range_half("e2m1")),
     ActivationRule("MXFP4", "e2m1", "group", 32, True, ("e8m0",), "mx"),
     ActivationRule("FP8 per tensor", "e4m3", "tensor", None, False, ("fp32", "float", "bf16", "fp16"), "static"),
-    ActivationRule("FP8 per token", "e4m3", "token", None, True, _FLOAT_SCALES, "absmax", 448.0),
-    ActivationRule("FP8 per group", "e4m3", "group", 128, True, _FLOAT_SCALES, "absmax", 448.0),
-    ActivationRule("int8 per token", "int8", "token", None, True, _FLOAT_SCALES, "absmax", 127.5),
+    ActivationRule("FP8 per token", "e4m3", "token", None, True, _FLOAT_SCALES, "absmax", range_half("e4m3")),
+    ActivationRule("FP8 per group", "e4m3", "group", 128, True, _FLOAT_SCALES, "absmax", range_half("e4m3")),
+    ActivationRule("int8 per token", "int8", "token", None, True, _FLOAT_SCALES, "absmax", range_half("int8")),
 )
 """Every activation quantization the emulation runs (see the module docstring for the math)."""
 

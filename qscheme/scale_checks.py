@@ -38,12 +38,13 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from qscheme.canonical import CanonicalWeight, effective_scale, element_values, expand_tiles, scale_tile
+from qscheme.canonical_weight import CanonicalWeight, effective_scale, element_values, expand_tiles, scale_tile
 from qscheme.descriptor import GlobalScaleSpec, ScaleSpec, Scheme
 from qscheme.errors import QuantizeError
 from qscheme.formats import FORMAT_ALIASES, decode, get_element_format, representable_values
 from qscheme.formats.elements import E8M0_NAN
 from qscheme.formats.scale_values import any_nonfinite, nonfinite
+from qscheme.formats.table import FORMAT_FACTS
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
@@ -230,8 +231,8 @@ def _activation_block_range(scale_format: str) -> tuple[float, float] | None:
     """The range of the dynamic block scales a static activation global scale multiplies. Only
     an fp8 block scale spans a fixed, narrow range whatever the input; e8m0 and float block
     scales follow each block's amax across float32's range, so they bound nothing here."""
-    name = FORMAT_ALIASES.get(scale_format, scale_format)
-    return _magnitudes(name) if name in ("e4m3", "e5m2") else None
+    facts = FORMAT_FACTS.get(FORMAT_ALIASES.get(scale_format, scale_format))
+    return _magnitudes(facts.name) if facts is not None and facts.kind == "float" and facts.bits == 8 else None
 
 
 def _products_are_far_from_limits(weight: CanonicalWeight) -> bool:

@@ -18,7 +18,7 @@ from qscheme.canonical import canonicalize
 from qscheme.catalog import load_scheme, require_scheme_argument
 from qscheme.dequantize import dequantize_weight
 from qscheme.errors import QuantizeError, UsageError
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.quantize import quantize_weight
 
 # torch warns that sparse CSR, nested and quantized tensors are beta, prototype or deprecated

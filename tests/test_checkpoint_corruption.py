@@ -20,7 +20,7 @@ from checkpoint_cache import (
 )
 from safetensors.torch import load_file, save_file
 
-import qscheme.linear
+import qscheme.modules
 from qscheme.checkpoint import load_checkpoint
 from qscheme.checkpoint.inspect import inspect_checkpoint
 from qscheme.cli.main import main
@@ -409,13 +409,13 @@ def test_corruption_raises_naming_the_tensor_or_file(
     folder = copy_checkpoint(_source(kind), tmp_path / "checkpoint")
     corrupt(folder)
     built: list[str] = []
-    original = qscheme.linear.QuantLinear.from_canonical.__func__  # type: ignore[attr-defined]
+    original = qscheme.modules.QuantLinear.from_canonical.__func__  # type: ignore[attr-defined]
 
     def counting(cls, weight, *args, **kwargs):  # type: ignore[no-untyped-def]
         built.append(kwargs.get("layer_name", "?"))
         return original(cls, weight, *args, **kwargs)
 
-    monkeypatch.setattr(qscheme.linear.QuantLinear, "from_canonical", classmethod(counting))
+    monkeypatch.setattr(qscheme.modules.QuantLinear, "from_canonical", classmethod(counting))
     with pytest.raises(CheckpointError) as caught:
         load_checkpoint(folder)
     assert caught.value.args[0] and re.search(pattern, str(caught.value)), str(caught.value)

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import pytest
 import torch
 from checkpoint_cache import modelopt_fixture, scratch_root, single_threaded_torch  # noqa: F401  (autouse)
 from hypothesis import HealthCheck, given, settings
@@ -53,7 +54,7 @@ from qscheme.checkpoint.load import load_checkpoint
 from qscheme.cli.inspect import run as inspect_command
 from qscheme.errors import QSchemeError
 from qscheme.examples.make_checkpoint import make_checkpoint
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 
 FUZZ = settings(
     derandomize=True,
@@ -433,12 +434,14 @@ def _check_damaged_header(data: st.DataObject, example: str) -> None:
     check_loads_same_or_refuses(folder, original)
 
 
+@pytest.mark.slow  # over a hundred damaged checkpoints loaded
 @settings(FUZZ, max_examples=400)
 @given(st.data())
 def test_damaged_safetensors_header_loads_the_same_or_raises(data: st.DataObject) -> None:
     _check_damaged_header(data, "ct")
 
 
+@pytest.mark.slow  # over a hundred damaged checkpoints loaded
 @settings(FUZZ, max_examples=120)
 @given(st.data())
 def test_damaged_modelopt_header_loads_the_same_or_raises(data: st.DataObject) -> None:
@@ -448,6 +451,7 @@ def test_damaged_modelopt_header_loads_the_same_or_raises(data: st.DataObject) -
 # ---------------------------------------------------------------------------- index files
 
 
+@pytest.mark.slow  # over a hundred damaged checkpoints loaded
 @settings(FUZZ, max_examples=200)
 @given(st.data())
 def test_damaged_index_loads_the_same_or_raises(data: st.DataObject) -> None:
@@ -507,6 +511,7 @@ def _config_text(config: dict[str, Any], draw: Callable[..., Any]) -> str:
     return _damage_bytes(_dumps(config).encode(), draw).decode("utf-8", "surrogateescape")
 
 
+@pytest.mark.slow  # over a hundred damaged checkpoints loaded
 @settings(FUZZ, max_examples=300)
 @given(st.data())
 def test_damaged_config_json_loads_the_same_or_raises(data: st.DataObject) -> None:
@@ -517,6 +522,7 @@ def test_damaged_config_json_loads_the_same_or_raises(data: st.DataObject) -> No
     check_loads_same_or_refuses(folder, original)
 
 
+@pytest.mark.slow  # over a hundred damaged checkpoints loaded
 @settings(FUZZ, max_examples=150)
 @given(st.data())
 def test_damaged_modelopt_configs_load_the_same_or_raise(data: st.DataObject) -> None:

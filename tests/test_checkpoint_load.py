@@ -26,7 +26,7 @@ from qscheme.checkpoint import Checkpoint, load_checkpoint
 from qscheme.checkpoint.load import UnknownModuleError
 from qscheme.checkpoint.progress import Progress
 from qscheme.errors import CheckpointError, UsageError
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 
 
 def test_public_entry_points() -> None:
@@ -235,6 +235,7 @@ torch.save(results, out)
 
 
 @pytest.mark.parametrize("mode", ["truncate", "rewrite"])
+@pytest.mark.subprocess
 def test_changing_the_files_after_load_neither_crashes_nor_changes_the_modules(tmp_path: Path, mode: str) -> None:
     # A memory-mapped module would die of SIGBUS here (truncate) or compute with other weights (rewrite):
     # loading copies what the modules keep, so the files may change or go once load returns.

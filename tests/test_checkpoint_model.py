@@ -16,7 +16,7 @@ from transformers import AutoConfig, LlamaForCausalLM
 
 from qscheme.checkpoint import apply_to_model
 from qscheme.errors import CheckpointError, UsageError
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 
 
 def _model(folder: Path, dtype: torch.dtype = torch.float32, **overrides: object) -> LlamaForCausalLM:
@@ -217,6 +217,7 @@ def test_a_model_converted_before_or_with_other_projection_types_is_refused_with
 
 
 @pytest.mark.parametrize("preset", ["NVFP4", "W4A16_ASYM", "FP8_BLOCK"])
+@pytest.mark.interpreter
 def test_the_triton_kernel_runs_the_model_as_the_library_does(preset: str) -> None:
     """The whole model on the Triton kernel (interpreted on the CPU): logits as the library's
     fake-quantized model gives them, and the same greedy tokens as the reference kernel."""

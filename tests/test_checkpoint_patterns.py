@@ -248,6 +248,7 @@ LONG_PATTERNS = {
 
 
 @pytest.mark.parametrize("shape", list(LONG_PATTERNS))
+@pytest.mark.slow  # times patterns thousands of characters long
 def test_the_check_is_linear_in_the_pattern_length(shape: str) -> None:
     """Work counted, not timed: items looked at per character stay bounded from 1,000 to 100,000
     characters (a quadratic check would look at ~100x more per character at the long end)."""
@@ -261,6 +262,7 @@ def test_the_check_is_linear_in_the_pattern_length(shape: str) -> None:
     assert per_character[100_000] <= 1.5 * per_character[1_000] + 0.1, per_character
 
 
+@pytest.mark.slow  # times patterns thousands of characters long
 def test_a_long_pattern_gets_the_same_verdict_as_before() -> None:
     """The linear check keeps the verdicts: the follow sets it works out in one pass are the ones
     the rest of each sequence gives."""

@@ -11,7 +11,9 @@ import pytest
 from qscheme.checkpoint.plan import format_problems
 from qscheme.checkpoint.progress import Progress
 from qscheme.checkpoint.report import CheckpointReport
-from qscheme.checkpoint.text import (
+from qscheme.cli.output import TerminalOutput
+from qscheme.tensor_checks import TensorProblem
+from qscheme.text import (
     NAME_LIMIT,
     bounded_problem,
     cut,
@@ -21,8 +23,6 @@ from qscheme.checkpoint.text import (
     problem_lines,
     shown,
 )
-from qscheme.checkpoint.validate import TensorProblem
-from qscheme.cli.output import TerminalOutput
 
 HOSTILE = "a\x1b[2Jb\rc\nd\te\x7ff\x85g\u202eh\u2066i\u2028j\udc80k\x00"
 

@@ -185,6 +185,7 @@ def test_write_errors_are_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pyte
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.subprocess
 def test_a_full_disk_exits_1_without_a_traceback() -> None:
     with open("/dev/full", "w") as full:
         done = subprocess.run(
@@ -223,6 +224,7 @@ def test_help_says_what_a_closed_output_exits_with(capsys: pytest.CaptureFixture
     assert "its output could not be written (a full disk, a closed stdout, a pipe closed early)" in readme
 
 
+@pytest.mark.subprocess
 def test_a_closed_stdout_exits_1_with_one_line() -> None:
     done = _qscheme("kernels --device cpu >&-")
     assert done.returncode == 1
@@ -242,6 +244,7 @@ def test_a_closed_stdout_exits_1_with_one_line() -> None:
         ("--help >&-", "stdout is closed"),
     ],
 )
+@pytest.mark.subprocess
 def test_help_and_version_obey_the_output_rule(redirected: str, reason: str) -> None:
     """argparse prints them itself and ignores write errors (or falls back to stderr)."""
     done = _qscheme(redirected)
@@ -266,6 +269,7 @@ def _into_a_closed_pipe(arguments: list[str]) -> subprocess.CompletedProcess[str
 
 
 @pytest.mark.parametrize("arguments", [["--help"], ["--version"]])
+@pytest.mark.subprocess
 def test_help_and_version_into_a_closed_pipe_exit_1_silently(arguments: list[str]) -> None:
     done = _into_a_closed_pipe(arguments)
     assert (done.returncode, done.stderr) == (1, "")
@@ -273,6 +277,7 @@ def test_help_and_version_into_a_closed_pipe_exit_1_silently(arguments: list[str
     assert done.returncode == 0 and done.stdout.startswith(("usage: qscheme", "qscheme ")) and done.stderr == ""
 
 
+@pytest.mark.subprocess
 def test_a_closed_stderr_keeps_the_commands_exit_code(tmp_path: Path) -> None:
     done = _qscheme(f"inspect {tmp_path / 'missing'} 2>&-")
     assert (done.returncode, done.stdout, done.stderr) == (2, "", "")
@@ -281,6 +286,7 @@ def test_a_closed_stderr_keeps_the_commands_exit_code(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("arguments", [["schemes"], ["schemes", "--json"], ["kernels", "--device", "cpu"]])
+@pytest.mark.subprocess
 def test_a_pipe_closed_by_its_reader_exits_1_silently(arguments: list[str]) -> None:
     """`qscheme schemes | head -1` once head has exited: the pipe has no reader left."""
     done = _into_a_closed_pipe(arguments)
@@ -288,6 +294,7 @@ def test_a_pipe_closed_by_its_reader_exits_1_silently(arguments: list[str]) -> N
 
 
 @pytest.mark.parametrize("command", ["kernels --device cpu --json", "plugins --json"])
+@pytest.mark.subprocess
 def test_plugin_prints_never_reach_stdout_in_json_mode(command: str) -> None:
     done = _qscheme(
         command,
@@ -319,6 +326,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "modelopt" / "nvfp4"
         ("schemes --json", 1),
     ],
 )
+@pytest.mark.subprocess
 def test_a_skipped_descriptor_is_one_warning_line_on_stderr(command: str, code: int, tmp_path: Path) -> None:
     (tmp_path / "broken.yaml").write_text("name: acme/broken\nweight: 3\n")
     done = _qscheme(command.format(fixture=shlex.quote(str(FIXTURE))), QSCHEME_SCHEME_PATH=str(tmp_path))
@@ -335,7 +343,7 @@ def test_a_skipped_descriptor_is_one_warning_line_on_stderr(command: str, code: 
 def test_qscheme_warnings_are_one_line_once_and_others_untouched(capsys: pytest.CaptureFixture[str]) -> None:
     from qscheme.catalog import SchemePathWarning
     from qscheme.cli.main import qscheme_warnings
-    from qscheme.linear import KernelRouteWarning
+    from qscheme.modules import KernelRouteWarning
 
     with pytest.warns(UserWarning, match="not ours") as record, qscheme_warnings():
         for _ in range(2):

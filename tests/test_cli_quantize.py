@@ -54,6 +54,7 @@ def test_usage_and_input_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFix
     assert not (tmp_path / "dst").exists()
 
 
+@pytest.mark.subprocess
 def test_yaml_only_scheme_loads_in_a_fresh_process_without_the_yaml(tmp_path: Path) -> None:
     tensors = llama_tensors(num_layers=1, dtype=torch.float32)
     src = write_source_checkpoint(tmp_path / "src", tensors)

@@ -16,7 +16,7 @@ from checkpoint_cache import ct_checkpoint, single_threaded_torch  # noqa: F401
 from checkpoint_factory import build_model
 
 from qscheme.checkpoint.model import apply_to_model
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 
 TOKENS = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(11))
 
@@ -35,7 +35,12 @@ def _skip_without_triton(kernel: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kernel", "preset"), [("reference", "NVFP4A16"), ("reference", "W4A16"), ("triton", "NVFP4A16")]
+    ("kernel", "preset"),
+    [
+        ("reference", "NVFP4A16"),
+        ("reference", "W4A16"),
+        pytest.param("triton", "NVFP4A16", marks=pytest.mark.interpreter),
+    ],
 )
 def test_fullgraph_compile_of_a_loaded_llama_has_no_graph_break_and_gives_the_eager_logits(
     kernel: str, preset: str

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from qscheme.catalog import load_scheme
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.triton.samples import model_scale_dtype, random_weight
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
@@ -66,6 +66,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Complete
     return completed, markdown.read_text(encoding="utf-8")
 
 
+@pytest.mark.subprocess
 def test_smoke_has_a_row_for_every_kernel_the_resolver_accepts(
     smoke: tuple[subprocess.CompletedProcess[str], str],
 ) -> None:
@@ -88,6 +89,7 @@ def test_smoke_has_a_row_for_every_kernel_the_resolver_accepts(
     assert {row[9] for row in rows if row[1] == "reference"} == {"1.00x"}
 
 
+@pytest.mark.subprocess
 def test_interpreter_only_kernels_are_left_out(smoke: tuple[subprocess.CompletedProcess[str], str]) -> None:
     _, text = smoke
     n, k = cpu_gemm.SMOKE_SHAPES[0]
@@ -100,6 +102,7 @@ def test_interpreter_only_kernels_are_left_out(smoke: tuple[subprocess.Completed
     assert not interpreter_only & tabled
 
 
+@pytest.mark.subprocess
 def test_smoke_writes_the_error_and_memory_tables(smoke: tuple[subprocess.CompletedProcess[str], str]) -> None:
     completed, text = smoke
     assert HEADER in text

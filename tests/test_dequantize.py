@@ -13,7 +13,7 @@ from qscheme.catalog import builtin_scheme_dir, load_catalog, load_scheme
 from qscheme.dequantize import dequantize_weight
 from qscheme.descriptor import Scheme
 from qscheme.errors import QuantizeError
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.quantize import quantize_weight
 
 BUILTIN = sorted(scheme.name for scheme in load_catalog(include_plugins=False) if scheme.source == "builtin")

@@ -122,8 +122,12 @@ def test_every_block_says_what_it_is() -> None:
 
 @pytest.mark.parametrize(
     "block",
-    [b for b in ALL_BLOCKS if b.language in RUN_LANGUAGES and "no-run" not in b.attributes],
-    ids=lambda b: b.where,
+    [
+        # a console block runs its commands as processes
+        pytest.param(b, id=b.where, marks=pytest.mark.subprocess if b.language == "console" else ())
+        for b in ALL_BLOCKS
+        if b.language in RUN_LANGUAGES and "no-run" not in b.attributes
+    ],
 )
 def test_example(block: Block, scratch: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(scratch)

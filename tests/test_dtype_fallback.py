@@ -13,7 +13,7 @@ from checkpoint_cache import ct_checkpoint
 from qscheme.catalog import load_scheme
 from qscheme.checkpoint import apply_to_model
 from qscheme.dtype_fallback import KernelFallbackWarning, dtype_fallbacks, grouped_names, warn_dtype_fallbacks
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.triton.samples import random_weight
 
 W4A16 = "compressed-tensors/W4A16"

@@ -26,8 +26,7 @@ from qscheme.checkpoint.inspect import inspect_checkpoint, render_inspection
 from qscheme.checkpoint.model import apply_to_model
 from qscheme.checkpoint.resolve import render_checkpoint_resolution, resolve_checkpoint
 from qscheme.errors import CheckpointError, UsageError
-from qscheme.experts import QuantExperts, find_expert_modules
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantExperts, QuantLinear, find_expert_modules
 from qscheme.quantize import quantize_weight
 
 EXPERTS = 8
@@ -170,7 +169,7 @@ def test_find_expert_modules_lists_each_fused_experts_module_with_its_shapes() -
     assert len(spec.layer_names()) == 3 * EXPERTS
 
 
-@pytest.mark.parametrize("kernel", ["reference", "triton"])
+@pytest.mark.parametrize("kernel", ["reference", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_every_expert_is_quantized_and_logits_equal_the_libraries_dequantized_model(
     moe_checkpoint: Path, kernel: str
 ) -> None:

@@ -47,6 +47,7 @@ def _accepted(scheme_name: str, n: int, k: int) -> tuple[str, ...]:
     return kernels
 
 
+@pytest.mark.subprocess
 def test_smoke_run_puts_every_accepted_kernel_side_by_side(tmp_path: Path) -> None:
     markdown = tmp_path / "table.md"
     completed = _run("--smoke", "--markdown", str(markdown))
@@ -79,6 +80,7 @@ def test_smoke_run_puts_every_accepted_kernel_side_by_side(tmp_path: Path) -> No
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the script would benchmark it")
+@pytest.mark.subprocess
 def test_without_a_gpu_it_says_so() -> None:
     completed = _run()
     assert completed.returncode == 2

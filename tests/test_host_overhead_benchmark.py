@@ -16,6 +16,7 @@ import torch
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "host_overhead.py"
 
 
+@pytest.mark.subprocess
 def test_smoke_times_every_scheme_and_m() -> None:
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     schemes = ("compressed-tensors/NVFP4A16", "compressed-tensors/NVFP4")
@@ -53,6 +54,7 @@ def test_gpu_mode_table_runs_under_the_interpreter(monkeypatch: pytest.MonkeyPat
     assert "Eager calls at M=1, 64x64, bf16 inputs, on the CPU (Triton interpreter):" in text
 
 
+@pytest.mark.subprocess
 def test_gpu_mode_without_cuda_exits_2() -> None:
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")

@@ -16,7 +16,7 @@ from kernel_fakes import input_scales
 from qscheme.catalog import load_scheme
 from qscheme.errors import QSchemeError
 from qscheme.input_checks import NonFiniteInputError, poison_non_finite_rows
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.quantize import quantize_weight
 
 KERNELS = ["reference", "triton"]

@@ -15,7 +15,7 @@ from qscheme.checkpoint.fuse import concatenate
 from qscheme.dequantize import dequantize_weight
 from qscheme.errors import NoKernelError, QuantizeError, UsageError
 from qscheme.kernels.declaration import ANY_DEVICE, DeviceSupport, KernelDeclaration, Supports
-from qscheme.linear import QuantLinear, problem_for
+from qscheme.modules import QuantLinear, problem_for
 from qscheme.plugins import hookimpl, register_plugin
 
 
@@ -491,7 +491,7 @@ def test_cpu_with_an_index_is_the_cpu() -> None:
 def test_weight_answers_device_kind_and_refuses_replacement() -> None:
     """``.weight.is_meta`` / ``is_cpu`` answer for the layer's device (as ``.device`` does), and
     assigning ``.weight`` (weight tying, resizing) is a typed error naming the layer."""
-    from qscheme.linear import QuantizedWeightError
+    from qscheme.modules import QuantizedWeightError
 
     scheme = builtin_scheme("compressed-tensors/W4A16")
     layer = QuantLinear.from_tensors(scheme, layer_tensors(scheme, n=64, k=256), device="cpu", layer_name="lm_head")

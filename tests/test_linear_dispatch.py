@@ -19,7 +19,7 @@ from qscheme.canonical import CanonicalWeight, dequantize
 from qscheme.errors import QSchemeError, QuantizeError, UsageError
 from qscheme.kernels.declaration import ActivationDtypes, KernelDeclaration
 from qscheme.kernels.interface import KernelExecutionError
-from qscheme.linear import KernelRouteWarning, QuantLinear
+from qscheme.modules import KernelRouteWarning, QuantLinear
 from qscheme.plugins import hookimpl, register_plugin
 
 SCHEME = "compressed-tensors/W4A16"

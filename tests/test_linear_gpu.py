@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qscheme
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 
 pytestmark = [
     pytest.mark.gpu,

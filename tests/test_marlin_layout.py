@@ -249,6 +249,7 @@ def test_ci_runs_the_vllm_oracle() -> None:
 
 @needs_vllm
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+@pytest.mark.oracle
 def test_prepare_matches_vllm(case: Case, vllm_results: dict[str, Any]) -> None:
     theirs = vllm_results["cases"][case.name]
     ours = ml.marlin_operands(case.weight, case.dtype)
@@ -271,6 +272,7 @@ def test_prepare_matches_vllm(case: Case, vllm_results: dict[str, Any]) -> None:
 
 
 @needs_vllm
+@pytest.mark.oracle
 def test_helpers_match_vllm(vllm_results: dict[str, Any]) -> None:
     inputs, theirs = _helper_inputs(), vllm_results["helpers"]
     assert [ml.marlin_padded_nk(n, k, g) for n, k, g in inputs["shapes"]] == [tuple(nk) for nk in theirs["padded_nk"]]
@@ -301,6 +303,7 @@ def test_helpers_match_vllm(vllm_results: dict[str, Any]) -> None:
 
 
 @needs_vllm
+@pytest.mark.oracle
 def test_oracle_is_the_supported_vllm(vllm_results: dict[str, Any]) -> None:
     assert vllm_results["version"].startswith("0.33."), vllm_results["version"]
 

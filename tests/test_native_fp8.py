@@ -64,7 +64,7 @@ from qscheme.kernels.interface import KernelImplementation
 from qscheme.kernels.problem import Problem
 from qscheme.kernels.registry import load_implementation
 from qscheme.kernels.resolver import resolve
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 
 CPU = torch.device("cpu")
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32

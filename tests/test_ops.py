@@ -1,4 +1,4 @@
-"""qscheme.ops: QuantLinear's kernel call as registered torch custom ops with fake implementations."""
+"""qscheme.modules.ops: QuantLinear's kernel call as registered torch custom ops with fake implementations."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import torch
 from checkpoint_cache import single_threaded_torch  # noqa: F401
 
 from qscheme.errors import UsageError
-from qscheme.linear import QuantLinear
-from qscheme.ops import layer_for
+from qscheme.modules import QuantLinear, layer_for
 from qscheme.quantize import quantize_weight
 
 SCHEME = "compressed-tensors/NVFP4A16"

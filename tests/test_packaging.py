@@ -64,6 +64,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     return zipfile.ZipFile(built)
 
 
+@pytest.mark.subprocess
 def test_wheel_holds_every_module_and_descriptor_of_the_tree(wheel: zipfile.ZipFile) -> None:
     expected = set()
     for name in tree_files():
@@ -77,6 +78,7 @@ def test_wheel_holds_every_module_and_descriptor_of_the_tree(wheel: zipfile.ZipF
     assert sorted(shipped - expected) == [], "files in the wheel that the tree does not have (stale build?)"
 
 
+@pytest.mark.subprocess
 def test_wheel_entry_points_are_the_builtin_plugins(wheel: zipfile.ZipFile) -> None:
     (name,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
     parser = configparser.ConfigParser()

@@ -109,6 +109,7 @@ def _torchrun(out: Path, runs: dict[str, dict[str, object]], world: int = 2) -> 
     return {rank: json.loads(out.with_suffix(f".rank{rank}.json").read_text()) for rank in range(world)}
 
 
+@pytest.mark.distributed
 def test_ranks_with_different_plans_all_refuse(tmp_path: Path) -> None:
     nvfp4, fp8_block = str(ct_checkpoint("NVFP4")), str(ct_checkpoint("FP8_BLOCK"))
     runs: dict[str, dict[str, object]] = {

@@ -93,7 +93,7 @@ from checkpoint_cache import ct_checkpoint, modelopt_fixture  # noqa: E402
 
 from qscheme.checkpoint import apply_to_model  # noqa: E402
 from qscheme.errors import UsageError  # noqa: E402
-from qscheme.linear import QuantLinear  # noqa: E402
+from qscheme.modules import QuantLinear  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +154,7 @@ def _single_process_logits(folder: Path, dtype: str = "float32") -> torch.Tensor
     return logits.float()
 
 
+@pytest.mark.distributed
 def test_two_ranks_give_the_single_process_logits(tmp_path: Path) -> None:
     nvfp4, excluded, fp8_block = ct_checkpoint("NVFP4"), modelopt_fixture("nvfp4_exclude"), ct_checkpoint("FP8_BLOCK")
     runs = {

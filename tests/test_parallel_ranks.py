@@ -319,6 +319,7 @@ def test_fused_qkv_members_have_different_global_scales() -> None:
     assert len(set(scales)) == 3, scales
 
 
+@pytest.mark.distributed
 def test_two_ranks_equal_the_unsharded_layers(tmp_path: Path) -> None:
     everything = ("q_proj", "k_proj", "v_proj", *MLP_UP)
     cases = [
@@ -342,6 +343,7 @@ def test_two_ranks_equal_the_unsharded_layers(tmp_path: Path) -> None:
     _check(run_ranks(2, cases, tmp_path), 2, expected)
 
 
+@pytest.mark.distributed
 def test_four_ranks_equal_the_unsharded_layers(tmp_path: Path) -> None:
     everything = ("q_proj", "k_proj", "v_proj", *MLP_UP)
     cases = [

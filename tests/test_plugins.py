@@ -101,6 +101,7 @@ def test_builtins_load_and_declare_their_kernels() -> None:
     assert all(d.plugin for d in plugins.kernel_declarations())
 
 
+@pytest.mark.subprocess
 def test_declarations_load_without_importing_torch() -> None:
     code = (
         "import sys\n"
@@ -399,7 +400,7 @@ def test_installed_example_plugin_appears_and_wins_with_higher_priority(cli) -> 
     # The example kernel's code really runs a layer (through QuantLinear, as a loader would).
     import torch
 
-    from qscheme.linear import QuantLinear
+    from qscheme.modules import QuantLinear
 
     weight = torch.randn(64, 128)
     scale = weight.abs().amax() / 448
@@ -518,6 +519,7 @@ def _assert_rejected_for_their_code(trace: list[dict[str, object]]) -> None:
         assert rows[name]["stage"] == "device" and reason in str(rows[name]["reason"]), rows[name]
 
 
+@pytest.mark.subprocess
 def test_kernels_whose_code_cannot_be_imported_are_not_available(broken_cli) -> None:  # type: ignore[no-untyped-def]
     listed = broken_cli("kernels", "--device", "cpu", "--json")
     assert listed.returncode == 0, listed.stderr
@@ -537,6 +539,7 @@ def test_kernels_whose_code_cannot_be_imported_are_not_available(broken_cli) -> 
     assert re.search(r" yes +- *$", rows["reference"])
 
 
+@pytest.mark.subprocess
 def test_resolve_rejects_kernels_whose_code_cannot_be_imported(broken_cli) -> None:  # type: ignore[no-untyped-def]
     resolved = broken_cli("resolve", "compressed-tensors/W4A16", "--device", "cpu", "--json")
     assert resolved.returncode == 0, resolved.stderr
@@ -558,6 +561,7 @@ def test_resolve_rejects_kernels_whose_code_cannot_be_imported(broken_cli) -> No
     assert "hint: kernel tinygemm_cpu can run this layer here" in forced.stdout
 
 
+@pytest.mark.subprocess
 def test_resolve_and_run_a_checkpoint_without_the_broken_kernels(broken_cli, tiny_w4a16: Path) -> None:  # type: ignore[no-untyped-def]
     resolved = broken_cli("resolve", str(tiny_w4a16), "--device", "cpu", "--json")
     assert resolved.returncode == 0, resolved.stderr

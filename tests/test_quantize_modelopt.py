@@ -144,6 +144,7 @@ MODELOPT_PYTHON = os.environ.get("QSCHEME_MODELOPT_PYTHON")
 
 
 @pytest.mark.skipif(not MODELOPT_PYTHON, reason="set QSCHEME_MODELOPT_PYTHON to a Python with nvidia-modelopt")
+@pytest.mark.oracle
 def test_bit_identical_with_modelopt_export_and_dequantize(tmp_path: Path) -> None:
     """Bit identity holds on any CPU: both sides get the same weights (made here, seeded) and do
     only exact arithmetic on them, on this machine: amax (a max, order-free), one IEEE division

@@ -38,6 +38,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return completed.stdout, markdown.read_text(encoding="utf-8")
 
 
+@pytest.mark.subprocess
 def test_smoke_measures_every_step_and_writes_the_table(smoke: tuple[str, str]) -> None:
     stdout, text = smoke
     assert text == stdout  # printed as written
@@ -59,6 +60,7 @@ def test_smoke_measures_every_step_and_writes_the_table(smoke: tuple[str, str]) 
     assert any("a copy that also fsyncs" in line for line in lines)
 
 
+@pytest.mark.subprocess
 def test_source_size_layout_and_memory_bound(tmp_path: Path) -> None:
     shape = quantize_speed.llama_shape(0.003, 128)
     quantize_speed.generate(tmp_path, shape, 3)
@@ -73,6 +75,7 @@ def test_source_size_layout_and_memory_bound(tmp_path: Path) -> None:
     assert quantize_speed.memory_bound(tmp_path) == largest_shard + 3 * largest_tensor + 300_000_000
 
 
+@pytest.mark.subprocess
 def test_measure_reports_the_childs_own_peak_rss() -> None:
     # measured from a lean process, as the script does: a child's ru_maxrss starts at the RSS of
     # the process it was forked from, and this test process holds torch

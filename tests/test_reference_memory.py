@@ -16,7 +16,7 @@ from qscheme.canonical import dequantize
 from qscheme.catalog import load_scheme
 from qscheme.errors import UsageError
 from qscheme.kernels.interface import KernelExecutionError
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.triton.samples import random_weight
 
 MIB = 1 << 20
@@ -29,7 +29,7 @@ MEASURE = """
 import ctypes, json, sys
 import psutil, torch
 from qscheme.catalog import load_scheme
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.triton.samples import random_weight
 
 scheme_name, n, k, layers, dtype_name = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]
@@ -80,6 +80,7 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="me
     ("scheme", "dtype"),
     [("compressed-tensors/NVFP4A16", "bfloat16"), ("compressed-tensors/FP8_DYNAMIC", "float32")],
 )
+@pytest.mark.subprocess
 def test_forwards_grow_resident_memory_by_at_most_one_activation_copy_of_the_largest_layer(
     scheme: str, dtype: str
 ) -> None:
@@ -95,6 +96,7 @@ def test_forwards_grow_resident_memory_by_at_most_one_activation_copy_of_the_lar
 
 
 @linux_only
+@pytest.mark.subprocess
 def test_the_opt_in_cache_keeps_one_activation_copy_per_layer_and_the_measure_sees_it() -> None:
     n = k = 2048
     layers = 4

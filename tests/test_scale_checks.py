@@ -25,7 +25,7 @@ from qscheme.catalog import load_scheme
 from qscheme.checkpoint import load_checkpoint
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, QuantizeError
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.quantize import quantize_weight
 
 LAYER = "model.layers.0.self_attn.q_proj"

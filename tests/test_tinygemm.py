@@ -38,7 +38,7 @@ from qscheme.kernels.declaration import KernelDeclaration
 from qscheme.kernels.devices import DeviceFacts, simulated_device
 from qscheme.kernels.problem import Problem
 from qscheme.kernels.resolver import Resolution, SchemeFeatures, check_layout, check_scheme
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.triton.samples import random_weight
 
 CPU = torch.device("cpu")
@@ -188,6 +188,7 @@ def assert_within(actual: Tensor, expected: Tensor, bound: Tensor, what: str) ->
 # --- declarations and resolution ----------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_the_declaration_module_imports_no_torch() -> None:
     code = "import sys, qscheme_plugins.tinygemm; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -21,7 +21,7 @@ from checkpoint_cache import ct_checkpoint
 from checkpoint_factory import library_dequantize
 
 from qscheme.errors import UsageError
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.transformers import via_qscheme
 
 INPUT_IDS = torch.tensor([[1, 5, 9, 200, 33, 7, 100, 2]])

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import qscheme.transformers  # noqa: F401  (registers the quantizers)
 from qscheme.errors import CheckpointError
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 
 
 def _copy_with(tmp_path: Path, name: str, position: tuple[int, ...], value: float) -> Path:

@@ -20,11 +20,13 @@ pytest.importorskip("transformers")
 from checkpoint_cache import modelopt_fixture
 from safetensors import safe_open
 
+pytestmark = pytest.mark.subprocess
+
 FIXTURE = modelopt_fixture("nvfp4")
 
 LOAD = """
 from transformers import AutoModelForCausalLM
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 layers = sorted(name for name, module in model.named_modules() if isinstance(module, QuantLinear))
 registry = sys.modules["transformers.quantizers.auto"]

@@ -36,7 +36,7 @@ pytest.importorskip("transformers")
 from checkpoint_cache import modelopt_fixture
 
 import qscheme  # noqa: F401  (registers the quantizers)
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.transformers import registered
 
 MODELOPT_PYTHON = os.environ.get("QSCHEME_MODELOPT_PYTHON")
@@ -92,6 +92,7 @@ def test_modelopt_quantizer_is_registered() -> None:
 
 
 @pytest.mark.parametrize("fixture", sorted(FIXTURES))
+@pytest.mark.oracle
 def test_logits_and_greedy_tokens_equal_modelopts_model(fixture: str, oracles: dict[str, dict[str, object]]) -> None:
     """qscheme's model of the fixture against ModelOpt's model holding the fixture's tensors.
 
@@ -135,7 +136,7 @@ def test_plain_tensors_come_from_the_checkpoint_and_nothing_is_left_over() -> No
 
 
 def test_the_model_reads_weight_metadata_and_refuses_training() -> None:
-    from qscheme.linear import QuantizedWeightError
+    from qscheme.modules import QuantizedWeightError
 
     model = _load("fp8")
     layer = model.get_submodule("model.layers.0.self_attn.q_proj")

@@ -40,8 +40,7 @@ from test_experts import (
 )
 
 from qscheme.errors import CheckpointError
-from qscheme.experts import QuantExperts
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantExperts, QuantLinear
 from qscheme.transformers import via_qscheme
 
 PRESETS = ("NVFP4A16", "W4A16")
@@ -70,7 +69,7 @@ def _skip_without_triton(kernel: str) -> None:
         pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")
 
 
-@pytest.mark.parametrize("kernel", ["reference", "triton"])
+@pytest.mark.parametrize("kernel", ["reference", pytest.param("triton", marks=pytest.mark.interpreter)])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_expert_is_a_quantlinear_in_a_quantexperts_and_logits_equal_the_dequantized_reference(
     preset: str, kernel: str

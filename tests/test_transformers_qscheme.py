@@ -31,7 +31,7 @@ import qscheme.transformers  # noqa: F401  (registers the quantizers)
 from qscheme.catalog import SCHEME_PATH_VARIABLE
 from qscheme.checkpoint.model import apply_to_model
 from qscheme.errors import CheckpointError
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.writing.quantize import quantize_checkpoint
 
 SCHEME_FILE = Path(__file__).parent / "data" / "triton_schemes" / "uint4_g48_zero_points.yaml"
@@ -62,7 +62,7 @@ import qscheme.transformers
 from transformers import AutoModelForCausalLM
 from qscheme.catalog import load_scheme
 from qscheme.errors import SchemeNotFoundError
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 
 folder, out = sys.argv[1], sys.argv[2]
 try:
@@ -114,6 +114,7 @@ def test_the_checkpoint_describes_itself(checkpoint: Path) -> None:
     assert f"name: {SCHEME}" in quantization["descriptor"]
 
 
+@pytest.mark.subprocess
 def test_plain_from_pretrained_in_a_fresh_process_equals_apply_to_model(checkpoint: Path, tmp_path: Path) -> None:
     out = tmp_path / "loaded.pt"
     # no scheme path; no Triton interpreter (on a CPU the resolver then picks the reference kernel)
@@ -143,6 +144,7 @@ def test_plain_from_pretrained_in_a_fresh_process_equals_apply_to_model(checkpoi
     assert torch.equal(loaded["logits"], _logits(by_hand))
 
 
+@pytest.mark.interpreter
 def test_the_triton_kernel_through_from_pretrained_equals_apply_to_model(checkpoint: Path) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1")

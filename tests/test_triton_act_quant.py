@@ -74,6 +74,7 @@ def _assert_identical(scheme: Scheme, x: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("scheme", QUANTIZED, ids=[s.name for s in QUANTIZED])
+@pytest.mark.interpreter
 def test_random_inputs_quantize_bit_for_bit(scheme: Scheme, dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(1)
     k = 300  # a ragged last group for every group size
@@ -163,6 +164,7 @@ def _value_of(codes: torch.Tensor, element: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("scheme", QUANTIZED, ids=[s.name for s in QUANTIZED])
+@pytest.mark.interpreter
 def test_decoded_output_is_each_code_times_its_group_scale_exactly(scheme: Scheme, dtype: torch.dtype) -> None:
     """The pre-pass's decoded mode (the GEMM then reads the values like a 16-bit input): each
     value equals the code's value times its stored group scale (or alone for per-token and

@@ -16,6 +16,8 @@ import pytest
 
 from qscheme.catalog import load_catalog
 
+pytestmark = pytest.mark.subprocess
+
 TARGETS = ("sm80", "sm90", "sm100", "sm120")
 YAML_SCHEMES = sorted(Path(__file__).parent.joinpath("data", "triton_schemes").glob("*.yaml"))
 

@@ -65,6 +65,7 @@ def _check(scheme: Scheme, weight, x: torch.Tensor, bias: torch.Tensor | None, c
 
 @pytest.mark.parametrize("label, leading, dtype, with_bias", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("scheme", SCHEMES, ids=[s.name for s in SCHEMES])
+@pytest.mark.interpreter
 def test_matches_reference(
     scheme: Scheme, label: str, leading: tuple[int, ...], dtype: torch.dtype, with_bias: bool
 ) -> None:
@@ -96,6 +97,7 @@ TILED = [
 
 
 @pytest.mark.parametrize("name, config, m", TILED, ids=[f"{t[0]}-{t[1].describe()}" for t in TILED])
+@pytest.mark.interpreter
 def test_small_tiles(name: str, config: TileConfig, m: int) -> None:
     scheme = next(s for s in SCHEMES if s.name == name)
     n, k = 100, 333
@@ -354,6 +356,7 @@ ACT_QUANTIZED = [s for s in SCHEMES if s.activation is not None]
 
 
 @pytest.mark.parametrize("scheme", ACT_QUANTIZED, ids=[s.name for s in ACT_QUANTIZED])
+@pytest.mark.interpreter
 def test_gemm_on_decoded_inputs_equals_the_gemm_decoding_codes(scheme: Scheme) -> None:
     """Where the pre-pass hands the GEMM decoded values (``act_quant.decoded_dtype``), the
     output is bit for bit the one the GEMM gives decoding the codes itself (the path FP8 per
@@ -411,6 +414,7 @@ def test_gemm_on_decoded_inputs_equals_the_gemm_decoding_codes(scheme: Scheme) -
 @pytest.mark.parametrize(
     "scheme_name", ["compressed-tensors/NVFP4A16", "compressed-tensors/W4A16_ASYM", "compressed-tensors/NVFP4"]
 )
+@pytest.mark.interpreter
 def test_fused_split_k_reduction_gives_the_two_pass_bits(scheme_name: str, weights_first: bool) -> None:
     """QSCHEME_TRITON_SPLIT_K=fused: the last program of each output tile adds the partial sums
     in split order and applies the epilogue (bias, row and token multipliers): the same bits

@@ -81,6 +81,7 @@ def _check(scheme: Scheme, x: torch.Tensor, bias: torch.Tensor | None, tile: Til
 
 
 @pytest.mark.parametrize("scheme", WEIGHT_ONLY, ids=[s.name for s in WEIGHT_ONLY])
+@pytest.mark.interpreter
 def test_gemv_matches_the_reference_with_split_k(scheme: Scheme) -> None:
     """M = 3 in bf16 with bias: BLOCK_M 4 (a masked input row), two 32-row slabs (the second
     ragged), K = 301 in steps of 64 split in two (a ragged last step)."""
@@ -100,6 +101,7 @@ GEMV_CASES = [
 
 
 @pytest.mark.parametrize(("name", "leading", "dtype", "tile", "mode"), GEMV_CASES, ids=[c[0] for c in GEMV_CASES])
+@pytest.mark.interpreter
 def test_gemv_inputs_and_reductions(
     name: str,
     leading: tuple[int, ...],

@@ -16,7 +16,7 @@ from qscheme.catalog import load_catalog
 from qscheme.descriptor import Scheme
 from qscheme.kernels.interface import KernelImplementation
 from qscheme.kernels.registry import load_implementation
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.quantize import quantize_weight
 from qscheme.triton.spec import unsupported_reason
 

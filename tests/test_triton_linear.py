@@ -214,6 +214,7 @@ print("equal", torch.equal(far, near))
 """
 
 
+@pytest.mark.subprocess
 def test_inputs_past_32_bit_offsets_are_launched_in_row_ranges() -> None:
     """x rows 2**31 elements apart (a strided view standing in for a long prefill's M x K past
     2**31): the kernels' 32-bit row offsets would wrap (a crash under the interpreter, a wrong

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.subprocess
+
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "triton_sass.py"
 
 

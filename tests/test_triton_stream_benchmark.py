@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.subprocess
+
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "triton_stream.py"
 
 

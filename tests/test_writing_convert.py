@@ -161,6 +161,7 @@ for source, result in zip(sys.argv[1::2], sys.argv[2::2]):
 
 
 @pytest.mark.skipif(not MODELOPT_PYTHON or not Path(MODELOPT_PYTHON).exists(), reason="no ModelOpt venv")
+@pytest.mark.oracle
 def test_compressed_tensors_to_modelopt_dequantized_by_modelopt(tmp_path: Path) -> None:
     written = {}
     for preset, target in (("NVFP4A16", "modelopt/W4A16_NVFP4"), ("FP8", "modelopt/FP8")):

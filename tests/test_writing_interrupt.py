@@ -16,6 +16,8 @@ from test_writing_source import write_source_checkpoint
 
 from qscheme.writing.output import PARTIAL_MARK
 
+pytestmark = pytest.mark.subprocess
+
 SHARDS = 6
 
 

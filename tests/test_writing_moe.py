@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from test_experts import EXPERTS, INNER, TOKENS, build_moe
 
 import qscheme
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 from qscheme.transformers import via_qscheme
 from qscheme.writing.quantize import quantize_checkpoint
 

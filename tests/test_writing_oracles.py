@@ -108,6 +108,7 @@ def assert_identical_tensors(ours: Path, theirs: Path, *, only_ours: set[str], o
 
 
 @pytest.mark.parametrize("preset", CT_PRESETS)
+@pytest.mark.oracle
 def test_tensors_bit_identical_to_model_free_ptq(
     preset: str, qscheme_ct: dict[str, Path], llmcompressor: dict[str, Path]
 ) -> None:
@@ -140,6 +141,7 @@ def test_fused_global_scales_are_llm_compressors_shared_ones(qscheme_ct: dict[st
 
 
 @pytest.mark.parametrize("preset", CT_PRESETS)
+@pytest.mark.oracle
 def test_quantization_config_says_what_model_free_ptq_says(
     preset: str, qscheme_ct: dict[str, Path], llmcompressor: dict[str, Path]
 ) -> None:
@@ -217,6 +219,7 @@ def modelopt_exports(source: Path) -> dict[str, tuple[Path, Path]]:
 
 
 @pytest.mark.parametrize("algorithm", list(MODELOPT_CONFIGS))
+@pytest.mark.oracle
 def test_tensors_bit_identical_to_modelopt_export(
     algorithm: str, source: Path, modelopt_exports: dict[str, tuple[Path, Path]]
 ) -> None:

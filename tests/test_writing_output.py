@@ -78,6 +78,7 @@ def _leave_partial(dst: Path, mode: str) -> tuple[Path, subprocess.Popen[str]]:
     return Path(process.stdout.readline().strip()), process
 
 
+@pytest.mark.subprocess
 def test_stale_partial_folders_of_dead_processes_are_removed(tmp_path: Path) -> None:
     alive, running = _leave_partial(tmp_path / "dst", "live")  # a live process: left alone
     stale, dead = _leave_partial(tmp_path / "dst", "die")

@@ -42,12 +42,12 @@ from qscheme.checkpoint.config import (
 from qscheme.checkpoint.patterns import MAX_NAME_LENGTH, any_of, compile_entries, compile_pattern
 from qscheme.checkpoint.patterns import PREFIX as PATTERN_PREFIX
 from qscheme.checkpoint.reader import TensorInfo
-from qscheme.checkpoint.text import cut, listing, shown
 from qscheme.descriptor import CompressedTensorsRule, Scheme
 from qscheme.errors import CheckpointError
+from qscheme.tensor_checks import FLOAT_DTYPES
+from qscheme.text import cut, listing, shown
 
 EMBEDDED_PROBLEMS_SHOWN = 20  # problems of an embedded descriptor listed in the error (then a count)
-FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 # Per-layer tensors that belong to the KV cache, not to the linear (kept as plain tensors when
 # the config declares KV-cache quantization): scales, and an affine KV cache's biases, which
 # ModelOpt stores under the projection they follow (k_proj.k_bias, v_proj.v_bias).
@@ -59,8 +59,6 @@ def is_kv_cache_tensor(module: str, short: str) -> bool:
     """Whether ``module.short`` is a KV-cache tensor (when the config declares a KV cache)."""
     return short in KV_CACHE_TENSORS or KV_CACHE_BIASES.get(short) == module.rpartition(".")[2]
 
-
-BIAS = "bias"
 
 # compressed-tensors QuantizationArgs defaults, applied to what a config leaves out.
 _ARGUMENT_DEFAULTS: dict[str, Any] = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False}

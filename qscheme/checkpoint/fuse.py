@@ -29,7 +29,7 @@ from torch import Tensor
 from qscheme.canonical import CanonicalWeight, dequantize, element_values
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, QuantizeError
-from qscheme.formats import decode
+from qscheme.formats import decode, get_element_format
 from qscheme.scale_checks import regions_with_nonzero_elements, require_finite_dequantization
 
 FusePolicy = Literal["per_partition", "rescale", "requantize", "refuse"]
@@ -271,7 +271,9 @@ def requantize(fused: CanonicalWeight) -> tuple[CanonicalWeight, float]:
     """FP8 per-tensor: re-encode every partition under the largest scale (lossy)."""
     scheme = fused.scheme
     spec = scheme.weight.scale
-    if spec.granularity != "tensor" or scheme.weight.format not in ("e4m3", "e5m2") or fused.global_scale is not None:
+    element = get_element_format(scheme.weight.format)
+    eight_bit_float = element.kind == "float" and element.bits == 8
+    if spec.granularity != "tensor" or not eight_bit_float or fused.global_scale is not None:
         raise CheckpointError(
             f"scheme {scheme.name}: 'requantize' re-encodes FP8 weights with per-tensor scales; "
             "use 'rescale', 'per_partition' or 'refuse' for this scheme"
@@ -281,8 +283,7 @@ def requantize(fused: CanonicalWeight) -> tuple[CanonicalWeight, float]:
     shared = scales.max()
     rows = torch.tensor(fused.partitions)
     values = element_values(fused) * scales.repeat_interleave(rows).reshape(-1, 1)
-    storage = torch.float8_e4m3fn if scheme.weight.format == "e4m3" else torch.float8_e5m2
-    codes = (values / shared).to(storage)
+    codes = (values / shared).to(element.storage_dtype)
     result = replace(fused, codes=codes, scale=shared.repeat(len(fused.partitions)).to(fused.scale.dtype))
     after = dequantize(result)
     worst = 0.0

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from qscheme.checkpoint.text import shown
 from qscheme.errors import CheckpointError
+from qscheme.text import shown, shown_file
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors refuses a longer header ("header too large")
 MAX_NESTING = 64  # safetensors' JSON parser stops near 128 levels; a real header needs 3
@@ -133,12 +133,6 @@ class FileHeader:
     metadata: dict[str, str] | None
     size: int
     identity: tuple[int, int, int]  # (device, inode, mtime in ns)
-
-
-def shown_file(path: Path) -> str:
-    """A checkpoint file's path for a message, its name (which the checkpoint chose) escaped and bounded."""
-    name = shown(path.name)
-    return str(path) if name == path.name else str(path.with_name(name))
 
 
 class _HeaderError(ValueError):

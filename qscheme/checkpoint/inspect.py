@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qscheme.checkpoint.plan import FuseSpec, Plan, plan_checkpoint
-from qscheme.checkpoint.text import group_label, listing, problem_lines, shown
 from qscheme.errors import CheckpointError, UsageError
+from qscheme.text import group_label, listing, problem_lines, shown
 
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
 

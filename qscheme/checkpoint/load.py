@@ -18,18 +18,17 @@ from torch import Tensor
 
 from qscheme.canonical import CanonicalWeight, canonicalize
 from qscheme.catalog import load_scheme, require_scheme_argument
-from qscheme.checkpoint.detect import BIAS
 from qscheme.checkpoint.fuse import FUSE_POLICIES, FuseOutcome, fuse_members, scales_differ
 from qscheme.checkpoint.plain import plain_problems
 from qscheme.checkpoint.plan import FuseSpec, Plan, check_fuse_spec, format_problems, plan_checkpoint
 from qscheme.checkpoint.progress import Progress, auto_enabled
 from qscheme.checkpoint.report import CheckpointReport, LayerReport
-from qscheme.checkpoint.text import listing, shown
-from qscheme.checkpoint.validate import ModuleLayout, TensorProblem, check_values, value_reads
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, QuantizeError, UsageError
 from qscheme.kernels.registry import checked_kernel
-from qscheme.linear import QuantLinear, checked_device, problem_for
+from qscheme.modules import QuantLinear, checked_device, problem_for
+from qscheme.tensor_checks import BIAS, ModuleLayout, TensorProblem, check_values, value_reads
+from qscheme.text import listing, shown
 
 FusePolicyChoice = str | Mapping[str, str] | None
 

@@ -10,7 +10,7 @@ the checkpoint does not provide, and the report's notes list both. A module or t
 have but that disagree (type, shape, bias) raises either way.
 
 Fused MoE experts (transformers 5's experts modules with 3-D ``gate_up_proj`` / ``down_proj``
-parameters, ``qscheme.experts``) take the checkpoint's per-expert layers
+parameters, ``qscheme.modules.experts``) take the checkpoint's per-expert layers
 (``<experts>.<e>.gate_proj`` ...): a module whose experts the checkpoint quantizes becomes a
 ``QuantExperts`` holding every one of them (an expert missing raises); one whose experts the
 checkpoint stores unquantized gets their weights stacked into its fused parameters.
@@ -32,10 +32,10 @@ from qscheme.api_checks import require_flag
 from qscheme.checkpoint.load import Checkpoint, FusePolicyChoice, load_checkpoint
 from qscheme.checkpoint.plan import FuseSpec
 from qscheme.checkpoint.routers import router_hint
-from qscheme.checkpoint.text import listing
+from qscheme.dtype_fallback import warn_dtype_fallbacks
 from qscheme.errors import CheckpointError, UsageError
-from qscheme.experts import ExpertsSpec, QuantExperts, find_expert_modules
-from qscheme.linear import QuantLinear, checked_device
+from qscheme.modules import ExpertsSpec, QuantExperts, QuantLinear, checked_device, find_expert_modules
+from qscheme.text import listing
 
 _ACTIVATION_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -297,8 +297,6 @@ def apply_to_model(
         notes.append(f"apply_to_model: the checkpoint does not provide {_listing(missing)}; the model keeps its own")
     if notes:
         checkpoint.report = dataclasses.replace(checkpoint.report, notes=(*checkpoint.report.notes, *notes))
-    from qscheme.dtype_fallback import warn_dtype_fallbacks  # here: it imports qscheme.linear
-
     warn_dtype_fallbacks(model, "apply_to_model")
     return checkpoint
 

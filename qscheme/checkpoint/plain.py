@@ -15,10 +15,9 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from qscheme.checkpoint.detect import FLOAT_DTYPES
 from qscheme.checkpoint.reader import CheckpointFiles
-from qscheme.checkpoint.validate import TensorProblem
 from qscheme.errors import CheckpointError
+from qscheme.tensor_checks import FLOAT_DTYPES, TensorProblem
 
 CHUNK_ELEMENTS = 1 << 24  # 16M values: a 16 MiB mask per chunk
 

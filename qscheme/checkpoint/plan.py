@@ -18,10 +18,10 @@ import torch
 from qscheme.checkpoint.config import ProducerConfig, read_producer_config
 from qscheme.checkpoint.detect import Detection, ModuleAssignment, detect, split_name
 from qscheme.checkpoint.reader import CheckpointFiles, refuse_empty_path
-from qscheme.checkpoint.text import problem_lines
-from qscheme.checkpoint.validate import ModuleLayout, TensorProblem, check_layout
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, UsageError
+from qscheme.tensor_checks import ModuleLayout, TensorProblem, check_layout
+from qscheme.text import problem_lines
 
 FuseSpec = Mapping[str, Sequence[str]]
 _FUSE_EXAMPLE = "fuse={'qkv_proj': ['q_proj', 'k_proj', 'v_proj']}"

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import TextIO
 
-from qscheme.checkpoint.text import shown
+from qscheme.text import shown
 
 LARGE_CHECKPOINT_BYTES = 256 * 1024 * 1024
 

@@ -37,8 +37,8 @@ from qscheme.checkpoint.header import (
     read_header,
     shown_file,
 )
-from qscheme.checkpoint.text import listing, shown
 from qscheme.errors import CheckpointError, UsageError
+from qscheme.text import listing, shown
 
 __all__ = [
     "INDEX_FILE",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qscheme.checkpoint.fuse import FuseOutcome
-from qscheme.checkpoint.text import expert_blocks, listing, shown
+from qscheme.text import expert_blocks, listing, shown
 
 
 @dataclass(frozen=True)

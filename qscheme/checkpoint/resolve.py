@@ -17,10 +17,10 @@ import torch
 
 from qscheme.checkpoint.inspect import module_pattern
 from qscheme.checkpoint.plan import FuseSpec, Plan, format_problems, plan_checkpoint
-from qscheme.checkpoint.text import group_label
 from qscheme.errors import CheckpointError
 from qscheme.kernels.problem import Problem, normalize_dtype
 from qscheme.kernels.resolver import Resolution
+from qscheme.text import group_label
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from qscheme.checkpoint.load import load_checkpoint
 from qscheme.checkpoint.plan import FuseSpec
 from qscheme.kernels.interface import KernelExecutionError
 from qscheme.kernels.problem import normalize_dtype
-from qscheme.linear import QuantLinear
+from qscheme.modules import QuantLinear
 
 REFERENCE_KERNEL = "reference"
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

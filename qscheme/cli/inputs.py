@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qscheme.checkpoint.text import shown
 from qscheme.errors import CheckpointNotFoundError, UsageError
+from qscheme.text import shown
 
 
 def checkpoint_argument(path: str) -> None:

@@ -26,12 +26,12 @@ import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from qscheme.checkpoint.text import NAME_LIMIT, bounded_problem, escape, shown
 from qscheme.cli.inputs import checkpoint_argument
 from qscheme.cli.output import print_json
 from qscheme.cli.resolve import parse_tp
 from qscheme.errors import UsageError
 from qscheme.kernels.devices import DEVICE_CHOICES
+from qscheme.text import NAME_LIMIT, bounded_problem, escape, shown
 
 if TYPE_CHECKING:
     from qscheme.checkpoint.inspect import Inspection

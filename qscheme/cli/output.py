@@ -2,7 +2,7 @@
 
 Text output (every command without ``--json``) is written through ``TerminalOutput``, which
 escapes control characters and bounds line length (the reasons and the rule are in its
-docstring and in ``qscheme.checkpoint.text``); error messages are also bounded in lines, with
+docstring and in ``qscheme.text``); error messages are also bounded in lines, with
 repeated lines counted (``bounded_message``).
 
 JSON is strict (RFC 8259): a float that is NaN or infinite (an error that overflowed, a
@@ -27,8 +27,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
-from qscheme.checkpoint.text import cut, escape, problem_kind
 from qscheme.errors import OutputError
+from qscheme.text import cut, escape, problem_kind
 
 LINE_LIMIT = 2000  # characters of one line of text output; a longer one keeps its start and end
 MESSAGE_LINES = 200  # lines of one error message
@@ -206,7 +206,7 @@ def _reason(exc: Exception) -> str:
 class TerminalOutput(GuardedOutput):
     """A stream for text meant for a person: the one chokepoint every text line passes through.
 
-    Every character that is not printable is escaped (``qscheme.checkpoint.text.escape``) except
+    Every character that is not printable is escaped (``qscheme.text.escape``) except
     the newline, because the text written here is whole messages and tables whose lines qscheme
     joined itself; a newline inside an untrusted name is escaped where the name is formatted
     (``shown``, ``listing``), which is the only place that can tell the two apart. Every line is

@@ -10,9 +10,9 @@ import argparse
 import sys
 from typing import Any
 
-from qscheme.checkpoint.text import shown
 from qscheme.cli.output import print_json, table
 from qscheme.plugins import get_plugins
+from qscheme.text import shown
 
 
 def register(sub: Any) -> None:

@@ -74,13 +74,13 @@ def _row(result: LayerRun) -> list[str]:
 
 
 def _device(text: str) -> str:
-    """The device, checked: cpu, cuda or cuda:N (``linear.checked_device``: cpu:N is the CPU)."""
+    """The device, checked: cpu, cuda or cuda:N (``qscheme.modules.checked_device``: cpu:N is the CPU)."""
     if text.split(":")[0] not in REAL_DEVICES:
         raise UsageError(
             f"--device {text!r}: `qscheme run` needs a real device (cpu, cuda, cuda:N); "
             "use `qscheme resolve CHECKPOINT --device smXY` for a simulated one"
         )
-    from qscheme.linear import checked_device  # imports torch
+    from qscheme.modules import checked_device  # imports torch
 
     return str(checked_device(text))
 

@@ -25,13 +25,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from qscheme.checkpoint.text import problem_lines
 from qscheme.cli.output import bounded_message
 from qscheme.descriptor import Scheme, parse_scheme_file
 from qscheme.descriptor.files import read_descriptor_text
 from qscheme.descriptor.loadable import load_problems
 from qscheme.descriptor.nodes import read_yaml
 from qscheme.errors import Location, Problem, SchemeError
+from qscheme.text import problem_lines
 
 MAX_KINDS = 50  # kinds of problem listed per file; the rest are counted
 

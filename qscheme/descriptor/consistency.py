@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qscheme.descriptor.shapes import Shape
+from qscheme.formats.table import FORMAT_FACTS
 
 Pattern = tuple[str, int] | int
 """One dimension of an allowed form: (variable, divisor), or a constant size."""
@@ -53,12 +54,12 @@ SINGLE: tuple[Form, ...] = (Form(()), Form((1,)))
 """One value for the whole tensor: ``[]`` or ``[1]``."""
 
 
-FOUR_BIT: frozenset[str] = frozenset({"e2m1", "int4", "uint4"})
+FOUR_BIT: frozenset[str] = frozenset(name for name, facts in FORMAT_FACTS.items() if facts.bits == 4)
 """The 4-bit element formats (every other weight format is 8-bit)."""
 
 
 def element_bits(element_format: str) -> int:
-    return 4 if element_format in FOUR_BIT else 8
+    return FORMAT_FACTS[element_format].bits
 
 
 def packing_divisors(element_format: str, packing: str) -> tuple[int, int]:
@@ -66,7 +67,7 @@ def packing_divisors(element_format: str, packing: str) -> tuple[int, int]:
     table = {
         "none": (1, 1),
         "nibbles_k": (1, 2),
-        "int32_k": (1, 32 // element_bits(element_format)),
+        "int32_k": (1, FORMAT_FACTS[element_format].per_int32),
         "int4_n": (2, 1),
     }
     return table[packing]
@@ -118,7 +119,7 @@ def zero_point_forms(scales: tuple[Form, ...], packing: str, zero_point_format: 
     """Zero points: one per scale; ``int32_n`` packs them along N."""
     if packing != "int32_n":
         return scales
-    per_int32 = 32 // element_bits(zero_point_format)
+    per_int32 = FORMAT_FACTS[zero_point_format].per_int32
     return tuple(
         Form(tuple((p[0], p[1] * per_int32) if not isinstance(p, int) and p[0] == "N" else p for p in form.dims))
         for form in scales

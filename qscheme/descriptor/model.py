@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from qscheme.descriptor.shapes import Shape, evaluate_shape, format_shape
+from qscheme.formats.table import FORMAT_FACTS, activation_formats, scale_formats
 
 Stored = Literal["multiplier", "reciprocal"]
 Granularity = Literal["tensor", "channel", "group", "block"]
@@ -24,10 +25,10 @@ ZERO_POINT_PACKINGS: tuple[str, ...] = ("none", "int32_n")
 FUSED_POLICIES: tuple[str, ...] = ("per_partition", "rescale", "requantize", "refuse")
 RULE_SETS: tuple[str, ...] = ("compressed-tensors", "modelopt")
 PRODUCERS: tuple[str, ...] = ("compressed-tensors", "modelopt")
-SCALE_FORMATS: tuple[str, ...] = ("e4m3", "e8m0", "fp32", "fp16", "bf16", "float")
+SCALE_FORMATS: tuple[str, ...] = scale_formats()
 # Activation element formats: those with a kernel activation family (nvfp4/mxfp4/fp4, fp8, int8;
 # see qscheme.kernels.declaration.ACTIVATION_FAMILIES). No kernel can declare int4 activations.
-ACTIVATION_FORMATS: tuple[str, ...] = ("e2m1", "e4m3", "e5m2", "int8", "uint8")
+ACTIVATION_FORMATS: tuple[str, ...] = activation_formats()
 
 
 @dataclass(frozen=True)
@@ -207,13 +208,7 @@ _FAMILY_BY_PAIR: dict[tuple[str, str], str] = {
     ("e2m1", "e8m0"): "mxfp4",
 }
 _FAMILY_BY_ELEMENT: dict[str, str] = {
-    "e2m1": "fp4",
-    "e4m3": "fp8",
-    "e5m2": "fp8",
-    "int4": "int4",
-    "uint4": "int4",
-    "int8": "int8",
-    "uint8": "int8",
+    name: facts.family for name, facts in FORMAT_FACTS.items() if facts.family is not None
 }
 
 

@@ -48,6 +48,7 @@ from qscheme.descriptor.model import (
 from qscheme.descriptor.nodes import INVALID, Node, read_yaml
 from qscheme.descriptor.shapes import MAX_SIZE, Shape, format_shape, parse_shape
 from qscheme.errors import Location, Problem, SchemeError, UsageError
+from qscheme.formats.table import FORMAT_FACTS, integer_formats, is_float_scale, scale_dtypes, weight_formats
 
 T = TypeVar("T")
 
@@ -62,14 +63,15 @@ DTYPES: tuple[str, ...] = (
     "bfloat16",
     "float32",
 )
-ELEMENT_FORMATS: tuple[str, ...] = ("e2m1", "e4m3", "e5m2", "int4", "uint4", "int8", "uint8")
-# The values each integer format holds (as qscheme.formats.elements has them; the descriptor
-# package imports no torch): a weight's zero points range over its own format's.
-INTEGER_RANGE: dict[str, tuple[int, int]] = {"int4": (-8, 7), "uint4": (0, 15), "int8": (-128, 127), "uint8": (0, 255)}
+ELEMENT_FORMATS: tuple[str, ...] = weight_formats()
+# The values each integer format holds: a weight's zero points range over its own format's.
+INTEGER_RANGE: dict[str, tuple[int, int]] = {
+    name: (int(FORMAT_FACTS[name].min_value), int(FORMAT_FACTS[name].max_value)) for name in integer_formats()
+}
 INTEGER: frozenset[str] = frozenset(INTEGER_RANGE)
 # Scale formats whose reciprocal is not, in general, a value of the format (a reciprocal e4m3
 # scale cannot be stored exactly, and an e8m0 byte holds a power of two only as a multiplier).
-NO_RECIPROCAL: frozenset[str] = frozenset({"e4m3", "e8m0"})
+NO_RECIPROCAL: frozenset[str] = frozenset(name for name in SCALE_FORMATS if not is_float_scale(name))
 # A scale key that only one granularity takes: (that granularity, the message when it is missing).
 _GRANULARITY_KEYS: dict[str, tuple[str, str]] = {
     "group_size": ("group", "granularity 'group' needs group_size >= 1 (e.g. group_size: 16)"),
@@ -81,22 +83,13 @@ _GRANULARITY_KEYS: dict[str, tuple[str, str]] = {
 INTEGER_DTYPES: tuple[str, ...] = ("int8", "uint8", "int32", "int64")
 ZERO_POINT_DTYPES: dict[str, tuple[str, ...]] = {"int32_n": ("int32",), "none": INTEGER_DTYPES}
 PACKED_DTYPE: dict[str, str | None] = {"none": None, "nibbles_k": "uint8", "int32_k": "int32", "int4_n": "uint8"}
+# e2m1 codes have no unpacked dtype of their own (4-bit floats are always packed).
 UNPACKED_DTYPE: dict[str, str] = {
-    "e4m3": "float8_e4m3fn",
-    "e5m2": "float8_e5m2",
-    "int8": "int8",
-    "uint8": "uint8",
-    "int4": "int8",
-    "uint4": "uint8",
+    name: FORMAT_FACTS[name].storage_dtype
+    for name in ELEMENT_FORMATS
+    if FORMAT_FACTS[name].kind == "int" or FORMAT_FACTS[name].bits == 8
 }
-SCALE_DTYPES: dict[str, tuple[str, ...]] = {
-    "e4m3": ("float8_e4m3fn",),
-    "e8m0": ("uint8",),
-    "fp32": ("float32",),
-    "fp16": ("float16",),
-    "bf16": ("bfloat16",),
-    "float": ("float16", "bfloat16", "float32"),
-}
+SCALE_DTYPES: dict[str, tuple[str, ...]] = {name: scale_dtypes(name) for name in SCALE_FORMATS}
 NAME = re.compile(r"^[A-Za-z0-9._/-]+$")
 """The characters a scheme name may use; no segment between '/' may be empty, '.' or '..'."""
 COMPRESSED_TENSORS_ARGUMENTS: tuple[str, ...] = tuple(CHECKS)  # every argument key the rules may state

@@ -15,14 +15,14 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal
 
 import torch
 from torch import Tensor
 
 from qscheme.errors import FormatError
+from qscheme.formats.table import FORMAT_ALIASES, FORMAT_FACTS, FormatFacts, FormatKind
 
-ElementKind = Literal["float", "int", "scale"]
+ElementKind = FormatKind
 
 E2M1_MAGNITUDES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """The eight e2m1 magnitudes; code bits 0-2 index this tuple and bit 3 is the sign."""
@@ -45,7 +45,8 @@ class ElementFormat:
 
     `max_value` is the largest finite value and `min_value` the smallest (most negative)
     finite one; for e8m0, which holds only positive powers of two, `min_value` is 2**-127.
-    `storage_dtype` is the dtype `encode` returns.
+    `storage_dtype` is the dtype `encode` returns. Built from the format's row of
+    `qscheme.formats.table` (its other facts: `facts`).
     """
 
     name: str
@@ -56,36 +57,28 @@ class ElementFormat:
     min_value: float
     storage_dtype: torch.dtype
 
-
-def _float_format(name: str, dtype: torch.dtype) -> ElementFormat:
-    info = torch.finfo(dtype)
-    return ElementFormat(name, info.bits, "float", True, info.max, -info.max, dtype)
-
-
-def _int_format(name: str, bits: int, signed: bool, dtype: torch.dtype) -> ElementFormat:
-    low, high = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
-    return ElementFormat(name, bits, "int", signed, float(high), float(low), dtype)
+    @property
+    def facts(self) -> FormatFacts:
+        """The format's row of ``qscheme.formats.table``."""
+        return FORMAT_FACTS[self.name]
 
 
-_FORMATS = (
-    ElementFormat("e2m1", 4, "float", True, 6.0, -6.0, torch.uint8),
-    _float_format("e4m3", torch.float8_e4m3fn),
-    _float_format("e5m2", torch.float8_e5m2),
-    ElementFormat("e8m0", 8, "scale", False, 2.0**127, 2.0**-127, torch.uint8),
-    _int_format("int4", 4, True, torch.int8),
-    _int_format("uint4", 4, False, torch.uint8),
-    _int_format("int8", 8, True, torch.int8),
-    _int_format("uint8", 8, False, torch.uint8),
-    _float_format("fp16", torch.float16),
-    _float_format("bf16", torch.bfloat16),
-    _float_format("fp32", torch.float32),
+def _from_table(facts: FormatFacts) -> ElementFormat:
+    return ElementFormat(
+        facts.name,
+        facts.bits,
+        facts.kind,
+        facts.signed,
+        facts.max_value,
+        facts.min_value,
+        getattr(torch, facts.storage_dtype),
+    )
+
+
+ELEMENT_FORMATS: Mapping[str, ElementFormat] = MappingProxyType(
+    {name: _from_table(facts) for name, facts in FORMAT_FACTS.items()}
 )
-
-ELEMENT_FORMATS: Mapping[str, ElementFormat] = MappingProxyType({f.name: f for f in _FORMATS})
-"""Every element format, by canonical name."""
-
-FORMAT_ALIASES: Mapping[str, str] = MappingProxyType({"fp4": "e2m1", "fp8": "e4m3", "e4m3fn": "e4m3"})
-"""Other spellings accepted by `get_element_format`, mapped to canonical names."""
+"""Every element format, by canonical name (the rows of ``qscheme.formats.table``)."""
 
 
 def get_element_format(name: str | ElementFormat) -> ElementFormat:

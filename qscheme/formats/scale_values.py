@@ -4,7 +4,7 @@ A scale tensor is float32 / float16 / bfloat16, an fp8 dtype, or ``uint8`` holdi
 exponent bytes (every byte a power of two except 0xFF, which is NaN). The fp8 and e8m0 tests
 read the bytes, so no conversion is needed to find NaN or a sign; the ``any_*`` forms decide
 the common all-good case in one min/max pass. The loader refuses NaN / inf and negative block
-scales (``qscheme.checkpoint.validate``); ``quantize_weight`` refuses every scale that is not
+scales (``qscheme.tensor_checks``); ``quantize_weight`` refuses every scale that is not
 finite and > 0 (``qscheme.quantize.checks``).
 """
 

@@ -27,7 +27,7 @@ from qscheme.descriptor.model import (
     SCALE_FORMATS,
     weight_family,
 )
-from qscheme.descriptor.parse import ELEMENT_FORMATS
+from qscheme.formats.table import weight_formats
 from qscheme.kernels.versions import parse_specifier
 
 if TYPE_CHECKING:
@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 Capability = tuple[int, int]
 
 WEIGHT_FAMILIES: tuple[str, ...] = ("nvfp4", "mxfp4", "fp4", "int4", "int8", "fp8")
-# The element formats a descriptor's weight may name.
-WEIGHT_ELEMENT_FORMATS: tuple[str, ...] = ELEMENT_FORMATS
+# The element formats a descriptor's weight may name (qscheme.formats.table's weight rows).
+WEIGHT_ELEMENT_FORMATS: tuple[str, ...] = weight_formats()
 ACTIVATION_FAMILIES: tuple[str, ...] = ("none", "nvfp4", "mxfp4", "fp4", "int8", "fp8")
 WEIGHT_GRANULARITIES: tuple[str, ...] = GRANULARITIES
 # The element and scale formats a descriptor's activation block may name (its ``format`` and

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from qscheme.kernels.declaration import KernelDeclaration, format_capability
 from qscheme.kernels.devices import DeviceFacts
-from qscheme.kernels.resolver import Resolution, SchemeFeatures, formats_differ, resolve
+from qscheme.kernels.features import SchemeFeatures, formats_differ
+from qscheme.kernels.resolver import Resolution, resolve
 
 if TYPE_CHECKING:
     from qscheme.descriptor import Scheme

@@ -9,9 +9,13 @@ Pure string building; no I/O. The no-kernel message is snapshot-tested (tests/sn
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from qscheme.kernels.declaration import KernelDeclaration
-from qscheme.kernels.resolver import Candidate, Resolution, SchemeFeatures, activation_matches, formats_differ
+from qscheme.kernels.features import SchemeFeatures, activation_matches, formats_differ
+
+if TYPE_CHECKING:  # annotations only: the resolver raises with the message rendered here
+    from qscheme.kernels.resolver import Candidate, Resolution
 
 TRACE_HEADER: tuple[str, ...] = ("kernel", "provider", "priority", "verdict", "stage", "reason")
 

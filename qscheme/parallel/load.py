@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from qscheme.canonical import CanonicalWeight, canonicalize
-from qscheme.checkpoint.detect import BIAS
 from qscheme.checkpoint.load import (
     Checkpoint,
     FusePolicyChoice,
@@ -38,15 +37,15 @@ from qscheme.checkpoint.plain import plain_problems
 from qscheme.checkpoint.plan import FuseSpec, Plan, check_fuse_spec, format_problems, plan_checkpoint
 from qscheme.checkpoint.progress import Progress, auto_enabled
 from qscheme.checkpoint.report import LayerReport
-from qscheme.checkpoint.validate import ModuleLayout, TensorProblem, check_values
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, QuantizeError, UsageError
 from qscheme.kernels.registry import checked_kernel
-from qscheme.linear import QuantLinear, checked_device
+from qscheme.modules import QuantLinear, checked_device
 from qscheme.parallel.agree import failures_shared, plan_digest
 from qscheme.parallel.plan import LayerShard, TPPlan, checked_tp_plan, shard_layers
 from qscheme.parallel.read import ReadCounter, read_slice, read_whole
 from qscheme.parallel.rules import ShardError, ShardLayout, Style, checked_degree
+from qscheme.tensor_checks import BIAS, ModuleLayout, TensorProblem, check_values
 
 
 class ShardedCheckpoint(Checkpoint):

@@ -47,15 +47,15 @@ from qscheme.checkpoint.model import (
 )
 from qscheme.checkpoint.plan import FuseSpec
 from qscheme.checkpoint.routers import router_hint
-from qscheme.checkpoint.text import listing
 from qscheme.dtype_fallback import warn_dtype_fallbacks
 from qscheme.errors import CheckpointError, UsageError
-from qscheme.linear import QuantLinear, checked_device
+from qscheme.modules import QuantLinear, checked_device
 from qscheme.parallel.agree import failures_shared
 from qscheme.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from qscheme.parallel.load import ShardedCheckpoint, load_checkpoint_tp
 from qscheme.parallel.plan import TPPlan, checked_tp_plan
 from qscheme.parallel.rules import Style, checked_degree, working_degrees
+from qscheme.text import listing
 
 _HEAD_PROJECTIONS = {"q_proj": "query", "k_proj": "key/value", "v_proj": "key/value"}
 _SHARED_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "hidden_size")

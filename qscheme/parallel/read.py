@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qscheme.checkpoint.header import DTYPE_BY_TORCH_NAME, TensorInfo, shown_file
+from qscheme.checkpoint.header import DTYPE_BY_TORCH_NAME, TensorInfo
 from qscheme.checkpoint.reader import allocate_bytes
 from qscheme.errors import CheckpointError
+from qscheme.text import shown_file
 
 
 @dataclass

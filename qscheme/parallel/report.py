@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from qscheme.checkpoint.inspect import module_pattern
-from qscheme.checkpoint.text import group_label, shown
 from qscheme.kernels.render import text_table
 from qscheme.parallel.plan import LayerShard
 from qscheme.parallel.resolve import DegreeVerdict, ShardDecision
 from qscheme.parallel.rules import MAX_LISTED_DEGREE
+from qscheme.text import group_label, shown
 
 _POWERS = tuple(2**i for i in range(1, 7))
 

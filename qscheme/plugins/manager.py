@@ -31,8 +31,10 @@ from typing import Any, Protocol
 
 import pluggy
 
+from qscheme.descriptor import parse_scheme_file
 from qscheme.environment import env_flag, env_names
 from qscheme.errors import PluginError, Problem, SchemeError
+from qscheme.folder_catalog import descriptor_files, folder_scheme_names
 from qscheme.kernels.declaration import KernelDeclaration
 from qscheme.plugins import hookspecs
 
@@ -296,9 +298,6 @@ class Plugins:
         """
         if self._contributed is not None:
             return self._contributed
-        from qscheme.catalog import descriptor_files
-        from qscheme.descriptor import parse_scheme_file
-
         contributed: list[tuple[_Record, Path, str]] = []
         for record, result in self._call_each("qscheme_schemes"):
             for item in _items(result, (str, Path)):
@@ -333,7 +332,7 @@ class Plugins:
         """
         with self._lock:
             contributed = self._scheme_contributions()
-            defined = dict(_local_scheme_names() if taken is None else taken)
+            defined = dict(folder_scheme_names() if taken is None else taken)
             files: list[tuple[str, Path]] = []
             for record in self._records.values():
                 record.schemes.clear()
@@ -381,28 +380,6 @@ class Plugins:
                 )
             )
         return sorted(infos, key=lambda i: (not i.builtin, i.name))
-
-
-def _local_scheme_names() -> dict[str, str]:
-    """Where each scheme name the catalog defines without plugins is defined.
-
-    When that catalog is broken (a QSCHEME_SCHEME_PATH file that does not parse), the built-ins
-    that parse are used: the catalog itself reports the broken file.
-    """
-    from qscheme.catalog import builtin_scheme_dir, descriptor_files, load_catalog, scheme_origins
-    from qscheme.descriptor import parse_scheme_file
-
-    try:
-        return scheme_origins(load_catalog(include_plugins=False))
-    except SchemeError:
-        pass
-    names: dict[str, str] = {}
-    for file in descriptor_files(builtin_scheme_dir()):
-        try:
-            names[parse_scheme_file(file).name] = f"{file} (builtin)"
-        except SchemeError:
-            continue
-    return names
 
 
 def _items(result: object, single: type | tuple[type, ...]) -> list[object]:

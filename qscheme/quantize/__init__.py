@@ -10,7 +10,6 @@ arithmetic; the descriptor decides everything stored. Modules, by concern:
 - ``write``: packing, stored dtypes, shapes and conventions of the checkpoint tensors;
 - ``given``: scales the caller gives, checked and put in the form the rules take;
 - ``checks``: no scale that is zero, negative, NaN or infinite reaches the result;
-- ``slabs``: elementwise work over cache-sized slabs of rows on worker threads;
 - ``weight``: ``quantize_weight``, which ties them together.
 """
 

@@ -36,7 +36,8 @@ import torch
 from torch import Tensor
 
 from qscheme.errors import FormatError, QuantizeError
-from qscheme.formats import decode, mx_scale_exponent
+from qscheme.formats import decode, get_element_format, mx_scale_exponent
+from qscheme.formats.table import FORMAT_FACTS, float_scale_formats
 from qscheme.quantize.observe import observe_absmax, observe_min_max
 from qscheme.quantize.rules import (
     GivenScales,
@@ -48,8 +49,8 @@ from qscheme.quantize.rules import (
     require_finite,
 )
 
-_E4M3_MAX = 448.0
-_FLOAT_FORMAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_E4M3_MAX = FORMAT_FACTS["e4m3"].max_value
+_FLOAT_FORMAT_DTYPES = {name: get_element_format(name).storage_dtype for name in float_scale_formats()}
 
 
 class CompressedTensorsRules:

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from qscheme.errors import QuantizeError
 from qscheme.formats import decode, get_element_format
+from qscheme.formats.table import FORMAT_FACTS, is_float_scale
 from qscheme.quantize.observe import observe_absmax, observe_min_max
 from qscheme.quantize.rules import (
     GivenScales,
@@ -44,9 +45,13 @@ from qscheme.quantize.rules import (
     require_finite,
 )
 
-_E4M3_MAX = 448.0
-_E4M3_SMALLEST_SUBNORMAL = 2.0**-9
-_EIGHT_BIT_FLOATS = ("e4m3", "e5m2")
+_E4M3_MAX = FORMAT_FACTS["e4m3"].max_value
+_E4M3_SMALLEST_SUBNORMAL = FORMAT_FACTS["e4m3"].smallest_positive
+
+
+def _is_eight_bit_float(name: str) -> bool:
+    facts = FORMAT_FACTS.get(name)
+    return facts is not None and facts.kind == "float" and facts.bits == 8
 
 
 class ModeloptRules:
@@ -127,7 +132,7 @@ class ModeloptRules:
                 f"scales, not {plan.scale_format!r}; give the global scale, or use scale format e4m3"
             )
         denominator = plan.element.max_value * _E4M3_MAX
-        if plan.activation_format in _EIGHT_BIT_FLOATS:
+        if plan.activation_format is not None and _is_eight_bit_float(plan.activation_format):
             # FP8 activations: the kernel dequantizes the weight to FP8, so the largest element
             # times the largest block scale must fit the activation format (W4A8_NVFP4_FP8).
             denominator = min(denominator, get_element_format(plan.activation_format).max_value)
@@ -139,7 +144,7 @@ class ModeloptRules:
             value = decode(stored, "e8m0")
         else:
             value = stored.to(torch.float32)
-        if plan.layout.granularity == "tensor" and plan.scale_format not in ("e4m3", "e8m0"):
+        if plan.layout.granularity == "tensor" and is_float_scale(plan.scale_format):
             value = value.reshape(())
         return value if multiplier is None else value * multiplier
 
@@ -150,7 +155,7 @@ class ModeloptRules:
 
         Under a global multiplier the stored scales are relative to it, as NVFP4's block scales are.
         """
-        if plan.scale_format in ("e4m3", "e8m0"):
+        if not is_float_scale(plan.scale_format):
             raise QuantizeError(
                 f"scheme {plan.scheme.name}: zero points need a float scale format, not {plan.scale_format!r}"
             )

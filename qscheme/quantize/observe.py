@@ -23,7 +23,7 @@ from torch.nn import functional
 
 from qscheme.descriptor import ScaleSpec
 from qscheme.errors import QuantizeError
-from qscheme.quantize.slabs import run_slabs, slabs_for
+from qscheme.slabs import run_slabs, slabs_for
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -22,8 +22,8 @@ from qscheme.quantize.given import split_given
 from qscheme.quantize.observe import ScaleLayout
 from qscheme.quantize.rounding import round_to_codes, rounding_table
 from qscheme.quantize.rules import QuantizationRules, WeightParameters, WeightPlan, get_rules
-from qscheme.quantize.slabs import run_slabs, single_threaded_caller, slabs_for
 from qscheme.quantize.write import allowed_dtype, pack_codes, packed_layout, packed_rows, write_tensors
+from qscheme.slabs import run_slabs, single_threaded_caller, slabs_for
 
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FIXED_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -132,7 +132,7 @@ def _written_specs(scheme: Scheme) -> list[TensorSpec]:
 
 
 def _quantize_elements(plan: WeightPlan, padded: Tensor, parameters: WeightParameters) -> Tensor:
-    """Scale, round and pack the weight slab by slab of rows (see qscheme.quantize.slabs)."""
+    """Scale, round and pack the weight slab by slab of rows (see qscheme.slabs)."""
     layout = plan.layout
     table, shift = rounding_table(plan.element.name, parameters.ties, parameters.sign_of_zero)
     table = table.to(padded.device)

@@ -14,8 +14,8 @@ import torch
 
 from qscheme.checkpoint.plain import nonfinite_problem
 from qscheme.errors import CheckpointError
-from qscheme.experts import QuantExperts
-from qscheme.linear import QuantLinear
+from qscheme.modules.experts import QuantExperts
+from qscheme.modules.linear import QuantLinear
 
 SHOWN_PROBLEMS = 5
 

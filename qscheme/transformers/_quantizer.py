@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from transformers.quantizers.base import HfQuantizer
 
-from qscheme.checkpoint.text import shown
 from qscheme.dtype_fallback import warn_dtype_fallbacks
 from qscheme.errors import UsageError
+from qscheme.text import shown
 from qscheme.transformers._config import QSchemeQuantizationConfig
 from qscheme.transformers._finite import check_plain_finite
 from qscheme.transformers._swap import Swap, plan_swap

@@ -33,8 +33,7 @@ from qscheme.checkpoint.plan import Plan, format_problems, plan_checkpoint
 from qscheme.checkpoint.routers import router_hint
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, UsageError
-from qscheme.experts import ExpertsSpec, QuantExperts, find_expert_modules
-from qscheme.linear import QuantLinear
+from qscheme.modules import ExpertsSpec, QuantExperts, QuantLinear, find_expert_modules
 
 
 class PendingLayer(torch.nn.Module):

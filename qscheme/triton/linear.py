@@ -33,6 +33,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from qscheme.canonical import CanonicalWeight
 from qscheme.errors import QuantizeError, UsageError
 from qscheme.formats import decode, get_element_format
+from qscheme.formats.table import is_float_scale
 from qscheme.triton import configs
 from qscheme.triton.act_quant import decoded_dtype, quantize_input
 from qscheme.triton.gemm import DOT_BF16, DOT_FP16, DOT_FP32, quantized_gemm_kernel, split_k_epilogue_kernel
@@ -158,7 +159,7 @@ def _row_multiplier(weight: CanonicalWeight, spec: Specialization) -> Tensor | N
     factors: list[Tensor] = []
     if not spec.W_SCALE_TILED:
         scale_format = scheme.weight.scale.format
-        scale = decode(weight.scale, scale_format) if scale_format in ("e4m3", "e8m0") else weight.scale.float()
+        scale = weight.scale.float() if is_float_scale(scale_format) else decode(weight.scale, scale_format)
         if scheme.weight.scale.granularity == "channel":
             factors.append(scale.reshape(-1))
         else:

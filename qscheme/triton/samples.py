@@ -15,6 +15,7 @@ from torch import Tensor
 from qscheme.canonical import CanonicalWeight, canonical_zero_point, stored_zero_points
 from qscheme.descriptor import Scheme
 from qscheme.formats import get_element_format
+from qscheme.formats.table import FORMAT_FACTS
 
 _FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,7 +28,7 @@ def _random_bytes(shape: tuple[int, ...], generator: torch.Generator, exclude: t
 
 
 def _codes(element: str, n: int, k: int, generator: torch.Generator) -> Tensor:
-    if element in ("e2m1", "int4", "uint4"):
+    if FORMAT_FACTS[element].bits == 4:
         return _random_bytes((n, (k + 1) // 2), generator)
     if element == "e4m3":
         return _random_bytes((n, k), generator, exclude=(0x7F, 0xFF)).view(torch.float8_e4m3fn)

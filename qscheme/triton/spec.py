@@ -27,10 +27,11 @@ import torch
 
 from qscheme.descriptor import Scheme
 from qscheme.errors import QuantizeError
+from qscheme.formats.table import ANY_FLOAT, FORMAT_FACTS, is_float_scale, range_half
 
 # Element formats the kernels decode (equal to the constants of qscheme.triton.decode).
 ELEMENT_IDS = MappingProxyType({"e2m1": 0, "int4": 1, "uint4": 2, "e4m3": 3, "e5m2": 4, "int8": 5, "uint8": 6})
-FOUR_BIT_ELEMENTS = frozenset({"e2m1", "int4", "uint4"})
+FOUR_BIT_ELEMENTS = frozenset(name for name in ELEMENT_IDS if FORMAT_FACTS[name].bits == 4)
 
 # Scale storage: uint8 bits for e4m3 and e8m0, any float dtype otherwise (loaded as is).
 SCALE_FORMAT_IDS = MappingProxyType({"float": 0, "fp32": 0, "fp16": 0, "bf16": 0, "e4m3": 1, "e8m0": 2})
@@ -61,14 +62,13 @@ ACT_RULE_STATIC, ACT_RULE_ABSMAX, ACT_RULE_NVFP4, ACT_RULE_MX = 0, 1, 2, 3
 # format family) -> (rule, range half). The arithmetic of each is qscheme.emulation's.
 _FLOAT_SCALE = ("float", "fp32")
 _ACTIVATION_RULES: dict[tuple[str, str, bool, str], tuple[int, float]] = {
-    ("e2m1", "group", True, "e4m3"): (ACT_RULE_NVFP4, 6.0),
-    ("e2m1", "group", True, "e8m0"): (ACT_RULE_MX, 6.0),
-    ("e4m3", "tensor", False, "float"): (ACT_RULE_STATIC, 448.0),
-    ("e4m3", "token", True, "float"): (ACT_RULE_ABSMAX, 448.0),
-    ("e4m3", "group", True, "float"): (ACT_RULE_ABSMAX, 448.0),
-    ("int8", "token", True, "float"): (ACT_RULE_ABSMAX, 127.5),
+    ("e2m1", "group", True, "e4m3"): (ACT_RULE_NVFP4, range_half("e2m1")),
+    ("e2m1", "group", True, "e8m0"): (ACT_RULE_MX, range_half("e2m1")),
+    ("e4m3", "tensor", False, "float"): (ACT_RULE_STATIC, range_half("e4m3")),
+    ("e4m3", "token", True, "float"): (ACT_RULE_ABSMAX, range_half("e4m3")),
+    ("e4m3", "group", True, "float"): (ACT_RULE_ABSMAX, range_half("e4m3")),
+    ("int8", "token", True, "float"): (ACT_RULE_ABSMAX, range_half("int8")),
 }
-_ACTIVATION_ELEMENTS = ("e2m1", "e4m3", "int8")
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def _activation_key(scheme: Scheme) -> tuple[str, str, bool, str] | None:
     scale_format = activation.scale_format
     if activation.scale is not None:  # a static scale declares its own format
         scale_format = activation.scale.format
-    family = "float" if scale_format in ("float", "fp32", "fp16", "bf16") else scale_format
+    family = ANY_FLOAT if is_float_scale(scale_format) else scale_format
     return (activation.format, activation.granularity, activation.dynamic, family)
 
 

@@ -35,8 +35,9 @@ import numpy
 import torch
 from torch import Tensor
 
-from qscheme.checkpoint.header import DTYPE_BY_TORCH_NAME, FileHeader, TensorInfo, shown_file
+from qscheme.checkpoint.header import DTYPE_BY_TORCH_NAME, FileHeader, TensorInfo
 from qscheme.errors import CheckpointError
+from qscheme.text import shown_file
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
-from qscheme.checkpoint.header import shown_file
 from qscheme.errors import CheckpointError, DestinationError, UsageError
+from qscheme.text import shown_file
 from qscheme.writing.source import SourceCheckpoint
 
 

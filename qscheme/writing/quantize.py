@@ -51,11 +51,11 @@ from qscheme.checkpoint.detect import ignored_by
 from qscheme.checkpoint.header import TensorInfo
 from qscheme.checkpoint.patterns import compile_entries, pattern_problem
 from qscheme.checkpoint.progress import Progress
-from qscheme.checkpoint.text import shown
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, QuantizeError, UsageError
 from qscheme.quantize import quantize_weight
 from qscheme.quantize.rules import get_rules
+from qscheme.text import shown
 from qscheme.writing.calibration import Calibration, CalibrationError, activation_tensors, needs_calibration
 from qscheme.writing.error_report import ErrorReport, quantization_error
 from qscheme.writing.loads_back import check_flags, check_loads_back, refuse_collisions

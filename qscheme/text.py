@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 NAME_LIMIT = 200  # characters of one name or value shown in a message
 _SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
@@ -69,6 +70,12 @@ def shown(value: object, limit: int = NAME_LIMIT) -> str:
     characters of it kept. Cut before escaping, so the count is of the value's own characters."""
     text = value if isinstance(value, str) else str(value)
     return escape(text) if len(text) <= limit else _cut(text, limit, escaped=True)
+
+
+def shown_file(path: Path) -> str:
+    """A checkpoint file's path for a message, its name (which the checkpoint chose) escaped and bounded."""
+    name = shown(path.name)
+    return str(path) if name == path.name else str(path.with_name(name))
 
 
 def listing(names: Sequence[str], limit: int, sentence: bool = False) -> str:

@@ -1,4 +1,4 @@
-"""qscheme.checkpoint.validate: layout and value checks of one module against its scheme."""
+"""qscheme.tensor_checks: layout and value checks of one module against its scheme."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from checkpoint_cache import single_threaded_torch  # noqa: F401  (autouse)
 from qscheme.catalog import load_scheme
 from qscheme.checkpoint.detect import ModuleAssignment
 from qscheme.checkpoint.reader import TensorInfo
-from qscheme.checkpoint.validate import TensorProblem, check_layout, check_values
+from qscheme.tensor_checks import TensorProblem, check_layout, check_values
 
 FILE = Path("model.safetensors")
 

@@ -1,11 +1,16 @@
-"""Check one module's tensors against its scheme's declaration, before anything is built.
+"""Check one layer's tensors against its scheme's declaration, before anything is built.
 
-Two pure steps: ``check_layout`` (names, dtypes, shapes, from the headers alone) and
-``check_values`` (global and static scales > 0 and finite, weight group / block scales finite
-and not negative, a bias finite, once the small tensors are read). Each returns every problem
-it finds, each naming the file, the tensor, what was expected and what was found; the loader raises them together.
-``check_given`` runs both over one layer's tensors given in memory (``QuantLinear.from_tensors``,
-``dequantize_weight``), so that the API refuses what the loader refuses.
+Two pure steps: ``check_layout`` (names, dtypes, shapes, from the tensors' facts alone: a
+checkpoint's headers) and ``check_values`` (global and static scales > 0 and finite, weight
+group / block scales finite and not negative, a bias finite, once the small tensors are read).
+Each returns every problem it finds, each naming the file, the tensor, what was expected and
+what was found; the loader raises them together. ``check_given`` runs both over one layer's
+tensors given in memory (``QuantLinear.from_tensors``, ``dequantize_weight``), so that the API
+refuses what the loader refuses.
+
+Below the loader: the checks take any tensor facts with a name, dtype, shape and file (the
+loader's ``TensorInfo``, or ``GivenTensor`` for tensors in memory), so that the modules a user
+holds (``qscheme.modules``) check their tensors without importing the checkpoint loader.
 """
 
 from __future__ import annotations
@@ -13,18 +18,77 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
 from qscheme.api_checks import require_tensor_mapping
 from qscheme.canonical import stored_layer_shape
-from qscheme.checkpoint.detect import BIAS, FLOAT_DTYPES, ModuleAssignment
-from qscheme.checkpoint.header import shown_file
-from qscheme.checkpoint.reader import TensorInfo
 from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.errors import QuantizeError
 from qscheme.formats.scale_values import any_negative, any_nonfinite, negative, nonfinite, not_positive
+from qscheme.text import shown_file
+
+BIAS = "bias"  # a layer's bias, under its module: not declared by schemes, always allowed
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+class TensorFacts(Protocol):
+    """What the layout checks read of one tensor: its full name, dtype (torch name), shape and file."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def file(self) -> Path: ...
+
+
+Facts = TypeVar("Facts", bound=TensorFacts)
+Facts_co = TypeVar("Facts_co", bound=TensorFacts, covariant=True)
+
+
+class LayerTensors(Protocol[Facts_co]):
+    """One quantized module to check: its name, scheme, why it has that scheme (the config's
+    origin), and its tensors' facts by short name (the loader's ``ModuleAssignment``)."""
+
+    @property
+    def module(self) -> str: ...
+
+    @property
+    def scheme(self) -> Scheme: ...
+
+    @property
+    def origin(self) -> str: ...
+
+    @property
+    def tensors(self) -> Mapping[str, Facts_co]: ...
+
+
+@dataclass(frozen=True)
+class GivenTensor:
+    """The facts of a tensor given in memory; ``file`` names where it came from (a scheme)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+
+
+@dataclass(frozen=True)
+class GivenLayer:
+    """One layer's tensors given in memory, as ``check_layout`` takes them."""
+
+    module: str
+    scheme: Scheme
+    origin: str
+    tensors: Mapping[str, GivenTensor]
 
 
 @dataclass(frozen=True)
@@ -40,16 +104,16 @@ class TensorProblem:
 
 
 @dataclass(frozen=True)
-class ModuleLayout:
-    """What the headers say about one quantized module, and what is wrong with it."""
+class ModuleLayout(Generic[Facts]):
+    """What the tensors' facts say about one quantized module, and what is wrong with it."""
 
     module: str
     scheme: Scheme
     n: int
     k: int
-    declared: dict[str, TensorInfo]  # checkpoint short name -> header, declared by the scheme
+    declared: dict[str, Facts]  # checkpoint short name -> facts, declared by the scheme
     tolerated: tuple[str, ...]  # short names dropped because the scheme tolerates them
-    bias: TensorInfo | None
+    bias: Facts | None
     problems: list[TensorProblem] = field(default_factory=list)
 
     @property
@@ -66,8 +130,8 @@ def _shape_list(shape: tuple[int, ...]) -> str:
 
 
 def check_layout(
-    assignment: ModuleAssignment, weight_shape: tuple[int, int] | None = None, may_be_absent: Iterable[str] = ()
-) -> ModuleLayout:
+    assignment: LayerTensors[Facts], weight_shape: tuple[int, int] | None = None, may_be_absent: Iterable[str] = ()
+) -> ModuleLayout[Facts]:
     """Names, dtypes and shapes of one module's tensors against its scheme (headers only);
     the roles in ``may_be_absent`` are not required."""
     scheme, module, tensors = assignment.scheme, assignment.module, assignment.tensors
@@ -114,7 +178,7 @@ def check_layout(
     elif weight_shape is not None:
         origin += " from weight_shape"
 
-    declared: dict[str, TensorInfo] = {}
+    declared: dict[str, Facts] = {}
     optional_roles = {"weight", *may_be_absent}  # the weight's absence is reported above
     for role, spec in specs.items():
         info = tensors.get(spec.name)
@@ -176,7 +240,7 @@ def check_layout(
 
 
 def _check_tensor(
-    spec: TensorSpec, info: TensorInfo, n: int, k: int, origin: str, shape_known: bool
+    spec: TensorSpec, info: TensorFacts, n: int, k: int, origin: str, shape_known: bool
 ) -> list[TensorProblem]:
     problems = []
     if info.dtype not in spec.dtypes:
@@ -260,7 +324,7 @@ def value_reads(layout: ModuleLayout, every_declared: bool = False) -> dict[str,
     return reads
 
 
-def _nonfinite_problem(value: Tensor, info: TensorInfo, expected: str, advice: str = "") -> TensorProblem:
+def _nonfinite_problem(value: Tensor, info: TensorFacts, expected: str, advice: str = "") -> TensorProblem:
     """``expected <what>, found N NaN/inf values (first: ...)`` for a tensor holding some."""
     bad = nonfinite(value)
     count = int(bad.sum())
@@ -353,7 +417,7 @@ _INPUT_ROLES = ("input_scale", "input_global_scale", "input_pre_scale")
 
 def check_given(
     scheme: Scheme, tensors: Mapping[str, object], layer: str | None = None, weight_only: bool = False
-) -> ModuleLayout:
+) -> ModuleLayout[GivenTensor]:
     """The layout of one layer's tensors given in memory, keyed by checkpoint short name, with
     every problem in its ``problems``:
     names (missing, undeclared: a misspelt optional tensor would otherwise be dropped), dtypes,
@@ -367,10 +431,10 @@ def check_given(
     given = dict(require_tensor_mapping(tensors, source, scheme.weight.tensor.name))
     module = layer or ""
     infos = {
-        short: TensorInfo(_full(module, short), _dtype_name(value), tuple(value.shape), Path(source))
+        short: GivenTensor(_full(module, short), _dtype_name(value), tuple(value.shape), Path(source))
         for short, value in given.items()
     }
-    assignment = ModuleAssignment(module, scheme, "given tensors", infos)
+    assignment = GivenLayer(module, scheme, "given tensors", infos)
     layout = check_layout(assignment, _given_weight_shape(scheme, given), _INPUT_ROLES if weight_only else ())
     if not layout.problems:
         layout.problems.extend(check_values(layout, given))
