@@ -135,7 +135,7 @@ def test_a_given_global_scale_is_used_as_the_library_uses_it(preset: str, dtype:
 def test_a_float16_weight_of_small_absmax_gets_the_librarys_global_scale_of_one(preset: str) -> None:
     """generate_gparam computes 448 * 6 / absmax in the weight's dtype: below absmax 2688 / 65504
     it overflows float16 and becomes 1.0 (nan_to_num). qscheme writes the same tensors, bit for
-    bit (documented in qscheme.quantize.compressed_tensors), and the float32 weight gets the
+    bit (documented in qscheme.producers.compressed_tensors.arithmetic), and the float32 weight gets the
     library's float32 global scale."""
     weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(0)) * 0.004
     half = weight.to(torch.float16)

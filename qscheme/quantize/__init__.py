@@ -4,7 +4,8 @@ The rule set named by a scheme's ``rules`` (``compressed-tensors`` or ``modelopt
 arithmetic; the descriptor decides everything stored. Modules, by concern:
 
 - ``rules``: what a producer's rule set decides, and their registry;
-- ``compressed_tensors`` / ``modelopt``: those producers' scale and element arithmetic;
+- ``qscheme.producers.<producer>.arithmetic``: each producer's scale and element arithmetic, in
+  its folder (``compressed_tensors``, ``modelopt``), imported by ``weight``;
 - ``observe``: where scales apply (tensor, channel, group, block) and each region's statistics;
 - ``rounding``: exact table-driven rounding of scaled values to element codes;
 - ``write``: packing, stored dtypes, shapes and conventions of the checkpoint tensors;

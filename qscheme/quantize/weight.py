@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 from pathlib import Path
 
@@ -15,8 +16,7 @@ from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.descriptor.parse import NO_RECIPROCAL
 from qscheme.errors import QuantizeError
 from qscheme.formats import get_element_format
-from qscheme.quantize import compressed_tensors as _compressed_tensors  # noqa: F401  (registers its rules)
-from qscheme.quantize import modelopt as _modelopt  # noqa: F401  (registers its rules)
+from qscheme.producers import PRODUCERS
 from qscheme.quantize.checks import META_FIX, require_usable_scales
 from qscheme.quantize.given import split_given
 from qscheme.quantize.observe import ScaleLayout
@@ -24,6 +24,12 @@ from qscheme.quantize.rounding import round_to_codes, rounding_table
 from qscheme.quantize.rules import QuantizationRules, WeightParameters, WeightPlan, get_rules
 from qscheme.quantize.write import allowed_dtype, pack_codes, packed_layout, packed_rows, write_tensors
 from qscheme.slabs import run_slabs, single_threaded_caller, slabs_for
+
+# Each producer's arithmetic module registers its rules when imported; the registry names the
+# modules, so that importing it (for the loader) does not import torch.
+for _producer in PRODUCERS:
+    if _producer.arithmetic is not None:
+        importlib.import_module(_producer.arithmetic)
 
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FIXED_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -1,0 +1,38 @@
+"""Producers of quantized checkpoints, one folder each, and their one registry.
+
+A producer folder holds everything about one producer: reading its config (``config``),
+assigning modules their schemes from it (``detect``), writing its config (``write_config``) and
+its quantization arithmetic (``arithmetic``), tied together by a ``Producer`` in its
+``__init__`` (see ``base.Producer``). The loader (``checkpoint.config``, ``checkpoint.detect``)
+and the writer (``writing.producer_config``, ``quantize.weight``) iterate ``PRODUCERS`` and name
+no producer. Adding a producer means adding a folder, its YAML schemes, and one line below.
+
+Order matters where producers compete: a producer's own file (ModelOpt's hf_quant_config.json)
+is looked for in this order, and the first producer that ``writes`` a scheme writes it
+(self-described last: it writes any scheme).
+
+Nothing here imports the loader, the writer, parallel/ or transformers/ (tests/test_producers.py
+checks); what producers share is in ``base``.
+"""
+
+from __future__ import annotations
+
+from qscheme.producers import compressed_tensors, modelopt, self_described
+from qscheme.producers.base import Producer, ProducerConfig
+
+PRODUCERS: tuple[Producer, ...] = (
+    compressed_tensors.PRODUCER,
+    modelopt.PRODUCER,
+    self_described.PRODUCER,
+)
+
+
+def producer_of_config(config: ProducerConfig) -> Producer:
+    """The producer whose reader returned ``config``."""
+    for producer in PRODUCERS:
+        if isinstance(config, producer.config_type):
+            return producer
+    raise TypeError(f"no producer reads configs of type {type(config).__name__}")
+
+
+__all__ = ["PRODUCERS", "Producer", "ProducerConfig", "producer_of_config"]
