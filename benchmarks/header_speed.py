@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from qscheme.checkpoint.header import read_file_header
+from qscheme.storage import read_file_header
 
 
 def write_header_file(path: Path, tensors: int) -> int:

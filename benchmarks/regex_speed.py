@@ -27,7 +27,7 @@ from qscheme.catalog import load_catalog
 from qscheme.checkpoint.config import read_producer_config
 from qscheme.checkpoint.detect import detect
 from qscheme.checkpoint.patterns import MAX_BACKTRACKING_REPEATS, MAX_NAME_LENGTH, compile_pattern
-from qscheme.checkpoint.reader import TensorInfo
+from qscheme.storage import TensorInfo
 
 NVFP4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -24,8 +24,8 @@ from qscheme.checkpoint.config import (
 )
 from qscheme.checkpoint.detect import detect, normalize_arguments
 from qscheme.checkpoint.patterns import MAX_NAME_LENGTH
-from qscheme.checkpoint.reader import CheckpointFiles, TensorInfo
 from qscheme.errors import CheckpointError
+from qscheme.storage import CheckpointFiles, TensorInfo
 
 SCHEMES = list(load_catalog())
 NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}

@@ -1,4 +1,4 @@
-"""qscheme.checkpoint.header at scale: a million-tensor header is read in seconds (work counted).
+"""qscheme.storage.safetensors_header at scale: a million-tensor header is read in seconds (work counted).
 
 The header's integers are read by json's C parser, the garbage collector is paused while its
 objects are built, and the per-tensor checks work out the file's shown name once. Work is
@@ -23,9 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_checkpoint_fuzz import FUZZ, _example, _split, _write_safetensors, damaged_header
 
-import qscheme.checkpoint.header as header_module
-from qscheme.checkpoint.header import read_file_header
+import qscheme.storage.safetensors_header as header_module
 from qscheme.errors import CheckpointError
+from qscheme.storage import read_file_header
 
 
 def write_many(path: Path, count: int, extra: dict[str, object] | None = None, prefix: str = "model.layers") -> Path:

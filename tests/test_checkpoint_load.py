@@ -24,9 +24,9 @@ import qscheme
 import qscheme.checkpoint.load
 from qscheme.checkpoint import Checkpoint, load_checkpoint
 from qscheme.checkpoint.load import UnknownModuleError
-from qscheme.checkpoint.progress import Progress
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.modules import QuantLinear
+from qscheme.storage import Progress
 
 
 def test_public_entry_points() -> None:

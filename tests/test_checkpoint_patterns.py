@@ -23,8 +23,8 @@ from qscheme.checkpoint.patterns import (
     compile_pattern,
     pattern_problem,
 )
-from qscheme.checkpoint.reader import TensorInfo
 from qscheme.errors import CheckpointError
+from qscheme.storage import TensorInfo
 
 NVFP4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}
 NAMES = [

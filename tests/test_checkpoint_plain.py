@@ -18,13 +18,13 @@ import torch
 from checkpoint_cache import copy_checkpoint, ct_checkpoint
 from safetensors.torch import load_file, save_file
 
-import qscheme.checkpoint.reader as reader
+import qscheme.storage.safetensors_reader as reader
 from qscheme.checkpoint import load_checkpoint
-from qscheme.checkpoint.header import DTYPE_BY_TORCH_NAME
 from qscheme.checkpoint.inspect import inspect_checkpoint
 from qscheme.checkpoint.plain import nonfinite_problem
 from qscheme.cli.main import main
 from qscheme.errors import CheckpointError
+from qscheme.storage import DTYPE_BY_TORCH_NAME
 
 HUGE_SHAPE = [1 << 21, 1 << 21]  # bf16: 8 TiB, a sparse file's worth
 HUGE_BYTES = HUGE_SHAPE[0] * HUGE_SHAPE[1] * 2

@@ -1,4 +1,4 @@
-"""qscheme.checkpoint.reader: lazy safetensors access across shards, with checked headers."""
+"""qscheme.storage.safetensors_reader: lazy safetensors access across shards, with checked headers."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from checkpoint_cache import (
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from qscheme.checkpoint.reader import MAX_HEADER_BYTES, SAFETENSORS_DTYPES, CheckpointFiles, read_header
 from qscheme.errors import CheckpointError
+from qscheme.storage import MAX_HEADER_BYTES, SAFETENSORS_DTYPES, CheckpointFiles, read_header
 
 
 def test_single_file_headers_without_reading_data() -> None:
@@ -203,7 +203,7 @@ def test_an_unreadable_folder_is_a_checkpoint_error(tmp_path: Path, monkeypatch:
     folder.chmod(0)
     try:
         if os.access(folder, os.R_OK | os.X_OK):  # root with CAP_DAC_OVERRIDE reads every folder
-            monkeypatch.setattr("qscheme.checkpoint.reader.os.access", lambda path, mode: False)
+            monkeypatch.setattr("qscheme.storage.safetensors_reader.os.access", lambda path, mode: False)
         with pytest.raises(CheckpointError, match=r"locked: folder is not readable"):
             CheckpointFiles(folder)
     finally:

@@ -9,9 +9,9 @@ import unicodedata
 import pytest
 
 from qscheme.checkpoint.plan import format_problems
-from qscheme.checkpoint.progress import Progress
 from qscheme.checkpoint.report import CheckpointReport
 from qscheme.cli.output import TerminalOutput
+from qscheme.storage import Progress
 from qscheme.tensor_checks import TensorProblem
 from qscheme.text import (
     NAME_LIMIT,

@@ -16,9 +16,9 @@ from checkpoint_cache import modelopt_fixture
 
 from qscheme.checkpoint import load_checkpoint
 from qscheme.checkpoint.inspect import inspect_checkpoint
-from qscheme.checkpoint.reader import CheckpointFiles
 from qscheme.cli.main import main
 from qscheme.errors import UsageError
+from qscheme.storage import CheckpointFiles
 
 MESSAGE = "is empty (''), which would name the current folder"
 

@@ -14,9 +14,9 @@ from parallel_checkpoints import write_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qscheme.checkpoint.reader import CheckpointFiles
 from qscheme.errors import CheckpointError
 from qscheme.parallel import ReadCounter, load_checkpoint_tp, read_slice
+from qscheme.storage import CheckpointFiles
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from checkpoint_cache import single_threaded_torch  # noqa: F401  (autouse)
 
 from qscheme.catalog import load_scheme
 from qscheme.checkpoint.detect import ModuleAssignment
-from qscheme.checkpoint.reader import TensorInfo
+from qscheme.storage import TensorInfo
 from qscheme.tensor_checks import TensorProblem, check_layout, check_values
 
 FILE = Path("model.safetensors")

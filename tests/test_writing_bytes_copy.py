@@ -9,11 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qscheme.checkpoint.header import read_file_header
+import qscheme.storage.bytes_copy as bytes_copy
 from qscheme.errors import CheckpointError, OutputError
-from qscheme.writing import bytes_copy
-from qscheme.writing.bytes_copy import MappedShard, RawSpan, first_difference
-from qscheme.writing.shards import write_shard
+from qscheme.storage import MappedShard, RawSpan, first_difference, read_file_header, write_shard
 from qscheme.writing.verify import verify_folder, verify_shard
 
 

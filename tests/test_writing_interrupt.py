@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_writing_source import write_source_checkpoint
 
-from qscheme.writing.output import PARTIAL_MARK
+from qscheme.storage import PARTIAL_MARK
 
 pytestmark = pytest.mark.subprocess
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from qscheme.errors import OutputError
-from qscheme.writing.output import OutputFolder, Terminated, raise_on_termination
+from qscheme.storage import OutputFolder, Terminated, raise_on_termination
 
 
 def test_commit_renames_the_partial_folder_into_place(tmp_path: Path) -> None:
@@ -61,7 +61,7 @@ def test_force_replaces_only_after_the_new_folder_is_complete(tmp_path: Path) ->
 
 _LEAVE_PARTIAL = """
 import os, sys, time
-from qscheme.writing.output import OutputFolder
+from qscheme.storage import OutputFolder
 out = OutputFolder(sys.argv[1], force=False, sources=[]).__enter__()
 print(out.path, flush=True)
 if sys.argv[2] == "die":

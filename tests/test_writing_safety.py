@@ -24,13 +24,12 @@ from test_writing_source import llama_tensors, write_source_checkpoint
 
 import qscheme
 from qscheme.errors import DestinationError, QSchemeError, UsageError
+from qscheme.storage import OLD_MARK, OWNER_FILE, PARTIAL_MARK, OutputFolder, Terminated, raise_on_termination
 from qscheme.writing.calibration import CALIBRATION_FORMAT, Calibration, CalibrationError
 from qscheme.writing.convert import convert_checkpoint
 from qscheme.writing.loads_back import NameCollisionError, check_loads_back
 from qscheme.writing.other_files import SIZE_VARIABLE, SourceFileError
-from qscheme.writing.output import OLD_MARK, PARTIAL_MARK, OutputFolder, Terminated, raise_on_termination
 from qscheme.writing.quantize import quantize_checkpoint
-from qscheme.writing.run_owner import OWNER_FILE
 
 SCHEME = "compressed-tensors/W4A16"
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from qscheme.errors import OutputError
-from qscheme.writing.shards import write_index, write_shard
+from qscheme.storage import write_index, write_shard
 from qscheme.writing.verify import verify_folder
 
 

@@ -24,9 +24,9 @@ if TYPE_CHECKING:
     from qscheme.checkpoint.load import Checkpoint, UnknownModuleError, load_checkpoint
     from qscheme.checkpoint.model import apply_to_model
     from qscheme.checkpoint.plan import FuseGroup, Plan, plan_checkpoint
-    from qscheme.checkpoint.reader import CheckpointFiles, TensorInfo
     from qscheme.checkpoint.report import CheckpointReport, LayerReport
     from qscheme.checkpoint.resolve import resolve_checkpoint
+    from qscheme.storage import CheckpointFiles, TensorInfo
 
 _EXPORTS: dict[str, str] = {
     "CompressedTensorsConfig": "config",
@@ -49,8 +49,8 @@ _EXPORTS: dict[str, str] = {
     "FuseGroup": "plan",
     "Plan": "plan",
     "plan_checkpoint": "plan",
-    "CheckpointFiles": "reader",
-    "TensorInfo": "reader",
+    "CheckpointFiles": "qscheme.storage",
+    "TensorInfo": "qscheme.storage",
     "CheckpointReport": "report",
     "LayerReport": "report",
     "resolve_checkpoint": "resolve",
@@ -89,4 +89,5 @@ def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'qscheme.checkpoint' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"qscheme.checkpoint.{module}"), name)
+    # A dotted value is a module elsewhere (the safetensors files are qscheme.storage's).
+    return getattr(importlib.import_module(module if "." in module else f"qscheme.checkpoint.{module}"), name)

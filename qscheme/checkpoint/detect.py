@@ -41,9 +41,9 @@ from qscheme.checkpoint.config import (
 )
 from qscheme.checkpoint.patterns import MAX_NAME_LENGTH, any_of, compile_entries, compile_pattern
 from qscheme.checkpoint.patterns import PREFIX as PATTERN_PREFIX
-from qscheme.checkpoint.reader import TensorInfo
 from qscheme.descriptor import CompressedTensorsRule, Scheme
 from qscheme.errors import CheckpointError
+from qscheme.storage import TensorInfo
 from qscheme.tensor_checks import FLOAT_DTYPES
 from qscheme.text import cut, listing, shown
 

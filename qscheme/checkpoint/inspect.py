@@ -153,7 +153,7 @@ def _fill(inspection: Inspection, plan: Plan, read_values: bool) -> None:
 def oversized_tensors(plan: Plan) -> list[str]:
     """Tensors whose header claims more bytes than this machine's memory (a sparse file can claim
     terabytes): load refuses them when it reads them; inspect says so from the headers."""
-    from qscheme.checkpoint.reader import memory_bytes, too_large
+    from qscheme.storage import memory_bytes, too_large
 
     memory = memory_bytes()
     found = (too_large(info, memory) for info in plan.files.tensors.values())

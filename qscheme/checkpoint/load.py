@@ -21,12 +21,12 @@ from qscheme.catalog import load_scheme, require_scheme_argument
 from qscheme.checkpoint.fuse import FUSE_POLICIES, FuseOutcome, fuse_members, scales_differ
 from qscheme.checkpoint.plain import plain_problems
 from qscheme.checkpoint.plan import FuseSpec, Plan, check_fuse_spec, format_problems, plan_checkpoint
-from qscheme.checkpoint.progress import Progress, auto_enabled
 from qscheme.checkpoint.report import CheckpointReport, LayerReport
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, QuantizeError, UsageError
 from qscheme.kernels.registry import checked_kernel
 from qscheme.modules import QuantLinear, checked_device, problem_for
+from qscheme.storage import Progress, auto_enabled
 from qscheme.tensor_checks import BIAS, ModuleLayout, TensorProblem, check_values, value_reads
 from qscheme.text import listing, shown
 

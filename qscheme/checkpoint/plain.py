@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from qscheme.checkpoint.reader import CheckpointFiles
 from qscheme.errors import CheckpointError
+from qscheme.storage import CheckpointFiles
 from qscheme.tensor_checks import FLOAT_DTYPES, TensorProblem
 
 CHUNK_ELEMENTS = 1 << 24  # 16M values: a 16 MiB mask per chunk

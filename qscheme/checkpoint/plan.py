@@ -17,9 +17,9 @@ import torch
 
 from qscheme.checkpoint.config import ProducerConfig, read_producer_config
 from qscheme.checkpoint.detect import Detection, ModuleAssignment, detect, split_name
-from qscheme.checkpoint.reader import CheckpointFiles, refuse_empty_path
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, UsageError
+from qscheme.storage import CheckpointFiles, refuse_empty_path
 from qscheme.tensor_checks import ModuleLayout, TensorProblem, check_layout
 from qscheme.text import problem_lines
 

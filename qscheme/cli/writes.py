@@ -27,7 +27,7 @@ def run_write(
     details: Callable[[WriteSummary], Sequence[str]] = lambda summary: (),
 ) -> int:
     """Run ``write(progress)`` and print its summary (text, then ``details``' lines, or JSON)."""
-    from qscheme.writing.output import Terminated  # imports torch
+    from qscheme.storage import Terminated
 
     try:
         summary = write(sys.stderr.isatty() if as_json else None)

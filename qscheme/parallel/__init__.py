@@ -4,7 +4,8 @@
   or K (row-parallel), and ShardError when a split would cut a packed word, a scale group or
   block, or an activation group;
 * ``plan``: which layers split which way (Llama default, or a mapping of module patterns);
-* ``read``: only this rank's bytes of each tensor, counted;
+* ``read_slice`` / ``ReadCounter``: only this rank's bytes of each tensor, counted (re-exported
+  from ``qscheme.storage``, which reads every file);
 * ``load``: ``load_checkpoint_tp``, one rank's shard-sized QuantLinear modules;
 * ``linear``: column- and row-parallel wrappers (gather, all-reduce, or partial sums);
 * ``model``: ``apply_to_model_tp``, a transformers model running tensor-parallel;
@@ -17,7 +18,6 @@ from qscheme.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from qscheme.parallel.load import ShardedCheckpoint, load_checkpoint_tp
 from qscheme.parallel.model import apply_to_model_tp
 from qscheme.parallel.plan import DEFAULT_TP_PLAN, LayerShard, TPPlan, checked_tp_plan, shard_layers
-from qscheme.parallel.read import ReadCounter, read_slice
 from qscheme.parallel.rules import (
     ShardError,
     ShardLayout,
@@ -28,6 +28,7 @@ from qscheme.parallel.rules import (
     split_multiple,
     working_degrees,
 )
+from qscheme.storage import ReadCounter, read_slice
 
 __all__ = [
     "DEFAULT_TP_PLAN",

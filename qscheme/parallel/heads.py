@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qscheme.checkpoint.config import CONFIG_FILE, config_file_present, read_json
+from qscheme.checkpoint.config import CONFIG_FILE
 from qscheme.errors import CheckpointError
 from qscheme.parallel.rules import SplitProblem, working_degrees
+from qscheme.storage import config_file_present, read_json
 
 QUERY_KEY = "num_attention_heads"
 KEY_VALUE_KEY = "num_key_value_heads"

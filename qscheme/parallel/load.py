@@ -35,7 +35,6 @@ from qscheme.checkpoint.load import (
 )
 from qscheme.checkpoint.plain import plain_problems
 from qscheme.checkpoint.plan import FuseSpec, Plan, check_fuse_spec, format_problems, plan_checkpoint
-from qscheme.checkpoint.progress import Progress, auto_enabled
 from qscheme.checkpoint.report import LayerReport
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, QuantizeError, UsageError
@@ -43,8 +42,8 @@ from qscheme.kernels.registry import checked_kernel
 from qscheme.modules import QuantLinear, checked_device
 from qscheme.parallel.agree import failures_shared, plan_digest
 from qscheme.parallel.plan import LayerShard, TPPlan, checked_tp_plan, shard_layers
-from qscheme.parallel.read import ReadCounter, read_slice, read_whole
 from qscheme.parallel.rules import ShardError, ShardLayout, Style, checked_degree
+from qscheme.storage import Progress, ReadCounter, auto_enabled, read_slice, read_whole
 from qscheme.tensor_checks import BIAS, ModuleLayout, TensorProblem, check_values
 
 

@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from qscheme.checkpoint.config import read_json
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, InputError, QuantizeError
 from qscheme.formats import get_element_format
+from qscheme.storage import read_json
 
 CALIBRATION_FORMAT = "qscheme-calibration/1"
 _EXAMPLE = '{"format": "qscheme-calibration/1", "input_amax": {"model.layers.0.self_attn.q_proj": 3.25}}'

@@ -38,28 +38,30 @@ from torch import Tensor
 from qscheme.catalog import load_scheme, require_scheme_argument
 from qscheme.checkpoint.config import NoQuantization
 from qscheme.checkpoint.detect import split_name
-from qscheme.checkpoint.header import DTYPE_BY_TORCH_NAME
 from qscheme.checkpoint.plan import Plan, format_problems, plan_checkpoint
-from qscheme.checkpoint.progress import Progress
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, UsageError
-from qscheme.writing.bytes_copy import MappedShard, RawSpan
-from qscheme.writing.convert_deviation import Deviation
-from qscheme.writing.convert_layer import LayerConversion, check_conversion, convert_layer
-from qscheme.writing.convert_math import compare_schemes
-from qscheme.writing.loads_back import check_flags, check_loads_back, refuse_collisions
-from qscheme.writing.other_files import copy_other_files, plan_other_files
-from qscheme.writing.output import OutputFolder, raise_on_termination
-from qscheme.writing.producer_config import config_files, producer_of
-from qscheme.writing.shards import (
+from qscheme.storage import (
     DEFAULT_METADATA,
+    DTYPE_BY_TORCH_NAME,
+    MappedShard,
+    OutputFolder,
+    Progress,
+    RawSpan,
     ShardRecord,
     dtype_code,
+    raise_on_termination,
     sync_file,
     write_index,
     write_json,
     write_shard,
 )
+from qscheme.writing.convert_deviation import Deviation
+from qscheme.writing.convert_layer import LayerConversion, check_conversion, convert_layer
+from qscheme.writing.convert_math import compare_schemes
+from qscheme.writing.loads_back import check_flags, check_loads_back, refuse_collisions
+from qscheme.writing.other_files import copy_other_files, plan_other_files
+from qscheme.writing.producer_config import config_files, producer_of
 from qscheme.writing.source import SourceCheckpoint, SourceShard
 from qscheme.writing.summary import LayerRow, WriteSummary, peak_rss_bytes
 from qscheme.writing.verify import verify_folder, verify_shard

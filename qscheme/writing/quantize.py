@@ -48,21 +48,27 @@ from torch import Tensor
 from qscheme.canonical import canonicalize
 from qscheme.catalog import load_scheme, require_scheme_argument
 from qscheme.checkpoint.detect import ignored_by
-from qscheme.checkpoint.header import TensorInfo
 from qscheme.checkpoint.patterns import compile_entries, pattern_problem
-from qscheme.checkpoint.progress import Progress
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, QuantizeError, UsageError
 from qscheme.quantize import quantize_weight
 from qscheme.quantize.rules import get_rules
+from qscheme.storage import (
+    OutputFolder,
+    Progress,
+    ShardRecord,
+    TensorInfo,
+    raise_on_termination,
+    write_index,
+    write_json,
+    write_shard,
+)
 from qscheme.text import shown
 from qscheme.writing.calibration import Calibration, CalibrationError, activation_tensors, needs_calibration
 from qscheme.writing.error_report import ErrorReport, quantization_error
 from qscheme.writing.loads_back import check_flags, check_loads_back, refuse_collisions
 from qscheme.writing.other_files import copy_other_files, plan_other_files
-from qscheme.writing.output import OutputFolder, raise_on_termination
 from qscheme.writing.producer_config import config_files, producer_of
-from qscheme.writing.shards import ShardRecord, write_index, write_json, write_shard
 from qscheme.writing.source import SourceCheckpoint
 from qscheme.writing.summary import LayerRow, WriteSummary, peak_rss_bytes
 from qscheme.writing.verify import verify_folder

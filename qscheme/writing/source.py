@@ -1,7 +1,7 @@
 """The checkpoint being read: an unquantized (or any) Hugging Face safetensors folder, or one file.
 
 ``SourceCheckpoint.open(path)`` checks everything before a tensor is read: a folder goes through
-``qscheme.checkpoint.reader.CheckpointFiles`` (index against shards, hostile headers refused),
+``qscheme.storage.CheckpointFiles`` (index against shards, hostile headers refused),
 a single ``.safetensors`` file through the same header checks. It then lists:
 
 - the shards, in the index's (sorted) order, each with its tensors in file order;
@@ -25,10 +25,19 @@ from typing import Any
 
 from torch import Tensor
 
-from qscheme.checkpoint.config import CONFIG_FILE, MODELOPT_FILE, config_file_present, read_json
-from qscheme.checkpoint.header import FileHeader, TensorInfo, read_file_header
-from qscheme.checkpoint.reader import INDEX_FILE, SINGLE_FILE, CheckpointFiles, read_checked_tensor
+from qscheme.checkpoint.config import CONFIG_FILE, MODELOPT_FILE
 from qscheme.errors import CheckpointError, CheckpointNotFoundError
+from qscheme.storage import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointFiles,
+    FileHeader,
+    TensorInfo,
+    config_file_present,
+    read_checked_tensor,
+    read_file_header,
+    read_json,
+)
 
 
 @dataclass(frozen=True)

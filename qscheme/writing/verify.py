@@ -15,11 +15,18 @@ import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from qscheme.checkpoint.config import CONFIG_FILE, MODELOPT_FILE, config_file_present, read_json
-from qscheme.checkpoint.header import TensorInfo, read_file_header
+from qscheme.checkpoint.config import CONFIG_FILE, MODELOPT_FILE
 from qscheme.errors import CheckpointError, DestinationError
-from qscheme.writing.bytes_copy import first_difference
-from qscheme.writing.shards import INDEX_FILE, ShardRecord, TensorRecord
+from qscheme.storage import (
+    INDEX_FILE,
+    ShardRecord,
+    TensorInfo,
+    TensorRecord,
+    config_file_present,
+    first_difference,
+    read_file_header,
+    read_json,
+)
 
 _READ_CHUNK = 1 << 22
 

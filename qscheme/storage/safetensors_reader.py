@@ -1,6 +1,6 @@
 """Lazy access to a checkpoint's safetensors files: one model.safetensors, or shards + index.
 
-Every file's header is parsed and checked (``header.py``) and the index compared with the
+Every file's header is parsed and checked (``safetensors_header.py``) and the index compared with the
 shards (no tensor in two shards, none missing) before any tensor is read, so that a corrupt
 file fails with a CheckpointError naming the file and the tensor.
 
@@ -26,8 +26,9 @@ from typing import BinaryIO
 
 import torch
 
-from qscheme.checkpoint.config import file_problem, read_json
-from qscheme.checkpoint.header import (
+from qscheme.errors import CheckpointError, UsageError
+from qscheme.storage.json_files import file_problem, read_json
+from qscheme.storage.safetensors_header import (
     DTYPE_BY_TORCH_NAME,
     MAX_HEADER_BYTES,
     SAFETENSORS_DTYPES,
@@ -35,10 +36,8 @@ from qscheme.checkpoint.header import (
     TensorInfo,
     read_file_header,
     read_header,
-    shown_file,
 )
-from qscheme.errors import CheckpointError, UsageError
-from qscheme.text import listing, shown
+from qscheme.text import listing, shown, shown_file
 
 __all__ = [
     "INDEX_FILE",

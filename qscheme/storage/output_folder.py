@@ -42,7 +42,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from qscheme.errors import DestinationError
-from qscheme.writing.run_owner import remove_dead_runs, remove_owner, this_run, write_owner
+from qscheme.storage.run_owner import remove_dead_runs, remove_owner, this_run, write_owner
 
 PARTIAL_MARK = ".qscheme-partial-"
 OLD_MARK = ".qscheme-old-"

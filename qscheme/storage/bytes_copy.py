@@ -35,8 +35,8 @@ import numpy
 import torch
 from torch import Tensor
 
-from qscheme.checkpoint.header import DTYPE_BY_TORCH_NAME, FileHeader, TensorInfo
 from qscheme.errors import CheckpointError
+from qscheme.storage.safetensors_header import DTYPE_BY_TORCH_NAME, FileHeader, TensorInfo
 from qscheme.text import shown_file
 
 

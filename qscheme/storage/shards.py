@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from qscheme.checkpoint.header import DTYPE_BY_TORCH_NAME
 from qscheme.errors import DestinationError
-from qscheme.writing.bytes_copy import RawSpan, copy_span
+from qscheme.storage.bytes_copy import RawSpan, copy_span
+from qscheme.storage.json_files import write_json
+from qscheme.storage.safetensors_header import DTYPE_BY_TORCH_NAME
+from qscheme.storage.safetensors_reader import INDEX_FILE
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 DEFAULT_METADATA = {"format": "pt"}
 _WRITE_CHUNK = 1 << 22  # small enough that the CRC leaves each chunk in the CPU cache for the write
 
@@ -158,15 +158,6 @@ def sync_file(path: str | Path) -> None:
             os.close(descriptor)
     except OSError as exc:
         raise DestinationError(f"{path}: cannot flush the shard to the disk: {exc.strerror}") from None
-
-
-def write_json(path: str | Path, value: object) -> None:
-    """A JSON file as transformers writes its configs (indent 2, sorted keys, final newline)."""
-    path = Path(path)
-    try:
-        path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    except OSError as exc:
-        raise DestinationError(f"{path}: cannot write: {exc.strerror}") from None
 
 
 def write_index(folder: str | Path, weight_map: Mapping[str, str], total_size: int) -> Path:

@@ -3,7 +3,7 @@
 A shard splits one dimension of a row-major tensor, so it is a run of contiguous bytes per
 index of the dimensions before it (one run for a split of dim 0, one per row for a split of
 the last dim). Each run is read with ``os.preadv`` straight into the result's memory, as
-``qscheme.checkpoint.reader`` reads whole tensors: no memory map, so a file truncated under the
+``safetensors_reader`` reads whole tensors: no memory map, so a file truncated under the
 reader gives a CheckpointError rather than a SIGBUS. ``ReadCounter`` adds up what was read, per
 tensor, so that a test can check each rank reads about 1/n of every split layer.
 """
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qscheme.checkpoint.header import DTYPE_BY_TORCH_NAME, TensorInfo
-from qscheme.checkpoint.reader import allocate_bytes
 from qscheme.errors import CheckpointError
+from qscheme.storage.safetensors_header import DTYPE_BY_TORCH_NAME, TensorInfo
+from qscheme.storage.safetensors_reader import allocate_bytes
 from qscheme.text import shown_file
 
 
