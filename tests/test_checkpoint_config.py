@@ -13,13 +13,10 @@ from checkpoint_cache import (
     single_threaded_torch,  # noqa: F401  (autouse)
 )
 
-from qscheme.checkpoint.config import (
-    CompressedTensorsConfig,
-    ModeloptConfig,
-    NoQuantization,
-    read_producer_config,
-)
+from qscheme.checkpoint.config import NoQuantization, read_producer_config
 from qscheme.errors import CheckpointError
+from qscheme.producers.compressed_tensors import CompressedTensorsConfig
+from qscheme.producers.modelopt import ModeloptConfig
 
 
 def _write(folder: Path, name: str, data: object) -> Path:

@@ -1,4 +1,4 @@
-"""qscheme.checkpoint.detect: module -> scheme from the descriptors' rules (no format table)."""
+"""Detection (checkpoint.detect, the producers' detect): module -> scheme from the descriptors' rules."""
 
 from __future__ import annotations
 
@@ -14,17 +14,13 @@ from checkpoint_cache import (
 from checkpoint_factory import CT_PRESETS
 
 from qscheme.catalog import load_catalog
-from qscheme.checkpoint.config import (
-    CompressedTensorsConfig,
-    ConfigGroup,
-    MixedPrecisionLayer,
-    ModeloptConfig,
-    NoQuantization,
-    read_producer_config,
-)
-from qscheme.checkpoint.detect import detect, normalize_arguments
+from qscheme.checkpoint.config import NoQuantization, read_producer_config
+from qscheme.checkpoint.detect import detect
 from qscheme.checkpoint.patterns import MAX_NAME_LENGTH
 from qscheme.errors import CheckpointError
+from qscheme.producers.compressed_tensors.config import CompressedTensorsConfig, ConfigGroup
+from qscheme.producers.compressed_tensors.detect import normalize_arguments
+from qscheme.producers.modelopt.config import MixedPrecisionLayer, ModeloptConfig
 from qscheme.storage import CheckpointFiles, TensorInfo
 
 SCHEMES = list(load_catalog())

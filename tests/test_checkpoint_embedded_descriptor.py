@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import save_file
 
 from qscheme.checkpoint.config import read_producer_config
-from qscheme.checkpoint.detect import EMBEDDED_PROBLEMS_SHOWN, embedded_scheme
 from qscheme.checkpoint.inspect import inspect_checkpoint
 from qscheme.descriptor.files import MAX_EMBEDDED_DESCRIPTOR_BYTES
 from qscheme.errors import CheckpointError
+from qscheme.producers.self_described.detect import EMBEDDED_PROBLEMS_SHOWN, embedded_scheme
 
 SCHEME_FILE = Path(__file__).parents[1] / "schemes" / "compressed-tensors" / "FP8_DYNAMIC.yaml"
 

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from qscheme.catalog import load_catalog
-from qscheme.checkpoint.config import CompressedTensorsConfig, ConfigGroup
-from qscheme.checkpoint.detect import match_config_group, match_modelopt_algo
 from qscheme.checkpoint.overlap import overlaps
 from qscheme.descriptor import Scheme, parse_scheme_text
 from qscheme.errors import CheckpointError
+from qscheme.producers.compressed_tensors.config import CompressedTensorsConfig, ConfigGroup
+from qscheme.producers.compressed_tensors.detect import match_config_group
+from qscheme.producers.modelopt.detect import match_modelopt_algo
 
 BUILTIN = Path(__file__).resolve().parents[1] / "schemes"
 TRITON_SCHEMES = Path(__file__).resolve().parent / "data" / "triton_schemes"

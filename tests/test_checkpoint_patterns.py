@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from qscheme.catalog import load_catalog
 from qscheme.checkpoint import patterns
-from qscheme.checkpoint.config import CompressedTensorsConfig, ConfigGroup, read_producer_config
+from qscheme.checkpoint.config import read_producer_config
 from qscheme.checkpoint.detect import detect
 from qscheme.checkpoint.patterns import (
     MAX_BACKTRACKING_REPEATS,
@@ -24,6 +24,7 @@ from qscheme.checkpoint.patterns import (
     pattern_problem,
 )
 from qscheme.errors import CheckpointError
+from qscheme.producers.compressed_tensors.config import CompressedTensorsConfig, ConfigGroup
 from qscheme.storage import TensorInfo
 
 NVFP4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}

@@ -11,13 +11,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from qscheme.checkpoint.config import (
-        CompressedTensorsConfig,
-        ModeloptConfig,
-        NoQuantization,
-        ProducerConfig,
-        read_producer_config,
-    )
+    from qscheme.checkpoint.config import NoQuantization, ProducerConfig, read_producer_config
     from qscheme.checkpoint.detect import Detection, ModuleAssignment, detect
     from qscheme.checkpoint.fuse import FUSE_POLICIES, FuseOutcome, fuse_members
     from qscheme.checkpoint.inspect import Inspection, inspect_checkpoint
@@ -26,11 +20,13 @@ if TYPE_CHECKING:
     from qscheme.checkpoint.plan import FuseGroup, Plan, plan_checkpoint
     from qscheme.checkpoint.report import CheckpointReport, LayerReport
     from qscheme.checkpoint.resolve import resolve_checkpoint
+    from qscheme.producers.compressed_tensors import CompressedTensorsConfig
+    from qscheme.producers.modelopt import ModeloptConfig
     from qscheme.storage import CheckpointFiles, TensorInfo
 
 _EXPORTS: dict[str, str] = {
-    "CompressedTensorsConfig": "config",
-    "ModeloptConfig": "config",
+    "CompressedTensorsConfig": "qscheme.producers.compressed_tensors",
+    "ModeloptConfig": "qscheme.producers.modelopt",
     "NoQuantization": "config",
     "ProducerConfig": "config",
     "read_producer_config": "config",

@@ -145,13 +145,6 @@ def _name_problems(schemes: list[tuple[str, Scheme]], catalog: dict[str, Scheme]
     return problems
 
 
-_RULE_FIXES = {
-    "compressed-tensors": "make one rule more specific (list an argument the other lists, with another value) "
-    "or remove one of them",
-    "modelopt": "give the rules different quant_algo names or group_size values, or remove one of them",
-}
-
-
 def _rule_problems(schemes: list[tuple[str, Scheme]], catalog: dict[str, Scheme]) -> dict[str, list[Problem]]:
     """Per file: its detect rules that match a config another file's or a catalog scheme's match."""
     from qscheme.checkpoint.overlap import overlaps
@@ -173,7 +166,7 @@ def _rule_problems(schemes: list[tuple[str, Scheme]], catalog: dict[str, Scheme]
             where = others[overlap.second][1]
             message = (
                 f"matches what the rule of scheme {overlap.second!r} ({where}) matches, e.g. {overlap.witness}; "
-                f"a checkpoint whose config says that would be refused as ambiguous: {_RULE_FIXES[overlap.producer]}"
+                f"a checkpoint whose config says that would be refused as ambiguous: {overlap.fix}"
             )
             problems.setdefault(file, []).append(Problem(_location(file, "detect", overlap.producer), message))
     return problems

@@ -1,8 +1,9 @@
 """The values a ``detect.compressed-tensors`` argument may hold (as the library writes them).
 
 A rule's arguments are compared with a checkpoint's ``config_groups`` after the same
-normalization (see ``qscheme.checkpoint.detect.normalize_arguments``), so a value the library
-never writes would make the rule match nothing; it is refused here instead, with what is allowed.
+normalization (see ``qscheme.producers.compressed_tensors.detect.normalize_arguments``), so a
+value the library never writes would make the rule match nothing; it is refused here instead,
+with what is allowed.
 ``null`` is allowed for every key (it means "not given").
 """
 

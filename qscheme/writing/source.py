@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import Tensor
 
-from qscheme.checkpoint.config import CONFIG_FILE, MODELOPT_FILE
+from qscheme.checkpoint.config import CONFIG_FILE, CONFIG_FILES
 from qscheme.errors import CheckpointError, CheckpointNotFoundError
 from qscheme.storage import (
     INDEX_FILE,
@@ -121,7 +121,7 @@ class SourceCheckpoint:
         """Files and folders to copy through unchanged, sorted (see the module docstring)."""
         if self.folder is None:
             return []
-        skipped = {CONFIG_FILE, MODELOPT_FILE, INDEX_FILE}
+        skipped = {*CONFIG_FILES, INDEX_FILE}
         out = []
         for entry in sorted(self.folder.iterdir()):
             if entry.name.startswith(".") or entry.name in skipped or entry.name.endswith(".safetensors"):

@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from qscheme.checkpoint.config import CONFIG_FILE, MODELOPT_FILE
+from qscheme.checkpoint.config import CONFIG_FILES
 from qscheme.errors import CheckpointError, DestinationError
 from qscheme.storage import (
     INDEX_FILE,
@@ -45,7 +45,7 @@ def verify_folder(folder: str | Path, shards: Sequence[ShardRecord], *, reread: 
         else:
             _verify_header(record)
     _verify_index(folder, shards)
-    for name in (CONFIG_FILE, MODELOPT_FILE):
+    for name in CONFIG_FILES:
         path = folder / name
         try:
             if config_file_present(path):
