@@ -16,6 +16,7 @@ from qscheme.errors import (
     SchemeError,
     UsageError,
 )
+from qscheme.version import __version__
 
 if TYPE_CHECKING:
     from qscheme.checkpoint.load import Checkpoint, load_checkpoint
@@ -24,8 +25,6 @@ if TYPE_CHECKING:
     from qscheme.modules.linear import QuantLinear
     from qscheme.quantize import quantize_weight
     from qscheme.writing import WriteSummary, convert_checkpoint, quantize_checkpoint
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Catalog",

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from qscheme.descriptor.model import (
     ActivationSpec,
-    CompressedTensorsRule,
     DetectSpec,
     FusedSpec,
     GlobalScaleSpec,
-    ModeloptRule,
     ScaleSpec,
     Scheme,
     TensorSpec,
@@ -19,11 +17,9 @@ from qscheme.descriptor.parse import parse_scheme_file, parse_scheme_text
 
 __all__ = [
     "ActivationSpec",
-    "CompressedTensorsRule",
     "DetectSpec",
     "FusedSpec",
     "GlobalScaleSpec",
-    "ModeloptRule",
     "ScaleSpec",
     "Scheme",
     "TensorSpec",

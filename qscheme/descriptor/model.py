@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from qscheme.descriptor.rules import DetectSpec
 from qscheme.descriptor.shapes import Shape, evaluate_shape, format_shape
 from qscheme.formats.table import FORMAT_FACTS, activation_formats, scale_formats
 
@@ -23,8 +24,6 @@ ACTIVATION_GRANULARITIES: tuple[str, ...] = ("tensor", "token", "group")
 WEIGHT_PACKINGS: tuple[str, ...] = ("none", "nibbles_k", "int32_k", "int4_n")
 ZERO_POINT_PACKINGS: tuple[str, ...] = ("none", "int32_n")
 FUSED_POLICIES: tuple[str, ...] = ("per_partition", "rescale", "requantize", "refuse")
-RULE_SETS: tuple[str, ...] = ("compressed-tensors", "modelopt")
-PRODUCERS: tuple[str, ...] = ("compressed-tensors", "modelopt")
 SCALE_FORMATS: tuple[str, ...] = scale_formats()
 # Activation element formats: those with a kernel activation family (nvfp4/mxfp4/fp4, fp8, int8;
 # see qscheme.kernels.declaration.ACTIVATION_FAMILIES). No kernel can declare int4 activations.
@@ -114,29 +113,6 @@ class FusedSpec:
 
     policy: FusedPolicy = "per_partition"
     fallback: FusedPolicy = "refuse"
-
-
-@dataclass(frozen=True)
-class CompressedTensorsRule:
-    """Matches a compressed-tensors config group: every listed argument must be equal."""
-
-    formats: tuple[str, ...]
-    weights: Mapping[str, Any]
-    input_activations: Mapping[str, Any] | None
-
-
-@dataclass(frozen=True)
-class ModeloptRule:
-    """Matches a ModelOpt quant_algo (case-insensitive), optionally a group size."""
-
-    quant_algos: tuple[str, ...]
-    group_size: int | None = None
-
-
-@dataclass(frozen=True)
-class DetectSpec:
-    compressed_tensors: CompressedTensorsRule | None = None
-    modelopt: ModeloptRule | None = None
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from qscheme.descriptor.arguments import CHECKS, argument_problem
 from qscheme.descriptor.consistency import (
     FOUR_BIT,
     SINGLE,
@@ -27,18 +27,13 @@ from qscheme.descriptor.model import (
     ACTIVATION_GRANULARITIES,
     FUSED_POLICIES,
     GRANULARITIES,
-    PRODUCERS,
-    RULE_SETS,
     SCALE_FORMATS,
     STORED_CHOICES,
     WEIGHT_PACKINGS,
     ZERO_POINT_PACKINGS,
     ActivationSpec,
-    CompressedTensorsRule,
-    DetectSpec,
     FusedSpec,
     GlobalScaleSpec,
-    ModeloptRule,
     ScaleSpec,
     Scheme,
     TensorSpec,
@@ -46,6 +41,7 @@ from qscheme.descriptor.model import (
     ZeroPointSpec,
 )
 from qscheme.descriptor.nodes import INVALID, Node, read_yaml
+from qscheme.descriptor.rules import DetectSpec, RuleKey, RuleSchema, rule_producers, rule_schemas
 from qscheme.descriptor.shapes import MAX_SIZE, Shape, format_shape, parse_shape
 from qscheme.errors import Location, Problem, SchemeError, UsageError
 from qscheme.formats.table import FORMAT_FACTS, integer_formats, is_float_scale, scale_dtypes, weight_formats
@@ -92,7 +88,6 @@ UNPACKED_DTYPE: dict[str, str] = {
 SCALE_DTYPES: dict[str, tuple[str, ...]] = {name: scale_dtypes(name) for name in SCALE_FORMATS}
 NAME = re.compile(r"^[A-Za-z0-9._/-]+$")
 """The characters a scheme name may use; no segment between '/' may be empty, '.' or '..'."""
-COMPRESSED_TENSORS_ARGUMENTS: tuple[str, ...] = tuple(CHECKS)  # every argument key the rules may state
 
 
 def _quote(values: tuple[str, ...] | list[str]) -> str:
@@ -558,44 +553,50 @@ class _Reader:
             return None
         return FusedSpec(policy=policy, fallback=fallback)  # type: ignore[arg-type]
 
-    def arguments(self, node: Node, path: str) -> dict[str, Any] | None:
-        items = self.mapping(node, path, (), COMPRESSED_TENSORS_ARGUMENTS)
+    def arguments(self, node: Node, path: str, key: RuleKey) -> dict[str, Any] | None:
+        items = self.mapping(node, path, (), key.arguments)
         if items is None:
             return None
-        for key, child in items.items():
-            problem = argument_problem(key, child.plain())
+        for name, child in items.items():
+            problem = key.check(name, child.plain()) if key.check is not None else None
             if problem is not None:
-                self.fail(child, f"{path}.{key}", problem)
-        return {key: child.plain() for key, child in items.items()}
+                self.fail(child, f"{path}.{name}", problem)
+        return {name: child.plain() for name, child in items.items()}
 
     def detect(self, node: Node, path: str) -> DetectSpec | None:
-        items = self.mapping(node, path, (), ("compressed-tensors", "modelopt"))
+        schemas = rule_schemas()
+        items = self.mapping(node, path, (), tuple(schema.producer for schema in schemas))
         if items is None:
             return None
-        ct = self.optional(items, "compressed-tensors", path, self.compressed_tensors_rule)
-        mo = self.optional(items, "modelopt", path, self.modelopt_rule)
-        return DetectSpec(compressed_tensors=ct, modelopt=mo)
+        rules: dict[str, Any] = {}
+        for schema in schemas:
+            rule = self.optional(items, schema.producer, path, functools.partial(self.rule, schema=schema))
+            if rule is not None:
+                rules[schema.producer] = rule
+        return DetectSpec(rules=rules)
 
-    def compressed_tensors_rule(self, node: Node, path: str) -> CompressedTensorsRule | None:
-        items = self.mapping(node, path, ("format", "weights"), ("input_activations",))
+    def rule(self, node: Node, path: str, schema: RuleSchema) -> Any:
+        """``detect.<producer>``: the keys its producer's ``RuleSchema`` declares, as its typed rule."""
+        items = self.mapping(node, path, schema.required, schema.optional)
         if items is None:
             return None
-        formats = self.required(items, "format", path, self.strings)
-        weights = self.required(items, "weights", path, self.arguments)
-        inputs = self.optional(items, "input_activations", path, self.arguments)
-        if formats is None or weights is None:
+        values: dict[str, Any] = {}
+        for key in schema.keys:
+            read = self._rule_reader(key)
+            if key.required:
+                values[key.name] = self.required(items, key.name, path, read)
+            else:
+                values[key.name] = self.optional(items, key.name, path, read)
+        if any(values[name] is None for name in schema.required):
             return None
-        return CompressedTensorsRule(formats=formats, weights=weights, input_activations=inputs)
+        return schema.build(values)
 
-    def modelopt_rule(self, node: Node, path: str) -> ModeloptRule | None:
-        items = self.mapping(node, path, ("quant_algo",), ("group_size",))
-        if items is None:
-            return None
-        algos = self.required(items, "quant_algo", path, self.strings)
-        group_size = self.optional(items, "group_size", path, self.integer)
-        if algos is None:
-            return None
-        return ModeloptRule(quant_algos=algos, group_size=group_size)
+    def _rule_reader(self, key: RuleKey) -> Callable[[Node, str], Any]:
+        if key.kind == "strings":
+            return self.strings
+        if key.kind == "integer":
+            return self.integer
+        return lambda n, p: self.arguments(n, p, key)
 
 
 TOP_REQUIRED: tuple[str, ...] = ("name", "weight")
@@ -645,9 +646,9 @@ def _read_scheme(reader: _Reader, root: Node) -> Scheme | None:
     if items is None:
         return None
     name = reader.required(items, "name", "", reader.string)
-    producer = reader.optional(items, "producer", "", lambda n, p: reader.choice(n, p, PRODUCERS))
+    producer = reader.optional(items, "producer", "", lambda n, p: reader.choice(n, p, rule_producers()))
     description = reader.optional(items, "description", "", reader.string) or ""
-    rules = reader.optional(items, "rules", "", lambda n, p: reader.choice(n, p, RULE_SETS))
+    rules = reader.optional(items, "rules", "", lambda n, p: reader.choice(n, p, rule_producers()))
     weight = reader.required(items, "weight", "", reader.weight)
     activation = reader.optional(items, "activation", "", reader.activation)
     pre_scale = reader.optional(items, "input_pre_scale", "", reader.tensor)

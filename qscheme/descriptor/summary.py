@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from qscheme.descriptor.model import Scheme, TensorSpec
+from qscheme.descriptor.rules import rule_schemas
 from qscheme.descriptor.shapes import format_shape
 
 ROLE_DESCRIPTIONS: dict[str, str] = {
@@ -84,18 +85,10 @@ def scheme_dict(scheme: Scheme) -> dict[str, Any]:
     out["tolerated"] = list(scheme.tolerated)
     out["fused"] = {"policy": scheme.fused.policy, "fallback": scheme.fused.fallback}
     detect: dict[str, Any] = {}
-    if scheme.detect.compressed_tensors is not None:
-        rule = scheme.detect.compressed_tensors
-        detect["compressed-tensors"] = {
-            "format": list(rule.formats),
-            "weights": dict(rule.weights),
-            "input_activations": dict(rule.input_activations) if rule.input_activations is not None else None,
-        }
-    if scheme.detect.modelopt is not None:
-        detect["modelopt"] = {
-            "quant_algo": list(scheme.detect.modelopt.quant_algos),
-            "group_size": scheme.detect.modelopt.group_size,
-        }
+    for schema in rule_schemas():
+        rule = scheme.detect.get(schema.producer)
+        if rule is not None:
+            detect[schema.producer] = schema.summary(rule)
     out["detect"] = detect
     return out
 
@@ -137,13 +130,8 @@ def render_scheme(scheme: Scheme) -> str:
     if scheme.tolerated:
         lines.append(f"tolerated:   {', '.join(scheme.tolerated)} (dropped when present)")
     lines.append(f"fused:       {scheme.fused.policy}, otherwise {scheme.fused.fallback}")
-    if scheme.detect.compressed_tensors:
-        rule = scheme.detect.compressed_tensors
-        inputs = dict(rule.input_activations) if rule.input_activations is not None else "absent"
-        lines.append(
-            f"detect:      compressed-tensors format {'|'.join(rule.formats)}, "
-            f"weights {dict(rule.weights)}, inputs {inputs}"
-        )
-    if scheme.detect.modelopt:
-        lines.append(f"detect:      modelopt quant_algo {'|'.join(scheme.detect.modelopt.quant_algos)}")
+    for schema in rule_schemas():
+        rule = scheme.detect.get(schema.producer)
+        if rule is not None:
+            lines.append(f"detect:      {schema.render(rule)}")
     return "\n".join(lines)

@@ -5,7 +5,8 @@ assigning modules their schemes from it (``detect``), writing its config (``writ
 its quantization arithmetic (``arithmetic``), tied together by a ``Producer`` in its
 ``__init__`` (see ``base.Producer``). The loader (``checkpoint.config``, ``checkpoint.detect``)
 and the writer (``writing.producer_config``, ``quantize.weight``) iterate ``PRODUCERS`` and name
-no producer. Adding a producer means adding a folder, its YAML schemes, and one line below.
+no producer. Adding a producer means adding a folder, its YAML schemes, and one line below (its
+``detect.<name>`` rule in descriptors is its folder's ``RuleSchema``, registered here).
 
 Order matters where producers compete: a producer's own file (ModelOpt's hf_quant_config.json)
 is looked for in this order, and the first producer that ``writes`` a scheme writes it
@@ -17,6 +18,7 @@ checks); what producers share is in ``base``.
 
 from __future__ import annotations
 
+from qscheme.descriptor.rules import register_rule_schema
 from qscheme.producers import compressed_tensors, modelopt, self_described
 from qscheme.producers.base import Producer, ProducerConfig
 
@@ -25,6 +27,13 @@ PRODUCERS: tuple[Producer, ...] = (
     modelopt.PRODUCER,
     self_described.PRODUCER,
 )
+
+# Each producer's detect rule, handed to the descriptor's parser (``descriptor.rules``): the
+# descriptor names no producer. ``qscheme.folder_catalog`` imports this package, so the rules are
+# registered before any descriptor is parsed.
+for _producer in PRODUCERS:
+    if _producer.rule_schema is not None:
+        register_rule_schema(_producer.rule_schema)
 
 
 def producer_of_config(config: ProducerConfig) -> Producer:

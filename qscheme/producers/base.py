@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from qscheme.checkpoint.patterns import MAX_NAME_LENGTH, any_of, compile_pattern
 from qscheme.checkpoint.patterns import PREFIX as PATTERN_PREFIX
 from qscheme.descriptor import Scheme
+from qscheme.descriptor.rules import RuleSchema
 from qscheme.errors import CheckpointError
 from qscheme.text import shown
 
@@ -93,7 +94,9 @@ class Producer:
     - ``arithmetic``: the module holding its quantization rules (imported by ``quantize.weight``,
       which registers them; None when it has none of its own);
     - ``overlap(a, b)``: a config both schemes' rules match (described, and the config object or
-      None), for ``qscheme validate``; ``overlap_fix`` says how to tell such rules apart.
+      None), for ``qscheme validate``; ``overlap_fix`` says how to tell such rules apart;
+    - ``rule_schema``: its ``detect.<name>`` rule in scheme descriptors (``descriptor.rules``),
+      registered for the descriptor's parser by ``qscheme.producers`` (None: it has no rule).
     """
 
     name: str
@@ -110,6 +113,7 @@ class Producer:
     arithmetic: str | None = None
     overlap: Callable[[Scheme, Scheme], tuple[str, Any] | None] | None = None
     overlap_fix: str = ""
+    rule_schema: RuleSchema | None = None
 
 
 # ---------------------------------------------------------------------------- reading configs

@@ -16,7 +16,7 @@ from typing import Any
 
 from qscheme.checkpoint.patterns import PREFIX as PATTERN_PREFIX
 from qscheme.checkpoint.patterns import compile_entries
-from qscheme.descriptor import CompressedTensorsRule, Scheme
+from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError
 from qscheme.producers.base import (
     Detected,
@@ -29,6 +29,7 @@ from qscheme.producers.base import (
     natural_key,
 )
 from qscheme.producers.compressed_tensors.config import CompressedTensorsConfig, ConfigGroup, block_sizes
+from qscheme.producers.compressed_tensors.rule import CompressedTensorsRule, rule_of
 from qscheme.text import listing
 
 # compressed-tensors QuantizationArgs defaults, applied to what a config leaves out.
@@ -135,7 +136,7 @@ def match_config_group(
     matches: list[Scheme] = []
     candidates = {scheme.name: scheme for scheme in schemes}
     for scheme in candidates.values():
-        rule = scheme.detect.compressed_tensors
+        rule = rule_of(scheme)
         if rule is None:
             continue
         distance, differences = rule_differences(rule, group, config.format)

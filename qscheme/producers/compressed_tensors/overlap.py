@@ -13,16 +13,17 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from qscheme.descriptor import CompressedTensorsRule, Scheme
+from qscheme.descriptor import Scheme
 from qscheme.producers.compressed_tensors.config import ConfigGroup
 from qscheme.producers.compressed_tensors.detect import rule_differences
+from qscheme.producers.compressed_tensors.rule import CompressedTensorsRule, rule_of
 
 FIX = "make one rule more specific (list an argument the other lists, with another value) or remove one of them"
 
 
 def witness(a: Scheme, b: Scheme) -> tuple[str, ConfigGroup] | None:
     """The config group both schemes' rules match, described and built; None when there is none."""
-    group = _compressed_tensors_witness(a.detect.compressed_tensors, b.detect.compressed_tensors)
+    group = _compressed_tensors_witness(rule_of(a), rule_of(b))
     return None if group is None else (_describe(group), group)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from qscheme.descriptor import Scheme
 from qscheme.producers.base import WriteRequest
+from qscheme.producers.compressed_tensors.rule import rule_of
 
 # The producer version whose serialisation is followed (what its own writer puts in the files).
 COMPRESSED_TENSORS_VERSION = "0.20.1"
@@ -21,7 +22,7 @@ _TORCH_SCALE_DTYPES = {"e4m3": "torch.float8_e4m3fn"}
 
 def writes(scheme: Scheme) -> bool:
     """A scheme with a compressed-tensors detect rule is written as compressed-tensors."""
-    return scheme.detect.compressed_tensors is not None
+    return rule_of(scheme) is not None
 
 
 def write_config(request: WriteRequest) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -44,7 +45,7 @@ def _plain(value: Any) -> Any:
 
 def compressed_tensors_config(scheme: Scheme, ignore: Sequence[str]) -> dict[str, Any]:
     """config.json ``quantization_config`` as compressed-tensors 0.20 writes it for this scheme."""
-    rule = scheme.detect.compressed_tensors
+    rule = rule_of(scheme)
     assert rule is not None
     fmt = rule.formats[0]
     activation = scheme.activation

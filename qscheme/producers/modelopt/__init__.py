@@ -4,6 +4,8 @@
   ``ModeloptConfig``;
 - ``detect``: ``quant_algo`` (per layer for mixed precision) matched against the schemes'
   ``detect.modelopt`` rules;
+- ``rule``: its ``detect.modelopt`` rule in a scheme descriptor (keys, typed rule, how
+  ``qscheme show`` prints it), handed to the descriptor's parser;
 - ``write_config``: hf_quant_config.json and the ``quantization_config`` ModelOpt 0.47 writes;
 - ``overlap``: rules of two schemes that claim the same config (for ``qscheme validate``);
 - ``arithmetic``: ModelOpt's export arithmetic (the ``modelopt`` rules).
@@ -12,7 +14,7 @@
 from __future__ import annotations
 
 from qscheme.producers.base import Producer
-from qscheme.producers.modelopt import config, detect, overlap, write_config
+from qscheme.producers.modelopt import config, detect, overlap, rule, write_config
 from qscheme.producers.modelopt.config import MODELOPT_FILE, ModeloptConfig
 
 PRODUCER = Producer(
@@ -30,6 +32,7 @@ PRODUCER = Producer(
     arithmetic="qscheme.producers.modelopt.arithmetic",
     overlap=overlap.witness,
     overlap_fix=overlap.FIX,
+    rule_schema=rule.RULE_SCHEMA,
 )
 
 __all__ = ["MODELOPT_FILE", "PRODUCER", "ModeloptConfig"]

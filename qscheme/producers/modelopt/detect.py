@@ -14,6 +14,7 @@ from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError
 from qscheme.producers.base import Detected, Modules, looks_linear, looks_quantized
 from qscheme.producers.modelopt.config import ModeloptConfig
+from qscheme.producers.modelopt.rule import rule_of
 
 
 def match_modelopt_algo(
@@ -24,7 +25,7 @@ def match_modelopt_algo(
 
     known: dict[str, list[Scheme]] = {}
     for scheme in schemes:
-        rule = scheme.detect.modelopt
+        rule = rule_of(scheme)
         if rule is None:
             continue
         for algo in rule.quant_algos:
@@ -40,16 +41,15 @@ def match_modelopt_algo(
     fitting = [
         s
         for s in candidates
-        if s.detect.modelopt is not None
-        and (s.detect.modelopt.group_size is None or group_size is None or s.detect.modelopt.group_size == group_size)
+        if rule_of(s) is not None and (_group_size(s) is None or group_size is None or _group_size(s) == group_size)
     ]
     if not fitting:
-        sizes = ", ".join(f"{s.name}: group {s.detect.modelopt.group_size}" for s in candidates if s.detect.modelopt)
+        sizes = ", ".join(f"{s.name}: group {_group_size(s)}" for s in candidates if rule_of(s))
         raise CheckpointError(
             f"{file}: {where}quant_algo {quant_algo!r} with group_size {group_size} matches no scheme ({sizes})"
         )
     if len(fitting) > 1:
-        exact = [s for s in fitting if s.detect.modelopt is not None and s.detect.modelopt.group_size == group_size]
+        exact = [s for s in fitting if rule_of(s) is not None and _group_size(s) == group_size]
         if len(exact) != 1:
             raise CheckpointError(
                 f"{file}: {where}quant_algo {quant_algo!r} matches several schemes: "
@@ -128,3 +128,8 @@ def detect(
             assert default_scheme is not None
             assigned[module] = (default_scheme, f"quant_algo {config.quant_algo}")
     return Detected(assigned, ignored)
+
+
+def _group_size(scheme: Scheme) -> int | None:
+    rule = rule_of(scheme)
+    return rule.group_size if rule is not None else None

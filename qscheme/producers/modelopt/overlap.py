@@ -10,6 +10,7 @@ from __future__ import annotations
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError
 from qscheme.producers.modelopt.detect import match_modelopt_algo
+from qscheme.producers.modelopt.rule import rule_of
 
 FIX = "give the rules different quant_algo names or group_size values, or remove one of them"
 
@@ -21,7 +22,7 @@ def witness(a: Scheme, b: Scheme) -> tuple[str, None] | None:
 
 
 def _modelopt_witness(a: Scheme, b: Scheme) -> str | None:
-    rule, other = a.detect.modelopt, b.detect.modelopt
+    rule, other = rule_of(a), rule_of(b)
     if rule is None or other is None:
         return None
     others = {algo.upper() for algo in other.quant_algos}

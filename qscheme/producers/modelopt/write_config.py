@@ -11,6 +11,7 @@ from qscheme.descriptor import Scheme
 from qscheme.formats.table import FORMAT_FACTS
 from qscheme.producers.base import WriteRequest
 from qscheme.producers.modelopt.config import MODELOPT_FILE
+from qscheme.producers.modelopt.rule import rule_of
 
 # The producer version whose serialisation is followed (what its own writer puts in the files).
 MODELOPT_VERSION = "0.47.0"
@@ -18,7 +19,7 @@ MODELOPT_VERSION = "0.47.0"
 
 def writes(scheme: Scheme) -> bool:
     """A scheme with a ModelOpt detect rule (and no compressed-tensors one) is written as ModelOpt."""
-    return scheme.detect.modelopt is not None
+    return rule_of(scheme) is not None
 
 
 def write_config(request: WriteRequest) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -35,7 +36,7 @@ def write_config(request: WriteRequest) -> tuple[dict[str, Any], dict[str, dict[
 
 def modelopt_section(scheme: Scheme, unquantized_modules: Sequence[str]) -> dict[str, Any]:
     """hf_quant_config.json's ``quantization`` object."""
-    rule = scheme.detect.modelopt
+    rule = rule_of(scheme)
     assert rule is not None
     section: dict[str, Any] = {"quant_algo": rule.quant_algos[0], "kv_cache_quant_algo": None}
     group_size = rule.group_size or scheme.weight.scale.group_size
@@ -55,7 +56,7 @@ def _modelopt_arguments(element_format: str, group_size: int | None) -> dict[str
 
 def modelopt_config(scheme: Scheme, unquantized_modules: Sequence[str], producer: Mapping[str, str]) -> dict[str, Any]:
     """The ``quantization_config`` ModelOpt's exporter writes into config.json."""
-    rule = scheme.detect.modelopt
+    rule = rule_of(scheme)
     assert rule is not None
     weight = scheme.weight
     group: dict[str, Any] = {

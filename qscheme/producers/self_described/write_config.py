@@ -10,6 +10,7 @@ from typing import Any
 
 from qscheme.descriptor import Scheme
 from qscheme.producers.base import WriteRequest
+from qscheme.version import __version__
 
 QSCHEME_METHOD = "qscheme"
 QSCHEME_CONFIG_VERSION = 1
@@ -31,8 +32,6 @@ def self_describing_config(
     scheme: Scheme, descriptor_text: str, ignore: Sequence[str], note: str | None = None
 ) -> dict[str, Any]:
     """``quant_method: qscheme``: the scheme's name and its whole descriptor, embedded."""
-    from qscheme import __version__
-
     producer = {"name": "qscheme", "version": __version__}
     if note:
         producer["note"] = note
