@@ -11,6 +11,10 @@ import pytest
 
 from qscheme.catalog import load_catalog
 from qscheme.checkpoint.config import CONFIG_FILES
+from qscheme.descriptor import parse_scheme_text, rules
+from qscheme.descriptor.summary import render_scheme, scheme_dict
+from qscheme.errors import SchemeError
+from qscheme.folder_catalog import builtin_scheme_dir
 from qscheme.producers import PRODUCERS, producer_of_config
 from qscheme.producers.compressed_tensors import CompressedTensorsConfig
 from qscheme.writing.producer_config import producer_of
@@ -108,3 +112,65 @@ def test_the_registry_and_config_reading_do_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_detect_rules_descriptors_accept_are_the_producers_own() -> None:
+    assert rules.rule_producers() == tuple(p.name for p in PRODUCERS if p.rule_schema is not None)
+    assert rules.rule_producers() == ("compressed-tensors", "modelopt")
+
+
+def test_the_descriptor_package_names_no_producer() -> None:
+    """No name in descriptor/ (function, class, variable, attribute) is a producer's: a new
+    producer declares its detect rule in its own folder (``rule.py``)."""
+    found = []
+    for path in sorted((ROOT / "descriptor").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            name = getattr(node, "name", None) or getattr(node, "id", None) or getattr(node, "attr", None)
+            if isinstance(name, str) and any(p in name.lower() for p in ("modelopt", "compressed")):
+                found.append(f"{path.name}:{node.lineno}: {name}")  # type: ignore[attr-defined]
+    assert not found, found
+
+
+def _toy_schema() -> rules.RuleSchema:
+    return rules.RuleSchema(
+        producer="toy",
+        keys=(rules.RuleKey("method", "strings", required=True), rules.RuleKey("bits", "integer")),
+        build=lambda values: ("toy-rule", values["method"], values["bits"]),
+        summary=lambda rule: {"method": list(rule[1]), "bits": rule[2]},
+        render=lambda rule: f"toy method {'|'.join(rule[1])}",
+    )
+
+
+def _toy_text(rule: str) -> str:
+    text = (builtin_scheme_dir() / "compressed-tensors" / "W4A16.yaml").read_text()
+    head = text[: text.index("\ndetect:")]
+    head = head.replace("producer: compressed-tensors", "producer: toy")
+    head = head.replace("name: compressed-tensors/", "name: toy/")
+    return f"{head}\ndetect:\n  toy:\n{rule}"
+
+
+def test_a_new_producer_rule_needs_no_edit_in_the_descriptor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer registered with a rule schema (as ``qscheme.producers`` registers its own) is
+    accepted in ``producer:`` and ``detect.<name>``, parsed into its rule, shown, and its bad
+    rules are located like any other key."""
+    monkeypatch.setitem(rules._SCHEMAS, "toy", _toy_schema())
+    scheme = parse_scheme_text(_toy_text("    method: [w4]\n    bits: 4\n"), "toy.yaml")
+    assert scheme.producer == "toy" and scheme.rules == "toy"
+    assert scheme.detect.get("toy") == ("toy-rule", ("w4",), 4)
+    assert scheme_dict(scheme)["detect"] == {"toy": {"method": ["w4"], "bits": 4}}
+    assert render_scheme(scheme).endswith("detect:      toy method w4")
+    with pytest.raises(SchemeError) as info:
+        parse_scheme_text(_toy_text("    bits: 0\n    extra: 1\n"), "toy.yaml")
+    message = str(info.value)
+    assert "detect.toy: missing required key 'method'" in message
+    assert "detect.toy.bits: 0 is not an integer >= 1" in message
+    assert "detect.toy.extra: unknown key 'extra'; allowed keys are 'method', 'bits'" in message
+    assert "toy.yaml:" in message
+
+
+def test_an_unregistered_producer_is_refused_in_detect_and_producer() -> None:
+    with pytest.raises(SchemeError) as info:
+        parse_scheme_text(_toy_text("    method: [w4]\n"), "toy.yaml")
+    message = str(info.value)
+    assert "producer: 'toy' is not one of 'compressed-tensors', 'modelopt'" in message
+    assert "detect.toy: unknown key 'toy'" in message
