@@ -1,9 +1,14 @@
 """``load_checkpoint``: a checkpoint folder -> QuantLinear per quantized module, plain tensors, a report.
 
 Order of work, so that nothing is half-loaded: plan (config, headers, detection, layouts),
-then read and check every module's scale values, then canonicalise and fuse, and only then
-build the QuantLinear modules. Any problem raises one CheckpointError listing all problems
+split, then read and check every module's scale values, then canonicalise and fuse, and only
+then build the QuantLinear modules. Any problem raises one CheckpointError listing all problems
 of its stage, before a single module is returned.
+
+One pipeline serves a single process and a tensor-parallel rank: its reader decides which bytes
+are read. ``WholeReader`` (a single process, the degenerate split) reads whole tensors and
+splits nothing; ``qscheme.parallel.reader.RankReader`` splits every layer by the TP plan and
+the descriptor rules and reads only the rank's slices (``load_checkpoint_tp``).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import difflib
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -26,7 +32,11 @@ from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, QuantizeError, UsageError
 from qscheme.kernels.registry import checked_kernel
 from qscheme.modules import QuantLinear, checked_device, problem_for
-from qscheme.storage import Progress, auto_enabled
+from qscheme.parallel.agree import failures_shared, plan_digest
+from qscheme.parallel.plan import LayerShard, TPPlan, checked_tp_plan
+from qscheme.parallel.reader import RankReader
+from qscheme.parallel.rules import Style, checked_degree
+from qscheme.storage import Progress, ReadCounter, auto_enabled
 from qscheme.tensor_checks import BIAS, ModuleLayout, TensorProblem, check_values, value_reads
 from qscheme.text import listing, shown
 
@@ -122,6 +132,46 @@ class Checkpoint(Mapping[str, QuantLinear]):
             f"{self.path}: no quantized module {name!r} among the checkpoint's {len(self.modules)}.{hint} "
             "Plain tensors (embeddings, norms, ignored layers) are in checkpoint.tensors, by their full names.",
             name,
+        )
+
+
+class ShardedCheckpoint(Checkpoint):
+    """A Checkpoint holding rank ``tp_rank`` of ``tp_size``: shard-sized modules plus the split.
+
+    ``shards[name]`` says how each layer was split (style, shard N and K, every tensor's
+    slice); ``bytes_read`` counts the tensor bytes this rank read, per tensor name.
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        tp_rank: int,
+        tp_size: int,
+        tp_plan: TPPlan,
+        shards: dict[str, LayerShard],
+        bytes_read: ReadCounter,
+    ) -> None:
+        super().__init__(checkpoint.path, checkpoint.modules, checkpoint.tensors, checkpoint.report, checkpoint.plan)
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.tp_plan = tp_plan
+        self.shards = shards
+        self.bytes_read = bytes_read
+
+    def digest(self, extra: Sequence[object] = ()) -> bytes:
+        """The checksum the ranks compare: every layer's split, the plain tensors, and ``extra``."""
+        return plan_digest(self.tp_size, self.shards, list(self.tensors), extra)
+
+    def style(self, name: str) -> Style:
+        """column, row or replicate: how module ``name`` was split."""
+        if name not in self.shards:
+            raise self._unknown(name)
+        return self.shards[name].style
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedCheckpoint({str(self.path)!r}, rank {self.tp_rank} of {self.tp_size}, "
+            f"{len(self.modules)} quantized modules, {len(self.tensors)} plain tensors)"
         )
 
 
@@ -227,6 +277,71 @@ def _bias(biases: Mapping[str, Tensor], members: Sequence[str], n_by_member: Seq
     return values[0] if len(values) == 1 else torch.cat(values)
 
 
+class Reader(Protocol):
+    """Which bytes a load reads: whole tensors (``WholeReader``), or one rank's slices
+    (``qscheme.parallel.reader.RankReader``)."""
+
+    tp_size: int
+    where: str  # appended to "problem(s) found": "" or " on rank R"
+
+    def split(self, plan: Plan) -> None: ...
+
+    def member(self, plan: Plan, layout: ModuleLayout) -> tuple[ModuleLayout, dict[str, Tensor]]: ...
+
+    def whole(self, plan: Plan, name: str) -> Tensor: ...
+
+    def origin(self, name: str, origin: str) -> str: ...
+
+    def notes(self) -> list[str]: ...
+
+
+class WholeReader:
+    """A single process: every tensor read whole, nothing split (tp_size 1)."""
+
+    tp_size = 1
+    where = ""
+
+    def split(self, plan: Plan) -> None:
+        return None
+
+    def member(self, plan: Plan, layout: ModuleLayout) -> tuple[ModuleLayout, dict[str, Tensor]]:
+        return layout, plan.files.get_many(value_reads(layout, every_declared=True))
+
+    def whole(self, plan: Plan, name: str) -> Tensor:
+        return plan.files.get(name)
+
+    def origin(self, name: str, origin: str) -> str:
+        return origin
+
+    def notes(self) -> list[str]:
+        return []
+
+
+def _checked_member(
+    plan: Plan,
+    layout: ModuleLayout,
+    checked: ModuleLayout,
+    tensors: dict[str, Tensor],
+    biases: dict[str, Tensor] | None,
+    canonical: bool,
+) -> tuple[CanonicalWeight | None, list[TensorProblem]]:
+    """Load's value checks on what was read of one module (``checked``: its layout as read, the
+    shard's N x K for a rank), then (with ``canonical``) canonicalization."""
+    module = layout.module
+    found = check_values(checked, tensors)
+    bias = tensors.pop(BIAS, None)
+    if bias is not None and biases is not None:
+        biases[module] = bias
+    if found or not canonical:
+        return None, found
+    try:
+        return canonicalize(layout.scheme, tensors, checked.n, checked.k, layer=module), []
+    except QuantizeError as error:  # values the scheme cannot dequantize (e.g. scales overflowing)
+        weight = layout.declared.get(layout.scheme.weight.tensor.name)
+        file = shown(weight.file.name) if weight is not None else str(plan.path)
+        return None, [TensorProblem(file, weight.name if weight is not None else module, str(error))]
+
+
 def check_module_values(
     plan: Plan, layout: ModuleLayout, biases: dict[str, Tensor] | None = None, canonical: bool = True
 ) -> tuple[CanonicalWeight | None, list[TensorProblem]]:
@@ -235,20 +350,34 @@ def check_module_values(
     becomes a problem. (canonical weight, []) when the module loads, else (None, problems);
     ``inspect`` runs this too, so that it reports what load refuses. ``biases``, when given,
     receives the module's bias."""
-    module = layout.module
-    tensors = plan.files.get_many(value_reads(layout, every_declared=True))
-    found = check_values(layout, tensors)
-    bias = tensors.pop(BIAS, None)
-    if bias is not None and biases is not None:
-        biases[module] = bias
-    if found or not canonical:
-        return None, found
-    try:
-        return canonicalize(layout.scheme, tensors, layout.n, layout.k, layer=module), []
-    except QuantizeError as error:  # values the scheme cannot dequantize (e.g. scales overflowing)
-        weight = layout.declared.get(layout.scheme.weight.tensor.name)
-        file = shown(weight.file.name) if weight is not None else str(plan.path)
-        return None, [TensorProblem(file, weight.name if weight is not None else module, str(error))]
+    checked, tensors = WholeReader().member(plan, layout)
+    return _checked_member(plan, layout, checked, tensors, biases, canonical)
+
+
+def _refuse(plan: Plan, problems: Sequence[TensorProblem], where: str = "") -> None:
+    if problems:
+        raise CheckpointError(
+            f"{plan.path}: {len(problems)} problem(s) found{where}, nothing was loaded:\n{format_problems(problems)}"
+        )
+
+
+def _read_canonical(
+    plan: Plan, reader: Reader, progress: Progress | None, biases: dict[str, Tensor] | None
+) -> dict[str, CanonicalWeight]:
+    """Every planned module's canonical tensors as ``reader`` reads them, after the value checks;
+    raises on any problem."""
+    canonical: dict[str, CanonicalWeight] = {}
+    problems: list[TensorProblem] = []
+    for module, layout in plan.layouts.items():
+        checked, tensors = reader.member(plan, layout)
+        weight, found = _checked_member(plan, layout, checked, tensors, biases, canonical=not problems)
+        problems.extend(found)
+        if weight is not None:
+            canonical[module] = weight
+        if progress is not None:
+            progress.advance(item=module)
+    _refuse(plan, problems, reader.where)
+    return canonical
 
 
 def load_canonical(
@@ -256,24 +385,8 @@ def load_canonical(
 ) -> dict[str, CanonicalWeight]:
     """Every planned module's canonical tensors, after the value checks; raises on any problem.
     ``biases``, when given, receives each module's bias as read for the checks."""
-    if plan.problems:
-        raise CheckpointError(
-            f"{plan.path}: {len(plan.problems)} problem(s) found, nothing was loaded:\n{format_problems(plan.problems)}"
-        )
-    canonical: dict[str, CanonicalWeight] = {}
-    problems: list[TensorProblem] = []
-    for module, layout in plan.layouts.items():
-        weight, found = check_module_values(plan, layout, biases, canonical=not problems)
-        problems.extend(found)
-        if weight is not None:
-            canonical[module] = weight
-        if progress is not None:
-            progress.advance(item=module)
-    if problems:
-        raise CheckpointError(
-            f"{plan.path}: {len(problems)} problem(s) found, nothing was loaded:\n{format_problems(problems)}"
-        )
-    return canonical
+    _refuse(plan, plan.problems)
+    return _read_canonical(plan, WholeReader(), progress, biases)
 
 
 def checked_schemes(schemes: object, caller: str = "load_checkpoint") -> list[Scheme]:
@@ -321,13 +434,11 @@ def load_checkpoint(
     members the checkpoint does not have.
 
     ``tp_rank`` (default: the torch.distributed rank) / ``tp_size`` / ``tp_plan``: load one
-    tensor-parallel rank's shards, reading only their bytes (``qscheme.parallel.
-    load_checkpoint_tp``, docs/parallel.md); ShardError naming every layer a split would cut,
+    tensor-parallel rank's shards, reading only their bytes (``load_checkpoint_tp``,
+    docs/parallel.md); ShardError naming every layer a split would cut,
     with the degrees that would work.
     """
     if tp_rank is not None or tp_size != 1 or tp_plan is not None:
-        from qscheme.parallel.load import load_checkpoint_tp
-
         if tp_rank is None:
             if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
                 raise UsageError(
@@ -350,6 +461,65 @@ def load_checkpoint(
         )
     if not isinstance(path, str | Path):
         raise UsageError(f"load_checkpoint: path must be a folder path (str or Path), not {type(path).__name__}")
+    return _load(path, WholeReader(), device, kernel, fuse, fuse_policy, activation_dtype, schemes, progress)
+
+
+def load_checkpoint_tp(
+    path: str | Path,
+    tp_rank: int,
+    tp_size: int,
+    tp_plan: object = None,
+    *,
+    device: str | torch.device = "cpu",
+    kernel: str | None = None,
+    fuse: FuseSpec | None = None,
+    fuse_policy: FusePolicyChoice = None,
+    activation_dtype: str = "bfloat16",
+    schemes: Iterable[Scheme] | None = None,
+    progress: bool | None = None,
+    verify_ranks: bool = True,
+) -> ShardedCheckpoint:
+    """Load rank ``tp_rank`` of ``tp_size``: shard-sized QuantLinear modules, reading only their bytes.
+
+    ``tp_plan`` maps module-name patterns to ``column`` / ``row`` / ``replicate`` (None: the
+    Llama default of ``qscheme.parallel.plan.DEFAULT_TP_PLAN``); the other arguments are
+    ``load_checkpoint``'s. UsageError for bad arguments before anything is read; ShardError
+    (a CheckpointError) naming every layer a split would cut, with the degrees that would work,
+    before any tensor data is read; CheckpointError as ``load_checkpoint`` for bad files.
+
+    When the default process group is this tensor-parallel group (rank ``tp_rank`` of
+    ``tp_size``), the ranks compare their plans' checksums (``qscheme.parallel.agree``) and every
+    rank raises PlanMismatchError, naming the ranks that differ, unless all hold the same plan;
+    a rank that fails announces it, so the others raise too. ``verify_ranks=False`` skips this,
+    for a process that loads a shard alone (the group's other ranks would wait for it).
+    """
+    if not isinstance(path, str | Path):
+        raise UsageError(f"load_checkpoint: path must be a folder path (str or Path), not {type(path).__name__}")
+    tp_size, tp_rank = checked_degree(tp_size, tp_rank)
+    if not isinstance(verify_ranks, bool):
+        raise UsageError(f"load_checkpoint: verify_ranks must be True or False, not {verify_ranks!r}")
+    what = f"load_checkpoint({str(path)!r}, tp_rank={tp_rank}, tp_size={tp_size})"
+    with failures_shared(what, tp_rank, tp_size, verify_ranks) as done:
+        reader = RankReader(tp_rank, tp_size, checked_tp_plan(tp_plan))
+        base = _load(path, reader, device, kernel, fuse, fuse_policy, activation_dtype, schemes, progress)
+        checkpoint = ShardedCheckpoint(base, tp_rank, tp_size, reader.tp_plan, reader.shards, reader.counter)
+        done(checkpoint.digest())
+    return checkpoint
+
+
+def _load(
+    path: str | Path,
+    reader: Reader,
+    device: str | torch.device,
+    kernel: str | None,
+    fuse: FuseSpec | None,
+    fuse_policy: FusePolicyChoice,
+    activation_dtype: str,
+    schemes: Iterable[Scheme] | None,
+    progress: bool | None,
+) -> Checkpoint:
+    """The one pipeline: check the arguments, plan, split (``reader``), read and check every
+    module's values, read the plain tensors, then build every layer."""
     if schemes is not None:
         schemes = checked_schemes(schemes)
     torch_device = checked_device(device)
@@ -357,20 +527,18 @@ def load_checkpoint(
     check_fuse_policy(fuse_policy, check_fuse_spec(fuse))
     plan = plan_checkpoint(path, schemes=schemes, fuse=fuse)
     _check_policy_modules(fuse_policy, plan)
-    show = auto_enabled(plan.files.total_bytes, progress)
+    _refuse(plan, plan.problems)
+    reader.split(plan)
+    show = auto_enabled(plan.files.total_bytes // reader.tp_size, progress)
     layers = plan.layers()
     with Progress(len(plan.layouts) + len(layers), "loading", enabled=show) as bar:
         biases: dict[str, Tensor] = {}
-        canonical = load_canonical(plan, bar, biases)
+        canonical = _read_canonical(plan, reader, bar, biases)
         detection = plan.detection
         # Read before any module is built: a file that changed since its header was checked
         # fails here, with nothing half-loaded.
-        tensors = {name: plan.files.get(name) for name in (*detection.plain, *detection.kv_cache)}
-        plain_found = plain_problems(plan.files, {name: tensors[name] for name in detection.plain})
-        if plain_found:
-            raise CheckpointError(
-                f"{plan.path}: {len(plain_found)} problem(s) found, nothing was loaded:\n{format_problems(plain_found)}"
-            )
+        tensors = {name: reader.whole(plan, name) for name in (*detection.plain, *detection.kv_cache)}
+        _refuse(plan, plain_problems(plan.files, {name: tensors[name] for name in detection.plain}), reader.where)
         modules: dict[str, QuantLinear] = {}
         reports: list[LayerReport] = []
         for name, members in layers:
@@ -386,13 +554,14 @@ def load_checkpoint(
                 kernel=kernel,
                 activation_dtype=activation_dtype,
                 fuse_policy=fuse_policy,
+                origin=reader.origin(name, detection.modules[members[0]].origin),
             )
             modules[name] = layer
             reports.append(layer_report)
             bar.advance(item=name)
     if torch_device.type != "cpu":
         tensors = {name: value.to(torch_device) for name, value in tensors.items()}
-    report = checkpoint_report(plan, reports, plan.notes)
+    report = checkpoint_report(plan, reports, [*plan.notes, *reader.notes()])
     return Checkpoint(plan.path, modules, tensors, report, plan)
 
 

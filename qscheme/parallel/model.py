@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from qscheme.api_checks import require_flag
-from qscheme.checkpoint.load import FusePolicyChoice
+from qscheme.checkpoint.load import FusePolicyChoice, ShardedCheckpoint, load_checkpoint_tp
 from qscheme.checkpoint.model import (
     _model_device_and_dtype,
     _refuse_meta,
@@ -52,7 +52,6 @@ from qscheme.errors import CheckpointError, UsageError
 from qscheme.modules import QuantLinear, checked_device
 from qscheme.parallel.agree import failures_shared
 from qscheme.parallel.linear import ColumnParallelLinear, RowParallelLinear
-from qscheme.parallel.load import ShardedCheckpoint, load_checkpoint_tp
 from qscheme.parallel.plan import TPPlan, checked_tp_plan
 from qscheme.parallel.rules import Style, checked_degree, working_degrees
 from qscheme.text import listing
