@@ -97,6 +97,9 @@ class DetectSpec:
     def __iter__(self) -> Iterator[str]:
         return iter(self.rules)
 
+    def __hash__(self) -> int:
+        return hash(tuple(self.rules.items()))
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "rules":
             raise AttributeError(name)
