@@ -25,14 +25,7 @@ PACKAGE_FOLDERS = {"qscheme": ROOT / "qscheme", "qscheme_plugins": ROOT / "plugi
 
 # Imports that may point back up the graph, (importer, module the import names) -> why. The graph
 # less these imports must have no cycle; every entry must still exist and be needed.
-ALLOWED: dict[tuple[str, str], str] = {
-    # KNOWN: checkpoint.model and parallel.model repeat apply_to_model's phases and call into each
-    # other. Deliver item 1 of issue 25 (apply_to_model's phases taking the split as a parameter)
-    # removes the twin and with it this cycle; until then it is listed so that any new cycle fails.
-    ("qscheme.checkpoint.model", "qscheme.parallel.model"): (
-        "KNOWN: checkpoint.model <-> parallel.model, until the load pipeline is restructured"
-    ),
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)

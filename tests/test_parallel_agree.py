@@ -29,8 +29,7 @@ def _rank_main(out: str, spec: str) -> None:
     import torch.distributed as dist
     from transformers import AutoConfig, LlamaForCausalLM
 
-    from qscheme.parallel import load_checkpoint_tp
-    from qscheme.parallel.model import apply_to_model_tp
+    from qscheme.parallel import apply_to_model_tp, load_checkpoint_tp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))

@@ -48,8 +48,8 @@ def _rank_main(out: str, spec: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from qscheme.parallel import apply_to_model_tp
     from qscheme.parallel.linear import ColumnParallelLinear, RowParallelLinear
-    from qscheme.parallel.model import apply_to_model_tp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
@@ -201,7 +201,7 @@ def _unchanged(model: torch.nn.Module, before: tuple[dict[str, type], dict[str, 
 
 
 def test_a_degree_that_cuts_attention_heads_names_the_module_and_the_working_degrees() -> None:
-    from qscheme.parallel.model import apply_to_model_tp
+    from qscheme.parallel import apply_to_model_tp
 
     folder = ct_checkpoint("NVFP4")
     model = _model(folder)
@@ -217,8 +217,7 @@ def test_a_degree_that_cuts_attention_heads_names_the_module_and_the_working_deg
 
 
 def test_a_split_the_scheme_refuses_leaves_the_model_as_it_was() -> None:
-    from qscheme.parallel import ShardError
-    from qscheme.parallel.model import apply_to_model_tp
+    from qscheme.parallel import ShardError, apply_to_model_tp
 
     folder = ct_checkpoint("FP8_BLOCK")
     model = _model(folder)
@@ -230,7 +229,7 @@ def test_a_split_the_scheme_refuses_leaves_the_model_as_it_was() -> None:
 
 
 def test_one_rank_is_the_single_process_model_and_needs_no_process_group() -> None:
-    from qscheme.parallel.model import apply_to_model_tp
+    from qscheme.parallel import apply_to_model_tp
 
     folder = ct_checkpoint("NVFP4")
     model = _model(folder)
@@ -262,7 +261,7 @@ def test_apply_to_model_delegates_with_a_rank_and_a_degree() -> None:
 
 
 def test_a_split_layer_without_a_process_group_says_how_to_start_one() -> None:
-    from qscheme.parallel.model import apply_to_model_tp
+    from qscheme.parallel import apply_to_model_tp
 
     folder = ct_checkpoint("NVFP4")
     model = _model(folder)
@@ -276,7 +275,7 @@ def test_a_split_layer_without_a_process_group_says_how_to_start_one() -> None:
 
 
 def test_bad_arguments_are_usage_errors_before_anything_is_read() -> None:
-    from qscheme.parallel.model import apply_to_model_tp
+    from qscheme.parallel import apply_to_model_tp
 
     folder = ct_checkpoint("NVFP4")
     with pytest.raises(UsageError, match=r"tp_rank must be in 0\.\.1 for tp_size=2, not 2"):
@@ -288,7 +287,7 @@ def test_bad_arguments_are_usage_errors_before_anything_is_read() -> None:
 
 
 def test_a_plan_that_pairs_layers_wrongly_is_refused_before_anything_is_read() -> None:
-    from qscheme.parallel.model import apply_to_model_tp
+    from qscheme.parallel import apply_to_model_tp
 
     folder = ct_checkpoint("NVFP4")
     model = _model(folder)
@@ -306,7 +305,7 @@ def test_a_plan_that_pairs_layers_wrongly_is_refused_before_anything_is_read() -
 
 def test_a_model_that_disagrees_with_the_checkpoint_is_refused_and_left_as_it_was() -> None:
     from qscheme.errors import CheckpointError
-    from qscheme.parallel.model import apply_to_model_tp
+    from qscheme.parallel import apply_to_model_tp
 
     folder = ct_checkpoint("NVFP4A16", attention_bias=True)
     model = _model(folder, attention_bias=False)

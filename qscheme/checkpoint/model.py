@@ -17,6 +17,12 @@ checkpoint stores unquantized gets their weights stacked into its fused paramete
 
 Everything is checked before the model is changed: when apply_to_model raises, the model is
 left exactly as it was, never half-converted.
+
+One pipeline serves a single process and a tensor-parallel rank (``apply_to_model_tp``): check
+the model, load, match the quantized layers, match the plain tensors, then change the model. The
+split is its parameter: ``WholeModel`` (a single process, the degenerate split: whole layers,
+MoE experts) or ``qscheme.parallel.model.RankSplit`` (the rank's shards, wrapped to communicate,
+see that module).
 """
 
 from __future__ import annotations
@@ -25,16 +31,26 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from qscheme.api_checks import require_flag
-from qscheme.checkpoint.load import Checkpoint, FusePolicyChoice, load_checkpoint
+from qscheme.checkpoint.load import (
+    Checkpoint,
+    FusePolicyChoice,
+    ShardedCheckpoint,
+    load_checkpoint,
+)
 from qscheme.checkpoint.plan import FuseSpec
 from qscheme.checkpoint.routers import router_hint
 from qscheme.dtype_fallback import warn_dtype_fallbacks
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.modules import ExpertsSpec, QuantExperts, QuantLinear, checked_device, find_expert_modules
+from qscheme.parallel.agree import failures_shared
+from qscheme.parallel.model import RankSplit
+from qscheme.parallel.plan import checked_tp_plan
+from qscheme.parallel.rules import checked_degree
 from qscheme.text import listing
 
 _ACTIVATION_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -185,6 +201,120 @@ def _stack_plain_experts(state: dict[str, torch.Tensor], specs: dict[str, Expert
     return state
 
 
+Swap = tuple[torch.nn.Module, str, torch.nn.Module]  # (parent, attribute, replacement)
+StateTransform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+class ModelSplit(Protocol):
+    """What a split changes in ``apply_to_model``'s phases: a single process (``WholeModel``) or
+    one tensor-parallel rank (``qscheme.parallel.model.RankSplit``)."""
+
+    what: str  # the caller named by the dtype-fallback warning
+    absent_advice: str  # what the error for quantized layers the model lacks advises
+
+    def check_model(self, model: torch.nn.Module) -> None: ...
+
+    def load(
+        self,
+        path: str | Path,
+        *,
+        device: torch.device,
+        kernel: str | None,
+        fuse: FuseSpec | None,
+        fuse_policy: FusePolicyChoice,
+        activation_dtype: str,
+        progress: bool | None,
+    ) -> Checkpoint: ...
+
+    def quantized(
+        self, model: torch.nn.Module, checkpoint: Checkpoint, folder: Path
+    ) -> tuple[list[Swap], list[str], tuple[str, ...], StateTransform]: ...
+
+    def check_rest(self, model: torch.nn.Module, checkpoint: Checkpoint, absent: list[str]) -> None: ...
+
+    def agree(self, absent: list[str]) -> None: ...
+
+    def before_swaps(self, model: torch.nn.Module) -> None: ...
+
+    def after_swaps(self, model: torch.nn.Module) -> None: ...
+
+    def notes(self) -> list[str]: ...
+
+
+class WholeModel:
+    """A single process: the checkpoint's layers replace the model's Linear modules whole, and
+    fused MoE experts take their per-expert layers (or their stacked plain weights)."""
+
+    what = "apply_to_model"
+    absent_advice = (
+        "build the model from the checkpoint's config.json (fused modules need a model with fused layers), "
+        "or pass strict=False to leave them out"
+    )
+
+    def __init__(self) -> None:
+        self.expert_specs: dict[str, ExpertsSpec] = {}
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        self.expert_specs = find_expert_modules(model)
+
+    def load(
+        self,
+        path: str | Path,
+        *,
+        device: torch.device,
+        kernel: str | None,
+        fuse: FuseSpec | None,
+        fuse_policy: FusePolicyChoice,
+        activation_dtype: str,
+        progress: bool | None,
+    ) -> Checkpoint:
+        return load_checkpoint(
+            path,
+            device=device,
+            kernel=kernel,
+            fuse=fuse,
+            fuse_policy=fuse_policy,
+            activation_dtype=activation_dtype,
+            progress=progress,
+        )
+
+    def quantized(
+        self, model: torch.nn.Module, checkpoint: Checkpoint, folder: Path
+    ) -> tuple[list[Swap], list[str], tuple[str, ...], StateTransform]:
+        """The swaps (experts: all of a module's or none), the layers the model lacks, the module
+        prefixes whose own tensors are not loaded, and the plain experts' stacking."""
+        expert_swaps, expert_layers = _build_experts(model, checkpoint, self.expert_specs, folder)
+        swaps: list[Swap] = [*expert_swaps]
+        absent: list[str] = []
+        for name, layer in checkpoint.items():
+            if name in expert_layers:
+                continue
+            place = _place(model, name, layer, folder)
+            if place is None:
+                absent.append(name)
+            else:
+                swaps.append((*place, layer))
+        replaced = tuple(f"{name}." for name in checkpoint if name not in absent and name not in expert_layers)
+        replaced += tuple(f"{experts.spec.module}." for _, _, experts in expert_swaps)
+        specs = self.expert_specs
+        return swaps, absent, replaced, lambda state: _stack_plain_experts(state, specs)
+
+    def check_rest(self, model: torch.nn.Module, checkpoint: Checkpoint, absent: list[str]) -> None:
+        return None
+
+    def agree(self, absent: list[str]) -> None:
+        return None
+
+    def before_swaps(self, model: torch.nn.Module) -> None:
+        return None
+
+    def after_swaps(self, model: torch.nn.Module) -> None:
+        return None
+
+    def notes(self) -> list[str]:
+        return []
+
+
 def apply_to_model(
     model: torch.nn.Module,
     path: str | Path,
@@ -207,8 +337,7 @@ def apply_to_model(
     left as it was. Returns the loaded Checkpoint (its ``report`` says what was done).
 
     ``tp_rank`` and ``tp_size`` (together; ``tp_plan`` optional) make this rank's part of a
-    tensor-parallel model on torch.distributed (``qscheme.parallel.apply_to_model_tp``,
-    docs/parallel.md).
+    tensor-parallel model on torch.distributed (``apply_to_model_tp``, docs/parallel.md).
     """
     require_flag(strict, "strict", "apply_to_model")
     if tp_size is not None or tp_rank is not None or tp_plan is not None:
@@ -217,8 +346,6 @@ def apply_to_model(
                 "apply_to_model: pass tp_rank and tp_size together, e.g. tp_rank=torch.distributed.get_rank(), "
                 "tp_size=torch.distributed.get_world_size()"
             )
-        from qscheme.parallel.model import apply_to_model_tp
-
         return apply_to_model_tp(
             model,
             path,
@@ -234,11 +361,74 @@ def apply_to_model(
         )
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"apply_to_model: model must be a torch.nn.Module, not {type(model).__name__}")
+    split = WholeModel()
+    prepared = _prepare(model, path, split, device, kernel, fuse, fuse_policy, strict, progress)
+    return _change(model, prepared, split)
+
+
+def apply_to_model_tp(
+    model: torch.nn.Module,
+    path: str | Path,
+    tp_rank: int,
+    tp_size: int,
+    tp_plan: object = None,
+    *,
+    device: str | torch.device | None = None,
+    kernel: str | None = None,
+    fuse: FuseSpec | None = None,
+    fuse_policy: FusePolicyChoice = None,
+    strict: bool = True,
+    progress: bool | None = None,
+) -> ShardedCheckpoint:
+    """Make ``model`` rank ``tp_rank`` of a ``tp_size``-way tensor-parallel model of ``path``.
+
+    Run on every rank of the default process group (``torchrun``), each with its rank. The
+    quantized layers the plan splits load as this rank's shards (``load_checkpoint_tp``),
+    wrapped to communicate (``qscheme.parallel.model``); the plain tensors load into the model
+    as ``apply_to_model`` loads them. ``tp_plan``: module-name patterns -> ``column`` / ``row``
+    / ``replicate`` (None: the Llama default). ``strict`` and the other arguments are
+    ``apply_to_model``'s. Returns the rank's ShardedCheckpoint (its ``shards`` say how each
+    layer was split, its ``bytes_read`` what this rank read).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"apply_to_model: model must be a torch.nn.Module, not {type(model).__name__}")
+    tp_size, tp_rank = checked_degree(tp_size, tp_rank)
+    require_flag(strict, "strict", "apply_to_model")
+    what = f"apply_to_model({str(path)!r}, tp_rank={tp_rank}, tp_size={tp_size})"
+    with failures_shared(what, tp_rank, tp_size) as done:
+        split = RankSplit(tp_rank, tp_size, checked_tp_plan(tp_plan), done)
+        prepared = _prepare(model, path, split, device, kernel, fuse, fuse_policy, strict, progress)
+    _change(model, prepared, split)
+    return split.checkpoint
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """Everything checked, nothing changed yet."""
+
+    checkpoint: Checkpoint
+    swaps: list[Swap]
+    absent: list[str]
+    plain: PlainTensors
+
+
+def _prepare(
+    model: torch.nn.Module,
+    path: str | Path,
+    split: ModelSplit,
+    device: str | torch.device | None,
+    kernel: str | None,
+    fuse: FuseSpec | None,
+    fuse_policy: FusePolicyChoice,
+    strict: bool,
+    progress: bool | None,
+) -> _Prepared:
+    """Every check of the pipeline, in order, before the model is changed."""
     _refuse_meta(model)
+    split.check_model(model)
     model_device, activation_dtype = _model_device_and_dtype(model)
-    expert_specs = find_expert_modules(model)
     torch_device = checked_device(device, "apply_to_model") if device is not None else model_device
-    checkpoint = load_checkpoint(
+    checkpoint = split.load(
         path,
         device=torch_device,
         kernel=kernel,
@@ -249,55 +439,54 @@ def apply_to_model(
     )
     folder = Path(path)
 
-    # 1. Check every quantized module against the model's (experts: all of a module's or none).
-    expert_swaps, expert_layers = _build_experts(model, checkpoint, expert_specs, folder)
-    swaps: list[tuple[torch.nn.Module, str, torch.nn.Module]] = [*expert_swaps]
-    absent: list[str] = []
-    for name, layer in checkpoint.items():
-        if name in expert_layers:
-            continue
-        place = _place(model, name, layer, folder)
-        if place is None:
-            absent.append(name)
-        else:
-            swaps.append((*place, layer))
+    # 1. Check every quantized module against the model's.
+    swaps, absent, replaced, transform = split.quantized(model, checkpoint, folder)
     if absent and strict:
         raise CheckpointError(
             f"{folder}: the model has no module {_listing([repr(name) for name in absent])} for the checkpoint's "
-            "quantized layers; build the model from the checkpoint's config.json (fused modules need a model with "
-            "fused layers), or pass strict=False to leave them out"
+            f"quantized layers; {split.absent_advice}"
         )
 
     # 2. Check every plain tensor; the replaced Linear modules' own weights are not loaded.
-    replaced = tuple(f"{name}." for name in checkpoint if name not in absent and name not in expert_layers)
-    replaced += tuple(f"{experts.spec.module}." for _, _, experts in expert_swaps)
-    stack = lambda state: _stack_plain_experts(state, expert_specs)  # noqa: E731
-    plain = check_plain_tensors(model, checkpoint, replaced, folder, strict, stack)
-    state, expected, unexpected, missing = plain.state, plain.expected, plain.unexpected, plain.missing
+    plain = check_plain_tensors(model, checkpoint, replaced, folder, strict, transform)
+    # 3. What else the split changes (a rank: the unquantized Linear modules it splits).
+    split.check_rest(model, checkpoint, absent)
+    _refuse_tied_conflicts(plain.state, plain.expected, folder)
+    _refuse_unwritable(plain.state, plain.expected)
+    split.agree(absent)
+    return _Prepared(checkpoint, swaps, absent, plain)
 
-    _refuse_tied_conflicts(state, expected, folder)
-    _refuse_unwritable(state, expected)
-    # Values in the targets' devices and dtypes first (the step that can run out of memory),
-    # then the copies (same shape, device and dtype), then the swaps.
-    values = {name: value.to(device=expected[name].device, dtype=expected[name].dtype) for name, value in state.items()}
 
-    # 3. Only now change the model.
+def _change(model: torch.nn.Module, prepared: _Prepared, split: ModelSplit) -> Checkpoint:
+    """Only now change the model: values in the targets' devices and dtypes first (the step that
+    can run out of memory), then the copies (same shape, device and dtype), then the swaps."""
+    checkpoint, plain = prepared.checkpoint, prepared.plain
+    expected = plain.expected
+    values = {
+        name: value.to(device=expected[name].device, dtype=expected[name].dtype) for name, value in plain.state.items()
+    }
     with torch.no_grad():
         for name, value in values.items():
             expected[name].copy_(value)
-    for parent, child, replacement in swaps:
+    split.before_swaps(model)
+    for parent, child, replacement in prepared.swaps:
         setattr(parent, child, replacement)
+    split.after_swaps(model)
 
-    notes = []
-    if absent:
-        notes.append(f"apply_to_model: the model has no module for {_listing(absent)}; left out (strict=False)")
-    if unexpected:
-        notes.append(f"apply_to_model: the model has no tensor {_listing(unexpected)}; left out (strict=False)")
-    if missing:
-        notes.append(f"apply_to_model: the checkpoint does not provide {_listing(missing)}; the model keeps its own")
+    notes = split.notes()
+    if prepared.absent:
+        notes.append(
+            f"apply_to_model: the model has no module for {_listing(prepared.absent)}; left out (strict=False)"
+        )
+    if plain.unexpected:
+        notes.append(f"apply_to_model: the model has no tensor {_listing(plain.unexpected)}; left out (strict=False)")
+    if plain.missing:
+        notes.append(
+            f"apply_to_model: the checkpoint does not provide {_listing(plain.missing)}; the model keeps its own"
+        )
     if notes:
         checkpoint.report = dataclasses.replace(checkpoint.report, notes=(*checkpoint.report.notes, *notes))
-    warn_dtype_fallbacks(model, "apply_to_model")
+    warn_dtype_fallbacks(model, split.what)
     return checkpoint
 
 

@@ -10,7 +10,8 @@
   ``load_checkpoint_tp`` (one rank's shard-sized QuantLinear modules) is that one pipeline's
   tensor-parallel entry, in ``qscheme.checkpoint.load``;
 * ``linear``: column- and row-parallel wrappers (gather, all-reduce, or partial sums);
-* ``model``: ``apply_to_model_tp``, a transformers model running tensor-parallel;
+* ``model``: ``RankSplit``, the split ``apply_to_model_tp`` (the tensor-parallel entry of
+  ``qscheme.checkpoint.model``'s one pipeline) gives a transformers model;
 * ``resolve`` / ``report``: per-shard kernel resolution and the ``--tp`` views of the CLI.
 """
 
@@ -21,8 +22,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from qscheme.checkpoint.load import ShardedCheckpoint, load_checkpoint_tp
+    from qscheme.checkpoint.model import apply_to_model_tp
     from qscheme.parallel.linear import ColumnParallelLinear, RowParallelLinear
-    from qscheme.parallel.model import apply_to_model_tp
     from qscheme.parallel.plan import DEFAULT_TP_PLAN, LayerShard, TPPlan, checked_tp_plan, shard_layers
     from qscheme.parallel.rules import (
         ShardError,
@@ -43,7 +44,7 @@ _EXPORTS: dict[str, str] = {
     "RowParallelLinear": "linear",
     "ShardedCheckpoint": "qscheme.checkpoint.load",
     "load_checkpoint_tp": "qscheme.checkpoint.load",
-    "apply_to_model_tp": "model",
+    "apply_to_model_tp": "qscheme.checkpoint.model",
     "DEFAULT_TP_PLAN": "plan",
     "LayerShard": "plan",
     "TPPlan": "plan",
@@ -89,5 +90,5 @@ def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'qscheme.parallel' has no attribute {name!r}")
-    # A dotted value is a module elsewhere (the one load pipeline is qscheme.checkpoint.load's).
+    # A dotted value is a module elsewhere (the load and apply pipelines are qscheme.checkpoint's).
     return getattr(importlib.import_module(module if "." in module else f"qscheme.parallel.{module}"), name)

@@ -1,4 +1,6 @@
-"""``apply_to_model_tp``: a transformers model runs tensor-parallel on torch.distributed.
+"""``RankSplit``: the split ``apply_to_model_tp`` gives ``apply_to_model``'s one pipeline
+(``qscheme.checkpoint.model``), so that a transformers model runs tensor-parallel on
+torch.distributed.
 
 Every rank builds the whole model from the checkpoint's config (as for ``apply_to_model``) and
 calls ``apply_to_model_tp(model, path, tp_rank, tp_size)``. The rank then loads only its shard
@@ -29,31 +31,21 @@ differently, or that failed, make every rank raise PlanMismatchError naming them
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
 import torch
 import torch.distributed as dist
 
-from qscheme.api_checks import require_flag
-from qscheme.checkpoint.load import FusePolicyChoice, ShardedCheckpoint, load_checkpoint_tp
-from qscheme.checkpoint.model import (
-    _model_device_and_dtype,
-    _refuse_meta,
-    _refuse_tied_conflicts,
-    _refuse_unwritable,
-    check_plain_tensors,
-)
+from qscheme.checkpoint.load import Checkpoint, FusePolicyChoice, ShardedCheckpoint, load_checkpoint_tp
 from qscheme.checkpoint.plan import FuseSpec
 from qscheme.checkpoint.routers import router_hint
-from qscheme.dtype_fallback import warn_dtype_fallbacks
 from qscheme.errors import CheckpointError, UsageError
-from qscheme.modules import QuantLinear, checked_device
-from qscheme.parallel.agree import failures_shared
+from qscheme.modules import QuantLinear
 from qscheme.parallel.linear import ColumnParallelLinear, RowParallelLinear
-from qscheme.parallel.plan import TPPlan, checked_tp_plan
-from qscheme.parallel.rules import Style, checked_degree, working_degrees
+from qscheme.parallel.plan import TPPlan
+from qscheme.parallel.rules import Style, working_degrees
 from qscheme.text import listing
 
 _HEAD_PROJECTIONS = {"q_proj": "query", "k_proj": "key/value", "v_proj": "key/value"}
@@ -232,49 +224,52 @@ def _quantized_swaps(
     return swaps, absent
 
 
-def apply_to_model_tp(
-    model: torch.nn.Module,
-    path: str | Path,
-    tp_rank: int,
-    tp_size: int,
-    tp_plan: object = None,
-    *,
-    device: str | torch.device | None = None,
-    kernel: str | None = None,
-    fuse: FuseSpec | None = None,
-    fuse_policy: FusePolicyChoice = None,
-    strict: bool = True,
-    progress: bool | None = None,
-) -> ShardedCheckpoint:
-    """Make ``model`` rank ``tp_rank`` of a ``tp_size``-way tensor-parallel model of ``path``.
+class RankSplit:
+    """Rank ``tp_rank`` of ``tp_size`` under ``tp_plan``: the split of ``apply_to_model``'s phases
+    (``qscheme.checkpoint.model.ModelSplit``). ``agree`` receives the checksum the ranks compare
+    (``qscheme.parallel.agree.failures_shared``); ``checkpoint`` is the rank's, once loaded."""
 
-    Run on every rank of the default process group (``torchrun``), each with its rank. The
-    quantized layers the plan splits load as this rank's shards (``load_checkpoint_tp``),
-    wrapped to communicate (see the module docstring); the plain tensors load into the model
-    as ``apply_to_model`` loads them. ``tp_plan``: module-name patterns -> ``column`` / ``row``
-    / ``replicate`` (None: the Llama default). ``strict`` and the other arguments are
-    ``apply_to_model``'s. Returns the rank's ShardedCheckpoint (its ``shards`` say how each
-    layer was split, its ``bytes_read`` what this rank read).
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"apply_to_model: model must be a torch.nn.Module, not {type(model).__name__}")
-    tp_size, tp_rank = checked_degree(tp_size, tp_rank)
-    require_flag(strict, "strict", "apply_to_model")
-    what = f"apply_to_model({str(path)!r}, tp_rank={tp_rank}, tp_size={tp_size})"
-    with failures_shared(what, tp_rank, tp_size) as done:
-        plan_of_ranks = checked_tp_plan(tp_plan)
-        _refuse_meta(model)
-        _refuse_other_group(tp_rank, tp_size)
-        check_pairs(model, plan_of_ranks)
-        attentions = check_heads(model, plan_of_ranks, tp_size)
-        model_device, activation_dtype = _model_device_and_dtype(model)
-        torch_device = checked_device(device, "apply_to_model") if device is not None else model_device
-        checkpoint = load_checkpoint_tp(
+    absent_advice = "build the model from the checkpoint's config.json, or pass strict=False"
+
+    def __init__(self, tp_rank: int, tp_size: int, tp_plan: TPPlan, agree: Callable[[bytes], None]) -> None:
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.tp_plan = tp_plan
+        self.what = f"apply_to_model (tensor-parallel rank {tp_rank})"
+        self._agree = agree
+        self.attentions: list[tuple[str, torch.nn.Module]] = []
+        self.plain_split: list[tuple[str, Style]] = []
+        self._checkpoint: ShardedCheckpoint | None = None
+
+    @property
+    def checkpoint(self) -> ShardedCheckpoint:
+        if self._checkpoint is None:
+            raise RuntimeError("RankSplit.checkpoint before load()")
+        return self._checkpoint
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """The process group, the plan's pairs and whole heads, before anything is read."""
+        _refuse_other_group(self.tp_rank, self.tp_size)
+        check_pairs(model, self.tp_plan)
+        self.attentions = check_heads(model, self.tp_plan, self.tp_size)
+
+    def load(
+        self,
+        path: str | Path,
+        *,
+        device: torch.device,
+        kernel: str | None,
+        fuse: FuseSpec | None,
+        fuse_policy: FusePolicyChoice,
+        activation_dtype: str,
+        progress: bool | None,
+    ) -> ShardedCheckpoint:
+        self._checkpoint = load_checkpoint_tp(
             path,
-            tp_rank,
-            tp_size,
-            plan_of_ranks,
-            device=torch_device,
+            self.tp_rank,
+            self.tp_size,
+            self.tp_plan,
+            device=device,
             kernel=kernel,
             fuse=fuse,
             fuse_policy=fuse_policy,
@@ -282,66 +277,59 @@ def apply_to_model_tp(
             progress=progress,
             verify_ranks=False,
         )
-        folder = Path(path)
+        return self._checkpoint
 
-        # 1. Every quantized layer against the model's Linear (full sizes), wrapped for its style.
-        swaps, absent = _quantized_swaps(model, checkpoint, folder)
-        if absent and strict:
-            raise CheckpointError(
-                f"{folder}: the model has no module {_listing([repr(name) for name in absent])} for the checkpoint's "
-                "quantized layers; build the model from the checkpoint's config.json, or pass strict=False"
-            )
-
-        # 2. Plain tensors, as apply_to_model loads them (full sizes: the model is still whole).
+    def quantized(
+        self, model: torch.nn.Module, checkpoint: Checkpoint, folder: Path
+    ) -> tuple[
+        list[tuple[torch.nn.Module, str, torch.nn.Module]],
+        list[str],
+        tuple[str, ...],
+        Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    ]:
+        """Every quantized layer against the model's Linear (full sizes), wrapped for its style."""
+        swaps, absent = _quantized_swaps(model, self.checkpoint, folder)
         replaced = tuple(f"{name}." for name in checkpoint if name not in absent)
-        plain = check_plain_tensors(model, checkpoint, replaced, folder, strict)
-        state, expected, unexpected, missing = plain.state, plain.expected, plain.unexpected, plain.missing
+        return swaps, absent, replaced, lambda state: state
 
-        # 3. Unquantized Linear modules the plan splits: checked now, sliced once their values are in.
+    def check_rest(self, model: torch.nn.Module, checkpoint: Checkpoint, absent: list[str]) -> None:
+        """Unquantized Linear modules the plan splits: checked now, sliced once their values are in."""
         quantized = {name for name in checkpoint if name not in absent}
-        plain_split: list[tuple[str, Style]] = []
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and name not in quantized:
-                style = plan_of_ranks.style_for(name)
+                style = self.tp_plan.style_for(name)
                 if style != "replicate":
                     whole = module.out_features if style == "column" else module.in_features
-                    if whole % tp_size:
-                        _plain_shard(module, style, tp_rank, tp_size, name)  # raises, naming the working degrees
-                    plain_split.append((name, style))
+                    if whole % self.tp_size:
+                        _plain_shard(module, style, self.tp_rank, self.tp_size, name)  # raises, naming the degrees
+                    self.plain_split.append((name, style))
 
-        _refuse_tied_conflicts(state, expected, folder)
-        _refuse_unwritable(state, expected)
-        # Every rank must split the same layers the same way before any of them communicates.
-        done(checkpoint.digest([sorted(plain_split), sorted(absent), sorted(name for name, _ in attentions)]))
+    def agree(self, absent: list[str]) -> None:
+        """Every rank must split the same layers the same way before any of them communicates."""
+        extra = [sorted(self.plain_split), sorted(absent), sorted(name for name, _ in self.attentions)]
+        self._agree(self.checkpoint.digest(extra))
 
-    # 4. Only now change the model.
-    values = {name: value.to(device=expected[name].device, dtype=expected[name].dtype) for name, value in state.items()}
-    with torch.no_grad():
-        for name, value in values.items():
-            expected[name].copy_(value)
-    for name, style in plain_split:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        linear = cast(torch.nn.Linear, model.get_submodule(name))  # listed from named_modules above
-        shard = _plain_shard(linear, style, tp_rank, tp_size, name)
-        setattr(parent, child, _wrap(shard, style, tp_rank, tp_size, (linear.out_features,)))
-    for parent, child, layer in swaps:
-        setattr(parent, child, layer)
-    for _, attention in attentions:
-        for attribute in _SHARED_ATTRIBUTES:
-            count = attention.__dict__.get(attribute)
-            if isinstance(count, int) and not isinstance(count, bool) and count % tp_size == 0:
-                setattr(attention, attribute, count // tp_size)
+    def before_swaps(self, model: torch.nn.Module) -> None:
+        """The unquantized split modules, sliced now that the checkpoint's values are in them."""
+        for name, style in self.plain_split:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            linear = cast(torch.nn.Linear, model.get_submodule(name))  # listed from named_modules above
+            shard = _plain_shard(linear, style, self.tp_rank, self.tp_size, name)
+            setattr(parent, child, _wrap(shard, style, self.tp_rank, self.tp_size, (linear.out_features,)))
 
-    notes = [f"apply_to_model: tensor parallel, rank {tp_rank} of {tp_size}"]
-    if plain_split:
-        notes.append(f"apply_to_model: unquantized modules split by the plan: {_listing([n for n, _ in plain_split])}")
-    if absent:
-        notes.append(f"apply_to_model: the model has no module for {_listing(absent)}; left out (strict=False)")
-    if unexpected:
-        notes.append(f"apply_to_model: the model has no tensor {_listing(unexpected)}; left out (strict=False)")
-    if missing:
-        notes.append(f"apply_to_model: the checkpoint does not provide {_listing(missing)}; the model keeps its own")
-    checkpoint.report = dataclasses.replace(checkpoint.report, notes=(*checkpoint.report.notes, *notes))
-    warn_dtype_fallbacks(model, f"apply_to_model (tensor-parallel rank {tp_rank})")
-    return checkpoint
+    def after_swaps(self, model: torch.nn.Module) -> None:
+        """Head-count attributes set to the rank's share."""
+        for _, attention in self.attentions:
+            for attribute in _SHARED_ATTRIBUTES:
+                count = attention.__dict__.get(attribute)
+                if isinstance(count, int) and not isinstance(count, bool) and count % self.tp_size == 0:
+                    setattr(attention, attribute, count // self.tp_size)
+
+    def notes(self) -> list[str]:
+        notes = [f"apply_to_model: tensor parallel, rank {self.tp_rank} of {self.tp_size}"]
+        if self.plain_split:
+            notes.append(
+                f"apply_to_model: unquantized modules split by the plan: {_listing([n for n, _ in self.plain_split])}"
+            )
+        return notes
