@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+# Registers each producer's detect rule with the descriptor parser (qscheme.descriptor.rules)
+# before any descriptor is parsed: every qscheme module runs this file first. Torch-free.
+import qscheme.producers  # noqa: F401
 from qscheme.catalog import Catalog, load_catalog, load_scheme
 from qscheme.descriptor import Scheme, parse_scheme_file, parse_scheme_text
 from qscheme.errors import (

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-import qscheme.producers  # noqa: F401  (registers each producer's detect rule with the descriptor parser)
 from qscheme.descriptor import Scheme, parse_scheme_file
 from qscheme.descriptor.files import path_problem
 from qscheme.errors import Location, Problem, SchemeError, SchemeNotFoundError

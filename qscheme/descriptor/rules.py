@@ -4,10 +4,11 @@
 descriptor knows no producer: each producer folder declares its rule as a ``RuleSchema`` (its
 keys, each with a kind and the values it accepts, and how the parsed values become the
 producer's own typed rule), and ``qscheme.producers`` hands these schemas to
-``register_rule_schema`` when it is imported (``qscheme`` imports it through its catalog, so a
-descriptor is never parsed before). The parser (``descriptor.parse``) reads ``detect.<name>``
-and the ``producer:`` / ``rules:`` keys against this table, with the same located problems as
-any other key; ``show`` asks the schema how to print the rule.
+``register_rule_schema`` when it is imported (the top package ``qscheme``, which runs before any
+of its modules, imports it, so a descriptor is never parsed before). The parser
+(``descriptor.parse``) reads ``detect.<name>`` and the ``producer:`` / ``rules:`` keys against
+this table, with the same located problems as any other key; ``show`` asks the schema how to
+print the rule.
 
 Kinds of keys: ``strings`` (a string or a list of them), ``integer`` (an integer >= 1) and
 ``arguments`` (a mapping whose keys are ``RuleKey.arguments``, each value checked by

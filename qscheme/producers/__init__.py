@@ -29,7 +29,7 @@ PRODUCERS: tuple[Producer, ...] = (
 )
 
 # Each producer's detect rule, handed to the descriptor's parser (``descriptor.rules``): the
-# descriptor names no producer. ``qscheme.folder_catalog`` imports this package, so the rules are
+# descriptor names no producer. The top package ``qscheme`` imports this package, so the rules are
 # registered before any descriptor is parsed.
 for _producer in PRODUCERS:
     if _producer.rule_schema is not None:
