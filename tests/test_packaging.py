@@ -72,7 +72,7 @@ def test_wheel_holds_every_module_and_descriptor_of_the_tree(wheel: zipfile.ZipF
         if folder in INSTALLED_AS and rest and name.endswith(SHIPPED_SUFFIXES[folder]):
             expected.add(f"{INSTALLED_AS[folder]}/{rest}")
     shipped = {name for name in wheel.namelist() if not name.split("/")[0].endswith(".dist-info")}
-    for must in ("qscheme/writing/quantize.py", "qscheme/parallel/load.py", "qscheme/transformers/__init__.py"):
+    for must in ("qscheme/writing/quantize.py", "qscheme/parallel/rules.py", "qscheme/transformers/__init__.py"):
         assert must in expected, f"{must} is not in the tree any more; update this test"
     assert sorted(expected - shipped) == [], "files of the tree missing from the wheel"
     assert sorted(shipped - expected) == [], "files in the wheel that the tree does not have (stale build?)"
