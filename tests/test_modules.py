@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import ast
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from import_walk import chains
+from import_walk import closure as _closure
+from import_walk import imports as _imports
+from import_walk import module_file as _module_file
 from kernel_fakes import builtin_scheme, isolated_plugins, layer_tensors
 
 import qscheme
@@ -19,51 +22,11 @@ import qscheme.modules.ops
 import qscheme.ops
 from qscheme.modules import ExpertsSpec, QuantLinear
 
-ROOT = Path(__file__).resolve().parent.parent / "qscheme"
 # What the modules a user holds must never import, directly or through another module, at module
 # level or inside a function: the loader and everything built on it.
 ABOVE = ("qscheme.checkpoint", "qscheme.parallel", "qscheme.writing", "qscheme.transformers")
 # Below the loader too: the modules, and the two functions of the public API that build on them.
 BELOW = ("qscheme.modules", "qscheme.tensor_checks", "qscheme.dequantize")
-
-
-def _module_file(name: str) -> Path | None:
-    """The file of module ``name`` of the qscheme package (its __init__.py for a package)."""
-    parts = name.split(".")[1:]
-    folder = ROOT.joinpath(*parts)
-    if (folder / "__init__.py").is_file():
-        return folder / "__init__.py"
-    path = folder.with_suffix(".py")
-    return path if parts and path.is_file() else None
-
-
-def _imports(path: Path) -> set[str]:
-    """Every qscheme module one file imports, at any depth (TYPE_CHECKING blocks included)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            assert not node.level, f"{path}:{node.lineno}: qscheme imports absolutely"
-            base = node.module or ""
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
-    return {module for module in found if module.split(".")[0] == "qscheme" and _module_file(module) is not None}
-
-
-def _closure(start: list[str]) -> dict[str, str]:
-    """Every qscheme module reachable from ``start`` by imports, each with one module importing it."""
-    reached: dict[str, str] = {name: "" for name in start}
-    pending = list(start)
-    while pending:
-        name = pending.pop()
-        path = _module_file(name)
-        assert path is not None, name
-        for imported in sorted(_imports(path)):
-            if imported not in reached:
-                reached[imported] = name
-                pending.append(imported)
-    return reached
 
 
 def _below_modules() -> list[str]:
@@ -82,13 +45,7 @@ def test_the_modules_package_imports_nothing_of_the_loader() -> None:
     assert {"qscheme.modules.linear", "qscheme.modules.experts", "qscheme.modules.ops"} <= set(start)
     reached = _closure(start)
     above = sorted(name for name in reached if name.startswith(ABOVE))
-    chains = []
-    for name in above:
-        chain = [name]
-        while reached[chain[-1]]:
-            chain.append(reached[chain[-1]])
-        chains.append(" <- ".join(chain))
-    assert not above, "the modules a user holds reach the loader:\n" + "\n".join(chains)
+    assert not above, "the modules a user holds reach the loader:\n" + chains(reached, above)
 
 
 def test_the_closure_sees_function_level_imports(tmp_path: Path) -> None:

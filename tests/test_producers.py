@@ -5,9 +5,9 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from import_walk import ROOT, chains, closure
 
 from qscheme.catalog import load_catalog
 from qscheme.checkpoint.config import CONFIG_FILES
@@ -19,37 +19,12 @@ from qscheme.producers import PRODUCERS, producer_of_config
 from qscheme.producers.compressed_tensors import CompressedTensorsConfig
 from qscheme.writing.producer_config import producer_of
 
-ROOT = Path(__file__).resolve().parent.parent / "qscheme"
 PRODUCERS_FOLDER = ROOT / "producers"
 # What a producer must never import, directly or through another module, at module level or
 # inside a function: the loader, the writer and what is built on them. checkpoint.patterns (the
 # ``re:`` checks every config reader uses) sits below them.
 ABOVE = ("qscheme.checkpoint", "qscheme.parallel", "qscheme.writing", "qscheme.transformers", "qscheme.quantize.weight")
 BELOW_ABOVE = ("qscheme.checkpoint.patterns",)
-
-
-def _module_file(name: str) -> Path | None:
-    """The file of module ``name`` of the qscheme package (its __init__.py for a package)."""
-    parts = name.split(".")[1:]
-    folder = ROOT.joinpath(*parts)
-    if (folder / "__init__.py").is_file():
-        return folder / "__init__.py"
-    path = folder.with_suffix(".py")
-    return path if parts and path.is_file() else None
-
-
-def _imports(path: Path) -> set[str]:
-    """Every qscheme module one file imports, at any depth (TYPE_CHECKING blocks included)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            assert not node.level, f"{path}:{node.lineno}: qscheme imports absolutely"
-            base = node.module or ""
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
-    return {module for module in found if module.split(".")[0] == "qscheme" and _module_file(module) is not None}
 
 
 def _producer_modules() -> list[str]:
@@ -62,25 +37,10 @@ def _producer_modules() -> list[str]:
 def test_producers_import_nothing_of_the_loader_or_the_writer() -> None:
     start = _producer_modules()
     assert "qscheme.producers.compressed_tensors.arithmetic" in start
-    reached: dict[str, str] = {name: "" for name in start}
-    pending = list(start)
-    while pending:
-        name = pending.pop()
-        path = _module_file(name)
-        assert path is not None, name
-        for imported in sorted(_imports(path)):
-            # The root package runs before any of its modules anyway (its __version__ is read).
-            if imported != "qscheme" and imported not in reached:
-                reached[imported] = name
-                pending.append(imported)
+    # The root package runs before any of its modules anyway (its __version__ is read).
+    reached = closure(start, skip=("qscheme",))
     above = sorted(name for name in reached if name.startswith(ABOVE) and name not in BELOW_ABOVE)
-    chains = []
-    for name in above:
-        chain = [name]
-        while reached[chain[-1]]:
-            chain.append(reached[chain[-1]])
-        chains.append(" <- ".join(chain))
-    assert not above, "a producer reaches the loader or the writer:\n" + "\n".join(chains)
+    assert not above, "a producer reaches the loader or the writer:\n" + chains(reached, above)
 
 
 def test_the_registry_names_each_producer_and_method_once() -> None:

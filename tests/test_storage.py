@@ -8,10 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from import_walk import ROOT, chains
+from import_walk import closure as _closure
+from import_walk import import_nodes as _import_nodes
+from import_walk import imports as _imports
 
 import qscheme.storage
 
-ROOT = Path(__file__).resolve().parent.parent / "qscheme"
 STORAGE = ROOT / "storage"
 # What the storage layer must never import, at module level or inside a function, directly or
 # through another module: the layers that use it.
@@ -20,52 +23,8 @@ ABOVE = ("qscheme.checkpoint", "qscheme.parallel", "qscheme.writing", "qscheme.t
 USERS = ("checkpoint", "writing", "parallel")
 
 
-def _module_file(name: str) -> Path | None:
-    """The file of module ``name`` of the qscheme package (its __init__.py for a package)."""
-    parts = name.split(".")[1:]
-    folder = ROOT.joinpath(*parts)
-    if (folder / "__init__.py").is_file():
-        return folder / "__init__.py"
-    path = folder.with_suffix(".py")
-    return path if parts and path.is_file() else None
-
-
-def _import_nodes(path: Path) -> list[ast.Import | ast.ImportFrom]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
-
-
-def _imports(path: Path) -> set[str]:
-    """Every qscheme module one file imports, at any depth (TYPE_CHECKING blocks included)."""
-    found: set[str] = set()
-    for node in _import_nodes(path):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        else:
-            assert not node.level, f"{path}:{node.lineno}: qscheme imports absolutely"
-            base = node.module or ""
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
-    return {module for module in found if module.split(".")[0] == "qscheme" and _module_file(module) is not None}
-
-
 def _storage_modules() -> list[str]:
     return ["qscheme.storage"] + [f"qscheme.storage.{path.stem}" for path in sorted(STORAGE.glob("[!_]*.py"))]
-
-
-def _closure(start: list[str]) -> dict[str, str]:
-    """Every qscheme module reachable from ``start`` by imports, each with one module importing it."""
-    reached: dict[str, str] = {name: "" for name in start}
-    pending = list(start)
-    while pending:
-        name = pending.pop()
-        path = _module_file(name)
-        assert path is not None, name
-        for imported in sorted(_imports(path)):
-            if imported not in reached:
-                reached[imported] = name
-                pending.append(imported)
-    return reached
 
 
 def test_storage_imports_nothing_of_the_layers_above() -> None:
@@ -73,13 +32,7 @@ def test_storage_imports_nothing_of_the_layers_above() -> None:
     assert {"qscheme.storage.safetensors_reader", "qscheme.storage.shards", "qscheme.storage.json_files"} <= set(start)
     reached = _closure(start)
     above = sorted(name for name in reached if name.startswith(ABOVE))
-    chains = []
-    for name in above:
-        chain = [name]
-        while reached[chain[-1]]:
-            chain.append(reached[chain[-1]])
-        chains.append(" <- ".join(chain))
-    assert not above, "the storage layer reaches a layer above it:\n" + "\n".join(chains)
+    assert not above, "the storage layer reaches a layer above it:\n" + chains(reached, above)
 
 
 def test_the_closure_sees_function_level_imports(tmp_path: Path) -> None:
