@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
-from qscheme.errors import CheckpointError, DestinationError, UsageError
+from qscheme.api_checks import require_flag, require_optional_flag
+from qscheme.errors import CheckpointError, DestinationError
 from qscheme.text import shown_file
 from qscheme.writing.source import SourceCheckpoint
 
@@ -30,10 +31,10 @@ class NameCollisionError(CheckpointError):
 def check_flags(function: str, **flags: object) -> None:
     """UsageError unless ``force`` and the other flags are True or False (``progress`` may be None)."""
     for name, value in flags.items():
-        if isinstance(value, bool) or (name == "progress" and value is None):
-            continue
-        allowed = "True, False or None" if name == "progress" else "True or False"
-        raise UsageError(f"{function}: {name} must be {allowed}, not {value!r} ({type(value).__name__})")
+        if name == "progress":
+            require_optional_flag(value, name, function)
+        else:
+            require_flag(value, name, function)
 
 
 def refuse_collisions(source: SourceCheckpoint, produced: Mapping[str, str], *, consumed: Collection[str]) -> None:
