@@ -5,6 +5,9 @@ Modules, by concern:
 - ``safetensors_header``: one safetensors file's header, parsed and checked (``read_file_header``);
 - ``safetensors_reader``: a checkpoint folder's safetensors files (one file, or shards and their
   index), each tensor read on demand into memory of its own (``CheckpointFiles``);
+- ``gguf_types`` / ``gguf_header`` / ``gguf_reader`` / ``gguf_writer``: the GGUF container (llama.cpp's):
+  its ggml types as data, one file's header parsed and checked (``read_gguf_header``), a tensor's
+  raw bytes or a range of its rows (``read_gguf_tensor``), a file written atomically (``write_gguf``);
 - ``rank_slices``: only one tensor-parallel rank's bytes of a tensor, counted (``read_slice``);
 - ``shards``: safetensors shards and their index written, with a digest of every tensor;
 - ``bytes_copy``: bytes that do not change, copied from a source shard by the kernel;
@@ -33,6 +36,23 @@ if TYPE_CHECKING:
         RawSpan,
         copy_span,
         first_difference,
+    )
+    from qscheme.storage.gguf_header import (
+        MAX_GGUF_HEADER_BYTES,
+        GGUFHeader,
+        GGUFTensorInfo,
+        read_gguf_header,
+    )
+    from qscheme.storage.gguf_reader import read_gguf_tensor
+    from qscheme.storage.gguf_types import (
+        GGML_TYPES,
+        GGMLType,
+        ggml_type_by_name,
+    )
+    from qscheme.storage.gguf_writer import (
+        GGUFMetadataValue,
+        GGUFTensorEntry,
+        write_gguf,
     )
     from qscheme.storage.json_files import (
         config_file_present,
@@ -98,6 +118,17 @@ if TYPE_CHECKING:
     )
 
 _EXPORTS: dict[str, str] = {
+    "GGML_TYPES": "gguf_types",
+    "GGMLType": "gguf_types",
+    "ggml_type_by_name": "gguf_types",
+    "MAX_GGUF_HEADER_BYTES": "gguf_header",
+    "GGUFHeader": "gguf_header",
+    "GGUFTensorInfo": "gguf_header",
+    "read_gguf_header": "gguf_header",
+    "read_gguf_tensor": "gguf_reader",
+    "GGUFMetadataValue": "gguf_writer",
+    "GGUFTensorEntry": "gguf_writer",
+    "write_gguf": "gguf_writer",
     "DTYPE_BY_TORCH_NAME": "safetensors_header",
     "MAX_HEADER_BYTES": "safetensors_header",
     "SAFETENSORS_DTYPES": "safetensors_header",
@@ -153,8 +184,10 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "DEFAULT_METADATA",
     "DTYPE_BY_TORCH_NAME",
+    "GGML_TYPES",
     "INDEX_FILE",
     "LARGE_CHECKPOINT_BYTES",
+    "MAX_GGUF_HEADER_BYTES",
     "MAX_HEADER_BYTES",
     "OLD_MARK",
     "OWNER_FILE",
@@ -164,6 +197,11 @@ __all__ = [
     "CheckpointFiles",
     "Dtype",
     "FileHeader",
+    "GGMLType",
+    "GGUFHeader",
+    "GGUFMetadataValue",
+    "GGUFTensorEntry",
+    "GGUFTensorInfo",
     "MappedShard",
     "OutputFolder",
     "Owner",
@@ -181,10 +219,13 @@ __all__ = [
     "dtype_code",
     "file_problem",
     "first_difference",
+    "ggml_type_by_name",
     "memory_bytes",
     "raise_on_termination",
     "read_checked_tensor",
     "read_file_header",
+    "read_gguf_header",
+    "read_gguf_tensor",
     "read_header",
     "read_json",
     "read_slice",
@@ -197,6 +238,7 @@ __all__ = [
     "tensor_bytes",
     "this_run",
     "too_large",
+    "write_gguf",
     "write_index",
     "write_json",
     "write_owner",
