@@ -5,7 +5,8 @@ an exact quantize-dequantize emulation of the pairs deployed kernels run, declar
 element and scale formats ``qscheme.emulation.SUPPORTED_ACTIVATIONS`` emulates (so a scheme
 with e5m2 or uint8 inputs, or 16-bit dynamic scales, is rejected at resolution rather than at
 its first forward). The code is in ``qscheme_plugins.reference_kernel`` and is imported only
-when a layer uses it.
+when a layer uses it. Packed blocks (GGUF's types) are decoded chunk by chunk of rows as their
+descriptors declare (``qscheme.formats.blocks``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from qscheme.kernels.declaration import (
     ANY_DEVICE,
     ANY_WEIGHT_ONLY,
+    BLOCKS_WEIGHT_ONLY,
     DEPLOYED_ACTIVATION_PAIRS,
     NVFP4_ACTIVATION_PAIR,
     ActivationDtypes,
@@ -30,6 +32,7 @@ REFERENCE = KernelDeclaration(
     # pre-scales (applied before the activation is quantized).
     supports=(
         ANY_WEIGHT_ONLY,
+        BLOCKS_WEIGHT_ONLY,
         NVFP4_ACTIVATION_PAIR,
         *DEPLOYED_ACTIVATION_PAIRS,
     ),

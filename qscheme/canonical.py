@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from qscheme.api_checks import require_tensor_mapping
+from qscheme.canonical_blocks import canonical_blocks
 from qscheme.canonical_weight import (
     TENSOR_FIELDS,
     CanonicalWeight,
@@ -102,6 +103,8 @@ def stored_layer_shape(
     if weight_shape is not None:
         return int(weight_shape[0]), int(weight_shape[1])
     weight = scheme.weight
+    if weight.blocks is not None:  # whole blocks: K is the row's blocks times their elements
+        return int(stored_shape[0]), int(stored_shape[-1]) // weight.blocks.bytes * weight.blocks.elements
     rows, columns = int(stored_shape[0]), int(stored_shape[-1])
     per_row, per_column = packing_divisors(weight.format, weight.packing)
     n_range = range(max(1, (rows - 1) * per_row + 1), rows * per_row + 1) if rows else range(0, 1)
@@ -231,6 +234,8 @@ def canonicalize(
     if n is None or k is None:
         n, k = layer_shape(scheme, tensors)
     stored = tensors[weight.tensor.name]
+    if weight.blocks is not None:
+        return canonical_blocks(scheme, stored, n, k, layer=layer, check_finite=check_finite)
 
     if weight.packing == "nibbles_k":
         codes = stored.to(torch.uint8)

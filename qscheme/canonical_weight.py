@@ -18,9 +18,11 @@ import torch
 from torch import Tensor
 
 from qscheme.descriptor import Scheme
+from qscheme.descriptor.blocks import BlockLayout
 from qscheme.descriptor.consistency import FOUR_BIT
 from qscheme.errors import QuantizeError
 from qscheme.formats import decode
+from qscheme.formats.blocks import decode_blocks
 from qscheme.slabs import run_slabs, single_threaded_caller, slabs_for
 
 
@@ -244,8 +246,40 @@ def dequantize_rows(weight: CanonicalWeight, start: int, stop: int, out: Tensor 
     return _dequantize_slabs(weight, start, stop, out)
 
 
+def _check_out(weight: CanonicalWeight, start: int, stop: int, out: Tensor | None) -> Tensor:
+    """``out`` checked (or made): a contiguous float32 [stop - start, K] tensor on the weight's device."""
+    shape = (stop - start, weight.k)
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32, device=weight.codes.device)
+    if out.shape != shape or out.dtype != torch.float32 or out.device != weight.codes.device or not out.is_contiguous():
+        raise QuantizeError(
+            f"scheme {weight.scheme.name}: out= must be a contiguous float32 [{shape[0]}, {weight.k}] tensor on "
+            f"{weight.codes.device} for rows [{start}, {stop}), got {out.dtype} {list(out.shape)} on {out.device}; "
+            "pass such a tensor or out=None"
+        )
+    return out
+
+
+def _decode_block_rows(
+    weight: CanonicalWeight, layout: BlockLayout, start: int, stop: int, out: Tensor | None
+) -> Tensor:
+    out = _check_out(weight, start, stop, out)
+    inference = torch.is_inference_mode_enabled()
+
+    def work(rows: slice) -> None:
+        with torch.inference_mode(inference):
+            decoded = decode_blocks(weight.codes[start + rows.start : start + rows.stop], layout)
+            out[rows].copy_(decoded)
+
+    run_slabs(work, slabs_for(out.device, stop - start, weight.k, 1), out.device)
+    return out
+
+
 def _dequantize_slabs(weight: CanonicalWeight, start: int, stop: int, out: Tensor | None) -> Tensor:
     k = weight.k
+    layout = weight.scheme.weight.blocks
+    if layout is not None:  # packed blocks: decoded as their declaration says (qscheme.formats.blocks)
+        return _decode_block_rows(weight, layout, start, stop, out)
     tile = scale_tile(weight, weight.scale)
     # the scale (and zero-point) rows under weight rows [start, stop); weight row r is row
     # r - offset of them

@@ -294,7 +294,8 @@ def _first(value: Tensor, mask: Tensor) -> str:
 def _value_roles(scheme: Scheme) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """(positive scales: global and static activation scales; finite-only scales)."""
     positive: list[TensorSpec] = []
-    finite: list[TensorSpec] = [scheme.weight.scale.tensor]
+    # packed blocks hold their scales inside the weight: qscheme.canonical_blocks checks their fields
+    finite: list[TensorSpec] = [] if scheme.weight.blocks is not None else [scheme.weight.scale.tensor]
     if scheme.weight.global_scale is not None:
         positive.append(scheme.weight.global_scale.tensor)
     activation = scheme.activation
@@ -373,6 +374,8 @@ def check_values(layout: ModuleLayout, tensors: Mapping[str, Tensor]) -> list[Te
 
 
 def _negative_weight_scales(layout: ModuleLayout, tensors: Mapping[str, Tensor]) -> list[TensorProblem]:
+    if layout.scheme.weight.blocks is not None:
+        return []  # block scales may be negative (llama.cpp's Q4_0 divides by -8): they are not magnitudes
     spec = layout.scheme.weight.scale.tensor
     value, info = tensors.get(spec.name), layout.declared.get(spec.name)
     if value is None or info is None or not any_negative(value):

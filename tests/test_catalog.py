@@ -405,7 +405,8 @@ def test_a_link_to_a_sibling_folder_is_not_a_loop(tmp_path: Path, monkeypatch: p
         ("FP8", ["compressed-tensors/FP8", "modelopt/FP8"]),
         ("fp8_pb_wo", ["modelopt/fp8_pb_wo"]),
         ("llmcompressor/NVFP4A16", ["compressed-tensors/NVFP4A16"]),  # another producer's prefix
-        ("NVFP4", ["compressed-tensors/NVFP4", "modelopt/NVFP4"]),
+        ("NVFP4", ["compressed-tensors/NVFP4", "gguf/NVFP4", "modelopt/NVFP4"]),
+        ("q4_k", ["gguf/Q4_K"]),
         ("W4A16_ASYMM", ["compressed-tensors/W4A16_ASYM"]),  # a typo after no prefix
     ],
 )

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from qscheme.descriptor.blocks import BlockLayout
 from qscheme.descriptor.rules import DetectSpec
 from qscheme.descriptor.shapes import Shape, evaluate_shape, format_shape
 from qscheme.formats.table import FORMAT_FACTS, activation_formats, scale_formats
@@ -21,7 +22,10 @@ FusedPolicy = Literal["per_partition", "rescale", "requantize", "refuse"]
 STORED_CHOICES: tuple[str, ...] = ("multiplier", "reciprocal")
 GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group", "block")
 ACTIVATION_GRANULARITIES: tuple[str, ...] = ("tensor", "token", "group")
-WEIGHT_PACKINGS: tuple[str, ...] = ("none", "nibbles_k", "int32_k", "int4_n")
+WEIGHT_PACKINGS: tuple[str, ...] = ("none", "nibbles_k", "int32_k", "int4_n", "blocks")
+BLOCKS = "blocks"
+"""The weight format and family of a scheme whose weight is packed blocks (``packing: blocks``):
+its elements, scales and minimums are declared by its ``BlockLayout``, not by ``format``."""
 ZERO_POINT_PACKINGS: tuple[str, ...] = ("none", "int32_n")
 FUSED_POLICIES: tuple[str, ...] = ("per_partition", "rescale", "requantize", "refuse")
 SCALE_FORMATS: tuple[str, ...] = scale_formats()
@@ -83,7 +87,12 @@ class ZeroPointSpec:
 
 @dataclass(frozen=True)
 class WeightSpec:
-    """The quantized weight: element format, packing and its scales."""
+    """The quantized weight: element format, packing and its scales.
+
+    With ``packing: blocks``, ``blocks`` declares the block (elements, scales and minimums
+    inside the weight tensor), ``format`` is ``"blocks"`` and ``scale`` describes the finest
+    scale the blocks hold (a float32 group scale of the sub-block size) with the weight tensor
+    as its tensor: no tensor of its own is stored (``Scheme.tensor_specs`` leaves it out)."""
 
     format: str
     packing: str
@@ -92,6 +101,7 @@ class WeightSpec:
     global_scale: GlobalScaleSpec | None = None
     zero_point: ZeroPointSpec | None = None
     shape_tensor: TensorSpec | None = None
+    blocks: BlockLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -135,7 +145,9 @@ class Scheme:
 
     @property
     def weight_family(self) -> str:
-        """nvfp4, mxfp4, fp8, int4, int8 or the element format's name."""
+        """nvfp4, mxfp4, fp8, int4, int8, blocks or the element format's name."""
+        if self.weight.blocks is not None:
+            return BLOCKS
         return weight_family(self.weight.format, self.weight.scale.format)
 
     @property
@@ -154,7 +166,7 @@ class Scheme:
         weight = self.weight
         roles: dict[str, TensorSpec | None] = {
             "weight": weight.tensor,
-            "weight_scale": weight.scale.tensor,
+            "weight_scale": None if weight.blocks is not None else weight.scale.tensor,
             "weight_global_scale": weight.global_scale.tensor if weight.global_scale else None,
             "weight_zero_point": weight.zero_point.tensor if weight.zero_point else None,
             "weight_shape": weight.shape_tensor,
@@ -170,7 +182,7 @@ class Scheme:
         """multiplier / reciprocal for a scale role, None for non-scale roles."""
         weight, act = self.weight, self.activation
         table: dict[str, Stored | None] = {
-            "weight_scale": weight.scale.stored,
+            "weight_scale": None if weight.blocks is not None else weight.scale.stored,
             "weight_global_scale": weight.global_scale.stored if weight.global_scale else None,
         }
         if act is not None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from qscheme.descriptor.blocks_parse import read_blocks
 from qscheme.descriptor.consistency import (
     FOUR_BIT,
     SINGLE,
@@ -25,6 +26,7 @@ from qscheme.descriptor.files import read_descriptor_text
 from qscheme.descriptor.model import (
     ACTIVATION_FORMATS,
     ACTIVATION_GRANULARITIES,
+    BLOCKS,
     FUSED_POLICIES,
     GRANULARITIES,
     SCALE_FORMATS,
@@ -399,6 +401,9 @@ class _Reader:
         return ZeroPointSpec(format=zp_format, packing=packing, tensor=tensor)
 
     def weight(self, node: Node, path: str) -> WeightSpec | None:
+        packing_node = node.value.get("packing") if node.is_mapping else None
+        if packing_node is not None and packing_node.value == BLOCKS:
+            return self.block_weight(node, path)
         items = self.mapping(
             node, path, ("format", "tensor", "scale"), ("packing", "global_scale", "zero_point", "shape_tensor")
         )
@@ -481,6 +486,34 @@ class _Reader:
             zero_point=zero_point,
             shape_tensor=shape_tensor,
         )
+
+    def block_weight(self, node: Node, path: str) -> WeightSpec | None:
+        """A weight of packed blocks: ``packing: blocks``, its ``blocks:`` section and one uint8 tensor."""
+        items = self.mapping(node, path, ("packing", "tensor", "blocks"), ())
+        if items is None:
+            return None
+        tensor = self.required(items, "tensor", path, self.tensor)
+        layout = self.required(items, "blocks", path, lambda n, p: read_blocks(self, n, p))
+        if tensor is None or layout is None:
+            return None
+        self.check_dtypes(node, path, tensor, ("uint8",), "packed blocks (raw bytes)")
+        expected = f"[N, K/{layout.elements}*{layout.bytes}]"
+        for shape in tensor.shapes:
+            dims = [(dim.variable, dim.divisor, dim.multiplier, dim.ceil) for dim in shape]
+            if dims != [("N", 1, 1, False), ("K", layout.elements, layout.bytes, False)]:
+                self.fail(
+                    items["tensor"],
+                    f"{path}.tensor.shape",
+                    f"{format_shape(shape)} does not hold whole blocks; declare {expected}",
+                )
+        scale = ScaleSpec(
+            granularity="group",
+            format="fp32",
+            stored="multiplier",
+            tensor=tensor,
+            group_size=layout.sub_block,
+        )
+        return WeightSpec(format=BLOCKS, packing=BLOCKS, tensor=tensor, scale=scale, blocks=layout)
 
     def static_scale(self, node: Node, path: str) -> ScaleSpec | None:
         items = self.mapping(node, path, ("stored", "tensor"), ("format",))
@@ -719,7 +752,7 @@ def _shape_nodes(section: Node, path: str) -> list[tuple[Node, str]]:
 def _tensor_names(
     weight: WeightSpec, activation: ActivationSpec | None, pre_scale: TensorSpec | None
 ) -> list[TensorSpec]:
-    specs = [weight.tensor, weight.scale.tensor]
+    specs = [weight.tensor] if weight.blocks is not None else [weight.tensor, weight.scale.tensor]
     if weight.global_scale:
         specs.append(weight.global_scale.tensor)
     if weight.zero_point:

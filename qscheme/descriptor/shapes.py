@@ -1,8 +1,10 @@
 """Shape expressions of stored tensors, written in terms of N (output) and K (input features).
 
 A dimension is one of: an integer, ``N``, ``K``, ``N/d``, ``K/d`` (exact division: the layer's
-size must be divisible), or ``ceil(N/d)``, ``ceil(K/d)``. Nothing else, so that every shape
-can be evaluated for a layer and also solved for N and K from a stored tensor.
+size must be divisible), ``ceil(N/d)``, ``ceil(K/d)``, or an exact division times a constant,
+``K/d*m`` (the bytes of a row of packed blocks: ``K/32*18`` is 18 bytes per 32 elements).
+Nothing else, so that every shape can be evaluated for a layer and also solved for N and K
+from a stored tensor.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ MAX_SIZE = 2**20
 """Largest constant dimension, divisor, group size or block size a descriptor may declare."""
 
 _DIM = re.compile(
-    r"^\s*(?:(?P<int>[0-9]+)|(?P<ceil>ceil\()?\s*(?P<var>[NK])\s*(?:/\s*(?P<div>[0-9]+))?\s*(?(ceil)\)|)\s*)$"
+    r"^\s*(?:(?P<int>[0-9]+)|(?P<ceil>ceil\()?\s*(?P<var>[NK])\s*(?:/\s*(?P<div>[0-9]+))?\s*(?(ceil)\)|)\s*(?:\*\s*(?P<mul>[0-9]+)\s*)?)$"
 )
 
 
@@ -37,6 +39,7 @@ class Dim:
     variable: str | None = None  # "N" or "K"
     divisor: int = 1
     ceil: bool = False
+    multiplier: int = 1
 
     @staticmethod
     def parse(text: str | int) -> Dim:
@@ -49,7 +52,9 @@ class Dim:
             return Dim(text=str(text), constant=_bounded(text, text, "size"))
         match = _DIM.match(str(text))
         if match is None:
-            raise ValueError(f"{text!r} is not a dimension; use an integer, N, K, N/d, K/d, ceil(N/d) or ceil(K/d)")
+            raise ValueError(
+                f"{text!r} is not a dimension; use an integer, N, K, N/d, K/d, ceil(N/d), ceil(K/d) or K/d*m"
+            )
         if match.group("int") is not None:
             return Dim(text=str(text), constant=_bounded(text, match.group("int"), "size"))
         divisor = _bounded(text, match.group("div") or "1", "divisor")
@@ -58,7 +63,16 @@ class Dim:
         ceil = match.group("ceil") is not None
         if ceil and match.group("div") is None:
             raise ValueError(f"{text!r}: ceil() needs a division, e.g. ceil(K/128)")
-        return Dim(text=str(text).replace(" ", ""), variable=match.group("var"), divisor=divisor, ceil=ceil)
+        multiplier = _bounded(text, match.group("mul") or "1", "multiplier")
+        if multiplier == 0 or (multiplier > 1 and (ceil or match.group("div") is None)):
+            raise ValueError(f"{text!r}: a multiplier needs an exact division before it and must be >= 1, e.g. K/32*18")
+        return Dim(
+            text=str(text).replace(" ", ""),
+            variable=match.group("var"),
+            divisor=divisor,
+            ceil=ceil,
+            multiplier=multiplier,
+        )
 
     def evaluate(self, n: int, k: int) -> int | None:
         """The size for a layer of N x K, or None where N or K is not divisible as declared."""
@@ -69,7 +83,7 @@ class Dim:
             return -(-size // self.divisor)
         if size % self.divisor:
             return None
-        return size // self.divisor
+        return size // self.divisor * self.multiplier
 
     def __str__(self) -> str:
         return self.text

@@ -7,7 +7,9 @@ named by ``implementation`` ("module:attribute") and imported only when a layer 
 Vocabulary (the same words the scheme descriptors use):
 
 - weight families: ``nvfp4`` (e2m1 + e4m3 group scales), ``mxfp4`` (e2m1 + e8m0), ``fp4``,
-  ``int4``, ``int8``, ``fp8`` (see ``qscheme.descriptor.model.weight_family``);
+  ``int4``, ``int8``, ``fp8`` (see ``qscheme.descriptor.model.weight_family``), and ``blocks``
+  (packed blocks whose layout a descriptor declares: GGUF's types; a kernel takes them only by
+  naming the family);
 - activation families: ``none`` (16-bit or fp32 inputs, weight-only) or a family as above;
 - weight scale granularities: tensor, channel, group, block; activation ones: tensor, token,
   group;
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from qscheme.descriptor.model import (
     ACTIVATION_FORMATS,
     ACTIVATION_GRANULARITIES,
+    BLOCKS,
     GRANULARITIES,
     SCALE_FORMATS,
     weight_family,
@@ -35,7 +38,7 @@ if TYPE_CHECKING:
 
 Capability = tuple[int, int]
 
-WEIGHT_FAMILIES: tuple[str, ...] = ("nvfp4", "mxfp4", "fp4", "int4", "int8", "fp8")
+WEIGHT_FAMILIES: tuple[str, ...] = ("nvfp4", "mxfp4", "fp4", "int4", "int8", "fp8", BLOCKS)
 # The element formats a descriptor's weight may name (qscheme.formats.table's weight rows).
 WEIGHT_ELEMENT_FORMATS: tuple[str, ...] = weight_formats()
 ACTIVATION_FAMILIES: tuple[str, ...] = ("none", "nvfp4", "mxfp4", "fp4", "int8", "fp8")
@@ -289,7 +292,12 @@ class Supports:
 
 
 # Every weight family with 16-bit activations, zero points included: the entry of a kernel that
-# dequantizes any weight a descriptor can declare (with per-partition scales and AWQ pre-scales).
+# dequantizes any weight of a scale-and-codes layout (with per-partition scales and AWQ
+# pre-scales). Packed blocks are a family of their own (BLOCKS_WEIGHT_ONLY): a kernel decodes
+# them only where it says so.
+BLOCKS_WEIGHT_ONLY = Supports(weights=(BLOCKS,), activations=(WEIGHT_ONLY,))
+"""Packed blocks of any declared layout, with 16-bit or fp32 activations (the reference kernel)."""
+
 ANY_WEIGHT_ONLY = Supports(
     weights=("nvfp4", "mxfp4", "fp4", "int4", "int8", "fp8"),
     activations=(WEIGHT_ONLY,),

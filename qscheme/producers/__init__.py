@@ -21,6 +21,7 @@ from __future__ import annotations
 from qscheme.descriptor.rules import register_rule_schema
 from qscheme.producers import compressed_tensors, modelopt, self_described
 from qscheme.producers.base import Producer, ProducerConfig
+from qscheme.producers.gguf import rule as _gguf_rule
 
 PRODUCERS: tuple[Producer, ...] = (
     compressed_tensors.PRODUCER,
@@ -34,6 +35,7 @@ PRODUCERS: tuple[Producer, ...] = (
 for _producer in PRODUCERS:
     if _producer.rule_schema is not None:
         register_rule_schema(_producer.rule_schema)
+register_rule_schema(_gguf_rule.RULE_SCHEMA)  # until the GGUF producer joins PRODUCERS
 
 
 def producer_of_config(config: ProducerConfig) -> Producer:

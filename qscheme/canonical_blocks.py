@@ -1,0 +1,82 @@
+"""The canonical weight of a scheme of packed blocks (``packing: blocks``).
+
+A block weight stays as it is stored: ``codes`` holds the raw blocks, uint8 [N, K / elements *
+bytes], the one copy of the layer's data; ``scale`` is empty (the scales live inside the
+blocks). Dequantization decodes the blocks as the descriptor declares them
+(``qscheme.formats.blocks``, reached through ``qscheme.canonical_weight.dequantize_rows``).
+
+What decoding cannot survive is refused here, naming the layer, the block and the field: a float
+field that is not finite (a NaN or infinite fp16 scale), and an e8m0 exponent byte of 255 (NaN in
+the OCP formats). With finite fields, every weight the declaration computes is finite.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from qscheme.canonical_weight import CanonicalWeight
+from qscheme.descriptor import Scheme
+from qscheme.descriptor.blocks import BlockField, BlockLayout
+from qscheme.errors import QuantizeError
+from qscheme.formats.blocks import float_field_values
+
+
+def _bad_field(layout: BlockLayout, field: BlockField, blocks: Tensor) -> tuple[int, float] | None:
+    """The first block whose ``field`` holds a value that cannot be decoded, and that value."""
+    if field.format == "e8m0":
+        raw = blocks[:, field.offset : field.offset + field.size]
+        bad = (raw == 255).any(dim=1)
+        if bool(bad.any()):
+            return int(bad.nonzero()[0, 0]), float("nan")
+        return None
+    if field.format not in ("fp16", "bf16", "fp32"):
+        return None  # e4m3 and ue4m3 fields are decoded through finite tables (e4m3's NaN aside)
+    values = float_field_values(blocks, field)
+    bad = ~torch.isfinite(values).all(dim=1)
+    if bool(bad.any()):
+        index = int(bad.nonzero()[0, 0])
+        return index, float(values[index][~torch.isfinite(values[index])][0])
+    return None
+
+
+def require_decodable(scheme: Scheme, raw: Tensor, layer: str | None) -> None:
+    """QuantizeError naming the first block (row and block within it) with a field that does not decode."""
+    layout = scheme.weight.blocks
+    assert layout is not None
+    per_row = raw.shape[1] // layout.bytes
+    blocks = raw.reshape(-1, layout.bytes)
+    for field in layout.fields:
+        if field.format is None:
+            continue
+        found = _bad_field(layout, field, blocks)
+        if found is None:
+            continue
+        index, value = found
+        row, block = divmod(index, per_row) if per_row else (0, 0)
+        where = f"layer {layer}: " if layer else ""
+        allowed = "an exponent byte of 0 to 254" if field.format == "e8m0" else f"a finite {field.format}"
+        raise QuantizeError(
+            f"{where}scheme {scheme.name}: tensor {scheme.weight.tensor.name!r} row {row} block {block}: field "
+            f"{field.name!r} is {value} (allowed: {allowed}); the file is corrupt: re-download or re-convert it"
+        )
+
+
+def canonical_blocks(
+    scheme: Scheme, stored: Tensor, n: int, k: int, *, layer: str | None = None, check_finite: bool = True
+) -> CanonicalWeight:
+    """The canonical weight of packed blocks: the raw bytes as codes (see the module docstring)."""
+    layout = scheme.weight.blocks
+    assert layout is not None
+    expected = (n, k // layout.elements * layout.bytes)
+    if stored.dtype != torch.uint8 or k % layout.elements or tuple(stored.shape) != expected:
+        raise QuantizeError(
+            f"scheme {scheme.name}: tensor {scheme.weight.tensor.name!r} must be uint8 {list(expected)} "
+            f"(K={k} in blocks of {layout.elements}, {layout.bytes} bytes each), found {stored.dtype} "
+            f"{list(stored.shape)}"
+        )
+    codes = stored.contiguous()
+    if check_finite:
+        require_decodable(scheme, codes, layer)
+    empty = torch.empty((n, 0), dtype=torch.float32, device=codes.device)
+    return CanonicalWeight(scheme=scheme, n=n, k=k, codes=codes, scale=empty, partitions=(n,))

@@ -1,0 +1,212 @@
+"""Decoding packed blocks (``qscheme.descriptor.blocks``) into float32, exactly as declared.
+
+``decode_blocks(raw, layout)`` turns the raw bytes of whole blocks into their weights. Every
+value is computed in float32 the way the declaration writes it: the scale factors multiplied
+left to right, then the element, then the minimum subtracted or added, each operation rounded
+once (no fused multiply-add). That is the reference arithmetic of llama.cpp's dequantizers,
+which the GGUF schemes' tests check bit for bit.
+
+The bit unpacking is compiled once per layout (``compile_layout``) into gathers: for each piece
+slot of an integer, the byte of every value, its shift, width and destination bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qscheme.descriptor.blocks import BlockField, BlockLayout, IntegerSpec
+from qscheme.errors import QuantizeError
+from qscheme.formats.elements import decode
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One piece of every value of an integer: bytes (block-relative), shifts, masks, destinations."""
+
+    index: Tensor  # int64 [count]
+    shift: Tensor  # int32 [count]
+    mask: Tensor  # int32 [count]
+    destination: Tensor  # int32 [count]
+
+
+@dataclass(frozen=True)
+class _CompiledInteger:
+    spec: IntegerSpec
+    slots: tuple[_Slot, ...]
+
+
+@dataclass(frozen=True)
+class CompiledLayout:
+    """A layout with its gathers built (CPU tensors; moved to a device on first use there)."""
+
+    layout: BlockLayout
+    integers: dict[str, _CompiledInteger]
+    element_table: Tensor | None  # float32 [2**bits] for table and format elements
+
+
+_COMPILED: dict[tuple[int, str], CompiledLayout] = {}
+
+
+def _compile_integer(layout: BlockLayout, spec: IntegerSpec, device: torch.device) -> _CompiledInteger:
+    fields = {field.name: field for field in layout.fields}
+    depth = max(len(value) for value in spec.sources)
+    slots = []
+    for slot in range(depth):
+        index, shift, mask, destination = [], [], [], []
+        for value in spec.sources:
+            # values with fewer pieces read byte 0 with an empty mask in the slots they lack
+            if slot < len(value):
+                field, byte, bit, width = value[slot]
+                index.append(fields[field].offset + byte)
+                shift.append(bit)
+                mask.append((1 << width) - 1)
+                destination.append(sum(piece[3] for piece in value[:slot]))
+            else:
+                index.extend([0])
+                shift.append(0)
+                mask.append(0)
+                destination.append(0)
+        slots.append(
+            _Slot(
+                torch.tensor(index, dtype=torch.int64, device=device),
+                torch.tensor(shift, dtype=torch.int32, device=device),
+                torch.tensor(mask, dtype=torch.int32, device=device),
+                torch.tensor(destination, dtype=torch.int32, device=device),
+            )
+        )
+    return _CompiledInteger(spec, tuple(slots))
+
+
+def _element_table(layout: BlockLayout, device: torch.device) -> Tensor | None:
+    rule = layout.element
+    if rule is None or (rule.table is None and rule.format is None):
+        return None
+    if rule.table is not None:
+        return torch.tensor(rule.table, dtype=torch.float32, device=device)
+    spec = layout.integer(rule.integer)
+    assert spec is not None and rule.format is not None
+    codes = torch.arange(1 << spec.bits, dtype=torch.uint8)
+    # + 0.0 turns a negative zero code into +0.0, as the producers' integer tables do
+    return (decode(codes, rule.format).to(torch.float32) + 0.0).to(device)
+
+
+def compile_layout(layout: BlockLayout, device: torch.device | str = "cpu") -> CompiledLayout:
+    """The layout's gathers on ``device`` (cached per layout and device)."""
+    device = torch.device(device)
+    key = (id(layout), str(device))
+    found = _COMPILED.get(key)
+    if found is not None and found.layout is layout:
+        return found
+    compiled = CompiledLayout(
+        layout,
+        {spec.name: _compile_integer(layout, spec, device) for spec in layout.integers},
+        _element_table(layout, device),
+    )
+    _COMPILED[key] = compiled
+    return compiled
+
+
+# ggml's unsigned e4m3 (bias 7): bit 7 is ignored, 0x00 and 0x7F decode to 0, no NaN.
+def _ue4m3_table() -> Tensor:
+    codes = torch.arange(256, dtype=torch.int32)
+    exponent = (codes >> 3) & 0xF
+    mantissa = (codes & 7).to(torch.float32)
+    normal = (1.0 + mantissa / 8.0) * torch.pow(2.0, (exponent - 7).to(torch.float32))
+    subnormal = mantissa * 2.0**-9
+    values = torch.where(exponent == 0, subnormal, normal)
+    return torch.where((codes == 0) | (codes == 0x7F), torch.zeros_like(values), values)
+
+
+_UE4M3: dict[str, Tensor] = {}
+
+
+def float_field_values(blocks: Tensor, field: BlockField) -> Tensor:
+    """[B, count] float32 values of a float field of [B, bytes] blocks."""
+    raw = blocks[:, field.offset : field.offset + field.size]
+    if field.format in ("fp16", "bf16", "fp32"):
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[field.format]
+        return raw.contiguous().view(dtype).to(torch.float32)
+    if field.format == "e4m3":
+        return raw.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    if field.format == "e8m0":
+        return decode(raw.contiguous(), "e8m0").to(torch.float32)
+    assert field.format == "ue4m3", field.format
+    key = str(blocks.device)
+    if key not in _UE4M3:
+        _UE4M3[key] = _ue4m3_table().to(blocks.device)
+    return _UE4M3[key].index_select(0, raw.reshape(-1).to(torch.int64)).view(raw.shape)
+
+
+def _integer(blocks: Tensor, compiled: _CompiledInteger) -> Tensor:
+    """[B, count] int32 values of an integer (offset and sign applied)."""
+    out: Tensor | None = None
+    for slot in compiled.slots:
+        part = blocks.index_select(1, slot.index).to(torch.int32)
+        part = ((part >> slot.shift) & slot.mask) << slot.destination
+        out = part if out is None else out | part
+    assert out is not None
+    spec = compiled.spec
+    if spec.signed:
+        out = out - ((out >> (spec.bits - 1)) & 1) * (1 << spec.bits)
+    if spec.offset:
+        out = out + spec.offset
+    return out
+
+
+def _times(left: Tensor, right: Tensor) -> Tensor:
+    """``left * right`` of two per-block arrays of different counts (one divides the other), with
+    each value covering its share of the block: [B, a] x [B, b] -> [B, max(a, b)]."""
+    a, b = left.shape[1], right.shape[1]
+    rows = left.shape[0]
+    if a == b:
+        return left * right
+    if a < b:
+        return (left.view(rows, a, 1) * right.view(rows, a, b // a)).view(rows, b)
+    return (left.view(rows, b, a // b) * right.view(rows, b, 1)).view(rows, a)
+
+
+def _factor(blocks: Tensor, compiled: CompiledLayout, name: str) -> Tensor:
+    field = compiled.layout.field(name)
+    if field is not None:
+        return float_field_values(blocks, field)
+    return _integer(blocks, compiled.integers[name]).to(torch.float32)
+
+
+def _product(blocks: Tensor, compiled: CompiledLayout, names: tuple[str, ...]) -> Tensor:
+    value = _factor(blocks, compiled, names[0])
+    for name in names[1:]:
+        value = _times(value, _factor(blocks, compiled, name))
+    return value
+
+
+def decode_blocks(raw: Tensor, layout: BlockLayout) -> Tensor:
+    """float32 [rows, K] of uint8 [rows, K / elements * bytes] raw blocks, bit-exact."""
+    if raw.dtype != torch.uint8 or raw.ndim != 2 or raw.shape[1] % layout.bytes:
+        raise QuantizeError(
+            f"packed blocks must be uint8 [rows, a multiple of {layout.bytes}] bytes, got {raw.dtype} "
+            f"{list(raw.shape)}; pass whole blocks"
+        )
+    rows = raw.shape[0]
+    blocks = raw.reshape(-1, layout.bytes)
+    compiled = compile_layout(layout, raw.device)
+    value = _product(blocks, compiled, layout.scale)
+    rule = layout.element
+    if rule is not None:
+        codes = _integer(blocks, compiled.integers[rule.integer])
+        if compiled.element_table is not None:
+            element = compiled.element_table.index_select(0, codes.reshape(-1).to(torch.int64)).view(codes.shape)
+        else:
+            element = codes.to(torch.float32)
+        value = _times(value, element)
+    if layout.minimum:
+        minimum = _product(blocks, compiled, layout.minimum)
+        counts = value.shape[1]
+        if minimum.shape[1] != counts:
+            minimum = minimum.repeat_interleave(counts // minimum.shape[1], dim=1)
+        value = value - minimum if layout.minimum_sign == "subtract" else value + minimum
+    if value.shape[1] != layout.elements:
+        value = value.repeat_interleave(layout.elements // value.shape[1], dim=1)
+    return value.reshape(rows, -1)
