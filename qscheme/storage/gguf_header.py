@@ -124,6 +124,13 @@ class _Cursor:
     def left(self) -> int:
         return self.limit - self.pos
 
+    def room(self) -> str:
+        """What is left and what bounds it, for a message."""
+        left = max(self.left(), 0)
+        if self.limit == self.file_size:
+            return f"only {left:,} bytes are left: the file ends at byte {self.file_size:,}"
+        return f"only {left:,} bytes are left in a header longer than {MAX_GGUF_HEADER_BYTES:,} bytes (qscheme's bound)"
+
     def need(self, count: int, where: str) -> None:
         """Make ``count`` bytes from ``pos`` available in ``buffer``, or fail naming ``where``."""
         end = self.pos + count
@@ -173,7 +180,7 @@ class _Cursor:
         if length > self.left():
             raise self.fail(
                 f"{where} length",
-                f"is {length:,} bytes but only {max(self.left(), 0):,} are left in the header",
+                f"is {length:,} bytes but {self.room()}",
                 at=start,
             )
         return self.text(length, where)
@@ -184,8 +191,7 @@ def _check_count(cursor: _Cursor, where: str, count: int, each: int, at: int) ->
     if count * each > cursor.left():
         raise cursor.fail(
             where,
-            f"is {count:,}, which needs at least {count * each:,} bytes but only {max(cursor.left(), 0):,} are left "
-            "in the header",
+            f"is {count:,}, which needs at least {count * each:,} bytes but {cursor.room()}",
             at=at,
         )
 
@@ -244,10 +250,8 @@ def _strings(cursor: _Cursor, where: str, count: int) -> list[str]:
         if pos + 8 + length > len(buffer):
             cursor.pos = pos
             if length > cursor.left() - 8:
-                raise cursor.fail(
-                    f"{where} element {index} length",
-                    f"is {length:,} bytes but only {max(cursor.left() - 8, 0):,} are left in the header",
-                )
+                cursor.pos = pos + 8
+                raise cursor.fail(f"{where} element {index} length", f"is {length:,} bytes but {cursor.room()}", at=pos)
             cursor.need(8 + length, f"{where} element {index}")
         pos += 8
         try:
@@ -319,7 +323,7 @@ def _tensor(cursor: _Cursor, index: int, names: set[str]) -> tuple[str, GGMLType
     n_dims = cursor.u32(f"{where} n_dims")
     if n_dims > GGUF_MAX_DIMS:
         raise cursor.fail(f"{where} n_dims", f"is {n_dims}; ggml tensors have 0 to {GGUF_MAX_DIMS} dimensions", at=at)
-    at = cursor.pos
+    dims_at = at = cursor.pos
     cursor.need(8 * n_dims, f"{where} dims")
     dims = struct.unpack_from(f"<{n_dims}Q", cursor.buffer, cursor.pos)
     cursor.pos += 8 * n_dims
@@ -344,7 +348,7 @@ def _tensor(cursor: _Cursor, index: int, names: set[str]) -> tuple[str, GGMLType
         raise cursor.fail(
             f"{where} dims",
             f"dims[0] is {first}, not a multiple of {ggml_type.name}'s block of {ggml_type.block_elements} values",
-            at=at,
+            at=dims_at,
         )
     nbytes = ggml_type.row_bytes(first) * rows
     offset_at = cursor.pos
@@ -397,12 +401,12 @@ def _parse(cursor: _Cursor, path: Path, identity: tuple[int, int, int]) -> GGUFH
         if offset % alignment:
             raise cursor.fail(where, f"is {offset:,}, not a multiple of the alignment {alignment}", at=at)
         if offset != expected:
-            after = f"tensor {shown(previous)!r}'s data, padded to {alignment} bytes," if previous else "nothing"
+            expected_text = f"after tensor {shown(previous)!r} that is {expected:,}" if previous else "the first at 0"
             relation = "inside the data of an earlier tensor" if offset < expected else "after a gap"
             raise cursor.fail(
                 where,
-                f"is {offset:,} ({relation}); each tensor starts where the previous one's data ends, padded to the "
-                f"alignment, as llama.cpp requires: {after} ends at {expected:,}",
+                f"is {offset:,} ({relation}); each tensor starts where the previous one's data, padded to the "
+                f"alignment, ends, as llama.cpp requires: {expected_text}",
                 at=at,
             )
         names.add(name)
