@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -594,3 +596,18 @@ def test_write_refuses_bad_arguments(
         write_gguf(path, metadata, tensors, **options)
     assert str(path) in str(caught.value)
     assert not os.listdir(tmp_path), "a refused write left a file behind"
+
+
+@pytest.mark.subprocess
+def test_reading_a_header_imports_no_torch_nor_gguf(tmp_path: Path) -> None:
+    """``qscheme inspect`` of a GGUF and the type table need neither torch nor the optional gguf package."""
+    path = _write(tmp_path, _valid())
+    code = (
+        "import sys\n"
+        "from qscheme.storage import read_gguf_header, ggml_type_by_name\n"
+        f"header = read_gguf_header({str(path)!r})\n"
+        "assert list(header.tensors) == ['a', 'b'] and ggml_type_by_name('Q8_0').block_bytes == 34\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'gguf', 'numpy'))\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -287,7 +287,7 @@ def _metadata(cursor: _Cursor, count: int) -> tuple[dict[str, Any], dict[str, st
     for index in range(count):
         at = cursor.pos
         key = cursor.string(f"metadata key {index}")
-        where = f"metadata key {shown(key)!r}"
+        where = f"metadata key '{shown(key)}'"
         if key in values:
             raise cursor.fail(where, "appears twice; a GGUF key is unique (which value is meant is unknown)", at=at)
         type_id = _value_type(cursor, f"{where} value type")
@@ -312,7 +312,7 @@ def _tensor(cursor: _Cursor, index: int, names: set[str]) -> tuple[str, GGMLType
     """(name, type, dims, relative offset, byte count, position of the offset field) of tensor ``index``."""
     at = cursor.pos
     name = cursor.string(f"tensor {index} name")
-    where = f"tensor {index} {shown(name)!r}"
+    where = f"tensor {index} '{shown(name)}'"
     if len(name.encode("utf-8")) > GGUF_MAX_NAME_BYTES:
         raise cursor.fail(
             f"{where} name", f"is {len(name.encode())} bytes long; ggml allows at most {GGUF_MAX_NAME_BYTES}", at=at
@@ -397,11 +397,11 @@ def _parse(cursor: _Cursor, path: Path, identity: tuple[int, int, int]) -> GGUFH
     previous = None
     for index in range(tensor_count):
         name, ggml_type, dims, offset, nbytes, at = _tensor(cursor, index, names)
-        where = f"tensor {index} {shown(name)!r} offset"
+        where = f"tensor {index} '{shown(name)}' offset"
         if offset % alignment:
             raise cursor.fail(where, f"is {offset:,}, not a multiple of the alignment {alignment}", at=at)
         if offset != expected:
-            expected_text = f"after tensor {shown(previous)!r} that is {expected:,}" if previous else "the first at 0"
+            expected_text = f"after tensor '{shown(previous)}' that is {expected:,}" if previous else "the first at 0"
             relation = "inside the data of an earlier tensor" if offset < expected else "after a gap"
             raise cursor.fail(
                 where,
@@ -419,7 +419,7 @@ def _parse(cursor: _Cursor, path: Path, identity: tuple[int, int, int]) -> GGUFH
         end = data_offset + offset + nbytes
         if end > cursor.file_size:
             raise cursor.fail(
-                f"tensor {index} {shown(name)!r} offset",
+                f"tensor {index} '{shown(name)}' offset",
                 f"{ggml_type.name} x {list(dims)} is {nbytes:,} bytes from byte {data_offset + offset:,}, ending at "
                 f"{end:,}, past the file's end at {cursor.file_size:,}",
                 at=at,

@@ -33,7 +33,7 @@ _FIX = "the header claims more data than a real model's tensor holds: re-downloa
 
 
 def _label(header: GGUFHeader, info: GGUFTensorInfo) -> str:
-    return f"{shown_file(header.path)}: tensor {shown(info.name)!r} ({info.type.name} x {list(info.shape)})"
+    return f"{shown_file(header.path)}: tensor '{shown(info.name)}' ({info.type.name} x {list(info.shape)})"
 
 
 def _row_range(header: GGUFHeader, info: GGUFTensorInfo, rows: slice | None) -> tuple[int, int]:
@@ -89,7 +89,7 @@ def read_gguf_tensor(header: GGUFHeader, name: str, rows: slice | None = None) -
     info = header.tensors.get(name)
     if info is None:
         raise CheckpointError(
-            f"{shown_file(header.path)}: no tensor named {shown(name)!r}; it holds "
+            f"{shown_file(header.path)}: no tensor named '{shown(name)}'; it holds "
             f"{listing(list(header.tensors), 5, sentence=True) or 'no tensor'}"
         )
     start, stop = _row_range(header, info, rows)

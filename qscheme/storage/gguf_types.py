@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from qscheme.errors import UsageError
+from qscheme.text import shown
 
 __all__ = [
     "GGML_TYPES",
@@ -95,7 +96,8 @@ def ggml_type_by_name(name: str) -> GGMLType:
     found = _BY_NAME.get(name) if isinstance(name, str) else None
     if found is None:
         raise UsageError(
-            f"unknown ggml tensor type {name!r}; known types: {', '.join(_BY_NAME)} (names as ggml spells them)"
+            f"unknown ggml tensor type {shown(repr(name), 80)}; known types: {', '.join(_BY_NAME)} "
+            "(names as ggml spells them)"
         )
     return found
 

@@ -86,7 +86,7 @@ class _Encoder:
         try:
             return value.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise self.fail(where, f"{shown(value, 60)!r} is not UTF-8 text ({exc.reason})") from None
+            raise self.fail(where, f"'{shown(value, 60)}' is not UTF-8 text ({exc.reason})") from None
 
     def string(self, where: str, value: object) -> None:
         raw = self.text(where, value)
@@ -101,7 +101,7 @@ class _Encoder:
         elif kind in GGUF_SCALAR_TYPES:
             self.parts.append(self.scalars(where, kind, [value], single=True))
         else:
-            raise self.fail(where, f"type {shown(kind, 60)!r} is not a GGUF value type; allowed: {_TYPE_NAMES}")
+            raise self.fail(where, f"type '{shown(kind, 60)}' is not a GGUF value type; allowed: {_TYPE_NAMES}")
 
     def array(self, where: str, element: str, values: Any) -> None:
         if not isinstance(values, (list, tuple)):
@@ -111,7 +111,7 @@ class _Encoder:
         inner = "ARRAY" if element.startswith("ARRAY") else element
         if inner not in GGUF_VALUE_TYPE_IDS:
             raise self.fail(
-                where, f"element type {shown(element, 60)!r} is not a GGUF value type; allowed: {_TYPE_NAMES}"
+                where, f"element type '{shown(element, 60)}' is not a GGUF value type; allowed: {_TYPE_NAMES}"
             )
         self.parts.append(struct.pack("<IQ", GGUF_VALUE_TYPE_IDS[inner], len(values)))
         if inner in GGUF_SCALAR_TYPES:
@@ -173,7 +173,7 @@ def _metadata(encoder: _Encoder, metadata: Mapping[str, GGUFMetadataValue], alig
     elif alignment != GGUF_DEFAULT_ALIGNMENT:
         items.insert(0, (ALIGNMENT_KEY, ("UINT32", alignment)))
     for key, entry in items:
-        where = f"metadata key {shown(key)!r}" if isinstance(key, str) else f"metadata key {key!r}"
+        where = f"metadata key '{shown(key)}'" if isinstance(key, str) else f"metadata key {key!r}"
         encoder.string(where, key)
         if not isinstance(entry, tuple) or len(entry) != 2 or not isinstance(entry[0], str):
             raise encoder.fail(
@@ -182,7 +182,7 @@ def _metadata(encoder: _Encoder, metadata: Mapping[str, GGUFMetadataValue], alig
         kind, value = entry
         type_name = "ARRAY" if kind.startswith("ARRAY[") else kind
         if type_name not in GGUF_VALUE_TYPE_IDS:
-            raise encoder.fail(where, f"type {shown(kind, 60)!r} is not a GGUF value type; allowed: {_TYPE_NAMES}")
+            raise encoder.fail(where, f"type '{shown(kind, 60)}' is not a GGUF value type; allowed: {_TYPE_NAMES}")
         encoder.parts.append(struct.pack("<I", GGUF_VALUE_TYPE_IDS[type_name]))
         encoder.value(where, kind, value)
     return len(items)
@@ -199,7 +199,7 @@ def _tensor_data(encoder: _Encoder, index: int, entry: object, names: set[str]) 
         raise encoder.fail(f"tensor {index}", "is not a (name, GGMLType, shape, uint8 tensor of raw bytes) tuple")
     name, ggml_type, shape, data = entry
     raw_name = encoder.text(f"tensor {index} name", name)
-    where = f"tensor {index} {shown(name)!r}"
+    where = f"tensor {index} '{shown(name)}'"
     if not raw_name or len(raw_name) > GGUF_MAX_NAME_BYTES:
         raise encoder.fail(where, f"the name is {len(raw_name)} bytes; ggml allows 1 to {GGUF_MAX_NAME_BYTES}")
     if name in names:
