@@ -77,7 +77,8 @@ class IntegerSpec:
     """``count`` integers per block, assembled low bits first from planes or a piece table.
 
     ``sources`` holds, per value, its pieces as (field, byte within the field, shift, width);
-    planes are expanded into it at parse time, so that the decoder has one form to run.
+    planes are expanded into it at parse time, so that every value has one form; ``planes`` keeps
+    the planes too (empty for a piece table), which the decoder unpacks without gathers.
     """
 
     name: str
@@ -86,6 +87,7 @@ class IntegerSpec:
     signed: bool
     offset: int
     sources: tuple[tuple[tuple[str, int, int, int], ...], ...]
+    planes: tuple[Plane, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,7 @@ def _integer(reader: Reader, name: str, node: Node, path: str, fields: dict[str,
     if count is None or signed is None or offset is None:
         return None
     sources: list[list[tuple[str, int, int, int]]] = [[] for _ in range(count)]
+    found_planes: list[Plane] = []
     if "planes" in keys:
         if "field" in keys:
             reader.fail(keys["field"], f"{path}.field", "planes name their own field; remove field")
@@ -187,6 +188,7 @@ def _integer(reader: Reader, name: str, node: Node, path: str, fields: dict[str,
                 return None
             for value, source in zip(sources, found, strict=True):
                 value.append(source)
+            found_planes.append(plane)
     else:
         raw = tuple(n for n, f in fields.items() if f.format is None)
         field = reader.choice(keys["field"], f"{path}.field", raw) if "field" in keys else None
@@ -207,7 +209,9 @@ def _integer(reader: Reader, name: str, node: Node, path: str, fields: dict[str,
             node, path, f"every value must have the same width of at most {MAX_INTEGER_BITS} bits; got {sorted(bits)}"
         )
         return None
-    return IntegerSpec(name, count, bits.pop(), signed, offset, tuple(tuple(value) for value in sources))
+    return IntegerSpec(
+        name, count, bits.pop(), signed, offset, tuple(tuple(value) for value in sources), tuple(found_planes)
+    )
 
 
 def _factors(reader: Reader, node: Node, path: str, names: dict[str, int], elements: int) -> tuple[str, ...] | None:

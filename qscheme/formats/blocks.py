@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qscheme.descriptor.blocks import BlockField, BlockLayout, IntegerSpec
+from qscheme.descriptor.blocks import BlockField, BlockLayout, IntegerSpec, Plane
 from qscheme.errors import QuantizeError
 from qscheme.formats.elements import decode
 
@@ -140,15 +140,46 @@ def float_field_values(blocks: Tensor, field: BlockField) -> Tensor:
     return _UE4M3[key].index_select(0, raw.reshape(-1).to(torch.int64)).view(raw.shape)
 
 
-def _integer(blocks: Tensor, compiled: _CompiledInteger) -> Tensor:
-    """[B, count] int32 values of an integer (offset and sign applied)."""
+def _plane_values(blocks: Tensor, field: BlockField, plane: Plane, count: int) -> Tensor:
+    """[B, count] uint8 values of one bit plane, unpacked by reshapes and shifts (no gather)."""
+    per_byte = 8 // plane.bits
+    runs = count // (plane.run * per_byte)
+    start = field.offset + plane.first_byte
+    raw = blocks[:, start : start + runs * plane.run].reshape(-1, runs, 1, plane.run)
+    if per_byte == 1:
+        return raw.reshape(-1, count)
+    shifts = _SHIFTS.setdefault((plane.bits, str(blocks.device)), _shift_table(plane.bits, blocks.device))
+    return ((raw >> shifts) & ((1 << plane.bits) - 1)).reshape(-1, count)
+
+
+_SHIFTS: dict[tuple[int, str], Tensor] = {}
+
+
+def _shift_table(bits: int, device: torch.device) -> Tensor:
+    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device).view(1, 1, -1, 1)
+
+
+def _integer(blocks: Tensor, compiled: _CompiledInteger, layout: BlockLayout) -> Tensor:
+    """[B, count] values of an integer (offset and sign applied): uint8 or int16 from planes of
+    at most 8 bits in all, else int32."""
+    spec = compiled.spec
+    if spec.planes and spec.bits <= 8 and not spec.signed and spec.offset == 0:
+        value: Tensor | None = None
+        shift = 0
+        for plane in spec.planes:
+            field = layout.field(plane.field)
+            assert field is not None
+            part = _plane_values(blocks, field, plane, spec.count)
+            value = part if value is None else value | (part << shift)
+            shift += plane.bits
+        assert value is not None
+        return value
     out: Tensor | None = None
     for slot in compiled.slots:
         part = blocks.index_select(1, slot.index).to(torch.int32)
         part = ((part >> slot.shift) & slot.mask) << slot.destination
         out = part if out is None else out | part
     assert out is not None
-    spec = compiled.spec
     if spec.signed:
         out = out - ((out >> (spec.bits - 1)) & 1) * (1 << spec.bits)
     if spec.offset:
@@ -172,7 +203,7 @@ def _factor(blocks: Tensor, compiled: CompiledLayout, name: str) -> Tensor:
     field = compiled.layout.field(name)
     if field is not None:
         return float_field_values(blocks, field)
-    return _integer(blocks, compiled.integers[name]).to(torch.float32)
+    return _integer(blocks, compiled.integers[name], compiled.layout).to(torch.float32)
 
 
 def _product(blocks: Tensor, compiled: CompiledLayout, names: tuple[str, ...]) -> Tensor:
@@ -195,7 +226,7 @@ def decode_blocks(raw: Tensor, layout: BlockLayout) -> Tensor:
     value = _product(blocks, compiled, layout.scale)
     rule = layout.element
     if rule is not None:
-        codes = _integer(blocks, compiled.integers[rule.integer])
+        codes = _integer(blocks, compiled.integers[rule.integer], layout)
         if compiled.element_table is not None:
             element = compiled.element_table.index_select(0, codes.reshape(-1).to(torch.int64)).view(codes.shape)
         else:
