@@ -10,7 +10,7 @@ from qscheme.producers.gguf.quants.table import QUANTIZERS, BlockQuantizer
 
 # Blocks quantized per call of a type's quantizer: large enough that torch's per-op overhead is
 # small, small enough that the working set stays in cache (the searches touch each block ~100x).
-_BLOCKS_PER_CHUNK_ELEMENTS = 1 << 19
+_BLOCKS_PER_CHUNK_ELEMENTS = 1 << 17
 
 
 def supported_types() -> tuple[str, ...]:

@@ -24,6 +24,8 @@ from torch import Tensor
 # nearest_int's magic: 1.5 * 2**23. Adding it to |v| < 2**22 leaves round-half-even(v) in the low
 # mantissa bits.
 _ROUNDING_MAGIC = 12582912.0
+_TWO_POW_23 = 8388608.0
+_TWO_POW_24 = 16777216.0
 _MANTISSA_MASK = 0x007FFFFF
 _MANTISSA_OFFSET = 0x00400000
 
@@ -56,6 +58,21 @@ def nearest_int(value: Tensor) -> Tensor:
     """
     shifted = value + _ROUNDING_MAGIC
     return (shifted.view(torch.int32) & _MANTISSA_MASK) - _MANTISSA_OFFSET
+
+
+def nearest_level(value: Tensor, low: float, high: int) -> Tensor:
+    """``MAX(low, MIN(high, nearest_int(value)))`` as float32: the hot path of the searches.
+
+    When every ``value + 1.5 * 2**23`` lies in [2**23, 2**24) (|value| < 2**22, the usual case),
+    nearest_int's mantissa bits are exactly that sum minus the magic: two float ops, no integer
+    conversion. Otherwise (a huge ratio, inf or NaN in some lane) the bit trick itself runs.
+    """
+    shifted = value + _ROUNDING_MAGIC
+    smallest, largest = torch.aminmax(shifted)
+    if bool(smallest >= _TWO_POW_23) and bool(largest < _TWO_POW_24):
+        shifted -= _ROUNDING_MAGIC
+        return shifted.clamp_(low, high)
+    return nearest_int(value).clamp_(int(low), high).to(torch.float32)
 
 
 def round_half_away(value: Tensor) -> Tensor:
