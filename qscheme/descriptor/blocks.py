@@ -142,15 +142,23 @@ class BlockLayout:
 
     def describe(self) -> str:
         """``blocks of 256 in 144 bytes (4.5 bits per weight): d * sc * q - dmin * m``."""
-        element = "1" if self.element is None else self.element.integer
+
+        def shown(name: str) -> str:
+            integer = self.integer(name)
+            if integer is None or not integer.offset:
+                return name
+            return f"({name} {'-' if integer.offset < 0 else '+'} {abs(integer.offset)})"
+
+        element = "1" if self.element is None else shown(self.element.integer)
         if self.element is not None and self.element.table is not None:
             element = f"table[{element}]"
         elif self.element is not None and self.element.format is not None:
             element = f"{self.element.format}({element})"
-        formula = " * ".join((*self.scale, element)) if self.element is not None else " * ".join(self.scale)
+        factors = [shown(name) for name in self.scale]
+        formula = " * ".join((*factors, element)) if self.element is not None else " * ".join(factors)
         if self.minimum:
             sign = "-" if self.minimum_sign == "subtract" else "+"
-            formula += f" {sign} " + " * ".join(self.minimum)
+            formula += f" {sign} " + " * ".join(shown(name) for name in self.minimum)
         return f"blocks of {self.elements} in {self.bytes} bytes ({self.bits_per_weight:g} bits per weight): {formula}"
 
 

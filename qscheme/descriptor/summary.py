@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from qscheme.descriptor.blocks import BlockLayout
 from qscheme.descriptor.model import Scheme, TensorSpec
 from qscheme.descriptor.rules import rule_schemas
 from qscheme.descriptor.shapes import format_shape
@@ -43,6 +44,51 @@ def scheme_summary(scheme: Scheme) -> dict[str, Any]:
     }
 
 
+def blocks_dict(layout: BlockLayout) -> dict[str, Any]:
+    """A block layout as plain data: sizes, fields, integers (with their planes or pieces), the formula."""
+    integers = {}
+    for spec in layout.integers:
+        entry: dict[str, Any] = {"count": spec.count, "bits": spec.bits, "signed": spec.signed, "offset": spec.offset}
+        if spec.planes:
+            entry["planes"] = [
+                {"field": p.field, "bits": p.bits, "run": p.run, "first_byte": p.first_byte} for p in spec.planes
+            ]
+        else:
+            entry["pieces"] = [[[byte, shift, width] for _, byte, shift, width in value] for value in spec.sources]
+        integers[spec.name] = entry
+    element = None
+    if layout.element is not None:
+        element = {"integer": layout.element.integer, "table": layout.element.table, "format": layout.element.format}
+    return {
+        "elements": layout.elements,
+        "bytes": layout.bytes,
+        "bits_per_weight": layout.bits_per_weight,
+        "fields": [
+            {"name": f.name, "offset": f.offset, "bytes": f.size, "format": f.format, "count": f.count}
+            for f in layout.fields
+        ],
+        "integers": integers,
+        "element": element,
+        "scale": list(layout.scale),
+        "minimum": {layout.minimum_sign: list(layout.minimum)} if layout.minimum else None,
+        "formula": layout.describe(),
+    }
+
+
+def render_blocks(layout: BlockLayout) -> list[str]:
+    """``qscheme show``'s lines for a block layout."""
+    lines = [f"  blocks:    {layout.describe()}"]
+    for f in layout.fields:
+        kind = f"{f.count} x {f.format}" if f.format else "raw"
+        lines.append(f"    field    {f.name:<10} bytes [{f.offset}, {f.offset + f.size})  {kind}")
+    for spec in layout.integers:
+        how = " | ".join(f"{p.field} {p.bits}-bit run {p.run}" for p in spec.planes) if spec.planes else "piece table"
+        sign = "signed " if spec.signed else ""
+        offset = f", {spec.offset:+d}" if spec.offset else ""
+        lines.append(f"    integer  {spec.name:<10} {spec.count} x {sign}{spec.bits}-bit from {how}{offset}")
+    return lines
+
+
 def scheme_dict(scheme: Scheme) -> dict[str, Any]:
     """Everything a descriptor declares, as plain data (`qscheme show --json`)."""
     weight = scheme.weight
@@ -65,6 +111,8 @@ def scheme_dict(scheme: Scheme) -> dict[str, Any]:
         ),
     }
     act = scheme.activation
+    if weight.blocks is not None:
+        out["weight"]["blocks"] = blocks_dict(weight.blocks)
     out["activation"] = (
         None
         if act is None
@@ -106,7 +154,10 @@ def render_scheme(scheme: Scheme) -> str:
     if scale.block:
         granularity += f" {scale.block[0]}x{scale.block[1]}"
     lines.append(f"weight:      {weight.format} ({scheme.weight_family}), packing {weight.packing}")
-    lines.append(f"  scale:     {scale.format}, {granularity}, stored as {scale.stored}")
+    if weight.blocks is not None:
+        lines.extend(render_blocks(weight.blocks))
+    else:
+        lines.append(f"  scale:     {scale.format}, {granularity}, stored as {scale.stored}")
     if weight.global_scale:
         lines.append(f"  global:    one per partition, stored as {weight.global_scale.stored}")
     if weight.zero_point:

@@ -128,9 +128,10 @@ def float_field_values(blocks: Tensor, field: BlockField) -> Tensor:
     raw = blocks[:, field.offset : field.offset + field.size]
     if field.format in ("fp16", "bf16", "fp32"):
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[field.format]
-        return raw.contiguous().view(dtype).to(torch.float32)
+        # through a flat copy: a one-block slice counts as contiguous with the block's stride
+        return raw.contiguous().reshape(-1).view(dtype).to(torch.float32).view(raw.shape[0], field.count)
     if field.format == "e4m3":
-        return raw.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+        return raw.contiguous().reshape(-1).view(torch.float8_e4m3fn).to(torch.float32).view(raw.shape)
     if field.format == "e8m0":
         return decode(raw.contiguous(), "e8m0").to(torch.float32)
     assert field.format == "ue4m3", field.format
