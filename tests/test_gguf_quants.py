@@ -1,0 +1,222 @@
+"""qscheme.producers.gguf.quants writes llama.cpp's bytes: byte equality with llama.cpp's own C
+quantizer (tests/llamacpp_oracle.py, the oracle marker) and, where gguf-py's numpy quantizer is
+bit-exact, with it (no build needed); C's float32 rules (c_float) checked against numpy float32
+scalars; refusals checked by message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from qscheme.errors import QSchemeError, QuantizeError
+from qscheme.producers.gguf.quants import c_float, quantize_blocks, supported_types
+from qscheme.producers.gguf.quants.table import QUANTIZERS
+
+REQUIRED = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+# gguf-py's numpy quantizers that are bit-exact with ggml's on every block (checked on all cases).
+GGUF_EXACT_EVERYWHERE = ("Q8_0",)
+# Bit-exact except on an all-zero block, where gguf-py writes d = +0.0 and ggml -0.0 (max / -8).
+GGUF_EXACT_WITHOUT_ZERO_BLOCKS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+def hard_rows(columns: int, rng: np.random.Generator) -> Iterator[tuple[str, np.ndarray]]:
+    """Rows that reach the quantizers' edge branches, each case [rows, columns] float32."""
+    normal = rng.standard_normal((4, columns)).astype(np.float32)
+    yield "zeros", np.zeros((2, columns), np.float32)
+    yield "negative zeros", -np.zeros((2, columns), np.float32)
+    spike = normal.copy()
+    spike[:, 3] = 1e4
+    spike[:, columns // 2 + 7] = -3e3
+    yield "one huge value per block", spike
+    yield "constant", np.full((2, columns), 0.37, np.float32)
+    yield "negative constant", np.full((2, columns), -1.5, np.float32)
+    yield "negative only", -np.abs(normal)
+    yield "positive only", np.abs(normal)
+    yield "halves (rounding ties)", (rng.integers(-16, 17, (4, columns)) / 2).astype(np.float32)
+    yield "eighths (rounding ties)", (rng.integers(-64, 64, (4, columns)) / 8).astype(np.float32)
+    yield "denormal-sized", (normal * np.float32(1e-40)).astype(np.float32)
+    yield "tiny", (normal * np.float32(1e-20)).astype(np.float32)
+    yield "mostly zero", (normal * (rng.random((4, columns)) < 0.1)).astype(np.float32)
+    yield (
+        "powers of two",
+        (2.0 ** rng.integers(-10, 10, (4, columns)) * rng.choice([-1, 1], (4, columns))).astype(np.float32),
+    )
+    yield "heavy tails", rng.standard_t(2, (4, columns)).astype(np.float32)
+    yield "large", (normal * np.float32(3e4)).astype(np.float32)
+
+
+def normal_rows(rows: int, columns: int, scale: float, seed: int) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((rows, columns)) * scale).astype(np.float32)
+
+
+def all_cases(columns: int) -> np.ndarray:
+    """Every hard case and random normal rows of several scales, stacked: one oracle call per K."""
+    rng = np.random.default_rng(columns)
+    parts = [case for _, case in hard_rows(columns, rng)]
+    parts += [
+        normal_rows(rows, columns, scale, seed) for seed, (rows, scale) in enumerate([(1, 1.0), (7, 0.02), (16, 5.0)])
+    ]
+    return np.concatenate(parts)
+
+
+def quantize(values: np.ndarray, type_name: str) -> np.ndarray:
+    return quantize_blocks(torch.from_numpy(values), type_name).numpy()
+
+
+def first_difference(expected: np.ndarray, actual: np.ndarray, block_bytes: int) -> str:
+    if expected.shape != actual.shape:
+        return f"shapes {expected.shape} vs {actual.shape}"
+    blocks_expected = expected.reshape(-1, block_bytes)
+    blocks_actual = actual.reshape(-1, block_bytes)
+    differing = np.nonzero((blocks_expected != blocks_actual).any(axis=1))[0]
+    if len(differing) == 0:
+        return "equal"
+    block = differing[0]
+    return f"{len(differing)} of {len(blocks_expected)} blocks differ; first block {block}: bytes " + str(
+        np.nonzero(blocks_expected[block] != blocks_actual[block])[0][:12].tolist()
+    )
+
+
+def test_required_types_are_supported() -> None:
+    assert set(REQUIRED) <= set(supported_types())
+    assert supported_types() == tuple(QUANTIZERS)
+
+
+def test_block_shapes_are_ggml_s() -> None:
+    constants = pytest.importorskip("gguf.constants")
+    for name, quantizer in QUANTIZERS.items():
+        expected = constants.GGML_QUANT_SIZES[constants.GGMLQuantizationType[name]]
+        assert (quantizer.block_elements, quantizer.block_bytes) == expected, name
+
+
+@pytest.mark.parametrize("type_name", sorted(QUANTIZERS))
+def test_output_shape_and_empty_rows(type_name: str) -> None:
+    quantizer = QUANTIZERS[type_name]
+    columns = 2 * 256
+    packed = quantize_blocks(torch.randn(3, columns), type_name)
+    assert packed.dtype == torch.uint8
+    assert tuple(packed.shape) == (3, columns // quantizer.block_elements * quantizer.block_bytes)
+    assert tuple(quantize_blocks(torch.zeros(0, columns), type_name).shape) == (0, packed.shape[1])
+
+
+@pytest.mark.parametrize("type_name", GGUF_EXACT_EVERYWHERE + GGUF_EXACT_WITHOUT_ZERO_BLOCKS)
+@pytest.mark.parametrize("columns", [256, 512, 4096])
+def test_matches_gguf_numpy_quantizer(type_name: str, columns: int) -> None:
+    gguf_quants = pytest.importorskip("gguf.quants")
+    constants = pytest.importorskip("gguf.constants")
+    if type_name in GGUF_EXACT_EVERYWHERE:
+        values = all_cases(columns)
+    else:
+        values = np.concatenate(
+            [normal_rows(rows, columns, scale, rows) for rows, scale in [(1, 1.0), (9, 0.01), (64, 7.0)]]
+        )
+    with np.errstate(all="ignore"):
+        expected = gguf_quants.quantize(values, constants.GGMLQuantizationType[type_name])
+    actual = quantize(values, type_name)
+    block_bytes = QUANTIZERS[type_name].block_bytes
+    assert np.array_equal(expected.reshape(actual.shape), actual), first_difference(
+        expected.reshape(actual.shape), actual, block_bytes
+    )
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("type_name", sorted(QUANTIZERS))
+def test_matches_llamacpp(type_name: str) -> None:
+    from llamacpp_oracle import ggml_quantize
+
+    block_bytes = QUANTIZERS[type_name].block_bytes
+    for columns in (256, 512, 4096):
+        values = all_cases(columns)
+        expected = ggml_quantize(values, type_name)
+        actual = quantize(values, type_name)
+        assert np.array_equal(expected, actual), f"K={columns}: " + first_difference(expected, actual, block_bytes)
+
+
+# Relative RMS error bounds for normal weights, loose (about 2x what each type reaches).
+ERROR_BOUNDS = {"Q8_0": 0.01, "Q6_K": 0.03, "Q5_K": 0.06, "Q5_0": 0.08, "Q5_1": 0.08, "Q4_K": 0.12}
+ERROR_BOUNDS |= {"Q4_0": 0.16, "Q4_1": 0.16, "Q3_K": 0.3, "Q2_K": 0.5}
+
+
+@pytest.mark.parametrize(("type_name", "bound"), sorted(ERROR_BOUNDS.items()))
+def test_dequantized_bytes_are_close_to_the_weights(type_name: str, bound: float) -> None:
+    """A check that needs no oracle: the bytes decode (gguf-py's dequantizer) to the weights."""
+    gguf_quants = pytest.importorskip("gguf.quants")
+    constants = pytest.importorskip("gguf.constants")
+    values = normal_rows(8, 1024, 0.05, 11)
+    raw = quantize(values, type_name)
+    decoded = gguf_quants.dequantize(raw, constants.GGMLQuantizationType[type_name]).reshape(values.shape)
+    relative_rms = float(np.sqrt(np.mean((decoded - values) ** 2) / np.mean(values**2)))
+    assert relative_rms < bound
+
+
+def test_k_not_a_multiple_of_the_block_is_refused() -> None:
+    with pytest.raises(QuantizeError) as caught:
+        quantize_blocks(torch.zeros(2, 320), "Q4_K", tensor_name="blk.0.attn_q.weight")
+    message = str(caught.value)
+    assert "blk.0.attn_q.weight" in message and "Q4_K" in message and "256" in message and "K = 320" in message
+
+
+def test_non_finite_weight_is_refused_naming_the_row() -> None:
+    weights = torch.zeros(5, 64)
+    weights[3, 10] = float("nan")
+    with pytest.raises(QuantizeError) as caught:
+        quantize_blocks(weights, "Q8_0")
+    assert "row 3" in str(caught.value) and "column 10" in str(caught.value)
+    weights[3, 10] = float("-inf")
+    with pytest.raises(QuantizeError, match="row 3"):
+        quantize_blocks(weights, "Q4_0")
+
+
+def test_unknown_type_lists_the_supported_ones() -> None:
+    with pytest.raises(QuantizeError) as caught:
+        quantize_blocks(torch.zeros(1, 256), "Q4_X")
+    assert "'Q4_X'" in str(caught.value)
+    for name in supported_types():
+        assert name in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [torch.zeros(2, 256, dtype=torch.float16), torch.zeros(256), torch.zeros(1, 2, 256)],
+    ids=["float16", "1-D", "3-D"],
+)
+def test_not_float32_rows_is_refused(weights: torch.Tensor) -> None:
+    with pytest.raises(QuantizeError, match="float32 tensor \\[rows, K\\]"):
+        quantize_blocks(weights, "Q8_0")
+    assert issubclass(QuantizeError, QSchemeError)
+
+
+# C's float32 rules, each against numpy float32 scalars (numpy's scalar arithmetic is C's).
+
+
+def test_sequential_sum_adds_in_element_order() -> None:
+    terms = np.random.default_rng(3).standard_normal((32, 50)).astype(np.float32) * np.float32(1e3)
+    terms[5] = np.float32(1e8)  # order matters: small terms after a huge one are absorbed
+    expected = np.zeros(50, np.float32)
+    for row in terms:
+        expected = (expected + row).astype(np.float32)
+    assert np.array_equal(c_float.sequential_sum(torch.from_numpy(terms)).numpy(), expected)
+
+
+def test_nearest_int_rounds_half_to_even_and_nearest_level_agrees() -> None:
+    values = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 0.49999997, 3.2, -7.7, 4194303.0], dtype=torch.float32)
+    assert c_float.nearest_int(values).tolist() == [0, 2, 2, 0, -2, 0, 3, -8, 4194303]
+    assert c_float.nearest_level(values, -8, 15).tolist() == [0.0, 2.0, 2.0, 0.0, -2.0, 0.0, 3.0, -8.0, 15.0]
+    huge = torch.tensor([-5e6, float("inf")], dtype=torch.float32)
+    # Beyond 2**22 the bit trick is not rounding; nearest_level then gives the trick's result too.
+    assert c_float.nearest_level(huge, 0, 31).tolist() == c_float.nearest_int(huge).clamp(0, 31).float().tolist()
+
+
+def test_round_half_away_is_c_roundf() -> None:
+    values = torch.tensor([0.5, 1.5, 2.5, -2.5, 0.49999997, -0.49999997, 126.5], dtype=torch.float32)
+    assert c_float.round_half_away(values).tolist() == [1.0, 2.0, 3.0, -3.0, 0.0, 0.0, 127.0]
+
+
+def test_divide_rounds_once() -> None:
+    denominators = np.random.default_rng(4).uniform(0.1, 10.0, 10_000).astype(np.float32)
+    expected = np.float32(63.0) / denominators
+    assert np.array_equal(c_float.divide(63.0, torch.from_numpy(denominators)).numpy(), expected)
