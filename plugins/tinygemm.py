@@ -46,6 +46,20 @@ INT4_WEIGHT_ONLY = Supports(
     input_pre_scale=True,
 )
 
+# Packed blocks (GGUF) whose weights are affine in an unsigned code of at most 4 bits.
+TINYGEMM_BLOCK_CODES: tuple[str, ...] = ("uint2", "uint3", "uint4")
+BLOCKS_AFFINE = Supports(
+    weights=("blocks",),
+    granularities=("group",),
+    group_sizes=TINYGEMM_GROUP_SIZES,
+    block_codes=TINYGEMM_BLOCK_CODES,
+)
+_BLOCKS_NOTE = (
+    "packed blocks (GGUF Q4_0, Q4_1, Q4_K: groups of 32) run as (u - 8) * s + zero with the block's float32 scale "
+    "product s and zero = 8 * s + shift (shift = s * offset -/+ the float32 minimum product) each rounded once to "
+    "bfloat16: each weight moves by at most 8 * 2**-8 * |s| + 2**-9 * |zero|, plus 2**-24 * |w| for the "
+    "reference's own float32 rounding; the block bytes stay beside the packed copy (about 2.1x the 4-bit data)"
+)
 _SCALE_NOTE = (
     "scales are rounded to bfloat16, the only scale dtype the op takes with bfloat16 inputs: exact for "
     "bfloat16 scales; float16 or float32 scales (or a global scale folded in) move each weight by at most "
@@ -72,7 +86,7 @@ TINYGEMM = KernelDeclaration(
     provider="torch",
     priority=70,
     description="torch's tinygemm int4 GEMM (torch._weight_int4pack_mm) on bf16 tensor cores",
-    supports=(INT4_WEIGHT_ONLY,),
+    supports=(INT4_WEIGHT_ONLY, BLOCKS_AFFINE),
     devices=(DeviceSupport("cuda", capabilities=(CapabilityRange((8, 0)),)),),
     implementation="qscheme_plugins.tinygemm_kernel:TinygemmKernel",
     torch_features=("ops.aten._convert_weight_to_int4pack", "ops.aten._weight_int4pack_mm"),
@@ -86,6 +100,7 @@ TINYGEMM = KernelDeclaration(
         _ZERO_NOTE,
         _PRE_SCALE_NOTE,
         _MEMORY_NOTE,
+        _BLOCKS_NOTE,
     ),
 )
 
@@ -94,7 +109,7 @@ TINYGEMM_CPU = KernelDeclaration(
     provider="torch",
     priority=60,
     description="torch's tinygemm int4 GEMM for CPUs (torch._weight_int4pack_mm_for_cpu)",
-    supports=(INT4_WEIGHT_ONLY,),
+    supports=(INT4_WEIGHT_ONLY, BLOCKS_AFFINE),
     devices=(DeviceSupport("cpu"),),
     implementation="qscheme_plugins.tinygemm_kernel:TinygemmCpuKernel",
     torch_features=("ops.aten._convert_weight_to_int4pack_for_cpu", "ops.aten._weight_int4pack_mm_for_cpu"),
@@ -110,6 +125,7 @@ TINYGEMM_CPU = KernelDeclaration(
         "float16 and float32 inputs are not declared: the op runs them on a scalar path 24-83x slower than "
         "bfloat16 and 3-9x slower than the reference kernel (4096x4096, M = 1-4)",
         _MEMORY_NOTE,
+        _BLOCKS_NOTE,
     ),
 )
 

@@ -14,6 +14,11 @@ rounded once to bfloat16; the zero is computed exactly in float64 and rounded on
 Channel scales are repeated over groups of the size that pads K least (the same scale in every
 group is exact).
 
+Packed blocks (GGUF's Q4_0, Q4_1, Q4_K) whose code is an unsigned integer of at most 4 bits used
+as a number take the same form: ``w = scale * u + shift`` per sub-block
+(``qscheme.formats.blocks.affine_parts``), so ``zero = 8 * scale + shift``, computed in float64
+and rounded once to bfloat16, with ``scale`` (the block's float32 scale product) rounded too.
+
 Padding: N to the op's multiple (16 on the CPU, 8 on CUDA) with zero scales and zeros, K to the
 group size with zero-valued codes (u = 8) and zero inputs; the output is sliced back to N. The
 state keeps the packed weight, the scale-and-zero pairs and the pre-scale (float32, shared with
@@ -32,13 +37,15 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from qscheme_plugins.tinygemm import TINYGEMM_GROUP_SIZES
+from qscheme_plugins.tinygemm import TINYGEMM_BLOCK_CODES, TINYGEMM_GROUP_SIZES
 from torch import Tensor
 
 from qscheme.canonical import CanonicalWeight, effective_scale
 from qscheme.errors import QuantizeError, UsageError
+from qscheme.formats.blocks import affine_parts
 
 GROUP_SIZES: tuple[int, ...] = TINYGEMM_GROUP_SIZES  # the declaration's: the group sizes both ops take
+BLOCK_CODES: tuple[str, ...] = TINYGEMM_BLOCK_CODES  # the packed-block codes both ops take
 OP_DTYPE = torch.bfloat16
 # Rows of the int32 copy the CPU packing op is fed at a time: a multiple of the 64-row blocks
 # its layout is local to (AVX512 packs 64 rows together, AVX2 32).
@@ -70,6 +77,19 @@ def tinygemm_group_size(weight: CanonicalWeight) -> int:
     channel scales the one that pads K least (the largest of those). UsageError otherwise."""
     scheme = weight.scheme
     spec = scheme.weight.scale
+    layout = scheme.weight.blocks
+    if layout is not None:
+        if layout.code_kind not in BLOCK_CODES or scheme.activation is not None:
+            raise UsageError(
+                f"tinygemm runs packed blocks with {'/'.join(BLOCK_CODES)} codes and 16-bit inputs; scheme "
+                f"{scheme.name} has {layout.code_kind} codes"
+            )
+        if layout.sub_block not in GROUP_SIZES:
+            raise UsageError(
+                f"tinygemm takes groups of {'/'.join(map(str, GROUP_SIZES))}; scheme {scheme.name} has sub-blocks "
+                f"of {layout.sub_block}"
+            )
+        return layout.sub_block
     if scheme.weight.format not in ("int4", "uint4"):
         raise UsageError(f"tinygemm runs int4 and uint4 weights; scheme {scheme.name} has {scheme.weight.format}")
     if scheme.activation is not None:
@@ -107,6 +127,13 @@ def round_once(values: Tensor, dtype: torch.dtype) -> Tensor:
 def scales_and_zeros(weight: CanonicalWeight, group_size: int, padded_n: int, padded_k: int) -> Tensor:
     """bfloat16 [padded_k / group_size, padded_n, 2] (scale, zero) pairs, in host memory."""
     n, groups = weight.n, padded_k // group_size
+    layout = weight.scheme.weight.blocks
+    if layout is not None:  # packed blocks: w = scale * u + shift (qscheme.formats.blocks.affine_parts)
+        _, block_scale, shift = affine_parts(weight.codes, layout)
+        pairs = torch.zeros(groups, padded_n, 2, dtype=OP_DTYPE)
+        pairs[: block_scale.shape[1], :n, 0] = block_scale.t().to(OP_DTYPE)
+        pairs[: block_scale.shape[1], :n, 1] = round_once(8 * block_scale.to(torch.float64) + shift, OP_DTYPE).t()
+        return _finite(pairs, weight, block_scale)
     scale = effective_scale(weight)  # float32 [N, ceil(K/G)] or [N, 1]
     if scale.shape[1] != groups:  # channel scales
         scale = scale.expand(n, groups)
@@ -118,6 +145,10 @@ def scales_and_zeros(weight: CanonicalWeight, group_size: int, padded_n: int, pa
     pairs = torch.zeros(groups, padded_n, 2, dtype=OP_DTYPE)
     pairs[:, :n, 0] = scale.t().to(OP_DTYPE)
     pairs[:, :n, 1] = zero.t()
+    return _finite(pairs, weight, scale)
+
+
+def _finite(pairs: Tensor, weight: CanonicalWeight, scale: Tensor) -> Tensor:
     if not bool(torch.isfinite(pairs).all()):
         raise QuantizeError(
             f"scheme {weight.scheme.name}: a scale or zero point overflows bfloat16 (largest scale "
@@ -127,9 +158,14 @@ def scales_and_zeros(weight: CanonicalWeight, group_size: int, padded_n: int, pa
 
 
 def unsigned_values(weight: CanonicalWeight, rows: slice, padded_k: int) -> Tensor:
-    """uint8 [rows, padded_k]: the op's values u (int4 q + 8, uint4 q), zero-valued past K."""
+    """uint8 [rows, padded_k]: the op's values u (int4 q + 8, uint4 q, a block's unsigned code),
+    zero-valued past K."""
     part = weight.codes[rows]
-    values = torch.stack((part & 0xF, part >> 4), dim=-1).reshape(part.shape[0], -1)
+    layout = weight.scheme.weight.blocks
+    if layout is not None:
+        values = affine_parts(part, layout)[0]
+    else:
+        values = torch.stack((part & 0xF, part >> 4), dim=-1).reshape(part.shape[0], -1)
     if weight.scheme.weight.format == "int4":
         values = values ^ 8
     out = torch.full((part.shape[0], padded_k), ZERO_VALUE_CODE, dtype=torch.uint8, device=part.device)
@@ -140,6 +176,11 @@ def unsigned_values(weight: CanonicalWeight, rows: slice, padded_k: int) -> Tens
 def cuda_bytes(weight: CanonicalWeight, padded_n: int, padded_k: int, device: torch.device) -> Tensor:
     """uint8 [padded_n, padded_k / 2] as the CUDA packing op reads them: values u, element 2j in
     the high nibble of byte j; zero-valued (u = 8) past N and K."""
+    if weight.scheme.weight.blocks is not None:
+        values = unsigned_values(weight, slice(0, weight.n), padded_k).to(device)
+        raw = torch.full((padded_n, padded_k // 2), ZERO_VALUE_CODE * 0x11, dtype=torch.uint8, device=device)
+        raw[: weight.n] = (values[:, 0::2] << 4) | values[:, 1::2]  # element 2j in the high nibble
+        return raw
     codes = weight.codes.to(device)
     if weight.scheme.weight.format == "int4":
         codes = codes ^ 0x88  # u = q + 8 in both nibbles

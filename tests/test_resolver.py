@@ -455,7 +455,9 @@ def test_scheme_stage_reasons() -> None:
     int8 = resolve(builtin_scheme("compressed-tensors/W8A8"), SQUARE, device, AS_IF_IMPLEMENTED)
     assert reasons_at(int8.candidate("native_fp4"), "scheme") == "implements nvfp4 weights; scheme has int8 weights"
     assert reasons_at(int8.candidate("native_mxfp4"), "scheme") == "implements mxfp4 weights; scheme has int8 weights"
-    assert reasons_at(int8.candidate("tinygemm"), "scheme") == "implements int4 weights; scheme has int8 weights"
+    assert reasons_at(int8.candidate("tinygemm"), "scheme") == (
+        "implements blocks, int4 weights; scheme has int8 weights"
+    )
     assert int8.candidate("marlin").reason == (
         "takes int8 weights with none (16-bit) activations; scheme has int8 dynamic per token activations"
     )

@@ -44,6 +44,7 @@ from qscheme.triton.samples import random_weight
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
 INT4_SCHEMES = ("compressed-tensors/W4A16", "compressed-tensors/W4A16_ASYM", "modelopt/W4A16_AWQ")
+BLOCK_SCHEMES = ("gguf/Q4_0", "gguf/Q4_1", "gguf/Q4_K")  # tests/test_tinygemm_blocks.py
 GROUP_SIZES = (32, 64, 128, 256)
 
 UINT4_CHANNEL = """
@@ -198,7 +199,7 @@ def test_the_declaration_module_imports_no_torch() -> None:
 @pytest.mark.parametrize("declaration", [TINYGEMM, TINYGEMM_CPU], ids=["tinygemm", "tinygemm_cpu"])
 def test_both_kernels_claim_exactly_the_builtin_int4_weight_only_schemes(declaration: KernelDeclaration) -> None:
     claimed = {s.name for s in builtin_schemes() if check_scheme(declaration, SchemeFeatures.of(s))[0]}
-    assert claimed == set(INT4_SCHEMES)
+    assert claimed == set(INT4_SCHEMES) | set(BLOCK_SCHEMES)
     for name, group in CLAIMED:
         assert check_scheme(declaration, SchemeFeatures.of(claimed_scheme(name, group)))[0]
     assert check_scheme(declaration, SchemeFeatures.of(parse_scheme_text(UINT4_CHANNEL)))[0]
@@ -259,9 +260,13 @@ def test_group_16_and_other_weight_families_are_rejected_with_reasons(device: st
     assert candidate.stage == "scheme"
     assert candidate.reason == "takes int4 weight groups of 32/64/128/256; scheme has groups of 16"
     candidate = _resolve(builtin_scheme("compressed-tensors/NVFP4A16"), device).candidate(name)
-    assert candidate.stage == "scheme" and candidate.reason == "implements int4 weights; scheme has nvfp4 weights"
+    assert (
+        candidate.stage == "scheme" and candidate.reason == "implements blocks, int4 weights; scheme has nvfp4 weights"
+    )
     candidate = _resolve(builtin_scheme("compressed-tensors/W8A8"), device).candidate(name)
-    assert candidate.stage == "scheme" and candidate.reason == "implements int4 weights; scheme has int8 weights"
+    assert (
+        candidate.stage == "scheme" and candidate.reason == "implements blocks, int4 weights; scheme has int8 weights"
+    )
 
 
 def test_the_kernel_code_refuses_what_it_does_not_run() -> None:

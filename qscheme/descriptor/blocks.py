@@ -137,6 +137,22 @@ class BlockLayout:
         return self.elements // finest
 
     @property
+    def code_kind(self) -> str:
+        """What a weight's code is, in the words kernel declarations use (``Supports.block_codes``):
+        ``uint<b>`` / ``int<b>`` for a b-bit integer code used as a number (the weight is then
+        affine in it: scale * (code + offset) plus or minus the minimum), ``table<b>`` for a
+        lookup table, an element format's name (``e2m1``), or ``float`` for a plain float block."""
+        if self.element is None:
+            return "float"
+        integer = self.integer(self.element.integer)
+        assert integer is not None
+        if self.element.table is not None:
+            return f"table{integer.bits}"
+        if self.element.format is not None:
+            return self.element.format
+        return f"{'int' if integer.signed else 'uint'}{integer.bits}"
+
+    @property
     def bits_per_weight(self) -> float:
         return 8 * self.bytes / self.elements
 

@@ -242,3 +242,38 @@ def decode_blocks(raw: Tensor, layout: BlockLayout) -> Tensor:
     if value.shape[1] != layout.elements:
         value = value.repeat_interleave(layout.elements // value.shape[1], dim=1)
     return value.reshape(rows, -1)
+
+
+def _finer(value: Tensor, count: int) -> Tensor:
+    """[B, c] per-block values repeated to [B, count] (count a multiple of c)."""
+    return value if value.shape[1] == count else value.repeat_interleave(count // value.shape[1], dim=1)
+
+
+def affine_parts(raw: Tensor, layout: BlockLayout) -> tuple[Tensor, Tensor, Tensor]:
+    """The weights of an affine layout (``code_kind`` ``uint<b>``) as ``scale * code + shift``.
+
+    Returns (codes uint8 [rows, K], the raw unsigned codes; scale float32 [rows, G]; shift float64
+    [rows, G]) for G groups per row (the finest of the scale and minimum factors), where
+    ``scale * code + shift`` equals, in exact arithmetic, the declared ``scale * (code + offset)
+    -/+ minimum``. ``scale`` and the minimum are the float32 products ``decode_blocks`` forms;
+    ``decode_blocks`` then rounds the weight itself (at most 2**-24 relative more). A kernel with
+    its own scale-and-offset form (tinygemm's ``(u - 8) * s + zero``) starts from these.
+    """
+    kind = layout.code_kind
+    if not kind.startswith("uint") or layout.element is None:
+        raise QuantizeError(f"only affine unsigned codes split into scale and shift, not {kind!r} codes")
+    blocks = raw.reshape(-1, layout.bytes)
+    compiled = compile_layout(layout, raw.device)
+    spec = compiled.integers[layout.element.integer].spec
+    plain = IntegerSpec(spec.name, spec.count, spec.bits, False, 0, spec.sources, spec.planes)
+    codes = _integer(blocks, _CompiledInteger(plain, compiled.integers[spec.name].slots), layout).to(torch.uint8)
+    scale = _product(blocks, compiled, layout.scale)
+    minimum = _product(blocks, compiled, layout.minimum) if layout.minimum else None
+    groups = max(scale.shape[1], minimum.shape[1] if minimum is not None else 1)
+    scale = _finer(scale, groups)
+    shift = scale.to(torch.float64) * spec.offset
+    if minimum is not None:
+        term = _finer(minimum, groups).to(torch.float64)
+        shift = shift - term if layout.minimum_sign == "subtract" else shift + term
+    rows = raw.shape[0]
+    return codes.reshape(rows, -1), scale.reshape(rows, -1), shift.reshape(rows, -1)

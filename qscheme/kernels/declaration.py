@@ -235,6 +235,9 @@ class Supports:
     ``per_partition_scales``: the kernel takes one global (or per-tensor) scale per fused
     partition, so fused layers whose partitions' scales differ run exactly.
     ``input_pre_scale``: the kernel multiplies the input by a per-channel pre-scale (AWQ).
+    ``block_codes``: for the ``blocks`` family, the codes taken (``BlockLayout.code_kind``:
+    ``uint4`` for an affine 4-bit code, ``table4``, ``e2m1``, ...); empty takes any. The group
+    size of packed blocks is their finest scale's sub-block.
     """
 
     weights: tuple[str, ...]
@@ -247,6 +250,7 @@ class Supports:
     zero_points: bool = False
     per_partition_scales: bool = False
     input_pre_scale: bool = False
+    block_codes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _tuple_of(self.weights, str, "weights")
@@ -269,6 +273,7 @@ class Supports:
         _tuple_of(self.group_sizes, int, "group_sizes")
         _tuple_of(self.blocks, tuple, "blocks")
         _tuple_of(self.scale_formats, str, "scale_formats")
+        _tuple_of(self.block_codes, str, "block_codes")
 
     def describe(self) -> str:
         """``nvfp4 weights (group 16) x none (16-bit), nvfp4 dynamic per group of 16``."""
@@ -285,6 +290,8 @@ class Supports:
             details.append("/".join(self.scale_formats) + " scales")
         if self.zero_points:
             details.append("zero points")
+        if self.block_codes:
+            details.append("/".join(self.block_codes) + " codes")
         weights = ", ".join(self.weights) + " weights"
         if details:
             weights += f" ({', '.join(details)})"

@@ -28,6 +28,7 @@ class SchemeFeatures:
     scale_format: str
     zero_point: bool
     input_pre_scale_required: bool
+    block_code: str | None = None
 
     @classmethod
     def of(cls, scheme: Scheme) -> SchemeFeatures:
@@ -55,6 +56,7 @@ class SchemeFeatures:
             scale_format=scale.format,
             zero_point=scheme.weight.zero_point is not None,
             input_pre_scale_required=scheme.input_pre_scale is not None and not scheme.input_pre_scale.optional,
+            block_code=None if scheme.weight.blocks is None else scheme.weight.blocks.code_kind,
         )
 
 

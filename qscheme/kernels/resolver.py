@@ -185,6 +185,14 @@ def _supports_mismatches(supports: Supports, features: SchemeFeatures) -> list[t
                 f"scheme has {features.scale_format} scales",
             )
         )
+    if features.block_code is not None and supports.block_codes and features.block_code not in supports.block_codes:
+        found.append(
+            (
+                2,
+                f"takes {family} weights with {'/'.join(supports.block_codes)} codes; "
+                f"scheme has {features.block_code} codes",
+            )
+        )
     if features.zero_point and not supports.zero_points:
         found.append((5, f"takes symmetric {family} weights only; scheme has zero points"))
     if features.input_pre_scale_required and not supports.input_pre_scale:
