@@ -9,6 +9,11 @@ checkpoint's extra modules and tensors are left out, the model keeps its own val
 the checkpoint does not provide, and the report's notes list both. A module or tensor that both
 have but that disagree (type, shape, bias) raises either way.
 
+A quantized layer whose model module is not an ``nn.Linear`` but holds a 2-D ``weight`` of its
+shape (an ``nn.Embedding``: a GGUF file's quantized ``token_embd``; a MoE router) is dequantized
+exactly into that weight, cast to the model's dtype (the float32 weight is held once while it is
+copied).
+
 Fused MoE experts (transformers 5's experts modules with 3-D ``gate_up_proj`` / ``down_proj``
 parameters, ``qscheme.modules.experts``) take the checkpoint's per-expert layers
 (``<experts>.<e>.gate_proj`` ...): a module whose experts the checkpoint quantizes becomes a
@@ -113,6 +118,23 @@ def _place(model: torch.nn.Module, name: str, layer: QuantLinear, path: Path) ->
             "but the checkpoint disagrees"
         )
     return parent, child
+
+
+def _holds_weight_of(model: torch.nn.Module, name: str, layer: QuantLinear) -> bool:
+    """Whether the model's ``name`` is not an nn.Linear but a module whose own 2-D ``weight`` has
+    the layer's [N, K] shape (an nn.Embedding, a MoE router): a quantized layer there (a GGUF's
+    quantized token_embd) is dequantized into that weight, in the model's dtype."""
+    try:
+        target = model.get_submodule(name)
+    except AttributeError:
+        return False
+    weight = target._parameters.get("weight")
+    return (
+        not isinstance(target, torch.nn.Linear | QuantLinear)
+        and isinstance(weight, torch.Tensor)
+        and tuple(weight.shape) == (layer.out_features, layer.in_features)
+        and layer.bias is None
+    )
 
 
 def _refuse_tied_conflicts(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], folder: Path) -> None:
@@ -286,18 +308,23 @@ class WholeModel:
         expert_swaps, expert_layers = _build_experts(model, checkpoint, self.expert_specs, folder)
         swaps: list[Swap] = [*expert_swaps]
         absent: list[str] = []
+        dequantized: dict[str, torch.Tensor] = {}
         for name, layer in checkpoint.items():
             if name in expert_layers:
+                continue
+            if _holds_weight_of(model, name, layer):
+                dequantized[f"{name}.weight"] = layer.dequantize()
                 continue
             place = _place(model, name, layer, folder)
             if place is None:
                 absent.append(name)
             else:
                 swaps.append((*place, layer))
-        replaced = tuple(f"{name}." for name in checkpoint if name not in absent and name not in expert_layers)
+        kept = {*absent, *expert_layers, *(weight.removesuffix(".weight") for weight in dequantized)}
+        replaced = tuple(f"{name}." for name in checkpoint if name not in kept)
         replaced += tuple(f"{experts.spec.module}." for _, _, experts in expert_swaps)
         specs = self.expert_specs
-        return swaps, absent, replaced, lambda state: _stack_plain_experts(state, specs)
+        return swaps, absent, replaced, lambda state: {**_stack_plain_experts(state, specs), **dequantized}
 
     def check_rest(self, model: torch.nn.Module, checkpoint: Checkpoint, absent: list[str]) -> None:
         return None

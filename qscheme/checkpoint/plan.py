@@ -17,6 +17,7 @@ import torch
 
 from qscheme.checkpoint.config import ProducerConfig, read_producer_config
 from qscheme.checkpoint.detect import Detection, ModuleAssignment, detect, split_name
+from qscheme.checkpoint.gguf_plan import is_gguf_file, read_gguf_checkpoint
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.storage import CheckpointFiles, refuse_empty_path
@@ -228,16 +229,21 @@ def plan_checkpoint(
     schemes: Iterable[Scheme] | None = None,
     fuse: FuseSpec | None = None,
 ) -> Plan:
-    """Config + headers + detection + layout checks for a checkpoint folder (UsageError for an
-    empty path, which would name the current folder)."""
+    """Config + headers + detection + layout checks for a checkpoint folder or a GGUF file
+    (UsageError for an empty path, which would name the current folder)."""
     refuse_empty_path(path)
     fuse_spec = check_fuse_spec(fuse)  # a malformed fuse= is a UsageError before any file is read
     folder = Path(path)
-    files = CheckpointFiles(folder)
-    config = read_producer_config(folder)
     if schemes is None:
         schemes = catalog_schemes()
-    detection = detect(config, files.tensors, schemes)
+    files: CheckpointFiles
+    config: ProducerConfig
+    if is_gguf_file(folder):  # one .gguf file, its tensors by transformers name (checkpoint.gguf_plan)
+        files, config, detection = read_gguf_checkpoint(folder, schemes)
+    else:
+        files = CheckpointFiles(folder)
+        config = read_producer_config(folder)
+        detection = detect(config, files.tensors, schemes)
     layouts: dict[str, ModuleLayout] = {}
     problems: list[TensorProblem] = []
     for module, assignment in detection.modules.items():
