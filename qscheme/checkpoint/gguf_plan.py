@@ -32,7 +32,7 @@ from qscheme.checkpoint.gguf_names import GGUFNames, gguf_names
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError
 from qscheme.producers.base import natural_key
-from qscheme.producers.gguf.config import GGUFConfig, read_gguf_config
+from qscheme.producers.gguf.config import GGUFConfig, is_gguf_file, read_gguf_config
 from qscheme.producers.gguf.detect import PLAIN_TYPES, QuantizedTensor, assign_schemes, is_plain_type
 from qscheme.storage import GGUFHeader, GGUFTensorInfo, read_gguf_header
 from qscheme.tensor_checks import BIAS
@@ -40,25 +40,9 @@ from qscheme.text import listing, shown, shown_file
 
 __all__ = ["is_gguf_file", "read_gguf_checkpoint"]
 
-GGUF_MAGIC = b"GGUF"
-SUFFIX = ".gguf"
 # llama.cpp's expert tensor kinds (gguf-py's MODEL_TENSOR) -> the per-expert projection.
 _EXPERT_KINDS = (("FFN_GATE_EXP", "gate_proj"), ("FFN_UP_EXP", "up_proj"), ("FFN_DOWN_EXP", "down_proj"))
 _FROM_CONFIG = ("ROPE_FREQS",)  # tensors transformers computes from the config instead of reading
-
-
-def is_gguf_file(path: str | Path) -> bool:
-    """A path ending in ``.gguf``, or a regular file that starts with the GGUF magic."""
-    path = Path(path)
-    if path.suffix.lower() == SUFFIX:
-        return True
-    try:
-        if not path.is_file():
-            return False
-        with path.open("rb") as handle:
-            return handle.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
 
 
 def _tensor_kinds() -> tuple[dict[str, str], tuple[str, ...]]:

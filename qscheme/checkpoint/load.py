@@ -36,6 +36,7 @@ from qscheme.parallel.agree import failures_shared, plan_digest
 from qscheme.parallel.plan import LayerShard, TPPlan, checked_tp_plan
 from qscheme.parallel.reader import RankReader
 from qscheme.parallel.rules import Style, checked_degree
+from qscheme.producers.gguf.config import is_gguf_file
 from qscheme.storage import Progress, ReadCounter, auto_enabled
 from qscheme.tensor_checks import BIAS, ModuleLayout, TensorProblem, check_values, value_reads
 from qscheme.text import listing, shown
@@ -422,7 +423,7 @@ def load_checkpoint(
     tp_size: int = 1,
     tp_plan: object = None,
 ) -> Checkpoint:
-    """Load a compressed-tensors or ModelOpt checkpoint folder exactly.
+    """Load a compressed-tensors or ModelOpt checkpoint folder, or a GGUF file, exactly.
 
     ``device`` is "cpu", "cuda", "cuda:N" or a torch.device; ``kernel`` forces one kernel for
     every layer; ``fuse`` builds one module from several (``{"qkv_proj": ["q_proj", "k_proj",
@@ -437,6 +438,11 @@ def load_checkpoint(
     tensor-parallel rank's shards, reading only their bytes (``load_checkpoint_tp``,
     docs/parallel.md); ShardError naming every layer a split would cut,
     with the degrees that would work.
+
+    A ``.gguf`` file (llama.cpp) loads under transformers' module names: each quantized weight a
+    layer of scheme ``gguf/<TYPE>``, stacked experts one layer per expert, float tensors plain
+    (``checkpoint.gguf_plan``; needs the optional gguf and transformers packages). Tensor
+    parallelism is refused for it (UsageError).
     """
     if tp_rank is not None or tp_size != 1 or tp_plan is not None:
         if tp_rank is None:
@@ -495,6 +501,12 @@ def load_checkpoint_tp(
     """
     if not isinstance(path, str | Path):
         raise UsageError(f"load_checkpoint: path must be a folder path (str or Path), not {type(path).__name__}")
+    if is_gguf_file(path):
+        raise UsageError(
+            f"load_checkpoint({str(path)!r}, tp_size={tp_size!r}): tensor parallelism is not offered for GGUF files; "
+            "load the file in one process (no tp_rank / tp_size / tp_plan), or convert it to a safetensors "
+            "checkpoint first"
+        )
     tp_size, tp_rank = checked_degree(tp_size, tp_rank)
     if not isinstance(verify_ranks, bool):
         raise UsageError(f"load_checkpoint: verify_ranks must be True or False, not {verify_ranks!r}")

@@ -31,6 +31,7 @@ from qscheme.cli.output import print_json
 from qscheme.cli.resolve import parse_tp
 from qscheme.errors import UsageError
 from qscheme.kernels.devices import DEVICE_CHOICES
+from qscheme.producers.gguf.config import is_gguf_file
 from qscheme.text import NAME_LIMIT, bounded_problem, escape, shown
 
 if TYPE_CHECKING:
@@ -43,7 +44,9 @@ JSON_PROBLEM_LIMIT = 8000  # characters of one --json problem
 
 def register(sub: Any) -> None:
     parser = sub.add_parser("inspect", help="show what a checkpoint holds: producer, schemes per module, problems")
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint folder (config.json + *.safetensors)")
+    parser.add_argument(
+        "checkpoint", metavar="CHECKPOINT", help="a checkpoint folder (config.json + *.safetensors), or a .gguf file"
+    )
     parser.add_argument(
         "--json",
         action="store_true",
@@ -74,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     tp = getattr(args, "tp", None)  # a Namespace built by hand (tests, embedders) may lack the --tp options
     if getattr(args, "device", None) is not None and tp is None:
         raise UsageError("--device: only with --tp (inspect resolves kernels only for the shards of --tp)")
+    if tp is not None and is_gguf_file(args.checkpoint):
+        raise UsageError(f"--tp: tensor parallelism is not offered for GGUF files ({args.checkpoint}); drop --tp")
     degree = parse_tp(tp) if tp is not None else None  # a bad --tp fails before any reading
     inspection = inspect_checkpoint(args.checkpoint)
     if tp is None or not inspection.ok:

@@ -20,6 +20,7 @@ from qscheme.kernels import registry
 from qscheme.kernels.devices import DEVICE_CHOICES
 from qscheme.kernels.problem import Problem
 from qscheme.kernels.render import render_resolution, resolution_json
+from qscheme.producers.gguf.config import is_gguf_file
 
 DEFAULT_SHAPE = (4096, 4096)
 
@@ -29,7 +30,7 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "target",
         metavar="NAME|FILE|CHECKPOINT",
-        help="a scheme name (see `qscheme schemes`), a descriptor file, or a checkpoint folder",
+        help="a scheme name (see `qscheme schemes`), a descriptor file, a checkpoint folder or a .gguf file",
     )
     parser.add_argument(
         "--device",
@@ -119,12 +120,15 @@ def parse_shape(text: str | None) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    gguf = is_gguf_file(args.target)  # one GGUF file is a checkpoint too (a scheme name never ends in .gguf)
+    if args.tp is not None and gguf:
+        raise UsageError(f"--tp: tensor parallelism is not offered for GGUF files ({args.target}); drop --tp")
     if args.tp is not None and not Path(args.target).is_dir():
         raise UsageError(
             f"--tp: for a checkpoint folder, whose layers it splits; {args.target!r} is not a folder "
             "(for one scheme, resolve the shard's shape with --shape N,K instead)"
         )
-    if Path(args.target).is_dir():  # a checkpoint folder: one decision per layer
+    if Path(args.target).is_dir() or gguf:  # a checkpoint: one decision per layer
         from qscheme.checkpoint.resolve import resolve_command
 
         given = [

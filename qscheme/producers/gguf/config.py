@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from qscheme.errors import CheckpointError
 from qscheme.text import shown
 
 ARCHITECTURE_KEY = "general.architecture"
+GGUF_MAGIC = b"GGUF"
+GGUF_SUFFIX = ".gguf"
 
 # The GGUF architectures (llama.cpp's general.architecture) qscheme loads, each into the
 # transformers family its GGUF loader builds. llama.cpp writes Mistral models as "llama" (and
@@ -27,6 +30,22 @@ ARCHITECTURES: Mapping[str, str] = {
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
 }
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """Whether the loader reads ``path`` as one GGUF file: a path ending in ``.gguf`` (whether or
+    not it exists: its reader then says what is wrong), or a regular file starting with the GGUF
+    magic."""
+    path = Path(path)
+    if path.suffix.lower() == GGUF_SUFFIX:
+        return True
+    try:
+        if not path.is_file():
+            return False
+        with path.open("rb") as handle:
+            return handle.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
