@@ -13,6 +13,9 @@ import order without importing transformers: it registers at once when transform
   ``compressed-tensors`` stays transformers' own quantizer (it decompresses, or runs the
   library's modules); ``via_qscheme(path)`` gives a config that routes one checkpoint here.
 
+``from_gguf(path)`` builds a model from a GGUF file (llama.cpp) with its quantized weights kept
+quantized (transformers' ``gguf_file=`` route cannot take another quantizer; see ``gguf``).
+
 A name transformers (or anyone) already registered is left alone and reported by
 ``registered()``: qscheme never replaces a quantizer it did not register. See docs/transformers.md.
 """
@@ -40,6 +43,7 @@ from qscheme.transformers._quantizer import (
     QSchemeHfQuantizer,
     SelfDescribingHfQuantizer,
 )
+from qscheme.transformers.gguf import from_gguf
 
 __all__ = [
     "COMPRESSED_TENSORS_VIA_QSCHEME",
@@ -49,6 +53,7 @@ __all__ = [
     "ModeloptQuantizationConfig",
     "QSchemeHfQuantizer",
     "QSchemeQuantizationConfig",
+    "from_gguf",
     "register",
     "registered",
     "via_qscheme",
