@@ -34,14 +34,14 @@ class ErrorReport:
 
 def compare_weights(reference: Tensor, approximation: Tensor) -> ErrorReport:
     """The error of ``approximation`` against ``reference`` (same shape, any float dtypes)."""
-    sums = _Sums()
+    sums = ErrorSums()
     sums.add(reference, approximation)
     return sums.report()
 
 
 def quantization_error(reference: Tensor, weight: CanonicalWeight) -> ErrorReport:
     """The error of the quantized ``weight`` (dequantized slab by slab) against ``reference`` [N, K]."""
-    sums = _Sums()
+    sums = ErrorSums()
     step = max(1, SLAB_ELEMENTS // max(1, weight.k))
     for start in range(0, weight.n, step):
         stop = min(weight.n, start + step)
@@ -49,7 +49,9 @@ def quantization_error(reference: Tensor, weight: CanonicalWeight) -> ErrorRepor
     return sums.report()
 
 
-class _Sums:
+class ErrorSums:
+    """Squared norms and the largest difference, added slab by slab (``add``), then reported."""
+
     def __init__(self) -> None:
         self.difference = 0.0
         self.reference = 0.0

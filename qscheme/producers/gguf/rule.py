@@ -15,9 +15,14 @@ NAME = "gguf"
 
 @dataclass(frozen=True)
 class GGUFRule:
-    """Matches GGUF tensors of these ggml types (names as llama.cpp spells them, case-insensitive)."""
+    """Matches GGUF tensors of these ggml types (names as llama.cpp spells them, case-insensitive).
+
+    ``file_type``: llama.cpp's ``general.file_type`` (its ``llama_ftype``) for a file whose
+    weights are all of this scheme's type, which ``qscheme quantize`` writes (None: not written).
+    """
 
     types: tuple[str, ...]
+    file_type: int | None = None
 
 
 def rule_of(scheme: Scheme) -> GGUFRule | None:
@@ -27,11 +32,11 @@ def rule_of(scheme: Scheme) -> GGUFRule | None:
 
 
 def _build(values: Mapping[str, Any]) -> GGUFRule:
-    return GGUFRule(types=tuple(value.upper() for value in values["type"]))
+    return GGUFRule(types=tuple(value.upper() for value in values["type"]), file_type=values["file_type"])
 
 
 def _summary(rule: GGUFRule) -> dict[str, Any]:
-    return {"type": list(rule.types)}
+    return {"type": list(rule.types), "file_type": rule.file_type}
 
 
 def _render(rule: GGUFRule) -> str:
@@ -40,7 +45,7 @@ def _render(rule: GGUFRule) -> str:
 
 RULE_SCHEMA = RuleSchema(
     producer=NAME,
-    keys=(RuleKey("type", "strings", required=True),),
+    keys=(RuleKey("type", "strings", required=True), RuleKey("file_type", "integer")),
     build=_build,
     summary=_summary,
     render=_render,
