@@ -1,6 +1,7 @@
 """`qscheme convert SRC DST --to SCHEME [--allow-requantize] [--force] [--json]`.
 
-Converts a quantized checkpoint folder into another scheme that shares its math (ModelOpt NVFP4
+Converts a quantized checkpoint folder (or a quantized .gguf file: ``qscheme.writing.gguf_convert``)
+into another scheme that shares its math (ModelOpt NVFP4
 <-> compressed-tensors NVFP4, ...; see ``qscheme.writing.convert``): tensors renamed, scales
 re-conventioned, codes untouched. The summary lists, per layer, the largest deviation of the
 dequantized weight in float32 ulps that the conversion caused (for a requantized layer, its
@@ -23,9 +24,13 @@ from qscheme.cli.writes import run_write
 
 def register(sub: Any) -> None:
     parser = sub.add_parser("convert", help="convert a quantized checkpoint to another scheme with the same math")
-    parser.add_argument("src", metavar="SRC", help="a quantized checkpoint folder (compressed-tensors or ModelOpt)")
+    parser.add_argument(
+        "src", metavar="SRC", help="a quantized checkpoint folder (compressed-tensors or ModelOpt) or a .gguf file"
+    )
     parser.add_argument("dst", metavar="DST", help="the output folder (must not exist, unless --force)")
-    parser.add_argument("--to", required=True, metavar="SCHEME", help="the target scheme (`qscheme schemes`)")
+    parser.add_argument(
+        "--to", "--scheme", dest="to", required=True, metavar="SCHEME", help="the target scheme (`qscheme schemes`)"
+    )
     parser.add_argument(
         "--allow-requantize",
         action="store_true",
@@ -55,12 +60,20 @@ def layer_lines(rows: list[Any]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qscheme.writing.convert import convert_checkpoint  # imports torch
+    from qscheme.producers.gguf.config import is_gguf_file
 
+    if is_gguf_file(args.src):
+        from qscheme.writing.gguf_convert import convert_gguf  # imports torch
+
+        convert = convert_gguf
+    else:
+        from qscheme.writing.convert import convert_checkpoint  # imports torch
+
+        convert = convert_checkpoint
     return run_write(
         "convert",
         args.dst,
-        lambda progress: convert_checkpoint(
+        lambda progress: convert(
             args.src,
             args.dst,
             args.to,
