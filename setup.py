@@ -8,7 +8,7 @@ the packages are found here from the tree: every package under each root, and th
 
 from __future__ import annotations
 
-from setuptools import find_namespace_packages, find_packages, setup
+from setuptools import Extension, find_namespace_packages, find_packages, setup
 
 ROOTS = {"qscheme": "qscheme", "qscheme_plugins": "plugins", "qscheme_schemes": "schemes"}
 DATA_ROOTS = {"qscheme_schemes"}  # folders of descriptors: namespace packages, no __init__.py
@@ -27,5 +27,17 @@ def packages() -> list[str]:
     return found
 
 
+# The per-weight loop of decoding packed blocks (qscheme.formats.blocks), in plain C with no torch
+# headers: built by any C compiler, and optional (without a compiler the install still succeeds and
+# the torch decoder, bit-identical and slower, is used). -ffp-contract=off: no fused multiply-add,
+# so each float32 operation rounds once, as the torch decoder's.
+BLOCKS_EXTENSION = Extension(
+    "qscheme._blocks",
+    sources=["qscheme/csrc/blocks.c"],
+    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"],
+    optional=True,
+)
+
+
 if __name__ == "__main__":
-    setup(package_dir=ROOTS, packages=packages())
+    setup(package_dir=ROOTS, packages=packages(), ext_modules=[BLOCKS_EXTENSION])

@@ -268,8 +268,7 @@ def _decode_block_rows(
 
     def work(rows: slice) -> None:
         with torch.inference_mode(inference):
-            decoded = decode_blocks(weight.codes[start + rows.start : start + rows.stop], layout)
-            out[rows].copy_(decoded)
+            decode_blocks(weight.codes[start + rows.start : start + rows.stop], layout, out=out[rows])
 
     run_slabs(work, slabs_for(out.device, stop - start, weight.k, 1), out.device)
     return out

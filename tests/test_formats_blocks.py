@@ -69,9 +69,19 @@ def test_the_block_size_is_ggmls(name: str) -> None:
     assert (layout.elements, layout.bytes) == (elements, size)
 
 
+@pytest.fixture(params=["native", "torch"])
+def decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both decoders: the C loop (qscheme._blocks, built by the install) and the torch one."""
+    if request.param == "torch":
+        monkeypatch.setenv("QSCHEME_BLOCKS_TORCH", "1")
+    else:
+        pytest.importorskip("qscheme._blocks", reason="the C loop was not built (no C compiler at install)")
+    return str(request.param)
+
+
 @pytest.mark.parametrize("name", GGUF_SCHEMES)
 @pytest.mark.parametrize(("rows", "blocks", "seed"), [(1, 1, 0), (3, 2, 1), (17, 5, 2)])
-def test_decode_equals_gguf_bit_for_bit(name: str, rows: int, blocks: int, seed: int) -> None:
+def test_decode_equals_gguf_bit_for_bit(name: str, rows: int, blocks: int, seed: int, decoder: str) -> None:
     layout = _layout(name)
     raw = _random_blocks(layout, rows, blocks, seed)
     ours = decode_blocks(torch.from_numpy(raw.copy()), layout).numpy()
@@ -82,7 +92,7 @@ def test_decode_equals_gguf_bit_for_bit(name: str, rows: int, blocks: int, seed:
 
 
 @pytest.mark.parametrize("name", GGUF_SCHEMES)
-def test_decode_of_a_row_slice_equals_the_rows_of_the_whole(name: str) -> None:
+def test_decode_of_a_row_slice_equals_the_rows_of_the_whole(name: str, decoder: str) -> None:
     layout = _layout(name)
     raw = torch.from_numpy(_random_blocks(layout, 9, 2, 3).copy())
     whole = decode_blocks(raw, layout)
@@ -90,7 +100,7 @@ def test_decode_of_a_row_slice_equals_the_rows_of_the_whole(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["gguf/Q4_0", "gguf/Q8_0", "gguf/Q4_1", "gguf/Q5_0", "gguf/MXFP4"])
-def test_gguf_quantized_weights_decode_exactly(name: str) -> None:
+def test_gguf_quantized_weights_decode_exactly(name: str, decoder: str) -> None:
     """Blocks written by gguf's own quantizer (real, not random, codes)."""
     layout = _layout(name)
     weights = np.random.default_rng(7).standard_normal((8, 4 * layout.elements)).astype(np.float32)
@@ -135,7 +145,9 @@ def test_a_quant_linear_runs_the_exact_weights(name: str, dtype: torch.dtype) ->
     layout = _layout(name)
     raw = _random_blocks(layout, 24, 512 // layout.elements if layout.elements > 1 else 512, 5)
     k = raw.shape[1] // layout.bytes * layout.elements
-    layer = QuantLinear.from_tensors(name, {"weight": torch.from_numpy(raw)}, activation_dtype=dtype)
+    layer = QuantLinear.from_tensors(
+        name, {"weight": torch.from_numpy(raw)}, activation_dtype=dtype, kernel="reference"
+    )
     assert layer.kernel.name == "reference"
     x = torch.randn(3, k).to(dtype)
     dense = torch.from_numpy(_oracle(name, raw, k))  # the reference kernel multiplies in float32
@@ -143,3 +155,22 @@ def test_a_quant_linear_runs_the_exact_weights(name: str, dtype: torch.dtype) ->
     got = layer(x)
     assert got.dtype == dtype
     torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+
+
+def test_the_install_built_the_c_loop() -> None:
+    """scripts/install.sh builds qscheme._blocks (setup.py; optional only where no C compiler exists)."""
+    import shutil
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this machine: the torch decoder is used")
+    import qscheme._blocks  # noqa: F401  # type: ignore[import-not-found]
+
+
+def test_decode_into_out_writes_there_and_refuses_a_wrong_buffer() -> None:
+    layout = _layout("gguf/Q4_0")
+    raw = torch.from_numpy(_random_blocks(layout, 4, 2, 9).copy())
+    out = torch.full((4, 64), 7.0)
+    assert decode_blocks(raw, layout, out=out) is out
+    assert torch.equal(out, decode_blocks(raw, layout))
+    with pytest.raises(QuantizeError, match="out= must be a contiguous float32"):
+        decode_blocks(raw, layout, out=torch.empty(4, 63))

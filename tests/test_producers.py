@@ -75,8 +75,9 @@ def test_the_registry_and_config_reading_do_not_import_torch() -> None:
 
 
 def test_the_detect_rules_descriptors_accept_are_the_producers_own() -> None:
-    assert rules.rule_producers() == tuple(p.name for p in PRODUCERS if p.rule_schema is not None)
-    assert rules.rule_producers() == ("compressed-tensors", "modelopt")
+    # GGUF files describe themselves: its rule is registered without a config-reading Producer
+    assert rules.rule_producers() == (*(p.name for p in PRODUCERS if p.rule_schema is not None), "gguf")
+    assert rules.rule_producers() == ("compressed-tensors", "modelopt", "gguf")
 
 
 def test_the_descriptor_package_names_no_producer() -> None:

@@ -13,11 +13,14 @@ slot of an integer, the byte of every value, its shift, width and destination bi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from qscheme.descriptor.blocks import BlockField, BlockLayout, IntegerSpec, Plane
+from qscheme.environment import env_flag
 from qscheme.errors import QuantizeError
 from qscheme.formats.elements import decode
 
@@ -40,11 +43,23 @@ class _CompiledInteger:
 
 @dataclass(frozen=True)
 class CompiledLayout:
-    """A layout with its gathers built (CPU tensors; moved to a device on first use there)."""
+    """A layout with its gathers built (CPU tensors; moved to a device on first use there).
+
+    ``native``: for the C loop (``qscheme._blocks``), per integer its pieces as int32
+    [depth, 4, count] (byte, shift, mask, destination) and every raw code's value as float32
+    [2**bits] (with its sign and offset); ``native_table`` the element's values (the integer's,
+    the table's or the format's). Empty off the CPU."""
 
     layout: BlockLayout
     integers: dict[str, _CompiledInteger]
     element_table: Tensor | None  # float32 [2**bits] for table and format elements
+    native: dict[str, tuple[Tensor, Tensor]] = dataclass_field(default_factory=dict)
+    native_table: Tensor | None = None
+
+    @property
+    def native_slots(self) -> Tensor | None:
+        element = self.layout.element
+        return None if element is None or element.integer not in self.native else self.native[element.integer][0]
 
 
 _COMPILED: dict[tuple[int, str], CompiledLayout] = {}
@@ -100,13 +115,29 @@ def compile_layout(layout: BlockLayout, device: torch.device | str = "cpu") -> C
     found = _COMPILED.get(key)
     if found is not None and found.layout is layout:
         return found
-    compiled = CompiledLayout(
-        layout,
-        {spec.name: _compile_integer(layout, spec, device) for spec in layout.integers},
-        _element_table(layout, device),
-    )
+    integers = {spec.name: _compile_integer(layout, spec, device) for spec in layout.integers}
+    table = _element_table(layout, device)
+    native: dict[str, tuple[Tensor, Tensor]] = {}
+    element_values = None
+    if device.type == "cpu":
+        for name, compiled_integer in integers.items():
+            slots = torch.stack(
+                [torch.stack([s.index.to(torch.int32), s.shift, s.mask, s.destination]) for s in compiled_integer.slots]
+            ).contiguous()
+            native[name] = (slots, _integer_values(compiled_integer.spec))
+        if layout.element is not None:
+            element_values = table if table is not None else native[layout.element.integer][1]
+    compiled = CompiledLayout(layout, integers, table, native, element_values)
     _COMPILED[key] = compiled
     return compiled
+
+
+def _integer_values(spec: IntegerSpec) -> Tensor:
+    """float32 [2**bits]: the value of every raw code of an integer (sign, then offset)."""
+    codes = torch.arange(1 << spec.bits, dtype=torch.int64)
+    if spec.signed:
+        codes = codes - ((codes >> (spec.bits - 1)) & 1) * (1 << spec.bits)
+    return (codes + spec.offset).to(torch.float32)
 
 
 # ggml's unsigned e4m3 (bias 7): bit 7 is ignored, 0x00 and 0x7F decode to 0, no NaN.
@@ -204,6 +235,17 @@ def _factor(blocks: Tensor, compiled: CompiledLayout, name: str) -> Tensor:
     field = compiled.layout.field(name)
     if field is not None:
         return float_field_values(blocks, field)
+    native = _native() if name in compiled.native and blocks.is_contiguous() else None
+    if native is not None:  # the integer's values through the C loop, times a scale of 1 (exact)
+        slots, values = compiled.native[name]
+        count = slots.shape[2]
+        out = torch.empty((blocks.shape[0], count), dtype=torch.float32)
+        ones = torch.ones(blocks.shape[0], 1)
+        native.decode(
+            blocks.data_ptr(), out.data_ptr(), ones.data_ptr(), 0, slots.data_ptr(), values.data_ptr(),
+            blocks.shape[0], compiled.layout.bytes, count, slots.shape[0], 1, 0, -1,
+        )  # fmt: skip
+        return out
     return _integer(blocks, compiled.integers[name], compiled.layout).to(torch.float32)
 
 
@@ -214,16 +256,71 @@ def _product(blocks: Tensor, compiled: CompiledLayout, names: tuple[str, ...]) -
     return value
 
 
-def decode_blocks(raw: Tensor, layout: BlockLayout) -> Tensor:
-    """float32 [rows, K] of uint8 [rows, K / elements * bytes] raw blocks, bit-exact."""
+def _native() -> Any:
+    """The C loop (``qscheme._blocks``), or None where it was not built or is switched off
+    (``QSCHEME_BLOCKS_TORCH=1``: the torch decoder, bit-identical, slower)."""
+    if env_flag("QSCHEME_BLOCKS_TORCH"):
+        return None
+    try:
+        import qscheme._blocks as native  # type: ignore[import-not-found]  # a C extension (setup.py)
+    except ImportError:
+        return None
+    return native
+
+
+def _decode_native(native: Any, blocks: Tensor, compiled: CompiledLayout, out: Tensor) -> None:
+    layout = compiled.layout
+    assert compiled.native_slots is not None and compiled.native_table is not None
+    scale = _product(blocks, compiled, layout.scale).contiguous()
+    minimum = _product(blocks, compiled, layout.minimum).contiguous() if layout.minimum else None
+    native.decode(
+        blocks.data_ptr(),
+        out.data_ptr(),
+        scale.data_ptr(),
+        0 if minimum is None else minimum.data_ptr(),
+        compiled.native_slots.data_ptr(),
+        compiled.native_table.data_ptr(),
+        blocks.shape[0],
+        layout.bytes,
+        layout.elements,
+        compiled.native_slots.shape[0],
+        scale.shape[1],
+        0 if minimum is None else minimum.shape[1],
+        1 if layout.minimum_sign == "add" else -1,
+    )
+
+
+def decode_blocks(raw: Tensor, layout: BlockLayout, out: Tensor | None = None) -> Tensor:
+    """float32 [rows, K] of uint8 [rows, K / elements * bytes] raw blocks, bit-exact; written into
+    ``out`` (a contiguous float32 [rows, K] tensor on the same device) when given."""
     if raw.dtype != torch.uint8 or raw.ndim != 2 or raw.shape[1] % layout.bytes:
         raise QuantizeError(
             f"packed blocks must be uint8 [rows, a multiple of {layout.bytes}] bytes, got {raw.dtype} "
             f"{list(raw.shape)}; pass whole blocks"
         )
     rows = raw.shape[0]
-    blocks = raw.reshape(-1, layout.bytes)
+    k = raw.shape[1] // layout.bytes * layout.elements
+    if out is not None and (out.shape != (rows, k) or out.dtype != torch.float32 or not out.is_contiguous()):
+        raise QuantizeError(
+            f"out= must be a contiguous float32 [{rows}, {k}] tensor, got {out.dtype} {list(out.shape)}"
+        )
+    blocks = raw.contiguous().reshape(-1, layout.bytes)
     compiled = compile_layout(layout, raw.device)
+    native = _native() if compiled.native_slots is not None else None
+    if native is not None:
+        if out is None:
+            out = torch.empty((rows, k), dtype=torch.float32)
+        _decode_native(native, blocks, compiled, out)
+        return out
+    decoded = _decode_torch(blocks, compiled).reshape(rows, -1)
+    if out is None:
+        return decoded
+    out.copy_(decoded)
+    return out
+
+
+def _decode_torch(blocks: Tensor, compiled: CompiledLayout) -> Tensor:
+    layout = compiled.layout
     value = _product(blocks, compiled, layout.scale)
     rule = layout.element
     if rule is not None:
@@ -241,7 +338,7 @@ def decode_blocks(raw: Tensor, layout: BlockLayout) -> Tensor:
         value = value - minimum if layout.minimum_sign == "subtract" else value + minimum
     if value.shape[1] != layout.elements:
         value = value.repeat_interleave(layout.elements // value.shape[1], dim=1)
-    return value.reshape(rows, -1)
+    return value
 
 
 def _finer(value: Tensor, count: int) -> Tensor:

@@ -18,7 +18,7 @@ checks); what producers share is in ``base``.
 
 from __future__ import annotations
 
-from qscheme.descriptor.rules import register_rule_schema
+from qscheme.descriptor.rules import RuleSchema, register_rule_schema
 from qscheme.producers import compressed_tensors, modelopt, self_described
 from qscheme.producers.base import Producer, ProducerConfig
 from qscheme.producers.gguf import rule as _gguf_rule
@@ -29,13 +29,26 @@ PRODUCERS: tuple[Producer, ...] = (
     self_described.PRODUCER,
 )
 
+# GGUF files describe themselves (each tensor's ggml type), so the GGUF producer reads no config
+# and has no ``Producer`` entry: the loader reaches it through the container (``checkpoint.plan``
+# sends a .gguf path to ``checkpoint.gguf_plan``). Its detect rule and arithmetic are registered
+# with the others' below.
+RULE_SCHEMAS: tuple[RuleSchema, ...] = (
+    *(producer.rule_schema for producer in PRODUCERS if producer.rule_schema is not None),
+    _gguf_rule.RULE_SCHEMA,
+)
+ARITHMETIC_MODULES: tuple[str, ...] = (
+    *(producer.arithmetic for producer in PRODUCERS if producer.arithmetic is not None),
+    "qscheme.producers.gguf.arithmetic",
+)
+"""Every producer's quantization arithmetic, by module name (imported by ``quantize.weight``,
+which registers them; naming them keeps this package torch-free)."""
+
 # Each producer's detect rule, handed to the descriptor's parser (``descriptor.rules``): the
 # descriptor names no producer. The top package ``qscheme`` imports this package, so the rules are
 # registered before any descriptor is parsed.
-for _producer in PRODUCERS:
-    if _producer.rule_schema is not None:
-        register_rule_schema(_producer.rule_schema)
-register_rule_schema(_gguf_rule.RULE_SCHEMA)  # until the GGUF producer joins PRODUCERS
+for _schema in RULE_SCHEMAS:
+    register_rule_schema(_schema)
 
 
 def producer_of_config(config: ProducerConfig) -> Producer:
@@ -46,4 +59,4 @@ def producer_of_config(config: ProducerConfig) -> Producer:
     raise TypeError(f"no producer reads configs of type {type(config).__name__}")
 
 
-__all__ = ["PRODUCERS", "Producer", "ProducerConfig", "producer_of_config"]
+__all__ = ["ARITHMETIC_MODULES", "PRODUCERS", "RULE_SCHEMAS", "Producer", "ProducerConfig", "producer_of_config"]

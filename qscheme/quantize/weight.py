@@ -16,7 +16,8 @@ from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.descriptor.parse import NO_RECIPROCAL
 from qscheme.errors import QuantizeError
 from qscheme.formats import get_element_format
-from qscheme.producers import PRODUCERS
+from qscheme.producers import ARITHMETIC_MODULES
+from qscheme.quantize.blocks import quantize_blocks_for
 from qscheme.quantize.checks import META_FIX, require_usable_scales
 from qscheme.quantize.given import split_given
 from qscheme.quantize.observe import ScaleLayout
@@ -27,9 +28,8 @@ from qscheme.slabs import run_slabs, single_threaded_caller, slabs_for
 
 # Each producer's arithmetic module registers its rules when imported; the registry names the
 # modules, so that importing it (for the loader) does not import torch.
-for _producer in PRODUCERS:
-    if _producer.arithmetic is not None:
-        importlib.import_module(_producer.arithmetic)
+for _module in ARITHMETIC_MODULES:
+    importlib.import_module(_module)
 
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FIXED_SCALE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -60,6 +60,14 @@ def quantize_weight(weight: Tensor, scheme: Scheme | str | Path, **given: Tensor
     require_scheme_argument(scheme, "quantize_weight")
     scheme = load_scheme(scheme)
     _check_weight(weight, scheme)
+    if scheme.weight.blocks is not None:  # a producer's whole-block quantizer (qscheme.quantize.blocks)
+        if given:
+            raise QuantizeError(
+                f"scheme {scheme.name}: packed blocks hold their own scales; given tensors "
+                f"({', '.join(sorted(given))}) cannot be used"
+            )
+        with torch.no_grad():
+            return quantize_blocks_for(scheme, weight.detach())
     rules = get_rules(scheme.rules)
     plan = _plan(scheme, weight, rules)
     given_scales, given_inputs = split_given(plan, rules, given, weight.device)

@@ -29,8 +29,14 @@ from qscheme.errors import CheckpointError, UsageError
 from qscheme.formats.blocks import decode_blocks
 from qscheme.producers.gguf.quants import quantize_blocks, supported_types
 from qscheme.producers.gguf.rule import rule_of
-from qscheme.storage import GGUFHeader, GGUFTensorInfo, ggml_type_by_name, read_gguf_header, read_gguf_tensor
-from qscheme.storage.gguf_writer import write_gguf
+from qscheme.storage import (
+    GGUFHeader,
+    GGUFTensorInfo,
+    ggml_type_by_name,
+    read_gguf_header,
+    read_gguf_tensor,
+    write_gguf,
+)
 from qscheme.writing.error_report import ErrorSums
 from qscheme.writing.summary import LayerRow, WriteSummary, peak_rss_bytes
 

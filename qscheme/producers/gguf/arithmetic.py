@@ -1,0 +1,33 @@
+"""llama.cpp's quantization arithmetic for ``quantize_weight`` on ``gguf/<TYPE>`` schemes.
+
+The blocks are llama.cpp's own (``qscheme.producers.gguf.quants``: bit for bit what
+``llama-quantize`` writes without an importance matrix), from the float32 weight (a float16 or
+bfloat16 weight is widened exactly first, as llama.cpp does).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from qscheme.descriptor import Scheme
+from qscheme.errors import QuantizeError
+from qscheme.producers.gguf.quants import quantize_blocks, supported_types
+from qscheme.producers.gguf.rule import NAME, rule_of
+from qscheme.quantize.blocks import register_block_quantizer
+
+
+def _quantize(scheme: Scheme, weight: Tensor) -> Tensor:
+    rule = rule_of(scheme)
+    if rule is None or len(rule.types) != 1:
+        raise QuantizeError(f"scheme {scheme.name}: its detect.gguf rule must name one GGUF type to quantize to")
+    type_name = rule.types[0]
+    if type_name not in supported_types():
+        raise QuantizeError(
+            f"scheme {scheme.name}: qscheme cannot yet quantize to {type_name} bit for bit as llama.cpp does; "
+            f"quantizable GGUF types: {', '.join(supported_types())}"
+        )
+    return quantize_blocks(weight.to(torch.float32).contiguous(), type_name, tensor_name="the weight")
+
+
+register_block_quantizer(NAME, _quantize)
