@@ -19,6 +19,7 @@ from qscheme.producers.gguf.quants.c_float import (
     fp16_round,
     nearest_int,
     sequential_sum,
+    square_root,
     wrap_int8,
     wrap_uint8,
 )
@@ -82,7 +83,7 @@ def _asymmetric_32(blocks: Tensor, nmax: int, rmin: float, rdelta: float, nstep:
     """
     sub = _split(blocks, 32)
     sum_x2 = sequential_sum(sub * sub)
-    average = torch.sqrt(divide(sum_x2, 32.0))
+    average = square_root(divide(sum_x2, 32.0))
     weights = average + sub.abs()
     levels, scales, mins = make_qkx2_quants(sub, weights, nmax, rmin, rdelta, nstep, use_mad=False)
     scales, mins = scales.reshape(8, -1), mins.reshape(8, -1)
