@@ -1,7 +1,8 @@
-"""`qscheme convert SRC DST --to SCHEME [--allow-requantize] [--force] [--json]`.
+"""`qscheme convert SRC DST --to SCHEME [--allow-requantize] [--without-tokenizer] [--force] [--json]`.
 
-Converts a quantized checkpoint folder (or a quantized .gguf file: ``qscheme.writing.gguf_convert``)
-into another scheme that shares its math (ModelOpt NVFP4
+Converts a quantized checkpoint folder (or a quantized .gguf file: ``qscheme.writing.gguf_convert``;
+or, to a DST ending in .gguf with a ``gguf/<TYPE>`` scheme, into one GGUF file llama.cpp loads:
+``qscheme.writing.gguf_export``) into another scheme that shares its math (ModelOpt NVFP4
 <-> compressed-tensors NVFP4, ...; see ``qscheme.writing.convert``): tensors renamed, scales
 re-conventioned, codes untouched. The summary lists, per layer, the largest deviation of the
 dequantized weight in float32 ulps that the conversion caused (for a requantized layer, its
@@ -27,7 +28,9 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "src", metavar="SRC", help="a quantized checkpoint folder (compressed-tensors or ModelOpt) or a .gguf file"
     )
-    parser.add_argument("dst", metavar="DST", help="the output folder (must not exist, unless --force)")
+    parser.add_argument(
+        "dst", metavar="DST", help="the output folder, or a .gguf file (must not exist, unless --force)"
+    )
     parser.add_argument(
         "--to", "--scheme", dest="to", required=True, metavar="SCHEME", help="the target scheme (`qscheme schemes`)"
     )
@@ -35,6 +38,11 @@ def register(sub: Any) -> None:
         "--allow-requantize",
         action="store_true",
         help="dequantize and quantize again where the schemes do not share the math (the error is reported)",
+    )
+    parser.add_argument(
+        "--without-tokenizer",
+        action="store_true",
+        help="a .gguf DST: write it even though SRC holds no tokenizer (llama.cpp cannot tokenize text with it)",
     )
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -60,8 +68,35 @@ def layer_lines(rows: list[Any]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qscheme.errors import UsageError
     from qscheme.producers.gguf.config import is_gguf_file
 
+    to_gguf = str(args.dst).lower().endswith(".gguf")
+    if args.without_tokenizer and not to_gguf:
+        raise UsageError("--without-tokenizer applies to a .gguf DST only; drop it or name a .gguf file")
+    if to_gguf:
+        if is_gguf_file(args.src):
+            raise UsageError(
+                f"{args.src} is already a GGUF file; convert writes a GGUF from a compressed-tensors or ModelOpt "
+                "folder (use `qscheme quantize` to quantize a float GGUF)"
+            )
+        from qscheme.writing.gguf_export import export_gguf  # imports torch
+
+        return run_write(
+            "convert",
+            args.dst,
+            lambda progress: export_gguf(
+                args.src,
+                args.dst,
+                args.to,
+                allow_requantize=args.allow_requantize,
+                without_tokenizer=args.without_tokenizer,
+                force=args.force,
+                progress=progress,
+            ),
+            as_json=args.json,
+            details=lambda summary: layer_lines(summary.layers),
+        )
     if is_gguf_file(args.src):
         from qscheme.writing.gguf_convert import convert_gguf  # imports torch
 

@@ -172,11 +172,13 @@ def convert_gguf(
         for module in layers:
             layout = plan.layouts[module]
             raw = files.get(layout.declared["weight"].name)
-            n, k = files.names.parameter_shapes[f"{module}.weight"]
-            result = blocks_to_layer(module, layout.scheme, raw, n, k, target, allow_requantize=allow_requantize)
+            # the layout's N and K: an expert of stacked experts has no parameter of its own in the model
+            result = blocks_to_layer(
+                module, layout.scheme, raw, layout.n, layout.k, target, allow_requantize=allow_requantize
+            )
             for short, value in result.tensors.items():
                 shards.add(f"{module}.{short}", value)
-            bias = layout.declared.get("bias")
+            bias = layout.bias  # a quantized layer's bias (qwen2's q/k/v)
             if bias is not None:
                 shards.add(f"{module}.bias", files.get(bias.name))
             summary.layers.append(_row(result))

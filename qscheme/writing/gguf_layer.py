@@ -42,7 +42,14 @@ from qscheme.writing.gguf_codes import (
     scale_values,
 )
 
-__all__ = ["SHARED_PAIRS", "blocks_to_layer", "gguf_type_of", "layer_to_blocks", "preflight_blocks"]
+__all__ = [
+    "SHARED_PAIRS",
+    "blocks_to_layer",
+    "gguf_type_of",
+    "layer_to_blocks",
+    "preflight_blocks",
+    "preflight_to_blocks",
+]
 
 _FIELD_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -253,6 +260,18 @@ def _block_scales(stored: Tensor, codes: BlockCodes) -> Tensor | str:
     if field.format == "ue4m3" and bool(((raw & 0x80) != 0).any() | (raw == 0x7F).any()):
         return "weight scale: negative or NaN e4m3 values -> ue4m3 (unsigned)"
     return raw
+
+
+def preflight_to_blocks(module: str, source: Scheme, target: Scheme, *, allow_requantize: bool) -> list[str]:
+    """What differs, from the descriptors alone, between ``source``'s codes and the blocks of
+    ``target`` (a ``gguf/<TYPE>`` scheme); RequantizationRefusedError when anything does and
+    ``allow_requantize`` is false. ``layer_to_blocks`` checks the values (global scale, scales the
+    block field cannot hold) as well."""
+    codes = block_codes(target)
+    differences = [codes] if isinstance(codes, str) else code_differences(codes, source)
+    if differences and not allow_requantize:
+        raise _refusal(module, source.name, target.name, differences, SHARED_PAIRS)
+    return differences
 
 
 def layer_to_blocks(
