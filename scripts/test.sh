@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install, then run every check CI runs: ruff, mypy, the wheel install check, the producers'
-# side venvs used as test oracles (nvidia-modelopt, vLLM's Python helpers, llm-compressor; see
-# scripts/oracle-venv.sh), and the test suite.
+# side venvs used as test oracles (nvidia-modelopt, vLLM's Python helpers, llm-compressor, llama.cpp;
+# see scripts/oracle-venv.sh), and the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -15,7 +15,7 @@ mypy qscheme plugins
 echo "== wheel"
 bash scripts/check-wheel.sh
 echo "== oracles (side venvs cached outside the clone, keyed by their pinned versions)"
-for oracle in modelopt vllm llmcompressor; do
+for oracle in modelopt vllm llmcompressor llamacpp; do
     venv="$(bash scripts/oracle-venv.sh "$oracle")"
     export "QSCHEME_${oracle^^}_PYTHON=$venv/bin/python"
 done
