@@ -129,8 +129,11 @@ def first_of_largest_magnitude(values: Tensor) -> tuple[Tensor, Tensor]:
 
     Returns (amax, max): the largest magnitude and the first value that has it, or (0, +0.0)
     when every value is zero (C's ``max`` keeps its initial +0.0 then, even if a value is -0.0).
+    A NaN never wins C's comparison, so it counts as zero here (torch's max would return it);
+    searches over huge weights overflow to NaN scales.
     """
     magnitudes = values.abs()
+    magnitudes = torch.where(torch.isnan(magnitudes), torch.zeros_like(magnitudes), magnitudes)
     amax, index = magnitudes.max(dim=0)
     first = values.gather(0, index.unsqueeze(0)).squeeze(0)
     return amax, torch.where(amax > 0, first, torch.zeros_like(first))

@@ -47,8 +47,9 @@ def _join(levels: Tensor, size: int) -> Tensor:
 
 
 def _positive_max(values: Tensor) -> Tensor:
-    """C's ``max = 0; if (v > max) max = v;`` along dim 0 (+0.0 when nothing is positive)."""
-    largest = values.amax(dim=0)
+    """C's ``max = 0; if (v > max) max = v;`` along dim 0 (+0.0 when nothing is positive; a NaN
+    never wins C's comparison, torch's amax would return it)."""
+    largest = torch.where(torch.isnan(values), torch.zeros_like(values), values).amax(dim=0)
     return torch.where(largest > 0, largest, torch.zeros_like(largest))
 
 
