@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from qscheme.errors import QSchemeError, QuantizeError
-from qscheme.producers.gguf.quants import c_float, quantize_blocks, supported_types
+from qscheme.producers.gguf.quants import c_float, fp4, nonlinear, quantize_blocks, supported_types
 from qscheme.producers.gguf.quants.table import QUANTIZERS
 
 REQUIRED = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
 # gguf-py's numpy quantizers that are bit-exact with ggml's on every block (checked on all cases).
-GGUF_EXACT_EVERYWHERE = ("Q8_0",)
+GGUF_EXACT_EVERYWHERE = ("Q8_0", "MXFP4")
 # Bit-exact except on an all-zero block, where gguf-py writes d = +0.0 and ggml -0.0 (max / -8).
 GGUF_EXACT_WITHOUT_ZERO_BLOCKS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
@@ -136,6 +136,67 @@ def test_matches_llamacpp(type_name: str) -> None:
         assert np.array_equal(expected, actual), f"K={columns}: " + first_difference(expected, actual, block_bytes)
 
 
+def extreme_rows(columns: int) -> np.ndarray:
+    """Rows from 1e4 to float32's limit, where the searches' sums overflow to inf and NaN (a NaN
+    scale never wins C's ``if (v > max)``), and rows of 1e-45 to 1e-30, subnormal or nearly."""
+    rng = np.random.default_rng(11)
+    huge = rng.standard_normal((48, columns)) * 10.0 ** rng.uniform(4, 38.5, (48, 1))
+    minute = rng.standard_normal((16, columns)) * 10.0 ** rng.uniform(-45, -30, (16, 1))
+    return np.concatenate([np.clip(huge, -3.4e38, 3.4e38), minute]).astype(np.float32)
+
+
+def below_powers_of_two_rows(columns: int) -> np.ndarray:
+    """One row per power of two 2**k (k = -126..127): its largest magnitude 2**k or one of the
+    floats just below it (log2f rounds those up to k: MXFP4's exponent), the rest a fraction of it."""
+    rng = np.random.default_rng(12)
+    rows = []
+    for k in range(-126, 128):
+        below = int(rng.choice([0, 1, 2, 40]))
+        top = np.array(np.float32(2.0**k).view(np.uint32) - below, np.uint32).view(np.float32)
+        row = rng.uniform(-1, 1, columns) * top
+        row[rng.integers(columns)] = top * rng.choice([-1, 1])
+        rows.append(row)
+    return np.stack(rows).astype(np.float32)
+
+
+def grid_tie_rows(columns: int, levels: tuple[int, ...]) -> np.ndarray:
+    """Weights on a level grid and on the midpoints between its levels, times powers of two."""
+    grid = np.array(sorted(set(levels)), np.float64)
+    points = np.concatenate([grid, (grid[1:] + grid[:-1]) / 2])
+    rng = np.random.default_rng(13)
+    return np.stack([rng.choice(points, columns) * 2.0**k for k in range(-20, 20)]).astype(np.float32)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("type_name", sorted(QUANTIZERS))
+def test_matches_llamacpp_on_extreme_magnitudes(type_name: str) -> None:
+    from llamacpp_oracle import ggml_quantize
+
+    values = np.concatenate([extreme_rows(256), below_powers_of_two_rows(256)])
+    expected = ggml_quantize(values, type_name)
+    actual = quantize(values, type_name)
+    assert np.array_equal(expected, actual), first_difference(expected, actual, QUANTIZERS[type_name].block_bytes)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize(
+    ("type_name", "levels"),
+    [
+        ("IQ4_NL", nonlinear.IQ4_NL_LEVELS),
+        ("IQ4_XS", nonlinear.IQ4_NL_LEVELS),
+        ("MXFP4", fp4.FP4_DOUBLED_VALUES),
+        ("NVFP4", fp4.FP4_DOUBLED_VALUES),
+    ],
+)
+def test_matches_llamacpp_on_level_grid_ties(type_name: str, levels: tuple[int, ...]) -> None:
+    from llamacpp_oracle import ggml_quantize
+
+    values = grid_tie_rows(256, levels)
+    expected = ggml_quantize(values, type_name)
+    actual = quantize(values, type_name)
+    assert np.array_equal(expected, actual), first_difference(expected, actual, QUANTIZERS[type_name].block_bytes)
+
+
 def sqrt_regression_rows() -> np.ndarray:
     """Rows where a sub-block's ``sqrtf(sum_x2 / 32)`` (Q4_K's weights) is where torch's float32 CPU
     sqrt is one unit in the last place off: with it, Q4_K's search picked another scale there
@@ -158,6 +219,7 @@ def test_matches_llamacpp_where_sqrt_rounding_matters(type_name: str) -> None:
 # Relative RMS error bounds for normal weights, loose (about 2x what each type reaches).
 ERROR_BOUNDS = {"Q8_0": 0.01, "Q6_K": 0.03, "Q5_K": 0.06, "Q5_0": 0.08, "Q5_1": 0.08, "Q4_K": 0.12}
 ERROR_BOUNDS |= {"Q4_0": 0.16, "Q4_1": 0.16, "Q3_K": 0.3, "Q2_K": 0.5}
+ERROR_BOUNDS |= {"IQ4_NL": 0.16, "IQ4_XS": 0.16, "MXFP4": 0.24, "NVFP4": 0.2}
 
 
 @pytest.mark.parametrize(("type_name", "bound"), sorted(ERROR_BOUNDS.items()))
@@ -248,6 +310,114 @@ def test_square_root_is_correctly_rounded() -> None:
     actual = c_float.square_root(torch.from_numpy(values)).numpy()
     assert actual.dtype == np.float32
     assert np.array_equal(expected.view(np.uint32), actual.view(np.uint32))
+
+
+def best_index_int8(levels: tuple[int, ...], x: float) -> int:
+    """ggml's best_index_int8, scalar, on a float32 x (binary search, the lower level on a tie)."""
+    value = np.float32(x)
+    if value <= levels[0]:
+        return 0
+    if value >= levels[-1]:
+        return len(levels) - 1
+    low, high = 0, len(levels) - 1
+    while high - low > 1:
+        middle = (low + high) // 2
+        if value < levels[middle]:
+            high = middle
+        else:
+            low = middle
+    return high - 1 if value - np.float32(levels[high - 1]) < np.float32(levels[high]) - value else high
+
+
+def test_nearest_level_index_is_ggml_best_index_int8() -> None:
+    levels = nonlinear.IQ4_NL_LEVELS
+    rng = np.random.default_rng(6)
+    grid = np.array(levels, np.float32)
+    midpoints = (grid[1:] + grid[:-1]) / np.float32(2)
+    values = np.concatenate(
+        [
+            rng.uniform(-140, 130, 3000).astype(np.float32),
+            grid,
+            midpoints,
+            np.nextafter(midpoints, np.float32(np.inf)),
+            np.nextafter(midpoints, np.float32(-np.inf)),
+            np.array([0.0, -0.0, 3e38, -3e38], np.float32),
+        ]
+    )
+    actual = nonlinear.nearest_level_index(torch.from_numpy(values)).tolist()
+    assert actual == [best_index_int8(levels, float(value)) for value in values]
+    assert nonlinear.nearest_level_index(torch.tensor([float("nan")])).tolist() == [15]
+
+
+def fp32_to_ue4m3(x: float) -> int:
+    """ggml_fp32_to_ue4m3, scalar, on a float32 x."""
+    value = np.float32(x)
+    if not value > 0:
+        return 0
+    value = min(value, np.float32(448.0))
+    bits = int(np.array(value, np.float32).view(np.uint32))
+    exponent = ((bits >> 23) & 0xFF) - 127 + 7
+    if exponent <= 0:
+        mantissa = int(value * np.float32(512.0) + np.float32(0.5))
+        return 0 if mantissa < 1 else min(mantissa, 7)
+    if exponent >= 15:
+        return 0x7E
+    mantissa = ((bits >> 20) & 0x7) + ((bits >> 19) & 1)
+    if mantissa > 7:
+        mantissa, exponent = 0, exponent + 1
+        if exponent >= 15:
+            return 0x7E
+    return (exponent << 3) | mantissa
+
+
+def test_ue4m3_code_is_ggml_fp32_to_ue4m3() -> None:
+    rng = np.random.default_rng(8)
+    halves = fp4._UE4M3_HALVES.numpy()
+    representable = halves[1:0x7F] * np.float32(2)
+    values = np.concatenate(
+        [
+            (2.0 ** rng.uniform(-12, 10, 5000)).astype(np.float32),
+            representable,
+            np.nextafter(representable, np.float32(0)),
+            np.nextafter(representable, np.float32(np.inf)),
+            np.array([0.0, -0.0, -1.0, 1e-30, 448.0, 449.0, 3e38, 2.0**-9, 2.0**-10], np.float32),
+        ]
+    )
+    actual = fp4.ue4m3_code(torch.from_numpy(values)).tolist()
+    assert actual == [fp32_to_ue4m3(float(value)) for value in values]
+    # Every code below 0x7E stands for its own value (the 256..448 codes all collapse to 0x7E).
+    assert fp4.ue4m3_code(torch.from_numpy(representable[:0x77])).tolist() == list(range(1, 0x78))
+
+
+def test_e8m0_exponent_floors_log2f() -> None:
+    import ctypes.util
+
+    library = ctypes.util.find_library("m")
+    if library is None:
+        pytest.skip("no C math library to call log2f from")
+    log2f = ctypes.CDLL(library).log2f
+    log2f.restype, log2f.argtypes = ctypes.c_float, [ctypes.c_float]
+    powers = (np.float32(2.0) ** np.arange(-126, 128)).astype(np.float32)
+    rng = np.random.default_rng(9)
+    values = np.concatenate(
+        [
+            powers,
+            np.nextafter(powers, np.float32(0)),
+            (powers.view(np.uint32) - 3).view(np.float32),
+            (2.0 ** rng.uniform(-149, 128, 20000)).astype(np.float32),
+            np.array([1e-45, 1e-40], np.float32),
+        ]
+    )
+    expected = [int(np.floor(np.float32(log2f(float(v))))) - 2 + 127 for v in values]
+    actual = fp4.e8m0_exponent(torch.from_numpy(values)).tolist()
+    assert actual == [e & 0xFF for e in expected]
+    assert fp4.e8m0_exponent(torch.zeros(1)).tolist() == [0]
+
+
+def test_e8m0_half_is_two_to_the_exponent_minus_128() -> None:
+    exponents = torch.arange(0, 255, dtype=torch.int32)
+    expected = [np.float32(2.0 ** (int(e) - 128)) for e in exponents]
+    assert fp4.e8m0_half(exponents).tolist() == [float(v) for v in expected]
 
 
 def test_divide_rounds_once() -> None:

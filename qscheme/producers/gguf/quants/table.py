@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 from torch import Tensor
 
-from qscheme.producers.gguf.quants import kquants, legacy
+from qscheme.producers.gguf.quants import fp4, kquants, legacy, nonlinear
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,10 @@ QUANTIZERS: Mapping[str, BlockQuantizer] = MappingProxyType(
             BlockQuantizer("Q4_K", 256, 144, kquants.quantize_q4_k, "quantize_row_q4_K_ref"),
             BlockQuantizer("Q5_K", 256, 176, kquants.quantize_q5_k, "quantize_row_q5_K_ref"),
             BlockQuantizer("Q6_K", 256, 210, kquants.quantize_q6_k, "quantize_row_q6_K_ref"),
+            BlockQuantizer("IQ4_NL", 32, 18, nonlinear.quantize_iq4_nl, "quantize_iq4_nl"),
+            BlockQuantizer("IQ4_XS", 256, 136, nonlinear.quantize_iq4_xs, "quantize_iq4_xs"),
+            BlockQuantizer("MXFP4", 32, 17, fp4.quantize_mxfp4, "quantize_row_mxfp4_ref"),
+            BlockQuantizer("NVFP4", 64, 36, fp4.quantize_nvfp4, "quantize_row_nvfp4_ref"),
         )
     }
 )
