@@ -14,7 +14,10 @@ import order without importing transformers: it registers at once when transform
   library's modules); ``via_qscheme(path)`` gives a config that routes one checkpoint here.
 
 ``from_gguf(path)`` builds a model from a GGUF file (llama.cpp) with its quantized weights kept
-quantized (transformers' ``gguf_file=`` route cannot take another quantizer; see ``gguf``).
+quantized (see ``gguf``); ``from_pretrained(dir, gguf_file=name,
+quantization_config=QSchemeGgufConfig())`` is the same route through transformers (see
+``gguf_route``: making the config is the opt-in that adds qscheme's route to transformers' own
+GGUF quantizer, which keeps its behaviour for every other config).
 
 A name transformers (or anyone) already registered is left alone and reported by
 ``registered()``: qscheme never replaces a quantizer it did not register. See docs/transformers.md.
@@ -44,6 +47,7 @@ from qscheme.transformers._quantizer import (
     SelfDescribingHfQuantizer,
 )
 from qscheme.transformers.gguf import from_gguf
+from qscheme.transformers.gguf_route import QSchemeGgufConfig
 
 __all__ = [
     "COMPRESSED_TENSORS_VIA_QSCHEME",
@@ -51,6 +55,7 @@ __all__ = [
     "QSCHEME",
     "CompressedTensorsViaQSchemeConfig",
     "ModeloptQuantizationConfig",
+    "QSchemeGgufConfig",
     "QSchemeHfQuantizer",
     "QSchemeQuantizationConfig",
     "from_gguf",

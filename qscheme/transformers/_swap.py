@@ -171,6 +171,7 @@ class Swap:
     experts: dict[str, list[str]]  # fused experts module -> its checkpoint modules
     linears: list[str]  # checkpoint modules that replace an nn.Linear
     act_fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    dequantized: list[str] = field(default_factory=list)  # quantized modules whose float weight the model keeps
     kernels: dict[str, str] = field(default_factory=dict)  # filled by load: layer -> kernel name
 
     @property
@@ -190,6 +191,8 @@ class Swap:
         owner_of = {member: module for module, members in self.experts.items() for member in members}
         with _plain_tensor_creation(), torch.no_grad():
             for name, layout in self.plan.layouts.items():
+                if name in self.dequantized:
+                    continue
                 biases: dict[str, torch.Tensor] = {}
                 weight, problems = check_module_values(self.plan, layout, biases)
                 if weight is None:
@@ -222,12 +225,16 @@ def plan_swap(
     device: torch.device | str = "cpu",
     activation_dtype: str | torch.dtype = "bfloat16",
     kernel: str | None = None,
+    dequantize_non_linear: bool = False,
 ) -> Swap:
     """Check the checkpoint in ``folder`` against ``model`` (on the meta device or not) and put a
     PendingLayer where each quantized module (``nn.Linear`` or fused experts module) is.
 
     Everything is checked before the model is changed; a problem raises CheckpointError. No
-    tensor data is read (``Swap.load`` reads it).
+    tensor data is read (``Swap.load`` reads it). ``dequantize_non_linear``: a quantized module
+    whose model module is not an ``nn.Linear`` but holds a 2-D ``weight`` of the same shape (a
+    GGUF's quantized token embedding) is left in place and listed in ``Swap.dequantized``: its
+    float weight comes through the state dict the caller gives transformers.
     """
     folder = Path(folder)
     with _plain_tensor_creation():  # it reads the small weight_shape tensors
@@ -246,8 +253,12 @@ def plan_swap(
     with_bias = _bias_names(plan)
     experts: dict[str, list[str]] = {}
     linears: list[str] = []
+    dequantized: list[str] = []
     for name, layout in plan.layouts.items():
         spec = _owner(name, specs)
+        if spec is None and dequantize_non_linear and _float_table(model, name, layout.n, layout.k):
+            dequantized.append(name)
+            continue
         if spec is None:
             _check_linear(model, name, layout.n, layout.k, name in with_bias, folder)
             linears.append(name)
@@ -265,4 +276,16 @@ def plan_swap(
         act_fns[module_name] = act_fn
     for name in (*linears, *experts):
         _set(model, name, PendingLayer(name))
-    return Swap(plan, device, activation_dtype, kernel, specs, experts, linears, act_fns)
+    return Swap(plan, device, activation_dtype, kernel, specs, experts, linears, act_fns, dequantized=dequantized)
+
+
+def _float_table(model: torch.nn.Module, name: str, n: int, k: int) -> bool:
+    """Whether the model's module ``name`` is not an nn.Linear but holds an [n, k] weight (an embedding)."""
+    try:
+        target = model.get_submodule(name)
+    except AttributeError:
+        return False
+    weight = getattr(target, "weight", None)
+    return (
+        not isinstance(target, torch.nn.Linear) and isinstance(weight, torch.Tensor) and tuple(weight.shape) == (n, k)
+    )

@@ -1,0 +1,118 @@
+"""Dequantizing GGUF blocks: qscheme's decoder beside the ``gguf`` package's numpy, in one run.
+
+    python benchmarks/gguf_dequantize.py [--types Q4_0,Q8_0,Q4_K,Q6_K] [--shape 4096x4096] [--repeats 5]
+
+For each GGUF type, a [N, K] tensor of random blocks (float fields made finite) is dequantized to
+float32 by ``gguf.quants.dequantize`` (numpy, one thread) and by qscheme (``qscheme.canonical
+.dequantize`` on the layer's canonical weight: the C loop of ``qscheme._blocks`` over slabs of
+rows on torch's threads; also with one thread, and the torch decoder with ``--torch``). Every
+result is checked equal to numpy's, bit for bit, before it is timed. Timings alternate between
+the peers, round after round, and each figure is the best of ``--repeats`` rounds; the ratio is
+numpy's time over qscheme's (how many times faster), from the same rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from qscheme.canonical import canonicalize, dequantize  # noqa: E402
+from qscheme.catalog import load_scheme  # noqa: E402
+
+DEFAULT_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_NL", "MXFP4")
+
+
+def random_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    layout = load_scheme(f"gguf/{type_name}").weight.blocks
+    assert layout is not None
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n * k // layout.elements, layout.bytes), dtype=np.uint8)
+    for field in layout.fields:
+        span = slice(field.offset, field.offset + field.size)
+        if field.format == "fp16":
+            values = (rng.standard_normal(raw.shape[0] * field.count) * 0.01).astype(np.float16)
+            raw[:, span] = values.view(np.uint8).reshape(raw.shape[0], -1)
+        elif field.format == "e8m0":
+            raw[:, span] = rng.integers(100, 140, size=(raw.shape[0], field.size), dtype=np.uint8)
+    return raw.reshape(n, -1)
+
+
+def best(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    times = {name: float("inf") for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name] = min(times[name], time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--types", default=",".join(DEFAULT_TYPES))
+    parser.add_argument("--shape", default="4096x4096")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--torch", action="store_true", help="also time the torch decoder (QSCHEME_BLOCKS_TORCH=1)")
+    args = parser.parse_args()
+    import gguf
+    from gguf import quants
+
+    n, k = (int(v) for v in args.shape.split("x"))
+    threads = torch.get_num_threads()
+    print(
+        f"dequantize [{n}, {k}] to float32; torch threads {threads}; gguf {gguf.__version__ if hasattr(gguf, '__version__') else ''}"
+    )
+    print(
+        f"{'type':8s} {'numpy ms':>9s} {'qscheme ms':>10s} {'x numpy':>8s} {'1 thread ms':>11s} {'x numpy':>8s}"
+        + ("  torch ms  x numpy" if args.torch else "")
+    )
+    for type_name in args.types.split(","):
+        scheme = load_scheme(f"gguf/{type_name}")
+        raw = random_blocks(type_name, n, k)
+        kind = gguf.GGMLQuantizationType[type_name]
+        weight = canonicalize(scheme, {"weight": torch.from_numpy(raw)}, n, k)
+        want = quants.dequantize(raw, kind).reshape(n, k)
+        got = dequantize(weight).numpy()
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"{type_name}: not bit-identical"
+
+        def one_thread() -> object:
+            torch.set_num_threads(1)
+            try:
+                return dequantize(weight)
+            finally:
+                torch.set_num_threads(threads)
+
+        def torch_decoder() -> object:
+            os.environ["QSCHEME_BLOCKS_TORCH"] = "1"
+            try:
+                return dequantize(weight)
+            finally:
+                del os.environ["QSCHEME_BLOCKS_TORCH"]
+
+        calls: dict[str, Callable[[], object]] = {
+            "numpy": lambda: quants.dequantize(raw, kind),
+            "qscheme": lambda: dequantize(weight),
+            "one": one_thread,
+        }
+        if args.torch:
+            calls["torch"] = torch_decoder
+        times = best(calls, args.repeats)
+        line = (
+            f"{type_name:8s} {times['numpy'] * 1e3:9.1f} {times['qscheme'] * 1e3:10.1f} "
+            f"{times['numpy'] / times['qscheme']:8.2f} {times['one'] * 1e3:11.1f} {times['numpy'] / times['one']:8.2f}"
+        )
+        if args.torch:
+            line += f"  {times['torch'] * 1e3:8.1f} {times['numpy'] / times['torch']:7.2f}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
