@@ -22,6 +22,27 @@ from qscheme.errors import QuantizeError
 from qscheme.formats.blocks import float_field_values
 
 
+# Where a float format keeps its exponent: (byte of the value, little-endian, mask) pairs whose bits
+# are all set exactly when the value is infinite or NaN.
+_EXPONENT_BYTES: dict[str, tuple[tuple[int, int], ...]] = {
+    "fp16": ((1, 0x7C),),
+    "bf16": ((1, 0x7F), (0, 0x80)),
+    "fp32": ((3, 0x7F), (2, 0x80)),
+}
+
+
+def _any_nonfinite(field: BlockField, blocks: Tensor) -> bool:
+    """Whether any value of a float field is infinite or NaN, from its exponent bytes alone (one
+    cheap pass over a byte per value, instead of decoding every value)."""
+    size = field.size // field.count
+    found: Tensor | None = None
+    for byte, mask in _EXPONENT_BYTES[str(field.format)]:
+        columns = blocks[:, field.offset + byte : field.offset + field.size : size]
+        hit = (columns & mask) == mask
+        found = hit if found is None else found & hit
+    return found is not None and bool(found.any())
+
+
 def _bad_field(layout: BlockLayout, field: BlockField, blocks: Tensor) -> tuple[int, float] | None:
     """The first block whose ``field`` holds a value that cannot be decoded, and that value."""
     if field.format == "e8m0":
@@ -32,6 +53,8 @@ def _bad_field(layout: BlockLayout, field: BlockField, blocks: Tensor) -> tuple[
         return None
     if field.format not in ("fp16", "bf16", "fp32"):
         return None  # e4m3 and ue4m3 fields are decoded through finite tables (e4m3's NaN aside)
+    if not _any_nonfinite(field, blocks):
+        return None
     values = float_field_values(blocks, field)
     bad = ~torch.isfinite(values).all(dim=1)
     if bool(bad.any()):
