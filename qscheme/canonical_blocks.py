@@ -21,7 +21,6 @@ from qscheme.descriptor.blocks import BlockField, BlockLayout
 from qscheme.errors import QuantizeError
 from qscheme.formats.blocks import float_field_values
 
-
 # Where a float format keeps its exponent: (byte of the value, little-endian, mask) pairs whose bits
 # are all set exactly when the value is infinite or NaN.
 _EXPONENT_BYTES: dict[str, tuple[tuple[int, int], ...]] = {
