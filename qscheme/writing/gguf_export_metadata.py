@@ -120,15 +120,18 @@ def _vocab(folder: Path) -> Any:
     """gguf-py's first vocab reader that accepts the folder's files, or None."""
     from gguf import vocab
 
-    for kind in (vocab.BpeVocab, vocab.LlamaHfVocab, vocab.SentencePieceVocab):
+    kinds: list[Any] = [vocab.BpeVocab, vocab.LlamaHfVocab]
+    if (folder / "tokenizer.model").is_file():
+        kinds.append(vocab.SentencePieceVocab)
+    for kind in kinds:
         try:
             return kind(folder)
         except (FileNotFoundError, TypeError):
             continue
-        except ImportError as exc:  # SentencePiece's reader needs the sentencepiece package
+        except (ImportError, RuntimeError) as exc:  # SentencePiece's reader needs the sentencepiece package
             raise MissingTokenizerError(
-                f"{shown_file(folder)}: its tokenizer needs the optional package {exc.name or 'sentencepiece'} to be "
-                "read: pip install sentencepiece"
+                f"{shown_file(folder)}: its tokenizer.model cannot be read here ({shown(str(exc), 200)}): "
+                "pip install sentencepiece"
             ) from None
         except (ValueError, KeyError, OSError) as exc:
             raise MissingTokenizerError(
