@@ -32,7 +32,11 @@ def test_dequantize_weight_is_the_canonical_dequantization(name: str) -> None:
     result = dequantize_weight(tensors, scheme)
     assert result.dtype == torch.float32 and result.shape == (64, 256)
     assert torch.equal(result, dequantize(canonicalize(scheme, tensors)))
-    assert_within_half_a_step(scheme, weight, tensors)
+    if scheme.weight.blocks is None:
+        assert_within_half_a_step(scheme, weight, tensors)
+    else:  # llama.cpp's searches are not round-to-nearest on one scale (their bits: tests/test_gguf_quants.py)
+        error = torch.linalg.vector_norm(result - weight.float()) / torch.linalg.vector_norm(weight.float())
+        assert float(error) < 0.35, (name, float(error))  # Q2_K: 0.30 on normal weights
 
 
 def test_a_scheme_is_named_given_or_read_from_its_file() -> None:

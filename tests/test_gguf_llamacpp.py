@@ -58,7 +58,8 @@ MIN_ROUTING_MARGIN = 0.025
 # The tiny models: name -> (tests/llamacpp_oracle.py family, seed, config changes). The MoE's seed
 # was picked for routing margins above MIN_ROUTING_MARGIN in its three files (0.033 .. 0.042; seed
 # 7's Q4_K_M file has a gap of 0.005 where llama.cpp chose the other expert). "qwen3" has Qwen3's
-# usual head_dim of 128; "qwen3-head64" the oracle's 64 (see QWEN3_HEAD_DIM).
+# usual head_dim of 128; "qwen3-head64" the oracle's 64 (transformers' qwen3 table reads no
+# attention.key_length: checkpoint.gguf_names sets head_dim from it).
 MODELS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "llama": ("llama", 7, {}),
     "mistral": ("mistral", 7, {}),
@@ -81,17 +82,7 @@ CASES = [
     ("qwen3", "Q8_0", {"Q8_0"}),
     ("qwen3-head64", "Q8_0", {"Q8_0"}),
 ]
-QWEN3_HEAD_DIM = pytest.mark.xfail(
-    strict=True,
-    raises=qscheme.errors.CheckpointError,
-    reason="qscheme plans a GGUF with transformers' GGUF config, whose qwen3 table reads no "
-    "qwen3.attention.key_length: head_dim stays Qwen3Config's 128 where the file's is 64, and every "
-    "attention tensor is refused (checkpoint.gguf_names.gguf_model_config should set head_dim from it)",
-)
-CASE_PARAMS = [
-    pytest.param(*case, marks=QWEN3_HEAD_DIM if case[0] == "qwen3-head64" else (), id=f"{case[0]}-{case[1]}")
-    for case in CASES
-]
+CASE_PARAMS = [pytest.param(*case, id=f"{case[0]}-{case[1]}") for case in CASES]
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qscheme.errors import CheckpointError, DestinationError, QSchemeError, UsageError
+from qscheme.errors import CheckpointError, DestinationError, UsageError
 from qscheme.writing.gguf_quantize import quantize_gguf
 
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the test files: pip install gguf")
@@ -95,15 +95,13 @@ def test_bad_requests_are_typed_errors_and_write_nothing(tmp_path: Path) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.gguf", "q.gguf", "src.gguf"]
 
 
-def test_a_type_without_a_bit_exact_quantizer_is_refused_naming_the_ones_there_are(tmp_path: Path) -> None:
-    from qscheme.producers.gguf.quants import supported_types
-
-    missing = [t for t in ("IQ4_XS", "NVFP4", "MXFP4", "IQ4_NL") if t not in supported_types()]
-    if not missing:
-        pytest.skip("every GGUF type has a quantizer")
-    _float_gguf(tmp_path / "src.gguf")
-    with pytest.raises(QSchemeError, match=f"cannot yet quantize to {missing[0]}.*Q4_K"):
-        quantize_gguf(tmp_path / "src.gguf", tmp_path / "a.gguf", f"gguf/{missing[0]}")
+def test_float_outputs_are_casts_rounded_to_nearest_even(tmp_path: Path) -> None:
+    tensors = _float_gguf(tmp_path / "src.gguf")
+    quantize_gguf(tmp_path / "src.gguf", tmp_path / "f16.gguf", "gguf/F16")
+    kind, data = _read(tmp_path / "f16.gguf")["blk.0.attn_q.weight"]
+    assert kind == "F16"
+    want = tensors["blk.0.attn_q.weight"].astype(np.float16)  # numpy's cast: round to nearest even
+    assert np.array_equal(data.view(np.uint16).reshape(want.shape), want.view(np.uint16))
 
 
 @pytest.mark.subprocess
@@ -129,7 +127,7 @@ def test_the_cli_writes_a_gguf_and_reports_each_weights_error(tmp_path: Path) ->
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize("ftype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("ftype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
 def test_every_tensor_equals_llama_model_quantize_bit_for_bit(tmp_path: Path, ftype: str) -> None:
     import llamacpp_oracle as oracle
 

@@ -25,7 +25,11 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-BUILTIN = sorted(scheme.name for scheme in load_catalog(include_plugins=False) if scheme.source == "builtin")
+BUILTIN = sorted(
+    scheme.name
+    for scheme in load_catalog(include_plugins=False)
+    if scheme.source == "builtin" and scheme.weight.blocks is None  # blocks: llama.cpp's quantizers, on the CPU
+)
 
 
 @functools.cache

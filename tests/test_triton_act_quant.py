@@ -16,7 +16,9 @@ from qscheme.triton.act_quant import quantize_input
 from qscheme.triton.spec import specialize
 
 YAML_SCHEMES = sorted(Path(__file__).parent.joinpath("data", "triton_schemes").glob("*.yaml"))
-ALL = list(load_catalog(include_plugins=False)) + [parse_scheme_file(path) for path in YAML_SCHEMES]
+ALL = [s for s in load_catalog(include_plugins=False) if s.weight.blocks is None] + [
+    parse_scheme_file(path) for path in YAML_SCHEMES
+]
 
 
 def _one_per_rule(schemes: list[Scheme]) -> list[Scheme]:

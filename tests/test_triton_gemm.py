@@ -28,7 +28,7 @@ from qscheme.triton.samples import random_weight
 from qscheme.triton.spec import ELEMENT_IDS, SCALE_FORMAT_IDS
 
 YAML_SCHEMES = sorted(Path(__file__).parent.joinpath("data", "triton_schemes").glob("*.yaml"))
-BUILTIN = list(load_catalog(include_plugins=False))
+BUILTIN = [s for s in load_catalog(include_plugins=False) if s.weight.blocks is None]  # blocks: not Triton's
 SCHEMES: list[Scheme] = BUILTIN + [parse_scheme_file(path) for path in YAML_SCHEMES]
 
 # (label, input shape without K, dtype, bias): M=1 decode in bf16, a 3-D fp32 batch of 33

@@ -50,7 +50,7 @@ activation: none
 WEIGHT_ONLY: list[Scheme] = [
     s
     for s in [*load_catalog(include_plugins=False), *(parse_scheme_file(p) for p in _YAML), *_EIGHT_BIT]
-    if s.activation is None
+    if s.activation is None and s.weight.blocks is None  # packed blocks are not the Triton kernel's
 ]
 N, K = 72, 301  # neither a multiple of the 32-row slab nor of any K step or group
 

@@ -13,7 +13,7 @@ from qscheme.triton import linear as lin
 from qscheme.triton.samples import random_weight
 from qscheme.triton.spec import DECODE_BF16, DECODE_FP16, DECODE_FP32, specialize
 
-BUILTIN = {s.name: s for s in load_catalog(include_plugins=False)}
+BUILTIN = {s.name: s for s in load_catalog(include_plugins=False) if s.weight.blocks is None}  # blocks: not Triton's
 SPECS = {name: specialize(scheme) for name, scheme in BUILTIN.items()}
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

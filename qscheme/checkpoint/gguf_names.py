@@ -65,7 +65,9 @@ def gguf_model_config(path: str | Path) -> Any:
     try:
         with _quiet():
             config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    except (ValueError, KeyError, TypeError, OSError) as exc:
+    except Exception as exc:  # transformers' config checks raise their own classes too
+        if isinstance(exc, CheckpointError):
+            raise
         raise CheckpointError(
             f"{shown_file(path)}: transformers cannot build a config from its metadata ({type(exc).__name__}: "
             f"{shown(str(exc), 300)}); check the architecture's hyper-parameters in the header (block_count, "
@@ -75,24 +77,25 @@ def gguf_model_config(path: str | Path) -> Any:
     return config
 
 
-# Expert widths llama.cpp writes that transformers' GGUF config table (integrations.ggml) leaves
-# out, so that its MoE configs keep the class defaults (Qwen3-MoE's 768): GGUF key under the
-# architecture -> config attribute, set where the config has that attribute.
+# Sizes llama.cpp writes that transformers' GGUF config table (integrations.ggml) leaves out, so
+# that its configs keep the class defaults (Qwen3-MoE's expert width 768, Qwen3's head_dim 128):
+# GGUF key under the architecture -> config attribute, set where the config has that attribute.
 EXPERT_WIDTHS = {
     "expert_feed_forward_length": "moe_intermediate_size",
     "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "attention.key_length": "head_dim",
 }
 
 
 def _complete_experts(path: Path, config: Any) -> None:
-    """Set the expert widths the file states (``EXPERT_WIDTHS``) on a transformers MoE config."""
+    """Set the sizes the file states (``EXPERT_WIDTHS``: expert widths, head_dim) on the transformers config."""
     from qscheme.storage import read_gguf_header
 
     metadata = read_gguf_header(path).metadata
     architecture = metadata.get("general.architecture")
     for key, attribute in EXPERT_WIDTHS.items():
         value = metadata.get(f"{architecture}.{key}")
-        if hasattr(config, attribute) and isinstance(value, int) and not isinstance(value, bool):
+        if hasattr(config, attribute) and isinstance(value, int) and not isinstance(value, bool) and value > 0:
             setattr(config, attribute, value)
 
 

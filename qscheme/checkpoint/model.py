@@ -9,10 +9,10 @@ checkpoint's extra modules and tensors are left out, the model keeps its own val
 the checkpoint does not provide, and the report's notes list both. A module or tensor that both
 have but that disagree (type, shape, bias) raises either way.
 
-A quantized layer whose model module is not an ``nn.Linear`` but holds a 2-D ``weight`` of its
-shape (an ``nn.Embedding``: a GGUF file's quantized ``token_embd``; a MoE router) is dequantized
-exactly into that weight, cast to the model's dtype (the float32 weight is held once while it is
-copied).
+A quantized layer whose model module is an ``nn.Embedding`` of its shape (a GGUF file's quantized
+``token_embd``) is dequantized exactly into the embedding's weight, cast to the model's dtype (the
+float32 weight is held once while it is copied): an embedding is a lookup, not a matmul. Any other
+module that is not an ``nn.Linear`` (a MoE router) is refused, naming the fix.
 
 Fused MoE experts (transformers 5's experts modules with 3-D ``gate_up_proj`` / ``down_proj``
 parameters, ``qscheme.modules.experts``) take the checkpoint's per-expert layers
@@ -121,16 +121,16 @@ def _place(model: torch.nn.Module, name: str, layer: QuantLinear, path: Path) ->
 
 
 def _holds_weight_of(model: torch.nn.Module, name: str, layer: QuantLinear) -> bool:
-    """Whether the model's ``name`` is not an nn.Linear but a module whose own 2-D ``weight`` has
-    the layer's [N, K] shape (an nn.Embedding, a MoE router): a quantized layer there (a GGUF's
-    quantized token_embd) is dequantized into that weight, in the model's dtype."""
+    """Whether the model's ``name`` is an nn.Embedding whose weight has the layer's [N, K] shape: a
+    quantized layer there (a GGUF's quantized token_embd) is dequantized into that weight, in the
+    model's dtype."""
     try:
         target = model.get_submodule(name)
     except AttributeError:
         return False
     weight = target._parameters.get("weight")
     return (
-        not isinstance(target, torch.nn.Linear | QuantLinear)
+        isinstance(target, torch.nn.Embedding)
         and isinstance(weight, torch.Tensor)
         and tuple(weight.shape) == (layer.out_features, layer.in_features)
         and layer.bias is None

@@ -232,9 +232,9 @@ def plan_swap(
 
     Everything is checked before the model is changed; a problem raises CheckpointError. No
     tensor data is read (``Swap.load`` reads it). ``dequantize_non_linear``: a quantized module
-    whose model module is not an ``nn.Linear`` but holds a 2-D ``weight`` of the same shape (a
-    GGUF's quantized token embedding) is left in place and listed in ``Swap.dequantized``: its
-    float weight comes through the state dict the caller gives transformers.
+    whose model module is an ``nn.Embedding`` of the same shape (a GGUF's quantized token
+    embedding) is left in place and listed in ``Swap.dequantized``: its float weight comes through
+    the state dict the caller gives transformers.
     """
     folder = Path(folder)
     with _plain_tensor_creation():  # it reads the small weight_shape tensors
@@ -280,7 +280,7 @@ def plan_swap(
 
 
 def _float_table(model: torch.nn.Module, name: str, n: int, k: int) -> bool:
-    """Whether the model's module ``name`` is not an nn.Linear but holds an [n, k] weight (an embedding)."""
+    """Whether the model's module ``name`` is an nn.Embedding of an [n, k] weight."""
     try:
         target = model.get_submodule(name)
     except AttributeError:

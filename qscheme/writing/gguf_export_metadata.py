@@ -25,7 +25,7 @@ from typing import Any
 
 from qscheme.checkpoint.gguf_names import EXPERT_WIDTHS
 from qscheme.errors import CheckpointError, InputError
-from qscheme.storage.gguf_writer import GGUFMetadataValue
+from qscheme.storage import GGUFMetadataValue
 from qscheme.text import shown, shown_file
 
 __all__ = ["QUANTIZATION_VERSION", "MissingTokenizerError", "model_metadata", "tokenizer_metadata"]

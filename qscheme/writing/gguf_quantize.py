@@ -27,6 +27,7 @@ from qscheme.catalog import load_scheme, require_scheme_argument
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.formats.blocks import decode_blocks
+from qscheme.producers.gguf.arithmetic import FLOAT_TYPES
 from qscheme.producers.gguf.quants import quantize_blocks, supported_types
 from qscheme.producers.gguf.rule import rule_of
 from qscheme.storage import (
@@ -59,7 +60,7 @@ def _target(scheme: Scheme | str | Path) -> tuple[Scheme, str, int]:
             f"(`qscheme schemes`), one of {', '.join('gguf/' + t for t in supported_types())}"
         )
     type_name = rule.types[0]
-    if type_name not in supported_types():
+    if type_name not in supported_types() and type_name not in FLOAT_TYPES:
         raise UsageError(
             f"qscheme cannot yet quantize to {type_name} bit for bit as llama.cpp does; quantizable GGUF types: "
             f"{', '.join(supported_types())}"
@@ -96,7 +97,10 @@ def _quantized(header: GGUFHeader, info: GGUFTensorInfo, scheme: Scheme, type_na
     for start in range(0, info.rows, ROWS_PER_CHUNK):
         stop = min(start + ROWS_PER_CHUNK, info.rows)
         weights = _source_rows(header, info, slice(start, stop))
-        blocks = quantize_blocks(weights, type_name, tensor_name=info.name)
+        if type_name in FLOAT_TYPES:  # a cast, rounded to nearest even as ggml's conversions
+            blocks = weights.to(FLOAT_TYPES[type_name]).contiguous().view(torch.uint8).reshape(weights.shape[0], -1)
+        else:
+            blocks = quantize_blocks(weights, type_name, tensor_name=info.name)
         out[start:stop] = blocks
         errors.add(weights, decode_blocks(blocks, layout))
     return out
