@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from qscheme.canonical import canonicalize, dequantize  # noqa: E402
-from qscheme.catalog import load_scheme  # noqa: E402
+from qscheme.canonical import canonicalize, dequantize
+from qscheme.catalog import load_scheme
 
 DEFAULT_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_NL", "MXFP4")
 
@@ -62,56 +62,60 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--torch", action="store_true", help="also time the torch decoder (QSCHEME_BLOCKS_TORCH=1)")
     args = parser.parse_args()
-    import gguf
-    from gguf import quants
 
     n, k = (int(v) for v in args.shape.split("x"))
     threads = torch.get_num_threads()
-    print(
-        f"dequantize [{n}, {k}] to float32; torch threads {threads}; gguf {gguf.__version__ if hasattr(gguf, '__version__') else ''}"
-    )
+    print(f"dequantize [{n}, {k}] to float32; torch threads {threads}")
     print(
         f"{'type':8s} {'numpy ms':>9s} {'qscheme ms':>10s} {'x numpy':>8s} {'1 thread ms':>11s} {'x numpy':>8s}"
         + ("  torch ms  x numpy" if args.torch else "")
     )
     for type_name in args.types.split(","):
-        scheme = load_scheme(f"gguf/{type_name}")
-        raw = random_blocks(type_name, n, k)
-        kind = gguf.GGMLQuantizationType[type_name]
-        weight = canonicalize(scheme, {"weight": torch.from_numpy(raw)}, n, k)
-        want = quants.dequantize(raw, kind).reshape(n, k)
-        got = dequantize(weight).numpy()
-        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"{type_name}: not bit-identical"
+        print(measure(type_name, n, k, threads, args.repeats, args.torch), flush=True)
 
-        def one_thread() -> object:
-            torch.set_num_threads(1)
-            try:
-                return dequantize(weight)
-            finally:
-                torch.set_num_threads(threads)
 
-        def torch_decoder() -> object:
-            os.environ["QSCHEME_BLOCKS_TORCH"] = "1"
-            try:
-                return dequantize(weight)
-            finally:
-                del os.environ["QSCHEME_BLOCKS_TORCH"]
+def measure(type_name: str, n: int, k: int, threads: int, repeats: int, with_torch: bool) -> str:
+    """One line of the table: the peers' best times for one type, checked bit-identical first."""
+    import gguf
+    from gguf import quants
 
-        calls: dict[str, Callable[[], object]] = {
-            "numpy": lambda: quants.dequantize(raw, kind),
-            "qscheme": lambda: dequantize(weight),
-            "one": one_thread,
-        }
-        if args.torch:
-            calls["torch"] = torch_decoder
-        times = best(calls, args.repeats)
-        line = (
-            f"{type_name:8s} {times['numpy'] * 1e3:9.1f} {times['qscheme'] * 1e3:10.1f} "
-            f"{times['numpy'] / times['qscheme']:8.2f} {times['one'] * 1e3:11.1f} {times['numpy'] / times['one']:8.2f}"
-        )
-        if args.torch:
-            line += f"  {times['torch'] * 1e3:8.1f} {times['numpy'] / times['torch']:7.2f}"
-        print(line, flush=True)
+    scheme = load_scheme(f"gguf/{type_name}")
+    raw = random_blocks(type_name, n, k)
+    kind = gguf.GGMLQuantizationType[type_name]
+    weight = canonicalize(scheme, {"weight": torch.from_numpy(raw)}, n, k)
+    want = quants.dequantize(raw, kind).reshape(n, k)
+    got = dequantize(weight).numpy()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"{type_name}: not bit-identical"
+
+    def one_thread() -> object:
+        torch.set_num_threads(1)
+        try:
+            return dequantize(weight)
+        finally:
+            torch.set_num_threads(threads)
+
+    def torch_decoder() -> object:
+        os.environ["QSCHEME_BLOCKS_TORCH"] = "1"
+        try:
+            return dequantize(weight)
+        finally:
+            del os.environ["QSCHEME_BLOCKS_TORCH"]
+
+    calls: dict[str, Callable[[], object]] = {
+        "numpy": lambda: quants.dequantize(raw, kind),
+        "qscheme": lambda: dequantize(weight),
+        "one": one_thread,
+    }
+    if with_torch:
+        calls["torch"] = torch_decoder
+    times = best(calls, repeats)
+    line = (
+        f"{type_name:8s} {times['numpy'] * 1e3:9.1f} {times['qscheme'] * 1e3:10.1f} "
+        f"{times['numpy'] / times['qscheme']:8.2f} {times['one'] * 1e3:11.1f} {times['numpy'] / times['one']:8.2f}"
+    )
+    if with_torch:
+        line += f"  {times['torch'] * 1e3:8.1f} {times['numpy'] / times['torch']:7.2f}"
+    return line
 
 
 if __name__ == "__main__":

@@ -162,6 +162,15 @@ def quantize_gguf(src: Path | str, dst: Path | str, ftype: str, *, pure: bool = 
     return Path(dst)
 
 
+def quantize_gguf_seconds(src: Path | str, dst: Path | str, ftype: str, *, pure: bool = True) -> float:
+    """``quantize_gguf`` timed inside the side process: the seconds llama_model_quantize took (one thread)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        timing = Path(scratch) / "timing.json"
+        spec = {"src": str(src), "dst": str(dst), "ftype": ftype, "pure": pure, "timing": str(timing)}
+        _run_side("quantize_gguf", spec, timeout=3600)
+        return float(json.loads(timing.read_text())["seconds"])
+
+
 def llamacpp_logits(gguf_path: Path | str, token_ids: Any, *, timeout: float = 600) -> np.ndarray:
     """llama.cpp's logits for TOKEN_IDS, evaluated one token at a time: float32 [len, vocab]."""
     tokens = [int(token) for token in _as_numpy(token_ids).reshape(-1)]

@@ -83,17 +83,17 @@ def gguf_model_config(path: str | Path) -> Any:
 EXPERT_WIDTHS = {
     "expert_feed_forward_length": "moe_intermediate_size",
     "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
-    "attention.key_length": "head_dim",
 }
+HEAD_SIZES = {"attention.key_length": "head_dim"}
 
 
 def _complete_experts(path: Path, config: Any) -> None:
-    """Set the sizes the file states (``EXPERT_WIDTHS``: expert widths, head_dim) on the transformers config."""
+    """Set the sizes the file states (``EXPERT_WIDTHS``, ``HEAD_SIZES``) on the transformers config."""
     from qscheme.storage import read_gguf_header
 
     metadata = read_gguf_header(path).metadata
     architecture = metadata.get("general.architecture")
-    for key, attribute in EXPERT_WIDTHS.items():
+    for key, attribute in {**EXPERT_WIDTHS, **HEAD_SIZES}.items():
         value = metadata.get(f"{architecture}.{key}")
         if hasattr(config, attribute) and isinstance(value, int) and not isinstance(value, bool) and value > 0:
             setattr(config, attribute, value)

@@ -12,7 +12,8 @@ reads the results this writes. Commands:
 - ``convert``    {model_dir, out, outtype, pre_tokenizer}: the sdist's convert_hf_to_gguf.py
   (unpacked to <venv>/llama.cpp by finish_venv.py); with pre_tokenizer set, its BPE
   pre-tokenizer hash check is replaced by that name (tiny test tokenizers have no known hash).
-- ``quantize_gguf`` {src, dst, ftype, pure}: llama_model_quantize with LLAMA_FTYPE_MOSTLY_<ftype>.
+- ``quantize_gguf`` {src, dst, ftype, pure, timing}: llama_model_quantize with
+  LLAMA_FTYPE_MOSTLY_<ftype>, one thread; with ``timing``, the call's seconds are written there.
 - ``logits``     {gguf, tokens, output}: Llama(...).eval one token at a time (n_batch=1: batched
   eval of tiny models crashed); writes float32 [len(tokens), vocab].
 
@@ -26,6 +27,7 @@ import importlib.util
 import json
 import runpy
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -157,9 +159,13 @@ def quantize_gguf(spec: dict[str, Any]) -> None:
     params.ftype = ftype
     params.nthread = 1
     params.pure = bool(spec.get("pure", False))
+    start = time.perf_counter()
     status = llama_cpp.llama_model_quantize(spec["src"].encode(), spec["dst"].encode(), ctypes.byref(params))
+    seconds = time.perf_counter() - start
     if status != 0:
         raise SystemExit(f"llama_model_quantize returned {status}")
+    if spec.get("timing"):
+        Path(spec["timing"]).write_text(json.dumps({"seconds": seconds}))
 
 
 def logits(spec: dict[str, Any]) -> None:
