@@ -18,8 +18,8 @@
 #include <Python.h>
 #include <stdint.h>
 
-static void decode_range(const uint8_t *raw, float *out, const float *scale, const float *minimum,
-                         const int32_t *slots, const float *table, int64_t blocks, int64_t block_bytes,
+static void decode_range(const uint8_t *restrict raw, float *restrict out, const float *restrict scale,
+                         const float *restrict minimum, const int32_t *restrict slots, const float *restrict table, int64_t blocks, int64_t block_bytes,
                          int64_t elements, int64_t depth, int64_t scale_count, int64_t minimum_count,
                          int64_t minimum_sign) {
     /* slots: [depth][4][elements] int32: byte, shift, mask, destination. Weights are taken a
@@ -31,8 +31,8 @@ static void decode_range(const uint8_t *raw, float *out, const float *scale, con
     const int64_t minimum_step = minimum_count > 0 ? groups / minimum_count : 1;
     const int32_t *byte0 = slots, *shift0 = slots + elements, *mask0 = slots + 2 * elements;
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *block = raw + b * block_bytes;
-        float *row = out + b * elements;
+        const uint8_t *restrict block = raw + b * block_bytes;
+        float *restrict row = out + b * elements;
         for (int64_t g = 0; g < groups; g++) {
             const float s = scale[b * scale_count + g / scale_step];
             const int64_t first = g * run, last = first + run;
@@ -68,6 +68,107 @@ static void decode_range(const uint8_t *raw, float *out, const float *scale, con
     }
 }
 
+/* One bit plane holds every code (the 4- and 8-bit layouts, and 2-bit ones): bit group f of byte
+ * j of each run of `run` bytes is weight f * run + j of that run. Weights are produced segment by
+ * segment (a run of bytes within one scale group); where a group has at least as many weights as
+ * there are codes, the group's value of every code is computed once (the same float32 products
+ * and sums, in the same order) and the weights are looked up in it. */
+static void decode_plane_range(const uint8_t *restrict raw, float *restrict out, const float *restrict scale,
+                               const float *restrict minimum, const float *restrict table, int64_t blocks, int64_t block_bytes, int64_t elements,
+                               int64_t plane_offset, int64_t bits, int64_t run, int64_t scale_count,
+                               int64_t minimum_count, int64_t minimum_sign) {
+    const int64_t groups = minimum_count > scale_count ? minimum_count : scale_count;
+    const int64_t group_size = elements / groups;
+    const int64_t scale_step = groups / scale_count;
+    const int64_t minimum_step = minimum_count > 0 ? groups / minimum_count : 1;
+    const int64_t per_byte = 8 / bits;
+    const int64_t per_run = run * per_byte;
+    const int64_t codes = (int64_t)1 << bits;
+    const uint32_t mask = (uint32_t)(codes - 1);
+    const int tabulate = codes <= group_size;
+    float values[256];
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *restrict block = raw + b * block_bytes;
+        float *restrict row = out + b * elements;
+        int64_t tabulated = -1;
+        for (int64_t v0 = 0; v0 < elements; v0 += run) {
+            const int64_t chunk = v0 / per_run, shift = ((v0 % per_run) / run) * bits;
+            const uint8_t *restrict bytes = block + plane_offset + chunk * run;
+            for (int64_t j = 0; j < run;) {
+                const int64_t v = v0 + j, g = v / group_size;
+                int64_t segment = group_size - v % group_size;
+                if (segment > run - j) {
+                    segment = run - j;
+                }
+                const float s = scale[b * scale_count + g / scale_step];
+                const float m = minimum_count > 0 ? minimum[b * minimum_count + g / minimum_step] : 0.0f;
+                if (tabulate && shift == 0) { /* constant shifts: the compiler unrolls these */
+                    if (tabulated != g) {
+                        for (int64_t c = 0; c < codes; c++) {
+                            float w = s * table[c];
+                            if (minimum_count > 0) {
+                                w = minimum_sign > 0 ? w + m : w - m;
+                            }
+                            values[c] = w;
+                        }
+                        tabulated = g;
+                    }
+                    for (int64_t i = 0; i < segment; i++) {
+                        row[v + i] = values[bytes[j + i] & mask];
+                    }
+                } else if (tabulate) {
+                    if (tabulated != g) {
+                        for (int64_t c = 0; c < codes; c++) {
+                            float w = s * table[c];
+                            if (minimum_count > 0) {
+                                w = minimum_sign > 0 ? w + m : w - m;
+                            }
+                            values[c] = w;
+                        }
+                        tabulated = g;
+                    }
+                    for (int64_t i = 0; i < segment; i++) {
+                        row[v + i] = values[((uint32_t)bytes[j + i] >> shift) & mask];
+                    }
+                } else {
+                    for (int64_t i = 0; i < segment; i++) {
+                        float w = s * table[((uint32_t)bytes[j + i] >> shift) & mask];
+                        if (minimum_count > 0) {
+                            w = minimum_sign > 0 ? w + m : w - m;
+                        }
+                        row[v + i] = w;
+                    }
+                }
+                j += segment;
+            }
+        }
+    }
+}
+
+static PyObject *decode_plane(PyObject *self, PyObject *args) {
+    unsigned long long raw, out, scale, minimum, table;
+    long long blocks, block_bytes, elements, plane_offset, bits, run, scale_count, minimum_count, minimum_sign;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKKKKLLLLLLLLL", &raw, &out, &scale, &minimum, &table, &blocks, &block_bytes,
+                          &elements, &plane_offset, &bits, &run, &scale_count, &minimum_count, &minimum_sign)) {
+        return NULL;
+    }
+    const long long groups = minimum_count > scale_count ? minimum_count : scale_count;
+    if (blocks < 0 || block_bytes <= 0 || elements <= 0 || scale_count <= 0 || minimum_count < 0 ||
+        (bits != 1 && bits != 2 && bits != 4 && bits != 8) || run <= 0 || elements % (run * (8 / bits)) != 0 ||
+        elements % groups != 0 || groups % scale_count != 0 || (minimum_count > 0 && groups % minimum_count != 0) ||
+        plane_offset < 0 || plane_offset + elements / (8 / bits) > block_bytes) {
+        PyErr_SetString(PyExc_ValueError, "qscheme._blocks.decode_plane: inconsistent sizes");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    decode_plane_range((const uint8_t *)(uintptr_t)raw, (float *)(uintptr_t)out, (const float *)(uintptr_t)scale,
+                       (const float *)(uintptr_t)minimum, (const float *)(uintptr_t)table, blocks, block_bytes,
+                       elements, plane_offset, bits, run, scale_count, minimum_count, minimum_sign);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *decode(PyObject *self, PyObject *args) {
     unsigned long long raw, out, scale, minimum, slots, table;
     long long blocks, block_bytes, elements, depth, scale_count, minimum_count, minimum_sign;
@@ -93,6 +194,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, "Decode packed blocks into float32 (see qscheme.formats.blocks)."},
+    {"decode_plane", decode_plane, METH_VARARGS, "Decode packed blocks whose codes are one bit plane."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -273,6 +273,21 @@ def _decode_native(native: Any, blocks: Tensor, compiled: CompiledLayout, out: T
     assert compiled.native_slots is not None and compiled.native_table is not None
     scale = _product(blocks, compiled, layout.scale).contiguous()
     minimum = _product(blocks, compiled, layout.minimum).contiguous() if layout.minimum else None
+    assert layout.element is not None
+    spec = compiled.integers[layout.element.integer].spec
+    if len(spec.planes) == 1 and spec.planes[0].bits in (1, 2, 4, 8):  # one bit plane: the tabulated loop
+        plane = spec.planes[0]
+        field = layout.field(plane.field)
+        assert field is not None
+        native.decode_plane(
+            blocks.data_ptr(), out.data_ptr(), scale.data_ptr(), 0 if minimum is None else minimum.data_ptr(),
+            compiled.native_table.data_ptr(), blocks.shape[0], layout.bytes, layout.elements,
+            field.offset + plane.first_byte, plane.bits,
+            layout.elements if plane.bits == 8 else plane.run,  # one code per byte: one run of them
+            scale.shape[1],
+            0 if minimum is None else minimum.shape[1], 1 if layout.minimum_sign == "add" else -1,
+        )  # fmt: skip
+        return
     native.decode(
         blocks.data_ptr(),
         out.data_ptr(),
