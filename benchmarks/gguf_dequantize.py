@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from qscheme.canonical import canonicalize, dequantize, dequantize_rows
-from qscheme.slabs import single_threaded_caller
 from qscheme.catalog import load_scheme
+from qscheme.slabs import single_threaded_caller
 
 DEFAULT_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_NL", "MXFP4")
 
