@@ -72,8 +72,7 @@ def main() -> None:
     print(f"dequantize [{n}, {k}] to float32; torch threads {threads}")
     print(
         f"{'type':8s} {'numpy ms':>9s} {'qscheme ms':>10s} {'x numpy':>8s} {'1 thread ms':>11s} {'x numpy':>8s} "
-        f"{'buffer ms':>10s} {'x numpy':>8s}"
-        + ("  torch ms  x numpy" if args.torch else "")
+        f"{'buffer ms':>10s} {'x numpy':>8s}" + ("  torch ms  x numpy" if args.torch else "")
     )
     for type_name in args.types.split(","):
         print(measure(type_name, n, k, threads, args.repeats, args.torch), flush=True)
