@@ -68,6 +68,19 @@ static void decode_range(const uint8_t *restrict raw, float *restrict out, const
     }
 }
 
+/* A group's weight for every code: s * table[c], then the minimum added or subtracted (the same
+ * float32 operations, in the same order, as decoding each weight). */
+static void tabulate_group(float *restrict values, const float *restrict table, int64_t codes, float s, float m,
+                           int has_minimum, int64_t minimum_sign) {
+    for (int64_t c = 0; c < codes; c++) {
+        float w = s * table[c];
+        if (has_minimum) {
+            w = minimum_sign > 0 ? w + m : w - m;
+        }
+        values[c] = w;
+    }
+}
+
 /* One bit plane holds every code (the 4- and 8-bit layouts, and 2-bit ones): bit group f of byte
  * j of each run of `run` bytes is weight f * run + j of that run. Weights are produced segment by
  * segment (a run of bytes within one scale group); where a group has at least as many weights as
@@ -104,13 +117,7 @@ static void decode_plane_range(const uint8_t *restrict raw, float *restrict out,
                 const float m = minimum_count > 0 ? minimum[b * minimum_count + g / minimum_step] : 0.0f;
                 if (tabulate && shift == 0) { /* constant shifts: the compiler unrolls these */
                     if (tabulated != g) {
-                        for (int64_t c = 0; c < codes; c++) {
-                            float w = s * table[c];
-                            if (minimum_count > 0) {
-                                w = minimum_sign > 0 ? w + m : w - m;
-                            }
-                            values[c] = w;
-                        }
+                        tabulate_group(values, table, codes, s, m, minimum_count > 0, minimum_sign);
                         tabulated = g;
                     }
                     for (int64_t i = 0; i < segment; i++) {
@@ -118,13 +125,7 @@ static void decode_plane_range(const uint8_t *restrict raw, float *restrict out,
                     }
                 } else if (tabulate) {
                     if (tabulated != g) {
-                        for (int64_t c = 0; c < codes; c++) {
-                            float w = s * table[c];
-                            if (minimum_count > 0) {
-                                w = minimum_sign > 0 ? w + m : w - m;
-                            }
-                            values[c] = w;
-                        }
+                        tabulate_group(values, table, codes, s, m, minimum_count > 0, minimum_sign);
                         tabulated = g;
                     }
                     for (int64_t i = 0; i < segment; i++) {

@@ -45,8 +45,7 @@ from qscheme.storage import (
     write_shard,
 )
 from qscheme.text import shown_file
-from qscheme.writing.convert_layer import LayerConversion
-from qscheme.writing.gguf_layer import blocks_to_layer, preflight_blocks
+from qscheme.writing.gguf_layer import blocks_to_layer, preflight_blocks, summary_row
 from qscheme.writing.loads_back import check_flags, check_loads_back
 from qscheme.writing.producer_config import config_files, producer_of
 from qscheme.writing.summary import LayerRow, WriteSummary, peak_rss_bytes
@@ -181,7 +180,7 @@ def convert_gguf(
             bias = layout.bias  # a quantized layer's bias (qwen2's q/k/v)
             if bias is not None:
                 shards.add(f"{module}.bias", files.get(bias.name))
-            summary.layers.append(_row(result))
+            summary.layers.append(summary_row(result))
             notes.extend(f"{module}: {note}" for note in result.notes)
             bar.advance(item=module)
         for module in dequantized:
@@ -221,15 +220,3 @@ def convert_gguf(
     summary.seconds = time.perf_counter() - started
     summary.peak_rss_bytes = peak_rss_bytes()
     return summary
-
-
-def _row(result: LayerConversion) -> LayerRow:
-    requantized = result.action == "requantized"
-    return LayerRow(
-        result.module,
-        result.target_scheme,
-        result.action,
-        None if requantized else float(result.max_ulps),
-        result.max_abs_error,
-        result.relative_error if requantized else None,
-    )

@@ -40,7 +40,7 @@ from qscheme.text import shown, shown_file
 from qscheme.writing.convert_layer import LayerConversion
 from qscheme.writing.gguf_export_metadata import model_metadata, tokenizer_metadata
 from qscheme.writing.gguf_export_names import SKIPPED_SUFFIXES, ExportNames, architecture_of, export_names
-from qscheme.writing.gguf_layer import layer_to_blocks, preflight_to_blocks
+from qscheme.writing.gguf_layer import layer_to_blocks, preflight_to_blocks, summary_row
 from qscheme.writing.loads_back import check_flags
 from qscheme.writing.source import SourceCheckpoint
 from qscheme.writing.summary import LayerRow, WriteSummary, peak_rss_bytes
@@ -176,18 +176,6 @@ class _Export:
             self.add(name, stack.type, (count, rows, stack.columns), data, name)
 
 
-def _row(result: LayerConversion) -> LayerRow:
-    requantized = result.action == "requantized"
-    return LayerRow(
-        result.module,
-        result.target_scheme,
-        result.action,
-        None if requantized else float(result.max_ulps),
-        result.max_abs_error,
-        result.relative_error if requantized else None,
-    )
-
-
 def export_gguf(
     src: str | Path,
     dst: str | Path,
@@ -232,7 +220,7 @@ def export_gguf(
     with raise_on_termination(), Progress(len(plan.layouts) + len(plain), "exporting", enabled=progress) as bar:
         for module in plan.layouts:
             report = export.layer(module, target, kind, allow_requantize)
-            summary.layers.append(_row(report))
+            summary.layers.append(summary_row(report))
             layer_notes.extend(f"{module}: {note}" for note in report.notes)
             bar.advance(item=module)
         for name in plain:

@@ -41,6 +41,7 @@ from qscheme.writing.gguf_codes import (
     encode_blocks,
     scale_values,
 )
+from qscheme.writing.summary import LayerRow
 
 __all__ = [
     "SHARED_PAIRS",
@@ -49,6 +50,7 @@ __all__ = [
     "layer_to_blocks",
     "preflight_blocks",
     "preflight_to_blocks",
+    "summary_row",
 ]
 
 _FIELD_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -338,3 +340,16 @@ def layer_to_blocks(
         notes=tuple(notes),
     )
     return raw, report
+
+
+def summary_row(result: LayerConversion) -> LayerRow:
+    """The summary's line of a converted layer: its ulps when exact, its relative error when requantized."""
+    requantized = result.action == "requantized"
+    return LayerRow(
+        result.module,
+        result.target_scheme,
+        result.action,
+        None if requantized else float(result.max_ulps),
+        result.max_abs_error,
+        result.relative_error if requantized else None,
+    )
