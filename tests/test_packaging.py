@@ -14,6 +14,7 @@ import configparser
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -72,6 +73,12 @@ def test_wheel_holds_every_module_and_descriptor_of_the_tree(wheel: zipfile.ZipF
         if folder in INSTALLED_AS and rest and name.endswith(SHIPPED_SUFFIXES[folder]):
             expected.add(f"{INSTALLED_AS[folder]}/{rest}")
     shipped = {name for name in wheel.namelist() if not name.split("/")[0].endswith(".dist-info")}
+    # the C extension setup.py builds from qscheme/csrc (optional: absent without a C compiler)
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    compiled = {name for name in shipped if name.endswith(suffix)}
+    assert compiled <= {f"qscheme/_blocks{suffix}"}, f"compiled modules nobody builds: {sorted(compiled)}"
+    expected |= compiled
+    expected |= {name for name in tree_files() if name.startswith("qscheme/csrc/") and name.endswith(".c")}
     for must in ("qscheme/writing/quantize.py", "qscheme/parallel/rules.py", "qscheme/transformers/__init__.py"):
         assert must in expected, f"{must} is not in the tree any more; update this test"
     assert sorted(expected - shipped) == [], "files of the tree missing from the wheel"

@@ -209,6 +209,8 @@ def _specs(scheme: Scheme) -> dict[str, TensorSpec]:
 def _unit_name(scheme: Scheme, role: str, variable: str, divisor: int) -> str:
     """What a divisor of a declared dimension stands for, from the scheme's own declarations."""
     weight = scheme.weight
+    if role == "weight" and weight.blocks is not None:
+        return f"a block of {weight.blocks.elements} weights ({weight.blocks.bytes} bytes)"
     if role == "weight":
         return f"a packed word ({weight_layout(weight.format, weight.packing)})"
     if role == "weight_scale":

@@ -409,8 +409,8 @@ def _compiled_elsewhere(variant: Variant, jobs: Sequence[tuple[Variant, str]]) -
 
 
 def _schemes(names: Sequence[str]) -> list[Scheme]:
-    if not names:
-        return list(load_catalog(include_plugins=False))
+    if not names:  # the Triton kernel's schemes: packed blocks are not its family
+        return [scheme for scheme in load_catalog(include_plugins=False) if scheme.weight.blocks is None]
     return [load_scheme(name) for name in names]
 
 
