@@ -126,14 +126,25 @@ def test_the_cli_writes_a_gguf_and_reports_each_weights_error(tmp_path: Path) ->
     assert refused.returncode == 2 and "--ignore and --calibration do not apply" in refused.stderr
 
 
-@pytest.mark.oracle
-@pytest.mark.parametrize("ftype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
-def test_every_tensor_equals_llama_model_quantize_bit_for_bit(tmp_path: Path, ftype: str) -> None:
+@pytest.fixture(scope="module")
+def llamacpp_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama converted to a float32 GGUF by llama.cpp's convert_hf_to_gguf.py (once per module)."""
     import llamacpp_oracle as oracle
 
     oracle.oracle_python()
-    model = oracle.tiny_model("llama", tmp_path / "hf")
-    source = oracle.convert_hf_to_gguf(model, tmp_path / "f32.gguf", "f32")
+    folder = tmp_path_factory.mktemp("llamacpp-source")
+    model = oracle.tiny_model("llama", folder / "hf")
+    return oracle.convert_hf_to_gguf(model, folder / "f32.gguf", "f32")
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("ftype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
+def test_every_tensor_equals_llama_model_quantize_bit_for_bit(
+    tmp_path: Path, ftype: str, llamacpp_source: Path
+) -> None:
+    import llamacpp_oracle as oracle
+
+    source = llamacpp_source
     theirs = oracle.quantize_gguf(source, tmp_path / "theirs.gguf", {"Q4_K": "Q4_K_S"}.get(ftype, ftype), pure=True)
     quantize_gguf(source, tmp_path / "ours.gguf", f"gguf/{ftype}")
     ours, want = _read(tmp_path / "ours.gguf"), _read(theirs)

@@ -107,7 +107,7 @@ def matrices(types: dict[str, str]) -> dict[str, str]:
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize("outtype", oracle.CONVERT_OUTTYPES)
+@pytest.mark.parametrize("outtype", ["f16", "q8_0"])  # f32: what the GGUF oracle tests convert to
 def test_convert_writes_the_asked_type(tiny_llama: Path, tmp_path: Path, outtype: str) -> None:
     types = tensor_types(oracle.convert_hf_to_gguf(tiny_llama, tmp_path / "model.gguf", outtype))
     assert {"token_embd.weight", "output.weight", "blk.1.ffn_down.weight", "blk.0.attn_q.weight"} <= set(types)
@@ -145,7 +145,8 @@ def transformers_logits(model_dir: Path, tokens: list[int]) -> np.ndarray:
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize("family", oracle.TINY_FAMILIES)
+# llama and the MoE here; every family's llama.cpp logits are checked against qscheme's in test_gguf_llamacpp.py
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_tiny_model_logits_match_transformers(family: str, tmp_path: Path) -> None:
     model_dir = oracle.tiny_model(family, tmp_path / family, seed=5)
     model_gguf = oracle.convert_hf_to_gguf(model_dir, tmp_path / "model.gguf", "f32")
