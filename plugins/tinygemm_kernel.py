@@ -15,9 +15,9 @@ Channel scales are repeated over groups of the size that pads K least (the same 
 group is exact).
 
 Packed blocks (GGUF's Q4_0, Q4_1, Q4_K) whose code is an unsigned integer of at most 4 bits used
-as a number take the same form: ``w = scale * u + shift`` per sub-block
-(``qscheme.formats.blocks.affine_parts``), so ``zero = 8 * scale + shift``, computed in float64
-and rounded once to bfloat16, with ``scale`` (the block's float32 scale product) rounded too.
+as a number take the same form: ``w = scale * u + shift`` per sub-block (``affine_codes`` and
+``affine_scales`` of ``qscheme.formats.blocks``), so ``zero = 8 * scale + shift``, computed in
+float64 and rounded once to bfloat16, with ``scale`` (the block's float32 scale product) rounded too.
 
 Padding: N to the op's multiple (16 on the CPU, 8 on CUDA) with zero scales and zeros, K to the
 group size with zero-valued codes (u = 8) and zero inputs; the output is sliced back to N. The
@@ -42,7 +42,7 @@ from torch import Tensor
 
 from qscheme.canonical import CanonicalWeight, effective_scale
 from qscheme.errors import QuantizeError, UsageError
-from qscheme.formats.blocks import affine_parts
+from qscheme.formats.blocks import affine_codes, affine_scales
 
 GROUP_SIZES: tuple[int, ...] = TINYGEMM_GROUP_SIZES  # the declaration's: the group sizes both ops take
 BLOCK_CODES: tuple[str, ...] = TINYGEMM_BLOCK_CODES  # the packed-block codes both ops take
@@ -129,7 +129,7 @@ def scales_and_zeros(weight: CanonicalWeight, group_size: int, padded_n: int, pa
     n, groups = weight.n, padded_k // group_size
     layout = weight.scheme.weight.blocks
     if layout is not None:  # packed blocks: w = scale * u + shift (qscheme.formats.blocks.affine_parts)
-        _, block_scale, shift = affine_parts(weight.codes, layout)
+        block_scale, shift = affine_scales(weight.codes, layout)
         pairs = torch.zeros(groups, padded_n, 2, dtype=OP_DTYPE)
         pairs[: block_scale.shape[1], :n, 0] = block_scale.t().to(OP_DTYPE)
         pairs[: block_scale.shape[1], :n, 1] = round_once(8 * block_scale.to(torch.float64) + shift, OP_DTYPE).t()
@@ -163,7 +163,7 @@ def unsigned_values(weight: CanonicalWeight, rows: slice, padded_k: int) -> Tens
     part = weight.codes[rows]
     layout = weight.scheme.weight.blocks
     if layout is not None:
-        values = affine_parts(part, layout)[0]
+        values = affine_codes(part, layout)
     else:
         values = torch.stack((part & 0xF, part >> 4), dim=-1).reshape(part.shape[0], -1)
     if weight.scheme.weight.format == "int4":

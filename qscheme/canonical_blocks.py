@@ -17,7 +17,7 @@ from torch import Tensor
 
 from qscheme.canonical_weight import CanonicalWeight
 from qscheme.descriptor import Scheme
-from qscheme.descriptor.blocks import BlockField, BlockLayout
+from qscheme.descriptor.blocks import BlockField
 from qscheme.errors import QuantizeError
 from qscheme.formats.blocks import float_field_values
 
@@ -42,7 +42,7 @@ def _any_nonfinite(field: BlockField, blocks: Tensor) -> bool:
     return found is not None and bool(found.any())
 
 
-def _bad_field(layout: BlockLayout, field: BlockField, blocks: Tensor) -> tuple[int, float] | None:
+def _bad_field(field: BlockField, blocks: Tensor) -> tuple[int, float] | None:
     """The first block whose ``field`` holds a value that cannot be decoded, and that value."""
     if field.format == "e8m0":
         raw = blocks[:, field.offset : field.offset + field.size]
@@ -71,7 +71,7 @@ def require_decodable(scheme: Scheme, raw: Tensor, layer: str | None) -> None:
     for field in layout.fields:
         if field.format is None:
             continue
-        found = _bad_field(layout, field, blocks)
+        found = _bad_field(field, blocks)
         if found is None:
             continue
         index, value = found

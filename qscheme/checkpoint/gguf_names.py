@@ -124,19 +124,16 @@ class GGUFNames:
     def row_order(self, tensor: str, rows: int) -> torch.Tensor | None:
         """The order in which transformers takes the rows of 2-D tensor ``tensor`` (None: as stored);
         CheckpointError when the architecture's processor does more than reorder its rows."""
-        index = np.arange(rows, dtype=np.int64).reshape(rows, 1)
-        result = self.processor.process(weights=index, name=tensor)
-        order = np.asarray(result.weights).reshape(-1)
-        if result.name != tensor or order.shape != (rows,) or not np.array_equal(np.sort(order), index[:, 0]):
+        try:
+            order = processor_row_order(self.processor, tensor, rows)
+        except ValueError:
             raise CheckpointError(
                 f"{shown_file(self.path)}: tensor {shown(tensor)!r}: transformers' {self.architecture} converter "
                 f"({type(self.processor).__name__}) changes its values, not only the order of its rows, so it cannot "
                 "stay quantized; convert this tensor to F16/F32 with llama-quantize (--tensor-type), or load the file "
                 "with transformers' own GGUF loader"
-            )
-        if np.array_equal(order, index[:, 0]):
-            return None
-        return torch.from_numpy(order.copy())
+            ) from None
+        return None if order is None else torch.from_numpy(order.copy())
 
     def processed(self, tensor: str, values: np.ndarray) -> np.ndarray:
         """A plain tensor's values as transformers' processor leaves them."""
@@ -169,6 +166,18 @@ def _shared_name_maps() -> Iterator[None]:
         yield
     finally:
         gguf.get_tensor_name_map = original
+
+
+def processor_row_order(processor: Any, tensor: str, rows: int) -> np.ndarray | None:
+    """The order in which transformers' GGUF ``processor`` takes the rows of 2-D ``tensor`` (None:
+    as stored), found by running it on the row indices; ValueError when it does more than reorder
+    rows (renames the tensor, changes values or the shape)."""
+    index = np.arange(rows, dtype=np.int64).reshape(rows, 1)
+    result = processor.process(weights=index, name=tensor)
+    order = np.asarray(result.weights).reshape(-1)
+    if result.name != tensor or order.shape != (rows,) or not np.array_equal(np.sort(order), index[:, 0]):
+        raise ValueError(f"{type(processor).__name__} changes the values of {tensor!r}")
+    return None if np.array_equal(order, index[:, 0]) else order
 
 
 def gguf_names(path: Path, architecture: str) -> GGUFNames:

@@ -361,24 +361,31 @@ def _finer(value: Tensor, count: int) -> Tensor:
     return value if value.shape[1] == count else value.repeat_interleave(count // value.shape[1], dim=1)
 
 
-def affine_parts(raw: Tensor, layout: BlockLayout) -> tuple[Tensor, Tensor, Tensor]:
-    """The weights of an affine layout (``code_kind`` ``uint<b>``) as ``scale * code + shift``.
-
-    Returns (codes uint8 [rows, K], the raw unsigned codes; scale float32 [rows, G]; shift float64
-    [rows, G]) for G groups per row (the finest of the scale and minimum factors), where
-    ``scale * code + shift`` equals, in exact arithmetic, the declared ``scale * (code + offset)
-    -/+ minimum``. ``scale`` and the minimum are the float32 products ``decode_blocks`` forms;
-    ``decode_blocks`` then rounds the weight itself (at most 2**-24 relative more). A kernel with
-    its own scale-and-offset form (tinygemm's ``(u - 8) * s + zero``) starts from these.
-    """
+def _affine_spec(layout: BlockLayout) -> IntegerSpec:
     kind = layout.code_kind
     if not kind.startswith("uint") or layout.element is None:
         raise QuantizeError(f"only affine unsigned codes split into scale and shift, not {kind!r} codes")
+    spec = layout.integer(layout.element.integer)
+    assert spec is not None
+    return spec
+
+
+def affine_codes(raw: Tensor, layout: BlockLayout) -> Tensor:
+    """uint8 [rows, K]: the raw unsigned codes of an affine layout (before their offset)."""
+    spec = _affine_spec(layout)
+    compiled = compile_layout(layout, raw.device)
+    plain = IntegerSpec(spec.name, spec.count, spec.bits, False, 0, spec.sources, spec.planes)
+    blocks = raw.reshape(-1, layout.bytes)
+    codes = _integer(blocks, _CompiledInteger(plain, compiled.integers[spec.name].slots), layout)
+    return codes.to(torch.uint8).reshape(raw.shape[0], -1)
+
+
+def affine_scales(raw: Tensor, layout: BlockLayout) -> tuple[Tensor, Tensor]:
+    """(scale float32 [rows, G], shift float64 [rows, G]) of an affine layout, for G groups per row
+    (the finest of the scale and minimum factors): see ``affine_parts``."""
+    spec = _affine_spec(layout)
     blocks = raw.reshape(-1, layout.bytes)
     compiled = compile_layout(layout, raw.device)
-    spec = compiled.integers[layout.element.integer].spec
-    plain = IntegerSpec(spec.name, spec.count, spec.bits, False, 0, spec.sources, spec.planes)
-    codes = _integer(blocks, _CompiledInteger(plain, compiled.integers[spec.name].slots), layout).to(torch.uint8)
     scale = _product(blocks, compiled, layout.scale)
     minimum = _product(blocks, compiled, layout.minimum) if layout.minimum else None
     groups = max(scale.shape[1], minimum.shape[1] if minimum is not None else 1)
@@ -388,4 +395,18 @@ def affine_parts(raw: Tensor, layout: BlockLayout) -> tuple[Tensor, Tensor, Tens
         term = _finer(minimum, groups).to(torch.float64)
         shift = shift - term if layout.minimum_sign == "subtract" else shift + term
     rows = raw.shape[0]
-    return codes.reshape(rows, -1), scale.reshape(rows, -1), shift.reshape(rows, -1)
+    return scale.reshape(rows, -1), shift.reshape(rows, -1)
+
+
+def affine_parts(raw: Tensor, layout: BlockLayout) -> tuple[Tensor, Tensor, Tensor]:
+    """The weights of an affine layout (``code_kind`` ``uint<b>``) as ``scale * code + shift``.
+
+    Returns (codes uint8 [rows, K], the raw unsigned codes; scale float32 [rows, G]; shift float64
+    [rows, G]) for G groups per row (the finest of the scale and minimum factors), where
+    ``scale * code + shift`` equals, in exact arithmetic, the declared ``scale * (code + offset)
+    -/+ minimum``. ``scale`` and the minimum are the float32 products ``decode_blocks`` forms;
+    ``decode_blocks`` then rounds the weight itself (at most 2**-24 relative more). A kernel with
+    its own scale-and-offset form (tinygemm's ``(u - 8) * s + zero``) starts from these
+    (``affine_codes`` and ``affine_scales`` give either half alone).
+    """
+    return (affine_codes(raw, layout), *affine_scales(raw, layout))

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from qscheme.checkpoint.gguf_names import processor_row_order
 from qscheme.errors import CheckpointError, InputError
 from qscheme.text import shown, shown_file
 
@@ -107,18 +108,15 @@ class ExportNames:
     def gguf_rows(self, tensor: str, rows: int) -> torch.Tensor | None:
         """The permutation taking a tensor's rows in transformers' order to llama.cpp's (``out = rows[p]``),
         None when they are the same; CheckpointError when the processor changes values."""
-        index = np.arange(rows, dtype=np.int64).reshape(rows, 1)
-        result = self.processor.process(weights=index, name=tensor)
-        order = np.asarray(result.weights).reshape(-1)
-        if result.name != tensor or order.shape != (rows,) or not np.array_equal(np.sort(order), index[:, 0]):
+        try:
+            order = processor_row_order(self.processor, tensor, rows)
+        except ValueError:
             raise CheckpointError(
                 f"{shown_file(self.folder)}: GGUF tensor {shown(tensor)!r}: transformers' {self.architecture} GGUF "
                 f"reader ({type(self.processor).__name__}) changes its values, not only the order of its rows, so the "
                 "export cannot write it exactly; convert this model with llama.cpp's convert_hf_to_gguf.py"
-            )
-        if np.array_equal(order, index[:, 0]):
-            return None
-        return torch.from_numpy(np.argsort(order, kind="stable"))
+            ) from None
+        return None if order is None else torch.from_numpy(np.argsort(order, kind="stable"))
 
 
 def export_names(folder: Path, config: dict[str, Any], architecture: str) -> ExportNames:

@@ -27,8 +27,7 @@ from qscheme.catalog import load_scheme, require_scheme_argument
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.formats.blocks import decode_blocks
-from qscheme.producers.gguf.arithmetic import FLOAT_TYPES
-from qscheme.producers.gguf.quants import quantize_blocks, supported_types
+from qscheme.producers.gguf.arithmetic import FLOAT_TYPES, quantizable_types, quantize_type
 from qscheme.producers.gguf.rule import rule_of
 from qscheme.storage import (
     GGUFHeader,
@@ -41,8 +40,6 @@ from qscheme.storage import (
 from qscheme.writing.error_report import ErrorSums
 from qscheme.writing.summary import LayerRow, WriteSummary, peak_rss_bytes
 
-FLOAT_SOURCES = ("F32", "F16", "BF16")
-_TORCH_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 ROWS_PER_CHUNK = 4096  # rows quantized at once (bounds the float32 copy of a large tensor)
 
 
@@ -57,13 +54,13 @@ def _target(scheme: Scheme | str | Path) -> tuple[Scheme, str, int]:
     if rule is None or len(rule.types) != 1:
         raise UsageError(
             f"scheme {resolved.name} is not a GGUF type; a .gguf output takes a gguf/<TYPE> scheme "
-            f"(`qscheme schemes`), one of {', '.join('gguf/' + t for t in supported_types())}"
+            f"(`qscheme schemes`), one of {', '.join('gguf/' + t for t in quantizable_types())}"
         )
     type_name = rule.types[0]
-    if type_name not in supported_types() and type_name not in FLOAT_TYPES:
+    if type_name not in quantizable_types():
         raise UsageError(
             f"qscheme cannot yet quantize to {type_name} bit for bit as llama.cpp does; quantizable GGUF types: "
-            f"{', '.join(supported_types())}"
+            f"{', '.join(quantizable_types())}"
         )
     if rule.file_type is None:
         raise UsageError(f"scheme {resolved.name} declares no detect.gguf.file_type to write; add one")
@@ -76,16 +73,16 @@ def _is_weight(info: GGUFTensorInfo) -> bool:
 
 def _source_rows(header: GGUFHeader, info: GGUFTensorInfo, rows: slice) -> Tensor:
     raw = read_gguf_tensor(header, info.name, rows)
-    return raw.reshape(-1).view(_TORCH_FLOATS[info.type.name]).to(torch.float32).reshape(raw.shape[0], -1)
+    return raw.reshape(-1).view(FLOAT_TYPES[info.type.name]).to(torch.float32).reshape(raw.shape[0], -1)
 
 
 def _quantized(header: GGUFHeader, info: GGUFTensorInfo, scheme: Scheme, type_name: str, errors: ErrorSums) -> Tensor:
     layout = scheme.weight.blocks
     assert layout is not None
-    if info.type.name not in FLOAT_SOURCES:
+    if info.type.name not in FLOAT_TYPES:
         raise CheckpointError(
             f"{header.path}: tensor {info.name!r} is {info.type.name}; qscheme quantizes float weights "
-            f"({', '.join(FLOAT_SOURCES)}) only: quantize from the file convert_hf_to_gguf.py wrote"
+            f"({', '.join(FLOAT_TYPES)}) only: quantize from the file convert_hf_to_gguf.py wrote"
         )
     k = info.shape[-1]
     if k % layout.elements:
@@ -97,10 +94,7 @@ def _quantized(header: GGUFHeader, info: GGUFTensorInfo, scheme: Scheme, type_na
     for start in range(0, info.rows, ROWS_PER_CHUNK):
         stop = min(start + ROWS_PER_CHUNK, info.rows)
         weights = _source_rows(header, info, slice(start, stop))
-        if type_name in FLOAT_TYPES:  # a cast, rounded to nearest even as ggml's conversions
-            blocks = weights.to(FLOAT_TYPES[type_name]).contiguous().view(torch.uint8).reshape(weights.shape[0], -1)
-        else:
-            blocks = quantize_blocks(weights, type_name, tensor_name=info.name)
+        blocks = quantize_type(weights, type_name, info.name)
         out[start:stop] = blocks
         errors.add(weights, decode_blocks(blocks, layout))
     return out

@@ -21,20 +21,30 @@ from qscheme.quantize.blocks import register_block_quantizer
 FLOAT_TYPES: dict[str, torch.dtype] = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def _quantize(scheme: Scheme, weight: Tensor) -> Tensor:
-    rule = rule_of(scheme)
-    if rule is None or len(rule.types) != 1:
-        raise QuantizeError(f"scheme {scheme.name}: its detect.gguf rule must name one GGUF type to quantize to")
-    type_name = rule.types[0]
+def quantizable_types() -> tuple[str, ...]:
+    """The GGUF types qscheme writes as llama.cpp does: its quantizers' and the float casts."""
+    return (*supported_types(), *FLOAT_TYPES)
+
+
+def quantize_type(weight: Tensor, type_name: str, tensor_name: str = "the weight") -> Tensor:
+    """uint8 [rows, row bytes] of GGUF type ``type_name`` for a float weight [rows, K]: llama.cpp's
+    quantizer, or a cast for a float type; QuantizeError for a type qscheme cannot write exactly."""
     if type_name in FLOAT_TYPES:
         values = weight.to(torch.float32).to(FLOAT_TYPES[type_name]).contiguous()
         return values.view(torch.uint8).reshape(weight.shape[0], -1)
     if type_name not in supported_types():
         raise QuantizeError(
-            f"scheme {scheme.name}: qscheme cannot yet quantize to {type_name} bit for bit as llama.cpp does; "
-            f"quantizable GGUF types: {', '.join(supported_types())}"
+            f"{tensor_name}: qscheme cannot yet quantize to {type_name} bit for bit as llama.cpp does; "
+            f"quantizable GGUF types: {', '.join(quantizable_types())}"
         )
-    return quantize_blocks(weight.to(torch.float32).contiguous(), type_name, tensor_name="the weight")
+    return quantize_blocks(weight.to(torch.float32).contiguous(), type_name, tensor_name=tensor_name)
+
+
+def _quantize(scheme: Scheme, weight: Tensor) -> Tensor:
+    rule = rule_of(scheme)
+    if rule is None or len(rule.types) != 1:
+        raise QuantizeError(f"scheme {scheme.name}: its detect.gguf rule must name one GGUF type to quantize to")
+    return quantize_type(weight, rule.types[0], f"scheme {scheme.name}")
 
 
 register_block_quantizer(NAME, _quantize)
