@@ -4,6 +4,7 @@ and its forward pass matches transformers on the same tiny models."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -160,3 +161,10 @@ def test_tiny_model_logits_match_transformers(family: str, tmp_path: Path) -> No
     assert np.isfinite(logits).all()
     scale = np.abs(expected).max()
     np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-3 * scale)
+
+
+def test_ci_runs_the_llamacpp_oracle() -> None:
+    """In CI the llama.cpp oracle must be there (scripts/test.sh builds and exports it): fail, never skip."""
+    if not os.environ.get("CI"):
+        pytest.skip("outside CI the llama.cpp oracle is optional (bash scripts/oracle-venv.sh llamacpp)")
+    assert os.environ.get(oracle.ENV), f"CI is set but {oracle.ENV} is not: scripts/test.sh exports it"
