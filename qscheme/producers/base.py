@@ -78,6 +78,21 @@ class WriteRequest:
 
 
 @dataclass(frozen=True)
+class StackedExperts:
+    """A producer that stores every expert of a fused experts module in one tensor per projection:
+    ``<experts>.<projection><separator><tensor>`` with a leading expert dimension [E, ...].
+
+    The loader splits each into ``<experts>.<e>.<projection>.<tensor>`` (``checkpoint.stacked_experts``),
+    the per-expert modules every other producer stores, each reading its own bytes. ``folded`` names
+    tensors stored with one trailing dimension more than the scheme declares ({"blocks": 16}: the
+    codes [R, C/32, 16] are read as [R, C/2], the same bytes), and that dimension's size."""
+
+    projections: tuple[str, ...]
+    separator: str = "_"
+    folded: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Producer:
     """One producer: reading, detecting, writing and its arithmetic.
 
@@ -96,7 +111,11 @@ class Producer:
     - ``overlap(a, b)``: a config both schemes' rules match (described, and the config object or
       None), for ``qscheme validate``; ``overlap_fix`` says how to tell such rules apart;
     - ``rule_schema``: its ``detect.<name>`` rule in scheme descriptors (``descriptor.rules``),
-      registered for the descriptor's parser by ``qscheme.producers`` (None: it has no rule).
+      registered for the descriptor's parser by ``qscheme.producers`` (None: it has no rule);
+    - ``transformers_owns_method``: transformers has a quantizer of its own for ``quant_method``
+      (``compressed-tensors``, ``fp8``, ``gptq``, ...). qscheme leaves that name to it and registers
+      the opt-in ``qscheme-<quant_method>`` instead (``qscheme.transformers.via_qscheme``);
+    - ``stacked_experts``: how it stores experts stacked in one tensor (None: one module per expert).
     """
 
     name: str
@@ -114,6 +133,8 @@ class Producer:
     overlap: Callable[[Scheme, Scheme], tuple[str, Any] | None] | None = None
     overlap_fix: str = ""
     rule_schema: RuleSchema | None = None
+    transformers_owns_method: bool = False
+    stacked_experts: StackedExperts | None = None
 
 
 # ---------------------------------------------------------------------------- reading configs

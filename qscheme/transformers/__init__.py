@@ -9,9 +9,11 @@ import order without importing transformers: it registers at once when transform
 - ``modelopt``: NVIDIA ModelOpt exports, which transformers has no loader for;
 - ``qscheme``: the self-describing checkpoints ``qscheme quantize`` writes for a scheme no
   producer writes (config.json embeds the descriptor, so no YAML file is needed to load them);
-- ``qscheme-compressed-tensors``: the opt-in route for compressed-tensors checkpoints. The name
-  ``compressed-tensors`` stays transformers' own quantizer (it decompresses, or runs the
-  library's modules); ``via_qscheme(path)`` gives a config that routes one checkpoint here.
+- ``qscheme-<quant_method>``: the opt-in route for every producer whose ``quant_method``
+  transformers owns (``Producer.transformers_owns_method``: ``qscheme-compressed-tensors``,
+  ``qscheme-fp8``, ...). The name itself stays transformers' own quantizer (which decompresses,
+  or runs its library's modules); ``via_qscheme(path)`` gives a config that routes one
+  checkpoint here.
 
 ``from_gguf(path)`` builds a model from a GGUF file (llama.cpp) with its quantized weights kept
 quantized (see ``gguf``); ``from_pretrained(dir, gguf_file=name,
@@ -30,18 +32,19 @@ from typing import Any
 
 from qscheme.errors import UsageError
 from qscheme.transformers._config import (
-    COMPRESSED_TENSORS,
     COMPRESSED_TENSORS_VIA_QSCHEME,
     CONFIGS,
     MODELOPT,
     QSCHEME,
     ROUTED_FROM,
+    ROUTES,
     CompressedTensorsViaQSchemeConfig,
     ModeloptQuantizationConfig,
     QSchemeQuantizationConfig,
+    routed_method,
 )
 from qscheme.transformers._quantizer import (
-    CompressedTensorsViaQSchemeHfQuantizer,
+    ROUTED_QUANTIZERS,
     ModeloptHfQuantizer,
     QSchemeHfQuantizer,
     SelfDescribingHfQuantizer,
@@ -53,6 +56,7 @@ __all__ = [
     "COMPRESSED_TENSORS_VIA_QSCHEME",
     "MODELOPT",
     "QSCHEME",
+    "ROUTES",
     "CompressedTensorsViaQSchemeConfig",
     "ModeloptQuantizationConfig",
     "QSchemeGgufConfig",
@@ -61,13 +65,14 @@ __all__ = [
     "from_gguf",
     "register",
     "registered",
+    "routed_method",
     "via_qscheme",
 ]
 
 _QUANTIZERS: dict[str, type[QSchemeHfQuantizer]] = {
     MODELOPT: ModeloptHfQuantizer,
     QSCHEME: SelfDescribingHfQuantizer,
-    COMPRESSED_TENSORS_VIA_QSCHEME: CompressedTensorsViaQSchemeHfQuantizer,
+    **ROUTED_QUANTIZERS,
 }
 _REGISTERED: dict[str, str] = {}  # method -> "qscheme" or why it was left to another quantizer
 
@@ -105,7 +110,8 @@ def registered() -> dict[str, str]:
 
 def via_qscheme(path: str | Path, *, kernel: str | None = None, **config_kwargs: Any) -> Any:
     """The checkpoint's transformers config (``AutoConfig.from_pretrained(path, **config_kwargs)``)
-    with its compressed-tensors ``quantization_config`` routed through qscheme: pass it as
+    with its ``quantization_config`` routed through qscheme when transformers owns its method
+    (compressed-tensors, fp8, ...: ``ROUTES``, renamed ``qscheme-<quant_method>``): pass it as
     ``from_pretrained(path, config=via_qscheme(path))``. ``kernel`` (a kernel name, e.g.
     ``"triton"``) forces that kernel for every quantized layer instead of the resolver's choice.
     ModelOpt and qscheme checkpoints need no routing (their methods are qscheme's already), but
@@ -117,15 +123,17 @@ def via_qscheme(path: str | Path, *, kernel: str | None = None, **config_kwargs:
     if quantization is not None and not isinstance(quantization, dict):
         quantization = quantization.to_dict()
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-    if method not in (COMPRESSED_TENSORS, MODELOPT, QSCHEME, COMPRESSED_TENSORS_VIA_QSCHEME):
+    owned = tuple(ROUTES.values())
+    if method not in (*owned, *ROUTES, MODELOPT, QSCHEME):
+        listed = ", ".join(repr(name) for name in owned)
         raise UsageError(
             f"via_qscheme({str(path)!r}): config.json's quantization_config has quant_method {method!r}; qscheme "
-            f"routes {COMPRESSED_TENSORS!r} checkpoints (and loads {MODELOPT!r} and {QSCHEME!r} ones without routing)"
+            f"routes {listed} checkpoints (and loads {MODELOPT!r} and {QSCHEME!r} ones without routing)"
         )
     assert isinstance(quantization, dict)
     routed = dict(quantization)
-    if method == COMPRESSED_TENSORS:
-        routed.update({"quant_method": COMPRESSED_TENSORS_VIA_QSCHEME, ROUTED_FROM: COMPRESSED_TENSORS})
+    if method in owned:
+        routed.update({"quant_method": routed_method(method), ROUTED_FROM: method})
     if kernel is not None:
         if not isinstance(kernel, str) or not kernel:
             raise UsageError(f"via_qscheme: kernel must be a kernel name such as 'triton', not {kernel!r}")

@@ -19,7 +19,12 @@ from transformers.quantizers.base import HfQuantizer
 from qscheme.dtype_fallback import warn_dtype_fallbacks
 from qscheme.errors import UsageError
 from qscheme.text import shown
-from qscheme.transformers._config import QSchemeQuantizationConfig
+from qscheme.transformers._config import (
+    COMPRESSED_TENSORS_VIA_QSCHEME,
+    ROUTED_CONFIGS,
+    QSchemeQuantizationConfig,
+    RoutedQuantizationConfig,
+)
 from qscheme.transformers._finite import check_plain_finite
 from qscheme.transformers._swap import Swap, plan_swap
 
@@ -112,8 +117,26 @@ class ModeloptHfQuantizer(QSchemeHfQuantizer):
     """``quant_method: modelopt``: NVIDIA ModelOpt exports (``export_hf_checkpoint``)."""
 
 
-class CompressedTensorsViaQSchemeHfQuantizer(QSchemeHfQuantizer):
-    """A compressed-tensors checkpoint routed through qscheme (``via_qscheme``)."""
+class RoutedHfQuantizer(QSchemeHfQuantizer):
+    """A checkpoint whose ``quant_method`` transformers owns, routed through qscheme
+    (``via_qscheme``): registered as ``qscheme-<quant_method>``, one class per such producer."""
+
+
+def _routed_quantizer(config: type[RoutedQuantizationConfig]) -> type[RoutedHfQuantizer]:
+    return type(
+        config.__name__.removesuffix("Config") + "HfQuantizer",
+        (RoutedHfQuantizer,),
+        {
+            "__module__": __name__,
+            "__doc__": f"A {config.routed_from} checkpoint routed through qscheme (``via_qscheme``).",
+        },
+    )
+
+
+ROUTED_QUANTIZERS: dict[str, type[RoutedHfQuantizer]] = {
+    method: _routed_quantizer(config) for method, config in ROUTED_CONFIGS.items()
+}
+CompressedTensorsViaQSchemeHfQuantizer = ROUTED_QUANTIZERS[COMPRESSED_TENSORS_VIA_QSCHEME]
 
 
 class SelfDescribingHfQuantizer(QSchemeHfQuantizer):

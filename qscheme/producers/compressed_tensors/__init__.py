@@ -29,6 +29,7 @@ PRODUCER = Producer(
     overlap=overlap.witness,
     overlap_fix=overlap.FIX,
     rule_schema=rule.RULE_SCHEMA,
+    transformers_owns_method=True,
 )
 
 __all__ = ["PRODUCER", "CompressedTensorsConfig"]
