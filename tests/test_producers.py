@@ -44,7 +44,8 @@ def test_producers_import_nothing_of_the_loader_or_the_writer() -> None:
 
 
 def test_the_registry_names_each_producer_and_method_once() -> None:
-    assert [p.name for p in PRODUCERS] == ["compressed-tensors", "modelopt", "qscheme"]
+    names = [p.name for p in PRODUCERS]  # issue 27's producers sit between modelopt and self-described
+    assert names[:2] == ["compressed-tensors", "modelopt"] and names[-1] == "qscheme" and "mxfp4" in names
     assert len({p.quant_method for p in PRODUCERS}) == len(PRODUCERS)
     assert CONFIG_FILES == ("config.json", "hf_quant_config.json")
     config = CompressedTensorsConfig("config.json", (), (), None, None, None, None)
@@ -77,7 +78,8 @@ def test_the_registry_and_config_reading_do_not_import_torch() -> None:
 def test_the_detect_rules_descriptors_accept_are_the_producers_own() -> None:
     # GGUF files describe themselves: its rule is registered without a config-reading Producer
     assert rules.rule_producers() == (*(p.name for p in PRODUCERS if p.rule_schema is not None), "gguf")
-    assert rules.rule_producers() == ("compressed-tensors", "modelopt", "gguf")
+    named = rules.rule_producers()  # issue 27's producers sit between modelopt and gguf
+    assert named[:2] == ("compressed-tensors", "modelopt") and named[-1] == "gguf" and "mxfp4" in named
 
 
 def test_the_descriptor_package_names_no_producer() -> None:

@@ -52,6 +52,7 @@ from qscheme.checkpoint.routers import router_hint
 from qscheme.dtype_fallback import warn_dtype_fallbacks
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.modules import ExpertsSpec, QuantExperts, QuantLinear, checked_device, find_expert_modules
+from qscheme.modules.experts import gating_of
 from qscheme.parallel.agree import failures_shared
 from qscheme.parallel.model import RankSplit
 from qscheme.parallel.plan import checked_tp_plan
@@ -189,11 +190,9 @@ def _build_experts(
                 f"{folder}: the checkpoint quantizes the experts of {name!r} ({spec.module_type}), but {spec.problem}; "
                 "load the checkpoint with qscheme.load_checkpoint(path) and call its layers"
             )
-        act_fn = getattr(model.get_submodule(name), "act_fn", None)
-        if not callable(act_fn):  # _layout_problem refuses a module without one: unreachable
-            raise CheckpointError(f"{folder}: the model's {name!r} ({spec.module_type}) has no act_fn")
+        act_fn, apply_gate = gating_of(model.get_submodule(name))  # _layout_problem refused a module with neither
         try:
-            experts = QuantExperts.from_checkpoint(spec, layers, act_fn)
+            experts = QuantExperts.from_checkpoint(spec, layers, act_fn, apply_gate=apply_gate)
         except CheckpointError as exc:
             raise CheckpointError(f"{folder}: {exc}") from None
         parent_name, _, child = name.rpartition(".")

@@ -18,6 +18,7 @@ import torch
 from qscheme.checkpoint.config import ProducerConfig, read_producer_config
 from qscheme.checkpoint.detect import Detection, ModuleAssignment, detect, split_name
 from qscheme.checkpoint.gguf_plan import is_gguf_file, read_gguf_checkpoint
+from qscheme.checkpoint.stacked_experts import split_for_producer
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.storage import CheckpointFiles, refuse_empty_path
@@ -243,6 +244,9 @@ def plan_checkpoint(
     else:
         files = CheckpointFiles(folder)
         config = read_producer_config(folder)
+        split = split_for_producer(config, files.tensors)  # one module per expert (checkpoint.stacked_experts)
+        if split is not None:
+            files.tensors = split
         detection = detect(config, files.tensors, schemes)
     layouts: dict[str, ModuleLayout] = {}
     problems: list[TensorProblem] = []

@@ -15,6 +15,13 @@ padding) is skipped, as transformers skips it. A checkpoint loaded with
 ``fuse={"gate_up_proj": ["gate_proj", "up_proj"]}`` gives each expert one fused ``gate_up_proj``
 layer instead (gate rows first, as transformers' own fused parameter).
 
+The module's own layout flags (transformers' ``use_experts_implementation``) are followed, not
+refused: gate and up rows interleaved (``is_concatenated=False``: gate rows even, up rows odd, as
+gpt-oss stores them), experts with biases (``has_bias``: every expert layer must then carry its
+bias) and weights held transposed (``is_transposed``: [E, H, 2I], only the layout ``dequantized``
+returns). The gating is the module's own ``_apply_gate`` on the fused gate/up output in the
+module's row order where it has one (gpt-oss's clamped SwiGLU), else ``act_fn(gate) * up``.
+
 ``find_expert_modules`` tells which modules of a model are fused experts; ``apply_to_model`` and
 the transformers quantizers (``qscheme.transformers``) build a QuantExperts for each, from a loaded
 checkpoint (``from_checkpoint``) or empty (``empty``) and then from tensors (``load_tensors``).
@@ -44,7 +51,9 @@ class ExpertsSpec:
 
     ``module`` is its name in the model and the prefix of its checkpoint modules
     (``<module>.<e>.<projection>``). ``problem`` is None for a layout QuantExperts can run, else
-    why it cannot (transposed or interleaved gate/up, biases, no gate).
+    why it cannot (no gate, shapes that are not experts). ``interleaved``: gate and up rows
+    alternate (gate even, up odd) instead of gate rows first; ``has_bias``: every projection has a
+    bias; ``transposed``: the module holds its weights as [E, K, N].
     """
 
     module: str
@@ -53,6 +62,9 @@ class ExpertsSpec:
     hidden_size: int
     intermediate_size: int
     problem: str | None = None
+    interleaved: bool = False
+    has_bias: bool = False
+    transposed: bool = False
 
     @property
     def checkpoint_prefix(self) -> str:
@@ -83,24 +95,39 @@ class ExpertsSpec:
         return int(index), projection
 
 
-def _layout_problem(module: torch.nn.Module, gate_up: Tensor, down: Tensor) -> str | None:
-    """Why a fused experts module's layout is not the one QuantExperts runs (None when it is)."""
-    if getattr(module, "is_transposed", False):
-        return "its expert weights are stored transposed ([E, H, 2I]); QuantExperts runs [E, 2I, H] layouts"
-    if not getattr(module, "is_concatenated", True):
-        return "its gate and up rows are interleaved; QuantExperts runs concatenated [gate; up] rows"
-    if getattr(module, "has_bias", False) or any(
+def _has_bias(module: torch.nn.Module) -> bool:
+    return bool(getattr(module, "has_bias", False)) or any(
         getattr(module, name, None) is not None for name in ("gate_up_proj_bias", "down_proj_bias")
-    ):
-        return "its experts have biases; QuantExperts runs bias-free experts"
+    )
+
+
+def _layout_problem(module: torch.nn.Module, gate_up: Tensor, down: Tensor, transposed: bool) -> str | None:
+    """Why a fused experts module's layout is not one QuantExperts runs (None when it is)."""
     if not getattr(module, "has_gate", True):
         return "its experts have no gate; QuantExperts runs gated (gate, up, down) experts"
-    experts, rows, hidden = gate_up.shape
-    if rows % 2 or tuple(down.shape) != (experts, hidden, rows // 2):
-        return f"gate_up_proj {list(gate_up.shape)} and down_proj {list(down.shape)} are not [E, 2I, H] and [E, H, I]"
-    if not callable(getattr(module, "act_fn", None)):
-        return "it has no act_fn"
+    if transposed:
+        experts, hidden, rows = gate_up.shape
+        wanted, layout = (experts, rows // 2, hidden), "[E, H, 2I] and [E, I, H] (transposed)"
+    else:
+        experts, rows, hidden = gate_up.shape
+        wanted, layout = (experts, hidden, rows // 2), "[E, 2I, H] and [E, H, I]"
+    if rows % 2 or tuple(down.shape) != wanted:
+        return f"gate_up_proj {list(gate_up.shape)} and down_proj {list(down.shape)} are not {layout}"
+    act_fn, apply_gate = gating_of(module)
+    if act_fn is None and apply_gate is None:
+        return "it has neither an act_fn nor an _apply_gate"
     return None
+
+
+def gating_of(
+    module: torch.nn.Module,
+) -> tuple[Callable[[Tensor], Tensor] | None, Callable[[Tensor], Tensor] | None]:
+    """(act_fn, _apply_gate) of a fused experts module, each None where it has none. ``_apply_gate``
+    (transformers' hook, gpt-oss's clamped SwiGLU) takes the fused gate/up output in the module's
+    row order and returns the gated intermediate."""
+    act_fn = getattr(module, "act_fn", None)
+    apply_gate = getattr(module, "_apply_gate", None)
+    return (act_fn if callable(act_fn) else None), (apply_gate if callable(apply_gate) else None)
 
 
 def find_expert_modules(model: torch.nn.Module) -> dict[str, ExpertsSpec]:
@@ -120,14 +147,20 @@ def find_expert_modules(model: torch.nn.Module) -> dict[str, ExpertsSpec]:
         down = module._parameters.get("down_proj")
         if not isinstance(gate_up, Tensor) or not isinstance(down, Tensor) or gate_up.dim() != 3 or down.dim() != 3:
             continue
+        transposed = bool(getattr(module, "is_transposed", False))
         experts, rows, hidden = gate_up.shape
+        if transposed:
+            experts, hidden, rows = gate_up.shape
         found[name] = ExpertsSpec(
             module=name,
             module_type=type(module).__name__,
             num_experts=int(experts),
             hidden_size=int(hidden),
             intermediate_size=int(rows) // 2,
-            problem=_layout_problem(module, gate_up, down),
+            problem=_layout_problem(module, gate_up, down, transposed),
+            interleaved=not getattr(module, "is_concatenated", True),
+            has_bias=_has_bias(module),
+            transposed=transposed,
         )
     return found
 
@@ -151,15 +184,26 @@ class Expert(torch.nn.Module):
             absent.append("down_proj")
         return absent
 
-    def forward(self, x: Tensor, act_fn: Callable[[Tensor], Tensor]) -> Tensor:
+    def gate_up(self, x: Tensor, interleaved: bool) -> Tensor:
+        """The fused gate/up output, rows in the module's order (gate first, or interleaved)."""
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            assert self.gate_proj is not None and self.up_proj is not None  # require_complete ran
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            out: Tensor = self.gate_up_proj(x)
+            return out
+        assert self.gate_proj is not None and self.up_proj is not None  # require_complete ran
+        return _fused_rows(self.gate_proj(x), self.up_proj(x), interleaved)
+
+    def forward(self, x: Tensor, gate: Callable[[Tensor], Tensor], interleaved: bool = False) -> Tensor:
+        """``down(gate(gate_up(x)))``; ``gate`` takes the fused gate/up output (see ``QuantExperts.gate``)."""
         assert self.down_proj is not None
-        out: Tensor = self.down_proj(act_fn(gate) * up)
+        out: Tensor = self.down_proj(gate(self.gate_up(x, interleaved)))
         return out
+
+
+def _fused_rows(gate: Tensor, up: Tensor, interleaved: bool) -> Tensor:
+    """gate and up along the last dimension: gate first, or alternating (gate even, up odd)."""
+    if interleaved:
+        return torch.stack([gate, up], dim=-1).flatten(-2)
+    return torch.cat([gate, up], dim=-1)
 
 
 class QuantExperts(torch.nn.Module):
@@ -169,44 +213,67 @@ class QuantExperts(torch.nn.Module):
     (see the module docstring).
     """
 
-    def __init__(self, spec: ExpertsSpec, act_fn: Callable[[Tensor], Tensor]) -> None:
+    def __init__(
+        self,
+        spec: ExpertsSpec,
+        act_fn: Callable[[Tensor], Tensor] | None,
+        *,
+        apply_gate: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
         super().__init__()
         if spec.problem is not None:
             raise UsageError(f"{spec.module} ({spec.module_type}): {spec.problem}; it cannot become a QuantExperts")
+        if act_fn is None and apply_gate is None:
+            raise UsageError(f"{spec.module} ({spec.module_type}): give its act_fn or its _apply_gate")
         self.spec = spec
         self.num_experts = spec.num_experts
         self.hidden_dim = spec.hidden_size
         self.intermediate_dim = spec.intermediate_size
         self.act_fn = act_fn
+        self.apply_gate = apply_gate
         for index in range(spec.num_experts):
             self.add_module(str(index), Expert())
 
     # -- construction --------------------------------------------------------------------------
 
     @classmethod
-    def empty(cls, spec: ExpertsSpec, act_fn: Callable[[Tensor], Tensor]) -> QuantExperts:
+    def empty(
+        cls,
+        spec: ExpertsSpec,
+        act_fn: Callable[[Tensor], Tensor] | None,
+        *,
+        apply_gate: Callable[[Tensor], Tensor] | None = None,
+    ) -> QuantExperts:
         """A QuantExperts with no layers yet (no memory: build it on any device, even inside
         ``torch.device("meta")``); fill it with ``load_tensors`` or ``set_layer``."""
-        return cls(spec, act_fn)
+        return cls(spec, act_fn, apply_gate=apply_gate)
 
     @classmethod
     def from_module(cls, module: torch.nn.Module, spec: ExpertsSpec) -> QuantExperts:
-        """An empty QuantExperts for the fused experts ``module`` (its act_fn, its spec)."""
-        act_fn = getattr(module, "act_fn", None)
-        if not callable(act_fn):
-            raise UsageError(f"{spec.module} ({type(module).__name__}) has no act_fn; it is not a fused experts module")
-        return cls(spec, act_fn)
+        """An empty QuantExperts for the fused experts ``module`` (its gating, its spec)."""
+        act_fn, apply_gate = gating_of(module)
+        if act_fn is None and apply_gate is None:
+            raise UsageError(
+                f"{spec.module} ({type(module).__name__}) has neither an act_fn nor an _apply_gate; it is not a fused "
+                "experts module"
+            )
+        return cls(spec, act_fn, apply_gate=apply_gate)
 
     @classmethod
     def from_checkpoint(
-        cls, spec: ExpertsSpec, layers: Mapping[str, QuantLinear], act_fn: Callable[[Tensor], Tensor]
+        cls,
+        spec: ExpertsSpec,
+        layers: Mapping[str, QuantLinear],
+        act_fn: Callable[[Tensor], Tensor] | None,
+        *,
+        apply_gate: Callable[[Tensor], Tensor] | None = None,
     ) -> QuantExperts:
         """A complete QuantExperts from loaded layers keyed by checkpoint module name (a
         ``Checkpoint``, or any mapping): ``<spec.module>.<e>.gate_proj`` ... for every expert.
 
         Raises CheckpointError naming what is missing or of the wrong shape.
         """
-        experts = cls(spec, act_fn)
+        experts = cls(spec, act_fn, apply_gate=apply_gate)
         for name, layer in layers.items():
             if spec.split(name) is not None:
                 experts.set_layer(name[len(spec.checkpoint_prefix) :], layer)
@@ -237,9 +304,15 @@ class QuantExperts(torch.nn.Module):
                 f"{self.intermediate_dim}) need [{expected[0]}, {expected[1]}]; build the model from the checkpoint's "
                 "config.json"
             )
-        if layer.bias is not None:
+        if layer.bias is not None and not self.spec.has_bias:
             raise CheckpointError(
                 f"{self.spec.module}.{name}: the checkpoint has a bias; the model's experts have none"
+            )
+        if layer.bias is None and self.spec.has_bias:
+            raise CheckpointError(
+                f"{self.spec.module}.{name}: the model's experts ({self.spec.module_type}) have biases but the "
+                "checkpoint gives this expert layer none; it would run without its bias: restore the checkpoint's "
+                "bias tensors (e.g. <experts>.gate_up_proj_bias), or re-export the checkpoint"
             )
         expert = self.expert(index)
         if projection == FUSED_GATE_UP and (expert.gate_proj is not None or expert.up_proj is not None):
@@ -317,8 +390,9 @@ class QuantExperts(torch.nn.Module):
                     yield f"{self.spec.module}.{index}.{name}", layer
 
     def dequantized(self) -> tuple[Tensor, Tensor]:
-        """float32 (gate_up_proj [E, 2I, H], down_proj [E, H, I]): the fused parameters this
-        module encodes (each layer's ``effective_weight``), in the layout of the module it replaced."""
+        """float32 (gate_up_proj [E, 2I, H], down_proj [E, H, I]; [E, H, 2I] and [E, I, H] for a
+        transposed module): the fused parameters this module encodes (each layer's
+        ``effective_weight``), in the layout and row order of the module it replaced."""
         self.require_complete()
         gate_up, down = [], []
         for index in range(self.num_experts):
@@ -327,10 +401,28 @@ class QuantExperts(torch.nn.Module):
                 gate_up.append(expert.gate_up_proj.effective_weight())
             else:
                 assert expert.gate_proj is not None and expert.up_proj is not None
-                gate_up.append(torch.cat([expert.gate_proj.effective_weight(), expert.up_proj.effective_weight()]))
+                rows = _fused_rows(
+                    expert.gate_proj.effective_weight().T, expert.up_proj.effective_weight().T, self.spec.interleaved
+                )
+                gate_up.append(rows.T)
             assert expert.down_proj is not None
             down.append(expert.down_proj.effective_weight())
+        if self.spec.transposed:
+            return torch.stack(gate_up).transpose(1, 2), torch.stack(down).transpose(1, 2)
         return torch.stack(gate_up), torch.stack(down)
+
+    def gate(self, gate_up: Tensor) -> Tensor:
+        """The gated intermediate from the fused gate/up output (rows in the module's order): the
+        module's own ``_apply_gate`` where it had one, else ``act_fn(gate) * up``."""
+        if self.apply_gate is not None:
+            return self.apply_gate(gate_up)
+        assert self.act_fn is not None  # __init__ requires one of the two
+        if self.spec.interleaved:
+            gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+        out: Tensor = self.act_fn(gate) * up
+        return out
 
     # -- computation ---------------------------------------------------------------------------
 
@@ -358,7 +450,7 @@ class QuantExperts(torch.nn.Module):
             if index >= self.num_experts:
                 continue
             position, token = torch.where(mask[index])
-            out = self.expert(index)(hidden_states[token], self.act_fn)
+            out = self.expert(index)(hidden_states[token], self.gate, self.spec.interleaved)
             out = out * top_k_weights[token, position, None]
             final.index_add_(0, token, out.to(final.dtype))
         return final

@@ -34,6 +34,9 @@ from qscheme.checkpoint.routers import router_hint
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.modules import ExpertsSpec, QuantExperts, QuantLinear, find_expert_modules
+from qscheme.modules.experts import gating_of
+
+Gate = Callable[[torch.Tensor], torch.Tensor]
 
 
 class PendingLayer(torch.nn.Module):
@@ -170,7 +173,7 @@ class Swap:
     specs: dict[str, ExpertsSpec]  # fused experts module -> its spec
     experts: dict[str, list[str]]  # fused experts module -> its checkpoint modules
     linears: list[str]  # checkpoint modules that replace an nn.Linear
-    act_fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    gatings: dict[str, tuple[Gate | None, Gate | None]] = field(default_factory=dict)  # (act_fn, _apply_gate)
     dequantized: list[str] = field(default_factory=list)  # quantized modules whose float weight the model keeps
     kernels: dict[str, str] = field(default_factory=dict)  # filled by load: layer -> kernel name
 
@@ -187,7 +190,10 @@ class Swap:
     def load(self, model: torch.nn.Module) -> None:
         """Read every quantized module's tensors into its QuantLinear and put the layers (and the
         QuantExperts holding expert layers) where the placeholders are."""
-        experts = {name: QuantExperts.empty(self.specs[name], self.act_fns[name]) for name in self.experts}
+        experts = {
+            name: QuantExperts.empty(self.specs[name], self.gatings[name][0], apply_gate=self.gatings[name][1])
+            for name in self.experts
+        }
         owner_of = {member: module for module, members in self.experts.items() for member in members}
         with _plain_tensor_creation(), torch.no_grad():
             for name, layout in self.plan.layouts.items():
@@ -268,15 +274,17 @@ def plan_swap(
         experts.setdefault(spec.module, []).append(name)
     for module_name, members in experts.items():
         _require_every_expert(specs[module_name], members, folder)
-    act_fns = {}
+    gatings = {}
     for module_name in experts:
-        act_fn = getattr(model.get_submodule(module_name), "act_fn", None)
-        if not callable(act_fn):
-            raise CheckpointError(f"{folder}: the fused experts module {module_name!r} has no act_fn")
-        act_fns[module_name] = act_fn
+        act_fn, apply_gate = gating_of(model.get_submodule(module_name))
+        if act_fn is None and apply_gate is None:
+            raise CheckpointError(
+                f"{folder}: the fused experts module {module_name!r} has neither an act_fn nor an _apply_gate"
+            )
+        gatings[module_name] = (act_fn, apply_gate)
     for name in (*linears, *experts):
         _set(model, name, PendingLayer(name))
-    return Swap(plan, device, activation_dtype, kernel, specs, experts, linears, act_fns, dequantized=dequantized)
+    return Swap(plan, device, activation_dtype, kernel, specs, experts, linears, gatings, dequantized=dequantized)
 
 
 def _float_table(model: torch.nn.Module, name: str, n: int, k: int) -> bool:
