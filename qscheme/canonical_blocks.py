@@ -19,7 +19,7 @@ from qscheme.canonical_weight import CanonicalWeight
 from qscheme.descriptor import Scheme
 from qscheme.descriptor.blocks import BlockField
 from qscheme.errors import QuantizeError
-from qscheme.formats.blocks import float_field_values
+from qscheme.formats.blocks import float_field_values, native_decoder
 
 # Where a float format keeps its exponent: (byte of the value, little-endian, mask) pairs whose bits
 # are all set exactly when the value is infinite or NaN.
@@ -30,36 +30,48 @@ _EXPONENT_BYTES: dict[str, tuple[tuple[int, int], ...]] = {
 }
 
 
-def _any_nonfinite(field: BlockField, blocks: Tensor) -> bool:
-    """Whether any value of a float field is infinite or NaN, from its exponent bytes alone (one
-    cheap pass over a byte per value, instead of decoding every value)."""
+def _first_masked(field: BlockField, blocks: Tensor, masks: tuple[tuple[int, int], ...]) -> int | None:
+    """The first block holding a value of ``field`` whose bytes have every ``(byte, mask)`` bit set
+    (one pass over a byte or two per value, instead of decoding every value), or None."""
     size = field.size // field.count
-    found: Tensor | None = None
-    for byte, mask in _EXPONENT_BYTES[str(field.format)]:
+    native = native_decoder()
+    if native is not None and blocks.is_cpu and blocks.is_contiguous() and len(masks) <= 2:
+        (byte0, mask0), (byte1, mask1) = (*masks, (0, 0))[:2]
+        found = native.first_masked(
+            blocks.data_ptr(),
+            blocks.shape[0],
+            blocks.shape[1],
+            field.offset,
+            size,
+            field.count,
+            byte0,
+            mask0,
+            byte1,
+            mask1,
+        )
+        return None if found < 0 else int(found)
+    hit: Tensor | None = None
+    for byte, mask in masks:
         columns = blocks[:, field.offset + byte : field.offset + field.size : size]
-        hit = (columns & mask) == mask
-        found = hit if found is None else found & hit
-    return found is not None and bool(found.any())
+        at = (columns & mask) == mask
+        hit = at if hit is None else hit & at
+    assert hit is not None
+    rows = hit.any(dim=1)
+    return int(rows.nonzero()[0, 0]) if bool(rows.any()) else None
 
 
 def _bad_field(field: BlockField, blocks: Tensor) -> tuple[int, float] | None:
     """The first block whose ``field`` holds a value that cannot be decoded, and that value."""
     if field.format == "e8m0":
-        raw = blocks[:, field.offset : field.offset + field.size]
-        bad = (raw == 255).any(dim=1)
-        if bool(bad.any()):
-            return int(bad.nonzero()[0, 0]), float("nan")
-        return None
-    if field.format not in ("fp16", "bf16", "fp32"):
+        index = _first_masked(field, blocks, ((0, 0xFF),))
+        return None if index is None else (index, float("nan"))
+    if field.format not in _EXPONENT_BYTES:
         return None  # e4m3 and ue4m3 fields are decoded through finite tables (e4m3's NaN aside)
-    if not _any_nonfinite(field, blocks):
+    index = _first_masked(field, blocks, _EXPONENT_BYTES[str(field.format)])
+    if index is None:
         return None
-    values = float_field_values(blocks, field)
-    bad = ~torch.isfinite(values).all(dim=1)
-    if bool(bad.any()):
-        index = int(bad.nonzero()[0, 0])
-        return index, float(values[index][~torch.isfinite(values[index])][0])
-    return None
+    values = float_field_values(blocks[index : index + 1], field)[0]
+    return index, float(values[~torch.isfinite(values)][0])
 
 
 def require_decodable(scheme: Scheme, raw: Tensor, layer: str | None) -> None:

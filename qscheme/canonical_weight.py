@@ -22,8 +22,8 @@ from qscheme.descriptor.blocks import BlockLayout
 from qscheme.descriptor.consistency import FOUR_BIT
 from qscheme.errors import QuantizeError
 from qscheme.formats import decode
-from qscheme.formats.blocks import decode_blocks
-from qscheme.slabs import run_slabs, single_threaded_caller, slabs_for
+from qscheme.formats.blocks import decode_blocks, empty_output
+from qscheme.slabs import BLOCK_SLAB_ELEMENTS, run_slabs, single_threaded_caller, slabs_for
 
 
 @dataclass(frozen=True)
@@ -250,6 +250,8 @@ def _check_out(weight: CanonicalWeight, start: int, stop: int, out: Tensor | Non
     """``out`` checked (or made): a contiguous float32 [stop - start, K] tensor on the weight's device."""
     shape = (stop - start, weight.k)
     if out is None:
+        if weight.codes.device.type == "cpu":
+            return empty_output(shape)
         return torch.empty(shape, dtype=torch.float32, device=weight.codes.device)
     if out.shape != shape or out.dtype != torch.float32 or out.device != weight.codes.device or not out.is_contiguous():
         raise QuantizeError(
@@ -270,7 +272,9 @@ def _decode_block_rows(
         with torch.inference_mode(inference):
             decode_blocks(weight.codes[start + rows.start : start + rows.stop], layout, out=out[rows])
 
-    run_slabs(work, slabs_for(out.device, stop - start, weight.k, 1), out.device)
+    # one pass of the C loop per slab: larger slabs than the torch passes' (whose per-slab cost
+    # would dominate), a few per thread
+    run_slabs(work, slabs_for(out.device, stop - start, weight.k, 1, BLOCK_SLAB_ELEMENTS), out.device)
     return out
 
 

@@ -43,6 +43,20 @@ def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
     )
 
 
+def env_choice(name: str, allowed: tuple[str, ...], environ: Mapping[str, str] | None = None) -> str | None:
+    """The value of ``name``, one of ``allowed`` (None when unset or empty); UsageError otherwise."""
+    value = (os.environ if environ is None else environ).get(name)
+    if value is None or not value.strip():
+        return None
+    word = value.strip().lower()
+    if word in allowed:
+        return word
+    raise UsageError(
+        f"environment variable {name}={_shown(value)} is not understood; allowed: {', '.join(allowed)}, empty or "
+        f"unset; e.g. export {name}={allowed[0]}, or unset it"
+    )
+
+
 def env_names(name: str, environ: Mapping[str, str] | None = None) -> frozenset[str] | None:
     """The comma-separated names in ``name`` (None when unset; an empty value names none);
     UsageError for an entry that is not a plugin or distribution name."""

@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 SLAB_ELEMENTS = 1 << 18
+BLOCK_SLAB_ELEMENTS = 1 << 21
+"""Slabs of packed blocks decoded by one C pass each: 8 MB of float32 output (see ``formats.blocks``)."""
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
@@ -82,8 +84,11 @@ def run_slabs(work: Callable[[slice], None], slabs: list[slice], device: torch.d
         future.result()
 
 
-def slabs_for(device: torch.device, rows: int, row_elements: int, unit: int = 1) -> list[slice]:
-    """Row slabs suited to ``device``: one slab of all rows on an accelerator."""
+def slabs_for(
+    device: torch.device, rows: int, row_elements: int, unit: int = 1, target: int | None = None
+) -> list[slice]:
+    """Row slabs suited to ``device`` (of about ``target`` elements on a CPU): one slab of all rows
+    on an accelerator."""
     if device.type != "cpu":
         return [slice(0, rows)]
-    return row_slabs(rows, row_elements, unit)
+    return row_slabs(rows, row_elements, unit, target)

@@ -15,8 +15,8 @@ import torch
 
 from qscheme.catalog import load_catalog, load_scheme
 from qscheme.descriptor.blocks import BlockLayout
-from qscheme.errors import QuantizeError
-from qscheme.formats.blocks import decode_blocks
+from qscheme.errors import QuantizeError, UsageError
+from qscheme.formats.blocks import ISA_CHOICES, decode_blocks
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is the oracle: pip install gguf")
 from gguf import quants  # noqa: E402
@@ -69,13 +69,22 @@ def test_the_block_size_is_ggmls(name: str) -> None:
     assert (layout.elements, layout.bytes) == (elements, size)
 
 
-@pytest.fixture(params=["native", "torch"])
-def decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both decoders: the C loop (qscheme._blocks, built by the install) and the torch one."""
-    if request.param == "torch":
+def _use_decoder(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch decoder, or the C loop (qscheme._blocks, built by the install) with its vector
+    loops of one width (every width this CPU runs is tested: they must give the same bits)."""
+    if name == "torch":
         monkeypatch.setenv("QSCHEME_BLOCKS_TORCH", "1")
-    else:
-        pytest.importorskip("qscheme._blocks", reason="the C loop was not built (no C compiler at install)")
+        return
+    native = pytest.importorskip("qscheme._blocks", reason="the C loop was not built (no C compiler at install)")
+    if ISA_CHOICES.index(name) > ISA_CHOICES.index(native.supported_isa()):
+        pytest.skip(f"this CPU does not run the {name} loops (it runs {native.supported_isa()})")
+    monkeypatch.setenv("QSCHEME_BLOCKS_ISA", name)
+
+
+@pytest.fixture(params=[*ISA_CHOICES, "torch"])
+def decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every decoder: the C loop at each vector width, and the torch one."""
+    _use_decoder(str(request.param), monkeypatch)
     return str(request.param)
 
 
@@ -109,6 +118,39 @@ def test_gguf_quantized_weights_decode_exactly(name: str, decoder: str) -> None:
     ours = decode_blocks(torch.from_numpy(raw.copy()), layout).numpy()
     assert np.array_equal(ours.view(np.uint32), _oracle(name, raw, weights.shape[1]).view(np.uint32))
     assert np.abs(ours - weights).max() < np.abs(weights).max() / 4  # and it is a quantization of the weights
+
+
+@pytest.mark.parametrize("name", ["gguf/Q4_0", "gguf/Q8_0", "gguf/Q4_K", "gguf/Q6_K", "gguf/NVFP4"])
+@pytest.mark.parametrize("isa", ISA_CHOICES)
+def test_large_outputs_decode_the_same_bits_at_every_width(
+    name: str, isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outputs of 16 MB take the C loop's streaming stores, and a fresh output is advised onto huge
+    pages; a slab of rows at an odd offset takes unaligned stores: the same bits as the torch
+    decoder every way."""
+    layout = _layout(name)
+    raw = torch.from_numpy(_random_blocks(layout, 1024, 4096 // layout.elements, 11).copy())
+    _use_decoder("torch", monkeypatch)
+    want = decode_blocks(raw, layout)
+    monkeypatch.delenv("QSCHEME_BLOCKS_TORCH")
+    _use_decoder(isa, monkeypatch)
+    assert torch.equal(decode_blocks(raw, layout).view(torch.int32), want.view(torch.int32))
+    out = torch.empty(1024 * 4096 + 3)[3:].view(1024, 4096)  # not aligned to a vector
+    decode_blocks(raw, layout, out=out)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+def test_an_isa_the_cpu_lacks_or_an_unknown_one_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    native = pytest.importorskip("qscheme._blocks", reason="the C loop was not built (no C compiler at install)")
+    layout = _layout("gguf/Q4_0")
+    raw = torch.from_numpy(_random_blocks(layout, 1, 1, 0).copy())
+    monkeypatch.setenv("QSCHEME_BLOCKS_ISA", "sse9")
+    with pytest.raises(UsageError, match=r"QSCHEME_BLOCKS_ISA='sse9'.*allowed: scalar, avx2, avx512"):
+        decode_blocks(raw, layout)
+    if native.supported_isa() != "avx512":
+        monkeypatch.setenv("QSCHEME_BLOCKS_ISA", "avx512")
+        with pytest.raises(UsageError, match=f"runs at most the {native.supported_isa()} loops"):
+            decode_blocks(raw, layout)
 
 
 def test_decode_refuses_bytes_that_are_not_whole_blocks() -> None:
