@@ -20,6 +20,7 @@ from qscheme.descriptor import Scheme
 from qscheme.descriptor.blocks import BlockField
 from qscheme.errors import QuantizeError
 from qscheme.formats.blocks import float_field_values, native_decoder
+from qscheme.slabs import row_slabs, run_slabs
 
 # Where a float format keeps its exponent: (byte of the value, little-endian, mask) pairs whose bits
 # are all set exactly when the value is infinite or NaN.
@@ -30,6 +31,9 @@ _EXPONENT_BYTES: dict[str, tuple[tuple[int, int], ...]] = {
 }
 
 
+SCAN_SLAB_BYTES = 8 << 20  # blocks scanned per worker call
+
+
 def _first_masked(field: BlockField, blocks: Tensor, masks: tuple[tuple[int, int], ...]) -> int | None:
     """The first block holding a value of ``field`` whose bytes have every ``(byte, mask)`` bit set
     (one pass over a byte or two per value, instead of decoding every value), or None."""
@@ -37,19 +41,18 @@ def _first_masked(field: BlockField, blocks: Tensor, masks: tuple[tuple[int, int
     native = native_decoder()
     if native is not None and blocks.is_cpu and blocks.is_contiguous() and len(masks) <= 2:
         (byte0, mask0), (byte1, mask1) = (*masks, (0, 0))[:2]
-        found = native.first_masked(
-            blocks.data_ptr(),
-            blocks.shape[0],
-            blocks.shape[1],
-            field.offset,
-            size,
-            field.count,
-            byte0,
-            mask0,
-            byte1,
-            mask1,
-        )
-        return None if found < 0 else int(found)
+        found: list[int] = []
+
+        def scan(part: slice) -> None:  # on qscheme's worker threads: the C loop releases the GIL
+            at = native.first_masked(
+                blocks[part].data_ptr(), part.stop - part.start, blocks.shape[1], field.offset, size, field.count,
+                byte0, mask0, byte1, mask1,
+            )  # fmt: skip
+            if at >= 0:
+                found.append(part.start + int(at))
+
+        run_slabs(scan, row_slabs(blocks.shape[0], blocks.shape[1], target=SCAN_SLAB_BYTES), blocks.device)
+        return min(found) if found else None
     hit: Tensor | None = None
     for byte, mask in masks:
         columns = blocks[:, field.offset + byte : field.offset + field.size : size]

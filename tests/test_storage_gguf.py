@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import struct
 import subprocess
 import sys
@@ -208,6 +209,20 @@ def test_three_dimensional_tensor_and_row_ranges(tmp_path: Path) -> None:
     assert part.shape == (4, 68) and bytes(part.flatten().tolist()) == experts[5 * 68 : 9 * 68]
     assert torch.equal(read_gguf_tensor(header, "experts", slice(None, 4)), whole[0])
     assert read_gguf_tensor(header, "experts", slice(12, 12)).shape == (0, 68)
+
+
+def test_rows_read_in_a_given_order_equal_index_select(tmp_path: Path) -> None:
+    data = bytes(random.Random(5).randrange(256) for _ in range(12 * 68))  # Q8_0 [N=12, K=64]
+    header = read_gguf_header(_write(tmp_path, _file([], [_info("w", [64, 12], 8, 0)], data)))
+    whole = read_gguf_tensor(header, "w")
+    order = [11, 0, 5, 3, 1, 2, 4, 6, 10, 8, 7, 9]
+    placed = read_gguf_tensor(header, "w", row_order=order)
+    assert torch.equal(placed, whole.index_select(0, torch.tensor(order)))
+    part = read_gguf_tensor(header, "w", slice(4, 8), row_order=[3, 2, 1, 0])
+    assert torch.equal(part, whole[4:8].flip(0))
+    for bad in ([0, 1], [0] * 12, list(range(1, 13))):
+        with pytest.raises(UsageError, match="row_order must be a permutation of the 12 rows read"):
+            read_gguf_tensor(header, "w", row_order=bad)
 
 
 # ---------------------------------------------------------------------------- refusals

@@ -73,11 +73,10 @@ class GGUFFiles(CheckpointFiles):
         place = self.placed.get(name)
         if place is None:
             raise CheckpointError(f"{shown_file(self.header.path)}: no tensor is placed as {shown(name)!r}")
+        if place.dtype is None:  # raw blocks, their rows placed in transformers' order as they are read
+            order = None if place.row_order is None else place.row_order.tolist()
+            return read_gguf_tensor(self.header, place.tensor, rows=place.rows, row_order=order)
         raw = read_gguf_tensor(self.header, place.tensor, rows=place.rows)
-        if place.dtype is None:
-            if place.row_order is not None:
-                raw = raw.index_select(0, place.row_order)
-            return raw
         dtype = getattr(torch, place.dtype)
         stored = self.header.tensors[place.tensor].shape
         values = raw.view(dtype).reshape(stored[1:] if place.rows is not None else stored)

@@ -17,6 +17,7 @@ range of the flattened rows (for [E, N, K]: row e * N + n) and gives [count, row
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import BinaryIO
 
 import torch
@@ -29,6 +30,21 @@ from qscheme.text import listing, shown, shown_file
 __all__ = ["read_gguf_tensor"]
 
 _READ_CHUNK = 1 << 30  # one read moves at most this much (Linux stops near 2 GiB anyway)
+_IOV_MAX = 1024  # buffers per preadv (POSIX's IOV_MAX on Linux)
+
+
+def _after(pieces: list[memoryview], got: int) -> list[memoryview]:
+    """The buffers still to fill once ``got`` bytes went into the first ones (a read may stop short)."""
+    index = 0
+    while index < len(pieces) and got >= len(pieces[index]):
+        got -= len(pieces[index])
+        index += 1
+    rest = pieces[index:]
+    if rest and got:
+        rest[0] = rest[0][got:]
+    return rest
+
+
 _FIX = "the header claims more data than a real model's tensor holds: re-download or re-convert the file"
 
 
@@ -78,13 +94,32 @@ def _changed(header: GGUFHeader, handle: BinaryIO) -> str | None:
     return None
 
 
-def read_gguf_tensor(header: GGUFHeader, name: str, rows: slice | None = None) -> torch.Tensor:
+def _destinations(view: memoryview, row_bytes: int, count: int, row_order: Sequence[int] | None) -> list[memoryview]:
+    """Where the bytes read in file order go: the whole buffer in chunks, or with ``row_order``
+    (destination row i holds the i-th read row ``row_order[i]``) one slice per row, in file order."""
+    if row_order is None:
+        return [view[start : start + _READ_CHUNK] for start in range(0, count, _READ_CHUNK)]
+    rows = count // row_bytes
+    if len(row_order) != rows or sorted(row_order) != list(range(rows)):
+        raise UsageError(f"row_order must be a permutation of the {rows} rows read, got {len(row_order)} entries")
+    place = [0] * rows
+    for destination, source in enumerate(row_order):
+        place[source] = destination
+    return [view[at * row_bytes : (at + 1) * row_bytes] for at in place]
+
+
+def read_gguf_tensor(
+    header: GGUFHeader, name: str, rows: slice | None = None, row_order: Sequence[int] | None = None
+) -> torch.Tensor:
     """The raw bytes of tensor ``name`` (or of its flattened rows ``rows``) as a uint8 tensor
     [*shape[:-1], row_bytes] (with ``rows``: [count, row_bytes]), read into memory of its own.
+    ``row_order``: the rows read are placed in this order (row i of the result is the read row
+    ``row_order[i]``, as ``index_select`` would give), straight from the file: no second copy.
 
     CheckpointError naming the file and tensor when there is no such tensor, the file changed or
     was truncated since ``header`` was read, or the bytes cannot be allocated; UsageError for a
-    ``rows`` that is not a range of the tensor's rows.
+    ``rows`` that is not a range of the tensor's rows, or a ``row_order`` that is not a
+    permutation of them.
     """
     info = header.tensors.get(name)
     if info is None:
@@ -97,6 +132,7 @@ def read_gguf_tensor(header: GGUFHeader, name: str, rows: slice | None = None) -
     count = (stop - start) * row_bytes
     data = _allocate(header, info, count)
     view = data.numpy().data.cast("B")
+    pieces = _destinations(view, row_bytes, count, row_order)
     offset = info.offset + start * row_bytes
     try:
         with header.path.open("rb", buffering=0) as handle:
@@ -108,14 +144,16 @@ def read_gguf_tensor(header: GGUFHeader, name: str, rows: slice | None = None) -
                 )
             fd = handle.fileno()
             done = 0
-            while done < count:
-                got = os.preadv(fd, [view[done : done + _READ_CHUNK]], offset + done)
+            while pieces:
+                batch = pieces[:_IOV_MAX]
+                got = os.preadv(fd, batch, offset + done)
                 if not got:
                     raise CheckpointError(
                         f"{_label(header, info)}: the file ends at byte {offset + done:,}, inside the tensor; it was "
                         "truncated after its header was checked: read it again once it is complete"
                     )
                 done += got
+                pieces = _after(pieces, got)
     except OSError as exc:
         raise CheckpointError(f"{_label(header, info)} cannot be read: {exc.strerror or exc}") from None
     if rows is not None:
