@@ -54,12 +54,9 @@ def test_the_registry_names_each_producer_and_method_once() -> None:
 
 def test_every_built_in_scheme_is_written_by_the_producer_whose_rule_detects_it() -> None:
     for scheme in load_catalog():
-        expected = (
-            "compressed-tensors"
-            if scheme.detect.compressed_tensors
-            else "modelopt"
-            if scheme.detect.modelopt
-            else "qscheme"
+        expected = next(
+            (p.name for p in PRODUCERS if p.rule_schema is not None and scheme.detect.get(p.rule_schema.producer)),
+            "qscheme",
         )
         assert producer_of(scheme) == expected, scheme.name
 
