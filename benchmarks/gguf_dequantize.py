@@ -31,7 +31,7 @@ from qscheme.canonical import canonicalize, dequantize, dequantize_rows
 from qscheme.catalog import load_scheme
 from qscheme.slabs import single_threaded_caller
 
-DEFAULT_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_NL", "MXFP4")
+DEFAULT_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4")
 
 
 def random_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -69,7 +69,11 @@ def main() -> None:
 
     n, k = (int(v) for v in args.shape.split("x"))
     threads = torch.get_num_threads()
-    print(f"dequantize [{n}, {k}] to float32; torch threads {threads}")
+    from qscheme.formats.blocks import native_decoder
+
+    native = native_decoder()
+    loops = native.isa() if native is not None else "none (torch decoder)"
+    print(f"dequantize [{n}, {k}] to float32; torch threads {threads}; C loop: {loops}")
     print(
         f"{'type':8s} {'numpy ms':>9s} {'qscheme ms':>10s} {'x numpy':>8s} {'1 thread ms':>11s} {'x numpy':>8s} "
         f"{'buffer ms':>10s} {'x numpy':>8s}" + ("  torch ms  x numpy" if args.torch else "")

@@ -265,12 +265,13 @@ def _check_out(weight: CanonicalWeight, start: int, stop: int, out: Tensor | Non
 def _decode_block_rows(
     weight: CanonicalWeight, layout: BlockLayout, start: int, stop: int, out: Tensor | None
 ) -> Tensor:
+    fresh = out is None
     out = _check_out(weight, start, stop, out)
     inference = torch.is_inference_mode_enabled()
 
     def work(rows: slice) -> None:
         with torch.inference_mode(inference):
-            decode_blocks(weight.codes[start + rows.start : start + rows.stop], layout, out=out[rows])
+            decode_blocks(weight.codes[start + rows.start : start + rows.stop], layout, out=out[rows], fresh=fresh)
 
     # one pass of the C loop per slab: larger slabs than the torch passes' (whose per-slab cost
     # would dominate), a few per thread

@@ -162,7 +162,9 @@ static void decode_plane_range(const uint8_t *restrict raw, float *restrict out,
  * Built with -DQS_PORTABLE (or off x86-64 or GCC/clang) only the scalar loops exist. A vector of weights never straddles a
  * scale group or a run: the caller takes these loops only where runs and groups are multiples of
  * the vector width, else the scalar ones. Outputs larger than the caches are written with
- * streaming stores (the weights are not read back soon; this skips reading the lines first). */
+ * streaming stores (the weights are not read back soon; this skips reading the lines first),
+ * except fresh ones (`fresh`: the kernel has just zeroed each page into the cache on first touch,
+ * where plain stores find it). */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(QS_PORTABLE)
 #include <immintrin.h>
 #define QS_HAVE_X86 1
@@ -481,8 +483,9 @@ static PyObject *decode_plane(PyObject *self, PyObject *args) {
     unsigned long long raw, out, scale, minimum, table;
     long long blocks, block_bytes, elements, plane_offset, bits, run, scale_count, minimum_count, minimum_sign;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KKKKKLLLLLLLLL", &raw, &out, &scale, &minimum, &table, &blocks, &block_bytes,
-                          &elements, &plane_offset, &bits, &run, &scale_count, &minimum_count, &minimum_sign)) {
+    int fresh = 0; /* the output was just allocated: its pages come zeroed into the cache, so plain stores */
+    if (!PyArg_ParseTuple(args, "KKKKKLLLLLLLLL|p", &raw, &out, &scale, &minimum, &table, &blocks, &block_bytes,
+                          &elements, &plane_offset, &bits, &run, &scale_count, &minimum_count, &minimum_sign, &fresh)) {
         return NULL;
     }
     const long long groups = minimum_count > scale_count ? minimum_count : scale_count;
@@ -505,11 +508,11 @@ static PyObject *decode_plane(PyObject *self, PyObject *args) {
     const int nibble_runs = run == 8 && bits == 4 && elements % 16 == 0 && (elements / groups) % 16 == 0 && elements <= 16 * 1024;
     if (level == ISA_AVX512 && (vector_fits(16, elements, run, elements / groups) || nibble_runs)) {
         plane_avx512(raw_p, out_p, scale_p, minimum_p, table_p, blocks, block_bytes, elements, plane_offset, bits, run,
-                     scale_count, minimum_count, minimum_sign, use_stream(out_p, blocks, elements, 16));
+                     scale_count, minimum_count, minimum_sign, !fresh && use_stream(out_p, blocks, elements, 16));
         done = 1;
     } else if (level >= ISA_AVX2 && vector_fits(8, elements, run, elements / groups)) {
         plane_avx2(raw_p, out_p, scale_p, minimum_p, table_p, blocks, block_bytes, elements, plane_offset, bits, run,
-                   scale_count, minimum_count, minimum_sign, use_stream(out_p, blocks, elements, 8));
+                   scale_count, minimum_count, minimum_sign, !fresh && use_stream(out_p, blocks, elements, 8));
         done = 1;
     }
 #endif
@@ -525,8 +528,9 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     unsigned long long raw, out, scale, minimum, slots, table;
     long long blocks, block_bytes, elements, depth, scale_count, minimum_count, minimum_sign;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KKKKKKLLLLLLL", &raw, &out, &scale, &minimum, &slots, &table, &blocks, &block_bytes,
-                          &elements, &depth, &scale_count, &minimum_count, &minimum_sign)) {
+    int fresh = 0; /* as in decode_plane */
+    if (!PyArg_ParseTuple(args, "KKKKKKLLLLLLL|p", &raw, &out, &scale, &minimum, &slots, &table, &blocks, &block_bytes,
+                          &elements, &depth, &scale_count, &minimum_count, &minimum_sign, &fresh)) {
         return NULL;
     }
     const long long groups = minimum_count > scale_count ? minimum_count : scale_count;
@@ -549,7 +553,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     const int64_t width = level == ISA_AVX512 ? 16 : 8, run = elements / groups;
     if (level >= ISA_AVX2 && vector_fits(width, elements, run, run)) {
         vectored = slots_reach(slots_p, depth, elements) <= block_bytes ? blocks : (blocks > 0 ? blocks - 1 : 0);
-        const int stream = use_stream(out_p, vectored, elements, width);
+        const int stream = !fresh && use_stream(out_p, vectored, elements, width);
         if (level == ISA_AVX512) {
             decode_avx512(raw_p, out_p, scale_p, minimum_p, slots_p, table_p, vectored, block_bytes, elements, depth,
                           scale_count, minimum_count, minimum_sign, stream);

@@ -303,7 +303,7 @@ def empty_output(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> 
     return out
 
 
-def _decode_native(native: Any, blocks: Tensor, compiled: CompiledLayout, out: Tensor) -> None:
+def _decode_native(native: Any, blocks: Tensor, compiled: CompiledLayout, out: Tensor, fresh: bool) -> None:
     layout = compiled.layout
     assert compiled.native_slots is not None and compiled.native_table is not None
     scale = _product(blocks, compiled, layout.scale).contiguous()
@@ -320,7 +320,7 @@ def _decode_native(native: Any, blocks: Tensor, compiled: CompiledLayout, out: T
             field.offset + plane.first_byte, plane.bits,
             layout.elements if plane.bits == 8 else plane.run,  # one code per byte: one run of them
             scale.shape[1],
-            0 if minimum is None else minimum.shape[1], 1 if layout.minimum_sign == "add" else -1,
+            0 if minimum is None else minimum.shape[1], 1 if layout.minimum_sign == "add" else -1, fresh,
         )  # fmt: skip
         return
     native.decode(
@@ -337,12 +337,14 @@ def _decode_native(native: Any, blocks: Tensor, compiled: CompiledLayout, out: T
         scale.shape[1],
         0 if minimum is None else minimum.shape[1],
         1 if layout.minimum_sign == "add" else -1,
+        fresh,
     )
 
 
-def decode_blocks(raw: Tensor, layout: BlockLayout, out: Tensor | None = None) -> Tensor:
+def decode_blocks(raw: Tensor, layout: BlockLayout, out: Tensor | None = None, *, fresh: bool = False) -> Tensor:
     """float32 [rows, K] of uint8 [rows, K / elements * bytes] raw blocks, bit-exact; written into
-    ``out`` (a contiguous float32 [rows, K] tensor on the same device) when given."""
+    ``out`` (a contiguous float32 [rows, K] tensor on the same device) when given. ``fresh``: ``out``
+    was just allocated and is not yet written (a hint for the C loop's stores; same bits)."""
     if raw.dtype != torch.uint8 or raw.ndim != 2 or raw.shape[1] % layout.bytes:
         raise QuantizeError(
             f"packed blocks must be uint8 [rows, a multiple of {layout.bytes}] bytes, got {raw.dtype} "
@@ -359,8 +361,8 @@ def decode_blocks(raw: Tensor, layout: BlockLayout, out: Tensor | None = None) -
     native = native_decoder() if compiled.native_slots is not None else None
     if native is not None:
         if out is None:
-            out = empty_output((rows, k))
-        _decode_native(native, blocks, compiled, out)
+            out, fresh = empty_output((rows, k)), True
+        _decode_native(native, blocks, compiled, out, fresh)
         return out
     decoded = _decode_torch(blocks, compiled).reshape(rows, -1)
     if out is None:
