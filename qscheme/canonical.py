@@ -51,6 +51,7 @@ from qscheme.canonical_weight import (
 )
 from qscheme.descriptor import Scheme
 from qscheme.descriptor.consistency import FOUR_BIT, element_bits, packing_divisors
+from qscheme.descriptor.model import ZeroPointSpec
 from qscheme.errors import QuantizeError
 from qscheme.formats import (
     get_element_format,
@@ -77,6 +78,7 @@ __all__ = [
     "scale_tile",
     "stored_layer_shape",
     "stored_zero_points",
+    "zero_point_range",
 ]
 
 
@@ -105,13 +107,24 @@ def stored_layer_shape(
     weight = scheme.weight
     if weight.blocks is not None:  # whole blocks: K is the row's blocks times their elements
         return int(stored_shape[0]), int(stored_shape[-1]) // weight.blocks.bytes * weight.blocks.elements
-    rows, columns = int(stored_shape[0]), int(stored_shape[-1])
+    oriented = stored_shape[::-1] if weight.tensor.transposed and len(stored_shape) == 2 else stored_shape
+    rows, columns = int(oriented[0]), int(oriented[-1])
     per_row, per_column = packing_divisors(weight.format, weight.packing)
     n_range = range(max(1, (rows - 1) * per_row + 1), rows * per_row + 1) if rows else range(0, 1)
     k_range = range(max(1, (columns - 1) * per_column + 1), columns * per_column + 1) if columns else range(0, 1)
     shape = tuple(int(size) for size in stored_shape)
     fits = [(n, k) for n in n_range for k in k_range if shape in weight.tensor.expected_shapes(n, k)]
     if not fits:  # the stored shape fits no declaration: the validator says so for the padded size
+        if (
+            weight.tensor.transposed
+            and len(shape) == 2
+            and shape[::-1] in weight.tensor.expected_shapes(rows * per_row, columns * per_column)
+        ):
+            raise QuantizeError(
+                f"scheme {scheme.name}: {weight.tensor.name!r} of shape [{', '.join(str(s) for s in shape)}] is "
+                f"the transpose of its declared layout {weight.tensor.describe_shapes()}; the producer stores it "
+                "transposed: re-export the layer, or use a scheme that declares this layout"
+            )
         return rows * per_row, columns * per_column
     if len(fits) == 1:
         return fits[0]
@@ -148,7 +161,31 @@ def layer_shape(scheme: Scheme, tensors: Mapping[str, Tensor]) -> tuple[int, int
     return stored_layer_shape(scheme, tuple(stored.shape), given)
 
 
-def canonical_zero_point(scheme: Scheme, raw: Tensor, rows: int) -> Tensor:
+def zero_point_range(spec: ZeroPointSpec) -> tuple[int, int]:
+    """The zero points a scheme can store: its format's range, and where words pack them
+    (``int32_n``) with an ``offset``, only those whose stored value (zero + offset) fits the word's
+    field (GPTQ v1 int4: [-7, 7], the unsigned zero 0 has no stored form)."""
+    fmt = get_element_format(spec.format)
+    low, high = int(fmt.min_value), int(fmt.max_value)
+    if spec.packing == "int32_n":
+        low, high = max(low, low - spec.offset), min(high, high - spec.offset)
+    return low, high
+
+
+def _check_zero_range(scheme: Scheme, spec: ZeroPointSpec, values: Tensor) -> None:
+    fmt = get_element_format(spec.format)
+    low, high = int(fmt.min_value), int(fmt.max_value)
+    if values.numel():
+        found_low, found_high = int(values.min()), int(values.max())
+        if found_low < low or found_high > high:
+            stored = f" (stored with offset {spec.offset:+d})" if spec.offset else ""
+            raise QuantizeError(
+                f"scheme {scheme.name}: zero points {spec.tensor.name!r}{stored} must lie in [{low}, {high}] "
+                f"({spec.format}), found values in [{found_low}, {found_high}]"
+            )
+
+
+def canonical_zero_point(scheme: Scheme, raw: Tensor, rows: int, zero_point: ZeroPointSpec | None = None) -> Tensor:
     """Stored zero points -> int16 values of the zero-point format (not yet reshaped); ``rows``:
     the scale's rows (N for group and channel scales), which ``int32_n`` words pack.
 
@@ -157,14 +194,17 @@ def canonical_zero_point(scheme: Scheme, raw: Tensor, rows: int) -> Tensor:
     in an int8 tensor) are read by their bits. Values outside the format's range raise
     QuantizeError: the kernels rely on the range.
     """
-    spec = scheme.weight.zero_point
+    spec = scheme.weight.zero_point if zero_point is None else zero_point
     assert spec is not None
     fmt = get_element_format(spec.format)
     bits, signed = fmt.bits, fmt.signed
     if spec.packing == "int32_n":
-        values = unpack_int32_n(raw, bits, rows).to(torch.int16)  # stored value - 2**(bits-1)
+        values = unpack_int32_n(raw, bits, rows, spec.pack_order).to(torch.int16)  # stored value - 2**(bits-1)
         if not signed:
             values = values + (1 << (bits - 1))
+        if spec.offset:
+            values = values - spec.offset
+            _check_zero_range(scheme, spec, values)
         return values
     if raw.dtype.is_floating_point or raw.dtype.is_complex or raw.dtype == torch.bool:
         raise QuantizeError(
@@ -172,28 +212,23 @@ def canonical_zero_point(scheme: Scheme, raw: Tensor, rows: int) -> Tensor:
         )
     if bits == 8 and raw.dtype == (torch.int8 if not signed else torch.uint8):
         raw = raw.view(torch.uint8 if not signed else torch.int8)
-    low, high = int(fmt.min_value), int(fmt.max_value)
-    if raw.numel():
-        found_low, found_high = int(raw.min()), int(raw.max())
-        if found_low < low or found_high > high:
-            raise QuantizeError(
-                f"scheme {scheme.name}: zero points {spec.tensor.name!r} must lie in [{low}, {high}] "
-                f"({spec.format}), found values in [{found_low}, {found_high}]"
-            )
-    return raw.to(torch.int16)
+    values = raw.to(torch.int16) - spec.offset
+    _check_zero_range(scheme, spec, values)
+    return values
 
 
-def stored_zero_points(scheme: Scheme, values: Tensor) -> Tensor:
+def stored_zero_points(scheme: Scheme, values: Tensor, zero_point: ZeroPointSpec | None = None) -> Tensor:
     """The inverse of ``canonical_zero_point``: zero points (integers in their format's range,
     shaped as the scale) as the scheme stores them, before any reshape to the declared shape:
     ``int32_n`` words (signed values offset by 2**(bits-1)), 8-bit values in the 8-bit dtype of
     the other signedness by their bits, else cast to the tensor's dtype."""
-    spec = scheme.weight.zero_point
+    spec = scheme.weight.zero_point if zero_point is None else zero_point
     assert spec is not None
     fmt = get_element_format(spec.format)
+    values = values.to(torch.int16) + spec.offset
     if spec.packing == "int32_n":
         offset = 0 if fmt.signed else 1 << (fmt.bits - 1)
-        return pack_int32_n((values.to(torch.int16) - offset).to(torch.int8), fmt.bits)
+        return pack_int32_n((values - offset).to(torch.int8), fmt.bits, spec.pack_order)
     dtype = getattr(torch, spec.tensor.dtypes[0])
     if fmt.bits == 8 and dtype == (torch.uint8 if fmt.signed else torch.int8):
         return values.to(torch.int8 if fmt.signed else torch.uint8).view(dtype)
@@ -233,14 +268,17 @@ def canonicalize(
         )
     if n is None or k is None:
         n, k = layer_shape(scheme, tensors)
+    tensors = _oriented(scheme, tensors)
     stored = tensors[weight.tensor.name]
     if weight.blocks is not None:
         return canonical_blocks(scheme, stored, n, k, layer=layer, check_finite=check_finite)
 
     if weight.packing == "nibbles_k":
         codes = stored.to(torch.uint8)
-    elif weight.packing == "int32_k":
+    elif weight.packing == "int32_k" and weight.pack_order is None:
         codes = _int32_k_to_codes(stored, weight.format, k)
+    elif weight.packing in ("int32_k", "int32_n"):
+        codes = _int32_to_codes(stored, weight.format, weight.packing, weight.pack_order, n, k)
     elif weight.packing == "int4_n":
         codes = _int_to_codes(unpack_int4_n(stored, n), weight.format)
     else:
@@ -277,6 +315,10 @@ def canonicalize(
     if weight.zero_point is not None:
         rows = scale.shape[0] if scale.ndim == 2 else 1
         zero_point = canonical_zero_point(scheme, tensors[weight.zero_point.tensor.name], rows).reshape(scale.shape)
+    if weight.symmetric_zero_point is not None:
+        _check_symmetric_zero_point(scheme, weight.symmetric_zero_point, tensors, scale, layer)
+    if scale_spec.group_index is not None:
+        check_group_index(scheme, tensors[scale_spec.group_index.name], k, layer)
 
     input_scale = input_global = input_divisor = pre_scale = None
     activation = scheme.activation
@@ -309,6 +351,96 @@ def canonicalize(
     if check_finite:
         require_finite_dequantization(canonical, layer)
     return canonical
+
+
+def _oriented(scheme: Scheme, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The tensors with every one a scheme declares ``transposed`` turned to the canonical
+    orientation ([N-major, K-major]) as views."""
+    out = dict(tensors)
+    for spec in scheme.tensor_specs().values():
+        value = out.get(spec.name)
+        if spec.transposed and value is not None and value.ndim == 2:
+            out[spec.name] = value.T
+    return out
+
+
+def _int32_to_codes(
+    stored: Tensor, element: str, packing: str, order: tuple[int, ...] | None, n: int, k: int
+) -> Tensor:
+    """int32 words along K or N (in a declared slot order) -> canonical codes."""
+    bits = element_bits(element)
+    if packing == "int32_n":
+        values = unpack_int32_n(stored, bits, n, order)
+    else:
+        values = unpack_int32_k(stored, bits, k, order)
+    if not FORMAT_FACTS[element].signed:
+        values = values.to(torch.int16) + (1 << (bits - 1))
+    return _int_to_codes(values, element)
+
+
+def _where(scheme: Scheme, layer: str | None) -> str:
+    return f"layer {layer} (scheme {scheme.name})" if layer else f"scheme {scheme.name}"
+
+
+def _check_symmetric_zero_point(
+    scheme: Scheme, spec: ZeroPointSpec, tensors: Mapping[str, Tensor], scale: Tensor, layer: str | None
+) -> None:
+    """A symmetric scheme's stored zero points must all equal the declared value (then dropped)."""
+    assert spec.equals is not None  # the parser files such zero points here only
+    rows = scale.shape[0] if scale.ndim == 2 else 1
+    values = canonical_zero_point(scheme, tensors[spec.tensor.name], rows, spec)
+    wrong = torch.ne(values, spec.equals)
+    if bool(wrong.any()):
+        position = [int(i) for i in wrong.nonzero()[0]]
+        found = int(values[tuple(position)])
+        offset = f", stored {found + spec.offset}" if spec.offset else ""
+        raise QuantizeError(
+            f"{_where(scheme, layer)}: zero points {spec.tensor.name!r} must all be {spec.equals} (the scheme is "
+            f"symmetric{f'; stored with offset {spec.offset:+d}' if spec.offset else ''}), found {found}{offset} at "
+            f"{position} ({int(wrong.sum())} of {wrong.numel()}); the config says sym but these weights are "
+            "asymmetric: fix the config's sym, or use an asymmetric scheme"
+        )
+
+
+def check_group_index(scheme: Scheme, group_index: Tensor, k: int, layer: str | None = None) -> None:
+    """A per-column group index must assign column k to group k // group_size (the order qscheme's
+    canonical form keeps). Another valid assignment (act-order: groups of group_size columns out
+    of order) is refused with the reason; anything else is not a group assignment."""
+    spec = scheme.weight.scale
+    assert spec.group_index is not None
+    name, size = spec.group_index.name, spec.group_size or max(k, 1)  # a channel scale: one group of K
+    groups = -(-k // size)
+    if tuple(group_index.shape) != (k,):
+        raise QuantizeError(
+            f"{_where(scheme, layer)}: group index {name!r} has shape {list(group_index.shape)}; expected [{k}] "
+            "(one group per input channel)"
+        )
+    values = group_index.to(torch.int64)
+    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= groups):
+        raise QuantizeError(
+            f"{_where(scheme, layer)}: group index {name!r} holds values in [{int(values.min())}, "
+            f"{int(values.max())}]; allowed: group numbers 0..{groups - 1} ({k} columns in groups of {size}); "
+            "the tensor is not a group assignment: re-export the layer"
+        )
+    expected = torch.arange(k, device=values.device) // size
+    if torch.equal(values, expected):
+        return
+    counts = torch.bincount(values, minlength=groups)
+    sizes = torch.bincount(expected, minlength=groups)
+    if not torch.equal(counts, sizes):
+        group = int((counts != sizes).nonzero()[0])
+        raise QuantizeError(
+            f"{_where(scheme, layer)}: group index {name!r} puts {int(counts[group])} columns in group {group}, "
+            f"which holds {int(sizes[group])} ({size} columns per group); it is not a group assignment of "
+            f"{k} columns: re-export the layer"
+        )
+    column = int((values != expected).nonzero()[0])
+    raise QuantizeError(
+        f"{_where(scheme, layer)}: group index {name!r} is an act-order assignment (column {column} is in group "
+        f"{int(values[column])}, not {column // size}): qscheme keeps groups of consecutive columns, and "
+        "loading this layer exactly needs its input channels permuted, which no kernel here takes; "
+        "re-quantize without act-order (desc_act: false) or with static groups"
+    )
 
 
 def _int_to_codes(values: Tensor, element: str) -> Tensor:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (or reuse) the side venv of one test oracle and print its directory on stdout.
 #
-#   bash scripts/oracle-venv.sh NAME      NAME: modelopt | vllm | llmcompressor | llamacpp
+#   bash scripts/oracle-venv.sh NAME      NAME: modelopt | vllm | llmcompressor | llamacpp | gptq
 #
 # Each oracle's packages are pinned, every one of them, in scripts/oracles/NAME.lock (a
 # `pip freeze` of a venv that passed the tests), and installed with --no-deps: no resolver, the
@@ -15,7 +15,7 @@
 # concurrent builds of the same venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-name="${1:?usage: oracle-venv.sh modelopt|vllm|llmcompressor|llamacpp}"
+name="${1:?usage: oracle-venv.sh modelopt|vllm|llmcompressor|llamacpp|gptq}"
 lock="scripts/oracles/$name.lock"
 case "$name" in
     modelopt) check="import modelopt.torch.quantization.qtensor, modelopt.torch.export.quant_utils" ;;
@@ -25,6 +25,8 @@ import vllm.model_executor.layers.quantization.utils.marlin_utils_fp4
 import vllm.model_executor.layers.quantization.utils.marlin_utils_fp8
 import vllm.model_executor.kernels.linear.mixed_precision.marlin" ;;
     llmcompressor) check="from llmcompressor.entrypoints.model_free import model_free_ptq" ;;
+    gptq) check='import runpy, sys; sys.argv = ["gptq_oracle.py", "--check"]; runpy.run_path("tests/gptq_oracle.py", run_name="__main__")' ;;
+    bitsandbytes) check='import runpy, sys; sys.argv = ["bitsandbytes_oracle.py", "--check"]; runpy.run_path("tests/bitsandbytes_oracle.py", run_name="__main__")' ;;
     # llama-cpp-python builds llama.cpp from its sdist with the CMAKE_ARGS line of the lock (so the
     # flags are in the cache key), without llama.cpp's common library (skip-common.cmake); no pip
     # cache, whose built wheel would ignore changed flags. The check also unpacks the sdist's
@@ -32,7 +34,7 @@ import vllm.model_executor.kernels.linear.mixed_precision.marlin" ;;
     llamacpp) check='import runpy; runpy.run_path("scripts/oracles/llamacpp/finish_venv.py", run_name="__main__")'
         CMAKE_ARGS="$(sed -n 's/^# CMAKE_ARGS: //p' "$lock") -DCMAKE_PROJECT_llama.cpp_INCLUDE=$PWD/scripts/oracles/llamacpp/skip-common.cmake"
         export CMAKE_ARGS PIP_NO_CACHE_DIR=1 ;;
-    *) echo "oracle-venv.sh: unknown oracle '$name' (allowed: modelopt, vllm, llmcompressor, llamacpp)" >&2; exit 2 ;;
+    *) echo "oracle-venv.sh: unknown oracle '$name' (allowed: modelopt, vllm, llmcompressor, llamacpp, gptq)" >&2; exit 2 ;;
 esac
 [ -f "$lock" ] || { echo "oracle-venv.sh: $lock is missing" >&2; exit 2; }
 PYTHON="${PYTHON:-python3}"

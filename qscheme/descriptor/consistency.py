@@ -68,6 +68,7 @@ def packing_divisors(element_format: str, packing: str) -> tuple[int, int]:
         "none": (1, 1),
         "nibbles_k": (1, 2),
         "int32_k": (1, FORMAT_FACTS[element_format].per_int32),
+        "int32_n": (FORMAT_FACTS[element_format].per_int32, 1),
         "int4_n": (2, 1),
     }
     return table[packing]
@@ -86,6 +87,7 @@ def weight_layout(element_format: str, packing: str) -> str:
         "none": "one element per value",
         "nibbles_k": "two 4-bit elements per byte along K",
         "int32_k": f"{per_int32} elements per int32 along K",
+        "int32_n": f"{per_int32} elements per int32 along N",
         "int4_n": "two int4 rows per byte along N",
     }
     return table[packing]
@@ -124,6 +126,11 @@ def zero_point_forms(scales: tuple[Form, ...], packing: str, zero_point_format: 
         Form(tuple((p[0], p[1] * per_int32) if not isinstance(p, int) and p[0] == "N" else p for p in form.dims))
         for form in scales
     )
+
+
+def transposed_forms(forms: tuple[Form, ...]) -> tuple[Form, ...]:
+    """The forms of a tensor stored transposed (``transposed: true``): each 2-D form reversed."""
+    return tuple(Form(tuple(reversed(form.dims))) if len(form.dims) == 2 else form for form in forms)
 
 
 def describe(forms: tuple[Form, ...]) -> str:

@@ -22,7 +22,7 @@ FusedPolicy = Literal["per_partition", "rescale", "requantize", "refuse"]
 STORED_CHOICES: tuple[str, ...] = ("multiplier", "reciprocal")
 GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "group", "block")
 ACTIVATION_GRANULARITIES: tuple[str, ...] = ("tensor", "token", "group")
-WEIGHT_PACKINGS: tuple[str, ...] = ("none", "nibbles_k", "int32_k", "int4_n", "blocks")
+WEIGHT_PACKINGS: tuple[str, ...] = ("none", "nibbles_k", "int32_k", "int32_n", "int4_n", "blocks")
 BLOCKS = "blocks"
 """The weight format and family of a scheme whose weight is packed blocks (``packing: blocks``):
 its elements, scales and minimums are declared by its ``BlockLayout``, not by ``format``."""
@@ -42,6 +42,9 @@ class TensorSpec:
     dtypes: tuple[str, ...]
     shapes: tuple[Shape, ...]
     optional: bool = False
+    transposed: bool = False
+    """The file stores the tensor's transpose: a [K-major, N] layout (GPTQ, AWQ) for what is [N, K-major]
+    in the canonical orientation. ``shapes`` are the stored shapes."""
 
     def expected_shapes(self, n: int, k: int) -> list[tuple[int, ...]]:
         """Every allowed concrete shape for an N x K layer (empty when N, K do not divide)."""
@@ -66,6 +69,9 @@ class ScaleSpec:
     tensor: TensorSpec
     group_size: int | None = None
     block: tuple[int, int] | None = None
+    group_index: TensorSpec | None = None
+    """A per-input-channel group index ([K] integers: the group of each column of the weight,
+    GPTQ's ``g_idx``); absent: column k is in group k // group_size."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,12 @@ class ZeroPointSpec:
     format: str
     packing: str
     tensor: TensorSpec
+    pack_order: tuple[int, ...] | None = None
+    offset: int = 0
+    """The file holds zero_point + offset (GPTQ's v1 format stores the zero point minus one)."""
+    equals: int | None = None
+    """Every zero point must equal this value (after ``offset``): a symmetric scheme whose producer
+    still stores zero points; they are checked on load, then dropped."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +114,13 @@ class WeightSpec:
     zero_point: ZeroPointSpec | None = None
     shape_tensor: TensorSpec | None = None
     blocks: BlockLayout | None = None
+    symmetric_zero_point: ZeroPointSpec | None = None
+    """Zero points a symmetric scheme's producer still stores (``zero_point: {..., equals: V}``):
+    every one must equal V (after its ``offset``); checked on load, then dropped, so the weight is
+    symmetric for kernels (``zero_point`` is None)."""
+    pack_order: tuple[int, ...] | None = None
+    """For int32 packings: the element each slot of a word holds (slot i holds element
+    ``pack_order[i]`` of the word's run; AWQ: 0, 2, 4, 6, 1, 3, 5, 7). Absent: slot i holds element i."""
 
 
 @dataclass(frozen=True)
@@ -169,7 +188,9 @@ class Scheme:
             "weight_scale": None if weight.blocks is not None else weight.scale.tensor,
             "weight_global_scale": weight.global_scale.tensor if weight.global_scale else None,
             "weight_zero_point": weight.zero_point.tensor if weight.zero_point else None,
+            "weight_symmetric_zero_point": weight.symmetric_zero_point.tensor if weight.symmetric_zero_point else None,
             "weight_shape": weight.shape_tensor,
+            "weight_group_index": None if weight.blocks is not None else weight.scale.group_index,
             "input_pre_scale": self.input_pre_scale,
         }
         if self.activation is not None:

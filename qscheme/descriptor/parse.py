@@ -18,6 +18,7 @@ from qscheme.descriptor.consistency import (
     describe,
     scale_forms,
     scale_layout,
+    transposed_forms,
     weight_forms,
     weight_layout,
     zero_point_forms,
@@ -80,7 +81,14 @@ _GRANULARITY_KEYS: dict[str, tuple[str, str]] = {
 # integer dtype (values outside the format's range are refused on load).
 INTEGER_DTYPES: tuple[str, ...] = ("int8", "uint8", "int32", "int64")
 ZERO_POINT_DTYPES: dict[str, tuple[str, ...]] = {"int32_n": ("int32",), "none": INTEGER_DTYPES}
-PACKED_DTYPE: dict[str, str | None] = {"none": None, "nibbles_k": "uint8", "int32_k": "int32", "int4_n": "uint8"}
+PACKED_DTYPE: dict[str, str | None] = {
+    "none": None,
+    "nibbles_k": "uint8",
+    "int32_k": "int32",
+    "int32_n": "int32",
+    "int4_n": "uint8",
+}
+INT32_PACKINGS: frozenset[str] = frozenset({"int32_k", "int32_n"})
 # e2m1 codes have no unpacked dtype of their own (4-bit floats are always packed).
 UNPACKED_DTYPE: dict[str, str] = {
     name: FORMAT_FACTS[name].storage_dtype
@@ -252,16 +260,19 @@ class _Reader:
         return None if shape is None else (shape,)
 
     def tensor(self, node: Node, path: str) -> TensorSpec | None:
-        items = self.mapping(node, path, ("name", "dtype", "shape"), ("optional",))
+        items = self.mapping(node, path, ("name", "dtype", "shape"), ("optional", "transposed"))
         if items is None:
             return None
         name = self.required(items, "name", path, self.string)
         dtypes = self.required(items, "dtype", path, lambda n, p: self.strings(n, p, DTYPES))
         shapes = self.required(items, "shape", path, self.shapes)
         optional = self.optional(items, "optional", path, self.boolean)
+        transposed = self.optional(items, "transposed", path, self.boolean)
+        if transposed and shapes is not None and any(len(shape) != 2 for shape in shapes):
+            self.fail(items["transposed"], f"{path}.transposed", "only a 2-D tensor can be stored transposed")
         if name is None or dtypes is None or shapes is None:
             return None
-        return TensorSpec(name=name, dtypes=dtypes, shapes=shapes, optional=bool(optional))
+        return TensorSpec(name=name, dtypes=dtypes, shapes=shapes, optional=bool(optional), transposed=bool(transposed))
 
     def check_dtypes(self, node: Node, path: str, spec: TensorSpec, allowed: tuple[str, ...], why: str) -> None:
         bad = [dtype for dtype in spec.dtypes if dtype not in allowed]
@@ -279,6 +290,8 @@ class _Reader:
         """
         if not forms:
             return
+        if spec.transposed:
+            forms, why = transposed_forms(forms), f"{why}, stored transposed"
         declared = _shape_nodes(node, f"{path}.tensor.shape")
         if len(declared) != len(spec.shapes):
             return  # the tensor section had problems of its own
@@ -291,7 +304,9 @@ class _Reader:
             self.fail(shape_node, shape_path, f"{format_shape(shape)} does not fit {why}; declare {describe(forms)}")
 
     def scale(self, node: Node, path: str) -> ScaleSpec | None:
-        items = self.mapping(node, path, ("granularity", "format", "stored", "tensor"), ("group_size", "block"))
+        items = self.mapping(
+            node, path, ("granularity", "format", "stored", "tensor"), ("group_size", "block", "group_index")
+        )
         if items is None:
             return None
         granularity = self.required(items, "granularity", path, lambda n, p: self.choice(n, p, GRANULARITIES))
@@ -300,6 +315,9 @@ class _Reader:
         tensor = self.required(items, "tensor", path, self.tensor)
         group_size = self.optional(items, "group_size", path, self.integer)
         block = self.optional(items, "block", path, self.block)
+        group_index = self.optional(items, "group_index", path, self.tensor)
+        if group_index is not None:
+            self.check_group_index(items["group_index"], f"{path}.group_index", group_index, granularity)
         self.check_reciprocal(items, path, scale_format, stored)
         self.check_granularity_key(node, items, path, granularity, "group_size")
         self.check_granularity_key(node, items, path, granularity, "block")
@@ -323,7 +341,22 @@ class _Reader:
             tensor=tensor,
             group_size=group_size,
             block=block,
+            group_index=group_index,
         )
+
+    def check_group_index(self, node: Node, path: str, spec: TensorSpec, granularity: str | None) -> None:
+        """A group index is one integer per input channel, for group (or channel: one group) scales."""
+        if granularity is not None and granularity not in ("group", "channel"):
+            self.fail(node, path, f"a group index assigns columns to groups; granularity {granularity!r} has none")
+        bad = [dtype for dtype in spec.dtypes if dtype not in ("int32", "int64")]
+        if bad:
+            self.fail(
+                node.value.get("dtype", node), f"{path}.dtype", f"{bad[0]!r} is not an index; use 'int32' or 'int64'"
+            )
+        if any(format_shape(shape) != "[K]" for shape in spec.shapes):
+            self.fail(node.value.get("shape", node), f"{path}.shape", "a group index has one value per column: [K]")
+        if spec.transposed:
+            self.fail(node, f"{path}.transposed", "a 1-D group index cannot be stored transposed")
 
     def check_granularity_key(
         self, node: Node, items: dict[str, Node], path: str, granularity: str | None, key: str
@@ -387,25 +420,64 @@ class _Reader:
             )
 
     def zero_point(self, node: Node, path: str) -> ZeroPointSpec | None:
-        items = self.mapping(node, path, ("format", "tensor"), ("packing",))
+        items = self.mapping(node, path, ("format", "tensor"), ("packing", "pack_order", "offset", "equals"))
         if items is None:
             return None
         zp_format = self.required(items, "format", path, lambda n, p: self.choice(n, p, tuple(sorted(INTEGER))))
         packing = self.optional(items, "packing", path, lambda n, p: self.choice(n, p, ZERO_POINT_PACKINGS)) or "none"
         tensor = self.required(items, "tensor", path, self.tensor)
+        offset = self.optional(items, "offset", path, lambda n, p: self.integer(n, p, minimum=-255, maximum=255))
+        equals = self.optional(items, "equals", path, lambda n, p: self.integer(n, p, minimum=-255, maximum=255))
+        order = self.optional(items, "pack_order", path, self.pack_order_list)
+        if order is not None and zp_format is not None:
+            self.check_pack_order(items["pack_order"], f"{path}.pack_order", order, packing, zp_format)
+        if equals is not None and zp_format is not None and zp_format in INTEGER_RANGE:
+            low, high = INTEGER_RANGE[zp_format]
+            if not low <= equals <= high:
+                self.fail(items["equals"], f"{path}.equals", f"{equals} is not a {zp_format} value ([{low}, {high}])")
         if tensor is not None:
             allowed = ZERO_POINT_DTYPES.get(packing, INTEGER_DTYPES)
             self.check_dtypes(node, path, tensor, allowed, f"zero points with packing {packing!r} (integers)")
         if zp_format is None or tensor is None:
             return None
-        return ZeroPointSpec(format=zp_format, packing=packing, tensor=tensor)
+        return ZeroPointSpec(
+            format=zp_format, packing=packing, tensor=tensor, pack_order=order, offset=offset or 0, equals=equals
+        )
+
+    def pack_order_list(self, node: Node, path: str) -> tuple[int, ...] | None:
+        if not node.is_sequence or not all(
+            isinstance(item.value, int) and not isinstance(item.value, bool) for item in node.value
+        ):
+            self.fail(
+                node, path, f"expected a list of slot positions, e.g. [0, 2, 4, 6, 1, 3, 5, 7], found {_shown(node)}"
+            )
+            return None
+        return tuple(int(item.value) for item in node.value)
+
+    def check_pack_order(self, node: Node, path: str, order: tuple[int, ...], packing: str, element: str) -> None:
+        """A pack order permutes the values of one int32 word: 32 / bits of them."""
+        if packing not in INT32_PACKINGS:
+            self.fail(node, path, f"a pack order permutes the values of an int32 word; packing {packing!r} has none")
+            return
+        bits = FORMAT_FACTS[element].bits
+        per_word = 32 // bits
+        if 32 % bits or sorted(order) != list(range(per_word)):
+            self.fail(
+                node,
+                path,
+                f"{list(order)} is not an order of the {per_word} {bits}-bit values of an int32 word; "
+                f"give each of 0..{per_word - 1} once",
+            )
 
     def weight(self, node: Node, path: str) -> WeightSpec | None:
         packing_node = node.value.get("packing") if node.is_mapping else None
         if packing_node is not None and packing_node.value == BLOCKS:
             return self.block_weight(node, path)
         items = self.mapping(
-            node, path, ("format", "tensor", "scale"), ("packing", "global_scale", "zero_point", "shape_tensor")
+            node,
+            path,
+            ("format", "tensor", "scale"),
+            ("packing", "pack_order", "global_scale", "zero_point", "shape_tensor"),
         )
         if items is None:
             return None
@@ -420,6 +492,9 @@ class _Reader:
         global_scale = self.optional(items, "global_scale", path, self.global_scale)
         zero_point = self.optional(items, "zero_point", path, self.zero_point)
         shape_tensor = self.optional(items, "shape_tensor", path, self.tensor)
+        order = self.optional(items, "pack_order", path, self.pack_order_list)
+        if order is not None and element is not None and packing is not None:
+            self.check_pack_order(items["pack_order"], f"{path}.pack_order", order, packing, element)
         if zero_point is not None and element is not None:
             zp_items = items["zero_point"].value
             zp_node = zp_items.get("format", items["zero_point"]) if isinstance(zp_items, dict) else items["zero_point"]
@@ -434,11 +509,11 @@ class _Reader:
                 )
             if packing == "int4_n" and element != "int4":
                 self.fail(packing_node, f"{path}.packing", f"'int4_n' holds signed int4 only, not {element!r}")
-            if packing == "int32_k" and element not in INTEGER:
+            if packing in INT32_PACKINGS and element not in INTEGER:
                 self.fail(
                     packing_node,
                     f"{path}.packing",
-                    f"'int32_k' packs integers, not {element!r}; use 'nibbles_k' for e2m1",
+                    f"{packing!r} packs integers, not {element!r}; use 'nibbles_k' for e2m1",
                 )
             if packing == "none" and element in FOUR_BIT:
                 self.fail(
@@ -483,8 +558,10 @@ class _Reader:
             tensor=tensor,
             scale=scale,
             global_scale=global_scale,
-            zero_point=zero_point,
+            zero_point=zero_point if zero_point is None or zero_point.equals is None else None,
+            symmetric_zero_point=zero_point if zero_point is not None and zero_point.equals is not None else None,
             shape_tensor=shape_tensor,
+            pack_order=order,
         )
 
     def block_weight(self, node: Node, path: str) -> WeightSpec | None:
@@ -757,6 +834,10 @@ def _tensor_names(
         specs.append(weight.global_scale.tensor)
     if weight.zero_point:
         specs.append(weight.zero_point.tensor)
+    if weight.symmetric_zero_point:
+        specs.append(weight.symmetric_zero_point.tensor)
+    if weight.blocks is None and weight.scale.group_index:
+        specs.append(weight.scale.group_index)
     if weight.shape_tensor:
         specs.append(weight.shape_tensor)
     if pre_scale:

@@ -9,11 +9,15 @@ experts) are allowed everywhere and packed independently.
   `bits`-wide unsigned values (signed value + 2**(bits-1)) in int32 words, element 0 in the
   lowest bits, values straddling words for odd widths; along K for weights, along N for
   zero points.
+  A pack order (AWQ: 0, 2, 4, 6, 1, 3, 5, 7) permutes the values of each word: slot i (bits
+  i*bits upward) holds element order[i] of the word's run.
 - `pack_int4_n`: ModelOpt INT4 AWQ, two output rows per uint8, row 2i in the low nibble,
   two's-complement nibbles.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -134,7 +138,38 @@ def _unpack_last_dim(words: Tensor, bits: int, length: int) -> Tensor:
     return values.flatten(-2)[..., :length]
 
 
-def pack_int32_k(values: Tensor, bits: int) -> Tensor:
+def _check_order(order: Sequence[int], bits: int) -> list[int]:
+    per_word = _WORD_BITS // bits
+    if _WORD_BITS % bits or sorted(order) != list(range(per_word)):
+        raise FormatError(
+            f"a pack order for {bits}-bit values lists each of 0..{per_word - 1} once (one int32 word), "
+            f"got {list(order)}"
+        )
+    return list(order)
+
+
+def elements_from_slots(slots: Tensor, order: Sequence[int], bits: int) -> Tensor:
+    """Values read slot by slot (last dim, whole words) -> the elements they hold in order: slot i
+    of each word holds element ``order[i]`` of that word's run."""
+    order = _check_order(order, bits)
+    inverse = [0] * len(order)
+    for slot, element in enumerate(order):
+        inverse[element] = slot
+    index = torch.tensor(inverse, device=slots.device)
+    return slots.unflatten(-1, (-1, len(order))).index_select(-1, index).flatten(-2)
+
+
+def slots_from_elements(elements: Tensor, order: Sequence[int], bits: int) -> Tensor:
+    """The inverse of `elements_from_slots`: elements (last dim, padded with zeros to whole words)
+    in the order the words' slots hold them."""
+    order = _check_order(order, bits)
+    length = elements.shape[-1]
+    padded = functional.pad(elements, (0, _ceil_div(length, len(order)) * len(order) - length))
+    index = torch.tensor(order, device=elements.device)
+    return padded.unflatten(-1, (-1, len(order))).index_select(-1, index).flatten(-2)
+
+
+def pack_int32_k(values: Tensor, bits: int, order: Sequence[int] | None = None) -> Tensor:
     """Pack signed `bits`-wide integers along the last dim into int32 (compressed-tensors).
 
     `values` lie in [-2**(bits-1), 2**(bits-1) - 1] and are stored offset by +2**(bits-1)
@@ -147,34 +182,42 @@ def pack_int32_k(values: Tensor, bits: int) -> Tensor:
         raise FormatError("values to pack must have at least one dimension, got a 0-dim tensor")
     offset = 1 << (bits - 1)
     _check_range(values, -offset, offset - 1, f"signed {bits}-bit values")
-    return _pack_last_dim(values.to(torch.int64) + offset, bits)
+    unsigned = values.to(torch.int64) + offset
+    if order is not None:
+        length = values.shape[-1]
+        words = _ceil_div(length * bits, _WORD_BITS)
+        return _pack_last_dim(slots_from_elements(unsigned, order, bits), bits)[..., :words]
+    return _pack_last_dim(unsigned, bits)
 
 
-def unpack_int32_k(packed: Tensor, bits: int, k: int) -> Tensor:
+def unpack_int32_k(packed: Tensor, bits: int, k: int, order: Sequence[int] | None = None) -> Tensor:
     """Inverse of `pack_int32_k`: [..., ceil(k*bits/32)] int32 -> [..., k] signed int8."""
     _check_bits(bits)
     if packed.dtype != torch.int32:
         raise FormatError(f"packed values must be torch.int32, got {packed.dtype}")
     expected = _ceil_div(k * bits, _WORD_BITS)
     _check_length(packed, -1, expected, f"int32-packed {bits}-bit values for k={k}")
+    if order is not None:
+        slots = _unpack_last_dim(packed, bits, expected * _WORD_BITS // bits)
+        return (elements_from_slots(slots, order, bits)[..., :k] - (1 << (bits - 1))).to(torch.int8)
     return (_unpack_last_dim(packed, bits, k) - (1 << (bits - 1))).to(torch.int8)
 
 
-def pack_int32_n(values: Tensor, bits: int) -> Tensor:
+def pack_int32_n(values: Tensor, bits: int, order: Sequence[int] | None = None) -> Tensor:
     """`pack_int32_k` along dim -2 (compressed-tensors zero points, packed_dim=0).
 
     [..., N, G] -> [..., ceil(N*bits/32), G] int32.
     """
     if values.ndim < 2:
         raise FormatError(f"packing along N needs at least 2 dims, got shape {tuple(values.shape)}")
-    return pack_int32_k(values.transpose(-1, -2), bits).transpose(-1, -2).contiguous()
+    return pack_int32_k(values.transpose(-1, -2), bits, order).transpose(-1, -2).contiguous()
 
 
-def unpack_int32_n(packed: Tensor, bits: int, n: int) -> Tensor:
+def unpack_int32_n(packed: Tensor, bits: int, n: int, order: Sequence[int] | None = None) -> Tensor:
     """Inverse of `pack_int32_n`: [..., ceil(n*bits/32), G] int32 -> [..., n, G] int8."""
     if packed.ndim < 2:
         raise FormatError(f"unpacking along N needs at least 2 dims, got shape {tuple(packed.shape)}")
-    return unpack_int32_k(packed.transpose(-1, -2), bits, n).transpose(-1, -2).contiguous()
+    return unpack_int32_k(packed.transpose(-1, -2), bits, n, order).transpose(-1, -2).contiguous()
 
 
 # --- ModelOpt int4: two rows per byte along N ---------------------------------------------

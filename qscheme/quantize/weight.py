@@ -23,7 +23,14 @@ from qscheme.quantize.given import split_given
 from qscheme.quantize.observe import ScaleLayout
 from qscheme.quantize.rounding import round_to_codes, rounding_table
 from qscheme.quantize.rules import QuantizationRules, WeightParameters, WeightPlan, get_rules
-from qscheme.quantize.write import allowed_dtype, pack_codes, packed_layout, packed_rows, write_tensors
+from qscheme.quantize.write import (
+    allowed_dtype,
+    pack_codes,
+    packed_layout,
+    packed_row_unit,
+    packed_rows,
+    write_tensors,
+)
 from qscheme.slabs import run_slabs, single_threaded_caller, slabs_for
 
 # Each producer's arithmetic module registers its rules when imported; the registry names the
@@ -152,7 +159,7 @@ def _quantize_elements(plan: WeightPlan, padded: Tensor, parameters: WeightParam
     table = table.to(padded.device)
     shape, dtype = packed_layout(plan)
     packed = torch.empty(shape, dtype=dtype, device=padded.device)
-    unit = math.lcm(layout.tile_rows, 2 if plan.scheme.weight.packing == "int4_n" else 1)
+    unit = math.lcm(layout.tile_rows, packed_row_unit(plan))
 
     def work(rows: slice) -> None:
         tile_rows = slice(rows.start, min(layout.padded_n, -(-rows.stop // layout.tile_rows) * layout.tile_rows))

@@ -15,7 +15,7 @@ from torch import Tensor
 from qscheme.canonical import stored_zero_points
 from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.errors import QuantizeError
-from qscheme.formats import get_element_format, pack_fp4_k, pack_int4_n, pack_int32_k
+from qscheme.formats import get_element_format, pack_fp4_k, pack_int4_n, pack_int32_k, pack_int32_n
 from qscheme.quantize.rules import WeightParameters, WeightPlan
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -68,6 +68,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _finish(tensor: Tensor, spec: TensorSpec, plan: WeightPlan) -> Tensor:
     shape = stored_shape(spec, plan.n, plan.k, tensor.numel(), plan.scheme)
+    if spec.transposed:  # computed in the canonical orientation, stored as its transpose
+        return tensor.reshape(shape[::-1]).T.contiguous()
     return tensor.reshape(shape).contiguous()
 
 
@@ -83,11 +85,12 @@ def pack_codes(plan: WeightPlan, codes: Tensor) -> Tensor:
         values = codes
     if packing == "nibbles_k":
         return pack_fp4_k(codes & 0x0F if element.kind == "int" else codes)
-    if packing == "int32_k":
+    if packing in ("int32_k", "int32_n"):
         if not element.signed:
             # unsigned values are stored as they are: pack_int32_k adds back the offset it expects
             values = values.to(torch.int16) - (1 << (element.bits - 1))
-        return pack_int32_k(values, element.bits)
+        pack = pack_int32_k if packing == "int32_k" else pack_int32_n
+        return pack(values, element.bits, plan.scheme.weight.pack_order)
     if packing == "int4_n":
         return pack_int4_n(values)
     if element.kind == "float":
@@ -102,6 +105,8 @@ def packed_layout(plan: WeightPlan) -> tuple[tuple[int, int], torch.dtype]:
         return (n, -(-k // 2)), torch.uint8
     if packing == "int32_k":
         return (n, -(-k * element.bits // 32)), torch.int32
+    if packing == "int32_n":
+        return (-(-n * element.bits // 32), k), torch.int32
     if packing == "int4_n":
         return (-(-n // 2), k), torch.uint8
     return (n, k), element.storage_dtype
@@ -109,9 +114,18 @@ def packed_layout(plan: WeightPlan) -> tuple[tuple[int, int], torch.dtype]:
 
 def packed_rows(plan: WeightPlan, rows: slice) -> slice:
     """The rows of the packed weight holding weight rows ``rows``."""
-    if plan.scheme.weight.packing == "int4_n":
-        return slice(rows.start // 2, -(-rows.stop // 2))
-    return rows
+    per_packed_row = packed_row_unit(plan)
+    return slice(rows.start // per_packed_row, -(-rows.stop // per_packed_row))
+
+
+def packed_row_unit(plan: WeightPlan) -> int:
+    """Weight rows per packed row: the multiple a slab of rows is packed in."""
+    packing = plan.scheme.weight.packing
+    if packing == "int4_n":
+        return 2
+    if packing == "int32_n":
+        return 32 // plan.element.bits
+    return 1
 
 
 def weight_tensor(plan: WeightPlan, packed: Tensor) -> Tensor:
@@ -158,6 +172,21 @@ def write_tensors(
         if parameters.zero_point is None:
             raise QuantizeError(f"scheme {scheme.name}: the rules computed no zero point")
         tensors[spec.zero_point.tensor.name] = _zero_point_tensor(plan, parameters.zero_point)
+
+    if spec.symmetric_zero_point is not None:
+        assert spec.symmetric_zero_point.equals is not None  # the parser sets it for this role
+        rows = parameters.stored_scale.reshape(plan.n, -1) if spec.scale.granularity != "tensor" else None
+        like = rows if rows is not None else parameters.stored_scale
+        values = torch.full_like(like, spec.symmetric_zero_point.equals)
+        stored = stored_zero_points(plan.scheme, values.to(torch.int16), spec.symmetric_zero_point)
+        tensors[spec.symmetric_zero_point.tensor.name] = _finish(stored, spec.symmetric_zero_point.tensor, plan)
+
+    if spec.scale.group_index is not None:
+        group = spec.scale.group_size or plan.k
+        index = torch.arange(plan.k, device=weight.device) // group
+        tensors[spec.scale.group_index.name] = _finish(
+            index.to(dtype_of(spec.scale.group_index.dtypes[0])), spec.scale.group_index, plan
+        )
 
     if spec.shape_tensor is not None:
         shape = torch.tensor([plan.n, plan.k], dtype=dtype_of(spec.shape_tensor.dtypes[0]), device=weight.device)

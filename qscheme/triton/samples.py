@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from qscheme.canonical import CanonicalWeight, canonical_zero_point, stored_zero_points
+from qscheme.canonical import CanonicalWeight, canonical_zero_point, stored_zero_points, zero_point_range
 from qscheme.descriptor import Scheme
 from qscheme.formats import get_element_format
 from qscheme.formats.table import FORMAT_FACTS
@@ -71,8 +71,7 @@ def _zero_points(scheme: Scheme, shape: tuple[int, ...], generator: torch.Genera
     scheme stores them (its dtype, or ``int32_n`` words) and read back by the canonicalization."""
     spec = scheme.weight.zero_point
     assert spec is not None
-    fmt = get_element_format(spec.format)
-    low, high = int(fmt.min_value), int(fmt.max_value)
+    low, high = zero_point_range(spec)
     values = torch.randint(low, high + 1, shape, generator=generator, dtype=torch.int16)
     flat = values.view(-1)
     flat[0], flat[-1] = low, high

@@ -1,0 +1,183 @@
+"""GPTQ and AWQ checkpoints packed by GPTQModel's and AutoAWQ's own code (tests/gptq_oracle.py):
+every layer dequantizes bit-identical to the library's own CPU dequantization, v1 and v2 of the
+same weights load identically, a mislabelled ``checkpoint_format`` is refused or differs, act-order
+is refused with its reason, ``dynamic`` overrides pick per-module schemes, and the tiny Llama's
+logits through ``apply_to_model`` equal a dense model holding the library's dequantized weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_cache import single_threaded_torch  # noqa: F401  (autouse)
+from gptq_oracle import ENV, build_checkpoints, oracle_python
+from safetensors.torch import load_file
+from transformers import AutoConfig, LlamaForCausalLM
+
+from qscheme.checkpoint import apply_to_model, load_checkpoint
+from qscheme.errors import QSchemeError
+from qscheme.modules import QuantLinear
+
+MODEL = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+JOBS: dict[str, dict[str, object]] = {
+    "v1_sym": {"kind": "gptq", "bits": 4, "group_size": 128, "sym": True, "checkpoint_format": "gptq", "seed": 1},
+    "v2_sym": {"kind": "gptq", "bits": 4, "group_size": 128, "sym": True, "checkpoint_format": "gptq_v2", "seed": 1},
+    "v1_asym": {"kind": "gptq", "bits": 4, "group_size": 32, "sym": False, "checkpoint_format": "gptq", "seed": 2},
+    "v2_asym": {"kind": "gptq", "bits": 4, "group_size": 32, "sym": False, "checkpoint_format": "gptq_v2", "seed": 2},
+    "w8": {"kind": "gptq", "bits": 8, "group_size": -1, "sym": True, "checkpoint_format": "gptq", "seed": 3},
+    "act_order": {
+        "kind": "gptq",
+        "bits": 4,
+        "group_size": 32,
+        "sym": True,
+        "checkpoint_format": "gptq_v2",
+        "act_order": True,
+        "seed": 4,
+    },
+    "dynamic": {
+        "kind": "gptq",
+        "bits": 4,
+        "group_size": 128,
+        "sym": True,
+        "checkpoint_format": "gptq",
+        "dynamic": {r"-:.*mlp\.down_proj": {}, r"+:.*self_attn\.v_proj": {"bits": 8, "group_size": -1}},
+        "seed": 5,
+    },
+    "awq": {"kind": "awq", "bits": 4, "group_size": 128, "seed": 6},
+}
+SCHEMES = {
+    "v1_sym": {"gptq/W4A16"},
+    "v2_sym": {"gptq_v2/W4A16"},
+    "v1_asym": {"gptq/W4A16_ASYM_G32"},
+    "v2_asym": {"gptq_v2/W4A16_ASYM_G32"},
+    "w8": {"gptq/W8A16_CHANNEL"},
+    "dynamic": {"gptq/W4A16", "gptq/W8A16_CHANNEL"},
+    "awq": {"awq/W4A16_ASYM"},
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gptq_awq")
+    jobs = [{**job, "dst": str(root / name), "model": MODEL} for name, job in JOBS.items()]
+    build_checkpoints(jobs, python=oracle_python())
+    return {name: root / name for name in JOBS}
+
+
+def _references(folder: Path) -> dict[str, torch.Tensor]:
+    return {
+        name.removesuffix(".dequantized"): value for name, value in load_file(folder / "reference.safetensors").items()
+    }
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_every_layer_dequantizes_bit_identical_to_the_library(folders: dict[str, Path], name: str) -> None:
+    checkpoint = load_checkpoint(folders[name])
+    references = _references(folders[name])
+    assert set(checkpoint.modules) == set(references)
+    assert {layer.scheme.name for layer in checkpoint.modules.values()} == SCHEMES[name]
+    for module, layer in checkpoint.modules.items():
+        ours = layer.dequantize()
+        assert ours.dtype == torch.float32
+        assert torch.equal(ours, references[module]), module
+
+
+def test_v1_and_v2_of_the_same_weights_load_to_identical_weights(folders: dict[str, Path]) -> None:
+    for v1, v2 in (("v1_sym", "v2_sym"), ("v1_asym", "v2_asym")):
+        first, second = load_checkpoint(folders[v1]), load_checkpoint(folders[v2])
+        stored_v1 = load_file(folders[v1] / "model.safetensors")
+        stored_v2 = load_file(folders[v2] / "model.safetensors")
+        zeros = "model.layers.0.self_attn.q_proj.qzeros"
+        assert not torch.equal(stored_v1[zeros], stored_v2[zeros])  # the files differ: zero - 1 vs zero
+        for module, layer in first.modules.items():
+            assert torch.equal(layer.dequantize(), second.modules[module].dequantize()), (v1, module)
+
+
+def _relabelled(folders: dict[str, Path], name: str, tmp_path: Path, checkpoint_format: str) -> Path:
+    folder = tmp_path / f"{name}_as_{checkpoint_format}"
+    shutil.copytree(folders[name], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["checkpoint_format"] = checkpoint_format
+    config["quantization_config"]["format"] = checkpoint_format
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_mislabelled_checkpoint_format_is_refused_or_differs(folders: dict[str, Path], tmp_path: Path) -> None:
+    # symmetric: the stored zero points contradict the label, so the load is refused, naming them
+    for name, label in (("v2_sym", "gptq"), ("v1_sym", "gptq_v2")):
+        with pytest.raises(QSchemeError, match=r"zero points 'qzeros' must all be 0 .*config says sym"):
+            load_checkpoint(_relabelled(folders, name, tmp_path, label))
+    # asymmetric: any zero point is possible, so the label decides; read as v1, every weight of the
+    # v2 file moves by one scale step: the two readings differ everywhere
+    wrong = load_checkpoint(_relabelled(folders, "v2_asym", tmp_path, "gptq"))
+    right = load_checkpoint(folders["v2_asym"])
+    for module, layer in wrong.modules.items():
+        assert not torch.equal(layer.dequantize(), right.modules[module].dequantize()), module
+
+
+def test_act_order_is_refused_with_its_reason(folders: dict[str, Path]) -> None:
+    g_idx = load_file(folders["act_order"] / "model.safetensors")["model.layers.0.self_attn.q_proj.g_idx"]
+    assert not torch.equal(g_idx, torch.arange(g_idx.numel(), dtype=g_idx.dtype) // 32)  # a real act-order file
+    with pytest.raises(QSchemeError, match=r"group index 'g_idx' is an act-order assignment .*desc_act: false"):
+        load_checkpoint(folders["act_order"])
+
+
+def test_dynamic_overrides_pick_each_modules_scheme_or_leave_it_unquantized(folders: dict[str, Path]) -> None:
+    checkpoint = load_checkpoint(folders["dynamic"])
+    assert "model.layers.0.mlp.down_proj" not in checkpoint.modules
+    assert checkpoint.modules["model.layers.0.self_attn.v_proj"].scheme.name == "gptq/W8A16_CHANNEL"
+    assert checkpoint.modules["model.layers.0.self_attn.q_proj"].scheme.name == "gptq/W4A16"
+    assert "model.layers.0.mlp.down_proj.weight" in checkpoint.tensors
+
+
+def _dense_and_quantized(folder: Path) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    config = AutoConfig.from_pretrained(str(folder))
+    del config.quantization_config
+    torch.manual_seed(0)
+    quantized = LlamaForCausalLM(config).eval()
+    dense = LlamaForCausalLM(config).eval()
+    state = load_file(folder / "model.safetensors")
+    plain = {name: value for name, value in state.items() if name in dense.state_dict()}
+    plain.update({f"{module}.weight": weight for module, weight in _references(folder).items()})
+    missing, unexpected = dense.load_state_dict(plain, strict=False)
+    assert not unexpected and all(name.endswith("rotary_emb.inv_freq") for name in missing), missing
+    apply_to_model(quantized, folder, kernel="reference")
+    return dense, quantized
+
+
+@pytest.mark.parametrize("name", ["v1_asym", "dynamic", "awq"])
+def test_tiny_llama_logits_equal_the_dense_model_of_the_librarys_weights(folders: dict[str, Path], name: str) -> None:
+    dense, quantized = _dense_and_quantized(folders[name])
+    assert isinstance(quantized.model.layers[0].self_attn.q_proj, QuantLinear)
+    tokens = torch.tensor([[1, 5, 9, 17, 33, 65, 127]])
+    with torch.no_grad():
+        expected, got = dense(tokens).logits, quantized(tokens).logits
+    error = float((got - expected).abs().max())
+    assert error <= 1e-5 * float(expected.abs().max()), error
+
+
+def test_int4_layers_resolve_to_tinygemm_on_cpu(folders: dict[str, Path]) -> None:
+    for name in ("v1_sym", "v1_asym", "awq"):
+        checkpoint = load_checkpoint(folders[name])
+        assert {layer.kernel.name for layer in checkpoint.modules.values()} == {"tinygemm_cpu"}, name
+
+
+def test_the_oracle_is_exported_in_ci() -> None:
+    """In CI the oracle must be there (scripts/test.sh builds and exports it): fail, never skip."""
+    if not os.environ.get("CI"):
+        pytest.skip("outside CI the oracle may be absent")
+    assert os.environ.get(ENV), f"{ENV} is not set in CI; scripts/test.sh exports it"
