@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (or reuse) the side venv of one test oracle and print its directory on stdout.
 #
-#   bash scripts/oracle-venv.sh NAME      NAME: modelopt | vllm | llmcompressor | llamacpp | gptq
+#   bash scripts/oracle-venv.sh NAME      NAME: modelopt | vllm | llmcompressor | llamacpp | gptq | bitsandbytes
 #
 # Each oracle's packages are pinned, every one of them, in scripts/oracles/NAME.lock (a
 # `pip freeze` of a venv that passed the tests), and installed with --no-deps: no resolver, the
@@ -15,7 +15,7 @@
 # concurrent builds of the same venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-name="${1:?usage: oracle-venv.sh modelopt|vllm|llmcompressor|llamacpp|gptq}"
+name="${1:?usage: oracle-venv.sh modelopt|vllm|llmcompressor|llamacpp|gptq|bitsandbytes}"
 lock="scripts/oracles/$name.lock"
 case "$name" in
     modelopt) check="import modelopt.torch.quantization.qtensor, modelopt.torch.export.quant_utils" ;;
@@ -34,7 +34,7 @@ import vllm.model_executor.kernels.linear.mixed_precision.marlin" ;;
     llamacpp) check='import runpy; runpy.run_path("scripts/oracles/llamacpp/finish_venv.py", run_name="__main__")'
         CMAKE_ARGS="$(sed -n 's/^# CMAKE_ARGS: //p' "$lock") -DCMAKE_PROJECT_llama.cpp_INCLUDE=$PWD/scripts/oracles/llamacpp/skip-common.cmake"
         export CMAKE_ARGS PIP_NO_CACHE_DIR=1 ;;
-    *) echo "oracle-venv.sh: unknown oracle '$name' (allowed: modelopt, vllm, llmcompressor, llamacpp, gptq)" >&2; exit 2 ;;
+    *) echo "oracle-venv.sh: unknown oracle '$name' (allowed: modelopt, vllm, llmcompressor, llamacpp, gptq, bitsandbytes)" >&2; exit 2 ;;
 esac
 [ -f "$lock" ] || { echo "oracle-venv.sh: $lock is missing" >&2; exit 2; }
 PYTHON="${PYTHON:-python3}"

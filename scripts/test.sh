@@ -15,7 +15,7 @@ mypy qscheme plugins
 echo "== wheel"
 bash scripts/check-wheel.sh
 echo "== oracles (side venvs cached outside the clone, keyed by their pinned versions)"
-for oracle in modelopt vllm llmcompressor llamacpp gptq; do
+for oracle in modelopt vllm llmcompressor llamacpp gptq bitsandbytes; do
     venv="$(bash scripts/oracle-venv.sh "$oracle")"
     export "QSCHEME_${oracle^^}_PYTHON=$venv/bin/python"
 done

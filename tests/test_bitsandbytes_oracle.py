@@ -1,0 +1,296 @@
+"""bitsandbytes 4-bit checkpoints written by transformers' own bitsandbytes integration (the oracle
+venv, tests/bitsandbytes_oracle.py): their layout pinned, every layer dequantized bit-identical to
+bitsandbytes' own CPU dequantization, a dense model of those weights equal to transformers' own
+bitsandbytes loader, and the strict refusals (missing, orphan and unconsumed tensors, a state or a
+dtype that disagrees with the config or the tensors)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from bitsandbytes_oracle import build_checkpoints, oracle_python
+from safetensors.torch import load_file, save_file
+
+from qscheme.errors import CheckpointError, QSchemeError
+from qscheme.producers.bitsandbytes.dequantize import dequantize, unpack_codes
+from qscheme.producers.bitsandbytes.read import read_layers
+
+MODEL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
+# (N, K) of every quantized Linear of the tiny Llama, from MODEL (head_dim 16: k/v are 2 * 16 rows)
+LINEARS = {
+    "self_attn.q_proj": (64, 64),
+    "self_attn.k_proj": (32, 64),
+    "self_attn.v_proj": (32, 64),
+    "self_attn.o_proj": (64, 64),
+    "mlp.gate_proj": (128, 64),
+    "mlp.up_proj": (128, 64),
+    "mlp.down_proj": (64, 128),
+}
+JOBS = {
+    "nf4": {"quant_type": "nf4", "double_quant": False},
+    "nf4-dq": {"quant_type": "nf4", "double_quant": True},
+    "fp4": {"quant_type": "fp4", "double_quant": False},
+    "fp4-dq": {"quant_type": "fp4", "double_quant": True},
+    "nf4-dq-bf16": {"quant_type": "nf4", "double_quant": True, "dtype": "bfloat16"},
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    python = oracle_python()
+    root = tmp_path_factory.mktemp("bitsandbytes")
+    jobs = [
+        {"dst": str(root / name), "model": MODEL, "seed": index, **job}
+        for index, (name, job) in enumerate(JOBS.items())
+    ]
+    build_checkpoints(jobs, python=python)
+    return {name: root / name for name in JOBS}
+
+
+def _module(linear: str) -> str:
+    return f"model.layers.0.{linear}"
+
+
+# ----------------------------------------------------------------------------- the layout, pinned
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_layout_is_the_documented_one(folders: dict[str, Path], name: str) -> None:
+    job = JOBS[name]
+    quantized = folders[name] / "quantized"
+    config = json.loads((quantized / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "bitsandbytes" and config["load_in_4bit"] is True
+    assert config["bnb_4bit_quant_type"] == job["quant_type"]
+    assert config["bnb_4bit_use_double_quant"] is job["double_quant"]
+    tensors = load_file(quantized / "model.safetensors")
+    nested = bool(job["double_quant"])
+    state_key = f"weight.quant_state.bitsandbytes__{job['quant_type']}"
+    for linear, (n, k) in LINEARS.items():
+        module = _module(linear)
+        own = {key.removeprefix(module + "."): value for key, value in tensors.items() if key.startswith(module + ".")}
+        expected = {"weight", "weight.absmax", "weight.quant_map", state_key}
+        if nested:
+            expected |= {"weight.nested_absmax", "weight.nested_quant_map"}
+        assert set(own) == expected, linear
+        assert own["weight"].dtype == torch.uint8 and tuple(own["weight"].shape) == (n * k // 2, 1)
+        assert tuple(own["weight.absmax"].shape) == (n * k // 64,)
+        assert own["weight.absmax"].dtype == (torch.uint8 if nested else torch.float32)
+        assert own["weight.quant_map"].dtype == torch.float32 and tuple(own["weight.quant_map"].shape) == (16,)
+        state = json.loads(own[state_key].numpy().tobytes().decode())
+        assert state["quant_type"] == job["quant_type"] and state["blocksize"] == 64
+        assert state["shape"] == [n, k] and state["dtype"] == job.get("dtype", "float32")
+        if nested:
+            assert state["nested_blocksize"] == 256 and state["nested_dtype"] == "float32"
+            assert isinstance(state["nested_offset"], float)
+            assert tuple(own["weight.nested_absmax"].shape) == (-(-(n * k // 64) // 256),)
+            assert tuple(own["weight.nested_quant_map"].shape) == (256,)
+        else:
+            assert not any(key.startswith("nested") for key in state)
+
+
+def test_codes_are_high_nibble_first(folders: dict[str, Path]) -> None:
+    """The first element of each byte is its high nibble: decoding low-first disagrees with bitsandbytes."""
+    layers = read_layers(folders["nf4"] / "quantized")
+    reference = load_file(folders["nf4"] / "reference.safetensors")
+    layer = layers[_module("self_attn.q_proj")]
+    packed = layer.read("weight")
+    swapped = ((packed & 15) << 4) | (packed >> 4)
+    expected = reference[f"{layer.module}.dequantized_float32"]
+    assert torch.equal(dequantize(layer.state, packed, layer.absmax()), expected)
+    assert not torch.equal(dequantize(layer.state, swapped, layer.absmax()), expected)
+    assert unpack_codes(torch.tensor([[0x1F]], dtype=torch.uint8), 2).tolist() == [1, 15]
+
+
+# ----------------------------------------------------------------------------- exact dequantization
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_dequantization_is_bit_identical_to_bitsandbytes(folders: dict[str, Path], name: str) -> None:
+    layers = read_layers(folders[name] / "quantized")
+    reference = load_file(folders[name] / "reference.safetensors")
+    assert sorted(layers) == sorted(_module(linear) for linear in LINEARS)
+    dtype = getattr(torch, JOBS[name].get("dtype", "float32"))
+    for module, layer in layers.items():
+        weight = layer.dequantize()
+        assert weight.dtype == torch.float32 and tuple(weight.shape) == LINEARS[module.removeprefix("model.layers.0.")]
+        assert torch.equal(weight, reference[f"{module}.dequantized_float32"]), module
+        assert torch.equal(weight.to(dtype), reference[f"{module}.dequantized"]), module
+
+
+@pytest.mark.parametrize("name", ["nf4", "fp4-dq"])
+def test_dense_model_of_the_weights_equals_transformers_loader(folders: dict[str, Path], name: str) -> None:
+    import transformers
+
+    dense = transformers.AutoModelForCausalLM.from_pretrained(folders[name] / "dense", dtype=torch.float32).eval()
+    reference = load_file(folders[name] / "reference.safetensors")
+    state = dense.state_dict()
+    for module, layer in read_layers(folders[name] / "quantized").items():
+        state[f"{module}.weight"] = layer.dequantize()
+    dense.load_state_dict(state)
+    with torch.no_grad():
+        logits = dense(reference["input_ids"]).logits
+    torch.testing.assert_close(logits, reference["logits"], rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- strictness
+
+
+def _copy(folders: dict[str, Path], name: str, tmp_path: Path) -> Path:
+    target = tmp_path / name
+    shutil.copytree(folders[name] / "quantized", target)
+    return target
+
+
+def _edit_tensors(folder: Path, edit: Any) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _edit_config(folder: Path, **changes: Any) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"].update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _state_bytes(state: dict[str, Any]) -> torch.Tensor:
+    return torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
+
+
+Q_PROJ = _module("self_attn.q_proj")
+
+
+def test_missing_absmax_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
+    folder = _copy(folders, "nf4-dq", tmp_path)
+    _edit_tensors(folder, lambda tensors: tensors.pop(f"{Q_PROJ}.weight.absmax"))
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight\.absmax is missing.*uint8 \[64\]"):
+        read_layers(folder)
+
+
+def test_orphan_nested_absmax_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
+    folder = _copy(folders, "nf4", tmp_path)
+    _edit_tensors(folder, lambda tensors: tensors.update({f"{Q_PROJ}.weight.nested_absmax": torch.ones(1)}))
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight\.nested_absmax .*orphan"):
+        read_layers(folder)
+
+
+def test_unconsumed_tensor_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
+    folder = _copy(folders, "fp4", tmp_path)
+    _edit_tensors(folder, lambda tensors: tensors.update({f"{Q_PROJ}.weight.SCB": torch.ones(64)}))
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight\.SCB .*unconsumed"):
+        read_layers(folder)
+
+
+def test_state_shape_disagreeing_with_the_weight_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
+    folder = _copy(folders, "nf4", tmp_path)
+    key = f"{Q_PROJ}.weight.quant_state.bitsandbytes__nf4"
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        state = json.loads(tensors[key].numpy().tobytes())
+        state["shape"] = [64, 128]  # the weight holds [64, 64]
+        tensors[key] = _state_bytes(state)
+
+    _edit_tensors(folder, edit)
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight has shape \[2048, 1\], expected \[4096, 1\]"):
+        read_layers(folder)
+
+
+def test_absmax_dtype_disagreeing_with_the_config_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
+    folder = _copy(folders, "nf4", tmp_path)
+    _edit_tensors(folder, lambda tensors: tensors.update({f"{Q_PROJ}.weight.absmax": torch.ones(64).half()}))
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight\.absmax is float16, expected float32"):
+        read_layers(folder)
+
+
+def test_double_quant_disagreeing_with_the_config_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
+    folder = _copy(folders, "nf4-dq", tmp_path)
+    _edit_config(folder, bnb_4bit_use_double_quant=False)
+    with pytest.raises(CheckpointError, match=r"double-quantized absmax .*bnb_4bit_use_double_quant false"):
+        read_layers(folder)
+
+
+def test_quant_type_disagreeing_with_the_config_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
+    folder = _copy(folders, "fp4", tmp_path)
+    _edit_config(folder, bnb_4bit_quant_type="nf4")
+    with pytest.raises(CheckpointError, match=r"quant_type 'fp4' but .*bnb_4bit_quant_type 'nf4'"):
+        read_layers(folder)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"blocksize": 48}, r"key 'blocksize' is 48; expected one of 32, 64"),
+        ({"dtype": "int8"}, r"key 'dtype' is \"int8\"; expected one of 'float32'"),
+        ({"nested_offset": "x"}, r"key 'nested_offset' is \"x\"; expected a finite number"),
+        ({"extra": 1}, r"key 'extra' is 1; not a key bitsandbytes writes"),
+        ({"nested_blocksize": None}, r"key 'nested_blocksize' is null"),
+    ],
+)
+def test_quant_state_is_parsed_strictly(
+    folders: dict[str, Path], tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    folder = _copy(folders, "nf4-dq", tmp_path)
+    key = f"{Q_PROJ}.weight.quant_state.bitsandbytes__nf4"
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        state = json.loads(tensors[key].numpy().tobytes())
+        state.update(change)
+        tensors[key] = _state_bytes(state)
+
+    _edit_tensors(folder, edit)
+    with pytest.raises(CheckpointError, match=rf"tensor '{key}': bitsandbytes quant state: {message}"):
+        read_layers(folder)
+
+
+def test_tampered_quant_map_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
+    folder = _copy(folders, "nf4", tmp_path)
+    _edit_tensors(folder, lambda tensors: tensors[f"{Q_PROJ}.weight.quant_map"].mul_(2))
+    layer = read_layers(folder)[Q_PROJ]
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight\.quant_map' is not bitsandbytes' nf4 table"):
+        layer.dequantize()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"load_in_8bit": True, "load_in_4bit": False, "_load_in_4bit": False}, r"LLM\.int8 checkpoints"),
+        ({"bnb_4bit_quant_type": "int4"}, r"bnb_4bit_quant_type is \"int4\"; expected 'nf4' or 'fp4'"),
+        ({"bnb_4bit_quant_storage": "bfloat16"}, r"bnb_4bit_quant_storage is \"bfloat16\""),
+    ],
+)
+def test_config_is_read_strictly(
+    folders: dict[str, Path], tmp_path: Path, changes: dict[str, Any], message: str
+) -> None:
+    folder = _copy(folders, "nf4", tmp_path)
+    _edit_config(folder, **changes)
+    with pytest.raises(QSchemeError, match=message):
+        read_layers(folder)
+
+
+def test_blocks_straddling_rows_are_refused(folders: dict[str, Path], tmp_path: Path) -> None:
+    """K = 96 is not a multiple of the 64-code blocks: a block would span two rows (and bitsandbytes'
+    own CPU kernel decodes such layers unlike its quantizer), so the layer is refused."""
+    folder = _copy(folders, "nf4", tmp_path)
+    key = f"{Q_PROJ}.weight.quant_state.bitsandbytes__nf4"
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        state = json.loads(tensors[key].numpy().tobytes())
+        state["shape"] = [32, 96]
+        tensors[key] = _state_bytes(state)
+
+    _edit_tensors(folder, edit)
+    with pytest.raises(CheckpointError, match=r"shape \[32, 96\] with blocksize 64: K is not a multiple"):
+        read_layers(folder)
