@@ -165,8 +165,11 @@ class Catalog:
         if short in by_short:
             return sorted(by_short[short])
         close = difflib.get_close_matches(name, list(self.schemes), n=3, cutoff=0.5)
-        if close:
+        if close and "/" in name:
             return close
+        if close:  # no producer given: each with the other producers' schemes of that name
+            shorts = dict.fromkeys(known.rpartition("/")[2].lower() for known in close)
+            return sorted(known for key in shorts for known in by_short[key])
         near = difflib.get_close_matches(short, list(by_short), n=2, cutoff=0.75)
         return sorted(known for key in near for known in by_short[key])[:3]
 

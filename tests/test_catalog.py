@@ -401,13 +401,14 @@ def test_a_link_to_a_sibling_folder_is_not_a_loop(tmp_path: Path, monkeypatch: p
     ("name", "suggested"),
     [
         ("NVFP4A16", ["compressed-tensors/NVFP4A16"]),  # llm-compressor's preset name, no producer
-        ("w4a16", ["compressed-tensors/W4A16"]),
+        ("w4a16", ["compressed-tensors/W4A16", "gptq/W4A16", "gptq_v2/W4A16"]),
         ("FP8", ["compressed-tensors/FP8", "modelopt/FP8"]),
         ("fp8_pb_wo", ["modelopt/fp8_pb_wo"]),
         ("llmcompressor/NVFP4A16", ["compressed-tensors/NVFP4A16"]),  # another producer's prefix
         ("NVFP4", ["compressed-tensors/NVFP4", "gguf/NVFP4", "modelopt/NVFP4"]),
         ("q4_k", ["gguf/Q4_K"]),
-        ("W4A16_ASYMM", ["compressed-tensors/W4A16_ASYM"]),  # a typo after no prefix
+        # a typo after no prefix
+        ("W4A16_ASYMM", ["awq/W4A16_ASYM", "compressed-tensors/W4A16_ASYM", "gptq/W4A16_ASYM", "gptq_v2/W4A16_ASYM"]),
     ],
 )
 def test_a_preset_name_without_its_producer_gets_suggestions(name: str, suggested: list[str]) -> None:

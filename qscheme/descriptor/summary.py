@@ -15,6 +15,8 @@ ROLE_DESCRIPTIONS: dict[str, str] = {
     "weight_global_scale": "weight global scale (one per partition)",
     "weight_zero_point": "weight zero points",
     "weight_shape": "unpacked weight shape [N, K]",
+    "weight_symmetric_zero_point": "stored zero points of a symmetric weight (checked, then dropped)",
+    "weight_group_index": "group of each input channel (must be k // group_size)",
     "input_pre_scale": "input multiplier applied before the GEMM (AWQ)",
     "input_scale": "static activation scale",
     "input_global_scale": "activation global scale",
@@ -27,6 +29,7 @@ def tensor_dict(spec: TensorSpec) -> dict[str, Any]:
         "dtype": list(spec.dtypes),
         "shape": [[str(dim) for dim in shape] for shape in spec.shapes],
         "optional": spec.optional,
+        **({"transposed": True} if spec.transposed else {}),
     }
 
 
@@ -153,15 +156,27 @@ def render_scheme(scheme: Scheme) -> str:
         granularity += f" of {scale.group_size} along K"
     if scale.block:
         granularity += f" {scale.block[0]}x{scale.block[1]}"
-    lines.append(f"weight:      {weight.format} ({scheme.weight_family}), packing {weight.packing}")
+    order = f", slot order {list(weight.pack_order)}" if weight.pack_order else ""
+    lines.append(f"weight:      {weight.format} ({scheme.weight_family}), packing {weight.packing}{order}")
     if weight.blocks is not None:
         lines.extend(render_blocks(weight.blocks))
     else:
         lines.append(f"  scale:     {scale.format}, {granularity}, stored as {scale.stored}")
     if weight.global_scale:
         lines.append(f"  global:    one per partition, stored as {weight.global_scale.stored}")
-    if weight.zero_point:
-        lines.append(f"  zero pt:   {weight.zero_point.format}, packing {weight.zero_point.packing}")
+    for zero_point in (weight.zero_point, weight.symmetric_zero_point):
+        if zero_point is None:
+            continue
+        text = f"  zero pt:   {zero_point.format}, packing {zero_point.packing}"
+        text += f", slot order {list(zero_point.pack_order)}" if zero_point.pack_order else ""
+        sign = "+" if zero_point.offset > 0 else "-"
+        text += f", stored as zero {sign} {abs(zero_point.offset)}" if zero_point.offset else ""
+        text += (
+            f", every one {zero_point.equals} (symmetric: checked, then dropped)"
+            if zero_point.equals is not None
+            else ""
+        )
+        lines.append(text)
     act = scheme.activation
     if act is None:
         lines.append("activation:  none (16-bit)")
@@ -177,6 +192,7 @@ def render_scheme(scheme: Scheme) -> str:
         shapes = " or ".join(format_shape(shape) for shape in spec.shapes)
         extra = f"  stored as {stored}" if stored else ""
         optional = "  (optional)" if spec.optional else ""
+        optional += "  (stored transposed)" if spec.transposed else ""
         lines.append(f"  {spec.name:<22} {'|'.join(spec.dtypes):<32} {shapes:<28} {role}{extra}{optional}")
     if scheme.tolerated:
         lines.append(f"tolerated:   {', '.join(scheme.tolerated)} (dropped when present)")
