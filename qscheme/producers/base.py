@@ -85,11 +85,18 @@ class StackedExperts:
     The loader splits each into ``<experts>.<e>.<projection>.<tensor>`` (``checkpoint.stacked_experts``),
     the per-expert modules every other producer stores, each reading its own bytes. ``folded`` names
     tensors stored with one trailing dimension more than the scheme declares ({"blocks": 16}: the
-    codes [R, C/32, 16] are read as [R, C/2], the same bytes), and that dimension's size."""
+    codes [R, C/32, 16] are read as [R, C/2], the same bytes), and that dimension's size.
+
+    ``members`` names projections that hold the rows of several per-expert layers other producers
+    store apart ({"gate_up_proj": ("gate_proj", "up_proj")}); ``interleaved`` says their rows
+    alternate (member j holds rows j, j + m, ... of m members, gpt-oss's gate/up) instead of
+    following each other. ``qscheme convert`` writes the members (``writing.convert_experts``)."""
 
     projections: tuple[str, ...]
     separator: str = "_"
     folded: Mapping[str, int] = field(default_factory=dict)
+    members: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    interleaved: bool = False
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ the original files' tensors bit for bit. Libraries that read the files ignore th
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Mapping
@@ -57,6 +58,7 @@ from qscheme.storage import (
     write_shard,
 )
 from qscheme.writing.convert_deviation import Deviation
+from qscheme.writing.convert_experts import ExpertsPlan, StackedProjection, expert_layers, plan_experts
 from qscheme.writing.convert_layer import LayerConversion, check_conversion, convert_layer
 from qscheme.writing.convert_math import compare_schemes
 from qscheme.writing.loads_back import check_flags, check_loads_back, refuse_collisions
@@ -109,9 +111,12 @@ def convert_checkpoint(
         )
     plan = _checked_plan(source.folder)
     layers = _preflight(plan, target, allow_requantize)
+    experts = plan_experts(plan, source.tensors)  # stacked experts: written one layer per expert and projection
+    written = experts.written(layers)
     summary = WriteSummary(command="convert", src=str(src), dst=str(dst), scheme=target.name)
-    writer = _Writer(source, plan, target, layers, allow_requantize, summary)
-    produced = {f"{module}.{spec.name}": module for module in layers for spec in target.tensor_specs().values()}
+    writer = _Writer(source, plan, target, layers, allow_requantize, summary, experts)
+    produced = {f"{module}.{spec.name}": module for module in written for spec in target.tensor_specs().values()}
+    produced.update({f"{module}.bias": module for module in written if module not in layers})
     refuse_collisions(source, produced, consumed=writer.owner)
     others = plan_other_files(source.folder, source.other_files())
     output = OutputFolder(dst, force=force, sources=[source.path])
@@ -136,7 +141,7 @@ def convert_checkpoint(
         for file_name, contents in configs.items():
             write_json(out.path / file_name, contents)
         verify_folder(out.path, records, reread=False)  # each shard was re-read by write_all
-        check_loads_back(out.path, list(layers), target.name)
+        check_loads_back(out.path, list(written), target.name)
         out.commit()
     summary.notes.extend(writer.notes())
     summary.shards = [record.path.name for record in records]
@@ -294,6 +299,7 @@ class _Writer:
         layers: Mapping[str, Scheme],
         allow_requantize: bool,
         summary: WriteSummary,
+        experts: ExpertsPlan,
     ) -> None:
         self.source = source
         self.plan = plan
@@ -308,6 +314,10 @@ class _Writer:
             for short, info in assignment.tensors.items():
                 if short != "bias":
                     self.owner[info.name] = module
+        self.experts = experts
+        self.owner.update({name: projection.key for name, projection in experts.stacked.items()})
+        # stacked projection -> stored tensor -> what is written from it, in the stored tensor's shard
+        self.stacked_outputs: dict[str, dict[str, dict[str, Tensor]]] = {}
         self.unquantized = set(_unquantized_linear(plan))
 
     def write_all(self, folder: Path, bar: Progress) -> list[ShardRecord]:
@@ -356,7 +366,12 @@ class _Writer:
         pending: _Pending = []
         for name in shard.tensors:
             module = self.owner.get(name)
-            if module is None:
+            projection = self.experts.stacked.get(name)
+            if projection is not None:
+                if projection.key not in self.stacked_outputs:
+                    self.stacked_outputs[projection.key] = self._convert_stacked(projection, mapped, pending, pool)
+                tensors.update(self.stacked_outputs[projection.key].pop(name))
+            elif module is None:
                 tensors[name] = mapped.span(name)
                 owner, short = split_name(name)
                 if short == "weight" and owner in self.unquantized:
@@ -392,11 +407,46 @@ class _Writer:
         self, module: str, originals: Mapping[str, tuple[str, Tensor]], mapped: MappedShard
     ) -> tuple[dict[tuple[int, int, torch.dtype], str], LayerConversion]:
         """(the source tensors' names by (data pointer, size, dtype); the layer's conversion)."""
-        source = self.layers[module]
         layout = self.plan.layouts[module]
         names = {short: info.name for short, info in layout.declared.items() if short != "bias"}
         names.update({short: f"{module}.{short}" for short in layout.tolerated})
         tensors = {short: self._read(name, mapped) for short, name in names.items()}
+        result = self._convert_tensors(module, module, tensors, originals)
+        by_pointer = {names[short]: value for short, value in tensors.items()}
+        return {_key(value): name for name, value in by_pointer.items() if value.numel()}, result
+
+    def _convert_stacked(
+        self, projection: StackedProjection, mapped: MappedShard, pending: _Pending, pool: ThreadPoolExecutor
+    ) -> dict[str, dict[str, Tensor]]:
+        """Every layer written from one stacked experts projection (``writing.convert_experts``), by
+        the stored tensor each output comes from (a code from the codes, a scale from the scales), so
+        that each is written in the shard of its source."""
+        read = functools.partial(self._read, mapped=mapped)
+        source_names = {role: spec.name for role, spec in self.layers[projection.sources[0]].tensor_specs().items()}
+        weight = projection.stored[source_names["weight"]]
+        outputs: dict[str, dict[str, Tensor]] = {name: {} for name in projection.stored.values()}
+        for layer, values, bias in expert_layers(self.plan, self.experts, projection, read):
+            result = self._convert_tensors(layer.module, layer.source, values, {})
+            if result.pending is not None:
+                pending.append((len(self.summary.layers) - 1, result, pool.submit(result.pending)))
+            for role, spec in self.target.tensor_specs().items():
+                if spec.name in result.tensors:
+                    stored = projection.stored.get(source_names.get(role, ""), weight)
+                    outputs[stored][f"{layer.module}.{spec.name}"] = result.tensors[spec.name]
+            if bias is not None:
+                outputs[projection.stored["bias"]][f"{layer.module}.bias"] = bias
+        return outputs
+
+    def _convert_tensors(
+        self,
+        module: str,
+        source_module: str,
+        tensors: Mapping[str, Tensor],
+        originals: Mapping[str, tuple[str, Tensor]],
+    ) -> LayerConversion:
+        """One layer ``module`` converted from the tensors of ``source_module`` (the same module, or the
+        stacked expert it is part of), with its summary row."""
+        source = self.layers[source_module]
         restore = self._restore(module, source, originals)
         result = convert_layer(
             module,
@@ -416,8 +466,7 @@ class _Writer:
         self.layer_notes.extend(f"{module}: {note}" for note in result.notes)
         if result.pending is None:
             self._report(len(self.summary.layers) - 1, result)
-        by_pointer = {names[short]: value for short, value in tensors.items()}
-        return {_key(value): name for name, value in by_pointer.items() if value.numel()}, result
+        return result
 
     def _read(self, name: str, mapped: MappedShard) -> Tensor:
         """A tensor of this shard viewing its mapping; one in another shard (a layer cut by a shard

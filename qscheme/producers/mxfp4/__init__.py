@@ -6,7 +6,8 @@
 - ``rule``: its ``detect.mxfp4`` rule in a scheme descriptor, handed to the descriptor's parser.
 
 qscheme reads these checkpoints; it does not write them (``writes`` is false: ``qscheme convert``
-turns them into compressed-tensors MXFP4, whose codes are the same).
+turns them into compressed-tensors MXFP4A16, whose codes are the same, one layer per expert and
+projection: ``writing.convert_experts``).
 """
 
 from __future__ import annotations

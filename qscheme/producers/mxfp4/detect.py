@@ -23,9 +23,12 @@ STACKED_EXPERTS = StackedExperts(
     projections=("gate_up_proj", "down_proj"),
     separator="_",
     folded={"blocks": 16},
+    members={"gate_up_proj": ("gate_proj", "up_proj")},
+    interleaved=True,
 )
 """gpt-oss's storage: ``<experts>.gate_up_proj_blocks`` uint8 [E, R, C/32, 16] (each expert's
-[R, C/2] codes, 32 codes in 16 bytes per scale), ``_scales`` uint8 [E, R, C/32], ``_bias`` [E, R]."""
+[R, C/2] codes, 32 codes in 16 bytes per scale), ``_scales`` uint8 [E, R, C/32], ``_bias`` [E, R].
+The gate_up_proj rows alternate gate (even) and up (odd), as transformers' GptOssExperts reads them."""
 
 
 def scheme_for(method: str, schemes: Iterable[Scheme], file: str) -> Scheme:
