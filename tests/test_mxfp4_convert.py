@@ -30,11 +30,15 @@ from transformers.integrations import mxfp4 as hf_mxfp4
 from transformers.utils import logging as hf_logging
 
 import qscheme
+from qscheme.catalog import load_scheme
 from qscheme.cli.main import main
 from qscheme.errors import QSchemeError, UsageError
 from qscheme.modules import QuantExperts
+from qscheme.storage import TensorInfo
+from qscheme.tensor_checks import ModuleLayout
 from qscheme.transformers import via_qscheme
-from qscheme.writing.convert_layer import RequantizationRefusedError
+from qscheme.writing.convert_experts import check_splittable
+from qscheme.writing.convert_layer import RequantizationRefusedError, UnconvertibleLayerError
 from qscheme.writing.summary import WriteSummary
 
 TARGET = "compressed-tensors/MXFP4A16"
@@ -165,7 +169,6 @@ def test_compressed_tensors_own_decompression_reads_the_same_weights(
         if name.endswith(".bias"):
             continue
         state = {short: tensors[f"{name}.{short}"] for short in ("weight_packed", "weight_scale")}
-        state["weight_scale"] = state["weight_scale"]  # uint8 E8M0, as compressed-tensors stores MXFP4 scales
         decompressed = compressor.decompress(state, scheme)["weight"]
         assert torch.equal(decompressed.float(), weight), name
 
@@ -310,3 +313,24 @@ def test_a_damaged_source_is_refused_before_anything_is_written(tmp_path: Path) 
     with pytest.raises(QSchemeError, match=r"experts\.0\.gate_up_proj\.scales"):
         qscheme.convert_checkpoint(folder, tmp_path / "out", TARGET)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["damaged"]
+
+
+def test_a_stacked_layer_whose_scales_span_rows_cannot_be_split() -> None:
+    """Rows split only where every tensor is per row (or one value): 128 x 128 block scales are not."""
+
+    def layout(scheme: str, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> ModuleLayout[TensorInfo]:
+        declared = {
+            short: TensorInfo(f"m.{short}", dtype, shape, Path("x.safetensors"))
+            for short, (dtype, shape) in tensors.items()
+        }
+        return ModuleLayout("m", load_scheme(scheme), 256, 256, declared, (), None)
+
+    members = ("gate_proj", "up_proj")
+    check_splittable(
+        "m", layout("mxfp4/MXFP4", {"blocks": ("uint8", (256, 128)), "scales": ("uint8", (256, 8))}), members
+    )
+    per_tensor = {"weight": ("float8_e4m3fn", (256, 256)), "weight_scale": ("float32", (1,))}
+    check_splittable("m", layout("compressed-tensors/FP8", per_tensor), members)
+    blocks = {"weight": ("float8_e4m3fn", (256, 256)), "weight_scale": ("float32", (2, 2))}
+    with pytest.raises(UnconvertibleLayerError, match=r"layer m: .*stores 'weight_scale' as .* \(found \[2, 2\]\)"):
+        check_splittable("m", layout("compressed-tensors/FP8_BLOCK", blocks), members)

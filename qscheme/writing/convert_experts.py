@@ -36,7 +36,7 @@ from qscheme.storage import DTYPE_BY_TORCH_NAME, TensorInfo
 from qscheme.tensor_checks import ModuleLayout
 from qscheme.writing.convert_layer import UnconvertibleLayerError
 
-__all__ = ["ExpertLayer", "ExpertsPlan", "StackedProjection", "expert_layers", "plan_experts"]
+__all__ = ["ExpertLayer", "ExpertsPlan", "StackedProjection", "check_splittable", "expert_layers", "plan_experts"]
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,9 @@ def _per_row(spec: TensorSpec | None, info: TensorInfo) -> bool:
     return spec is not None and any(shape and str(shape[0]) == "N" for shape in spec.shapes)
 
 
-def _check_rows(module: str, layout: ModuleLayout[TensorInfo], members: tuple[str, ...]) -> None:
+def check_splittable(module: str, layout: ModuleLayout[TensorInfo], members: tuple[str, ...]) -> None:
+    """UnconvertibleLayerError unless every tensor of ``layout`` is per row or one value (see the
+    module docstring): the layer ``module`` can then be split into ``members`` by rows."""
     specs = {spec.name: spec for spec in layout.scheme.tensor_specs().values()}
     for short, info in layout.declared.items():
         if not _per_row(specs.get(short), info):
@@ -114,8 +116,8 @@ def _check_rows(module: str, layout: ModuleLayout[TensorInfo], members: tuple[st
             raise UnconvertibleLayerError(
                 f"layer {module}: its rows hold {', '.join(members)}, which convert writes as layers of their own, but "
                 f"{layout.scheme.name} stores {short!r} as {shapes} (found {list(info.shape)}), not one row per output "
-                "row: its rows cannot be taken apart without changing the tensor. Convert to a scheme whose scales "
-                "are per row or per group along K, or load the checkpoint as it is"
+                "row: its rows cannot be taken apart without changing the tensor, so this checkpoint cannot be "
+                "written as per-expert layers; load it as it is (qscheme.load_checkpoint, apply_to_model)"
             )
 
 
@@ -146,7 +148,7 @@ def plan_experts(plan: Plan, stored: Collection[str]) -> ExpertsPlan:
         if members is None:
             layers[module] = (ExpertLayer(module, module, slice(None)),)
             continue
-        _check_rows(module, module_layout, members)
+        check_splittable(module, module_layout, members)
         rows = _member_rows(module_layout.n, members, layout.interleaved, module)
         layers[module] = tuple(
             ExpertLayer(f"{expert_path}.{member}", module, part) for member, part in zip(members, rows, strict=True)
