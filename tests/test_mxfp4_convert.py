@@ -334,3 +334,13 @@ def test_a_stacked_layer_whose_scales_span_rows_cannot_be_split() -> None:
     blocks = {"weight": ("float8_e4m3fn", (256, 256)), "weight_scale": ("float32", (2, 2))}
     with pytest.raises(UnconvertibleLayerError, match=r"layer m: .*stores 'weight_scale' as .* \(found \[2, 2\]\)"):
         check_splittable("m", layout("compressed-tensors/FP8_BLOCK", blocks), members)
+
+
+def test_a_stored_tensor_named_like_a_split_expert_tensor_is_refused(tmp_path: Path) -> None:
+    def stray(state: dict[str, torch.Tensor]) -> None:
+        state[f"{_experts(1)}.2.down_proj.bias"] = torch.zeros(64, dtype=torch.bfloat16)
+
+    folder = write_gpt_oss_checkpoint(tmp_path / "stray", damage=stray)
+    with pytest.raises(QSchemeError, match=r"'model\.layers\.1\.mlp\.experts\.2\.down_proj\.bias' would be copied"):
+        qscheme.convert_checkpoint(folder, tmp_path / "out", TARGET)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["stray"]

@@ -116,7 +116,7 @@ def convert_checkpoint(
     summary = WriteSummary(command="convert", src=str(src), dst=str(dst), scheme=target.name)
     writer = _Writer(source, plan, target, layers, allow_requantize, summary, experts)
     produced = {f"{module}.{spec.name}": module for module in written for spec in target.tensor_specs().values()}
-    produced.update({f"{module}.bias": module for module in written if module not in layers})
+    produced.update({f"{layer.module}.bias": layer.module for split in experts.layers.values() for layer in split})
     refuse_collisions(source, produced, consumed=writer.owner)
     others = plan_other_files(source.folder, source.other_files())
     output = OutputFolder(dst, force=force, sources=[source.path])
