@@ -194,6 +194,16 @@ def test_an_orphan_tensor_in_the_experts_module_is_refused(tmp_path: Path) -> No
         qscheme.load_checkpoint(_damaged(tmp_path, orphan))
 
 
+def test_a_stray_per_expert_tensor_beside_the_stacked_one_is_refused(tmp_path: Path) -> None:
+    """A stored tensor named as one expert's share of a stacked tensor would be silently replaced."""
+
+    def stray(state: dict[str, torch.Tensor]) -> None:
+        state[f"{EXPERTS}.2.down_proj.bias"] = torch.zeros(64, dtype=torch.bfloat16)
+
+    with pytest.raises(QSchemeError, match=r"'model\.layers\.1\.mlp\.experts\.2\.down_proj\.bias' is stored beside"):
+        qscheme.load_checkpoint(_damaged(tmp_path, stray))
+
+
 def test_an_undeclared_per_projection_tensor_is_refused(tmp_path: Path) -> None:
     def extra(state: dict[str, torch.Tensor]) -> None:
         state[f"{EXPERTS}.gate_up_proj_zeros"] = torch.zeros(4, 256, 2, dtype=torch.uint8)

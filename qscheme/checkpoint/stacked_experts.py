@@ -107,6 +107,12 @@ def split_stacked_experts(tensors: Mapping[str, TensorInfo], layout: StackedExpe
             per_expert = info.nbytes // experts
             for expert in range(experts):
                 name = f"{module}.{expert}.{projection}.{tensor}"
+                if name in out:  # a stored tensor already has the name one expert's share gets
+                    raise CheckpointError(
+                        f"{shown_file(info.file)}: tensor {shown(name)!r} is stored beside the stacked tensor "
+                        f"{shown(info.name)!r}, whose expert {expert} it would also be: the checkpoint holds two "
+                        "values for one tensor; remove the stray per-expert tensor or re-export the checkpoint"
+                    )
                 out[name] = dataclasses.replace(info, name=name, shape=shape, offset=info.offset + expert * per_expert)
     return out
 
