@@ -75,6 +75,7 @@ __all__ = [
     "element_values",
     "expand_tiles",
     "layer_shape",
+    "oriented_tensors",
     "scale_tile",
     "stored_layer_shape",
     "stored_zero_points",
@@ -268,7 +269,7 @@ def canonicalize(
         )
     if n is None or k is None:
         n, k = layer_shape(scheme, tensors)
-    tensors = _oriented(scheme, tensors)
+    tensors = oriented_tensors(scheme, tensors)
     stored = tensors[weight.tensor.name]
     if weight.blocks is not None:
         return canonical_blocks(scheme, stored, n, k, layer=layer, check_finite=check_finite)
@@ -353,7 +354,7 @@ def canonicalize(
     return canonical
 
 
-def _oriented(scheme: Scheme, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def oriented_tensors(scheme: Scheme, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The tensors with every one a scheme declares ``transposed`` turned to the canonical
     orientation ([N-major, K-major]) as views."""
     out = dict(tensors)

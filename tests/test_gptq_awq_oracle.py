@@ -21,6 +21,7 @@ from transformers import AutoConfig, LlamaForCausalLM
 from qscheme.checkpoint import apply_to_model, load_checkpoint
 from qscheme.errors import QSchemeError
 from qscheme.modules import QuantLinear
+from qscheme.writing.convert import convert_checkpoint
 
 MODEL = {
     "hidden_size": 128,
@@ -181,3 +182,59 @@ def test_the_oracle_is_exported_in_ci() -> None:
     if not os.environ.get("CI"):
         pytest.skip("outside CI the oracle may be absent")
     assert os.environ.get(ENV), f"{ENV} is not set in CI; scripts/test.sh exports it"
+
+
+def _compressed_tensors_dequantize(folder: Path, module: str) -> torch.Tensor:
+    """compressed-tensors' own decompression of one converted module, its scales in float32."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    group = dict(next(iter(config["config_groups"].values())))
+    fmt = group.pop("format", None) or config["format"]
+    state = {
+        name.removeprefix(f"{module}."): value.float() if value.dtype == torch.float16 else value
+        for name, value in load_file(folder / "model.safetensors").items()
+        if name.startswith(f"{module}.")
+    }
+    scheme = QuantizationScheme.model_validate(group)
+    return BaseCompressor.get_value_from_registry(fmt).decompress(state, scheme)["weight"].to(torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("name", "target"),
+    [("v1_sym", "compressed-tensors/W4A16"), ("awq", "compressed-tensors/W4A16_ASYM")],
+)
+def test_convert_to_compressed_tensors_keeps_the_librarys_weights(
+    folders: dict[str, Path], tmp_path: Path, name: str, target: str
+) -> None:
+    summary = convert_checkpoint(folders[name], tmp_path / "ct", target)
+    converted = [row for row in summary.layers if row.action == "converted"]
+    assert len(converted) == 7 and {row.max_ulps for row in converted} == {0}
+    references = _references(folders[name])
+    for module, weight in references.items():
+        # compressed-tensors' own decompression of the converted layer is GPTQModel's / AutoAWQ's weight
+        assert torch.equal(_compressed_tensors_dequantize(tmp_path / "ct", module), weight), module
+
+
+def test_convert_refuses_act_order_with_its_reason(folders: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(QSchemeError, match=r"act-order assignment"):
+        convert_checkpoint(folders["act_order"], tmp_path / "ct", "compressed-tensors/W4A16_G32")
+
+
+@pytest.mark.parametrize("name", ["v1_asym", "awq"])
+def test_from_pretrained_through_the_qscheme_route_equals_the_dense_model(folders: dict[str, Path], name: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from qscheme.transformers import via_qscheme
+
+    dense, _ = _dense_and_quantized(folders[name])
+    config = via_qscheme(folders[name])
+    assert config.quantization_config["quant_method"] == f"qscheme-{JOBS[name]['kind']}"
+    model = AutoModelForCausalLM.from_pretrained(folders[name], config=config, dtype=torch.float32).eval()
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
+    tokens = torch.tensor([[1, 5, 9, 17, 33, 65, 127]])
+    with torch.no_grad():
+        expected, got = dense(tokens).logits, model(tokens).logits
+    error = float((got - expected).abs().max())
+    assert error <= 1e-5 * float(expected.abs().max()), error

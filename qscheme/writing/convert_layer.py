@@ -34,10 +34,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from qscheme.canonical import CanonicalWeight, canonicalize, dequantize, layer_shape
+from qscheme.canonical import CanonicalWeight, canonicalize, dequantize, layer_shape, oriented_tensors
 from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.errors import QuantizeError, UsageError
-from qscheme.formats import get_element_format, pack_fp4_k, pack_int4_n, pack_int32_k, unpack_fp4_k
+from qscheme.formats import get_element_format, pack_fp4_k, pack_int4_n, pack_int32_k, pack_int32_n, unpack_fp4_k
 from qscheme.quantize.write import dtype_name, dtype_of
 from qscheme.writing.convert_deviation import Deviation, compare_dequantized, weight_deviation
 from qscheme.writing.convert_math import SchemeComparison, compare_schemes
@@ -92,6 +92,15 @@ def _dtype_name(value: Tensor) -> str:
     return dtype_name(value.dtype)
 
 
+def _stored(value: Tensor, spec: TensorSpec, n: int, k: int, scheme: Scheme, module: str) -> Tensor:
+    """``value`` (in qscheme's orientation) as ``spec`` stores it: reshaped, and transposed where the
+    target declares the tensor ``transposed``."""
+    shape = _target_shape(spec, n, k, value.numel(), scheme, module)
+    if spec.transposed:
+        return value.reshape(shape[::-1]).T.contiguous()
+    return value.reshape(shape)
+
+
 def _target_shape(spec: TensorSpec, n: int, k: int, numel: int, scheme: Scheme, module: str) -> tuple[int, ...]:
     for shape in spec.expected_shapes(n, k):
         count = 1
@@ -133,14 +142,17 @@ def _relayout_weight(canonical: CanonicalWeight, target: Scheme, n: int, k: int)
         values = nibbles.to(torch.int16)
         values = ((values ^ 8) - 8) if element.signed else values - 8  # pack_int32_k takes value - offset
         if packing == "int32_k":
-            return pack_int32_k(values.to(torch.int8), 4)
+            return pack_int32_k(values.to(torch.int8), 4, target.weight.pack_order)
+        if packing == "int32_n":
+            return pack_int32_n(values.to(torch.int8), 4, target.weight.pack_order)
         if packing == "int4_n" and element.signed:
             return pack_int4_n(values.to(torch.int8))
     elif packing == "none":
         return codes.view(element.storage_dtype)
-    elif packing == "int32_k":
+    elif packing in ("int32_k", "int32_n"):
         values = codes.view(torch.int8) if element.signed else (codes.to(torch.int16) - (1 << (element.bits - 1)))
-        return pack_int32_k(values.to(torch.int8), element.bits)
+        pack = pack_int32_k if packing == "int32_k" else pack_int32_n
+        return pack(values.to(torch.int8), element.bits, target.weight.pack_order)
     raise UnconvertibleLayerError(
         f"{target.name}: cannot pack {element.name} codes as {packing!r}; convert to a scheme with another packing"
     )
@@ -250,6 +262,7 @@ def _convert(
 ) -> LayerConversion:
     source, target = comparison.source, comparison.target
     source_specs, target_specs = source.tensor_specs(), target.tensor_specs()
+    tensors = oriented_tensors(source, tensors)  # transposed ones turned to qscheme's orientation
     out: dict[str, Tensor] = {}
     inverted: list[str] = []
     originals: dict[str, Tensor] = {}
@@ -261,7 +274,7 @@ def _convert(
             value = tensors[source.weight.tensor.name]
             if comparison.relayout:
                 value = _relayout_weight(original, target, n, k)
-            out[name] = value.reshape(_target_shape(target_spec, n, k, value.numel(), target, module))
+            out[name] = _stored(value, target_spec, n, k, target, module)
             continue
         if role == "weight_shape":
             dtype = dtype_of(target_spec.dtypes[0])
@@ -289,7 +302,7 @@ def _convert(
             value = _invert(value, target_spec)
         else:
             value = _cast(module, value, target_spec, target)
-        out[name] = value.reshape(_target_shape(target_spec, n, k, value.numel(), target, module))
+        out[name] = _stored(value, target_spec, n, k, target, module)
     notes.extend(f"dropped {name!r}, which {source.name} tolerates and {target.name} does not use" for name in dropped)
     if comparison.activation_differences:
         notes.append(f"activation quantization changes: {'; '.join(comparison.activation_differences)}")

@@ -130,5 +130,6 @@ def compare_schemes(source: Scheme, target: Scheme) -> SchemeComparison:
         weight_differences=tuple(weight),
         activation_differences=tuple(activation),
         inverted_roles=tuple(weight_inverted + activation_inverted),
-        relayout=source.weight.packing != target.weight.packing,
+        relayout=(source.weight.packing, source.weight.pack_order, source.weight.tensor.transposed)
+        != (target.weight.packing, target.weight.pack_order, target.weight.tensor.transposed),
     )

@@ -32,6 +32,7 @@ PRODUCER = Producer(
     overlap=keyed.overlap_witness(rule.NAME),
     overlap_fix=keyed.OVERLAP_FIX,
     rule_schema=rule.RULE_SCHEMA,
+    transformers_owns_method=True,
 )
 
 __all__ = ["PRODUCER", "GptqConfig"]
