@@ -213,3 +213,52 @@ def test_a_module_a_dynamic_entry_skips_must_not_be_quantized(tmp_path: Path) ->
 def test_a_config_no_scheme_matches_names_the_known_rules(tmp_path: Path) -> None:
     with pytest.raises(QSchemeError, match=r"checkpoint_format 'gptq_p' with bits 4.*matches no scheme"):
         load_checkpoint(_folder(tmp_path, _gptq_layer(), {**GPTQ_V1, "checkpoint_format": "gptq_p"}))
+
+
+# ---------------------------------------------------------------------------- kernel routes
+
+
+@pytest.mark.parametrize(
+    ("name", "twin"),
+    [
+        ("gptq/W4A16", "compressed-tensors/W4A16"),
+        ("gptq_v2/W4A16_ASYM", "compressed-tensors/W4A16_ASYM"),
+        ("awq/W4A16_ASYM", "compressed-tensors/W4A16_ASYM"),
+    ],
+)
+def test_the_kernels_see_compressed_tensors_tensors_and_take_the_same_routes(name: str, twin: str) -> None:
+    from kernel_fakes import AS_IF_IMPLEMENTED, fake_device
+
+    from qscheme.kernels.problem import Problem
+    from qscheme.kernels.resolver import resolve
+    from qscheme.quantize import quantize_weight
+
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(21)) * 0.05
+    ours = canonicalize(load_scheme(name), quantize_weight(weight, name))
+    theirs = canonicalize(load_scheme(twin), quantize_weight(weight, twin))
+    assert ours.kernel_tensors().keys() == theirs.kernel_tensors().keys()
+    for field, value in ours.kernel_tensors().items():
+        assert torch.equal(value, theirs.kernel_tensors()[field]), field
+    # so Marlin (vLLM's gptq/awq Marlin repack of these canonical tensors) and tinygemm take them as they do
+    # compressed-tensors'
+    for device in ("cpu", "sm80", "sm90", "sm120"):
+        problem = Problem(4096, 4096)
+        chosen = resolve(load_scheme(name), problem, fake_device(device), AS_IF_IMPLEMENTED).kernel
+        expected = resolve(load_scheme(twin), problem, fake_device(device), AS_IF_IMPLEMENTED).kernel
+        assert chosen is not None and expected is not None and chosen.name == expected.name, device
+        assert chosen.name == ("tinygemm_cpu" if device == "cpu" else "marlin")
+
+
+@pytest.mark.parametrize("name", ["gptq/W4A16", "gptq_v2/W4A16_ASYM_G32", "awq/W4A16_ASYM"])
+def test_tinygemm_cpu_runs_them_within_its_declared_bound(name: str) -> None:
+    from qscheme_plugins.tinygemm_kernel import TinygemmCpuKernel
+    from test_tinygemm import CPU, assert_within, expected_and_bound
+
+    from qscheme.triton.samples import random_weight
+
+    weight = random_weight(load_scheme(name), 64, 256, scale_dtype="bfloat16", seed=9)
+    kernel = TinygemmCpuKernel()
+    state = kernel.prepare(weight, CPU)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    expected, bound = expected_and_bound(weight, x, None, CPU)
+    assert_within(kernel.apply(state, x, None), expected, bound, name)
