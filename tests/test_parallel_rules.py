@@ -20,7 +20,11 @@ def _shard(scheme: Scheme, tensors: dict[str, torch.Tensor], style: str, tp: int
     part = {}
     for name, value in tensors.items():
         split = layout.tensors[name]
-        part[name] = torch.tensor([layout.shard_n, layout.shard_k]) if split.rewrite else value[split.index(rank)]
+        part[name] = (
+            torch.tensor([layout.shard_n, layout.shard_k])
+            if split.rewrite
+            else split.values(rank, value[split.index(rank)])
+        )
     return dequantize(canonicalize(scheme, part, layout.shard_n, layout.shard_k))
 
 

@@ -62,7 +62,7 @@ class RankReader:
             elif split.rewrite:
                 tensors[short] = torch.tensor([shard.shard_n, shard.shard_k], dtype=torch.int64)
             else:
-                tensors[short] = read_slice(info, split.index(rank), self.counter)
+                tensors[short] = split.values(rank, read_slice(info, split.index(rank), self.counter))
         bias = None
         if layout.bias is not None:
             if shard.style == "column":

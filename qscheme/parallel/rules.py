@@ -24,12 +24,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from math import lcm
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.descriptor.consistency import weight_layout
 from qscheme.descriptor.shapes import Shape, evaluate_shape, format_shape
 from qscheme.errors import CheckpointError, UsageError
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 Style = Literal["column", "row", "replicate"]
 STYLES: tuple[str, ...] = ("column", "row", "replicate")
@@ -51,7 +54,9 @@ class TensorShard:
     """How one stored tensor of a layer is split: ``dim`` (None: replicated) of ``full_shape``.
 
     ``rewrite`` marks the ``weight_shape`` tensor, whose values (not bytes) change per rank:
-    the loader writes the shard's [N, K] instead of reading it.
+    the loader writes the shard's [N, K] instead of reading it. ``rebase`` marks a group index
+    (GPTQ's ``g_idx``) split with K: rank r's values are ``r * rebase`` less (``values``), so that
+    each shard numbers its own groups from 0.
     """
 
     role: str
@@ -60,6 +65,11 @@ class TensorShard:
     shard_shape: tuple[int, ...]
     dim: int | None = None
     rewrite: bool = False
+    rebase: int = 0
+
+    def values(self, rank: int, part: Tensor) -> Tensor:
+        """Rank ``rank``'s slice ``part`` of the stored tensor as the shard holds it."""
+        return part - rank * self.rebase if self.rebase else part
 
     @property
     def replicated(self) -> bool:
@@ -120,6 +130,7 @@ class ShardLayout:
                     "shard_shape": list(t.shard_shape),
                     "split_dim": t.dim,
                     "rewrite": t.rewrite,
+                    **({"rebase": t.rebase} if t.rebase else {}),
                 }
                 for name, t in self.tensors.items()
             },
@@ -345,7 +356,9 @@ def shard_layout(
             dim = split_dims[0]
             shard = list(full)
             shard[dim] = full[dim] // tp_size
-            tensors[spec.name] = TensorShard(role, spec.name, full, tuple(shard), dim)
+            group = scheme.weight.scale.group_size
+            rebase = shard_k // group if role == "weight_group_index" and group else 0
+            tensors[spec.name] = TensorShard(role, spec.name, full, tuple(shard), dim, rebase=rebase)
     return ShardLayout(
         layer=layer,
         scheme=scheme.name,
