@@ -11,6 +11,8 @@ descriptors declare (``qscheme.formats.blocks``).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from qscheme.kernels.declaration import (
     ANY_DEVICE,
     ANY_WEIGHT_ONLY,
@@ -29,9 +31,10 @@ REFERENCE = KernelDeclaration(
     priority=0,
     description="torch dequantize-then-matmul in float32, with exact activation quantization emulation",
     # Every entry takes per-partition scales (canonical dequantization handles them) and AWQ
-    # pre-scales (applied before the activation is quantized).
+    # pre-scales (applied before the activation is quantized); weight-only layers also permuted
+    # input channels (GPTQ act-order: dequantization returns the weight in the input's order).
     supports=(
-        ANY_WEIGHT_ONLY,
+        replace(ANY_WEIGHT_ONLY, input_permutation=True),
         BLOCKS_WEIGHT_ONLY,
         NVFP4_ACTIVATION_PAIR,
         *DEPLOYED_ACTIVATION_PAIRS,

@@ -27,6 +27,11 @@ Canonical form
   ``input_global_scale_divisor`` keeps a stored divisor, as ``global_scale_divisor`` does, so
   that activation emulation rounds exactly as compressed-tensors does.
 - ``input_pre_scale``: [K] float multiplier applied to the input before anything else (AWQ).
+- ``input_permutation``: int64 [K] or None: the codes, scales and zero points hold the input
+  channels in this order (column j is input channel ``input_permutation[j]``), so that groups of
+  columns are consecutive for a GPTQ act-order layer (``desc_act``: its ``g_idx`` assigns groups
+  out of order); ``dequantize`` returns the weight in the input's own order, and only kernels that
+  declare ``Supports.input_permutation`` (the reference kernel) take such a layer.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from qscheme.formats import (
     get_element_format,
     pack_fp4_k,
     pack_int32_n,
+    unpack_fp4_k,
     unpack_int4_n,
     unpack_int32_k,
     unpack_int32_n,
@@ -318,8 +324,11 @@ def canonicalize(
         zero_point = canonical_zero_point(scheme, tensors[weight.zero_point.tensor.name], rows).reshape(scale.shape)
     if weight.symmetric_zero_point is not None:
         _check_symmetric_zero_point(scheme, weight.symmetric_zero_point, tensors, scale, layer)
+    permutation = None
     if scale_spec.group_index is not None:
-        check_group_index(scheme, tensors[scale_spec.group_index.name], k, layer)
+        permutation = check_group_index(scheme, tensors[scale_spec.group_index.name], k, layer)
+    if permutation is not None:
+        codes = _permuted_columns(codes, weight.format, k, permutation)
 
     input_scale = input_global = input_divisor = pre_scale = None
     activation = scheme.activation
@@ -348,6 +357,7 @@ def canonicalize(
         input_global_scale=input_global,
         input_global_scale_divisor=input_divisor,
         input_pre_scale=pre_scale,
+        input_permutation=permutation,
     )
     if check_finite:
         require_finite_dequantization(canonical, layer)
@@ -403,10 +413,12 @@ def _check_symmetric_zero_point(
         )
 
 
-def check_group_index(scheme: Scheme, group_index: Tensor, k: int, layer: str | None = None) -> None:
-    """A per-column group index must assign column k to group k // group_size (the order qscheme's
-    canonical form keeps). Another valid assignment (act-order: groups of group_size columns out
-    of order) is refused with the reason; anything else is not a group assignment."""
+def check_group_index(scheme: Scheme, group_index: Tensor, k: int, layer: str | None = None) -> Tensor | None:
+    """None when a per-column group index assigns column k to group k // group_size (the order
+    qscheme's canonical form keeps); for another assignment of group_size columns per group
+    (act-order: groups out of order) the permutation of the columns that makes each group
+    consecutive (a stable sort by group: ``input_permutation``); anything else is refused as not a
+    group assignment."""
     spec = scheme.weight.scale
     assert spec.group_index is not None
     name, size = spec.group_index.name, spec.group_size or max(k, 1)  # a channel scale: one group of K
@@ -425,7 +437,7 @@ def check_group_index(scheme: Scheme, group_index: Tensor, k: int, layer: str | 
         )
     expected = torch.arange(k, device=values.device) // size
     if torch.equal(values, expected):
-        return
+        return None
     counts = torch.bincount(values, minlength=groups)
     sizes = torch.bincount(expected, minlength=groups)
     if not torch.equal(counts, sizes):
@@ -435,13 +447,15 @@ def check_group_index(scheme: Scheme, group_index: Tensor, k: int, layer: str | 
             f"which holds {int(sizes[group])} ({size} columns per group); it is not a group assignment of "
             f"{k} columns: re-export the layer"
         )
-    column = int((values != expected).nonzero()[0])
-    raise QuantizeError(
-        f"{_where(scheme, layer)}: group index {name!r} is an act-order assignment (column {column} is in group "
-        f"{int(values[column])}, not {column // size}): qscheme keeps groups of consecutive columns, and "
-        "loading this layer exactly needs its input channels permuted, which no kernel here takes; "
-        "re-quantize without act-order (desc_act: false) or with static groups"
-    )
+    return torch.sort(values, stable=True).indices
+
+
+def _permuted_columns(codes: Tensor, element: str, k: int, permutation: Tensor) -> Tensor:
+    """Canonical codes with column j taken from column ``permutation[j]``."""
+    if element in FOUR_BIT:
+        nibbles = unpack_fp4_k(codes.view(torch.uint8), k)
+        return pack_fp4_k(nibbles.index_select(1, permutation)).view(codes.dtype)
+    return codes.index_select(1, permutation)
 
 
 def _int_to_codes(values: Tensor, element: str) -> Tensor:

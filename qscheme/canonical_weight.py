@@ -43,6 +43,7 @@ class CanonicalWeight:
     input_global_scale: Tensor | None = None
     input_global_scale_divisor: Tensor | None = None
     input_pre_scale: Tensor | None = None
+    input_permutation: Tensor | None = None
 
     @property
     def num_partitions(self) -> int:
@@ -62,6 +63,7 @@ class CanonicalWeight:
             "input_scale": self.input_scale,
             "input_global_scale": self.input_global_scale,
             "input_pre_scale": self.input_pre_scale,
+            "input_permutation": self.input_permutation,
         }
         return {name: value for name, value in fields.items() if value is not None}
 
@@ -84,6 +86,7 @@ TENSOR_FIELDS: tuple[str, ...] = (
     "input_global_scale",
     "input_global_scale_divisor",
     "input_pre_scale",
+    "input_permutation",
 )
 
 
@@ -243,6 +246,11 @@ def dequantize_rows(weight: CanonicalWeight, start: int, stop: int, out: Tensor 
             f"scheme {weight.scheme.name}: rows [{start}, {stop}) are not within the weight's N={weight.n} rows; "
             f"pass 0 <= start <= stop <= {weight.n}"
         )
+    if weight.input_permutation is not None:
+        # the codes hold the input channels in the permuted order (GPTQ act-order): canonical
+        # column j is input channel input_permutation[j]
+        permuted = _dequantize_slabs(weight, start, stop, None)
+        return _check_out(weight, start, stop, out).index_copy_(1, weight.input_permutation, permuted)
     return _dequantize_slabs(weight, start, stop, out)
 
 

@@ -262,3 +262,16 @@ def test_tinygemm_cpu_runs_them_within_its_declared_bound(name: str) -> None:
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     expected, bound = expected_and_bound(weight, x, None, CPU)
     assert_within(kernel.apply(state, x, None), expected, bound, name)
+
+
+def test_act_order_layers_hold_their_columns_permuted_and_dequantize_in_the_inputs_order() -> None:
+    q, zero, scale = _codes(64, 256, 4, 32, seed=17)
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(17))
+    g_idx = torch.empty(256, dtype=torch.int32)
+    g_idx[order] = (torch.arange(256) // 32).to(torch.int32)  # desc_act: group i // 32 for the i-th column taken
+    tensors = {**_gptq_tensors(q, zero, scale, 4, 32, v1=False), "g_idx": g_idx}
+    weight = canonicalize(load_scheme("gptq_v2/W4A16_ASYM_G32"), tensors)
+    assert weight.input_permutation is not None
+    assert torch.equal(g_idx[weight.input_permutation].long(), torch.arange(256) // 32)  # groups now consecutive
+    expected = (q - zero[:, g_idx.long()]).float() * scale[:, g_idx.long()]
+    assert torch.equal(dequantize(weight), expected)

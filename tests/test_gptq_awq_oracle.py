@@ -66,6 +66,7 @@ SCHEMES = {
     "v2_asym": {"gptq_v2/W4A16_ASYM_G32"},
     "w8": {"gptq/W8A16_CHANNEL"},
     "dynamic": {"gptq/W4A16", "gptq/W8A16_CHANNEL"},
+    "act_order": {"gptq_v2/W4A16_G32"},
     "awq": {"awq/W4A16_ASYM"},
 }
 
@@ -130,11 +131,14 @@ def test_a_mislabelled_checkpoint_format_is_refused_or_differs(folders: dict[str
         assert not torch.equal(layer.dequantize(), right.modules[module].dequantize()), module
 
 
-def test_act_order_is_refused_with_its_reason(folders: dict[str, Path]) -> None:
+def test_act_order_loads_exactly_on_the_reference_kernel_and_the_trace_says_why(folders: dict[str, Path]) -> None:
     g_idx = load_file(folders["act_order"] / "model.safetensors")["model.layers.0.self_attn.q_proj.g_idx"]
     assert not torch.equal(g_idx, torch.arange(g_idx.numel(), dtype=g_idx.dtype) // 32)  # a real act-order file
-    with pytest.raises(QSchemeError, match=r"group index 'g_idx' is an act-order assignment .*desc_act: false"):
-        load_checkpoint(folders["act_order"])
+    checkpoint = load_checkpoint(folders["act_order"])
+    for layer in checkpoint.modules.values():  # (bit-identical weights: test_every_layer_dequantizes_...)
+        assert layer.kernel.name == "reference"
+        tinygemm = layer.resolution.candidate("tinygemm_cpu")
+        assert not tinygemm.accepted and "permuted (GPTQ act-order" in tinygemm.reason
 
 
 def test_dynamic_overrides_pick_each_modules_scheme_or_leave_it_unquantized(folders: dict[str, Path]) -> None:
@@ -160,7 +164,7 @@ def _dense_and_quantized(folder: Path) -> tuple[LlamaForCausalLM, LlamaForCausal
     return dense, quantized
 
 
-@pytest.mark.parametrize("name", ["v1_asym", "dynamic", "awq"])
+@pytest.mark.parametrize("name", ["v1_asym", "dynamic", "awq", "act_order"])
 def test_tiny_llama_logits_equal_the_dense_model_of_the_librarys_weights(folders: dict[str, Path], name: str) -> None:
     dense, quantized = _dense_and_quantized(folders[name])
     assert isinstance(quantized.model.layers[0].self_attn.q_proj, QuantLinear)
@@ -218,7 +222,7 @@ def test_convert_to_compressed_tensors_keeps_the_librarys_weights(
 
 
 def test_convert_refuses_act_order_with_its_reason(folders: dict[str, Path], tmp_path: Path) -> None:
-    with pytest.raises(QSchemeError, match=r"act-order assignment"):
+    with pytest.raises(QSchemeError, match=r"assigns groups out of order \(GPTQ act-order\).*no permutation"):
         convert_checkpoint(folders["act_order"], tmp_path / "ct", "compressed-tensors/W4A16_G32")
 
 

@@ -142,6 +142,20 @@ def _cat(values: Sequence[Tensor | None]) -> Tensor | None:
 def concatenate(members: Sequence[CanonicalWeight]) -> CanonicalWeight:
     """The members stacked along N with every per-partition value kept (exact)."""
     first = members[0]
+    order = first.input_permutation
+    if any(
+        (member.input_permutation is None) != (order is None)
+        or (
+            order is not None
+            and member.input_permutation is not None
+            and not torch.equal(member.input_permutation, order)
+        )
+        for member in members
+    ):
+        raise CheckpointError(
+            f"fused layer of {first.scheme.name}: its members hold their input channels in different orders "
+            "(GPTQ act-order g_idx), so their codes cannot share one input; load the members as separate layers"
+        )
     partitions: tuple[int, ...] = ()
     for member in members:
         partitions += member.partitions or (member.n,)

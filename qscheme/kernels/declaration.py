@@ -235,6 +235,9 @@ class Supports:
     ``per_partition_scales``: the kernel takes one global (or per-tensor) scale per fused
     partition, so fused layers whose partitions' scales differ run exactly.
     ``input_pre_scale``: the kernel multiplies the input by a per-channel pre-scale (AWQ).
+    ``input_permutation``: the kernel takes a canonical weight whose columns are the input
+    channels permuted (``CanonicalWeight.input_permutation``, GPTQ act-order): it permutes its
+    input the same way, or dequantizes the weight in the input's order.
     ``block_codes``: for the ``blocks`` family, the codes taken (``BlockLayout.code_kind``:
     ``uint4`` for an affine 4-bit code, ``table4``, ``e2m1``, ...); empty takes any. The group
     size of packed blocks is their finest scale's sub-block.
@@ -251,6 +254,7 @@ class Supports:
     per_partition_scales: bool = False
     input_pre_scale: bool = False
     block_codes: tuple[str, ...] = ()
+    input_permutation: bool = False
 
     def __post_init__(self) -> None:
         _tuple_of(self.weights, str, "weights")

@@ -42,6 +42,8 @@ class Problem:
     and ``partition_scales_differ`` says whether their global (or per-tensor) scales differ, so
     that only kernels taking one scale per partition can run it exactly. ``input_pre_scale`` is
     None when unknown (then the scheme decides: a declared, non-optional pre-scale is present).
+    ``input_permutation``: the canonical weight holds the input channels permuted (GPTQ act-order),
+    known once the layer's group index is read.
     ``layer`` only names the layer in messages: it takes no part in comparisons.
     """
 
@@ -52,6 +54,7 @@ class Problem:
     partition_scales_differ: bool = False
     input_pre_scale: bool | None = None
     layer: str | None = field(default=None, compare=False)
+    input_permutation: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n", "k", "partitions"):
@@ -73,6 +76,8 @@ class Problem:
             text += f", {self.partitions} fused partitions with {differ} scales"
         if self.input_pre_scale:
             text += ", input pre-scale"
+        if self.input_permutation:
+            text += ", input channels permuted (act-order)"
         if self.layer:
             text = f"layer {self.layer}: {text}"
         return text
@@ -86,4 +91,5 @@ class Problem:
             "partitions": self.partitions,
             "partition_scales_differ": self.partition_scales_differ,
             "input_pre_scale": self.input_pre_scale,
+            **({"input_permutation": True} if self.input_permutation else {}),
         }

@@ -363,6 +363,15 @@ def check_problem(
                 "fold the pre-scale into the preceding layer",
             )
         )
+    if problem.input_permutation and not any(s.input_permutation for s in matching):
+        failures.append(
+            Failure(
+                "problem",
+                "takes input channels in order; the layer's are permuted (GPTQ act-order: g_idx assigns groups "
+                "out of order)",
+                "re-quantize without act-order (desc_act: false), or run the layer on a kernel that permutes its input",
+            )
+        )
     for check in declaration.checks:
         result = _run_check(declaration, check, problem)
         if not result.ok:

@@ -33,4 +33,5 @@ def problem_for(
         partition_scales_differ=differ,
         input_pre_scale=weight.input_pre_scale is not None,
         layer=layer,
+        input_permutation=weight.input_permutation is not None,
     )

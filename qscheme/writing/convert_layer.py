@@ -261,6 +261,13 @@ def _convert(
     defer_deviation: bool = False,
 ) -> LayerConversion:
     source, target = comparison.source, comparison.target
+    if original.input_permutation is not None and target.weight.scale.group_index is None:
+        raise UnconvertibleLayerError(
+            f"layer {module}: its {source.name} group index assigns groups out of order (GPTQ act-order), so its "
+            f"codes hold the input channels permuted; {target.name} stores groups of consecutive columns and no "
+            "permutation, so the codes cannot be copied: convert with --allow-requantize (the weight is quantized "
+            "again in the input's order, the error reported), or re-quantize the model without act-order"
+        )
     source_specs, target_specs = source.tensor_specs(), target.tensor_specs()
     tensors = oriented_tensors(source, tensors)  # transposed ones turned to qscheme's orientation
     out: dict[str, Tensor] = {}
