@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, LlamaForCausalLM
 
 from qscheme.checkpoint import apply_to_model, load_checkpoint
+from qscheme.checkpoint.resolve import resolve_checkpoint
 from qscheme.errors import QSchemeError
 from qscheme.modules import QuantLinear
 from qscheme.writing.convert import convert_checkpoint
@@ -139,6 +140,9 @@ def test_act_order_loads_exactly_on_the_reference_kernel_and_the_trace_says_why(
         assert layer.kernel.name == "reference"
         tinygemm = layer.resolution.candidate("tinygemm_cpu")
         assert not tinygemm.accepted and "permuted (GPTQ act-order" in tinygemm.reason
+    # `qscheme resolve` reads the group index too (a [K] tensor), and says the same before loading
+    _, decisions = resolve_checkpoint(folders["act_order"], device="cpu")
+    assert {decision.resolution.kernel.name for decision in decisions} == {"reference"}  # type: ignore[union-attr]
 
 
 def test_dynamic_overrides_pick_each_modules_scheme_or_leave_it_unquantized(folders: dict[str, Path]) -> None:

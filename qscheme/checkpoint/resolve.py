@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from qscheme.canonical import check_group_index
 from qscheme.checkpoint.inspect import module_pattern
 from qscheme.checkpoint.plan import FuseSpec, Plan, format_problems, plan_checkpoint
 from qscheme.errors import CheckpointError
@@ -66,6 +67,18 @@ def stored_scalars(plan: Plan, module: str) -> list[torch.Tensor]:
     ]
 
 
+def permuted_inputs(plan: Plan, module: str) -> bool:
+    """Whether a module's group index (GPTQ ``g_idx``, a [K] tensor read here) assigns groups out of
+    order, so that its layer holds the input channels permuted (``CanonicalWeight.input_permutation``);
+    a group index that is no group assignment raises as the load does."""
+    layout = plan.layouts[module]
+    spec = layout.scheme.weight.scale.group_index
+    if spec is None or spec.name not in layout.declared:
+        return False
+    group_index = plan.files.get(layout.declared[spec.name].name)
+    return check_group_index(layout.scheme, group_index, layout.k, module) is not None
+
+
 def scales_differ(plan: Plan, members: Sequence[str]) -> bool:
     """Whether fused members' stored per-partition scalars differ (a fuse policy must be chosen)."""
     values = [stored_scalars(plan, m) for m in members]
@@ -102,6 +115,7 @@ def resolve_checkpoint(
             partition_scales_differ=differ,
             input_pre_scale=pre_scale,
             layer=name,
+            input_permutation=any(permuted_inputs(plan, member) for member in members),
         )
         resolution = registry.resolve_layer(scheme, problem, facts, kernel)
         policy = None
