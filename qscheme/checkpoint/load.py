@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -362,6 +363,24 @@ def _refuse(plan: Plan, problems: Sequence[TensorProblem], where: str = "") -> N
         )
 
 
+def _read_ahead(plan: Plan, reader: Reader) -> Iterator[tuple[ModuleLayout, dict[str, Tensor]]]:
+    """``reader.member`` of every planned module, in order, each read on a reader thread while the
+    caller checks the one before (the reads release the GIL): reading overlaps checking. One
+    module is read ahead at most; a read's error is raised where that module is taken, as a
+    plain loop would raise it."""
+    layouts = list(plan.layouts.values())
+    if len(layouts) <= 1:
+        yield from (reader.member(plan, layout) for layout in layouts)
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="qscheme-read") as pool:
+        ahead = pool.submit(reader.member, plan, layouts[0])
+        for index in range(len(layouts)):
+            current = ahead
+            if index + 1 < len(layouts):
+                ahead = pool.submit(reader.member, plan, layouts[index + 1])
+            yield current.result()
+
+
 def _read_canonical(
     plan: Plan, reader: Reader, progress: Progress | None, biases: dict[str, Tensor] | None
 ) -> dict[str, CanonicalWeight]:
@@ -369,8 +388,7 @@ def _read_canonical(
     raises on any problem."""
     canonical: dict[str, CanonicalWeight] = {}
     problems: list[TensorProblem] = []
-    for module, layout in plan.layouts.items():
-        checked, tensors = reader.member(plan, layout)
+    for (module, layout), (checked, tensors) in zip(plan.layouts.items(), _read_ahead(plan, reader), strict=True):
         weight, found = _checked_member(plan, layout, checked, tensors, biases, canonical=not problems)
         problems.extend(found)
         if weight is not None:

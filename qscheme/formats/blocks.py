@@ -23,6 +23,7 @@ from qscheme.descriptor.blocks import BlockField, BlockLayout, IntegerSpec, Plan
 from qscheme.environment import env_choice, env_flag
 from qscheme.errors import QuantizeError, UsageError
 from qscheme.formats.elements import decode
+from qscheme.huge_pages import empty as empty_huge
 
 
 @dataclass(frozen=True)
@@ -285,22 +286,10 @@ def native_decoder() -> Any:
     return native
 
 
-HUGE_OUTPUT_BYTES = 4 << 20
-"""Fresh outputs from this size on are advised onto huge pages (see ``empty_output``)."""
-
-
 def empty_output(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
-    """A new CPU tensor for a decoder to fill. Where the C extension is built and the OS offers
-    transparent huge pages on request (Linux's ``madvise`` mode), a large one is advised onto
-    them before it is first written: a 64 MB output then takes a few dozen page faults instead of
-    16,000 (on the 2-core machine, 12 ms instead of 29 to fill it once). Same values, same tensor
-    type; only the kernel's paging differs."""
-    out = torch.empty(shape, dtype=dtype)
-    if out.numel() * out.element_size() >= HUGE_OUTPUT_BYTES:
-        native = native_decoder()
-        if native is not None:
-            native.advise_huge(out.data_ptr(), out.numel() * out.element_size())
-    return out
+    """A new CPU tensor for a decoder to fill, advised onto huge pages when large (see
+    ``qscheme.huge_pages``: a 64 MB output then takes a few dozen page faults, not 16,000)."""
+    return empty_huge(shape, dtype)
 
 
 def _decode_native(native: Any, blocks: Tensor, compiled: CompiledLayout, out: Tensor, fresh: bool) -> None:

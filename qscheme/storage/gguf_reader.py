@@ -23,6 +23,7 @@ from typing import BinaryIO
 import torch
 
 from qscheme.errors import CheckpointError, UsageError
+from qscheme.huge_pages import empty as empty_huge
 from qscheme.storage.gguf_header import GGUFHeader, GGUFTensorInfo
 from qscheme.storage.safetensors_reader import memory_bytes
 from qscheme.text import listing, shown, shown_file
@@ -76,7 +77,7 @@ def _allocate(header: GGUFHeader, info: GGUFTensorInfo, count: int) -> torch.Ten
             f"memory (physical plus swap); {_FIX}"
         )
     try:
-        return torch.empty(count, dtype=torch.uint8)
+        return empty_huge(count, torch.uint8)
     except (RuntimeError, MemoryError) as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         raise CheckpointError(

@@ -27,6 +27,7 @@ from typing import BinaryIO
 import torch
 
 from qscheme.errors import CheckpointError, UsageError
+from qscheme.huge_pages import empty as empty_huge
 from qscheme.storage.json_files import file_problem, read_json
 from qscheme.storage.safetensors_header import (
     DTYPE_BY_TORCH_NAME,
@@ -283,7 +284,7 @@ def allocate_bytes(info: TensorInfo, count: int | None = None) -> torch.Tensor:
     if problem is not None:
         raise CheckpointError(problem)
     try:
-        return torch.empty(wanted, dtype=torch.uint8)
+        return empty_huge(wanted, torch.uint8)
     except (RuntimeError, MemoryError) as exc:  # torch's allocator: RuntimeError "can't allocate memory"
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         raise CheckpointError(
