@@ -462,7 +462,7 @@ def _int_to_codes(values: Tensor, element: str) -> Tensor:
     """Integer values [N, K] of ``element`` (int4 in [-8, 7], uint4 in [0, 15], ...) -> canonical codes."""
     if FORMAT_FACTS[element].bits == 4:
         return pack_fp4_k((values.to(torch.int16) & 0xF).to(torch.uint8))
-    if element == "int8":
+    if FORMAT_FACTS[element].signed:  # int8, and narrower signed integers one per byte (int2)
         return values.to(torch.int8)
     return values.to(torch.uint8)
 
@@ -477,7 +477,7 @@ def _int32_k_to_codes(stored: Tensor, element: str, k: int) -> Tensor:
     """
     bits = element_bits(element)
     signed = FORMAT_FACTS[element].signed
-    if sys.byteorder == "little" and stored.dtype == torch.int32 and stored.ndim == 2:
+    if sys.byteorder == "little" and stored.dtype == torch.int32 and stored.ndim == 2 and bits in (4, 8):
         width = -(-k // 2) if bits == 4 else k
         raw = stored.contiguous().view(torch.uint8)
         if raw.shape[-1] >= width:

@@ -164,12 +164,13 @@ class Catalog:
             by_short.setdefault(known.rpartition("/")[2].lower(), []).append(known)
         if short in by_short:
             return sorted(by_short[short])
+        if "/" not in name:  # no producer given: every producer's scheme of the closest name
+            nearest = difflib.get_close_matches(short, list(by_short), n=1, cutoff=0.75)
+            if nearest:
+                return sorted(by_short[nearest[0]])
         close = difflib.get_close_matches(name, list(self.schemes), n=3, cutoff=0.5)
-        if close and "/" in name:
+        if close:
             return close
-        if close:  # no producer given: each with the other producers' schemes of that name
-            shorts = dict.fromkeys(known.rpartition("/")[2].lower() for known in close)
-            return sorted(known for key in shorts for known in by_short[key])
         near = difflib.get_close_matches(short, list(by_short), n=2, cutoff=0.75)
         return sorted(known for key in near for known in by_short[key])[:3]
 

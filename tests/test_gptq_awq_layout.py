@@ -82,12 +82,17 @@ def _expected(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, group: i
         ("gptq/W4A16_ASYM_G32", 4, 32, True),
         ("gptq_v2/W4A16_ASYM_G32", 4, 32, False),
         ("gptq/W4A16_ASYM", 4, 128, True),
+        ("gptq/W2A16_ASYM", 2, 128, True),
+        ("gptq_v2/W2A16_ASYM", 2, 128, False),
     ],
 )
 def test_gptq_layout_dequantizes_to_scale_times_code_minus_zero(scheme: str, bits: int, group: int, v1: bool) -> None:
     q, zero, scale = _codes(64, 256, bits, group, seed=bits + group)
     tensors = _gptq_tensors(q, zero, scale, bits, group, v1)
-    assert tensors["qweight"].shape == (256 * bits // 32, 64) and tensors["qzeros"].shape == (256 // group, 8)
+    assert tensors["qweight"].shape == (256 * bits // 32, 64) and tensors["qzeros"].shape == (
+        256 // group,
+        64 * bits // 32,
+    )
     assert torch.equal(dequantize(canonicalize(load_scheme(scheme), tensors)), _expected(q, zero, scale, group))
 
 

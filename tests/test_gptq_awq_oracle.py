@@ -40,6 +40,8 @@ JOBS: dict[str, dict[str, object]] = {
     "v1_asym": {"kind": "gptq", "bits": 4, "group_size": 32, "sym": False, "checkpoint_format": "gptq", "seed": 2},
     "v2_asym": {"kind": "gptq", "bits": 4, "group_size": 32, "sym": False, "checkpoint_format": "gptq_v2", "seed": 2},
     "w8": {"kind": "gptq", "bits": 8, "group_size": -1, "sym": True, "checkpoint_format": "gptq", "seed": 3},
+    "w2": {"kind": "gptq", "bits": 2, "group_size": 128, "sym": False, "checkpoint_format": "gptq", "seed": 7},
+    "w2_v2": {"kind": "gptq", "bits": 2, "group_size": 128, "sym": False, "checkpoint_format": "gptq_v2", "seed": 7},
     "act_order": {
         "kind": "gptq",
         "bits": 4,
@@ -66,6 +68,8 @@ SCHEMES = {
     "v1_asym": {"gptq/W4A16_ASYM_G32"},
     "v2_asym": {"gptq_v2/W4A16_ASYM_G32"},
     "w8": {"gptq/W8A16_CHANNEL"},
+    "w2": {"gptq/W2A16_ASYM"},
+    "w2_v2": {"gptq_v2/W2A16_ASYM"},
     "dynamic": {"gptq/W4A16", "gptq/W8A16_CHANNEL"},
     "act_order": {"gptq_v2/W4A16_G32"},
     "awq": {"awq/W4A16_ASYM"},
@@ -99,7 +103,7 @@ def test_every_layer_dequantizes_bit_identical_to_the_library(folders: dict[str,
 
 
 def test_v1_and_v2_of_the_same_weights_load_to_identical_weights(folders: dict[str, Path]) -> None:
-    for v1, v2 in (("v1_sym", "v2_sym"), ("v1_asym", "v2_asym")):
+    for v1, v2 in (("v1_sym", "v2_sym"), ("v1_asym", "v2_asym"), ("w2", "w2_v2")):
         first, second = load_checkpoint(folders[v1]), load_checkpoint(folders[v2])
         stored_v1 = load_file(folders[v1] / "model.safetensors")
         stored_v2 = load_file(folders[v2] / "model.safetensors")
@@ -168,7 +172,7 @@ def _dense_and_quantized(folder: Path) -> tuple[LlamaForCausalLM, LlamaForCausal
     return dense, quantized
 
 
-@pytest.mark.parametrize("name", ["v1_asym", "dynamic", "awq", "act_order"])
+@pytest.mark.parametrize("name", ["v1_asym", "dynamic", "awq", "act_order", "w2"])
 def test_tiny_llama_logits_equal_the_dense_model_of_the_librarys_weights(folders: dict[str, Path], name: str) -> None:
     dense, quantized = _dense_and_quantized(folders[name])
     assert isinstance(quantized.model.layers[0].self_attn.q_proj, QuantLinear)

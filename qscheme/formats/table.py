@@ -129,6 +129,7 @@ _ROWS: tuple[FormatFacts, ...] = (
     _float("e4m3", 4, 3, 448.0, "float8_e4m3fn", family="fp8", weight=True, activation=True, scale=True),
     _float("e5m2", 5, 2, (2 - 2.0**-2) * 2.0**15, "float8_e5m2", family="fp8", weight=True, activation=True),
     FormatFacts("e8m0", "scale", 8, False, 2.0**127, 2.0**-127, "uint8", exponent_bits=8, scale=True),
+    _int("int2", 2, True, "int8", "int2", activation=False),
     _int("int4", 4, True, "int8", "int4", activation=False),
     _int("uint4", 4, False, "uint8", "int4", activation=False),
     _int("int8", 8, True, "int8", "int8", activation=True),

@@ -362,9 +362,15 @@ def ci_plan(schemes: Sequence[Scheme], targets: Sequence[str]) -> list[tuple[Var
                 gemv = scheme_variants(scheme, target, dtypes, (4,), split_k=False)
             else:
                 continue
-            jobs.extend((variant, target) for variant in _dedupe(gemv) if " gemv " in variant.name)
+            jobs.extend(
+                (variant, target)
+                for variant in _dedupe(gemv)
+                if " gemv " in variant.name and (scheme.name in CI_CORE or not _compiled_elsewhere(variant, jobs))
+            )
     compiled = {(_key(variant), target) for variant, target in jobs}
-    others = [scheme for scheme in schemes if scheme.name not in CI_CORE]
+    # schemes of earlier-registered producers first (each producer's in catalog order), so that a new
+    # producer's schemes, most of them sharing others' specialisations, move no earlier scheme
+    others = sorted((scheme for scheme in schemes if scheme.name not in CI_CORE), key=_producer_rank)
     for index, scheme in enumerate(others):
         target = targets[index % len(targets)]
         for variant in scheme_variants(scheme, target, (torch.bfloat16,), (16,), split_k=False):
@@ -372,6 +378,14 @@ def ci_plan(schemes: Sequence[Scheme], targets: Sequence[str]) -> list[tuple[Var
                 compiled.add((_key(variant), target))
                 jobs.append((variant, target))
     return jobs
+
+
+def _producer_rank(scheme: Scheme) -> int:
+    """The position of the scheme's producer in ``qscheme.producers.PRODUCERS`` (others last)."""
+    from qscheme.producers import PRODUCERS
+
+    names = [producer.name for producer in PRODUCERS]
+    return names.index(scheme.producer) if scheme.producer in names else len(names)
 
 
 # The inline-PTX decoders' settings the defaults do not compile (``linear.asm_decode_enabled``):
