@@ -131,8 +131,8 @@ def test_wrong_type_names_key_path(tmp_path: Path) -> None:
 
 
 def test_unsupported_method_and_conflicting_files(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="quant_method 'gptq' is not supported"):
-        read_producer_config(_write(tmp_path / "a", "config.json", {"quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(CheckpointError, match="quant_method 'hqq' is not supported"):
+        read_producer_config(_write(tmp_path / "a", "config.json", {"quantization_config": {"quant_method": "hqq"}}))
     folder = _write(tmp_path / "b", "config.json", {"quantization_config": {"quant_method": "compressed-tensors"}})
     _write(folder, "hf_quant_config.json", {"quantization": {"quant_algo": "NVFP4"}})
     with pytest.raises(CheckpointError, match=r"hf_quant_config.json \(a ModelOpt export\) is also present"):

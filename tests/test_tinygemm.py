@@ -50,6 +50,12 @@ INT4_SCHEMES = (
     "modelopt/W4A16_AWQ",
 )
 BLOCK_SCHEMES = ("gguf/Q4_0", "gguf/Q4_1", "gguf/Q4_K")  # tests/test_tinygemm_blocks.py
+# GPTQ and AWQ load into compressed-tensors' int4 tensors (tests/test_gptq_awq_layout.py)
+PRODUCER_INT4_SCHEMES = tuple(
+    f"{folder}/{name}"
+    for folder in ("gptq", "gptq_v2")
+    for name in ("W4A16", "W4A16_ASYM", "W4A16_G32", "W4A16_ASYM_G32")
+) + ("awq/W4A16_ASYM",)
 GROUP_SIZES = (32, 64, 128, 256)
 
 UINT4_CHANNEL = """
@@ -205,7 +211,7 @@ def test_the_declaration_module_imports_no_torch() -> None:
 @pytest.mark.parametrize("declaration", [TINYGEMM, TINYGEMM_CPU], ids=["tinygemm", "tinygemm_cpu"])
 def test_both_kernels_claim_exactly_the_builtin_int4_weight_only_schemes(declaration: KernelDeclaration) -> None:
     claimed = {s.name for s in builtin_schemes() if check_scheme(declaration, SchemeFeatures.of(s))[0]}
-    assert claimed == set(INT4_SCHEMES) | set(BLOCK_SCHEMES)
+    assert claimed == set(INT4_SCHEMES) | set(BLOCK_SCHEMES) | set(PRODUCER_INT4_SCHEMES)
     for name, group in CLAIMED:
         assert check_scheme(declaration, SchemeFeatures.of(claimed_scheme(name, group)))[0]
     assert check_scheme(declaration, SchemeFeatures.of(parse_scheme_text(UINT4_CHANNEL)))[0]

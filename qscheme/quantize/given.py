@@ -107,7 +107,7 @@ def _weight_scale(plan: WeightPlan, given: object) -> Tensor:
                 "bytes (log2 of each scale + 127)"
             )
         require_positive(value, scheme, f"the given {name}", fix)
-        return value.reshape(rows, columns)
+        return _oriented(value, spec.tensor.transposed).reshape(rows, columns)
     if not value.dtype.is_floating_point:
         raise QuantizeError(
             f"scheme {scheme.name}: the given {name} is {value.dtype}; give a float tensor "
@@ -121,7 +121,13 @@ def _weight_scale(plan: WeightPlan, given: object) -> Tensor:
         if spec.stored == "reciprocal":
             stored = torch.reciprocal(stored.float()).to(stored.dtype)
     require_storable(value, stored, scheme, f"the given {name}", fix)
-    return stored.reshape(rows, columns)
+    return _oriented(stored, spec.tensor.transposed).reshape(rows, columns)
+
+
+def _oriented(value: Tensor, transposed: bool) -> Tensor:
+    """A scale tensor as given (the stored layout) in the rules' [scale rows, scale columns] order:
+    a tensor the scheme stores transposed ([K/g, N], GPTQ's and AWQ's ``scales``) turned back."""
+    return value.t().contiguous() if transposed and value.ndim == 2 else value
 
 
 def _global_scale(plan: WeightPlan, spec: TensorSpec, stored: str, given: object) -> Tensor:
