@@ -51,11 +51,11 @@ INT4_SCHEMES = (
 )
 BLOCK_SCHEMES = ("gguf/Q4_0", "gguf/Q4_1", "gguf/Q4_K")  # tests/test_tinygemm_blocks.py
 # GPTQ and AWQ load into compressed-tensors' int4 tensors (tests/test_gptq_awq_layout.py)
-PRODUCER_INT4_SCHEMES = tuple(
-    f"{folder}/{name}"
-    for folder in ("gptq", "gptq_v2")
-    for name in ("W4A16", "W4A16_ASYM", "W4A16_G32", "W4A16_ASYM_G32")
-) + ("awq/W4A16_ASYM",)
+PRODUCER_INT4_SCHEMES = (
+    *(f"{folder}/{name}" for folder in ("gptq", "gptq_v2") for name in ("W4A16", "W4A16_ASYM", "W4A16_G32")),
+    *(f"{folder}/W4A16_ASYM_G32" for folder in ("gptq", "gptq_v2")),
+    "awq/W4A16_ASYM",
+)
 GROUP_SIZES = (32, 64, 128, 256)
 
 UINT4_CHANNEL = """
