@@ -47,7 +47,12 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, st
 
 
 def _start(src: Path, dst: Path) -> subprocess.Popen[bytes]:
-    code = "import sys; from qscheme.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    # SIGINT as a terminal delivers it: a process started in the background of a non-interactive
+    # shell (a CI runner's `cmd &`) inherits SIGINT ignored, and Python then leaves it ignored
+    code = (
+        "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "from qscheme.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    )
     command = [sys.executable, "-c", code, "quantize", str(src), str(dst), "--scheme", "compressed-tensors/NVFP4A16"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
