@@ -33,43 +33,31 @@ Two halves in one file, like the other oracles:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import oracle_jobs
 
 ENV = "QSCHEME_GPTQ_PYTHON"
 
 
 def oracle_python() -> str:
     """The oracle venv's Python, or skip the calling test (CI always sets it)."""
-    python = os.environ.get(ENV)
-    if not python:
-        import pytest
-
-        pytest.skip(f"{ENV} is not set: run `bash scripts/oracle-venv.sh gptq` and export its bin/python")
-    return python
+    return oracle_jobs.oracle_python(ENV, "gptq")
 
 
 def build_checkpoints(jobs: Sequence[Mapping[str, Any]], *, python: str | None = None, timeout: float = 600) -> None:
     """Write each job's checkpoint (see the module docstring) in one oracle process."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump({"jobs": [dict(job) for job in jobs]}, handle)
-    try:
-        completed = subprocess.run(
-            [python or oracle_python(), __file__, handle.name],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env={**os.environ, "GPTQMODEL_DISABLE_PACK_EXT": "1", "PYTHONWARNINGS": "ignore"},
-        )
-    finally:
-        os.unlink(handle.name)
-    if completed.returncode != 0:
-        raise RuntimeError(f"the GPTQ/AWQ oracle failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-6000:]}")
+    oracle_jobs.run_jobs(
+        __file__,
+        jobs,
+        python=python or oracle_python(),
+        label="GPTQ/AWQ",
+        timeout=timeout,
+        extra_env={"GPTQMODEL_DISABLE_PACK_EXT": "1"},
+    )
 
 
 # ----------------------------------------------------------------------------- the oracle side
