@@ -10,12 +10,26 @@ The prepare paths (``prepare_fp4_layer_for_marlin``, ``prepare_fp8_layer_for_mar
 except the repack op, which is CUDA: ``ops.gptq_marlin_repack`` is replaced by vLLM's own Python
 equivalent from its Marlin test utilities (``marlin_weights`` with ``get_weight_perm``, which
 vLLM's kernel tests check the op against). The replacement also records the op's input.
+
+The GPTQ and AWQ paths (``gptq``, ``awq``) run vLLM 0.33's own linear methods for those checkpoints
+(``AutoGPTQLinearMethod``, ``AutoAWQMarlinLinearMethod``: its config read from the checkpoint's
+``quantization_config``, ``create_weights``, the checkpoint's raw tensors copied into the parameters
+it made, ``process_weights_after_loading``), with two stand-ins for what needs a GPU:
+``choose_mp_linear_kernel`` returns ``MarlinLinearKernel`` (on a CPU vLLM would pick its CPU WNA16
+kernel) and Marlin's support check is asked for compute capability 9.0. Those modules import
+``compressed_tensors`` for their MoE paths, which this venv does not hold: an empty stand-in module
+is put in its place, and anything in it raises if called. ``awq_marlin_repack``, which vLLM 0.33's
+AWQ linear path no longer calls (it converts AWQ's packing in Python, then calls
+``gptq_marlin_repack``), is replaced by a Python version of what vLLM documents for it (AWQ's
+``[K, N/8]`` words, slots in the order 0, 2, 4, 6, 1, 3, 5, 7, repacked into the same tiles); every
+call is recorded, and ``awq_repack`` runs it on given inputs.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import types
 from typing import Any
 
 import torch
@@ -57,8 +71,25 @@ def python_repack(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False, **_: An
     return marlin_weights(values, size_k, size_n, num_bits, get_weight_perm(num_bits))
 
 
+AWQ_SLOTS = (0, 2, 4, 6, 1, 3, 5, 7)  # slot j of an AWQ word holds column AWQ_SLOTS[j] of its 8
+AWQ_REPACK_CALLS: list[tuple[int, int, int]] = []
+
+
+def python_awq_repack(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False, **_: Any):
+    """awq_marlin_repack: AWQ's [K, N/8] int32 words (slots in AWQ's order) into Marlin tiles."""
+    assert not is_a_8bit and num_bits == 4
+    AWQ_REPACK_CALLS.append((size_k, size_n, num_bits))
+    shifts = torch.arange(0, 32, num_bits, dtype=torch.int32)
+    slots = (b_q_weight.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)  # [K, N/8, 8] by slot
+    columns = torch.empty_like(slots)
+    columns[..., list(AWQ_SLOTS)] = slots  # by column within the word
+    values = columns.reshape(size_k, size_n)
+    return marlin_weights(values, size_k, size_n, num_bits, get_weight_perm(num_bits))
+
+
 for module in (ops, fp4.ops, fp8.ops):
     module.gptq_marlin_repack = python_repack
+ops.awq_marlin_repack = python_awq_repack
 # One unsharded layer: vLLM's parameters ask for their tensor-parallel rank, which needs a process group.
 parameter.get_tensor_model_parallel_rank = lambda: 0
 parameter.get_tensor_model_parallel_world_size = lambda: 1
@@ -179,7 +210,104 @@ def run_helpers(case: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-RUNNERS = {"fp4": run_fp4, "fp8": run_fp8, "int": run_int, "helpers": run_helpers}
+class _AbsentModule(types.ModuleType):
+    """Stands in for compressed_tensors, which vLLM's GPTQ/AWQ modules import for their MoE paths:
+    every name is a class that raises when instantiated."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def refuse(*_: Any, **__: Any) -> None:
+            raise RuntimeError(f"compressed_tensors.{name} was called: it is not installed in the vLLM oracle venv")
+
+        value = type(name, (), {"__init__": refuse})
+        setattr(self, name, value)
+        return value
+
+
+def _producer_modules() -> tuple[Any, Any]:
+    """vLLM's auto_gptq and auto_awq modules, with the GPU-only choices replaced (see the docstring)."""
+    for name in ("compressed_tensors", "compressed_tensors.quantization"):
+        sys.modules.setdefault(name, _AbsentModule(name))
+    from vllm.model_executor.layers.quantization import auto_awq, auto_gptq
+
+    def verify_on_sm90(quant_type: Any, group_size: int, has_zp: bool = False) -> None:
+        supported, message = marlin_utils._check_marlin_supported(quant_type, group_size, has_zp, device_capability=90)
+        if not supported:
+            raise ValueError(message)
+
+    for module in (auto_gptq, auto_awq):
+        module.choose_mp_linear_kernel = lambda config: MarlinLinearKernel
+        module.verify_marlin_supported = verify_on_sm90
+    return auto_gptq, auto_awq
+
+
+def _run_linear_method(case: dict[str, Any], method: Any) -> dict[str, Any]:
+    """create_weights, the checkpoint's tensors into its parameters, process_weights_after_loading."""
+    n, k = case["n"], case["k"]
+    layer = torch.nn.Module()
+    method.create_weights(layer, k, [n], k, n, case["dtype"], weight_loader=lambda *args: None)
+    made = {name: tuple(param.shape) for name, param in layer.named_parameters()}
+    for name, tensor in case["tensors"].items():
+        param = getattr(layer, name, None)
+        if param is None:
+            continue  # a checkpoint tensor the method makes no parameter for (GPTQ's g_idx)
+        assert tuple(param.shape) == tuple(tensor.shape), (name, tuple(param.shape), tuple(tensor.shape))
+        param.data.copy_(tensor)
+    layer.bias = _param(case["bias"].to(case["dtype"])) if case.get("bias") is not None else None
+    REPACK_INPUTS.clear()
+    method.process_weights_after_loading(layer)
+    config = method.kernel.config
+    out: dict[str, Any] = {
+        "parameters": made,
+        "kernel": type(method.kernel).__name__,
+        "weight_type": str(config.weight_type),
+        "group_size": config.group_size,
+        "zero_points": config.zero_points,
+        "repack_input": REPACK_INPUTS[-1],
+    }
+    for name in ("qweight", "scales", "qzeros", "bias"):
+        value = getattr(layer, name, None)
+        if value is not None:
+            out[name] = value.data.clone()
+    return out
+
+
+def run_gptq(case: dict[str, Any]) -> dict[str, Any]:
+    """A GPTQ checkpoint's layer through vLLM's AutoGPTQLinearMethod (its config's refusal, if any)."""
+    auto_gptq, _ = _producer_modules()
+    try:
+        method = auto_gptq.AutoGPTQLinearMethod(auto_gptq.AutoGPTQConfig.from_config(case["config"]))
+    except ValueError as error:
+        return {"error": str(error)}
+    return _run_linear_method(case, method)
+
+
+def run_awq(case: dict[str, Any]) -> dict[str, Any]:
+    """An AWQ GEMM checkpoint's layer through vLLM's AutoAWQMarlinLinearMethod."""
+    _, auto_awq = _producer_modules()
+    AWQ_REPACK_CALLS.clear()
+    method = auto_awq.AutoAWQMarlinLinearMethod(auto_awq.AutoAWQConfig.from_config(case["config"]))
+    out = _run_linear_method(case, method)
+    out["awq_repack_calls"] = len(AWQ_REPACK_CALLS)
+    return out
+
+
+def run_awq_repack(case: dict[str, Any]) -> dict[str, Any]:
+    """The awq_marlin_repack stand-in on given AWQ words."""
+    return {"tiles": python_awq_repack(case["qweight"], case["k"], case["n"], 4)}
+
+
+RUNNERS = {
+    "fp4": run_fp4,
+    "fp8": run_fp8,
+    "int": run_int,
+    "helpers": run_helpers,
+    "gptq": run_gptq,
+    "awq": run_awq,
+    "awq_repack": run_awq_repack,
+}
 
 
 def main() -> None:
