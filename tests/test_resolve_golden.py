@@ -7,6 +7,12 @@ scheme on a 4096x4096 layer with bf16 activations, built-in plugins only, no QSC
 TRITON_ variables set. The device and note lines (versions) are left out. A change to a
 declaration, a priority or the resolver shows here as a diff to review; regenerate with
 ``QSCHEME_UPDATE_SNAPSHOTS=1 pytest tests/test_resolve_golden.py``.
+
+A second set (tests/snapshots/golden/producers_vllm_<device>.txt, cpu, sm90 and sm100) holds the
+schemes of the GPTQ, AWQ, DeepSeek FP8-block and gpt-oss MXFP4 producers (issue 27) as a GPU with
+vLLM 0.33 installed sees them, so that Marlin is among the candidates; with a GPTQ act-order layer
+(input channels permuted) and 16-bit-float MXFP4 besides. These are the resolver's own traces
+(``render_resolution`` on simulated devices), the device line left out.
 """
 
 from __future__ import annotations
@@ -16,10 +22,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kernel_fakes import isolated_plugins
+from kernel_fakes import AS_IF_IMPLEMENTED, builtin_scheme, fake_device, isolated_plugins
 
 from qscheme.catalog import load_catalog
 from qscheme.cli.main import main
+from qscheme.kernels.problem import Problem
+from qscheme.kernels.render import render_resolution
+from qscheme.kernels.resolver import resolve
 
 GOLDEN = Path(__file__).parent / "snapshots" / "golden"
 UPDATE = os.environ.get("QSCHEME_UPDATE_SNAPSHOTS") == "1"
@@ -91,3 +100,88 @@ def test_the_kernels_doc_table_is_the_golden_traces() -> None:
     assert sorted(rows) == list(SCHEMES)
     for device in DEVICES:
         assert {scheme: rows[scheme][device] for scheme in SCHEMES} == chosen_kernels(device), device
+
+
+# --- issue 27's producers on a GPU with vLLM 0.33 ------------------------------------------------
+
+PRODUCER_DEVICES = ("cpu", "sm90", "sm100")
+# The producers' schemes issue 27 delivered (written out: a scheme added later joins the main traces
+# above, and this set when it matters to a route)
+PRODUCER_SCHEMES = (
+    "awq/W4A16_ASYM",
+    "fp8/FP8_BLOCK",
+    "fp8/FP8_BLOCK_UE8M0",
+    *(
+        f"gptq/{n}"
+        for n in ("W2A16_ASYM", "W4A16", "W4A16_ASYM", "W4A16_ASYM_G32", "W4A16_G32", "W8A16", "W8A16_CHANNEL")
+    ),
+    *(f"gptq_v2/{n}" for n in ("W2A16_ASYM", "W4A16", "W4A16_ASYM", "W4A16_ASYM_G32", "W4A16_G32")),
+    "mxfp4/MXFP4",
+)
+# (scheme, problem, label): every producer scheme on a 4096x4096 bf16 layer, plus the two cases
+# whose route differs from their scheme's
+PRODUCER_CASES = (
+    *((name, Problem(4096, 4096), "bfloat16") for name in PRODUCER_SCHEMES),
+    ("gptq/W4A16", Problem(4096, 4096, input_permutation=True), "bfloat16, act-order"),
+    ("mxfp4/MXFP4", Problem(4096, 4096, activation_dtype="float16"), "float16"),
+)
+
+
+def producer_trace(name: str, problem: Problem, label: str, device: str) -> str:
+    text = render_resolution(resolve(builtin_scheme(name), problem, fake_device(device), AS_IF_IMPLEMENTED))
+    kept = [line.rstrip() for line in text.splitlines() if not line.startswith(("device:", "note:"))]
+    return f"=== {name} ({label}) on {device}\n" + "\n".join(kept).strip() + "\n"
+
+
+@pytest.mark.parametrize("device", PRODUCER_DEVICES)
+def test_producer_golden_trace(device: str) -> None:
+    text = "\n".join(producer_trace(name, problem, label, device) for name, problem, label in PRODUCER_CASES)
+    path = GOLDEN / f"producers_vllm_{device}.txt"
+    if UPDATE or not path.exists():
+        if not UPDATE and os.environ.get("CI"):
+            pytest.fail(f"golden trace {path} is missing; generate it with QSCHEME_UPDATE_SNAPSHOTS=1")
+        path.write_text(text)
+    assert text == path.read_text(), f"{path} differs; review, then regenerate with QSCHEME_UPDATE_SNAPSHOTS=1"
+
+
+def producer_choices(device: str) -> dict[str, str]:
+    """ "scheme (label)" -> the kernel the producer trace of the device chose."""
+    chosen = {}
+    for section in (GOLDEN / f"producers_vllm_{device}.txt").read_text().split("=== ")[1:]:
+        head, first = section.splitlines()[:2]
+        chosen[head.rsplit(" on ", 1)[0]] = first.split()[1]
+    return chosen
+
+
+def _route(device: str, name: str, label: str = "bfloat16") -> str:
+    return producer_choices(device)[f"{name} ({label})"]
+
+
+def test_issue_27_kernel_routes_hold() -> None:
+    """GPTQ/AWQ int4 on tinygemm_cpu (CPU) and Marlin (GPU with vLLM), int8 on Marlin; FP8 blocks on
+    native_fp8_block (sm90, the only device torch's block-scaled FP8 GEMM runs on); gpt-oss MXFP4
+    on Marlin MXFP4; act-order GPTQ on the reference kernel everywhere."""
+    int4 = [n for n in PRODUCER_SCHEMES if "/W4A16" in n]
+    int8 = [n for n in PRODUCER_SCHEMES if "/W8A16" in n]
+    assert len(int4) == 9 and len(int8) == 2
+    assert {_route("cpu", n) for n in int4} == {"tinygemm_cpu"}
+    assert {_route("cpu", n) for n in int8} == {"reference"}  # tinygemm_cpu is int4 only
+    for gpu in ("sm90", "sm100"):
+        assert {_route(gpu, n) for n in int4 + int8} == {"marlin"}, gpu
+        assert {_route(gpu, n) for n in PRODUCER_SCHEMES if "/W2A16" in n} == {"triton"}  # Marlin has no 2-bit
+        assert _route(gpu, "mxfp4/MXFP4") == "marlin_mxfp4"
+        assert _route(gpu, "mxfp4/MXFP4", "float16") == "triton"  # vLLM 0.33's MXFP4 Marlin is bf16-only
+        assert _route(gpu, "gptq/W4A16", "bfloat16, act-order") == "reference"
+    assert _route("cpu", "gptq/W4A16", "bfloat16, act-order") == "reference"
+    assert {_route("sm90", n) for n in ("fp8/FP8_BLOCK", "fp8/FP8_BLOCK_UE8M0")} == {"native_fp8_block"}
+    # torch's 128x128 block-scaled FP8 GEMM is sm90-only; on sm100 Triton runs the blocks
+    assert {_route("sm100", n) for n in ("fp8/FP8_BLOCK", "fp8/FP8_BLOCK_UE8M0")} == {"triton"}
+
+
+def test_native_mxfp4_is_refused_for_gpt_oss_16_bit_activations() -> None:
+    """torch's MXFP4 GEMM (BlockWise1x32 on both operands, sm100) multiplies MXFP4 activations:
+    running gpt-oss's bf16 activations through it would quantize them, which the checkpoint does
+    not ask for. The trace says so on sm100, where the device itself would allow it."""
+    text = (GOLDEN / "producers_vllm_sm100.txt").read_text().split("=== mxfp4/MXFP4 (bfloat16) on sm100")[1]
+    (line,) = [row for row in text.split("=== ")[0].splitlines() if row.startswith("native_mxfp4")]
+    assert "rejected" in line and "mxfp4 dynamic per group of 32 activations; scheme has none (16-bit)" in line
