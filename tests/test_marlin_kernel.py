@@ -83,7 +83,21 @@ CLAIMED: dict[str, str] = {
     "modelopt/fp8_pb_wo": "float8_e4m3fn",
     "test/int8-weight-only-channel": "uint8b128",
     "test/fp8-weight-only-channel": "float8_e4m3fn",
+    # issue 27's producers: GPTQ and AWQ layers load into compressed-tensors' int tensors
+    # (tests/test_marlin_producers.py checks them against vLLM's own GPTQ/AWQ linear methods)
+    "gptq/W4A16": "uint4b8",
+    "gptq/W4A16_ASYM": "uint4",
+    "gptq_v2/W4A16_G32": "uint4b8",
+    "gptq/W8A16": "uint8b128",
+    "gptq/W8A16_CHANNEL": "uint8b128",
+    "awq/W4A16_ASYM": "uint4",
 }
+# What marlin_mxfp4 (the same code) claims: MXFP4 with bfloat16 activations only (gpt-oss's experts included).
+MXFP4_CLAIMED = ("compressed-tensors/MXFP4A16", "mxfp4/MXFP4")
+# The GPU check's cases: every claimed scheme in both activation dtypes, MXFP4 in bfloat16.
+GPU_CASES = [(name, dtype) for name in sorted(CLAIMED) for dtype in (torch.bfloat16, torch.float16)] + [
+    (name, torch.bfloat16) for name in MXFP4_CLAIMED
+]
 
 
 # --- the stub vLLM ------------------------------------------------------------------------------
@@ -536,8 +550,7 @@ def _vllm_skip_reason() -> str:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(CLAIMED))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("name", "dtype"), GPU_CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in GPU_CASES])
 def test_marlin_matches_the_reference_on_a_gpu(name: str, dtype: torch.dtype) -> None:
     reason = _vllm_skip_reason()
     if reason:
