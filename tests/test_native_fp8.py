@@ -121,10 +121,12 @@ def scheme_named(name: str) -> Scheme:
 # kernel -> (implementation, claimed schemes, activation dtypes)
 TENSOR_SCHEMES = ["compressed-tensors/FP8", "modelopt/FP8"]
 ROW_SCHEMES = ["compressed-tensors/FP8_DYNAMIC", CHANNEL_STATIC.name, TENSOR_PER_TOKEN.name]
+BLOCK_PRODUCER_SCHEMES = ["fp8/FP8_BLOCK", "fp8/FP8_BLOCK_UE8M0"]
 KERNELS: dict[str, tuple[Callable[[], KernelImplementation], list[str], list[torch.dtype]]] = {
     "native_fp8": (NativeFp8Kernel, TENSOR_SCHEMES, [BF16, FP16, FP32]),
     "native_fp8_rowwise": (NativeFp8RowwiseKernel, ROW_SCHEMES, [BF16, FP16]),
-    "native_fp8_block": (NativeFp8BlockKernel, ["compressed-tensors/FP8_BLOCK"], [BF16, FP16]),
+    # DeepSeek's FP8 blocks (the fp8 producer, issue 27) load into compressed-tensors' FP8_BLOCK tensors
+    "native_fp8_block": (NativeFp8BlockKernel, ["compressed-tensors/FP8_BLOCK", *BLOCK_PRODUCER_SCHEMES], [BF16, FP16]),
     "native_fp8_cpu": (NativeFp8CpuKernel, TENSOR_SCHEMES + ROW_SCHEMES, [BF16, FP16, FP32]),
 }
 BF16_GEMM = {"native_fp8_rowwise", "native_fp8_block"}
@@ -303,7 +305,7 @@ def test_matches_the_reference_on_cpu(kernel_name: str, scheme_name: str, m: int
             assert_within(y, expected, bound, f"{kernel_name} {scheme_name} {dtype} bias={bias is not None}")
 
 
-FUSED_CASES = [c for c in CASES if c[1] != "compressed-tensors/FP8_BLOCK"]
+FUSED_CASES = [c for c in CASES if c[0] != "native_fp8_block"]  # block scales: no per-partition scalars
 
 
 @pytest.mark.parametrize("amaxes", [(4.0, 9.0, 4.0), (4.0, 4.0, 4.0)], ids=["different", "equal"])
@@ -382,6 +384,7 @@ META_CASES = [
     ("native_fp8_rowwise", "compressed-tensors/FP8_DYNAMIC"),
     ("native_fp8_rowwise", CHANNEL_STATIC.name),
     ("native_fp8_block", "compressed-tensors/FP8_BLOCK"),
+    ("native_fp8_block", "fp8/FP8_BLOCK_UE8M0"),
 ]
 
 
