@@ -14,7 +14,16 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-SCHEMES = ["compressed-tensors/NVFP4A16", "compressed-tensors/W4A16", "compressed-tensors/FP8_DYNAMIC"]
+SCHEMES = [
+    "compressed-tensors/NVFP4A16",
+    "compressed-tensors/W4A16",
+    "compressed-tensors/FP8_DYNAMIC",
+    # issue 27's producers: GPTQ, AWQ, DeepSeek FP8 blocks, gpt-oss MXFP4
+    "gptq/W4A16",
+    "awq/W4A16_ASYM",
+    "fp8/FP8_BLOCK",
+    "mxfp4/MXFP4",
+]
 
 
 def _tensors(scheme: str) -> dict[str, torch.Tensor]:
