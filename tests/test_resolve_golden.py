@@ -124,6 +124,10 @@ PRODUCER_CASES = (
     *((name, Problem(4096, 4096), "bfloat16") for name in PRODUCER_SCHEMES),
     ("gptq/W4A16", Problem(4096, 4096, input_permutation=True), "bfloat16, act-order"),
     ("mxfp4/MXFP4", Problem(4096, 4096, activation_dtype="float16"), "float16"),
+    # the checkpoints' own shapes, off the 4096 grid (K = 2880 is no multiple of Marlin's 128)
+    ("mxfp4/MXFP4", Problem(5760, 2880), "bfloat16, gpt-oss-20b expert gate_up_proj"),
+    ("mxfp4/MXFP4", Problem(2880, 2880), "bfloat16, gpt-oss-20b expert down_proj"),
+    ("fp8/FP8_BLOCK", Problem(576, 7168), "bfloat16, DeepSeek-V3 kv_a_proj_with_mqa"),
 )
 
 
@@ -172,8 +176,11 @@ def test_issue_27_kernel_routes_hold() -> None:
         assert _route(gpu, "mxfp4/MXFP4") == "marlin_mxfp4"
         assert _route(gpu, "mxfp4/MXFP4", "float16") == "triton"  # vLLM 0.33's MXFP4 Marlin is bf16-only
         assert _route(gpu, "gptq/W4A16", "bfloat16, act-order") == "reference"
+        for projection in ("gate_up_proj", "down_proj"):
+            assert _route(gpu, "mxfp4/MXFP4", f"bfloat16, gpt-oss-20b expert {projection}") == "marlin_mxfp4"
     assert _route("cpu", "gptq/W4A16", "bfloat16, act-order") == "reference"
     assert {_route("sm90", n) for n in ("fp8/FP8_BLOCK", "fp8/FP8_BLOCK_UE8M0")} == {"native_fp8_block"}
+    assert _route("sm90", "fp8/FP8_BLOCK", "bfloat16, DeepSeek-V3 kv_a_proj_with_mqa") == "native_fp8_block"
     # torch's 128x128 block-scaled FP8 GEMM is sm90-only; on sm100 Triton runs the blocks
     assert {_route("sm100", n) for n in ("fp8/FP8_BLOCK", "fp8/FP8_BLOCK_UE8M0")} == {"triton"}
 
