@@ -22,6 +22,7 @@ from qscheme.kernels.declaration import (
     ActivationDtypes,
     DeviceSupport,
     KernelDeclaration,
+    PreparedState,
 )
 from qscheme.plugins import hookimpl
 
@@ -43,6 +44,8 @@ REFERENCE = KernelDeclaration(
     implementation="qscheme_plugins.reference_kernel:ReferenceKernel",
     requires_modules=("torch",),
     checks=(ActivationDtypes(("bfloat16", "float16", "float32")),),
+    # the canonical weight as it is (QSCHEME_REFERENCE_CACHE=1 adds a dequantized copy on request)
+    prepared_state=PreparedState("canonical"),
 )
 
 

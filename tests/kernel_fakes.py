@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from qscheme_plugins.dequant_gemm import DEQUANT_GEMM
 from qscheme_plugins.marlin import MARLIN, MARLIN_MXFP4
 from qscheme_plugins.native_fp4 import NATIVE_FP4, NATIVE_MXFP4
 from qscheme_plugins.native_fp8 import NATIVE_FP8, NATIVE_FP8_BLOCK, NATIVE_FP8_CPU, NATIVE_FP8_ROWWISE
@@ -47,6 +48,7 @@ BUILTIN_DECLARATIONS: tuple[KernelDeclaration, ...] = (
     NATIVE_FP8_CPU,
     TINYGEMM,
     TINYGEMM_CPU,
+    DEQUANT_GEMM,
 )
 # The built-in kernels in the resolver's order: highest priority first, then by name (written
 # out, so that a priority change shows in the tests that compare a trace's order with it).
@@ -61,6 +63,7 @@ BUILTIN_KERNELS_BY_PRIORITY: list[str] = [
     "tinygemm",
     "tinygemm_cpu",
     "triton",
+    "dequant_gemm",
     "reference",
     "native_fp8_cpu",
 ]

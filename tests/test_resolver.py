@@ -336,6 +336,7 @@ def test_order_is_priority_then_name_whatever_the_input_order() -> None:
         "b_twin",
         "tinygemm_cpu",
         "triton",
+        "dequant_gemm",
         "reference",
         "native_fp8_cpu",
     ]
@@ -432,11 +433,11 @@ def test_nvfp4_weights_with_fp8_inputs_fail_naming_both_formats(tmp_path: Path) 
             assert all(c.stage == "scheme" for c in resolution.trace)
             message = no_kernel_message(resolution, declarations=AS_IF_IMPLEMENTED)
             assert "No kernel implements nvfp4 weights with fp8 static per tensor activations." in message
-            assert "none (16-bit)                  marlin, triton, reference" in message
+            assert "none (16-bit)                  marlin, triton, dequant_gemm, reference" in message
             assert "nvfp4 dynamic per group of 16  native_fp4, triton, reference" in message
     # The pairing table is computed from the declarations, not written down anywhere.
     assert activation_pairings("nvfp4", AS_IF_IMPLEMENTED) == [
-        ("none (16-bit)", ["marlin", "triton", "reference"]),
+        ("none (16-bit)", ["marlin", "triton", "dequant_gemm", "reference"]),
         ("nvfp4 dynamic per group of 16", ["native_fp4", "triton", "reference"]),
     ]
 

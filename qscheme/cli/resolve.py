@@ -1,4 +1,5 @@
-"""`qscheme resolve TARGET [--device D] [--kernel K] [--shape N,K] [--dtype T] [--tp N|auto] [--json]`.
+"""`qscheme resolve TARGET [--device D] [--kernel K] [--shape N,K] [--dtype T] [--m M,...] [--m-split S] [--tp N|auto]
+[--json]`.
 
 Which kernel would run a layer of the scheme (a catalog name or a descriptor file), and why
 every other kernel would not. Exit 0 when a kernel is chosen, 1 when none can run it, 2 when the
@@ -65,8 +66,37 @@ def register(sub: Any) -> None:
         help="for a checkpoint: split every layer N ways (tensor parallel) and resolve each shard; "
         "'auto' lists the degrees at which every layer splits and has a kernel",
     )
+    parser.add_argument(
+        "--m",
+        default=None,
+        metavar="M,...",
+        help="batch sizes (rows of the input, x.numel() // K) to show the plan's kernel for, e.g. 1,16,256",
+    )
+    parser.add_argument(
+        "--m-split",
+        default=None,
+        metavar="SPEC",
+        help="override the kernels' declared batch ranges (overrides QSCHEME_M_SPLIT): a boundary M such as 32, "
+        "'off', or kernel=RANGE pairs such as dequant_gemm=32-",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(handler=run)
+
+
+MAX_BATCH_SIZES = 64  # batch sizes one --m may list
+
+
+def parse_batch_sizes(text: str | None) -> tuple[int, ...]:
+    """``--m 1,16,256`` -> (1, 16, 256); UsageError naming the value otherwise."""
+    if text is None:
+        return ()
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts) or len(parts) > MAX_BATCH_SIZES:
+        raise UsageError(
+            f"--m {text!r}: expected batch sizes M >= 0 separated by commas (at most {MAX_BATCH_SIZES}), such as "
+            "1,16,256; M is the input's rows, x.numel() // K"
+        )
+    return tuple(int(p) for p in parts)
 
 
 def parse_tp(text: str) -> int | None:
@@ -145,9 +175,16 @@ def run(args: argparse.Namespace) -> int:
                 f"{' and '.join(given)}: not for a checkpoint folder ({args.target}), whose layers have their own "
                 "shapes and partitions; drop them, or resolve a scheme name or descriptor file instead"
             )
+        planned = [flag for flag, value in (("--m", args.m), ("--m-split", args.m_split)) if value is not None]
+        if planned:
+            raise UsageError(
+                f"{' and '.join(planned)}: the plan is shown for a scheme name or descriptor file, not a checkpoint "
+                f"({args.target}); resolve one of its schemes with --shape N,K, or set QSCHEME_M_SPLIT for the load"
+            )
         if args.tp is not None:
             return run_tp(args, args.target)
         return resolve_command(args)
+    batch_sizes = parse_batch_sizes(args.m)
     n, k = parse_shape(args.shape)
     if args.scales_differ and args.partitions < 2:
         raise UsageError("--scales-differ needs --partitions 2 or more: one partition has one scale")
@@ -163,12 +200,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     scheme = load_scheme(args.target)
     device = registry.device_for(args.device)
-    resolution = registry.resolve_layer(scheme, problem, device, args.kernel)
+    m_split = registry.m_split_override(args.m_split, origin="--m-split")
+    resolution = registry.resolve_layer(scheme, problem, device, args.kernel, m_split=m_split)
     failures = registry.plugin_failures()
     hint = registry.hint_for(resolution)
     declarations = registry.declarations()
     if args.json:
-        print_json(resolution_json(resolution, failures, hint, declarations))
+        print_json(resolution_json(resolution, failures, hint, declarations, batch_sizes))
     else:
-        sys.stdout.write(render_resolution(resolution, failures, hint, declarations) + "\n")
+        sys.stdout.write(render_resolution(resolution, failures, hint, declarations, batch_sizes) + "\n")
     return 0 if resolution.resolved else 1

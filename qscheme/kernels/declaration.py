@@ -458,6 +458,99 @@ class ActivationDtypes:
         return " or ".join(self.dtypes) + " activations"
 
 
+PREPARED_STATE_KINDS: tuple[str, ...] = ("canonical", "repack")
+
+
+@dataclass(frozen=True)
+class BatchRange:
+    """The batch sizes a kernel is meant for on one device type: M (rows of the input,
+    ``x.numel() // K``) from ``m_min`` to ``m_max`` inclusive; ``m_max=None`` means no upper end.
+
+    ``source`` says where the boundary comes from (a benchmark and its figures): a boundary is a
+    measurement, not a guess. A kernel with no BatchRange for a device is meant for every M there
+    (the resolver's plan gives it every M it wins). ``device`` is a device type or ``"any"``.
+    """
+
+    device: str
+    m_min: int = 0
+    m_max: int | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.device in (*DEVICE_TYPES, ANY_DEVICE),
+            f"batch range device {self.device!r} is not one of {', '.join((*DEVICE_TYPES, ANY_DEVICE))}",
+        )
+        _require(
+            isinstance(self.m_min, int) and not isinstance(self.m_min, bool) and self.m_min >= 0,
+            f"batch range m_min must be an int >= 0, not {self.m_min!r}",
+        )
+        _require(
+            self.m_max is None
+            or (isinstance(self.m_max, int) and not isinstance(self.m_max, bool) and self.m_max >= self.m_min),
+            f"batch range m_max must be None or an int >= m_min ({self.m_min}), not {self.m_max!r}",
+        )
+        _require(isinstance(self.source, str), f"batch range source must be a str, not {self.source!r}")
+
+    def describe(self) -> str:
+        """``M >= 16 on cpu``, ``M <= 15 on any device``, ``M 4-15 on cuda``."""
+        where = "any device" if self.device == ANY_DEVICE else self.device
+        return f"{describe_batch(self.m_min, self.m_max)} on {where}"
+
+
+def describe_batch(m_min: int, m_max: int | None) -> str:
+    """``every M``, ``M >= 16``, ``M <= 15``, ``M = 4``, ``M 4-15``."""
+    if m_max is None:
+        return "every M" if m_min == 0 else f"M >= {m_min}"
+    if m_min == 0:
+        return f"M <= {m_max}"
+    return f"M = {m_min}" if m_min == m_max else f"M {m_min}-{m_max}"
+
+
+@dataclass(frozen=True)
+class PreparedState:
+    """What a kernel's ``prepare`` keeps besides the canonical tensors.
+
+    ``canonical``: the CanonicalWeight's own tensors (on the CPU the very tensors, elsewhere
+    moved to the device) and small per-layer data: no copy of the weight. ``repack``: a copy of
+    the weight in the kernel's own layout, of about ``extra`` times the bytes of the canonical
+    tensors (None: not declared). A plan combines at most one repacking kernel with kernels
+    that keep the canonical tensors (``qscheme.kernels.plan``).
+    """
+
+    kind: str = "repack"
+    extra: float | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.kind in PREPARED_STATE_KINDS,
+            f"prepared state kind {self.kind!r} is not one of {', '.join(PREPARED_STATE_KINDS)}",
+        )
+        _require(
+            self.extra is None
+            or (isinstance(self.extra, (int, float)) and not isinstance(self.extra, bool) and self.extra >= 0),
+            f"prepared state extra must be None or a number >= 0, not {self.extra!r}",
+        )
+        _require(
+            self.kind == "repack" or not self.extra,
+            "a prepared state that keeps the canonical tensors declares no extra bytes",
+        )
+
+    @property
+    def shares_canonical(self) -> bool:
+        return self.kind == "canonical"
+
+    def describe(self) -> str:
+        if self.shares_canonical:
+            return "the canonical tensors (no copy)"
+        if self.extra is None:
+            return "a repacked copy (size not declared)"
+        return f"a repacked copy of about {self.extra:g}x the canonical tensors"
+
+
+REPACKED = PreparedState()
+
+
 @dataclass(frozen=True)
 class KernelDeclaration:
     """Everything the resolver needs to know about a kernel, without importing it.
@@ -488,6 +581,8 @@ class KernelDeclaration:
     description: str = ""
     notes: tuple[str, ...] = ()
     plugin: str = field(default="", compare=False)
+    batch_ranges: tuple[BatchRange, ...] = ()
+    prepared_state: PreparedState = REPACKED
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and bool(_NAME.match(self.name)), f"kernel name {self.name!r} is invalid")
@@ -526,6 +621,11 @@ class KernelDeclaration:
             isinstance(self.checks, tuple) and all(isinstance(c, ProblemCheck) for c in self.checks),
             f"kernel {self.name}: checks must be a tuple of objects with check(problem) and describe()",
         )
+        _tuple_of(self.batch_ranges, BatchRange, f"kernel {self.name}: batch_ranges")
+        _require(
+            isinstance(self.prepared_state, PreparedState),
+            f"kernel {self.name}: prepared_state must be a PreparedState, not {self.prepared_state!r}",
+        )
 
     @property
     def implementation_module(self) -> str | None:
@@ -534,6 +634,15 @@ class KernelDeclaration:
     def sort_key(self) -> tuple[int, str]:
         """Highest priority first, then by name."""
         return (-self.priority, self.name)
+
+    def batch_range(self, device_type: str) -> tuple[int, int | None] | None:
+        """The declared (m_min, m_max) for a device type (its own entry, else an ``any`` one);
+        None when the kernel declares none there: every M."""
+        for wanted in (device_type, ANY_DEVICE):
+            for entry in self.batch_ranges:
+                if entry.device == wanted:
+                    return entry.m_min, entry.m_max
+        return None
 
     def describe_devices(self) -> str:
         return "; ".join(d.describe() for d in self.devices)
@@ -556,4 +665,8 @@ class KernelDeclaration:
             "torch_features": list(self.torch_features),
             "checks": [describe_check(c) for c in self.checks],
             "notes": list(self.notes),
+            "batch_ranges": [
+                {"device": b.device, "m_min": b.m_min, "m_max": b.m_max, "source": b.source} for b in self.batch_ranges
+            ],
+            "prepared_state": {"kind": self.prepared_state.kind, "extra": self.prepared_state.extra},
         }

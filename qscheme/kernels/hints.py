@@ -34,10 +34,12 @@ def suggest(
     if resolution.layout is not None:
         return resolution.layout.hint
     if resolution.forced:
-        accepted = [c for c in resolution.trace if c.accepted]
-        if accepted:
+        # the kernel the layer would get unforced (the plan's for M = 1), not merely the
+        # highest-priority accepted one, which may be meant for large batches only
+        unforced = resolve(scheme, problem, device, declarations, None, resolution.disabled, unavailable)
+        if unforced.kernel is not None:
             return (
-                f"kernel {accepted[0].kernel} can run this layer here: stop forcing {resolution.forced!r} "
+                f"kernel {unforced.kernel.name} can run this layer here: stop forcing {resolution.forced!r} "
                 "(--kernel / QSCHEME_KERNEL)"
             )
     if resolution.disabled:

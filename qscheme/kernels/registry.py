@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from qscheme.errors import NoKernelError, PluginError, UsageError
 from qscheme.kernels.declaration import KernelDeclaration
 from qscheme.kernels.devices import SIMULATED_DEVICES, DeviceFacts, device_facts, simulated_device, with_environment
+from qscheme.kernels.plan import M_SPLIT_VARIABLE, MSplit, parse_m_split
 from qscheme.kernels.problem import Problem
 from qscheme.kernels.resolver import Resolution, Resolver, check_device, ordered
 
@@ -110,6 +111,19 @@ def overrides(kernel: str | None = None, environ: Mapping[str, str] | None = Non
     return forced, disabled
 
 
+def m_split_override(
+    m_split: MSplit | str | int | None = None, environ: Mapping[str, str] | None = None, origin: str = "m_split"
+) -> MSplit | None:
+    """The batch-range override: an explicit ``m_split`` wins over QSCHEME_M_SPLIT; UsageError
+    naming the value (and the variable or argument) when it is not one of the forms
+    ``qscheme.kernels.plan.parse_m_split`` takes, or names an undeclared kernel."""
+    names = [d.name for d in declarations()]
+    if m_split is not None and not (isinstance(m_split, str) and not m_split.strip()):
+        return parse_m_split(m_split, origin, names)
+    env = os.environ if environ is None else environ
+    return parse_m_split(env.get(M_SPLIT_VARIABLE), M_SPLIT_VARIABLE, names)
+
+
 def _requirements(decls: Sequence[KernelDeclaration]) -> tuple[set[str], set[str], set[str], set[str]]:
     """The modules, environment variables, torch features and distributions the declarations ask about."""
     modules: set[str] = set()
@@ -157,23 +171,31 @@ def device_for(device: DeviceFacts | str | None = None) -> DeviceFacts:
     return facts
 
 
-def resolver(device: DeviceFacts, kernel: str | None = None, environ: Mapping[str, str] | None = None) -> Resolver:
-    """A memoising resolver for the device, the declared kernels and the current overrides."""
+def resolver(
+    device: DeviceFacts,
+    kernel: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    m_split: MSplit | str | int | None = None,
+) -> Resolver:
+    """A memoising resolver for the device, the declared kernels and the current overrides
+    (QSCHEME_KERNEL, QSCHEME_DISABLED_KERNELS, QSCHEME_M_SPLIT; ``kernel`` and ``m_split`` win)."""
     decls = declarations()
     env = os.environ if environ is None else environ
     # Fast path: the same declarations, device object and raw overrides as a previous call.
-    quick = (id(decls), id(device), kernel, *_raw_overrides(env), _failure_count())
+    split_key = m_split.text if isinstance(m_split, MSplit) else m_split
+    quick = (id(decls), id(device), kernel, split_key, *_raw_overrides(env), _failure_count())
     hit = _quick.get(quick)
     if hit is not None and hit[0] is decls and hit[1] is device:
         return hit[2]
     forced, disabled = overrides(kernel, env)
     _check_override_names(decls, kernel, forced, disabled)
+    split = m_split_override(m_split, env)
     with _lock:
         unavailable = dict(_implementation_failures)
-        key = (id(decls), device, forced, disabled, tuple(sorted(unavailable.items())))
+        key = (id(decls), device, forced, disabled, split, tuple(sorted(unavailable.items())))
         found = _resolvers.get(key)
         if found is None or found.declarations != decls:
-            found = Resolver(device, decls, forced, disabled, unavailable)
+            found = Resolver(device, decls, forced, disabled, unavailable, split)
             _resolvers[key] = found
         if len(_quick) >= _QUICK_LIMIT:
             _quick.clear()
@@ -206,22 +228,22 @@ def _check_override_names(
         )
 
 
-def _raw_overrides(env: Mapping[str, str]) -> tuple[object, object]:
-    """The raw QSCHEME_KERNEL and QSCHEME_DISABLED_KERNELS values, read once per resolution.
+def _raw_overrides(env: Mapping[str, str]) -> tuple[object, object, object]:
+    """The raw QSCHEME_KERNEL, QSCHEME_DISABLED_KERNELS and QSCHEME_M_SPLIT values, read once per resolution.
 
     os.environ.get costs more than a whole memoised resolution (it encodes the key and raises
     KeyError internally when unset), so for os.environ itself the encoded mapping is read.
     """
     data = getattr(env, "_data", None) if env is os.environ else None
     if isinstance(data, dict) and _ENCODED_KEYS is not None:
-        return data.get(_ENCODED_KEYS[0]), data.get(_ENCODED_KEYS[1])
-    return env.get(KERNEL_VARIABLE), env.get(DISABLED_VARIABLE)
+        return data.get(_ENCODED_KEYS[0]), data.get(_ENCODED_KEYS[1]), data.get(_ENCODED_KEYS[2])
+    return env.get(KERNEL_VARIABLE), env.get(DISABLED_VARIABLE), env.get(M_SPLIT_VARIABLE)
 
 
-def _encoded_keys() -> tuple[object, object] | None:
+def _encoded_keys() -> tuple[object, object, object] | None:
     encode = getattr(os.environ, "encodekey", None)
     try:
-        return (encode(KERNEL_VARIABLE), encode(DISABLED_VARIABLE)) if encode else None
+        return (encode(KERNEL_VARIABLE), encode(DISABLED_VARIABLE), encode(M_SPLIT_VARIABLE)) if encode else None
     except Exception:
         return None
 
@@ -239,10 +261,12 @@ def resolve_layer(
     device: DeviceFacts | str | None = None,
     kernel: str | None = None,
     environ: Mapping[str, str] | None = None,
+    m_split: MSplit | str | int | None = None,
 ) -> Resolution:
     """Resolve one layer with the installed kernels and the environment's overrides.
 
-    The chosen kernel's implementation is imported (once per process) before it is reported: one
+    The implementation of every kernel of the plan is imported (once per process) before it is
+    reported: one
     that fails to import is recorded and the layer resolved again, so it appears in the trace as
     rejected at the device stage with its import error (a forced kernel then leaves the layer
     without a kernel). When no kernel is chosen although some were accepted (another kernel is
@@ -250,13 +274,15 @@ def resolve_layer(
     """
     facts = device_for(device)
     while True:
-        memo = resolver(facts, kernel, environ)
+        memo = resolver(facts, kernel, environ, m_split)
         resolution = memo.resolve(scheme, problem)
-        chosen = resolution.kernel
-        if chosen is not None:
-            if chosen.name in _implementations or not implementation_failure(chosen):
+        if resolution.kernel is not None:
+            failed = [
+                d for d in resolution.plan.kernels if d.name not in _implementations and implementation_failure(d)
+            ]
+            if not failed:
                 return resolution
-            continue  # the failure is now in _implementation_failures: the next round rejects it
+            continue  # the failures are now in _implementation_failures: the next round rejects them
         accepted = {c.kernel for c in resolution.trace if c.accepted}
         untried = [
             d
@@ -368,11 +394,12 @@ def select_kernel(
     device: DeviceFacts | str | None = None,
     kernel: str | None = None,
     environ: Mapping[str, str] | None = None,
+    m_split: MSplit | str | int | None = None,
 ) -> tuple[Resolution, KernelDeclaration, KernelImplementation]:
     """Resolve and import the chosen kernel's code. A kernel whose code fails to import is
     recorded and resolution repeats without it, unless it was forced: then NoKernelError
     (``resolve_layer`` does the importing)."""
-    resolution = resolve_layer(scheme, problem, device, kernel, environ)
+    resolution = resolve_layer(scheme, problem, device, kernel, environ, m_split)
     if resolution.kernel is None:
         raise no_kernel_error(resolution)
     return resolution, resolution.kernel, load_implementation(resolution.kernel)  # imported: a lookup

@@ -52,7 +52,8 @@ def decision_line(resolution: Resolution) -> str:
     scheme = resolution.scheme.name
     if resolution.kernel is not None:
         forced = " (forced)" if resolution.forced else ""
-        return f"kernel: {resolution.kernel.name}{forced} for scheme {scheme}"
+        at = " at M = 1 (the plan below gives every M)" if resolution.plan.split else ""
+        return f"kernel: {resolution.kernel.name}{forced} for scheme {scheme}{at}"
     if resolution.layout is not None:
         problem = resolution.problem
         return f"kernel: none: scheme {scheme} cannot store a layer of N={problem.n}, K={problem.k} (see layout)"
@@ -61,18 +62,35 @@ def decision_line(resolution: Resolution) -> str:
     return f"kernel: none can run scheme {scheme}"
 
 
+def plan_lines(resolution: Resolution, batch_sizes: Sequence[int] = ()) -> list[str]:
+    """The plan, when more than one kernel runs the layer or ``batch_sizes`` are asked about:
+    ``plan: M <= 15: cpu_gemv; M >= 16: dequant_gemm`` and one ``M=16: dequant_gemm`` line per
+    batch size. Nothing for a one-kernel plan asked about nothing (the decision line says it)."""
+    plan = resolution.plan
+    if not plan.entries or (not plan.split and not batch_sizes):
+        return []
+    lines = [f"plan: {plan.describe()}"]
+    if plan.m_split is not None:
+        lines.append(f"plan override: {plan.m_split.text}")
+    lines.extend(f"  M={m}: {plan.kernel_for(m).name}" for m in batch_sizes)
+    return lines
+
+
 def render_resolution(
     resolution: Resolution,
     failures: Sequence[object] = (),
     hint: str = "",
     declarations: Sequence[KernelDeclaration] | None = None,
+    batch_sizes: Sequence[int] = (),
 ) -> str:
-    """What `qscheme resolve` prints: decision, device and problem lines, the trace table; when
-    unresolved also what kernels accept for the weights (given ``declarations``) and a hint."""
+    """What `qscheme resolve` prints: decision, device and problem lines, the plan (when several
+    kernels run the layer, or ``batch_sizes`` are asked about), the trace table; when unresolved
+    also what kernels accept for the weights (given ``declarations``) and a hint."""
     lines = [
         decision_line(resolution),
         f"device: {resolution.device.describe()}",
         f"problem: {resolution.problem.describe()}",
+        *plan_lines(resolution, batch_sizes),
     ]
     if resolution.layout is not None:
         lines.append(f"layout: {resolution.layout.reason}")
@@ -93,6 +111,7 @@ def resolution_json(
     failures: Sequence[object] = (),
     hint: str = "",
     declarations: Sequence[KernelDeclaration] | None = None,
+    batch_sizes: Sequence[int] = (),
 ) -> dict[str, object]:
     pairings = None
     if resolution.kernel is None and declarations is not None:
@@ -111,6 +130,11 @@ def resolution_json(
         "device": resolution.device.as_json(),
         "problem": resolution.problem.as_json(),
         "layout": resolution.layout.as_json() if resolution.layout is not None else None,
+        "plan": resolution.plan.as_json(),
+        "plan_override": resolution.plan.m_split.text if resolution.plan.m_split is not None else None,
+        "batch_sizes": [
+            {"m": m, "kernel": resolution.plan.kernel_for(m).name} for m in batch_sizes if resolution.plan.entries
+        ],
         "trace": [c.as_json() for c in resolution.trace],
         "pairings": pairings,
         "hint": hint or None,

@@ -36,11 +36,13 @@ from qscheme.kernels.declaration import (
     KernelDeclaration,
     ProblemCheck,
     Supports,
+    describe_batch,
     describe_capabilities,
     format_capability,
 )
 from qscheme.kernels.devices import DeviceFacts
 from qscheme.kernels.features import SchemeFeatures, activation_matches, formats_differ
+from qscheme.kernels.plan import KernelPlan, MSplit, build_plan
 from qscheme.kernels.problem import Problem
 from qscheme.kernels.render import no_kernel_message
 from qscheme.kernels.versions import satisfies
@@ -103,7 +105,10 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Resolution:
-    """The chosen kernel (None when no kernel can run the layer) and the trace of every candidate."""
+    """The chosen kernel (None when no kernel can run the layer), the trace of every candidate,
+    and the plan: which kernel runs which batch size M (``qscheme.kernels.plan``). ``kernel`` is
+    the plan's kernel for M = 1 (decoding); with no batch ranges declared the plan is one entry,
+    that kernel for every M."""
 
     scheme: Scheme = field(compare=False)
     problem: Problem
@@ -113,6 +118,7 @@ class Resolution:
     forced: str | None = None
     disabled: frozenset[str] = frozenset()
     layout: Failure | None = None
+    plan: KernelPlan = field(default_factory=lambda: KernelPlan(()))
 
     @property
     def resolved(self) -> bool:
@@ -474,8 +480,12 @@ def resolve(
     force: str | None = None,
     disabled: Iterable[str] = (),
     unavailable: Mapping[str, str] | None = None,
+    m_split: MSplit | None = None,
 ) -> Resolution:
     """Choose the kernel for one layer and explain the choice (see the module docstring).
+
+    The accepted kernels form the plan over batch sizes (``build_plan``; ``m_split`` overrides
+    the declared ranges); the kernel reported as chosen is the plan's for M = 1.
 
     ``unavailable`` maps kernel names to reasons their implementation cannot be used (learned
     by the caller, e.g. an import that failed); those kernels are rejected at stage device.
@@ -494,21 +504,22 @@ def resolve(
     disabled_set = frozenset(disabled)
     features = SchemeFeatures.of(scheme)
     layout = check_layout(scheme, problem)
+    judged = [(d, judge(d, features, problem, device, disabled_set, unavailable)) for d in candidates]
+    accepted = [d for d, failures in judged if not failures and (force is None or d.name == force)]
+    plan = build_plan(accepted if layout is None else [], device.type, force, m_split)
+    chosen = plan.kernel_for(1) if plan.entries else None
     trace: list[Candidate] = []
-    chosen: KernelDeclaration | None = None
-    for declaration in candidates:
-        failures = judge(declaration, features, problem, device, disabled_set, unavailable)
-        accepted = not failures
-        is_chosen = False
+    for declaration, failures in judged:
+        is_chosen = chosen is not None and declaration.name == chosen.name
         reason = "; ".join(f.reason for f in failures)
-        if accepted:
+        if not failures:
             if layout is not None:
                 reason = f"not chosen: scheme {scheme.name} cannot store this layer (see layout)"
             elif force is not None and declaration.name != force:
                 reason = f"not chosen: kernel {force!r} is forced"
-            elif chosen is None:
-                chosen, is_chosen = declaration, True
-            else:
+            elif plan.split:
+                reason = _plan_reason(plan, declaration)
+            elif not is_chosen and chosen is not None:
                 reason = f"not chosen: {chosen.name} ranks higher"
         trace.append(
             Candidate(
@@ -516,7 +527,7 @@ def resolve(
                 declaration.provider,
                 declaration.priority,
                 declaration.plugin,
-                accepted,
+                not failures,
                 failures[0].stage if failures else None,
                 reason,
                 next((f.hint for f in failures if f.hint), ""),
@@ -524,7 +535,19 @@ def resolve(
                 tuple(failures),
             )
         )
-    return Resolution(scheme, problem, device, chosen, tuple(trace), force, disabled_set, layout)
+    return Resolution(scheme, problem, device, chosen, tuple(trace), force, disabled_set, layout, plan)
+
+
+def _plan_reason(plan: KernelPlan, declaration: KernelDeclaration) -> str:
+    """An accepted kernel's place in a plan of several kernels: the M it runs, or why none."""
+    mine = plan.ranges_of(declaration.name)
+    if mine:
+        where = ", ".join(describe_batch(e.m_min, e.m_max) for e in mine)
+        return f"runs {where} (plan: {mine[0].reason})" if not mine[0].covers(1) else f"runs {where}"
+    for name, why in plan.skipped:
+        if name == declaration.name:
+            return why
+    return f"not chosen: {', '.join(k.name for k in plan.kernels)} rank higher for the M it is meant for"
 
 
 def judge(
@@ -565,8 +588,10 @@ class Resolver:
         force: str | None = None,
         disabled: Iterable[str] = (),
         unavailable: Mapping[str, str] | None = None,
+        m_split: MSplit | None = None,
     ) -> None:
         self.device = device
+        self.m_split = m_split
         self.declarations = tuple(ordered(declarations))
         self.force = force
         self.disabled = frozenset(disabled)
@@ -578,7 +603,14 @@ class Resolver:
         hit = self._cache.get(key)
         if hit is None or hit[0] is not scheme:
             resolution = resolve(
-                scheme, problem, self.device, self.declarations, self.force, self.disabled, self.unavailable
+                scheme,
+                problem,
+                self.device,
+                self.declarations,
+                self.force,
+                self.disabled,
+                self.unavailable,
+                self.m_split,
             )
             self._cache[key] = (scheme, resolution)
             return resolution

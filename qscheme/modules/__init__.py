@@ -28,7 +28,7 @@ from qscheme.modules.experts import (
     find_expert_modules,
 )
 from qscheme.modules.failures import KernelRouteWarning
-from qscheme.modules.linear import QuantLinear
+from qscheme.modules.linear import QuantLinear, set_m_split
 from qscheme.modules.ops import handle_for, layer_for
 from qscheme.modules.problem import problem_for
 from qscheme.modules.weight import QuantizedWeight, QuantizedWeightError
@@ -50,4 +50,5 @@ __all__ = [
     "handle_for",
     "layer_for",
     "problem_for",
+    "set_m_split",
 ]

@@ -49,8 +49,9 @@ from qscheme.input_checks import poison_non_finite_rows, refuse_non_finite
 from qscheme.kernels.declaration import KernelDeclaration
 from qscheme.kernels.devices import DeviceFacts
 from qscheme.kernels.interface import KernelExecutionError
+from qscheme.kernels.plan import KernelPlan
 from qscheme.kernels.problem import normalize_dtype
-from qscheme.kernels.registry import checked_kernel, device_for, select_kernel
+from qscheme.kernels.registry import checked_kernel, device_for, load_implementation, m_split_override, select_kernel
 from qscheme.kernels.resolver import Resolution
 from qscheme.modules.device import checked_device
 from qscheme.modules.failures import KernelRouteWarning, bad_output_error, kernel_error, route_message
@@ -78,6 +79,7 @@ class QuantLinear(torch.nn.Module):
         layer_name: str | None = None,
         activation_dtype: str | torch.dtype = "bfloat16",
         device_facts: DeviceFacts | None = None,
+        m_split: str | int | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(weight, CanonicalWeight):
@@ -87,6 +89,9 @@ class QuantLinear(torch.nn.Module):
             )
         torch_device = checked_device(device, "QuantLinear")
         kernel = checked_kernel(kernel, "QuantLinear")
+        # the batch-range override (None: QSCHEME_M_SPLIT, read when the layer resolves)
+        split = m_split_override(m_split, origin="QuantLinear(m_split=...)") if m_split is not None else None
+        self.m_split: str | None = None if split is None else split.text
         # what describes the tensors; the tensors themselves are buffers (weight_canonical),
         # left where they are given (host memory, copies of their own for a loaded checkpoint);
         # detached: the weight is frozen, so scales given as Parameters carry no autograd history
@@ -116,8 +121,8 @@ class QuantLinear(torch.nn.Module):
         # Resolution happens now (a layer that cannot run fails at load time); the kernel's
         # prepare (a repack; the reference kernel keeps the canonical tensors) waits for the first forward
         # or an explicit prepare(), so that loading a checkpoint stays close to its file size.
-        self._resolved: dict[str, tuple[Resolution, KernelDeclaration, Any]] = {}
-        self._states: dict[str, Any] = {}
+        self._resolved: dict[str, tuple[Resolution, KernelDeclaration, Any, tuple[_Route, ...]]] = {}
+        self._states: dict[tuple[str, str], Any] = {}  # (activation dtype, kernel name) -> prepared state
         self._routes_told: set[str] = set()  # input dtypes whose kernel was checked against ``kernel``
         self._output_shapes: dict[torch.Size, torch.Size] = {}  # input shape -> the output shape apply must give
         self._kernel_device = self.torch_device  # the device _facts, _resolved and _states are for
@@ -137,9 +142,10 @@ class QuantLinear(torch.nn.Module):
         bias: Tensor | None = None,
         layer_name: str | None = None,
         activation_dtype: str | torch.dtype = "bfloat16",
+        m_split: str | int | None = None,
     ) -> QuantLinear:
         """A layer from canonical tensors (several ``partitions`` for a fused layer)."""
-        return cls(weight, device, kernel, bias, layer_name, activation_dtype)
+        return cls(weight, device, kernel, bias, layer_name, activation_dtype, m_split=m_split)
 
     @classmethod
     def from_tensors(
@@ -151,6 +157,7 @@ class QuantLinear(torch.nn.Module):
         bias: Tensor | None = None,
         layer_name: str | None = None,
         activation_dtype: str | torch.dtype = "bfloat16",
+        m_split: str | int | None = None,
     ) -> QuantLinear:
         """A layer from a scheme (object, catalog name or descriptor file) and its checkpoint
         tensors, keyed by the names the scheme declares (``weight_packed``, ``weight_scale``...).
@@ -177,7 +184,13 @@ class QuantLinear(torch.nn.Module):
                 raise UsageError(f"{layer_name or 'QuantLinear'}: bias given twice: in tensors and as bias=; pass one")
             bias = tensors["bias"]
         return cls(
-            canonicalize(scheme, tensors, n, k, layer=layer_name), device, kernel, bias, layer_name, activation_dtype
+            canonicalize(scheme, tensors, n, k, layer=layer_name),
+            device,
+            kernel,
+            bias,
+            layer_name,
+            activation_dtype,
+            m_split=m_split,
         )
 
     # -- the canonical tensors as buffers ------------------------------------------------------
@@ -289,6 +302,7 @@ class QuantLinear(torch.nn.Module):
         # layers pickled by an earlier qscheme lack the newer bookkeeping
         self.__dict__.setdefault("_routes_told", set())
         self.__dict__.setdefault("_output_shapes", {})
+        self.__dict__.setdefault("m_split", None)
         self._op_handle = handle_for(self)  # a copy is a layer of its own for the custom ops
 
     # -- kernel selection ----------------------------------------------------------------------
@@ -312,49 +326,94 @@ class QuantLinear(torch.nn.Module):
             self._states.clear()
             self._routes_told.clear()
 
-    def _resolve(self, activation_dtype: str) -> tuple[Resolution, KernelDeclaration, Any]:
+    def _resolve(self, activation_dtype: str) -> tuple[Resolution, KernelDeclaration, Any, tuple[_Route, ...]]:
         self._follow_device()
         found = self._resolved.get(activation_dtype)
         if found is None:
             problem = problem_for(self.weight_canonical, activation_dtype, self.layer_name)
-            found = select_kernel(self.scheme, problem, self._device_facts(), self.forced_kernel)
+            resolution, kernel, implementation = select_kernel(
+                self.scheme, problem, self._device_facts(), self.forced_kernel, m_split=self.m_split
+            )
+            # the plan's kernels were imported by the resolution: loading them is a lookup
+            routes = tuple(
+                _Route(entry.m_min, entry.m_max, entry.kernel, load_implementation(entry.kernel))
+                for entry in resolution.plan.entries
+            )
+            found = (resolution, kernel, implementation, routes)
             self._resolved[activation_dtype] = found
         return found
 
     @torch.compiler.disable
-    def _prepare(self, activation_dtype: str) -> tuple[Any, Any]:
-        """The kernel and its state for ``activation_dtype``, prepared once (threads that ask
-        together wait for the first: one prepared copy, not one per thread). Not traced by
-        torch.compile: a compiled model prepares eagerly on its first call."""
+    def _prepare(self, activation_dtype: str, m: int = 1) -> tuple[_Route, Any]:
+        """The kernel for ``activation_dtype`` and batch size ``m`` (the plan's) and its state,
+        prepared once per kernel from the same canonical weight (threads that ask together wait
+        for the first: one prepared copy, not one per thread). Not traced by torch.compile: a
+        compiled model prepares eagerly on its first call."""
         with self._lock:
-            _, _, implementation = self._resolve(activation_dtype)
-            if activation_dtype not in self._states:
+            route = _route_for(self._resolve(activation_dtype)[3], m)
+            key = (activation_dtype, route.kernel.name)
+            if key not in self._states:
                 try:
-                    state = implementation.prepare(self.weight_canonical, self.torch_device)
+                    state = route.implementation.prepare(self.weight_canonical, self.torch_device)
                 except (Exception, SystemExit) as exc:  # a plugin's code may raise anything: name who failed, where
-                    raise self._kernel_error(activation_dtype, "prepare", exc) from exc
-                self._states[activation_dtype] = state
-            return implementation, self._states[activation_dtype]
+                    raise self._kernel_error(route.kernel, activation_dtype, "prepare", exc) from exc
+                self._states[key] = state
+            return route, self._states[key]
 
-    def _prepared(self, activation_dtype: str) -> tuple[Any, Any]:
+    def _prepared(self, activation_dtype: str, m: int = 1) -> tuple[_Route, Any]:
+        """``_prepare`` with a lookup first (the forward's host time)."""
         self._follow_device()
-        state = self._states.get(activation_dtype)
-        if state is None:
-            return self._prepare(activation_dtype)
-        return self._resolved[activation_dtype][2], state
+        found = self._resolved.get(activation_dtype)
+        if found is not None:
+            routes = found[3]
+            route = routes[0] if len(routes) == 1 else _route_for(routes, m)
+            state = self._states.get((activation_dtype, route.kernel.name))
+            if state is not None:
+                return route, state
+        return self._prepare(activation_dtype, m)
 
-    def prepare(self, activation_dtype: str | torch.dtype | None = None) -> QuantLinear:
-        """Run the kernel's prepare now (it otherwise runs on the first forward, compiled or
-        not: ``qscheme.modules.ops``); returns self."""
-        self._prepare(normalize_dtype(activation_dtype) if activation_dtype is not None else self._default_dtype)
+    def prepare(self, activation_dtype: str | torch.dtype | None = None, m: int | None = None) -> QuantLinear:
+        """Run the kernels' prepare now (it otherwise runs on the first forward at each kernel's
+        batch sizes, compiled or not: ``qscheme.modules.ops``): every kernel of the plan, or the
+        one for batch size ``m``; returns self."""
+        dtype = normalize_dtype(activation_dtype) if activation_dtype is not None else self._default_dtype
+        routes = self._resolve(dtype)[3]
+        for first in [m] if m is not None else [route.m_min for route in routes]:
+            self._prepare(dtype, first)
         return self
 
     @property
     def prepared(self) -> bool:
-        """Whether the kernel state for the default activation dtype has been built (for the
-        layer's current device)."""
+        """Whether the state of the kernel for the default activation dtype (at M = 1) has been
+        built (for the layer's current device)."""
         self._follow_device()
-        return self._default_dtype in self._states
+        return (self._default_dtype, self.kernel.name) in self._states
+
+    @property
+    def plan(self) -> KernelPlan:
+        """Which kernel runs which batch size M (= x.numel() // K) for the default activation
+        dtype: the plan ``qscheme resolve --m`` shows."""
+        return self.resolution.plan
+
+    def set_m_split(self, m_split: str | int | None) -> QuantLinear:
+        """Override the kernels' declared batch ranges for this layer (``qscheme.kernels.plan``:
+        a boundary M, ``"off"``, or ``kernel=RANGE`` pairs; None: QSCHEME_M_SPLIT again). The plan
+        is resolved anew at the next call, and its kernels prepared on first use. Returns self."""
+        split = m_split_override(m_split, origin="set_m_split(m_split=...)") if m_split is not None else None
+        with self._lock:
+            self.m_split = None if split is None else split.text
+            self._resolved.clear()
+            self._states.clear()
+            self._routes_told.clear()
+        return self
+
+    def kernel_for_batch(self, m: int, activation_dtype: str | torch.dtype | None = None) -> KernelDeclaration:
+        """The kernel ``forward`` runs for inputs of ``m`` rows (x.numel() // K) of ``activation_dtype``
+        (default: the layer's)."""
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise UsageError(f"{self._name()}: kernel_for_batch takes a batch size M >= 0 (an int), not {m!r}")
+        dtype = self._default_dtype if activation_dtype is None else self._dtype_name(activation_dtype)
+        return _route_for(self._resolve(dtype)[3], m).kernel
 
     @property
     def kernel(self) -> KernelDeclaration:
@@ -403,13 +462,14 @@ class QuantLinear(torch.nn.Module):
         message = route_message(self._name(), activation_dtype, routed, usual, self._default_dtype, why)
         warnings.warn(message, KernelRouteWarning, stacklevel=3)
 
-    def _kernel_error(self, activation_dtype: str, stage: str, error: BaseException) -> KernelExecutionError:
+    def _kernel_error(
+        self, kernel: KernelDeclaration, activation_dtype: str, stage: str, error: BaseException
+    ) -> KernelExecutionError:
         """The typed error for a kernel whose ``stage`` (prepare or apply) raised ``error``."""
-        kernel = self._resolved[activation_dtype][1]
         where = f"{activation_dtype} inputs, device {self.torch_device}"
         return kernel_error(kernel, stage, error, self._name(), self.scheme.name, where)
 
-    def _run(self, implementation: Any, state: Any, x: Tensor, activation_dtype: str) -> Tensor:
+    def _run(self, route: _Route, state: Any, x: Tensor, activation_dtype: str) -> Tensor:
         """``implementation.apply`` with its failures and its output checked; a non-finite input to
         a layer that quantizes activations is refused on a CPU, NaN-propagated elsewhere
         (``qscheme.input_checks``)."""
@@ -417,11 +477,11 @@ class QuantLinear(torch.nn.Module):
         if quantizes and x.device.type == "cpu":
             refuse_non_finite(x, self._name(), self.scheme.name)
         try:
-            y = implementation.apply(state, x, self.bias)
+            y = route.implementation.apply(state, x, self.bias)
         except (Exception, SystemExit) as exc:  # a plugin's code may raise anything: name who failed, where
-            raise self._kernel_error(activation_dtype, "apply", exc) from exc
+            raise self._kernel_error(route.kernel, activation_dtype, "apply", exc) from exc
         if not isinstance(y, Tensor) or y.dtype != x.dtype or y.shape != self._output_shape(x):
-            raise self._bad_output(y, x, activation_dtype)
+            raise self._bad_output(route.kernel, y, x)
         return poison_non_finite_rows(y, x) if quantizes and x.device.type != "cpu" else y
 
     def _output_shape(self, x: Tensor) -> torch.Size:
@@ -433,8 +493,7 @@ class QuantLinear(torch.nn.Module):
             shape = self._output_shapes[x.shape] = torch.Size((*x.shape[:-1], self.out_features))
         return shape
 
-    def _bad_output(self, y: object, x: Tensor, activation_dtype: str) -> KernelExecutionError:
-        kernel = self._resolved[activation_dtype][1]
+    def _bad_output(self, kernel: KernelDeclaration, y: object, x: Tensor) -> KernelExecutionError:
         found = f"{list(y.shape)} {y.dtype}" if isinstance(y, Tensor) else f"a {type(y).__name__}"
         expected = f"{[*x.shape[:-1], self.out_features]} {x.dtype}"
         return bad_output_error(kernel, found, expected, self._name(), self.scheme.name)
@@ -493,28 +552,28 @@ class QuantLinear(torch.nn.Module):
             # one opaque operator for the graph: prepare and the kernel's code run outside it
             y: Tensor = torch.ops.qscheme.quant_linear(x, self._op_handle, self.out_features)
             return y
-        implementation, state = self._prepared(dtype)
+        route, state = self._prepared(dtype, x.numel() // self.in_features)
         if dtype != self._default_dtype and dtype not in self._routes_told:
             self._tell_route(dtype)
         # the kernel computes as it does for this dtype outside autocast (its own float ops uncast)
         with torch.autocast(x.device.type, enabled=False) if cast is not None else contextlib.nullcontext():
             if not torch.is_grad_enabled():  # inference: no context to enter (host time per call)
-                return self._run(implementation, state, x, dtype)
+                return self._run(route, state, x, dtype)
             if x.requires_grad:
-                y = _ThroughDequantized.apply(x, self, implementation, state, dtype)
+                y = _ThroughDequantized.apply(x, self, route, state, dtype)
                 return y
             with torch.no_grad():
-                return self._run(implementation, state, x, dtype)
+                return self._run(route, state, x, dtype)
 
     def _kernel_forward(self, x: Tensor) -> Tensor:
         """The kernel's output for a checked input, without gradient: what the custom op
         ``qscheme::quant_linear`` runs (``forward`` checked x and cast it for autocast)."""
         dtype = _INPUT_DTYPE_NAMES[x.dtype]
-        implementation, state = self._prepared(dtype)
+        route, state = self._prepared(dtype, x.numel() // self.in_features)
         if dtype != self._default_dtype and dtype not in self._routes_told:
             self._tell_route(dtype)
         with torch.autocast(x.device.type, enabled=False), torch.no_grad():
-            return self._run(implementation, state, x, dtype)
+            return self._run(route, state, x, dtype)
 
     def _input_grad(self, grad_y: Tensor) -> Tensor:
         """grad_x = grad_y @ effective_weight(), in grad_y's dtype (straight through activation
@@ -554,6 +613,36 @@ def _effective_weight(weight: CanonicalWeight) -> Tensor:
 
 
 @dataclass(frozen=True)
+class _Route:
+    """One entry of the layer's plan with the kernel's code: inputs of m_min..m_max rows."""
+
+    m_min: int
+    m_max: int | None
+    kernel: KernelDeclaration
+    implementation: Any
+
+
+def set_m_split(model: torch.nn.Module, m_split: str | int | None) -> int:
+    """``QuantLinear.set_m_split`` on every QuantLinear of ``model`` (a model from
+    ``apply_to_model``, the transformers integration or ``load_checkpoint``); the value is checked
+    once, before any layer changes. Returns how many layers it set."""
+    if m_split is not None:
+        m_split_override(m_split, origin="set_m_split(m_split=...)")
+    layers = [module for module in model.modules() if isinstance(module, QuantLinear)]
+    for layer in layers:
+        layer.set_m_split(m_split)
+    return len(layers)
+
+
+def _route_for(routes: tuple[_Route, ...], m: int) -> _Route:
+    """The plan's route for batch size ``m`` (the plan covers every M >= 0)."""
+    for route in routes:
+        if m >= route.m_min and (route.m_max is None or m <= route.m_max):
+            return route
+    raise AssertionError(f"the plan covers no M = {m}")  # never: a plan covers every M >= 0
+
+
+@dataclass(frozen=True)
 class _Layout:
     """A CanonicalWeight without its tensors."""
 
@@ -582,10 +671,10 @@ class _ThroughDequantized(torch.autograd.Function):
     weight (straight through activation quantization). The weight and bias get none."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, layer: QuantLinear, implementation: Any, state: Any, dtype: str) -> Tensor:
+    def forward(ctx: Any, x: Tensor, layer: QuantLinear, route: _Route, state: Any, dtype: str) -> Tensor:
         ctx.layer = layer
         with torch.no_grad():
-            return layer._run(implementation, state, x, dtype)
+            return layer._run(route, state, x, dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, None, None, None, None]:

@@ -54,6 +54,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "native_fp4": "qscheme_plugins.native_fp4",
     "native_fp8": "qscheme_plugins.native_fp8",
     "tinygemm": "qscheme_plugins.tinygemm",
+    "dequant_gemm": "qscheme_plugins.dequant_gemm",
 }
 HOOKS: tuple[str, ...] = ("qscheme_kernels", "qscheme_schemes")
 
