@@ -493,9 +493,13 @@ needs_sm80 = pytest.mark.skipif(
 )
 
 
+# the CUDA check's cases: every claimed form, and issue 27's GPTQ/AWQ int4 schemes of groups of 128
+CUDA_CASES = CLAIMED + [(name, 128) for name in ("gptq/W4A16", "gptq/W4A16_ASYM", "gptq_v2/W4A16", "awq/W4A16_ASYM")]
+
+
 @pytest.mark.gpu
 @needs_sm80
-@pytest.mark.parametrize(("name", "group"), CLAIMED, ids=[f"{n}-g{g}" for n, g in CLAIMED])
+@pytest.mark.parametrize(("name", "group"), CUDA_CASES, ids=[f"{n}-g{g}" for n, g in CUDA_CASES])
 def test_tinygemm_on_cuda_matches_the_reference(name: str, group: int) -> None:
     scheme = claimed_scheme(name, group)
     device = torch.device("cuda")
