@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-import threading
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -216,17 +216,18 @@ def vllm_results(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.fixture(scope="module")
-def marlin() -> marlin_kernel.MarlinKernel:
-    """qscheme's Marlin kernel with the repack op replaced by qscheme's own Python tiles (no vLLM here)."""
+def marlin() -> Iterator[marlin_kernel.MarlinKernel]:
+    """qscheme's Marlin kernel bound to a stand-in for vLLM's ops whose repack is qscheme's own
+    Python tiles (no vLLM in this venv; ``prepare`` only repacks)."""
 
     def repack(b_q_weight: Tensor, size_k: int, size_n: int, num_bits: int, is_a_8bit: bool) -> Tensor:
         assert not is_a_8bit
         return ml.marlin_tiles(b_q_weight, size_k, size_n, num_bits)
 
-    kernel = marlin_kernel.MarlinKernel.__new__(marlin_kernel.MarlinKernel)
-    kernel.ops, kernel.scalar_types, kernel.vllm_version = SimpleNamespace(gptq_marlin_repack=repack), None, "0.33.0"
-    kernel._workspaces, kernel._lock = {}, threading.Lock()
-    return kernel
+    ops = SimpleNamespace(gptq_marlin_repack=repack)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(marlin_kernel, "bind_vllm", lambda: (ops, None, "0.33.0"))
+        yield marlin_kernel.MarlinKernel()
 
 
 def _layers(folder: Path) -> dict[str, Any]:
