@@ -125,7 +125,7 @@ def wrapper_time(reps: int) -> float:
     with torch.no_grad():
         layer(x)
         implementation = layer._resolved[layer._default_dtype][2]
-        state = layer._states[layer._default_dtype]
+        state = layer._states[(layer._default_dtype, layer.kernel.name)]  # per (dtype, kernel of the plan)
         forward = best_time(lambda: layer(x), reps)
         apply = best_time(lambda: implementation.apply(state, x, None), reps)
     return forward - apply

@@ -52,8 +52,12 @@ INT4_SCHEMES = (
 BLOCK_SCHEMES = ("gguf/Q4_0", "gguf/Q4_1", "gguf/Q4_K")  # tests/test_tinygemm_blocks.py
 # GPTQ and AWQ load into compressed-tensors' int4 tensors (tests/test_gptq_awq_layout.py)
 PRODUCER_INT4_SCHEMES = (
-    *(f"{folder}/{name}" for folder in ("gptq", "gptq_v2") for name in ("W4A16", "W4A16_ASYM", "W4A16_G32")),
-    *(f"{folder}/W4A16_ASYM_G32" for folder in ("gptq", "gptq_v2")),
+    *(
+        f"{folder}/W4A16{sym}{group}"
+        for folder in ("gptq", "gptq_v2")
+        for sym in ("", "_ASYM")
+        for group in ("", "_G32", "_G64", "_CHANNEL")
+    ),
     "awq/W4A16_ASYM",
 )
 GROUP_SIZES = (32, 64, 128, 256)
@@ -468,7 +472,7 @@ def test_a_layer_keeps_the_4_bit_weight_twice_and_its_scales_three_times() -> No
     layer = QuantLinear.from_canonical(weight)
     assert layer.kernel.name == "tinygemm_cpu"
     layer(torch.randn(1, k).to(BF16))
-    state = layer._states["bfloat16"]
+    state = layer._states[("bfloat16", "tinygemm_cpu")]  # per (dtype, kernel of the plan)
     four_bit = _storages([b for name, b in layer.named_buffers() if name.startswith("canonical_")])
     assert four_bit == n * k // 2 + n * (k // group) * 2
     kept = _storages([*layer.buffers(), state.packed, state.scales_and_zeros])
