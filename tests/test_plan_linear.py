@@ -231,3 +231,35 @@ def test_dequant_gemm_output(scheme_name: str, native: bool, small_tiles: None) 
     assert ((y16.float() - reference).abs() <= 2**-7 * magnitude + 2**-8 * reference.abs() + 1e-6).all()
     empty = kernel.apply(state, xb[:, :0], None)
     assert empty.shape == (3, 0, N) and empty.dtype == torch.bfloat16
+
+
+# -- benchmarks/cpu_plan.py ------------------------------------------------------------------
+
+cpu_plan = importlib.import_module("cpu_plan")
+
+
+def test_the_boundary_is_where_the_tile_gemm_wins_from_then_on() -> None:
+    def row(gemv: float, tiles: float) -> dict[str, float]:
+        return {"F.linear bf16": 1.0, "gemv": gemv, "dequant_gemm": tiles, "plan": 0.1}
+
+    times = {1: row(1, 5), 8: row(4, 5), 16: row(8, 5), 64: row(30, 6)}
+    assert cpu_plan.boundary(times) == 16
+    times[64] = row(3, 6)  # losing at the largest M: no boundary
+    assert cpu_plan.boundary(times) is None
+
+
+def test_the_smoke_run_prints_a_row_per_batch_size_and_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    threads = torch.get_num_threads()
+    try:
+        assert cpu_plan.main(["--smoke", "--scheme", NVFP4]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert f"## {NVFP4}, 128x256, bf16 inputs, 1 thread(s)" in out
+    rows = [line for line in out.splitlines() if line.startswith(("| 1 |", "| 16 |"))]
+    assert len(rows) == 2 and all("dequant_gemm" not in r and "x)" in r for r in rows)
+    assert "| dequant_gemm us (x bf16) |" in out and "| plan us (x bf16) |" in out
+    plan_layer = QuantLinear(random_weight(load_scheme(NVFP4), 128, 256, seed=1, scale_dtype="bfloat16"))
+    expected = "; ".join(f"M={m}: {plan_layer.kernel_for_batch(m).name}" for m in (1, 16))
+    assert f"plan: {expected}" in out
+    assert "plan layer resident after every M:" in out
