@@ -16,8 +16,9 @@ bias permutation is checked in tests/test_marlin_layout.py).
 
 What vLLM 0.33 refuses, and what qscheme does instead:
 - GPTQ act-order with groups (``desc_act: true``, ``g_idx`` out of order): vLLM's config raises
-  ("no longer supported"). qscheme loads it exactly onto the reference kernel; Marlin is rejected
-  at the scheme stage because it does not take a permuted input.
+  ("no longer supported"; with channel scales act-order changes nothing and vLLM drops it, and its
+  GPTQ method makes no ``g_idx`` parameter at all). qscheme loads it exactly onto the reference
+  kernel; Marlin is rejected at the problem stage because it takes the input channels in order.
 - Asymmetric GPTQ (``sym: false``): vLLM's GPTQ config raises (only ``uint4b8``/``uint8b128``).
   qscheme runs it on Marlin as ``uint4`` with zero points, as vLLM runs compressed-tensors'
   W4A16_ASYM: checked against vLLM's compressed-tensors Marlin path on qscheme's conversion of
