@@ -476,7 +476,8 @@ def test_a_kernel_raising_a_torch_error_under_compile_is_a_kernel_execution_erro
     layer = QuantLinear.from_tensors(
         SCHEME, _tensors(), layer_name="mlp.up", activation_dtype="float32", kernel="reference"
     )
-    implementation, _ = layer._prepared("float32")
+    route, _ = layer._prepared("float32")  # the plan's route for M = 1: its kernel and code
+    implementation = route.implementation
 
     def broken(state: object, x: Tensor, bias: Tensor | None) -> Tensor:
         return torch.mm(x, torch.ones(3, 3))  # a torch RuntimeError from inside the kernel's code
