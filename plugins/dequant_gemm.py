@@ -24,13 +24,18 @@ from qscheme.kernels.declaration import (
 )
 from qscheme.plugins import hookimpl
 
-# Where the tile GEMM starts to beat the other kernels on a CPU, from benchmarks/cpu_plan.py
-# (4096x4096, bf16 inputs, 1 and 2 threads; the figures are in that script's docstring).
+# Where the tile GEMM starts to beat the GEMV kernels on a CPU: benchmarks/cpu_plan.py and the same
+# comparison by hand, compressed-tensors/NVFP4A16 4096x4096, bf16 inputs, against cpu_gemv (its row
+# decoder feeding the tiles), on two AVX-512/AMX cores shared with other jobs (load average 4-7, so
+# single figures move 2x; medians of 5-9 calls). Crossover: 2 threads M = 16 (gemv 29.9 / tiles 28.9 ms;
+# M = 8: 15.7 / 29.5; M = 32: 44.6 / 17.3) and M = 12 in a second run; 1 thread M = 16 (30.2 / 30.2;
+# M = 12: 20.7 / 31.3; M = 32: 59.7 / 32.6) and M = 24 in a second run. The reference kernel is 3-9x
+# slower than the tiles at every M >= 8. 16 is the boundary declared.
 CPU_BATCHES = BatchRange(
     "cpu",
     m_min=16,
-    source="benchmarks/cpu_plan.py, 4096x4096 bf16 on 2 AVX-512/AMX cores: faster than the reference kernel from "
-    "M = 2 and than bf16 F.linear's weight read from M = 16",
+    source="benchmarks/cpu_plan.py, NVFP4A16 4096x4096 bf16, 1 and 2 threads: the tiles overtake the cpu_gemv "
+    "GEMV between M = 12 and 24 (M = 16 in two of four runs on a shared machine)",
 )
 
 DEQUANT_GEMM = KernelDeclaration(
