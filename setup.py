@@ -38,6 +38,23 @@ BLOCKS_EXTENSION = Extension(
     optional=True,
 )
 
+# The CPU GEMV over canonical quantized weights (qscheme.cpu_gemv), in C++17 with no torch headers
+# either: optional in the same way (without it the CPU layers run on the other kernels). Each ISA's
+# loops are compiled by a target pragma in their own file and chosen at run time by cpuid.
+CPU_GEMV_EXTENSION = Extension(
+    "qscheme._cpu_gemv",
+    sources=[
+        "qscheme/csrc/cpu_gemv.cpp",
+        "qscheme/csrc/cpu_gemv_avx512.cpp",
+        "qscheme/csrc/cpu_gemv_avx2.cpp",
+    ],
+    depends=["qscheme/csrc/cpu_gemv.h", "qscheme/csrc/cpu_gemv_kernel.h"],
+    language="c++",
+    extra_compile_args=["-O3", "-std=c++17", "-fno-fast-math", "-pthread"],
+    extra_link_args=["-pthread"],
+    optional=True,
+)
+
 
 if __name__ == "__main__":
-    setup(package_dir=ROOTS, packages=packages(), ext_modules=[BLOCKS_EXTENSION])
+    setup(package_dir=ROOTS, packages=packages(), ext_modules=[BLOCKS_EXTENSION, CPU_GEMV_EXTENSION])

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from qscheme_plugins.cpu_gemv import CPU_GEMV
 from qscheme_plugins.dequant_gemm import DEQUANT_GEMM
 from qscheme_plugins.marlin import MARLIN, MARLIN_MXFP4
 from qscheme_plugins.native_fp4 import NATIVE_FP4, NATIVE_MXFP4
@@ -49,6 +50,7 @@ BUILTIN_DECLARATIONS: tuple[KernelDeclaration, ...] = (
     TINYGEMM,
     TINYGEMM_CPU,
     DEQUANT_GEMM,
+    CPU_GEMV,
 )
 # The built-in kernels in the resolver's order: highest priority first, then by name (written
 # out, so that a priority change shows in the tests that compare a trace's order with it).
@@ -63,6 +65,7 @@ BUILTIN_KERNELS_BY_PRIORITY: list[str] = [
     "tinygemm",
     "tinygemm_cpu",
     "triton",
+    "cpu_gemv",
     "dequant_gemm",
     "reference",
     "native_fp8_cpu",

@@ -169,7 +169,7 @@ def test_issue_27_kernel_routes_hold() -> None:
     int8 = [n for n in PRODUCER_SCHEMES if "/W8A16" in n]
     assert len(int4) == 9 and len(int8) == 2
     assert {_route("cpu", n) for n in int4} == {"tinygemm_cpu"}
-    assert {_route("cpu", n) for n in int8} == {"reference"}  # tinygemm_cpu is int4 only
+    assert {_route("cpu", n) for n in int8} == {"cpu_gemv"}  # tinygemm_cpu is int4 only
     for gpu in ("sm90", "sm100"):
         assert {_route(gpu, n) for n in int4 + int8} == {"marlin"}, gpu
         assert {_route(gpu, n) for n in PRODUCER_SCHEMES if "/W2A16" in n} == {"triton"}  # Marlin has no 2-bit

@@ -55,6 +55,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "native_fp8": "qscheme_plugins.native_fp8",
     "tinygemm": "qscheme_plugins.tinygemm",
     "dequant_gemm": "qscheme_plugins.dequant_gemm",
+    "cpu_gemv": "qscheme_plugins.cpu_gemv",
 }
 HOOKS: tuple[str, ...] = ("qscheme_kernels", "qscheme_schemes")
 

@@ -1,0 +1,150 @@
+"""qscheme's CPU GEMV (``qscheme._cpu_gemv``, C++ with AVX-512 / AVX2 / scalar loops): the
+declaration of the ``cpu_gemv`` kernel.
+
+It runs the scale-and-code formats on the CPU without dequantizing the weight: e2m1 (NVFP4,
+MXFP4, FP4 with float scales), e4m3 (FP8 per tensor, channel or 128x128 block), int8 and uint8
+(W8A16, W8A8's weights), int4 and uint4, with zero points, per-partition global scales and AWQ
+pre-scales; bfloat16, float16 (through float32) and float32 inputs. Schemes that quantize their
+activations run with the reference kernel's exact activation emulation (``qscheme.emulation``)
+ahead of the GEMV. The code is in ``qscheme_plugins.cpu_gemv_kernel`` and ``qscheme.cpu_gemv``.
+
+Priority 45: above the reference kernel (0) on every format it takes, below ``tinygemm_cpu``
+(60), which keeps int4 with bfloat16 inputs (see the benchmark figures in the report), and below
+the Triton kernel (50), which runs on a CPU only under the Triton interpreter (a test path).
+
+The capability check ``NativeLoops`` rejects the kernel, with its reason in the resolve trace,
+where the extension was not built (no C++ compiler at install) or the CPU runs neither AVX-512
+nor AVX2 (the portable loop is correct but slower than torch's matmul there); it imports the
+extension, a plain CPython module, and nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from qscheme.descriptor.model import SCALE_FORMATS, weight_family
+from qscheme.kernels.declaration import (
+    DEPLOYED_ACTIVATION_PAIRS,
+    NVFP4_ACTIVATION_PAIR,
+    PASSED,
+    ActivationDtypes,
+    BatchRange,
+    CheckResult,
+    DeviceSupport,
+    KernelDeclaration,
+    PreparedState,
+    Supports,
+)
+from qscheme.plugins import hookimpl
+
+if TYPE_CHECKING:
+    from qscheme.kernels.problem import Problem
+
+# The element formats of the weight codes the loops decode.
+CODE_FORMATS: tuple[str, ...] = ("e2m1", "int4", "uint4", "e4m3", "int8", "uint8")
+VECTOR_ISAS: tuple[str, ...] = ("avx2", "avx512")
+
+WEIGHT_ONLY_FORMATS = Supports(
+    weights=("nvfp4", "mxfp4", "fp4", "int4", "int8", "fp8"),
+    weight_formats=CODE_FORMATS,
+    granularities=("tensor", "channel", "group", "block"),
+    scale_formats=("e4m3", "e8m0", "fp32", "fp16", "bf16", "float"),
+    zero_points=True,
+    per_partition_scales=True,
+    input_pre_scale=True,
+)
+
+
+def _restricted(entry: Supports) -> Supports:
+    """An activation pair of the reference kernel, with the weights these loops decode."""
+    formats = tuple(f for f in CODE_FORMATS if f in _family_formats(entry.weights))
+    return Supports(
+        weights=entry.weights,
+        activations=entry.activations,
+        weight_formats=formats,
+        zero_points=entry.zero_points,
+        per_partition_scales=entry.per_partition_scales,
+        input_pre_scale=entry.input_pre_scale,
+    )
+
+
+def _family_formats(families: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(f for f in CODE_FORMATS if any(weight_family(f, s) in families for s in SCALE_FORMATS))
+
+
+@dataclass(frozen=True)
+class NativeLoops:
+    """The extension ``qscheme._cpu_gemv`` is built and this CPU runs its AVX2 or AVX-512 loops."""
+
+    def check(self, problem: Problem) -> CheckResult:
+        try:
+            module = importlib.import_module("qscheme._cpu_gemv")
+        except ImportError as error:
+            return CheckResult(
+                False,
+                f"the C++ extension qscheme._cpu_gemv is not built here ({error})",
+                "reinstall qscheme with a C++17 compiler: pip install --no-build-isolation -e .",
+            )
+        supported = str(module.supported_isa())
+        if supported not in VECTOR_ISAS:
+            return CheckResult(
+                False,
+                f"this CPU runs neither AVX-512 nor AVX2 (qscheme._cpu_gemv has only its portable loop: {supported})",
+                "run the layer on the reference kernel (the default here)",
+            )
+        return PASSED
+
+    def describe(self) -> str:
+        return "qscheme._cpu_gemv built, AVX-512 or AVX2 CPU"
+
+
+# Up to M = 16 it was faster than dequant_gemm (row tiles dequantized, then torch's GEMM) and at
+# M = 32 slower: the GEMM reads the weight once for all rows, these loops once per 8 rows. The
+# boundary is dequant_gemm's own (M >= 16), so that no single M falls to a third kernel.
+GEMV_BATCHES = BatchRange(
+    "cpu",
+    0,
+    15,
+    source=(
+        "cpu_gemv vs dequant_gemm (QuantLinear, kernel forced) on 4096x4096, bf16 inputs, 2 threads, "
+        "2-core Xeon under load: NVFP4A16 7.7 vs 32.8 ms at M=4, 19.2 vs 39.7 ms at M=16, 33.3 vs 27.4 ms "
+        "at M=32; W8A16_G32 12.1 vs 15.0 ms at M=16, 70.8 vs 41.2 ms at M=32"
+    ),
+)
+
+CPU_GEMV = KernelDeclaration(
+    name="cpu_gemv",
+    provider="qscheme",
+    priority=45,
+    description="qscheme's C++ CPU GEMV: codes decoded in registers, float32 sums (AVX-512 / AVX2)",
+    supports=(
+        WEIGHT_ONLY_FORMATS,
+        _restricted(NVFP4_ACTIVATION_PAIR),
+        *(_restricted(entry) for entry in DEPLOYED_ACTIVATION_PAIRS),
+    ),
+    devices=(DeviceSupport("cpu"),),
+    implementation="qscheme_plugins.cpu_gemv_kernel:CpuGemvKernel",
+    requires_modules=("torch",),
+    checks=(ActivationDtypes(("bfloat16", "float16", "float32")), NativeLoops()),
+    batch_ranges=(GEMV_BATCHES,),
+    prepared_state=PreparedState("canonical"),
+    notes=(
+        "each weight is the reference's float32 value, (code - zero) * effective scale, formed in registers; the "
+        "products are summed in float32 with fused multiply-adds in another order than the reference's matmul "
+        "(with one input row and no zero points the scale multiplies each group's partial sum instead): "
+        "|y - y_ref| <= (K + 4) * 2**-24 * sum_k |x_k * w_k| before the output is rounded once to the input's "
+        "dtype (the worst case of two float32 sums; a bias is added in float32 before that rounding), so with "
+        "16-bit outputs the two may also differ by one unit in the last place of the output",
+        "float16 inputs are widened to float32 and the output rounded back once; AWQ pre-scales and activation "
+        "quantization are applied to the input exactly as the reference kernel applies them",
+        "keeps the canonical tensors as they are (no copy): plus 4 bytes per output row where a global or "
+        "per-tensor scale is folded per row, and two small value tables",
+    ),
+)
+
+
+@hookimpl
+def qscheme_kernels() -> list[KernelDeclaration]:
+    return [CPU_GEMV]

@@ -1,0 +1,120 @@
+"""The ``cpu_gemv`` kernel: ``qscheme.cpu_gemv``'s C++ GEMV behind the kernel interface.
+
+``prepare`` keeps the canonical tensors as they are (``qscheme.cpu_gemv.layout_of``: views,
+plus a float32 value per row where a global or per-tensor scale is folded per row). ``apply``
+flattens the input to [M, K] and:
+
+- weight-only with bfloat16 or float32 inputs and no pre-scale: one call of the extension, which
+  converts a bfloat16 input itself and rounds the output once to the input's dtype;
+- otherwise (float16 inputs, an AWQ pre-scale, quantized activations) the float32 input the
+  reference kernel multiplies (``ReferenceKernel.quantize_input``: pre-scaled, then quantized and
+  dequantized exactly as the scheme says, once per run of fused partitions sharing their static
+  input scales) goes through the extension for those partitions' rows, and the float32 result is
+  rounded once to the input's dtype.
+
+Rows of the weight are split over ``torch.get_num_threads()`` worker threads of the extension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from qscheme_plugins.reference_kernel import ReferenceKernel, ReferenceState, input_scalings
+from torch import Tensor
+
+from qscheme import cpu_gemv
+from qscheme.canonical import CanonicalWeight
+from qscheme.cpu_gemv import GemvLayout
+from qscheme.errors import UsageError
+
+DIRECT_DTYPES = (torch.bfloat16, torch.float32)  # the extension reads these inputs itself
+
+
+@dataclass(frozen=True)
+class CpuGemvState:
+    """The extension's view of the layer, and what the input needs before it (None: nothing)."""
+
+    layout: GemvLayout
+    emulation: ReferenceState | None
+
+    @property
+    def k(self) -> int:
+        return self.layout.k
+
+
+def _rows(layout: GemvLayout, start: int, stop: int) -> GemvLayout | None:
+    """The layout of weight rows [start, stop) (views), or None where a block of scale rows
+    straddles ``start`` (then the whole layer is multiplied and the rows sliced)."""
+    code_kind, scale_kind, scale_cols, group_n, group_k, divide, n, k = layout.meta
+    if start == 0 and stop == n:
+        return layout
+    if start % group_n:
+        return None
+    first, last = start // group_n, -(-stop // group_n)
+    per_scale_row = scale_kind != cpu_gemv.SCALE_NONE
+    return GemvLayout(
+        codes=layout.codes[start:stop],
+        scale=layout.scale[first:last] if layout.scale is not None and per_scale_row else layout.scale,
+        zero_point=None if layout.zero_point is None else layout.zero_point[first:last],
+        row_scale=None if layout.row_scale is None else layout.row_scale[start:stop],
+        lut=layout.lut,
+        scale_table=layout.scale_table,
+        meta=(code_kind, scale_kind, scale_cols, group_n, group_k, divide, stop - start, k),
+    )
+
+
+class CpuGemvKernel:
+    """KernelImplementation of ``cpu_gemv`` (CPU)."""
+
+    def prepare(self, weight: CanonicalWeight, device: torch.device) -> CpuGemvState:
+        device = torch.device(device)
+        if device.type != "cpu":
+            raise UsageError(f"cpu_gemv runs on the CPU, not {device}")
+        if not cpu_gemv.available():
+            raise UsageError(
+                "cpu_gemv: the C++ extension qscheme._cpu_gemv is not built; reinstall qscheme with a C++17 "
+                "compiler (pip install --no-build-isolation -e .)"
+            )
+        weight = weight.to(device)
+        layout = cpu_gemv.layout_of(weight)
+        emulation = None
+        if weight.scheme.activation is not None or weight.input_pre_scale is not None:
+            pre_scale = weight.input_pre_scale
+            emulation = ReferenceState(
+                canonical=weight,
+                k=weight.k,
+                activation=weight.scheme.activation,
+                scalings=input_scalings(weight, device) if weight.scheme.activation is not None else (),
+                pre_scale=None if pre_scale is None else pre_scale.to(dtype=torch.float32),
+            )
+        return CpuGemvState(layout=layout, emulation=emulation)
+
+    def apply(self, state: CpuGemvState, x: Tensor, bias: Tensor | None) -> Tensor:
+        if x.shape[-1] != state.k:
+            raise UsageError(f"input has {x.shape[-1]} features in its last dim; the layer takes K={state.k}")
+        rows = x.reshape(-1, state.k)
+        layout = state.layout
+        if state.emulation is None and x.dtype in DIRECT_DTYPES:
+            y = cpu_gemv.gemv(layout, rows, bias)
+            return y.reshape(*x.shape[:-1], layout.n)
+        if state.emulation is None:
+            pieces = [(0, layout.n, rows.to(torch.float32))]
+        else:
+            inputs = ReferenceKernel().quantize_input(state.emulation, rows)
+            pieces = [
+                (0, layout.n, values) if scaling is None else (scaling.start, scaling.stop, values)
+                for scaling, values in inputs
+            ]
+        outputs = []
+        for start, stop, values in pieces:
+            part = _rows(layout, start, stop)
+            part_bias = None if bias is None else bias[start:stop]
+            if part is None:
+                outputs.append(cpu_gemv.gemv(layout, values.contiguous())[:, start:stop])
+                if part_bias is not None:
+                    outputs[-1] = outputs[-1] + part_bias.to(torch.float32)
+            else:
+                outputs.append(cpu_gemv.gemv(part, values.contiguous(), part_bias))
+        y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        return y.to(x.dtype).reshape(*x.shape[:-1], layout.n)

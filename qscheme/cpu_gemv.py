@@ -1,0 +1,430 @@
+"""The CPU GEMV over canonical quantized weights (``qscheme._cpu_gemv``) as torch custom ops.
+
+The C++ extension (``qscheme/csrc/cpu_gemv*.cpp``, built by setup.py, optional) computes
+``y = x W^T (+ bias)`` for a few rows of x (float32 or bfloat16), decoding the weight chunk by
+chunk in registers and never storing it. Each weight is formed as the reference dequantization
+forms it, ``fp32((value - zero) * effective_scale)``; the products are summed in float32 with
+fused multiply-adds in another order than the reference's matmul, and the output is rounded once
+to x's dtype (the bias added in float32 before that rounding). It keeps no state of its own: a
+``GemvLayout`` is the canonical tensors themselves (views, no copy) plus a float32 value per row
+where a scale depends on the fused partition (its global scale, or a tensor-wide scale), a
+16-entry value table of the 4-bit codes and a 256-entry one of byte scales (e4m3, e8m0).
+
+What it takes (``layout_of`` raises UsageError for anything else, naming what is missing):
+codes e2m1, int4 and uint4 (two per byte), e4m3, int8 and uint8; scales per group (any size),
+channel, 128x128-style block or tensor, stored as float32, bfloat16, float16, e4m3 or e8m0;
+zero points as the scale; one global scale per fused partition, multiplied or (for a stored
+divisor) divided as ``qscheme.canonical.effective_scale`` does.
+
+Ops (namespace ``qscheme``, each with a fake implementation for torch.compile):
+
+- ``cpu_gemv(x, codes, scale, zero_point, row_scale, bias, lut, scale_table, meta, threads)``:
+  ``x`` [M, K] float32 or bfloat16, contiguous; returns [M, N] in x's dtype.
+- ``cpu_gemv_dequantize(codes, scale, zero_point, row_scale, lut, scale_table, meta, start, stop,
+  dtype, threads)``: rows [start, stop) of the weight as float32 (the reference's values, bit for
+  bit) or bfloat16 (those rounded once), [stop - start, K].
+
+``gemv`` and ``dequantize_rows`` call them (eagerly straight into the extension, skipping the
+dispatcher's cost). ``isa()`` says which loops run ('avx512', 'avx2', 'scalar');
+``QSCHEME_CPU_GEMV_ISA`` (or ``set_isa``) chooses narrower ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qscheme.canonical import CanonicalWeight, effective_scale
+from qscheme.environment import env_choice
+from qscheme.errors import UsageError
+from qscheme.formats import decode
+
+ISA_CHOICES: tuple[str, ...] = ("scalar", "avx2", "avx512")
+ISA_VARIABLE = "QSCHEME_CPU_GEMV_ISA"
+
+CODE_NIBBLE, CODE_E4M3, CODE_INT8, CODE_UINT8 = 0, 1, 2, 3
+SCALE_NONE, SCALE_F32, SCALE_BF16, SCALE_F16, SCALE_BYTE = 0, 1, 2, 3, 4
+CHANNEL_GROUP = 1 << 40  # the group size given for a channel scale: one group spans any row
+
+CODE_FORMATS: tuple[str, ...] = ("e2m1", "int4", "uint4", "e4m3", "int8", "uint8")
+SCALE_DTYPES: dict[torch.dtype, int] = {
+    torch.float32: SCALE_F32,
+    torch.bfloat16: SCALE_BF16,
+    torch.float16: SCALE_F16,
+    torch.float8_e4m3fn: SCALE_BYTE,
+    torch.uint8: SCALE_BYTE,  # e8m0 bytes
+}
+_APPLIED: list[str | None] = []
+
+
+def native() -> Any:
+    """The extension, with ``QSCHEME_CPU_GEMV_ISA`` applied, or None where it was not built."""
+    try:
+        import qscheme._cpu_gemv as module  # type: ignore[import-not-found]  # a C++ extension (setup.py)
+    except ImportError:
+        return None
+    chosen = env_choice(ISA_VARIABLE, ISA_CHOICES)
+    if _APPLIED != [chosen]:
+        supported = module.supported_isa()
+        if chosen is not None and ISA_CHOICES.index(chosen) > ISA_CHOICES.index(supported):
+            raise UsageError(
+                f"environment variable {ISA_VARIABLE}={chosen}: this CPU runs at most the {supported} loops; "
+                f"allowed here: {', '.join(ISA_CHOICES[: ISA_CHOICES.index(supported) + 1])}, or unset it"
+            )
+        module.set_isa(chosen or supported)
+        _APPLIED[:] = [chosen]
+    return module
+
+
+def available() -> bool:
+    """Whether the extension was built (and imports) here."""
+    return native() is not None
+
+
+def isa() -> str:
+    """The loops in use: 'avx512', 'avx2' or 'scalar' (UsageError where the extension is missing)."""
+    module = _require_native()
+    return str(module.isa())
+
+
+def supported_isa() -> str:
+    """The widest loops this CPU runs ('scalar' where the extension is missing: none run)."""
+    module = native()
+    return "scalar" if module is None else str(module.supported_isa())
+
+
+def set_isa(name: str) -> None:
+    """Use the ``name`` loops from now on (at most what the CPU runs), as the variable does."""
+    if name not in ISA_CHOICES:
+        raise UsageError(f"cpu_gemv ISA {name!r} is not one of {', '.join(ISA_CHOICES)}")
+    module = _require_native()
+    if ISA_CHOICES.index(name) > ISA_CHOICES.index(module.supported_isa()):
+        raise UsageError(f"this CPU runs at most the {module.supported_isa()} loops, not {name}")
+    module.set_isa(name)
+
+
+def _require_native() -> Any:
+    module = native()
+    if module is None:
+        raise UsageError(
+            "qscheme._cpu_gemv is not built: reinstall qscheme with a C++17 compiler "
+            "(pip install --no-build-isolation -e .)"
+        )
+    return module
+
+
+@dataclass(frozen=True)
+class GemvLayout:
+    """A layer as the extension reads it: canonical tensors (contiguous CPU views) and sizes."""
+
+    codes: Tensor
+    scale: Tensor | None
+    zero_point: Tensor | None
+    row_scale: Tensor | None
+    lut: Tensor
+    scale_table: Tensor | None
+    meta: tuple[int, ...]  # code kind, scale kind, scale columns, group rows, group columns, divide, N, K
+
+    @property
+    def n(self) -> int:
+        return self.meta[6]
+
+    @property
+    def k(self) -> int:
+        return self.meta[7]
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Every tensor the layout holds, by name."""
+        named = {
+            "codes": self.codes,
+            "scale": self.scale,
+            "zero_point": self.zero_point,
+            "row_scale": self.row_scale,
+            "lut": self.lut,
+            "scale_table": self.scale_table,
+        }
+        return {name: value for name, value in named.items() if value is not None}
+
+
+def _nibble_values(element: str) -> Tensor:
+    nibbles = torch.arange(16, dtype=torch.uint8)
+    if element == "int4":
+        return ((nibbles.to(torch.int16) ^ 8) - 8).to(torch.float32)
+    if element == "uint4":
+        return nibbles.to(torch.float32)
+    return decode(nibbles, element).contiguous()
+
+
+def _byte_scale_table(scale: Tensor, scale_format: str) -> Tensor:
+    every = torch.arange(256, dtype=torch.uint8)
+    if scale.dtype == torch.float8_e4m3fn:
+        return every.view(torch.float8_e4m3fn).to(torch.float32)
+    return decode(every, scale_format).to(torch.float32).contiguous()
+
+
+def _contiguous(value: Tensor) -> Tensor:
+    return value if value.is_contiguous() else value.contiguous()
+
+
+def _per_row(weight: CanonicalWeight, per_partition: Tensor) -> Tensor:
+    sizes = torch.tensor(weight.partitions or (weight.n,))
+    values = per_partition.reshape(-1).to(torch.float32)
+    if values.numel() == 1:
+        return values.expand(weight.n).contiguous()
+    return values.repeat_interleave(sizes).contiguous()
+
+
+def layout_of(weight: CanonicalWeight) -> GemvLayout:
+    """The extension's view of a canonical CPU weight; UsageError naming what it cannot take."""
+    scheme = weight.scheme
+    spec = scheme.weight
+    where = f"scheme {scheme.name}"
+    if spec.blocks is not None:
+        raise UsageError(f"cpu_gemv takes scale-and-code layouts, not packed blocks ({where})")
+    if spec.format not in CODE_FORMATS:
+        raise UsageError(f"cpu_gemv takes {', '.join(CODE_FORMATS)} codes; {where} has {spec.format}")
+    if weight.input_permutation is not None:
+        raise UsageError(f"cpu_gemv takes weights in the input's column order; {where} permutes them (act-order)")
+    codes = weight.codes
+    if codes.device.type != "cpu":
+        raise UsageError(f"cpu_gemv runs on the CPU; {where}'s codes are on {codes.device}")
+    code_kind = {"e4m3": CODE_E4M3, "int8": CODE_INT8, "uint8": CODE_UINT8}.get(spec.format, CODE_NIBBLE)
+    lut = _nibble_values(spec.format) if code_kind == CODE_NIBBLE else torch.zeros(16)
+    codes = _contiguous(codes).view(torch.uint8)
+    granularity = spec.scale.granularity
+    scale: Tensor | None = weight.scale
+    row_scale: Tensor | None = None
+    divide = 0
+    scale_cols, group_n, group_k = 1, 1, CHANNEL_GROUP
+    if granularity == "tensor":
+        if weight.zero_point is not None:
+            raise UsageError(f"cpu_gemv takes zero points with group, channel or block scales; {where}")
+        row_scale = _contiguous(effective_scale(weight).reshape(-1).expand(weight.n).to(torch.float32))
+        scale, scale_kind = None, SCALE_NONE
+    else:
+        assert scale is not None
+        if scale.dtype not in SCALE_DTYPES:
+            raise UsageError(f"cpu_gemv takes scales of {', '.join(map(str, SCALE_DTYPES))}; {where} has {scale.dtype}")
+        scale_kind = SCALE_DTYPES[scale.dtype]
+        scale = _contiguous(scale)
+        if granularity == "group":
+            assert spec.scale.group_size is not None
+            scale_cols, group_k = scale.shape[1], spec.scale.group_size
+        elif granularity == "block":
+            assert spec.scale.block is not None
+            scale_cols, (group_n, group_k) = scale.shape[1], spec.scale.block
+        if weight.global_scale is not None:
+            if granularity == "block" and len(weight.partitions) != 1:
+                raise UsageError(f"cpu_gemv: per-partition global scales need group or channel scales ({where})")
+            divisor = weight.global_scale_divisor
+            divide = int(divisor is not None)
+            row_scale = _per_row(weight, divisor if divisor is not None else weight.global_scale)
+    scale_table = None
+    if scale is not None and scale_kind == SCALE_BYTE:
+        scale_table = _byte_scale_table(scale, spec.scale.format)
+        scale = scale.view(torch.uint8)
+    elif scale is not None and scale_kind in (SCALE_BF16, SCALE_F16):
+        scale = scale.view(torch.int16)
+    zero_point = None if weight.zero_point is None else _contiguous(weight.zero_point.to(torch.int16))
+    meta = (code_kind, scale_kind, scale_cols, group_n, group_k, divide, weight.n, weight.k)
+    return GemvLayout(codes, scale, zero_point, row_scale, lut, scale_table, meta)
+
+
+def _address(value: Tensor | None) -> int:
+    return 0 if value is None else int(value.data_ptr())
+
+
+def _layer_args(
+    codes: Tensor,
+    scale: Tensor | None,
+    zero_point: Tensor | None,
+    row_scale: Tensor | None,
+    lut: Tensor,
+    scale_table: Tensor | None,
+    meta: list[int] | tuple[int, ...],
+) -> tuple[int, ...]:
+    code_kind, scale_kind, scale_cols, group_n, group_k, divide, n, k = meta
+    stride = codes.shape[1] if codes.ndim == 2 else 0
+    return (
+        _address(codes), stride, code_kind, _address(lut), _address(scale), scale_kind, _address(scale_table),
+        scale_cols, group_n, group_k, _address(zero_point), _address(row_scale), divide, n, k,
+    )  # fmt: skip
+
+
+def _run_gemv(
+    x: Tensor,
+    codes: Tensor,
+    scale: Tensor | None,
+    zero_point: Tensor | None,
+    row_scale: Tensor | None,
+    bias: Tensor | None,
+    lut: Tensor,
+    scale_table: Tensor | None,
+    meta: list[int] | tuple[int, ...],
+    threads: int,
+) -> Tensor:
+    module = _require_native()
+    n, k = meta[6], meta[7]
+    threads = threads or torch.get_num_threads()
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.ndim != 2 or x.shape[1] != k or x.device.type != "cpu":
+        raise UsageError(
+            f"qscheme::cpu_gemv takes a CPU float32 or bfloat16 x of shape [M, {k}], not {x.dtype} {list(x.shape)} "
+            f"on {x.device}"
+        )
+    x = _contiguous(x)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    if x.shape[0] == 0 or n == 0:
+        return out
+    bias32 = None if bias is None else _contiguous(bias.to(torch.float32))
+    module.gemv(
+        _address(x), int(x.dtype == torch.bfloat16), x.shape[0], _address(out), int(out.dtype == torch.bfloat16),
+        _address(bias32), threads, *_layer_args(codes, scale, zero_point, row_scale, lut, scale_table, meta),
+    )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("qscheme::cpu_gemv", mutates_args=())
+def cpu_gemv_op(
+    x: Tensor,
+    codes: Tensor,
+    scale: Tensor | None,
+    zero_point: Tensor | None,
+    row_scale: Tensor | None,
+    bias: Tensor | None,
+    lut: Tensor,
+    scale_table: Tensor | None,
+    meta: list[int],
+    threads: int,
+) -> Tensor:
+    """y = x W^T (+ bias) over a GemvLayout's tensors (see the module docstring)."""
+    return _run_gemv(x, codes, scale, zero_point, row_scale, bias, lut, scale_table, meta, threads)
+
+
+@cpu_gemv_op.register_fake
+def _cpu_gemv_fake(
+    x: Tensor,
+    codes: Tensor,
+    scale: Tensor | None,
+    zero_point: Tensor | None,
+    row_scale: Tensor | None,
+    bias: Tensor | None,
+    lut: Tensor,
+    scale_table: Tensor | None,
+    meta: list[int],
+    threads: int,
+) -> Tensor:
+    return x.new_empty((x.shape[0], meta[6]))
+
+
+def _run_dequantize(
+    codes: Tensor,
+    scale: Tensor | None,
+    zero_point: Tensor | None,
+    row_scale: Tensor | None,
+    lut: Tensor,
+    scale_table: Tensor | None,
+    meta: list[int] | tuple[int, ...],
+    start: int,
+    stop: int,
+    dtype: torch.dtype,
+    threads: int,
+    out: Tensor | None = None,
+) -> Tensor:
+    module = _require_native()
+    n, k = meta[6], meta[7]
+    threads = threads or torch.get_num_threads()
+    if not 0 <= start <= stop <= n:
+        raise UsageError(f"qscheme::cpu_gemv_dequantize: rows [{start}, {stop}) are not within N={n}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise UsageError(f"qscheme::cpu_gemv_dequantize writes float32 or bfloat16, not {dtype}")
+    if out is None:
+        out = torch.empty(stop - start, k, dtype=dtype)
+    if stop > start and k:
+        module.dequantize(
+            _address(out), int(dtype == torch.bfloat16), start, stop, threads,
+            *_layer_args(codes, scale, zero_point, row_scale, lut, scale_table, meta),
+        )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("qscheme::cpu_gemv_dequantize", mutates_args=())
+def cpu_gemv_dequantize_op(
+    codes: Tensor,
+    scale: Tensor | None,
+    zero_point: Tensor | None,
+    row_scale: Tensor | None,
+    lut: Tensor,
+    scale_table: Tensor | None,
+    meta: list[int],
+    start: int,
+    stop: int,
+    dtype: torch.dtype,
+    threads: int,
+) -> Tensor:
+    """Rows [start, stop) of a GemvLayout's weight in ``dtype`` (float32 or bfloat16)."""
+    return _run_dequantize(codes, scale, zero_point, row_scale, lut, scale_table, meta, start, stop, dtype, threads)
+
+
+@cpu_gemv_dequantize_op.register_fake
+def _cpu_gemv_dequantize_fake(
+    codes: Tensor,
+    scale: Tensor | None,
+    zero_point: Tensor | None,
+    row_scale: Tensor | None,
+    lut: Tensor,
+    scale_table: Tensor | None,
+    meta: list[int],
+    start: int,
+    stop: int,
+    dtype: torch.dtype,
+    threads: int,
+) -> Tensor:
+    return codes.new_empty((stop - start, meta[7]), dtype=dtype)
+
+
+def _threads(threads: int | None) -> int:
+    """The worker count: 0 (or None) means torch's thread count, read when the op runs."""
+    return 0 if threads is None else max(1, threads)
+
+
+def gemv(layout: GemvLayout, x: Tensor, bias: Tensor | None = None, threads: int | None = None) -> Tensor:
+    """y = x W^T (+ bias) for x [M, K] float32 or bfloat16 on the CPU; [M, N] in x's dtype.
+    ``threads``: worker threads over N (default ``torch.get_num_threads()`` when it runs)."""
+    args = (layout.codes, layout.scale, layout.zero_point, layout.row_scale)
+    tables = (layout.lut, layout.scale_table)
+    if torch.compiler.is_compiling():
+        out: Tensor = torch.ops.qscheme.cpu_gemv(x, *args, bias, *tables, list(layout.meta), _threads(threads))
+        return out
+    return _run_gemv(x, *args, bias, *tables, layout.meta, _threads(threads))
+
+
+def dequantize_rows(
+    layout: GemvLayout,
+    start: int,
+    stop: int,
+    dtype: torch.dtype = torch.float32,
+    threads: int | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Rows [start, stop) of the weight, [stop - start, K] in float32 (bit for bit
+    ``qscheme.canonical.dequantize_rows``) or bfloat16 (those values rounded once). ``out``: a
+    contiguous CPU tensor of that shape to write into (its dtype is the one written); returned."""
+    args = (layout.codes, layout.scale, layout.zero_point, layout.row_scale, layout.lut, layout.scale_table)
+    if out is not None:
+        shape = (stop - start, layout.k)
+        if tuple(out.shape) != shape or not out.is_contiguous() or out.device.type != "cpu":
+            raise UsageError(
+                f"cpu_gemv dequantize_rows: out must be a contiguous CPU tensor of shape {list(shape)}, not "
+                f"{list(out.shape)} on {out.device}"
+            )
+        _run_dequantize(*args, layout.meta, start, stop, out.dtype, _threads(threads), out)
+        return out
+    if torch.compiler.is_compiling():
+        result: Tensor = torch.ops.qscheme.cpu_gemv_dequantize(
+            *args, list(layout.meta), start, stop, dtype, _threads(threads)
+        )
+        return result
+    return _run_dequantize(*args, layout.meta, start, stop, dtype, _threads(threads))

@@ -1,0 +1,415 @@
+/* qscheme._cpu_gemv: a GEMV over canonical quantized weights on the CPU, decoded in registers.
+ *
+ * y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for a few rows of x (float32 or bfloat16), where
+ * w[n, k] = fp32((value(code[n, k]) - zero) * effective_scale) is formed chunk by chunk in
+ * registers exactly as qscheme's reference dequantization forms it, and never stored. The
+ * products are summed in float32 (fused multiply-add, in another order than the reference's
+ * matmul) and the output rounded once to x's dtype. Codes: two 4-bit codes per byte through a
+ * 16-entry value table (e2m1, int4, uint4, lookup tables), e4m3, int8 and uint8 bytes. Scales:
+ * float32, bfloat16, float16 or a byte format through a 256-entry value table (e4m3, e8m0), in any
+ * group x block tiling, times or over a float32 per-row factor (per-partition global scales).
+ *
+ * Vector loops for AVX-512 and AVX2 (cpu_gemv_avx512.cpp, cpu_gemv_avx2.cpp), chosen at run time
+ * by cpuid; a portable scalar loop otherwise, for the remainder of K past the last whole chunk,
+ * and for group sizes the vector loops do not tile. set_isa / QSCHEME_CPU_GEMV_ISA (read by the
+ * Python wrapper) choose narrower loops. Rows of the weight are split over a pool of worker
+ * threads (the caller passes the count); the GIL is released meanwhile. No torch headers: the
+ * Python wrapper (qscheme.cpu_gemv) passes the tensors' addresses.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "cpu_gemv.h"
+
+namespace qscheme_gemv {
+
+float half_to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
+    if (exponent == 0) {
+        if (mantissa == 0) {
+            bits = sign;
+        } else {  // subnormal: normalize
+            exponent = 127 - 15 + 1;
+            while (!(mantissa & 0x400u)) {
+                mantissa <<= 1;
+                exponent--;
+            }
+            bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
+        }
+    } else if (exponent == 31) {
+        bits = sign | 0x7F800000u | (mantissa << 13);
+    } else {
+        bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+static float e4m3_value(uint8_t b) {
+    const float sign = (b & 0x80) ? -1.0f : 1.0f;
+    const int exponent = (b >> 3) & 0xF, mantissa = b & 7;
+    if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -9);
+    return sign * std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);  // 0x7F / 0xFF: 480 (as the vector loops)
+}
+
+static inline float code_value(const Params &p, const uint8_t *row, int64_t k) {
+    switch (p.code_kind) {
+        case CODE_NIBBLE: return p.lut[(row[k >> 1] >> ((k & 1) * 4)) & 0xF];
+        case CODE_E4M3: return e4m3_value(row[k]);
+        case CODE_INT8: return static_cast<float>(static_cast<int8_t>(row[k]));
+        default: return static_cast<float>(row[k]);
+    }
+}
+
+static inline float weight_value(const Params &p, const uint8_t *row, int64_t base, int64_t n, int64_t k) {
+    const int64_t g = base + k / p.group_k;
+    float v = code_value(p, row, k);
+    if (p.zero) v = v - static_cast<float>(p.zero[g]);
+    return v * scale_value(p, g, n);
+}
+
+bool vector_fits(const Params &p, int width) {
+    if (p.code_kind == CODE_NIBBLE) return p.group_k == width || p.group_k % (2 * width) == 0;
+    return p.group_k % width == 0;
+}
+
+}  // namespace qscheme_gemv
+
+using namespace qscheme_gemv;
+
+namespace {
+
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+const char *const ISA_NAMES[] = {"scalar", "avx2", "avx512"};
+
+int isa_supported() {
+    int found = ISA_SCALAR;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma")) {
+        found = ISA_AVX512;
+    } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        found = ISA_AVX2;
+    }
+#endif
+    return found;
+}
+
+int isa_active = -1;
+
+int isa_level() {
+    if (isa_active < 0) isa_active = isa_supported();
+    return isa_active;
+}
+
+/* A pool of worker threads: run(count, job) calls job(0) on the caller and job(1..count-1) on the
+ * workers, and returns when all are done. One run at a time (the callers are serialized). */
+class Pool {
+   public:
+    void run(int count, const std::function<void(int)> &job) {
+        std::lock_guard<std::mutex> serial(call_mutex_);
+        if (count > 1) {
+            grow(count - 1);
+            {
+                std::lock_guard<std::mutex> lock(mutex_);
+                job_ = &job;
+                wanted_ = count - 1;
+                pending_ = count - 1;
+                generation_++;
+            }
+            wake_.notify_all();
+        }
+        job(0);
+        if (count > 1) {
+            std::unique_lock<std::mutex> lock(mutex_);
+            done_.wait(lock, [this] { return pending_ == 0; });
+            job_ = nullptr;
+        }
+    }
+
+   private:
+    void grow(int workers) {
+        while (static_cast<int>(threads_.size()) < workers) {
+            const int index = static_cast<int>(threads_.size());
+            threads_.emplace_back([this, index] { loop(index); });
+            threads_.back().detach();  // lives as long as the process
+        }
+    }
+    void loop(int index) {
+        uint64_t seen = 0;
+        for (;;) {
+            const std::function<void(int)> *job;
+            {
+                std::unique_lock<std::mutex> lock(mutex_);
+                wake_.wait(lock, [&] { return generation_ != seen; });
+                seen = generation_;
+                if (index >= wanted_) continue;
+                job = job_;
+            }
+            (*job)(index + 1);
+            {
+                std::lock_guard<std::mutex> lock(mutex_);
+                if (--pending_ == 0) done_.notify_one();
+            }
+        }
+    }
+    std::mutex call_mutex_, mutex_;
+    std::condition_variable wake_, done_;
+    std::vector<std::thread> threads_;
+    const std::function<void(int)> *job_ = nullptr;
+    int wanted_ = 0, pending_ = 0;
+    uint64_t generation_ = 0;
+};
+
+Pool *pool() {
+    static Pool *instance = new Pool();  // never destroyed: detached workers wait on it
+    return instance;
+}
+
+/* Row ranges for `count` workers, multiples of `unit` rows. */
+void split_rows(int64_t n, int count, int64_t unit, int index, int64_t &lo, int64_t &hi) {
+    const int64_t units = (n + unit - 1) / unit;
+    lo = std::min(n, (units * index / count) * unit);
+    hi = std::min(n, (units * (index + 1) / count) * unit);
+}
+
+int64_t width_of(int level) { return level == ISA_AVX512 ? 16 : (level == ISA_AVX2 ? 8 : 0); }
+
+/* Fill Params from the Python arguments (a tuple of ints; addresses as ints). */
+bool parse_params(PyObject *args, Params &p, Py_ssize_t first) {
+    long long v[15];
+    for (int i = 0; i < 15; i++) {
+        PyObject *item = PyTuple_GetItem(args, first + i);
+        if (!item) return false;
+        v[i] = PyLong_AsLongLong(item);
+        if (v[i] == -1 && PyErr_Occurred()) return false;
+    }
+    p.codes = reinterpret_cast<const uint8_t *>(static_cast<uintptr_t>(v[0]));
+    p.code_stride = v[1];
+    p.code_kind = static_cast<int>(v[2]);
+    const float *lut = reinterpret_cast<const float *>(static_cast<uintptr_t>(v[3]));
+    p.scale = reinterpret_cast<const void *>(static_cast<uintptr_t>(v[4]));
+    p.scale_kind = static_cast<int>(v[5]);
+    const float *table = reinterpret_cast<const float *>(static_cast<uintptr_t>(v[6]));
+    p.scale_cols = v[7];
+    p.group_n = v[8];
+    p.group_k = v[9];
+    p.zero = reinterpret_cast<const int16_t *>(static_cast<uintptr_t>(v[10]));
+    p.row_scale = reinterpret_cast<const float *>(static_cast<uintptr_t>(v[11]));
+    p.row_divide = static_cast<int>(v[12]);
+    p.n = v[13];
+    p.k = v[14];
+    if (p.code_kind < CODE_NIBBLE || p.code_kind > CODE_UINT8 || p.scale_kind < SCALE_NONE ||
+        p.scale_kind > SCALE_BYTE || p.scale_cols < 1 || p.group_n < 1 || p.group_k < 1 || p.n < 0 || p.k < 0 ||
+        !p.codes || (p.scale_kind != SCALE_NONE && !p.scale) || (p.scale_kind == SCALE_NONE && !p.row_scale) ||
+        (p.code_kind == CODE_NIBBLE && !lut) || (p.scale_kind == SCALE_BYTE && !table)) {
+        PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv: inconsistent layer description");
+        return false;
+    }
+    if (lut) std::memcpy(p.lut, lut, sizeof(p.lut));
+    if (table) std::memcpy(p.scale_table, table, sizeof(p.scale_table));
+    return true;
+}
+
+inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFFu)) return static_cast<uint16_t>((bits >> 16) | 0x40);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest, ties to even
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+/* gemv(x, x_bf16, m, out, out_bf16, bias, threads, <15 layer ints>): out[m, N] = x[m, K] W^T + bias. */
+PyObject *gemv(PyObject *, PyObject *args) {
+    if (!PyTuple_Check(args) || PyTuple_Size(args) != 22) {
+        PyErr_SetString(PyExc_TypeError, "qscheme._cpu_gemv.gemv takes 22 integer arguments");
+        return nullptr;
+    }
+    long long head[7];
+    for (int i = 0; i < 7; i++) {
+        head[i] = PyLong_AsLongLong(PyTuple_GetItem(args, i));
+        if (head[i] == -1 && PyErr_Occurred()) return nullptr;
+    }
+    Params p;
+    if (!parse_params(args, p, 7)) return nullptr;
+    const void *x = reinterpret_cast<const void *>(static_cast<uintptr_t>(head[0]));
+    const int x_bf16 = static_cast<int>(head[1]);
+    const int64_t m = head[2];
+    void *out = reinterpret_cast<void *>(static_cast<uintptr_t>(head[3]));
+    const int out_bf16 = static_cast<int>(head[4]);
+    const float *bias = reinterpret_cast<const float *>(static_cast<uintptr_t>(head[5]));
+    const int threads = static_cast<int>(std::max(1LL, std::min(head[6], 256LL)));
+    if (m < 0 || !x || !out) {
+        PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.gemv: inconsistent sizes");
+        return nullptr;
+    }
+    if (m == 0 || p.n == 0) Py_RETURN_NONE;
+
+    Py_BEGIN_ALLOW_THREADS;
+    int level = isa_level();
+    if (level != ISA_SCALAR && !vector_fits(p, static_cast<int>(width_of(level)))) level = ISA_SCALAR;
+    const int64_t width = width_of(level);
+    const int64_t ce = level == ISA_SCALAR ? 1 : chunk_elements(p, static_cast<int>(width));
+    const int64_t k_main = level == ISA_SCALAR ? 0 : (p.k / ce) * ce;
+    const int64_t ldx = ((p.k + 15) / 16) * 16;
+    // x as float32, each whole chunk of a 4-bit layer reordered as its even then its odd elements
+    std::vector<float> xs(static_cast<size_t>(m * ldx), 0.0f);
+    for (int64_t r = 0; r < m; r++) {
+        float *row = xs.data() + r * ldx;
+        for (int64_t k = 0; k < p.k; k++) {
+            row[k] = x_bf16 ? bf16_to_float(static_cast<const uint16_t *>(x)[r * p.k + k])
+                            : static_cast<const float *>(x)[r * p.k + k];
+        }
+        if (p.code_kind == CODE_NIBBLE && k_main > 0) {
+            std::vector<float> chunk(static_cast<size_t>(ce));
+            for (int64_t k0 = 0; k0 < k_main; k0 += ce) {
+                for (int64_t i = 0; i < width; i++) {
+                    chunk[i] = row[k0 + 2 * i];
+                    chunk[width + i] = row[k0 + 2 * i + 1];
+                }
+                std::memcpy(row + k0, chunk.data(), static_cast<size_t>(ce) * 4);
+            }
+        }
+    }
+    std::vector<float> acc(static_cast<size_t>(m * p.n), 0.0f);
+    const int64_t rows_per_task = 4;
+    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, (p.n + 63) / 64)));
+    auto job = [&](int index) {
+        int64_t lo, hi;
+        split_rows(p.n, count, rows_per_task, index, lo, hi);
+        if (lo >= hi) return;
+#if defined(__x86_64__) || defined(__i386__)
+        if (level == ISA_AVX512) {
+            gemv_avx512(p, xs.data(), ldx, static_cast<int>(m), lo, hi, acc.data(), p.n);
+        } else if (level == ISA_AVX2) {
+            gemv_avx2(p, xs.data(), ldx, static_cast<int>(m), lo, hi, acc.data(), p.n);
+        }
+#endif
+        // the rest of K (all of it on the scalar path), in x's own order, then bias and rounding
+        for (int64_t n = lo; n < hi; n++) {
+            const uint8_t *row = p.codes + n * p.code_stride;
+            const int64_t base = scale_row_base(p, n);
+            for (int64_t r = 0; r < m; r++) {
+                const float *xr = xs.data() + r * ldx;
+                float sum = acc[r * p.n + n];
+                for (int64_t k = k_main; k < p.k; k++) sum += xr[k] * weight_value(p, row, base, n, k);
+                if (bias) sum += bias[n];
+                if (out_bf16)
+                    static_cast<uint16_t *>(out)[r * p.n + n] = float_to_bf16(sum);
+                else
+                    static_cast<float *>(out)[r * p.n + n] = sum;
+            }
+        }
+    };
+    pool()->run(count, job);
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
+/* dequantize(out, out_bf16, n0, n1, threads, <15 layer ints>): rows [n0, n1) of the weight as
+ * float32 or bfloat16 [n1 - n0, K], the reference's float32 values (rounded once to bfloat16). */
+PyObject *dequantize(PyObject *, PyObject *args) {
+    if (!PyTuple_Check(args) || PyTuple_Size(args) != 20) {
+        PyErr_SetString(PyExc_TypeError, "qscheme._cpu_gemv.dequantize takes 20 integer arguments");
+        return nullptr;
+    }
+    long long head[5];
+    for (int i = 0; i < 5; i++) {
+        head[i] = PyLong_AsLongLong(PyTuple_GetItem(args, i));
+        if (head[i] == -1 && PyErr_Occurred()) return nullptr;
+    }
+    Params p;
+    if (!parse_params(args, p, 5)) return nullptr;
+    void *out = reinterpret_cast<void *>(static_cast<uintptr_t>(head[0]));
+    const int out_bf16 = static_cast<int>(head[1]);
+    const int64_t n0 = head[2], n1 = head[3];
+    const int threads = static_cast<int>(std::max(1LL, std::min(head[4], 256LL)));
+    if (!out || n0 < 0 || n1 < n0 || n1 > p.n) {
+        PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.dequantize: rows out of range");
+        return nullptr;
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    const bool vector = isa_level() == ISA_AVX512 && (p.group_k % 16 == 0 || p.group_k >= p.k);
+    const int64_t k_main = vector ? (p.k / chunk_elements(p, 16)) * chunk_elements(p, 16) : 0;
+    const int64_t rows = n1 - n0;
+    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, rows / 16)));
+    auto job = [&](int index) {
+        int64_t lo, hi;
+        split_rows(rows, count, 1, index, lo, hi);
+        if (lo >= hi) return;
+#if defined(__x86_64__) || defined(__i386__)
+        if (vector) dequantize_avx512(p, n0 + lo, n0 + hi, static_cast<char *>(out) + lo * p.k * (out_bf16 ? 2 : 4),
+                                      out_bf16);
+#endif
+        for (int64_t n = n0 + lo; n < n0 + hi; n++) {
+            const uint8_t *row = p.codes + n * p.code_stride;
+            const int64_t base = scale_row_base(p, n);
+            for (int64_t k = k_main; k < p.k; k++) {
+                const float w = weight_value(p, row, base, n, k);
+                if (out_bf16)
+                    static_cast<uint16_t *>(out)[(n - n0) * p.k + k] = float_to_bf16(w);
+                else
+                    static_cast<float *>(out)[(n - n0) * p.k + k] = w;
+            }
+        }
+    };
+    pool()->run(count, job);
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
+PyObject *isa(PyObject *, PyObject *) { return PyUnicode_FromString(ISA_NAMES[isa_level()]); }
+
+PyObject *supported_isa(PyObject *, PyObject *) { return PyUnicode_FromString(ISA_NAMES[isa_supported()]); }
+
+PyObject *set_isa(PyObject *, PyObject *args) {
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
+    for (int level = ISA_SCALAR; level <= ISA_AVX512; level++) {
+        if (std::strcmp(name, ISA_NAMES[level]) == 0) {
+            if (level > isa_supported()) {
+                PyErr_Format(PyExc_ValueError, "qscheme._cpu_gemv.set_isa: this CPU does not run %s loops (it runs %s)",
+                             name, ISA_NAMES[isa_supported()]);
+                return nullptr;
+            }
+            isa_active = level;
+            Py_RETURN_NONE;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "qscheme._cpu_gemv.set_isa: %s is not one of scalar, avx2, avx512", name);
+    return nullptr;
+}
+
+PyMethodDef methods[] = {
+    {"gemv", gemv, METH_VARARGS, "y = x W^T (+ bias) over a canonical quantized weight (see qscheme.cpu_gemv)."},
+    {"dequantize", dequantize, METH_VARARGS, "Rows of a canonical quantized weight as float32 or bfloat16."},
+    {"isa", isa, METH_NOARGS, "The vector loops in use: 'avx512', 'avx2' or 'scalar'."},
+    {"supported_isa", supported_isa, METH_NOARGS, "The widest vector loops this CPU runs."},
+    {"set_isa", set_isa, METH_VARARGS, "Use the 'scalar', 'avx2' or 'avx512' loops (at most what the CPU runs)."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_gemv", nullptr, -1, methods, nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__cpu_gemv(void) { return PyModule_Create(&module); }

@@ -1,0 +1,114 @@
+// qscheme._cpu_gemv: shared declarations of the CPU GEMV kernels (see cpu_gemv.cpp).
+//
+// A layer is described by `Params`: the canonical codes (never repacked), the scale tensor in its
+// stored element type, optional int16 zero points (laid out as the scale), an optional float32
+// per-row factor (a fused partition's global scale, multiplied or divided as the reference does)
+// and the 16-entry value table of a 4-bit code. Every weight is formed as the reference forms it,
+// fp32((value - zero) * effective_scale), in registers; only the order of the sums differs.
+#pragma once
+
+#include <cstdint>
+
+namespace qscheme_gemv {
+
+enum CodeKind : int { CODE_NIBBLE = 0, CODE_E4M3 = 1, CODE_INT8 = 2, CODE_UINT8 = 3 };
+enum ScaleKind : int { SCALE_NONE = 0, SCALE_F32 = 1, SCALE_BF16 = 2, SCALE_F16 = 3, SCALE_BYTE = 4 };
+
+struct Params {
+    const uint8_t *codes = nullptr;
+    int64_t code_stride = 0;  // bytes per row
+    int code_kind = CODE_NIBBLE;
+    float lut[16] = {};  // values of the 16 nibble codes
+    const void *scale = nullptr;
+    int scale_kind = SCALE_NONE;
+    float scale_table[256] = {};  // values of the 256 scale bytes (SCALE_BYTE)
+    int64_t scale_cols = 1, group_n = 1, group_k = 1;
+    const int16_t *zero = nullptr;  // indexed as the scale
+    const float *row_scale = nullptr;  // [N]: effective = scale * row (or / row, or row alone)
+    int row_divide = 0;
+    int64_t n = 0, k = 0;
+};
+
+float half_to_float(uint16_t h);
+
+// The effective scale of scale element `index` for row `row` (as qscheme.canonical.effective_scale).
+inline float scale_value(const Params &p, int64_t index, int64_t row) {
+    float s;
+    switch (p.scale_kind) {
+        case SCALE_F32: s = static_cast<const float *>(p.scale)[index]; break;
+        case SCALE_BF16: {
+            uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t *>(p.scale)[index]) << 16;
+            float f;
+            __builtin_memcpy(&f, &bits, 4);
+            s = f;
+            break;
+        }
+        case SCALE_F16: s = half_to_float(static_cast<const uint16_t *>(p.scale)[index]); break;
+        case SCALE_BYTE: s = p.scale_table[static_cast<const uint8_t *>(p.scale)[index]]; break;
+        default: return p.row_scale ? p.row_scale[row] : 1.0f;
+    }
+    if (p.row_scale) {
+        s = p.row_divide ? s / p.row_scale[row] : s * p.row_scale[row];
+    }
+    return s;
+}
+
+inline int64_t scale_row_base(const Params &p, int64_t row) { return (row / p.group_n) * p.scale_cols; }
+
+// The effective scales of row `row`'s scale_cols groups, into out (the branch on the scale's type
+// taken once per row, not per group).
+inline void fill_scales(const Params &p, int64_t row, float *out) {
+    const int64_t base = scale_row_base(p, row), count = p.scale_cols;
+    switch (p.scale_kind) {
+        case SCALE_F32: {
+            const float *s = static_cast<const float *>(p.scale) + base;
+            for (int64_t g = 0; g < count; g++) out[g] = s[g];
+            break;
+        }
+        case SCALE_BF16: {
+            const uint16_t *s = static_cast<const uint16_t *>(p.scale) + base;
+            for (int64_t g = 0; g < count; g++) {
+                const uint32_t bits = static_cast<uint32_t>(s[g]) << 16;
+                __builtin_memcpy(out + g, &bits, 4);
+            }
+            break;
+        }
+        case SCALE_F16: {
+            const uint16_t *s = static_cast<const uint16_t *>(p.scale) + base;
+            for (int64_t g = 0; g < count; g++) out[g] = half_to_float(s[g]);
+            break;
+        }
+        case SCALE_BYTE: {
+            const uint8_t *s = static_cast<const uint8_t *>(p.scale) + base;
+            for (int64_t g = 0; g < count; g++) out[g] = p.scale_table[s[g]];
+            break;
+        }
+        default:
+            for (int64_t g = 0; g < count; g++) out[g] = p.row_scale ? p.row_scale[row] : 1.0f;
+            return;
+    }
+    if (p.row_scale) {
+        const float f = p.row_scale[row];
+        if (p.row_divide)
+            for (int64_t g = 0; g < count; g++) out[g] = out[g] / f;
+        else
+            for (int64_t g = 0; g < count; g++) out[g] = out[g] * f;
+    }
+}
+
+// Whether a vector kernel of `width` float lanes runs this layer (else the scalar one does).
+bool vector_fits(const Params &p, int width);
+
+// Rows [n0, n1) of the layer times M rows of x: acc[m * ldy + n] = sum over k < k_main of
+// x[m, k] * w[n, k], with x prepared by prepare_x (4-bit codes: each chunk of 2 * width elements
+// as its even elements, then its odd ones). k_main: K rounded down to the kernel's chunk.
+void gemv_avx512(const Params &p, const float *x, int64_t ldx, int m, int64_t n0, int64_t n1, float *acc,
+                 int64_t ldy);
+void gemv_avx2(const Params &p, const float *x, int64_t ldx, int m, int64_t n0, int64_t n1, float *acc,
+               int64_t ldy);
+// Rows [n0, n1) dequantized into out (float32 or bfloat16 rows of K), as the reference does.
+void dequantize_avx512(const Params &p, int64_t n0, int64_t n1, void *out, int out_bf16);
+
+inline int64_t chunk_elements(const Params &p, int width) { return p.code_kind == CODE_NIBBLE ? 2 * width : width; }
+
+}  // namespace qscheme_gemv
