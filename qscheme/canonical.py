@@ -55,7 +55,7 @@ from qscheme.canonical_weight import (
     scale_tile,
 )
 from qscheme.descriptor import Scheme
-from qscheme.descriptor.consistency import FOUR_BIT, element_bits, packing_divisors
+from qscheme.descriptor.consistency import FOUR_BIT, element_bits, packing_ratios, unpacked_sizes
 from qscheme.descriptor.model import ZeroPointSpec
 from qscheme.errors import QuantizeError
 from qscheme.formats import (
@@ -116,23 +116,22 @@ def stored_layer_shape(
         return int(stored_shape[0]), int(stored_shape[-1]) // weight.blocks.bytes * weight.blocks.elements
     oriented = stored_shape[::-1] if weight.tensor.transposed and len(stored_shape) == 2 else stored_shape
     rows, columns = int(oriented[0]), int(oriented[-1])
-    per_row, per_column = packing_divisors(weight.format, weight.packing)
-    n_range = range(max(1, (rows - 1) * per_row + 1), rows * per_row + 1) if rows else range(0, 1)
-    k_range = range(max(1, (columns - 1) * per_column + 1), columns * per_column + 1) if columns else range(0, 1)
+    row_ratio, column_ratio = packing_ratios(weight.format, weight.packing)
+    n_range, k_range = unpacked_sizes(rows, row_ratio), unpacked_sizes(columns, column_ratio)
     shape = tuple(int(size) for size in stored_shape)
     fits = [(n, k) for n in n_range for k in k_range if shape in weight.tensor.expected_shapes(n, k)]
     if not fits:  # the stored shape fits no declaration: the validator says so for the padded size
         if (
             weight.tensor.transposed
             and len(shape) == 2
-            and shape[::-1] in weight.tensor.expected_shapes(rows * per_row, columns * per_column)
+            and shape[::-1] in weight.tensor.expected_shapes(n_range[-1], k_range[-1])
         ):
             raise QuantizeError(
                 f"scheme {scheme.name}: {weight.tensor.name!r} of shape [{', '.join(str(s) for s in shape)}] is "
                 f"the transpose of its declared layout {weight.tensor.describe_shapes()}; the producer stores it "
                 "transposed: re-export the layer, or use a scheme that declares this layout"
             )
-        return rows * per_row, columns * per_column
+        return n_range[-1], k_range[-1]
     if len(fits) == 1:
         return fits[0]
     ns, ks = sorted({n for n, _ in fits}), sorted({k for _, k in fits})
@@ -325,7 +324,7 @@ def canonicalize(
     if weight.symmetric_zero_point is not None:
         _check_symmetric_zero_point(scheme, weight.symmetric_zero_point, tensors, scale, layer)
     permutation = None
-    if scale_spec.group_index is not None:
+    if scale_spec.group_index is not None and scale_spec.group_index.name in tensors:  # absent: k // group
         permutation = check_group_index(scheme, tensors[scale_spec.group_index.name], k, layer)
     if permutation is not None:
         codes = _permuted_columns(codes, weight.format, k, permutation)

@@ -376,6 +376,8 @@ def check_values(layout: ModuleLayout, tensors: Mapping[str, Tensor]) -> list[Te
 def _negative_weight_scales(layout: ModuleLayout, tensors: Mapping[str, Tensor]) -> list[TensorProblem]:
     if layout.scheme.weight.blocks is not None:
         return []  # block scales may be negative (llama.cpp's Q4_0 divides by -8): they are not magnitudes
+    if layout.scheme.weight.scale.signed:
+        return []  # the scheme says its producer stores signed scales (AutoRound's symmetric ones)
     spec = layout.scheme.weight.scale.tensor
     value, info = tensors.get(spec.name), layout.declared.get(spec.name)
     if value is None or info is None or not any_negative(value):

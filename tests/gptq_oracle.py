@@ -38,18 +38,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import oracle_jobs
-
 ENV = "QSCHEME_GPTQ_PYTHON"
 
 
 def oracle_python() -> str:
     """The oracle venv's Python, or skip the calling test (CI always sets it)."""
+    import oracle_jobs  # the tests' helper; the oracle side (run as a script in the venv) needs none
+
     return oracle_jobs.oracle_python(ENV, "gptq")
 
 
 def build_checkpoints(jobs: Sequence[Mapping[str, Any]], *, python: str | None = None, timeout: float = 600) -> None:
     """Write each job's checkpoint (see the module docstring) in one oracle process."""
+    import oracle_jobs
+
     oracle_jobs.run_jobs(
         __file__,
         jobs,
@@ -254,7 +256,11 @@ def _run_job(job: Mapping[str, Any], libs: Mapping[str, Any]) -> None:
 
 def main(argv: Sequence[str]) -> None:
     libs = _import_libraries()
-    if argv[1:] == ["--check"]:
+    if argv[1:] == ["--check"]:  # the venv's check (scripts/oracle-venv.sh): AutoRound's oracle too
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import auto_round_oracle
+
+        auto_round_oracle.import_libraries()
         return
     spec = json.loads(Path(argv[1]).read_text())
     for job in spec["jobs"]:

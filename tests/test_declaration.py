@@ -110,8 +110,8 @@ def test_malformed_declarations_are_refused(changes: dict[str, object], message:
 
 
 def test_supports_validate_their_vocabulary() -> None:
-    with pytest.raises(ValueError, match="weight families \\['int3'\\]"):
-        Supports(("int3",))
+    with pytest.raises(ValueError, match="weight families \\['int5'\\]"):
+        Supports(("int5",))
     with pytest.raises(ValueError, match="activation family 'fp6'"):
         ActivationSupport("fp6")
     with pytest.raises(ValueError, match="device type 'tpu'"):
@@ -123,7 +123,7 @@ def test_supports_validate_their_vocabulary() -> None:
 @pytest.mark.parametrize(
     ("weight_formats", "message"),
     [
-        (("e3m3",), r"weight_formats \['e3m3'\] are not among e2m1, e4m3, e5m2, int2, int4, uint4, int8, uint8"),
+        (("e3m3",), r"weight_formats \['e3m3'\] are not among e2m1, e4m3, e5m2, int2, int3, int4, uint4, int8, uint8"),
         (("e4m3", "float8"), r"weight_formats \['float8'\] are not among"),
         ("e4m3", "weight_formats must be a tuple of str, not 'e4m3'"),
         ((8,), "weight_formats must be a tuple of str"),

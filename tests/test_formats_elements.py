@@ -217,7 +217,7 @@ def test_aliases_and_unknown_names() -> None:
         get_element_format("fp5")
     assert isinstance(raised.value, KeyError) and isinstance(raised.value, ValueError)
     assert str(raised.value) == (
-        "unknown element format 'fp5'; known formats: e2m1, e4m3, e5m2, e8m0, int2, int4, uint4, "
+        "unknown element format 'fp5'; known formats: e2m1, e4m3, e5m2, e8m0, int2, int3, int4, uint4, "
         "int8, uint8, fp16, bf16, fp32, fp4, fp8, e4m3fn"
     )
 

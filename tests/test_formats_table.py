@@ -68,11 +68,11 @@ def test_derived_facts() -> None:
 
 def test_descriptor_vocabularies_come_from_the_table() -> None:
     # the lists every layer used to write out, in the order their messages show them
-    assert weight_formats() == ("e2m1", "e4m3", "e5m2", "int2", "int4", "uint4", "int8", "uint8")
+    assert weight_formats() == ("e2m1", "e4m3", "e5m2", "int2", "int3", "int4", "uint4", "int8", "uint8")
     assert activation_formats() == ("e2m1", "e4m3", "e5m2", "int8", "uint8")
     assert scale_formats() == ("e4m3", "e8m0", "fp32", "fp16", "bf16", "float")
     assert float_scale_formats() == ("fp16", "bf16", "fp32")
-    assert integer_formats() == ("int2", "int4", "uint4", "int8", "uint8")
+    assert integer_formats() == ("int2", "int3", "int4", "uint4", "int8", "uint8")
     assert scale_dtypes(ANY_FLOAT) == ("float16", "bfloat16", "float32")
     assert scale_dtypes("e8m0") == ("uint8",)
     assert [name for name in scale_formats() if is_float_scale(name)] == ["fp32", "fp16", "bf16", "float"]
@@ -91,6 +91,7 @@ def test_descriptor_vocabularies_come_from_the_table() -> None:
         "e4m3": "float8_e4m3fn",
         "e5m2": "float8_e5m2",
         "int2": "int8",
+        "int3": "int8",
         "int4": "int8",
         "uint4": "uint8",
         "int8": "int8",

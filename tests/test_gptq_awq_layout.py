@@ -8,6 +8,9 @@ write them (the oracle tests, tests/test_gptq_awq_oracle.py, check files those l
   upward of word ``k // per`` (per = 32 / bits), low bits first; ``qzeros`` int32 [K/g, N*bits/32]
   packed the same way along N; ``scales`` float16 [K/g, N]; ``g_idx`` int32 [K]; w = scale *
   (q - zero). ``checkpoint_format: gptq`` (v1) stores zero - 1, ``gptq_v2`` the zero.
+- GPTQ 3-bit: no whole number of codes fits a word, so both are one bit stream along their axis,
+  32 codes in 3 words: code i occupies bits 3i to 3i+2 of the stream, word w holding stream bits
+  32w to 32w+31 (codes 10 and 21 of each 32 straddle two words).
 - AWQ GEMM: ``qweight`` int32 [K, N/8]: slot i (bits 4i upward) of word j holds output
   8j + (0, 2, 4, 6, 1, 3, 5, 7)[i]; ``qzeros`` [K/g, N/8] likewise; ``scales`` [K/g, N].
 """
@@ -42,14 +45,26 @@ def _words(values: torch.Tensor, bits: int, order: tuple[int, ...] | None = None
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
+def _stream(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned values [rows, L] along L as one bit stream into int32 words, bit by bit."""
+    rows, length = values.shape
+    words = torch.zeros(rows, length * bits // 32, dtype=torch.int64)
+    for element in range(length):
+        for bit in range(bits):
+            position = element * bits + bit
+            words[:, position // 32] |= ((values[:, element].to(torch.int64) >> bit) & 1) << (position % 32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 def _gptq_tensors(
     q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, bits: int, group: int, v1: bool
 ) -> dict[str, torch.Tensor]:
     """q [N, K] unsigned codes, zero/scale [N, K/g]: GPTQ's tensors."""
     k = q.shape[1]
+    pack = _stream if 32 % bits else _words
     return {
-        "qweight": _words(q, bits).T.contiguous(),  # packed along K, stored [K/per, N]
-        "qzeros": _words((zero - 1 if v1 else zero).T.contiguous(), bits),  # [K/g, N/per]
+        "qweight": pack(q, bits).T.contiguous(),  # packed along K, stored [K*bits/32, N]
+        "qzeros": pack((zero - 1 if v1 else zero).T.contiguous(), bits),  # [K/g, N*bits/32]
         "scales": scale.T.contiguous().half(),
         "g_idx": (torch.arange(k) // group).to(torch.int32),
     }
@@ -84,6 +99,9 @@ def _expected(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, group: i
         ("gptq/W4A16_ASYM", 4, 128, True),
         ("gptq/W2A16_ASYM", 2, 128, True),
         ("gptq_v2/W2A16_ASYM", 2, 128, False),
+        ("gptq/W3A16_ASYM", 3, 128, True),
+        ("gptq_v2/W3A16_ASYM_G32", 3, 32, False),
+        ("gptq/W3A16_ASYM_G64", 3, 64, True),
     ],
 )
 def test_gptq_layout_dequantizes_to_scale_times_code_minus_zero(scheme: str, bits: int, group: int, v1: bool) -> None:
@@ -197,6 +215,38 @@ def test_dtypes_and_widths_that_disagree_with_the_config_are_refused(tmp_path: P
     (tmp_path / "b").mkdir()
     with pytest.raises(QSchemeError, match=r"scales.*int32"):
         load_checkpoint(_folder(tmp_path / "b", tensors, GPTQ_V1))
+
+
+def test_3bit_words_of_a_width_no_layer_has_or_read_as_4bit_are_refused(tmp_path: Path) -> None:
+    q, zero, scale = _codes(64, 128, 3, 32, seed=12)
+    tensors = _gptq_tensors(q, zero, scale, 3, 32, v1=True)
+    config = {**GPTQ_V1, "bits": 3}
+    load_checkpoint(_folder(tmp_path, tensors, config))  # well formed: loads
+    cut = {**tensors, "qweight": tensors["qweight"][:-1].contiguous()}  # 11 words: not whole 32-code runs
+    (tmp_path / "cut").mkdir()
+    with pytest.raises(QSchemeError, match=r"qweight.*\[11, 64\]"):
+        load_checkpoint(_folder(tmp_path / "cut", cut, config))
+    (tmp_path / "as4").mkdir()  # 3-bit words labelled 4-bit: the widths disagree, named
+    with pytest.raises(QSchemeError, match=r"qweight"):
+        load_checkpoint(_folder(tmp_path / "as4", tensors, GPTQ_V1))
+
+
+def _3bit_descriptor(qweight_shape: str, extra_scale_key: str = "") -> str:
+    text = (Path(__file__).resolve().parents[1] / "schemes" / "gptq" / "W3A16_ASYM.yaml").read_text()
+    text = text.replace("shape: [K/32*3, N]", f"shape: {qweight_shape}")
+    return text.replace("    granularity: group\n", f"    granularity: group\n{extra_scale_key}")
+
+
+def test_the_descriptor_states_3bit_words_as_whole_runs_of_the_bit_stream() -> None:
+    from qscheme.descriptor import parse_scheme_text
+    from qscheme.errors import SchemeError
+
+    assert parse_scheme_text(_3bit_descriptor("[K/32*3, N]")).weight.format == "int3"
+    # ten whole codes per word is not how the stream is cut: the declared words must be K/32*3
+    with pytest.raises(SchemeError, match=r"\[K/10, N\].*32 elements per 3 int32 words along K.*\[K/32\*3, N\]"):
+        parse_scheme_text(_3bit_descriptor("[K/10, N]"))
+    with pytest.raises(SchemeError, match=r"signed"):
+        parse_scheme_text(_3bit_descriptor("[K/32*3, N]", "    signed: maybe\n"))
 
 
 def test_a_v1_zero_of_zero_is_refused_not_read_as_sixteen(tmp_path: Path) -> None:

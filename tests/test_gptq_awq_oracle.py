@@ -61,6 +61,45 @@ JOBS: dict[str, dict[str, object]] = {
         "seed": 5,
     },
     "awq": {"kind": "awq", "bits": 4, "group_size": 128, "seed": 6},
+    # 3-bit: 32 codes in 3 int32 words, a bit stream whose codes straddle words
+    "w3": {"kind": "gptq", "bits": 3, "group_size": 128, "sym": False, "checkpoint_format": "gptq", "seed": 8},
+    "w3_v2": {"kind": "gptq", "bits": 3, "group_size": 128, "sym": False, "checkpoint_format": "gptq_v2", "seed": 8},
+    "w3_sym_g32_act_order": {
+        "kind": "gptq",
+        "bits": 3,
+        "group_size": 32,
+        "sym": True,
+        "checkpoint_format": "gptq",
+        "act_order": True,
+        "seed": 9,
+    },
+    "w3_channel_v2": {
+        "kind": "gptq",
+        "bits": 3,
+        "group_size": -1,
+        "sym": True,
+        "checkpoint_format": "gptq_v2",
+        "seed": 10,
+    },
+    # the other group sizes GPTQ users quantize with
+    "w4_asym_g64_v2": {
+        "kind": "gptq",
+        "bits": 4,
+        "group_size": 64,
+        "sym": False,
+        "checkpoint_format": "gptq_v2",
+        "seed": 11,
+    },
+    "w4_asym_channel": {
+        "kind": "gptq",
+        "bits": 4,
+        "group_size": -1,
+        "sym": False,
+        "checkpoint_format": "gptq",
+        "seed": 12,
+    },
+    "w8_asym_g32": {"kind": "gptq", "bits": 8, "group_size": 32, "sym": False, "checkpoint_format": "gptq", "seed": 13},
+    "w8_g64_v2": {"kind": "gptq", "bits": 8, "group_size": 64, "sym": True, "checkpoint_format": "gptq_v2", "seed": 14},
 }
 SCHEMES = {
     "v1_sym": {"gptq/W4A16"},
@@ -73,6 +112,14 @@ SCHEMES = {
     "dynamic": {"gptq/W4A16", "gptq/W8A16_CHANNEL"},
     "act_order": {"gptq_v2/W4A16_G32"},
     "awq": {"awq/W4A16_ASYM"},
+    "w3": {"gptq/W3A16_ASYM"},
+    "w3_v2": {"gptq_v2/W3A16_ASYM"},
+    "w3_sym_g32_act_order": {"gptq/W3A16_G32"},
+    "w3_channel_v2": {"gptq_v2/W3A16_CHANNEL"},
+    "w4_asym_g64_v2": {"gptq_v2/W4A16_ASYM_G64"},
+    "w4_asym_channel": {"gptq/W4A16_ASYM_CHANNEL"},
+    "w8_asym_g32": {"gptq/W8A16_ASYM_G32"},
+    "w8_g64_v2": {"gptq_v2/W8A16_G64"},
 }
 
 
@@ -103,7 +150,7 @@ def test_every_layer_dequantizes_bit_identical_to_the_library(folders: dict[str,
 
 
 def test_v1_and_v2_of_the_same_weights_load_to_identical_weights(folders: dict[str, Path]) -> None:
-    for v1, v2 in (("v1_sym", "v2_sym"), ("v1_asym", "v2_asym"), ("w2", "w2_v2")):
+    for v1, v2 in (("v1_sym", "v2_sym"), ("v1_asym", "v2_asym"), ("w2", "w2_v2"), ("w3", "w3_v2")):
         first, second = load_checkpoint(folders[v1]), load_checkpoint(folders[v2])
         stored_v1 = load_file(folders[v1] / "model.safetensors")
         stored_v2 = load_file(folders[v2] / "model.safetensors")
@@ -172,7 +219,7 @@ def _dense_and_quantized(folder: Path) -> tuple[LlamaForCausalLM, LlamaForCausal
     return dense, quantized
 
 
-@pytest.mark.parametrize("name", ["v1_asym", "dynamic", "awq", "act_order", "w2"])
+@pytest.mark.parametrize("name", ["v1_asym", "dynamic", "awq", "act_order", "w2", "w3", "w3_sym_g32_act_order"])
 def test_tiny_llama_logits_equal_the_dense_model_of_the_librarys_weights(folders: dict[str, Path], name: str) -> None:
     dense, quantized = _dense_and_quantized(folders[name])
     assert isinstance(quantized.model.layers[0].self_attn.q_proj, QuantLinear)
@@ -181,6 +228,35 @@ def test_tiny_llama_logits_equal_the_dense_model_of_the_librarys_weights(folders
         expected, got = dense(tokens).logits, quantized(tokens).logits
     error = float((got - expected).abs().max())
     assert error <= 1e-5 * float(expected.abs().max()), error
+
+
+def test_3bit_layers_run_on_the_reference_kernel_and_triton_and_the_trace_says_why_others_decline(
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checkpoint = load_checkpoint(folders["w3"], kernel="reference")
+    with monkeypatch.context() as patch:  # a plain CPU: no Triton interpreter
+        patch.delenv("TRITON_INTERPRET", raising=False)
+        _, on_cpu = resolve_checkpoint(folders["w3"], device="cpu")
+    assert {decision.resolution.kernel.name for decision in on_cpu} == {"reference"}  # type: ignore[union-attr]
+    for layer in checkpoint.modules.values():
+        for name in ("tinygemm_cpu", "marlin"):
+            declined = layer.resolution.candidate(name)
+            assert not declined.accepted and "scheme has int3 weights" in declined.reason, name
+    # on a GPU, Triton takes 3-bit weights (decoded one code per byte, as int8); the declaration says so
+    _, decisions = resolve_checkpoint(folders["w3"], device="sm90")
+    assert {decision.resolution.kernel.name for decision in decisions} == {"triton"}  # type: ignore[union-attr]
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel runs on the CPU only under TRITON_INTERPRET=1")
+    triton = load_checkpoint(folders["w3"], kernel="triton")
+    inputs = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+    for module, layer in triton.modules.items():
+        if layer.in_features != 128:
+            continue
+        reference = checkpoint.modules[module]
+        with torch.no_grad():
+            expected, got = reference(inputs), layer(inputs)
+        assert layer.kernel.name == "triton"
+        assert float((got - expected).abs().max()) <= 1e-4 * float(expected.abs().max()), module
 
 
 def test_int4_layers_resolve_to_tinygemm_on_cpu(folders: dict[str, Path]) -> None:
@@ -234,7 +310,7 @@ def test_convert_refuses_act_order_with_its_reason(folders: dict[str, Path], tmp
         convert_checkpoint(folders["act_order"], tmp_path / "ct", "compressed-tensors/W4A16_G32")
 
 
-@pytest.mark.parametrize("name", ["v1_asym", "awq"])
+@pytest.mark.parametrize("name", ["v1_asym", "awq", "w3"])
 def test_from_pretrained_through_the_qscheme_route_equals_the_dense_model(folders: dict[str, Path], name: str) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -25,11 +25,36 @@ from qscheme.triton.decode import decode_e2m1_words, decode_element, decode_int4
 from qscheme.triton.layout import four_bit_words
 from qscheme.triton.linear import interpreted, linear, prepare_weight
 from qscheme.triton.samples import random_weight
-from qscheme.triton.spec import ELEMENT_IDS, SCALE_FORMAT_IDS
+from qscheme.triton.spec import ELEMENT_IDS, SCALE_FORMAT_IDS, specialize
 
 YAML_SCHEMES = sorted(Path(__file__).parent.joinpath("data", "triton_schemes").glob("*.yaml"))
 BUILTIN = [s for s in load_catalog(include_plugins=False) if s.weight.blocks is None]  # blocks: not Triton's
-SCHEMES: list[Scheme] = BUILTIN + [parse_scheme_file(path) for path in YAML_SCHEMES]
+
+
+def _one_per_kernel_case(schemes: list[Scheme]) -> list[Scheme]:
+    """The first of the schemes the kernel sees as one case: the same compile-time specialisation and
+    the same canonical weight (the file layouts differ, e.g. GPTQ's v1 and v2 twins of a
+    compressed-tensors scheme; tests/test_triton_kernel_plugin.py runs every scheme's own tensors)."""
+    seen: set[object] = set()
+    kept = []
+    for scheme in schemes:
+        weight, scale = scheme.weight, scheme.weight.scale
+        zero = weight.zero_point.format if weight.zero_point is not None else None
+        key = (
+            specialize(scheme),
+            weight.format,
+            (scale.granularity, scale.group_size, scale.block, scale.format),
+            zero,
+            weight.global_scale is not None,
+        )
+        if key not in seen:
+            seen.add(key)
+            kept.append(scheme)
+    return kept
+
+
+YAML: list[Scheme] = [parse_scheme_file(path) for path in YAML_SCHEMES]
+SCHEMES: list[Scheme] = _one_per_kernel_case(BUILTIN) + YAML
 
 # (label, input shape without K, dtype, bias): M=1 decode in bf16, a 3-D fp32 batch of 33
 # tokens, fp16 with 5 tokens; N=200 and K=301 are not multiples of any tile or group.
@@ -99,7 +124,7 @@ TILED = [
 @pytest.mark.parametrize("name, config, m", TILED, ids=[f"{t[0]}-{t[1].describe()}" for t in TILED])
 @pytest.mark.interpreter
 def test_small_tiles(name: str, config: TileConfig, m: int) -> None:
-    scheme = next(s for s in SCHEMES if s.name == name)
+    scheme = next(s for s in BUILTIN + YAML if s.name == name)
     n, k = 100, 333
     weight = random_weight(scheme, n, k, partitions=_partitions(scheme, n), seed=5)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))

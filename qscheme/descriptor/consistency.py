@@ -13,13 +13,20 @@ from dataclasses import dataclass
 from qscheme.descriptor.shapes import Shape
 from qscheme.formats.table import FORMAT_FACTS
 
-Pattern = tuple[str, int] | int
-"""One dimension of an allowed form: (variable, divisor), or a constant size."""
+Pattern = tuple[str, int] | tuple[str, int, int] | int
+"""One dimension of an allowed form: (variable, divisor), (variable, divisor, multiplier) for
+``K/32*3``, or a constant size."""
+
+
+def _parts(pattern: tuple[str, int] | tuple[str, int, int]) -> tuple[str, int, int]:
+    """(variable, divisor, multiplier) of a variable pattern."""
+    return (pattern[0], pattern[1], pattern[2] if len(pattern) == 3 else 1)
 
 
 @dataclass(frozen=True)
 class Form:
-    """One allowed shape, e.g. ``[N, K/16]``: it also admits ``[N, ceil(K/16)]``."""
+    """One allowed shape, e.g. ``[N, K/16]``: it also admits ``[N, ceil(K/16)]``. A dimension with
+    a multiplier (``K/32*3``: 3 int32 words per 32 three-bit codes) admits exact division only."""
 
     dims: tuple[Pattern, ...]
 
@@ -30,7 +37,7 @@ class Form:
             if isinstance(pattern, int):
                 if dim.constant != pattern:
                     return False
-            elif (dim.variable, dim.divisor) != pattern:
+            elif (dim.variable, dim.divisor, dim.multiplier) != _parts(pattern):
                 return False
         return True
 
@@ -40,14 +47,17 @@ class Form:
             if isinstance(pattern, int):
                 parts.append(str(pattern))
             else:
-                variable, divisor = pattern
+                variable, divisor, multiplier = _parts(pattern)
                 text = variable if divisor == 1 else f"{variable}/{divisor}"
-                parts.append(f"ceil({text})" if ceil and divisor != 1 else text)
+                if multiplier != 1:
+                    parts.append(f"{text}*{multiplier}")
+                else:
+                    parts.append(f"ceil({text})" if ceil and divisor != 1 else text)
         return "[" + ", ".join(parts) + "]"
 
     @property
     def divides(self) -> bool:
-        return any(not isinstance(p, int) and p[1] != 1 for p in self.dims)
+        return any(not isinstance(p, int) and _parts(p)[1] != 1 and _parts(p)[2] == 1 for p in self.dims)
 
 
 SINGLE: tuple[Form, ...] = (Form(()), Form((1,)))
@@ -62,32 +72,59 @@ def element_bits(element_format: str) -> int:
     return FORMAT_FACTS[element_format].bits
 
 
-def packing_divisors(element_format: str, packing: str) -> tuple[int, int]:
-    """(weight rows per stored row, weight values along K per stored column) of a packing."""
+def packing_ratios(element_format: str, packing: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(divisor, multiplier) of the weight's rows and of its columns as a packing stores them: a
+    stored dimension holds ``size / divisor * multiplier`` entries. int32 packings are a dense bit
+    stream along one axis: (8, 1) for 4-bit codes, (32, 3) for 3-bit ones (32 codes in 3 words)."""
+    run = FORMAT_FACTS[element_format].int32_run
     table = {
-        "none": (1, 1),
-        "nibbles_k": (1, 2),
-        "int32_k": (1, FORMAT_FACTS[element_format].per_int32),
-        "int32_n": (FORMAT_FACTS[element_format].per_int32, 1),
-        "int4_n": (2, 1),
+        "none": ((1, 1), (1, 1)),
+        "nibbles_k": ((1, 1), (2, 1)),
+        "int32_k": ((1, 1), run),
+        "int32_n": (run, (1, 1)),
+        "int4_n": ((2, 1), (1, 1)),
     }
     return table[packing]
 
 
+def packing_divisors(element_format: str, packing: str) -> tuple[int, int]:
+    """(weight rows per stored row, weight values along K per stored column) of a packing whose
+    stored entries each hold whole values (every packing but int32 ones of 3, 5, 6 or 7 bits:
+    use ``packing_ratios`` and ``unpacked_sizes`` for those)."""
+    (row_divisor, row_multiplier), (column_divisor, column_multiplier) = packing_ratios(element_format, packing)
+    return max(1, row_divisor // row_multiplier), max(1, column_divisor // column_multiplier)
+
+
+def unpacked_sizes(stored: int, ratio: tuple[int, int]) -> range:
+    """The sizes a dimension stored packed as ``ratio`` (divisor, multiplier) may have: those
+    whose ``ceil(size / divisor * multiplier)`` is ``stored`` (one, or several where a packing
+    pads)."""
+    divisor, multiplier = ratio
+    if stored == 0:
+        return range(0, 1)
+    return range(max(1, (stored - 1) * divisor // multiplier + 1), stored * divisor // multiplier + 1)
+
+
 def weight_forms(element_format: str, packing: str) -> tuple[Form, ...]:
     """The stored weight: always 2-D, with the packed dimension divided."""
-    per_row, per_column = packing_divisors(element_format, packing)
-    return (Form((("N", per_row), ("K", per_column))),)
+    rows, columns = packing_ratios(element_format, packing)
+    return (Form((_pattern("N", rows), _pattern("K", columns))),)
+
+
+def _pattern(variable: str, ratio: tuple[int, int]) -> tuple[str, int] | tuple[str, int, int]:
+    divisor, multiplier = ratio
+    return (variable, divisor) if multiplier == 1 else (variable, divisor, multiplier)
 
 
 def weight_layout(element_format: str, packing: str) -> str:
     """How a packing stores the weight, in words (for messages)."""
-    per_int32 = packing_divisors(element_format, "int32_k")[1]
+    elements, words = FORMAT_FACTS[element_format].int32_run
+    per_int32 = f"{elements} elements per int32" if words == 1 else f"{elements} elements per {words} int32 words"
     table = {
         "none": "one element per value",
         "nibbles_k": "two 4-bit elements per byte along K",
-        "int32_k": f"{per_int32} elements per int32 along K",
-        "int32_n": f"{per_int32} elements per int32 along N",
+        "int32_k": f"{per_int32} along K",
+        "int32_n": f"{per_int32} along N",
         "int4_n": "two int4 rows per byte along N",
     }
     return table[packing]
@@ -118,14 +155,19 @@ def scale_layout(granularity: str, group_size: int | None, block: tuple[int, int
 
 
 def zero_point_forms(scales: tuple[Form, ...], packing: str, zero_point_format: str) -> tuple[Form, ...]:
-    """Zero points: one per scale; ``int32_n`` packs them along N."""
+    """Zero points: one per scale; ``int32_n`` packs them along N (a dense bit stream: ``N/8`` for
+    4-bit zero points, ``N/32*3`` for 3-bit ones)."""
     if packing != "int32_n":
         return scales
-    per_int32 = FORMAT_FACTS[zero_point_format].per_int32
-    return tuple(
-        Form(tuple((p[0], p[1] * per_int32) if not isinstance(p, int) and p[0] == "N" else p for p in form.dims))
-        for form in scales
-    )
+    elements, words = FORMAT_FACTS[zero_point_format].int32_run
+
+    def packed(pattern: Pattern) -> Pattern:
+        if isinstance(pattern, int) or pattern[0] != "N":
+            return pattern
+        variable, divisor, multiplier = _parts(pattern)
+        return _pattern(variable, (divisor * elements, multiplier * words))
+
+    return tuple(Form(tuple(packed(p) for p in form.dims)) for form in scales)
 
 
 def transposed_forms(forms: tuple[Form, ...]) -> tuple[Form, ...]:

@@ -72,6 +72,9 @@ class ScaleSpec:
     group_index: TensorSpec | None = None
     """A per-input-channel group index ([K] integers: the group of each column of the weight,
     GPTQ's ``g_idx``); absent: column k is in group k // group_size."""
+    signed: bool = False
+    """The stored scales may be negative (AutoRound's symmetric scales carry the sign of each group's
+    largest magnitude); otherwise a negative weight scale is refused as a corrupt file."""
 
 
 @dataclass(frozen=True)

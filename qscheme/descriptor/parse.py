@@ -305,7 +305,7 @@ class _Reader:
 
     def scale(self, node: Node, path: str) -> ScaleSpec | None:
         items = self.mapping(
-            node, path, ("granularity", "format", "stored", "tensor"), ("group_size", "block", "group_index")
+            node, path, ("granularity", "format", "stored", "tensor"), ("group_size", "block", "group_index", "signed")
         )
         if items is None:
             return None
@@ -316,6 +316,7 @@ class _Reader:
         group_size = self.optional(items, "group_size", path, self.integer)
         block = self.optional(items, "block", path, self.block)
         group_index = self.optional(items, "group_index", path, self.tensor)
+        signed = self.optional(items, "signed", path, self.boolean)
         if group_index is not None:
             self.check_group_index(items["group_index"], f"{path}.group_index", group_index, granularity)
         self.check_reciprocal(items, path, scale_format, stored)
@@ -342,6 +343,7 @@ class _Reader:
             group_size=group_size,
             block=block,
             group_index=group_index,
+            signed=bool(signed),
         )
 
     def check_group_index(self, node: Node, path: str, spec: TensorSpec, granularity: str | None) -> None:

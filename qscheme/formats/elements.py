@@ -205,6 +205,7 @@ _CODECS: Mapping[str, tuple[_Encoder, _Decoder]] = MappingProxyType(
         "e5m2": (_encode_torch_float, _decode_torch_float),
         "e8m0": (_encode_e8m0, _decode_e8m0),
         "int2": (_encode_int, _decode_int),
+        "int3": (_encode_int, _decode_int),
         "int4": (_encode_int, _decode_int),
         "uint4": (_encode_int, _decode_int),
         "int8": (_encode_int, _decode_int),

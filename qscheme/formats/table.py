@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from math import gcd
 from types import MappingProxyType
 from typing import Literal
 
@@ -64,8 +65,16 @@ class FormatFacts:
 
     @property
     def per_int32(self) -> int:
-        """Elements per int32 word when packed (8 for 4-bit formats, 4 for 8-bit ones)."""
+        """Whole elements per int32 word when packed (8 for 4-bit formats, 4 for 8-bit ones; 10 for
+        3-bit ones, whose bit stream also straddles words: see ``int32_run``)."""
         return max(1, 32 // self.bits)
+
+    @property
+    def int32_run(self) -> tuple[int, int]:
+        """(elements, int32 words) of the shortest run of a dense bit stream that fills whole words:
+        (8, 1) for 4-bit formats, (16, 1) for 2-bit, (32, 3) for 3-bit (codes straddle words)."""
+        common = gcd(32, self.bits)
+        return 32 // common, self.bits // common
 
     @property
     def coded(self) -> bool:
@@ -130,6 +139,7 @@ _ROWS: tuple[FormatFacts, ...] = (
     _float("e5m2", 5, 2, (2 - 2.0**-2) * 2.0**15, "float8_e5m2", family="fp8", weight=True, activation=True),
     FormatFacts("e8m0", "scale", 8, False, 2.0**127, 2.0**-127, "uint8", exponent_bits=8, scale=True),
     _int("int2", 2, True, "int8", "int2", activation=False),
+    _int("int3", 3, True, "int8", "int3", activation=False),
     _int("int4", 4, True, "int8", "int4", activation=False),
     _int("uint4", 4, False, "uint8", "int4", activation=False),
     _int("int8", 8, True, "int8", "int8", activation=True),

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 Capability = tuple[int, int]
 
-WEIGHT_FAMILIES: tuple[str, ...] = ("nvfp4", "mxfp4", "fp4", "int2", "int4", "int8", "fp8", BLOCKS)
+WEIGHT_FAMILIES: tuple[str, ...] = ("nvfp4", "mxfp4", "fp4", "int2", "int3", "int4", "int8", "fp8", BLOCKS)
 # The element formats a descriptor's weight may name (qscheme.formats.table's weight rows).
 WEIGHT_ELEMENT_FORMATS: tuple[str, ...] = weight_formats()
 ACTIVATION_FAMILIES: tuple[str, ...] = ("none", "nvfp4", "mxfp4", "fp4", "int8", "fp8")
@@ -310,7 +310,7 @@ BLOCKS_WEIGHT_ONLY = Supports(weights=(BLOCKS,), activations=(WEIGHT_ONLY,))
 """Packed blocks of any declared layout, with 16-bit or fp32 activations (the reference kernel)."""
 
 ANY_WEIGHT_ONLY = Supports(
-    weights=("nvfp4", "mxfp4", "fp4", "int2", "int4", "int8", "fp8"),
+    weights=("nvfp4", "mxfp4", "fp4", "int2", "int3", "int4", "int8", "fp8"),
     activations=(WEIGHT_ONLY,),
     zero_points=True,
     per_partition_scales=True,

@@ -29,10 +29,10 @@ from qscheme.descriptor import Scheme
 from qscheme.errors import QuantizeError
 from qscheme.formats.table import ANY_FLOAT, FORMAT_FACTS, is_float_scale, range_half
 
-# Element formats the kernels decode (equal to the constants of qscheme.triton.decode). int2 codes
-# are stored one signed value per byte in the canonical form, so they decode as int8.
+# Element formats the kernels decode (equal to the constants of qscheme.triton.decode). int2 and
+# int3 codes are stored one signed value per byte in the canonical form, so they decode as int8.
 ELEMENT_IDS = MappingProxyType(
-    {"e2m1": 0, "int4": 1, "uint4": 2, "e4m3": 3, "e5m2": 4, "int8": 5, "uint8": 6, "int2": 5}
+    {"e2m1": 0, "int4": 1, "uint4": 2, "e4m3": 3, "e5m2": 4, "int8": 5, "uint8": 6, "int2": 5, "int3": 5}
 )
 FOUR_BIT_ELEMENTS = frozenset(name for name in ELEMENT_IDS if FORMAT_FACTS[name].bits == 4)
 
