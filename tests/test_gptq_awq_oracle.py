@@ -231,8 +231,12 @@ def test_tiny_llama_logits_equal_the_dense_model_of_the_librarys_weights(folders
 
 
 def test_3bit_layers_run_on_the_reference_kernel_and_triton_and_the_trace_says_why_others_decline(
-    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from qscheme.cli.main import main
+
+    assert main(["inspect", str(folders["w3"])]) == 0
+    assert "gptq/W3A16_ASYM" in capsys.readouterr().out
     checkpoint = load_checkpoint(folders["w3"], kernel="reference")
     with monkeypatch.context() as patch:  # a plain CPU: no Triton interpreter
         patch.delenv("TRITON_INTERPRET", raising=False)
