@@ -108,10 +108,10 @@ def test_forced_kernels(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.
     code, out, _ = run(["resolve", "compressed-tensors/W4A16", "--device", "sm90", "--json"], capsys)
     assert code == 1 and json.loads(out)["forced"] == "marlin"
     monkeypatch.delenv("QSCHEME_KERNEL")
-    monkeypatch.setenv("QSCHEME_DISABLED_KERNELS", "reference,triton,tinygemm_cpu,dequant_gemm")
+    monkeypatch.setenv("QSCHEME_DISABLED_KERNELS", "reference,triton,tinygemm_cpu,dequant_gemm,cpu_gemv")
     code, out, _ = run(["resolve", "compressed-tensors/W4A16", "--device", "cpu", "--json"], capsys)
     data = json.loads(out)
-    assert code == 1 and data["disabled"] == ["dequant_gemm", "reference", "tinygemm_cpu", "triton"]
+    assert code == 1 and data["disabled"] == ["cpu_gemv", "dequant_gemm", "reference", "tinygemm_cpu", "triton"]
 
 
 def test_fused_partitions_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:

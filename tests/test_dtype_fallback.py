@@ -22,8 +22,9 @@ W4A16 = "compressed-tensors/W4A16"
 @pytest.fixture(autouse=True)
 def _no_interpreted_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tests run with TRITON_INTERPRET=1, under which the triton kernel takes float16 and
-    float32 layers on a CPU: leave it out, as a CPU without the interpreter does."""
-    monkeypatch.setenv("QSCHEME_DISABLED_KERNELS", "triton")
+    float32 layers on a CPU: leave it out, as a CPU without the interpreter does; and cpu_gemv,
+    which takes them too, so that these layers fall back to the reference as on a CPU without it."""
+    monkeypatch.setenv("QSCHEME_DISABLED_KERNELS", "triton,cpu_gemv")
 
 
 def _bf16_kernel() -> str:

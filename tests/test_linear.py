@@ -23,10 +23,10 @@ from qscheme.plugins import hookimpl, register_plugin
 def builtin_kernels_without_triton(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Built-in plugins only; Triton (interpreted on CPU, slow) is disabled unless a test forces it.
 
-    tinygemm_cpu is disabled too: it would take the int4 layers with bf16 activations, and these
-    tests are about QuantLinear's mechanics, run on the reference kernel (tests/test_tinygemm.py
-    tests tinygemm through QuantLinear)."""
-    monkeypatch.setenv("QSCHEME_DISABLED_KERNELS", "triton,tinygemm_cpu")
+    tinygemm_cpu and cpu_gemv are disabled too: they would take the int4, NVFP4 and FP8 layers,
+    and these tests are about QuantLinear's mechanics, run on the reference kernel
+    (tests/test_tinygemm.py and tests/test_cpu_gemv.py test those kernels through QuantLinear)."""
+    monkeypatch.setenv("QSCHEME_DISABLED_KERNELS", "triton,tinygemm_cpu,cpu_gemv")
     monkeypatch.delenv("QSCHEME_KERNEL", raising=False)
     with isolated_plugins():
         yield

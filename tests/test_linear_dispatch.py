@@ -89,7 +89,7 @@ class _Plugin:
 
 @pytest.fixture
 def plugin(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("QSCHEME_DISABLED_KERNELS", "triton")  # the reference kernel: quick on a CPU
+    monkeypatch.setenv("QSCHEME_DISABLED_KERNELS", "triton,cpu_gemv")  # the reference kernel: quick on a CPU
     with isolated_plugins():
         register_plugin(_Plugin(), "dispatch-test")
         yield

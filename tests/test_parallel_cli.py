@@ -28,8 +28,9 @@ from qscheme.plugins.manager import register_plugin
 
 GOLDEN = Path(__file__).parent / "snapshots" / "parallel"
 UPDATE = os.environ.get("QSCHEME_UPDATE_SNAPSHOTS") == "1"
+# priority 46: above cpu_gemv (45), which would take every NVFP4 layer on the CPU
 TILE_ALIGNED = replace(
-    REFERENCE, name="tile_aligned", provider="test", priority=5, checks=(ShapeAlignment(((64, 128), (128, 64))),)
+    REFERENCE, name="tile_aligned", provider="test", priority=46, checks=(ShapeAlignment(((64, 128), (128, 64))),)
 )
 SHAPES = {  # o_proj: N = 64, K = 384: whole tiles at tp 1, K = 192 per rank at tp 2
     "self_attn.q_proj": (256, 256),
@@ -93,7 +94,7 @@ def test_a_kernel_tile_the_shard_no_longer_fills(checkpoint: Path, capsys: pytes
     assert code == 0 and "64x384       1      tile_aligned" in text
     code, text = run(["resolve", str(checkpoint), "--tp", "2", "--device", "cpu", "--json"], capsys, checkpoint)
     layer = next(x for x in json.loads(text)["layers"] if x["layer"].endswith("o_proj"))
-    assert (layer["shard_n"], layer["shard_k"], layer["kernel"]) == (64, 192, "reference")
+    assert (layer["shard_n"], layer["shard_k"], layer["kernel"]) == (64, 192, "cpu_gemv")  # the next in rank
     assert {"kernel": "tile_aligned", "stage": "problem"}.items() <= layer["rejections"][0].items()
     assert "192" in layer["rejections"][0]["reason"]
 

@@ -147,8 +147,9 @@ def test_the_builtin_triton_kernel_is_never_chosen_when_its_code_fails_to_import
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setitem(sys.modules, module, None)  # `import` of it now raises (ModuleNotFoundError)
     # tinygemm_cpu (60) outranks triton (50) for int4 with bf16 inputs on a CPU: without it, triton
-    # is the kernel resolution would choose, so its code is what gets imported
-    no_tinygemm = {"QSCHEME_DISABLED_KERNELS": "tinygemm_cpu"}
+    # is the kernel resolution would choose, so its code is what gets imported (cpu_gemv, 45, is
+    # disabled too: the reference kernel is what remains when triton's code fails)
+    no_tinygemm = {"QSCHEME_DISABLED_KERNELS": "tinygemm_cpu,cpu_gemv"}
     with isolated_plugins():
         resolution = registry.resolve_layer(builtin_scheme(SCHEME), PROBLEM, "cpu", environ=no_tinygemm)
         assert resolution.kernel is not None and resolution.kernel.name == "reference"
@@ -188,7 +189,7 @@ def test_kernels_lists_a_kernel_as_available_only_when_its_code_imports(
         (
             "refrence",
             r"unknown kernel 'refrence' was forced\. Did you mean 'reference'\? "
-            r"Known kernels: marlin, marlin_mxfp4, native_fp4",
+            r"Known kernels: cpu_gemv, dequant_gemm, marlin, marlin_mxfp4, native_fp4",
         ),
     ],
 )

@@ -59,7 +59,7 @@ EXPECTED: list[tuple[str, str, str | None]] = [
     ("compressed-tensors/NVFP4", "sm90", "triton"),
     ("compressed-tensors/NVFP4", "sm89", "triton"),
     ("compressed-tensors/NVFP4", "sm80", "triton"),
-    ("compressed-tensors/NVFP4", "cpu", "reference"),
+    ("compressed-tensors/NVFP4", "cpu", "cpu_gemv"),
     ("modelopt/NVFP4", "sm100", "native_fp4"),
     ("modelopt/NVFP4", "sm90", "triton"),
     ("modelopt/NVFP4_AWQ", "sm100", "native_fp4"),  # native_fp4 applies the AWQ pre-scale itself
@@ -70,7 +70,7 @@ EXPECTED: list[tuple[str, str, str | None]] = [
     ("compressed-tensors/MXFP4A16", "sm90", "marlin_mxfp4"),  # MXFP4 Marlin: bf16 only, declared apart
     ("compressed-tensors/W4A16", "sm86", "marlin"),
     ("compressed-tensors/W4A16_ASYM", "sm90", "marlin"),
-    ("compressed-tensors/NVFP4A16", "cpu", "reference"),
+    ("compressed-tensors/NVFP4A16", "cpu", "cpu_gemv"),
     # int4 weight-only on a CPU: torch's tinygemm for CPUs (bf16 activations).
     ("compressed-tensors/W4A16", "cpu", "tinygemm_cpu"),
     ("compressed-tensors/W4A16_ASYM", "cpu", "tinygemm_cpu"),
@@ -81,7 +81,7 @@ EXPECTED: list[tuple[str, str, str | None]] = [
     ("compressed-tensors/MXFP4", "sm103", "native_mxfp4"),
     ("compressed-tensors/MXFP4", "sm120", "triton"),
     ("compressed-tensors/MXFP4", "sm90", "triton"),
-    ("compressed-tensors/MXFP4", "cpu", "reference"),
+    ("compressed-tensors/MXFP4", "cpu", "cpu_gemv"),
     ("modelopt/mxfp4", "sm100", "native_mxfp4"),
     ("modelopt/mxfp4", "sm120", "triton"),
     # FP8 W8A8: tensor-wise native FP8 from 8.9; row-wise on 8.9, 9.x and 10.0-10.3; block-wise on 9.0 only;
@@ -90,11 +90,11 @@ EXPECTED: list[tuple[str, str, str | None]] = [
     ("compressed-tensors/FP8", "sm89", "native_fp8"),
     ("compressed-tensors/FP8", "sm90", "native_fp8"),
     ("compressed-tensors/FP8", "sm120", "native_fp8"),
-    ("compressed-tensors/FP8", "cpu", "reference"),
+    ("compressed-tensors/FP8", "cpu", "cpu_gemv"),
     ("compressed-tensors/FP8_DYNAMIC", "sm89", "native_fp8_rowwise"),
     ("compressed-tensors/FP8_DYNAMIC", "sm100", "native_fp8_rowwise"),
     ("compressed-tensors/FP8_DYNAMIC", "sm120", "triton"),
-    ("compressed-tensors/FP8_DYNAMIC", "cpu", "reference"),
+    ("compressed-tensors/FP8_DYNAMIC", "cpu", "cpu_gemv"),
     ("compressed-tensors/FP8_BLOCK", "sm90", "native_fp8_block"),
     ("compressed-tensors/FP8_BLOCK", "sm100", "triton"),
     ("compressed-tensors/FP8_BLOCK", "sm89", "triton"),
@@ -102,7 +102,7 @@ EXPECTED: list[tuple[str, str, str | None]] = [
     # int8 W8A8: Triton on CUDA 8.0+, the reference emulation on a CPU.
     ("compressed-tensors/W8A8", "sm80", "triton"),
     ("compressed-tensors/W8A8", "sm120", "triton"),
-    ("compressed-tensors/W8A8", "cpu", "reference"),
+    ("compressed-tensors/W8A8", "cpu", "cpu_gemv"),
     # AWQ with an always-present pre-scale would exclude Marlin; its pre-scale is optional.
     ("modelopt/W4A16_AWQ", "sm90", "marlin"),
     # Turing (sm75, T4-class): the reference only. Marlin, Triton and tinygemm need 8.0 (vLLM 0.33's
@@ -151,7 +151,7 @@ def test_tinygemm_takes_bf16_activations_only() -> None:
     scheme = builtin_scheme("compressed-tensors/W4A16")
     for dtype in ("fp16", "fp32"):
         on_cpu = resolve(scheme, Problem(4096, 4096, dtype), fake_device("cpu"), AS_IF_IMPLEMENTED)
-        assert on_cpu.kernel is not None and on_cpu.kernel.name == "reference"
+        assert on_cpu.kernel is not None and on_cpu.kernel.name == "cpu_gemv"  # it takes 16- and 32-bit inputs
         cpu = on_cpu.candidate("tinygemm_cpu")
         assert (cpu.stage, cpu.reason) == ("problem", f"takes bfloat16 activations; layer has {normalize_dtype(dtype)}")
         on_gpu = resolve(scheme, Problem(4096, 4096, dtype), fake_device("sm90", modules=NO_VLLM), AS_IF_IMPLEMENTED)
@@ -161,8 +161,9 @@ def test_tinygemm_takes_bf16_activations_only() -> None:
 
 def test_triton_on_cpu_needs_the_interpreter() -> None:
     scheme = builtin_scheme("compressed-tensors/W4A16")
-    # tinygemm_cpu (60) outranks triton (50) for int4 with bf16 inputs on a CPU: leave it out here
-    without_tinygemm = {"tinygemm_cpu"}
+    # tinygemm_cpu (60) outranks triton (50) for int4 with bf16 inputs on a CPU: leave it out here,
+    # and cpu_gemv (45), which would run the layer without the interpreter
+    without_tinygemm = {"tinygemm_cpu", "cpu_gemv"}
     plain = resolve(scheme, SQUARE, fake_device("cpu"), AS_IF_IMPLEMENTED, disabled=without_tinygemm)
     assert plain.kernel is not None and plain.kernel.name == "reference"
     triton = plain.candidate("triton")
@@ -311,7 +312,7 @@ def test_missing_library_and_implementation_are_device_stage() -> None:
     assert no_int4pack.candidate("tinygemm_cpu").reason == (
         "needs torch.ops.aten._weight_int4pack_mm_for_cpu, which torch 2.13.0 lacks"
     )
-    assert no_int4pack.kernel is not None and no_int4pack.kernel.name == "reference"
+    assert no_int4pack.kernel is not None and no_int4pack.kernel.name == "cpu_gemv"
 
 
 def test_order_is_priority_then_name_whatever_the_input_order() -> None:
@@ -336,6 +337,7 @@ def test_order_is_priority_then_name_whatever_the_input_order() -> None:
         "b_twin",
         "tinygemm_cpu",
         "triton",
+        "cpu_gemv",
         "dequant_gemm",
         "reference",
         "native_fp8_cpu",
@@ -433,12 +435,12 @@ def test_nvfp4_weights_with_fp8_inputs_fail_naming_both_formats(tmp_path: Path) 
             assert all(c.stage == "scheme" for c in resolution.trace)
             message = no_kernel_message(resolution, declarations=AS_IF_IMPLEMENTED)
             assert "No kernel implements nvfp4 weights with fp8 static per tensor activations." in message
-            assert "none (16-bit)                  marlin, triton, dequant_gemm, reference" in message
-            assert "nvfp4 dynamic per group of 16  native_fp4, triton, reference" in message
+            assert "none (16-bit)                  marlin, triton, cpu_gemv, dequant_gemm, reference" in message
+            assert "nvfp4 dynamic per group of 16  native_fp4, triton, cpu_gemv, reference" in message
     # The pairing table is computed from the declarations, not written down anywhere.
     assert activation_pairings("nvfp4", AS_IF_IMPLEMENTED) == [
-        ("none (16-bit)", ["marlin", "triton", "dequant_gemm", "reference"]),
-        ("nvfp4 dynamic per group of 16", ["native_fp4", "triton", "reference"]),
+        ("none (16-bit)", ["marlin", "triton", "cpu_gemv", "dequant_gemm", "reference"]),
+        ("nvfp4 dynamic per group of 16", ["native_fp4", "triton", "cpu_gemv", "reference"]),
     ]
 
 
@@ -560,15 +562,16 @@ def test_activation_formats_no_kernel_runs_fail_at_resolution_naming_the_format(
         message = str(raised.value)
         assert "No kernel implements fp8 weights with fp8 dynamic per token (e5m2, bf16 scales) activations." in message
         assert (
-            "fp8 dynamic per token (e4m3, fp32/float scales)            native_fp8_rowwise, triton, reference, "
-            "native_fp8_cpu" in message
+            "fp8 dynamic per token (e4m3, fp32/float scales)            native_fp8_rowwise, triton, cpu_gemv, "
+            "reference, native_fp8_cpu" in message
         )
         assert (
             "fp8 static per tensor (e4m3, fp32/float/fp16/bf16 scales)  native_fp8, native_fp8_rowwise, triton, "
-            "reference, native_fp8_cpu" in message
+            "cpu_gemv, reference, native_fp8_cpu" in message
         )
-        assert "fp8 dynamic per group of 128 (e4m3, fp32/float scales)     native_fp8_block, triton, reference" in (
-            message
+        assert (
+            "fp8 dynamic per group of 128 (e4m3, fp32/float scales)     native_fp8_block, triton, cpu_gemv, reference"
+            in message
         )
     # A plugin kernel declaring the format takes the scheme.
     declarations = (*AS_IF_IMPLEMENTED, implemented(E5M2_KERNEL))
@@ -641,7 +644,10 @@ def test_weight_element_formats_a_kernel_does_not_take_are_rejected_at_the_schem
     on_gpu = resolve(e4m3, SQUARE, fake_device("sm90"), AS_IF_IMPLEMENTED)
     assert on_gpu.kernel is not None and on_gpu.kernel.name == "native_fp8"
     on_cpu = resolve(e4m3, SQUARE, fake_device("cpu"), AS_IF_IMPLEMENTED)
-    assert on_cpu.candidate("native_fp8_cpu").reason == "not chosen: reference ranks higher"
+    assert (
+        on_cpu.candidate("native_fp8_cpu").reason
+        == "not chosen: cpu_gemv, reference rank higher for the M it is meant for"
+    )
     # A kernel that declares e5m2 weights takes the scheme, and only e5m2 ones.
     declarations = (*AS_IF_IMPLEMENTED, implemented(E5M2_WEIGHTS_KERNEL))
     taken = resolve(scheme, SQUARE, fake_device("sm90"), declarations)
@@ -736,7 +742,7 @@ def test_the_repo_triton_test_schemes_resolve_to_triton(file: str, device_name: 
     assert resolution.kernel is not None and resolution.kernel.name == "triton", resolution.trace
     assert resolution.candidate("reference").accepted
     on_cpu = resolve(scheme, SQUARE, fake_device("cpu"), AS_IF_IMPLEMENTED)
-    assert on_cpu.kernel is not None and on_cpu.kernel.name == "reference"
+    assert on_cpu.kernel is not None and on_cpu.kernel.name == "cpu_gemv"
 
 
 def _nvfp4_group(size: int) -> Scheme:
@@ -798,7 +804,7 @@ def test_a_rejected_kernel_lists_every_failing_check_across_stages() -> None:
     assert strict.hint == "pad the layer to N=128, K=128"  # the first hint of any check
     assert candidate.reason == "; ".join(f.reason for f in candidate.failures)
     assert candidate.as_json()["failures"] == [f.as_json() for f in candidate.failures]
-    chosen = marlin.candidate("reference")
+    chosen = marlin.candidate("cpu_gemv")
     assert chosen.chosen and chosen.failures == () and chosen.stage is None
 
 
