@@ -1,6 +1,6 @@
 """Every kernel that runs a scheme on the CPU, against torch's dense matmul and the reference kernel.
 
-    python benchmarks/cpu_gemm.py [--scheme NAME ...] [--threads 4] [--markdown out.md]
+    python benchmarks/cpu_gemm.py [--scheme NAME ...] [--threads 1 --threads 2] [--markdown out.md]
     python benchmarks/cpu_gemm.py --smoke     # tiny shapes, a few calls (the test's run)
 
 For each scheme (default: compressed-tensors W4A16, FP8 and FP8_DYNAMIC, ModelOpt FP8 and
@@ -20,7 +20,10 @@ each; a sample is as many back-to-back calls as fill 20 ms (one call, for most),
 is the median of 5 samples (3 for a call slower than half a second, which would pass 2.5 s). Ratios (how
 many times faster than bf16 ``F.linear``, fp32 ``F.linear`` and the reference kernel) come from
 the same rounds. GB/s: the bytes a call moves (the kernel state's tensors, the bf16 input and
-output) over its time. ``--threads`` sets ``torch.set_num_threads`` (default: torch's own).
+output) over its time, and that as a fraction of the best dense GEMV bandwidth of the same
+rounds ("vs dense GB/s": the larger of bf16 and fp32 ``F.linear``'s weight, input and output bytes
+over their times). ``--threads`` sets ``torch.set_num_threads`` (repeatable: the whole run once per
+count, each row naming its count; default: torch's own).
 
 Memory: for each (scheme, kernel) at 4096x4096, after the layer's first forward, the distinct
 storages of its buffers (the canonical tensors: the quantized weight with its scales) and of
@@ -65,6 +68,10 @@ from kernel_table import (
 
 SCHEMES = (
     "compressed-tensors/W4A16",
+    "compressed-tensors/NVFP4A16",
+    "compressed-tensors/MXFP4A16",
+    "compressed-tensors/W8A16_G32",
+    "modelopt/fp8_pb_wo",
     "compressed-tensors/FP8",
     "compressed-tensors/FP8_DYNAMIC",
     "modelopt/FP8",
@@ -94,6 +101,12 @@ class Row:
     fp32_seconds: float
     reference_seconds: float | None
     moved_bytes: int
+    threads: int = 1
+    dense_bytes_per_second: float = 0.0  # the best dense GEMV bandwidth of the same rounds
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.moved_bytes / self.seconds
 
     def cells(self) -> list[str]:
         return [
@@ -107,11 +120,16 @@ class Row:
             ratio(self.bf16_seconds, self.seconds),
             ratio(self.fp32_seconds, self.seconds),
             ratio(self.reference_seconds, self.seconds),
-            f"{self.moved_bytes / self.seconds / 1e9:.1f}",
+            f"{self.bytes_per_second / 1e9:.1f}",
+            f"{self.threads}",
+            f"{self.bytes_per_second / self.dense_bytes_per_second:.2f}" if self.dense_bytes_per_second else "-",
         ]
 
 
-HEADER = ("scheme", "kernel", "N x K", "M", "us", "bf16 us", "fp32 us", "vs bf16", "vs fp32", "vs reference", "GB/s")
+HEADER = (
+    "scheme", "kernel", "N x K", "M", "us", "bf16 us", "fp32 us", "vs bf16", "vs fp32", "vs reference", "GB/s",
+    "threads", "vs dense GB/s",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -165,6 +183,8 @@ def measure_scheme(
         with torch.inference_mode():
             times = interleaved_medians(calls, args.rounds, args.sample_seconds, WARMUP, PEER_BUDGET_SECONDS)
         io = (m * k + m * n) * 2
+        # the best dense GEMV bandwidth of these rounds: the weight (and input and output) over the time
+        dense = max((n * k * 2 + io) / times["F.linear bf16"], (n * k * 4 + 2 * io) / times["F.linear fp32"])
         for name in layers:
             row = Row(
                 scheme.name,
@@ -177,6 +197,8 @@ def measure_scheme(
                 times["F.linear fp32"],
                 times.get(REFERENCE),
                 moved[name] + io,
+                torch.get_num_threads(),
+                dense,
             )
             rows.append(row)
             print("| " + " | ".join(row.cells()) + " |", flush=True)
@@ -232,13 +254,12 @@ def cpu_name() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    thread_counts = args.threads or [torch.get_num_threads()]
     facts = device_facts("cpu", interpreter=False)
-    threads = torch.get_num_threads()
+    counts = ", ".join(map(str, thread_counts))
     lines = [
-        f"CPU: {cpu_name()}, {os.cpu_count()} cores visible, torch {torch.__version__} with {threads} "
-        f"thread{'s' if threads != 1 else ''}; bf16 activations.",
+        f"CPU: {cpu_name()}, {os.cpu_count()} cores visible, torch {torch.__version__} with {counts} "
+        f"thread{'s' if thread_counts != [1] else ''}; bf16 activations.",
         "Times are medians of interleaved rounds (us per call); ratios are how many times faster the kernel is "
         "than bf16 F.linear, fp32 F.linear and the reference kernel, timed in the same rounds.",
     ]
@@ -249,15 +270,17 @@ def run(args: argparse.Namespace) -> int:
     checks: list[Check] = []
     memory: list[MemoryRow] = []
     notes: list[str] = []
-    for n, k in args.shapes:
-        for scheme_name in args.scheme:
-            found = measure_scheme(scheme_name, n, k, args, facts)
-            rows += found[0]
-            checks += found[1]
-            memory += found[2]
-            notes += found[3]
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        for n, k in args.shapes:
+            for scheme_name in args.scheme:
+                found = measure_scheme(scheme_name, n, k, args, facts)
+                rows += found[0]
+                checks += found[1]
+                memory += found[2] if threads == thread_counts[0] else []
+                notes += found[3]
     order = {name: index for index, name in enumerate(args.scheme)}
-    rows.sort(key=lambda r: (order.get(r.scheme, len(order)), args.shapes.index((r.n, r.k)), r.m))
+    rows.sort(key=lambda r: (order.get(r.scheme, len(order)), args.shapes.index((r.n, r.k)), r.threads, r.m))
     checks.sort(key=lambda c: (order.get(c.scheme, len(order)), args.shapes.index((c.n, c.k))))
     n, k = args.memory_shape
     text = [
@@ -302,7 +325,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip", action="append", help="not these kernels (repeatable)")
     parser.add_argument("--shape", action="append", type=parse_shape, help="N x K, e.g. 4096x4096 (repeatable)")
     parser.add_argument("--m", type=int, action="append", dest="m_values", help="rows of the input (repeatable)")
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's own)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        action="append",
+        help="torch.set_num_threads, repeatable: one run each (default: torch's)",
+    )
     parser.add_argument("--rounds", type=int, help=f"samples per time (default {ROUNDS})")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and few calls: checks the script only")
     parser.add_argument("--markdown", help="also write the tables to this file")

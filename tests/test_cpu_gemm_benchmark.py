@@ -26,7 +26,10 @@ sys.path.insert(0, str(BENCHMARKS))
 kernel_table = importlib.import_module("kernel_table")
 cpu_gemm = importlib.import_module("cpu_gemm")
 
-HEADER = "| scheme | kernel | N x K | M | us | bf16 us | fp32 us | vs bf16 | vs fp32 | vs reference | GB/s |"
+HEADER = (
+    "| scheme | kernel | N x K | M | us | bf16 us | fp32 us | vs bf16 | vs fp32 | vs reference | GB/s | threads "
+    "| vs dense GB/s |"
+)
 MEMORY_ROW = re.compile(
     r"^\| (\S+) \| (\S+) \| (\d+)x(\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \| ([\d.]+)x \|$", re.M
 )
@@ -83,7 +86,7 @@ def test_smoke_has_a_row_for_every_kernel_the_resolver_accepts(
     assert len(found) == len(set(found))
     assert set(found) == expected
     for row in rows:
-        assert len(row) == 11 and all(float(cell) > 0 for cell in row[4:7])
+        assert len(row) == 13 and all(float(cell) > 0 for cell in row[4:7])
         assert all(re.fullmatch(r"[\d.]+x", cell) for cell in row[7:10])
     # the reference kernel's ratio to itself: the column is the same rounds' reference time
     assert {row[9] for row in rows if row[1] == "reference"} == {"1.00x"}
