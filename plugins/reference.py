@@ -17,6 +17,7 @@ from qscheme.kernels.declaration import (
     ANY_DEVICE,
     ANY_WEIGHT_ONLY,
     BLOCKS_WEIGHT_ONLY,
+    CODEBOOK_WEIGHT_ONLY,
     DEPLOYED_ACTIVATION_PAIRS,
     NVFP4_ACTIVATION_PAIR,
     ActivationDtypes,
@@ -37,6 +38,7 @@ REFERENCE = KernelDeclaration(
     supports=(
         replace(ANY_WEIGHT_ONLY, input_permutation=True),
         BLOCKS_WEIGHT_ONLY,
+        CODEBOOK_WEIGHT_ONLY,
         NVFP4_ACTIVATION_PAIR,
         *DEPLOYED_ACTIVATION_PAIRS,
     ),

@@ -1,7 +1,8 @@
 """The Triton fallback kernel's declaration (its code is ``qscheme_plugins.triton_kernel``).
 
 Weight-only for every weight family (e2m1 with e4m3/e8m0/float scales, int4/uint4 with zero
-points, int8, fp8), plus the activation-quantized pairs deployed kernels run: NVFP4 x NVFP4
+points, int8, fp8, and 4-bit codebooks such as NF4, decoded through their table in float32), plus
+the activation-quantized pairs deployed kernels run: NVFP4 x NVFP4
 (also e2m1 weights with float scales, any group size: the weight scales are decoded in the K
 loop independently of the input's groups of 16), FP8 x FP8 (static per tensor, dynamic per
 token, dynamic per group of 128), int8 x int8 per token (int8/uint8 weights, zero points
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from qscheme.kernels.declaration import (
     ANY_WEIGHT_ONLY,
+    CODEBOOK_WEIGHT_ONLY,
     DEPLOYED_ACTIVATION_PAIRS,
     NVFP4_ACTIVATION_PAIR,
     ActivationDtypes,
@@ -34,6 +36,7 @@ TRITON = KernelDeclaration(
     description="Triton dequantize-in-register GEMM, portable across CUDA, ROCm and the Triton interpreter",
     supports=(
         ANY_WEIGHT_ONLY,
+        CODEBOOK_WEIGHT_ONLY,
         NVFP4_ACTIVATION_PAIR,
         *DEPLOYED_ACTIVATION_PAIRS,
     ),

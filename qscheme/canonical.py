@@ -36,6 +36,7 @@ Canonical form
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping
 
@@ -57,6 +58,7 @@ from qscheme.canonical_weight import (
 from qscheme.descriptor import Scheme
 from qscheme.descriptor.consistency import FOUR_BIT, element_bits, packing_ratios, unpacked_sizes
 from qscheme.descriptor.model import ZeroPointSpec
+from qscheme.descriptor.state import MAX_STATE_BYTES, StateValues, read_state
 from qscheme.errors import QuantizeError
 from qscheme.formats import (
     get_element_format,
@@ -151,10 +153,52 @@ def stored_layer_shape(
     )
 
 
+def layer_state(scheme: Scheme, tensors: Mapping[str, Tensor], layer: str | None = None) -> StateValues | None:
+    """The layer's checked JSON state (``weight.state``), or None when the scheme declares none;
+    QuantizeError naming the tensor, the key and what is allowed when it does not check."""
+    spec = scheme.weight.state
+    if spec is None:
+        return None
+    name = spec.tensor.name
+    value = tensors.get(name)
+    where = f"layer {layer}, scheme {scheme.name}" if layer else f"scheme {scheme.name}"
+    if value is None or value.dtype != torch.uint8 or value.ndim != 1:
+        found = "missing" if value is None else f"{value.dtype} {list(value.shape)}"
+        raise QuantizeError(f"{where}: state tensor {name!r} must be uint8 [bytes] holding JSON, found {found}")
+    read = read_state(spec, value.cpu().numpy().tobytes() if value.numel() <= MAX_STATE_BYTES else b" " * value.numel())
+    if isinstance(read, str):
+        raise QuantizeError(f"{where}: state tensor {name!r}: {read}")
+    return read
+
+
+def unflattened(scheme: Scheme, tensors: Mapping[str, Tensor], n: int, k: int) -> dict[str, Tensor]:
+    """The tensors with every one a scheme declares ``flat`` reshaped to its declared shape for N x K
+    (QuantizeError when its element count is not that shape's)."""
+    out = dict(tensors)
+    for spec in scheme.tensor_specs().values():
+        value = out.get(spec.name)
+        if not spec.flat or value is None:
+            continue
+        shapes = spec.layout_shapes(n, k)
+        fitting = [shape for shape in shapes if math.prod(shape) == value.numel()]
+        if not fitting:
+            raise QuantizeError(
+                f"scheme {scheme.name}: flat tensor {spec.name!r} holds {value.numel()} values, expected the "
+                f"{' or '.join(str(math.prod(shape)) for shape in shapes) or 'no'} of {spec.describe_shapes()} "
+                f"for N={n}, K={k}"
+            )
+        out[spec.name] = value.reshape(fitting[0])
+    return out
+
+
 def layer_shape(scheme: Scheme, tensors: Mapping[str, Tensor]) -> tuple[int, int]:
-    """N, K of a layer from its stored weight (and weight_shape where declared and given);
-    QuantizeError where the stored weight leaves them ambiguous (see ``stored_layer_shape``)."""
+    """N, K of a layer from its JSON state where declared, else from its stored weight (and
+    weight_shape where declared and given); QuantizeError where the stored weight leaves them
+    ambiguous (see ``stored_layer_shape``)."""
     weight = scheme.weight
+    state = layer_state(scheme, tensors)
+    if state is not None:
+        return state.shape
     stored = tensors[weight.tensor.name]
     given = None
     if weight.shape_tensor is not None and weight.shape_tensor.name in tensors:
@@ -267,6 +311,11 @@ def canonicalize(
         raise QuantizeError(f"scheme {scheme.name}: tensor {weight.tensor.name!r} is missing")
     # the weight is frozen: scales handed over as Parameters carry no autograd history into it
     tensors = {name: value.detach() for name, value in tensors.items()}
+    state = layer_state(scheme, tensors, layer)
+    if state is not None and (n is None or k is None):
+        n, k = state.shape
+    if n is not None and k is not None:
+        tensors = unflattened(scheme, tensors, n, k)
     if tensors[weight.tensor.name].ndim != 2:
         raise QuantizeError(
             f"scheme {scheme.name}: tensor {weight.tensor.name!r} must be 2-D {weight.tensor.describe_shapes()}, "
@@ -281,6 +330,8 @@ def canonicalize(
 
     if weight.packing == "nibbles_k":
         codes = stored.to(torch.uint8)
+        if weight.pack_order == (1, 0):  # element 2j in the high nibble: swap each byte's nibbles
+            codes = (codes << 4) | (codes >> 4)
     elif weight.packing == "int32_k" and weight.pack_order is None:
         codes = _int32_k_to_codes(stored, weight.format, k)
     elif weight.packing in ("int32_k", "int32_n"):
@@ -309,6 +360,10 @@ def canonicalize(
         scale = scale.reshape(n, 1)
     if scale_spec.stored == "reciprocal":
         scale = torch.reciprocal(scale.to(torch.float32))
+    if scale_spec.quantized is not None:
+        scale = restored_scales(scheme, scale, tensors, state, layer)
+    if weight.table_tensor is not None:
+        _check_table_copy(scheme, tensors[weight.table_tensor.name], layer)
 
     global_scale = divisor = None
     if weight.global_scale is not None:
@@ -361,6 +416,49 @@ def canonicalize(
     if check_finite:
         require_finite_dequantization(canonical, layer)
     return canonical
+
+
+def restored_scales(
+    scheme: Scheme, codes: Tensor, tensors: Mapping[str, Tensor], state: StateValues | None, layer: str | None
+) -> Tensor:
+    """Scales stored quantized (``weight.scale.quantized``), restored to float32 in the codes' shape:
+    ``table[code_j] * scale[j // group_size]``, then ``+ offset``, each rounded in float32, j counting
+    the codes in row-major order (bitsandbytes' double quantization)."""
+    spec = scheme.weight.scale.quantized
+    assert spec is not None
+    table = tensors[spec.table.name].reshape(-1).to(torch.float32)
+    outer = tensors[spec.scale.name].reshape(-1).to(torch.float32)
+    flat = codes.reshape(-1).to(torch.int64)
+    blocks = torch.arange(flat.numel(), device=flat.device) // spec.group_size
+    if flat.numel() and (int(flat.max()) >= table.numel() or int(blocks[-1]) >= outer.numel()):
+        raise QuantizeError(
+            f"{_where(scheme, layer)}: quantized scales {scheme.weight.scale.tensor.name!r} ({flat.numel()} codes up "
+            f"to {int(flat.max())}) need a table of {int(flat.max()) + 1}+ values and {int(blocks[-1]) + 1} scales of "
+            f"{spec.group_size}; {spec.table.name!r} holds {table.numel()} and {spec.scale.name!r} {outer.numel()}"
+        )
+    values = table.index_select(0, flat) * outer.index_select(0, blocks)
+    if spec.offset is not None:
+        assert state is not None, "the parser requires a state for an offset"
+        values = values + torch.tensor(state.numbers[spec.offset], dtype=torch.float32, device=values.device)
+    return values.reshape(codes.shape)
+
+
+def _check_table_copy(scheme: Scheme, stored: Tensor, layer: str | None) -> None:
+    """A stored copy of the weight's table must equal it bit for bit (its producer decodes with its own)."""
+    table = scheme.weight.table
+    assert table is not None and scheme.weight.table_tensor is not None
+    expected = torch.tensor(table, dtype=torch.float32)
+    found = stored.detach().reshape(-1).cpu()
+    if (
+        found.dtype != torch.float32
+        or found.shape != expected.shape
+        or not torch.equal(found.view(torch.int32), expected.view(torch.int32))
+    ):
+        raise QuantizeError(
+            f"{_where(scheme, layer)}: tensor {scheme.weight.table_tensor.name!r} is not the scheme's table (it "
+            f"starts {found[:4].tolist()}, expected {expected[:4].tolist()}); its producer decodes with its own "
+            "table and never reads this copy, so the file means two things: re-export it"
+        )
 
 
 def oriented_tensors(scheme: Scheme, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -91,9 +91,11 @@ TENSOR_FIELDS: tuple[str, ...] = (
 
 
 # Decoded values of both nibbles of every byte, per 4-bit element format: [256, 2] float32.
-def _nibble_pair_table(element: str) -> Tensor:
+def _nibble_pair_table(element: str, table: tuple[float, ...] | None = None) -> Tensor:
     nibbles = torch.arange(16, dtype=torch.uint8)
-    if element == "int4":
+    if table is not None:  # a codebook: code i is worth table[i] (in float32)
+        values = torch.tensor(table, dtype=torch.float32)
+    elif element == "int4":
         values = ((nibbles.to(torch.int16) ^ 8) - 8).to(torch.float32)
     elif element == "uint4":
         values = nibbles.to(torch.float32)
@@ -104,16 +106,15 @@ def _nibble_pair_table(element: str) -> Tensor:
     return torch.stack((low, high), dim=1).contiguous()
 
 
-_NIBBLE_PAIR_TABLES: dict[tuple[str, torch.device], Tensor] = {}
+_NIBBLE_PAIR_TABLES: dict[tuple[str, tuple[float, ...] | None, torch.device], Tensor] = {}
 
 
-def _decode_nibbles(codes: Tensor, element: str, k: int) -> Tensor:
-    """uint8 [rows, ceil(k/2)] of two 4-bit codes -> float32 [rows, k]."""
-    key = (element, codes.device)
+def _decode_nibbles(codes: Tensor, element: str, k: int, table: tuple[float, ...] | None = None) -> Tensor:
+    """uint8 [rows, ceil(k/2)] of two 4-bit codes -> float32 [rows, k] (``table``: a codebook's values)."""
+    key = (element, table, codes.device)
     if key not in _NIBBLE_PAIR_TABLES:
-        _NIBBLE_PAIR_TABLES[key] = _nibble_pair_table(element).to(codes.device)
-    table = _NIBBLE_PAIR_TABLES[key]
-    pairs = table.index_select(0, codes.reshape(-1).to(torch.int32))
+        _NIBBLE_PAIR_TABLES[key] = _nibble_pair_table(element, table).to(codes.device)
+    pairs = _NIBBLE_PAIR_TABLES[key].index_select(0, codes.reshape(-1).to(torch.int32))
     return pairs.view(codes.shape[0], -1)[:, :k]
 
 
@@ -135,7 +136,7 @@ def _decode_rows(weight: CanonicalWeight, rows: slice) -> Tensor:
     element = weight.scheme.weight.format
     codes = weight.codes[rows]
     if element in FOUR_BIT:
-        return _decode_nibbles(codes, element, weight.k)
+        return _decode_nibbles(codes, element, weight.k, weight.scheme.weight.table)
     if codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return _decode_float8(codes)
     return codes.to(torch.float32)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from qscheme.api_checks import require_tensor_mapping
-from qscheme.canonical import stored_layer_shape
+from qscheme.canonical import layer_state, stored_layer_shape
 from qscheme.descriptor import Scheme, TensorSpec
 from qscheme.errors import QuantizeError
 from qscheme.formats.scale_values import any_negative, any_nonfinite, negative, nonfinite, not_positive
@@ -167,6 +167,8 @@ def check_layout(
                 f"{_shape_list(weight.shape)}: an empty layer; re-export it, or drop the module",
             )
         )
+    elif scheme.weight.state is not None and weight_shape is None:
+        pass  # N and K are in the layer's state, which is missing or reported: the shapes are unknown
     else:
         try:
             n, k = stored_layer_shape(scheme, weight.shape, weight_shape)
@@ -247,7 +249,14 @@ def _check_tensor(
         problems.append(
             TensorProblem(str(info.file), info.name, f"expected dtype {' or '.join(spec.dtypes)}, found {info.dtype}")
         )
-    if shape_known:
+    if not spec.shapes:  # a JSON state tensor: a 1-D byte string of any length
+        if len(info.shape) != 1:
+            problems.append(
+                TensorProblem(
+                    str(info.file), info.name, f"expected a 1-D uint8 tensor of JSON, found {_shape_list(info.shape)}"
+                )
+            )
+    elif shape_known:
         expected = spec.expected_shapes(n, k)
         if not expected:
             problems.append(
@@ -296,6 +305,9 @@ def _value_roles(scheme: Scheme) -> tuple[list[TensorSpec], list[TensorSpec]]:
     positive: list[TensorSpec] = []
     # packed blocks hold their scales inside the weight: qscheme.canonical_blocks checks their fields
     finite: list[TensorSpec] = [] if scheme.weight.blocks is not None else [scheme.weight.scale.tensor]
+    quantized = scheme.weight.scale.quantized
+    if quantized is not None:  # uint8 codes: their table and outer scales are what must be finite
+        finite = [quantized.table, quantized.scale]
     if scheme.weight.global_scale is not None:
         positive.append(scheme.weight.global_scale.tensor)
     activation = scheme.activation
@@ -401,6 +413,12 @@ def _negative_weight_scales(layout: ModuleLayout, tensors: Mapping[str, Tensor])
 def _given_weight_shape(scheme: Scheme, tensors: Mapping[str, Tensor]) -> tuple[int, int] | None:
     """N, K from a declared weight_shape tensor of the right dtype and size (else None:
     ``check_layout`` then reports it, or infers the shape from the stored weight)."""
+    if scheme.weight.state is not None:
+        state_tensor = tensors.get(scheme.weight.state.tensor.name)
+        if state_tensor is None or state_tensor.dtype != torch.uint8 or state_tensor.ndim != 1:
+            return None  # check_layout reports it
+        state = layer_state(scheme, tensors)
+        return None if state is None else state.shape
     spec = scheme.weight.shape_tensor
     value = tensors.get(spec.name) if spec is not None else None
     if spec is None or value is None or _dtype_name(value) not in spec.dtypes or value.numel() != 2:

@@ -1,12 +1,16 @@
 """bitsandbytes 4-bit checkpoints written by transformers' own bitsandbytes integration (the oracle
 venv, tests/bitsandbytes_oracle.py): their layout pinned, every layer dequantized bit-identical to
-bitsandbytes' own CPU dequantization, a dense model of those weights equal to transformers' own
-bitsandbytes loader, and the strict refusals (missing, orphan and unconsumed tensors, a state or a
-dtype that disagrees with the config or the tensors)."""
+bitsandbytes' own CPU dequantization, both by the producer's own reader (``read_layers``) and by the
+loader through the schemes/bitsandbytes/*.yaml descriptors (``load_checkpoint``), a dense model of
+those weights and the tiny Llama loaded through ``apply_to_model`` and ``from_pretrained(...,
+config=via_qscheme(path))`` equal to transformers' own bitsandbytes loader, and the strict refusals
+(missing, orphan and unconsumed tensors, a state or a dtype that disagrees with the config or the
+tensors) through both readers."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,7 +20,10 @@ import torch
 from bitsandbytes_oracle import build_checkpoints, oracle_python
 from safetensors.torch import load_file, save_file
 
+from qscheme.checkpoint import apply_to_model, load_checkpoint
+from qscheme.checkpoint.resolve import resolve_checkpoint
 from qscheme.errors import CheckpointError, QSchemeError
+from qscheme.modules import QuantLinear
 from qscheme.producers.bitsandbytes.dequantize import dequantize, unpack_codes
 from qscheme.producers.bitsandbytes.read import read_layers
 
@@ -126,23 +133,102 @@ def test_dequantization_is_bit_identical_to_bitsandbytes(folders: dict[str, Path
     for module, layer in layers.items():
         weight = layer.dequantize()
         assert weight.dtype == torch.float32 and tuple(weight.shape) == LINEARS[module.removeprefix("model.layers.0.")]
-        assert torch.equal(weight, reference[f"{module}.dequantized_float32"]), module
+        assert _bits(weight) == _bits(reference[f"{module}.dequantized_float32"]), module
         assert torch.equal(weight.to(dtype), reference[f"{module}.dequantized"]), module
 
 
+def _bits(weight: torch.Tensor) -> bytes:
+    """The bytes of a tensor: equal exactly when every value is bit-identical (+0.0 is not -0.0)."""
+    return weight.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+SCHEMES = {"nf4": "NF4", "nf4-dq": "NF4_DQ", "fp4": "FP4", "fp4-dq": "FP4_DQ", "nf4-dq-bf16": "NF4_DQ"}
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_loaded_layers_are_bit_identical_to_bitsandbytes(folders: dict[str, Path], name: str) -> None:
+    """load_checkpoint reads the folder through the bitsandbytes/* descriptors (no bitsandbytes code in
+    the loader): each QuantLinear dequantizes to bitsandbytes' own CPU float32 dequantization, bit for bit."""
+    checkpoint = load_checkpoint(folders[name] / "quantized", kernel="reference")
+    reference = load_file(folders[name] / "reference.safetensors")
+    assert sorted(checkpoint.modules) == sorted(_module(linear) for linear in LINEARS)
+    assert checkpoint.producer == "bitsandbytes"
+    for module, layer in checkpoint.modules.items():
+        assert isinstance(layer, QuantLinear) and layer.scheme.name == f"bitsandbytes/{SCHEMES[name]}"
+        assert (layer.out_features, layer.in_features) == LINEARS[module.removeprefix("model.layers.0.")]
+        assert layer.kernel.name == "reference"
+        assert _bits(layer.dequantize()) == _bits(reference[f"{module}.dequantized_float32"]), module
+    assert not any(".weight." in tensor for tensor in checkpoint.tensors)  # every layer tensor consumed
+
+
+def test_resolve_shows_the_codebook_route(folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """NF4/FP4 codes index a table: the reference kernel takes them; the int4 kernels decline, saying why."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _, decisions = resolve_checkpoint(folders["nf4-dq"] / "quantized", device="cpu")
+    assert {decision.resolution.kernel.name for decision in decisions} == {"reference"}  # type: ignore[union-attr]
+    declined = decisions[0].resolution.candidate("tinygemm_cpu")  # type: ignore[union-attr]
+    assert not declined.accepted and "scheme has codebook weights" in declined.reason
+
+
 @pytest.mark.parametrize("name", ["nf4", "fp4-dq"])
-def test_dense_model_of_the_weights_equals_transformers_loader(folders: dict[str, Path], name: str) -> None:
+def test_triton_runs_the_layers_within_its_bound_of_the_reference(
+    folders: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Triton kernel decodes the codes through the table in float32 (TRITON_INTERPRET=1 on a CPU):
+    each layer's output matches the reference kernel's within the bound its other weight-only schemes
+    meet (tests/triton_samples.py)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel runs on the CPU only under TRITON_INTERPRET=1")
+    from triton_samples import assert_matches
+
+    folder = folders[name] / "quantized"
+    reference, triton = load_checkpoint(folder, kernel="reference"), load_checkpoint(folder, kernel="triton")
+    inputs = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+    for module, layer in triton.modules.items():
+        assert layer.kernel.name == "triton"
+        x = inputs[:, : layer.in_features]
+        with torch.no_grad():
+            expected, got = reference.modules[module](x), layer(x)
+        assert_matches(got, expected.double(), torch.float32, f"{name} {module}")
+
+
+def _dense(folder: Path) -> Any:
     import transformers
 
-    dense = transformers.AutoModelForCausalLM.from_pretrained(folders[name] / "dense", dtype=torch.float32).eval()
-    reference = load_file(folders[name] / "reference.safetensors")
+    dense = transformers.AutoModelForCausalLM.from_pretrained(folder / "dense", dtype=torch.float32).eval()
     state = dense.state_dict()
-    for module, layer in read_layers(folders[name] / "quantized").items():
+    for module, layer in read_layers(folder / "quantized").items():
         state[f"{module}.weight"] = layer.dequantize()
     dense.load_state_dict(state)
+    return dense
+
+
+@pytest.mark.parametrize("name", ["nf4", "fp4-dq"])
+def test_tiny_llama_through_apply_to_model_and_from_pretrained(folders: dict[str, Path], name: str) -> None:
+    """Logits through apply_to_model and through from_pretrained(..., config=via_qscheme(path)) equal the
+    dense model holding the dequantized weights within 1e-5, and transformers' own bitsandbytes loader
+    (its dequantize-then-matmul CPU path, run in the oracle venv)."""
+    import transformers
+
+    from qscheme.transformers import via_qscheme
+
+    folder = folders[name] / "quantized"
+    reference = load_file(folders[name] / "reference.safetensors")
+    tokens = reference["input_ids"]
     with torch.no_grad():
-        logits = dense(reference["input_ids"]).logits
-    torch.testing.assert_close(logits, reference["logits"], rtol=0, atol=1e-5)
+        expected = _dense(folders[name])(tokens).logits
+    config = transformers.AutoConfig.from_pretrained(folder)
+    del config.quantization_config
+    applied = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    apply_to_model(applied, folder, kernel="reference")
+    routed = transformers.AutoModelForCausalLM.from_pretrained(folder, config=via_qscheme(folder, kernel="reference"))
+    routed.eval()
+    for model in (applied, routed):
+        assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
+        with torch.no_grad():
+            logits = model(tokens).logits
+        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(logits, reference["logits"], rtol=0, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- strictness
@@ -173,11 +259,19 @@ def _state_bytes(state: dict[str, Any]) -> torch.Tensor:
 Q_PROJ = _module("self_attn.q_proj")
 
 
+def _refused_on_load(folder: Path, message: str) -> None:
+    """load_checkpoint refuses the folder with a CheckpointError naming the tensor and the rule, and
+    loads nothing."""
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(folder)
+
+
 def test_missing_absmax_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
     folder = _copy(folders, "nf4-dq", tmp_path)
     _edit_tensors(folder, lambda tensors: tensors.pop(f"{Q_PROJ}.weight.absmax"))
     with pytest.raises(CheckpointError, match=r"q_proj\.weight\.absmax is missing.*uint8 \[64\]"):
         read_layers(folder)
+    _refused_on_load(folder, r"tensor '[^']*q_proj\.weight\.absmax': missing: scheme bitsandbytes/NF4_DQ declares")
 
 
 def test_orphan_nested_absmax_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
@@ -185,6 +279,7 @@ def test_orphan_nested_absmax_is_refused(folders: dict[str, Path], tmp_path: Pat
     _edit_tensors(folder, lambda tensors: tensors.update({f"{Q_PROJ}.weight.nested_absmax": torch.ones(1)}))
     with pytest.raises(CheckpointError, match=r"q_proj\.weight\.nested_absmax .*orphan"):
         read_layers(folder)
+    _refused_on_load(folder, r"tensor '[^']*q_proj\.weight\.nested_absmax': unexpected for scheme bitsandbytes/NF4 ")
 
 
 def test_unconsumed_tensor_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
@@ -192,6 +287,7 @@ def test_unconsumed_tensor_is_refused(folders: dict[str, Path], tmp_path: Path) 
     _edit_tensors(folder, lambda tensors: tensors.update({f"{Q_PROJ}.weight.SCB": torch.ones(64)}))
     with pytest.raises(CheckpointError, match=r"q_proj\.weight\.SCB .*unconsumed"):
         read_layers(folder)
+    _refused_on_load(folder, r"tensor '[^']*q_proj\.weight\.SCB': unexpected for scheme bitsandbytes/FP4 ")
 
 
 def test_state_shape_disagreeing_with_the_weight_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
@@ -206,6 +302,9 @@ def test_state_shape_disagreeing_with_the_weight_is_refused(folders: dict[str, P
     _edit_tensors(folder, edit)
     with pytest.raises(CheckpointError, match=r"q_proj\.weight has shape \[2048, 1\], expected \[4096, 1\]"):
         read_layers(folder)
+    _refused_on_load(
+        folder, r"tensor '[^']*q_proj\.weight': expected shape .*\[4096, 1\] for N=64, K=128.*found \[2048, 1\]"
+    )
 
 
 def test_absmax_dtype_disagreeing_with_the_config_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
@@ -213,6 +312,7 @@ def test_absmax_dtype_disagreeing_with_the_config_is_refused(folders: dict[str, 
     _edit_tensors(folder, lambda tensors: tensors.update({f"{Q_PROJ}.weight.absmax": torch.ones(64).half()}))
     with pytest.raises(CheckpointError, match=r"q_proj\.weight\.absmax is float16, expected float32"):
         read_layers(folder)
+    _refused_on_load(folder, r"tensor '[^']*q_proj\.weight\.absmax': expected dtype float32, found float16")
 
 
 def test_double_quant_disagreeing_with_the_config_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
@@ -220,6 +320,7 @@ def test_double_quant_disagreeing_with_the_config_is_refused(folders: dict[str, 
     _edit_config(folder, bnb_4bit_use_double_quant=False)
     with pytest.raises(CheckpointError, match=r"double-quantized absmax .*bnb_4bit_use_double_quant false"):
         read_layers(folder)
+    _refused_on_load(folder, r"(?s)weight\.absmax': expected dtype float32, found uint8.*nested_absmax': unexpected")
 
 
 def test_quant_type_disagreeing_with_the_config_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
@@ -227,20 +328,43 @@ def test_quant_type_disagreeing_with_the_config_is_refused(folders: dict[str, Pa
     _edit_config(folder, bnb_4bit_quant_type="nf4")
     with pytest.raises(CheckpointError, match=r"quant_type 'fp4' but .*bnb_4bit_quant_type 'nf4'"):
         read_layers(folder)
+    _refused_on_load(
+        folder, r"(?s)bitsandbytes__nf4': missing: scheme bitsandbytes/NF4 .*bitsandbytes__fp4': unexpected"
+    )
 
 
 @pytest.mark.parametrize(
-    ("change", "message"),
+    ("change", "message", "loaded"),
     [
-        ({"blocksize": 48}, r"key 'blocksize' is 48; expected one of 32, 64"),
-        ({"dtype": "int8"}, r"key 'dtype' is \"int8\"; expected one of 'float32'"),
-        ({"nested_offset": "x"}, r"key 'nested_offset' is \"x\"; expected a finite number"),
-        ({"extra": 1}, r"key 'extra' is 1; not a key bitsandbytes writes"),
-        ({"nested_blocksize": None}, r"key 'nested_blocksize' is null"),
+        (
+            {"blocksize": 48},
+            r"key 'blocksize' is 48; expected one of 32, 64",
+            r"key 'blocksize' is 48; this scheme reads 64",
+        ),
+        (
+            {"dtype": "int8"},
+            r"key 'dtype' is \"int8\"; expected one of 'float32'",
+            r"key 'dtype' is \"int8\"; this scheme reads \"float32\"",
+        ),
+        (
+            {"nested_offset": "x"},
+            r"key 'nested_offset' is \"x\"; expected a finite number",
+            r"key 'nested_offset' is \"x\"; expected a finite number",
+        ),
+        (
+            {"extra": 1},
+            r"key 'extra' is 1; not a key bitsandbytes writes",
+            r"key 'extra' is not one this scheme reads \(allowed: shape, quant_type",
+        ),
+        (
+            {"nested_blocksize": None},
+            r"key 'nested_blocksize' is null",
+            r"key 'nested_blocksize' is null; this scheme reads 256",
+        ),
     ],
 )
 def test_quant_state_is_parsed_strictly(
-    folders: dict[str, Path], tmp_path: Path, change: dict[str, Any], message: str
+    folders: dict[str, Path], tmp_path: Path, change: dict[str, Any], message: str, loaded: str
 ) -> None:
     folder = _copy(folders, "nf4-dq", tmp_path)
     key = f"{Q_PROJ}.weight.quant_state.bitsandbytes__nf4"
@@ -253,6 +377,7 @@ def test_quant_state_is_parsed_strictly(
     _edit_tensors(folder, edit)
     with pytest.raises(CheckpointError, match=rf"tensor '{key}': bitsandbytes quant state: {message}"):
         read_layers(folder)
+    _refused_on_load(folder, rf"tensor '{key}': {loaded}")
 
 
 def test_tampered_quant_map_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
@@ -261,6 +386,7 @@ def test_tampered_quant_map_is_refused(folders: dict[str, Path], tmp_path: Path)
     layer = read_layers(folder)[Q_PROJ]
     with pytest.raises(CheckpointError, match=r"q_proj\.weight\.quant_map' is not bitsandbytes' nf4 table"):
         layer.dequantize()
+    _refused_on_load(folder, r"q_proj .*tensor 'weight\.quant_map' is not the scheme's table")
 
 
 @pytest.mark.parametrize(
@@ -278,6 +404,24 @@ def test_config_is_read_strictly(
     _edit_config(folder, **changes)
     with pytest.raises(QSchemeError, match=message):
         read_layers(folder)
+    with pytest.raises(QSchemeError, match=message):
+        load_checkpoint(folder)
+
+
+def test_missing_or_corrupt_state_is_refused_on_load(folders: dict[str, Path], tmp_path: Path) -> None:
+    key = f"{Q_PROJ}.weight.quant_state.bitsandbytes__nf4"
+    folder = _copy(folders, "nf4", tmp_path)
+    _edit_tensors(folder, lambda tensors: tensors.pop(key))
+    _refused_on_load(folder, rf"tensor '{key}': missing: scheme bitsandbytes/NF4 declares .*\[bytes\] holding JSON")
+    _edit_tensors(folder, lambda tensors: tensors.update({key: torch.tensor([1, 2, 3], dtype=torch.uint8)}))
+    _refused_on_load(folder, rf"tensor '{key}': its bytes are not UTF-8 JSON")
+
+
+def test_packed_weight_of_another_shape_is_refused_on_load(folders: dict[str, Path], tmp_path: Path) -> None:
+    """The flat [N*K/2, 1] codes stored as a row [1, N*K/2] (transposed) are refused, naming the shape."""
+    folder = _copy(folders, "nf4", tmp_path)
+    _edit_tensors(folder, lambda tensors: tensors.update({f"{Q_PROJ}.weight": tensors[f"{Q_PROJ}.weight"].T.clone()}))
+    _refused_on_load(folder, r"q_proj\.weight': expected shape .*= \[2048\] or \[2048, 1\] .*found \[1, 2048\]")
 
 
 def test_blocks_straddling_rows_are_refused(folders: dict[str, Path], tmp_path: Path) -> None:
@@ -294,3 +438,4 @@ def test_blocks_straddling_rows_are_refused(folders: dict[str, Path], tmp_path: 
     _edit_tensors(folder, edit)
     with pytest.raises(CheckpointError, match=r"shape \[32, 96\] with blocksize 64: K is not a multiple"):
         read_layers(folder)
+    _refused_on_load(folder, r"weight\.absmax': shape \[N, K/64\] .*does not divide for N=32, K=96")

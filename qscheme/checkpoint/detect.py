@@ -35,6 +35,7 @@ from qscheme.errors import CheckpointError
 from qscheme.producers import producer_of_config
 from qscheme.producers.base import (
     Modules,
+    dotted_tensor_names,
     group_by_module,
     ignored_by,
     looks_quantized,
@@ -104,8 +105,8 @@ def detect(config: ProducerConfig, tensors: Mapping[str, TensorInfo], schemes: I
     """Assign every module of a checkpoint its scheme (or none); CheckpointError on conflicts."""
     schemes = list(schemes)
     _refuse_long_names(tensors)
-    modules = group_by_module(tensors)
     quantized_names = quantized_tensor_names(schemes)
+    modules = group_by_module(tensors, dotted_tensor_names(schemes))
     top_level = modules.get("", {})
     if looks_quantized(top_level, quantized_names):
         raise CheckpointError(

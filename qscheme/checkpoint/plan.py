@@ -20,6 +20,7 @@ from qscheme.checkpoint.detect import Detection, ModuleAssignment, detect, split
 from qscheme.checkpoint.gguf_plan import is_gguf_file, read_gguf_checkpoint
 from qscheme.checkpoint.stacked_experts import split_for_producer
 from qscheme.descriptor import Scheme
+from qscheme.descriptor.state import MAX_STATE_BYTES, read_state
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.storage import CheckpointFiles, refuse_empty_path
 from qscheme.tensor_checks import ModuleLayout, TensorProblem, check_layout
@@ -81,7 +82,16 @@ class Plan:
 
 
 def _weight_shape(files: CheckpointFiles, assignment: ModuleAssignment) -> tuple[tuple[int, int] | None, str | None]:
-    """The values of a declared weight_shape tensor (None when absent or malformed)."""
+    """The values of a declared weight_shape tensor, or of the shape key of a declared JSON state
+    (None when absent or malformed; the problem when a state does not check)."""
+    state = assignment.scheme.weight.state
+    if state is not None:
+        found = assignment.tensors.get(state.tensor.name)
+        if found is None or found.dtype != "uint8" or len(found.shape) != 1:
+            return None, None  # check_layout reports it
+        data = files.get(found.name).numpy().tobytes() if found.numel <= MAX_STATE_BYTES else b" " * found.numel
+        read = read_state(state, data)
+        return (None, read) if isinstance(read, str) else (read.shape, None)
     spec = assignment.scheme.weight.shape_tensor
     if spec is None or spec.name not in assignment.tensors:
         return None, None
@@ -255,6 +265,8 @@ def plan_checkpoint(
         layout = check_layout(assignment, weight_shape)
         if shape_problem is not None:
             spec = assignment.scheme.weight.shape_tensor
+            if assignment.scheme.weight.state is not None:
+                spec = assignment.scheme.weight.state.tensor
             assert spec is not None
             info = assignment.tensors[spec.name]
             layout.problems.append(TensorProblem(str(info.file), info.name, shape_problem))

@@ -26,6 +26,8 @@ WEIGHT_PACKINGS: tuple[str, ...] = ("none", "nibbles_k", "int32_k", "int32_n", "
 BLOCKS = "blocks"
 """The weight format and family of a scheme whose weight is packed blocks (``packing: blocks``):
 its elements, scales and minimums are declared by its ``BlockLayout``, not by ``format``."""
+CODEBOOK = "codebook"
+"""The weight family of a scheme whose codes index a declared table (``weight.table``)."""
 ZERO_POINT_PACKINGS: tuple[str, ...] = ("none", "int32_n")
 FUSED_POLICIES: tuple[str, ...] = ("per_partition", "rescale", "requantize", "refuse")
 SCALE_FORMATS: tuple[str, ...] = scale_formats()
@@ -45,9 +47,13 @@ class TensorSpec:
     transposed: bool = False
     """The file stores the tensor's transpose: a [K-major, N] layout (GPTQ, AWQ) for what is [N, K-major]
     in the canonical orientation. ``shapes`` are the stored shapes."""
+    flat: bool = False
+    """The file stores the tensor's elements in row-major order as one column, [P] or [P, 1] where P
+    is the product of the declared shape (bitsandbytes' ``weight`` [N*K/2, 1] and ``weight.absmax``);
+    ``shapes`` are the layout's shapes, which the loader restores with a reshape."""
 
-    def expected_shapes(self, n: int, k: int) -> list[tuple[int, ...]]:
-        """Every allowed concrete shape for an N x K layer (empty when N, K do not divide)."""
+    def layout_shapes(self, n: int, k: int) -> list[tuple[int, ...]]:
+        """The declared shapes for an N x K layer, before any flattening (empty when N, K do not divide)."""
         out = []
         for shape in self.shapes:
             sizes = evaluate_shape(shape, n, k)
@@ -55,8 +61,24 @@ class TensorSpec:
                 out.append(sizes)
         return out
 
+    def expected_shapes(self, n: int, k: int) -> list[tuple[int, ...]]:
+        """Every allowed stored shape for an N x K layer (empty when N, K do not divide)."""
+        out = self.layout_shapes(n, k)
+        if not self.flat:
+            return out
+        flat: list[tuple[int, ...]] = []
+        for sizes in out:
+            count = 1
+            for size in sizes:
+                count *= size
+            flat.extend(form for form in ((count,), (count, 1)) if form not in flat)
+        return flat
+
     def describe_shapes(self) -> str:
-        return " or ".join(format_shape(shape) for shape in self.shapes)
+        if not self.shapes:
+            return "[bytes] holding JSON"
+        shown = " or ".join(format_shape(shape) for shape in self.shapes)
+        return f"{shown} flattened to [P] or [P, 1]" if self.flat else shown
 
 
 @dataclass(frozen=True)
@@ -75,6 +97,38 @@ class ScaleSpec:
     signed: bool = False
     """The stored scales may be negative (AutoRound's symmetric scales carry the sign of each group's
     largest magnitude); otherwise a negative weight scale is refused as a corrupt file."""
+    quantized: QuantizedScaleSpec | None = None
+    """The scales are themselves stored quantized (bitsandbytes' double quantization): ``tensor``
+    holds uint8 codes into ``quantized.table``, restored to float32 on load."""
+
+
+@dataclass(frozen=True)
+class QuantizedScaleSpec:
+    """Scales stored as uint8 codes: scale j = ``table[code_j] * scale[j // group_size]`` in float32,
+    then ``+ offset`` (a number of the layer's state, ``StateSpec.numbers``) in float32, j counting
+    the scales in row-major order."""
+
+    table: TensorSpec
+    scale: TensorSpec
+    group_size: int
+    offset: str | None = None
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A uint8 tensor holding a UTF-8 JSON object of the layer's parameters (bitsandbytes'
+    ``quant_state``): ``shape`` names the key holding [N, K], ``values`` the allowed values of other
+    keys, ``numbers`` keys holding finite numbers (read by ``QuantizedScaleSpec.offset``). Every key
+    named is required when ``required`` lists it, and no other key is allowed."""
+
+    tensor: TensorSpec
+    shape: str
+    values: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    numbers: tuple[str, ...] = ()
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.shape, *self.values, *self.numbers)
 
 
 @dataclass(frozen=True)
@@ -123,7 +177,16 @@ class WeightSpec:
     symmetric for kernels (``zero_point`` is None)."""
     pack_order: tuple[int, ...] | None = None
     """For int32 packings: the element each slot of a word holds (slot i holds element
-    ``pack_order[i]`` of the word's run; AWQ: 0, 2, 4, 6, 1, 3, 5, 7). Absent: slot i holds element i."""
+    ``pack_order[i]`` of the word's run; AWQ: 0, 2, 4, 6, 1, 3, 5, 7). Absent: slot i holds element i.
+    For ``nibbles_k``: ``(1, 0)`` puts element 2j in the high nibble (bitsandbytes)."""
+    table: tuple[float, ...] | None = None
+    """A codebook: the weight's unsigned codes index these float32 values (NF4's 16 quantiles)
+    instead of standing for themselves; the weight family is then ``codebook``."""
+    table_tensor: TensorSpec | None = None
+    """A stored copy of ``table`` (bitsandbytes' ``weight.quant_map``): it must equal the table bit for
+    bit, checked on load (a file whose copy differs means two things)."""
+    state: StateSpec | None = None
+    """A JSON state tensor holding the layer's [N, K] and other parameters (see ``StateSpec``)."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +233,8 @@ class Scheme:
         """nvfp4, mxfp4, fp8, int4, int8, blocks or the element format's name."""
         if self.weight.blocks is not None:
             return BLOCKS
+        if self.weight.table is not None:
+            return CODEBOOK
         return weight_family(self.weight.format, self.weight.scale.format)
 
     @property
@@ -193,6 +258,10 @@ class Scheme:
             "weight_zero_point": weight.zero_point.tensor if weight.zero_point else None,
             "weight_symmetric_zero_point": weight.symmetric_zero_point.tensor if weight.symmetric_zero_point else None,
             "weight_shape": weight.shape_tensor,
+            "weight_state": weight.state.tensor if weight.state else None,
+            "weight_table": weight.table_tensor,
+            "weight_scale_table": weight.scale.quantized.table if weight.scale.quantized else None,
+            "weight_scale_scale": weight.scale.quantized.scale if weight.scale.quantized else None,
             "weight_group_index": None if weight.blocks is not None else weight.scale.group_index,
             "input_pre_scale": self.input_pre_scale,
         }

@@ -37,8 +37,10 @@ from qscheme.descriptor.model import (
     ActivationSpec,
     FusedSpec,
     GlobalScaleSpec,
+    QuantizedScaleSpec,
     ScaleSpec,
     Scheme,
+    StateSpec,
     TensorSpec,
     WeightSpec,
     ZeroPointSpec,
@@ -260,7 +262,7 @@ class _Reader:
         return None if shape is None else (shape,)
 
     def tensor(self, node: Node, path: str) -> TensorSpec | None:
-        items = self.mapping(node, path, ("name", "dtype", "shape"), ("optional", "transposed"))
+        items = self.mapping(node, path, ("name", "dtype", "shape"), ("optional", "transposed", "flat"))
         if items is None:
             return None
         name = self.required(items, "name", path, self.string)
@@ -268,11 +270,67 @@ class _Reader:
         shapes = self.required(items, "shape", path, self.shapes)
         optional = self.optional(items, "optional", path, self.boolean)
         transposed = self.optional(items, "transposed", path, self.boolean)
+        flat = self.optional(items, "flat", path, self.boolean)
         if transposed and shapes is not None and any(len(shape) != 2 for shape in shapes):
             self.fail(items["transposed"], f"{path}.transposed", "only a 2-D tensor can be stored transposed")
+        if transposed and flat:
+            self.fail(items["flat"], f"{path}.flat", "a flat tensor has no orientation: drop transposed or flat")
         if name is None or dtypes is None or shapes is None:
             return None
-        return TensorSpec(name=name, dtypes=dtypes, shapes=shapes, optional=bool(optional), transposed=bool(transposed))
+        return TensorSpec(
+            name=name,
+            dtypes=dtypes,
+            shapes=shapes,
+            optional=bool(optional),
+            transposed=bool(transposed),
+            flat=bool(flat),
+        )
+
+    def state(self, node: Node, path: str) -> StateSpec | None:
+        """``weight.state``: a uint8 tensor of JSON, the key of [N, K], allowed values and numbers."""
+        items = self.mapping(node, path, ("name", "shape_key"), ("values", "numbers"))
+        if items is None:
+            return None
+        name = self.required(items, "name", path, self.string)
+        shape_key = self.required(items, "shape_key", path, self.string)
+        values: dict[str, tuple[Any, ...]] = {}
+        values_node = items.get("values")
+        if values_node is not None and not _absent(values_node):
+            if not values_node.is_mapping:
+                self.fail(values_node, f"{path}.values", "expected a mapping of keys to lists of allowed values")
+            else:
+                for key, allowed in values_node.value.items():
+                    plain = allowed.plain()
+                    if (
+                        not isinstance(plain, list)
+                        or not plain
+                        or not all(isinstance(v, str | int) and not isinstance(v, bool) for v in plain)
+                    ):
+                        self.fail(allowed, f"{path}.values.{key}", "expected a non-empty list of strings or integers")
+                        continue
+                    values[str(key)] = tuple(plain)
+        numbers = self.optional(items, "numbers", path, self.strings) or ()
+        if name is None or shape_key is None:
+            return None
+        tensor = TensorSpec(name=name, dtypes=("uint8",), shapes=())
+        return StateSpec(tensor=tensor, shape=shape_key, values=values, numbers=tuple(numbers))
+
+    def quantized_scale(self, node: Node, path: str) -> QuantizedScaleSpec | None:
+        """``weight.scale.quantized``: scales stored as uint8 codes into a table, with scales of their own."""
+        items = self.mapping(node, path, ("table", "scale", "group_size"), ("offset",))
+        if items is None:
+            return None
+        table = self.required(items, "table", path, self.tensor)
+        scale = self.required(items, "scale", path, self.tensor)
+        group_size = self.required(items, "group_size", path, self.integer)
+        offset = self.optional(items, "offset", path, self.string)
+        if table is not None:
+            self.check_dtypes(items["table"], path + ".table", table, ("float32",), "a table of float32 scale values")
+        if scale is not None:
+            self.check_dtypes(items["scale"], path + ".scale", scale, ("float32",), "float32 scales of the scales")
+        if table is None or scale is None or group_size is None:
+            return None
+        return QuantizedScaleSpec(table=table, scale=scale, group_size=group_size, offset=offset)
 
     def check_dtypes(self, node: Node, path: str, spec: TensorSpec, allowed: tuple[str, ...], why: str) -> None:
         bad = [dtype for dtype in spec.dtypes if dtype not in allowed]
@@ -305,7 +363,10 @@ class _Reader:
 
     def scale(self, node: Node, path: str) -> ScaleSpec | None:
         items = self.mapping(
-            node, path, ("granularity", "format", "stored", "tensor"), ("group_size", "block", "group_index", "signed")
+            node,
+            path,
+            ("granularity", "format", "stored", "tensor"),
+            ("group_size", "block", "group_index", "signed", "quantized"),
         )
         if items is None:
             return None
@@ -317,12 +378,17 @@ class _Reader:
         block = self.optional(items, "block", path, self.block)
         group_index = self.optional(items, "group_index", path, self.tensor)
         signed = self.optional(items, "signed", path, self.boolean)
+        quantized = self.optional(items, "quantized", path, self.quantized_scale)
         if group_index is not None:
             self.check_group_index(items["group_index"], f"{path}.group_index", group_index, granularity)
         self.check_reciprocal(items, path, scale_format, stored)
         self.check_granularity_key(node, items, path, granularity, "group_size")
         self.check_granularity_key(node, items, path, granularity, "block")
-        if tensor is not None and scale_format is not None:
+        if quantized is not None and tensor is not None:
+            if scale_format != "fp32" or stored != "multiplier":
+                self.fail(items["quantized"], f"{path}.quantized", "quantized scales restore to fp32 multipliers")
+            self.check_dtypes(node, path, tensor, ("uint8",), "quantized scales (uint8 codes into the table)")
+        elif tensor is not None and scale_format is not None:
             self.check_dtypes(node, path, tensor, SCALE_DTYPES[scale_format], f"scale format {scale_format!r}")
         if tensor is not None and granularity is not None:
             self.check_shapes(
@@ -344,6 +410,7 @@ class _Reader:
             block=block,
             group_index=group_index,
             signed=bool(signed),
+            quantized=quantized,
         )
 
     def check_group_index(self, node: Node, path: str, spec: TensorSpec, granularity: str | None) -> None:
@@ -457,7 +524,12 @@ class _Reader:
         return tuple(int(item.value) for item in node.value)
 
     def check_pack_order(self, node: Node, path: str, order: tuple[int, ...], packing: str, element: str) -> None:
-        """A pack order permutes the values of one int32 word: 32 / bits of them."""
+        """A pack order permutes the values of one int32 word (32 / bits of them), or the two nibbles
+        of a byte (``nibbles_k``: ``[1, 0]`` puts element 2j in the high nibble)."""
+        if packing == "nibbles_k":
+            if sorted(order) != [0, 1]:
+                self.fail(node, path, f"{list(order)} is not an order of a byte's two nibbles; give [0, 1] or [1, 0]")
+            return
         if packing not in INT32_PACKINGS:
             self.fail(node, path, f"a pack order permutes the values of an int32 word; packing {packing!r} has none")
             return
@@ -479,7 +551,7 @@ class _Reader:
             node,
             path,
             ("format", "tensor", "scale"),
-            ("packing", "pack_order", "global_scale", "zero_point", "shape_tensor"),
+            ("packing", "pack_order", "global_scale", "zero_point", "shape_tensor", "table", "table_tensor", "state"),
         )
         if items is None:
             return None
@@ -495,6 +567,22 @@ class _Reader:
         zero_point = self.optional(items, "zero_point", path, self.zero_point)
         shape_tensor = self.optional(items, "shape_tensor", path, self.tensor)
         order = self.optional(items, "pack_order", path, self.pack_order_list)
+        table = self.optional(items, "table", path, self.table)
+        state = self.optional(items, "state", path, self.state)
+        table_tensor = self.optional(items, "table_tensor", path, self.tensor)
+        if table_tensor is not None and table is None:
+            self.fail(items["table_tensor"], f"{path}.table_tensor", "a stored copy of the table needs table:")
+        if table is not None and element is not None:
+            facts = FORMAT_FACTS[element]
+            if facts.kind != "int" or facts.signed or len(table) != 1 << facts.bits:
+                self.fail(
+                    items["table"],
+                    f"{path}.table",
+                    f"a table of {len(table)} values for format {element!r}; a table is indexed by unsigned codes: "
+                    "give 2**bits values for uint4 or uint8",
+                )
+            if zero_point is not None:
+                self.fail(items["table"], f"{path}.table", "a table's values are the weight: it takes no zero points")
         if order is not None and element is not None and packing is not None:
             self.check_pack_order(items["pack_order"], f"{path}.pack_order", order, packing, element)
         if zero_point is not None and element is not None:
@@ -564,7 +652,21 @@ class _Reader:
             symmetric_zero_point=zero_point if zero_point is not None and zero_point.equals is not None else None,
             shape_tensor=shape_tensor,
             pack_order=order,
+            table=table,
+            table_tensor=table_tensor,
+            state=state,
         )
+
+    def table(self, node: Node, path: str) -> tuple[float, ...] | None:
+        plain = node.plain()
+        if (
+            not isinstance(plain, list)
+            or not plain
+            or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in plain)
+        ):
+            self.fail(node, path, f"expected a list of numbers (the value of each code), found {_shown(node)}")
+            return None
+        return tuple(float(v) for v in plain)
 
     def block_weight(self, node: Node, path: str) -> WeightSpec | None:
         """A weight of packed blocks: ``packing: blocks``, its ``blocks:`` section and one uint8 tensor."""

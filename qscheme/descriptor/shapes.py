@@ -2,7 +2,9 @@
 
 A dimension is one of: an integer, ``N``, ``K``, ``N/d``, ``K/d`` (exact division: the layer's
 size must be divisible), ``ceil(N/d)``, ``ceil(K/d)``, or an exact division times a constant,
-``K/d*m`` (the bytes of a row of packed blocks: ``K/32*18`` is 18 bytes per 32 elements).
+``K/d*m`` (the bytes of a row of packed blocks: ``K/32*18`` is 18 bytes per 32 elements), and
+``N*K`` in place of N or K (``ceil(N*K/16384)``: one value per 16384 elements of the whole layer,
+counted flat, as bitsandbytes' nested absmax).
 Nothing else, so that every shape can be evaluated for a layer and also solved for N and K
 from a stored tensor.
 """
@@ -17,7 +19,7 @@ MAX_SIZE = 2**20
 """Largest constant dimension, divisor, group size or block size a descriptor may declare."""
 
 _DIM = re.compile(
-    r"^\s*(?:(?P<int>[0-9]+)|(?P<ceil>ceil\()?\s*(?P<var>[NK])\s*(?:/\s*(?P<div>[0-9]+))?\s*(?(ceil)\)|)\s*(?:\*\s*(?P<mul>[0-9]+)\s*)?)$"
+    r"^\s*(?:(?P<int>[0-9]+)|(?P<ceil>ceil\()?\s*(?P<var>N\s*\*\s*K|[NK])\s*(?:/\s*(?P<div>[0-9]+))?\s*(?(ceil)\)|)\s*(?:\*\s*(?P<mul>[0-9]+)\s*)?)$"
 )
 
 
@@ -36,7 +38,7 @@ class Dim:
 
     text: str
     constant: int | None = None
-    variable: str | None = None  # "N" or "K"
+    variable: str | None = None  # "N", "K" or "N*K" (a flat tensor's element count)
     divisor: int = 1
     ceil: bool = False
     multiplier: int = 1
@@ -53,7 +55,7 @@ class Dim:
         match = _DIM.match(str(text))
         if match is None:
             raise ValueError(
-                f"{text!r} is not a dimension; use an integer, N, K, N/d, K/d, ceil(N/d), ceil(K/d) or K/d*m"
+                f"{text!r} is not a dimension; use an integer, N, K, N/d, K/d, ceil(N/d), ceil(K/d), K/d*m or N*K/d"
             )
         if match.group("int") is not None:
             return Dim(text=str(text), constant=_bounded(text, match.group("int"), "size"))
@@ -68,7 +70,7 @@ class Dim:
             raise ValueError(f"{text!r}: a multiplier needs an exact division before it and must be >= 1, e.g. K/32*18")
         return Dim(
             text=str(text).replace(" ", ""),
-            variable=match.group("var"),
+            variable=match.group("var").replace(" ", ""),
             divisor=divisor,
             ceil=ceil,
             multiplier=multiplier,
@@ -78,7 +80,7 @@ class Dim:
         """The size for a layer of N x K, or None where N or K is not divisible as declared."""
         if self.constant is not None:
             return self.constant
-        size = n if self.variable == "N" else k
+        size = n if self.variable == "N" else k if self.variable == "K" else n * k
         if self.ceil:
             return -(-size // self.divisor)
         if size % self.divisor:
@@ -117,7 +119,7 @@ def shape_multiples(shape: Shape) -> tuple[int, int]:
     """
     multiples = {"N": 1, "K": 1}
     for dim in shape:
-        if dim.variable is not None and not dim.ceil:
+        if dim.variable in multiples and not dim.ceil:
             multiples[dim.variable] = lcm(multiples[dim.variable], dim.divisor)
     return multiples["N"], multiples["K"]
 

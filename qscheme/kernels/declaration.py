@@ -9,7 +9,7 @@ Vocabulary (the same words the scheme descriptors use):
 - weight families: ``nvfp4`` (e2m1 + e4m3 group scales), ``mxfp4`` (e2m1 + e8m0), ``fp4``,
   ``int4``, ``int8``, ``fp8`` (see ``qscheme.descriptor.model.weight_family``), and ``blocks``
   (packed blocks whose layout a descriptor declares: GGUF's types; a kernel takes them only by
-  naming the family);
+  naming the family), and ``codebook`` (codes indexing a table a descriptor declares: NF4; likewise);
 - activation families: ``none`` (16-bit or fp32 inputs, weight-only) or a family as above;
 - weight scale granularities: tensor, channel, group, block; activation ones: tensor, token,
   group;
@@ -26,6 +26,7 @@ from qscheme.descriptor.model import (
     ACTIVATION_FORMATS,
     ACTIVATION_GRANULARITIES,
     BLOCKS,
+    CODEBOOK,
     GRANULARITIES,
     SCALE_FORMATS,
     weight_family,
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 Capability = tuple[int, int]
 
-WEIGHT_FAMILIES: tuple[str, ...] = ("nvfp4", "mxfp4", "fp4", "int2", "int3", "int4", "int8", "fp8", BLOCKS)
+WEIGHT_FAMILIES: tuple[str, ...] = ("nvfp4", "mxfp4", "fp4", "int2", "int3", "int4", "int8", "fp8", BLOCKS, CODEBOOK)
 # The element formats a descriptor's weight may name (qscheme.formats.table's weight rows).
 WEIGHT_ELEMENT_FORMATS: tuple[str, ...] = weight_formats()
 ACTIVATION_FAMILIES: tuple[str, ...] = ("none", "nvfp4", "mxfp4", "fp4", "int8", "fp8")
@@ -308,6 +309,9 @@ class Supports:
 # them only where it says so.
 BLOCKS_WEIGHT_ONLY = Supports(weights=(BLOCKS,), activations=(WEIGHT_ONLY,))
 """Packed blocks of any declared layout, with 16-bit or fp32 activations (the reference kernel)."""
+CODEBOOK_WEIGHT_ONLY = Supports(weights=(CODEBOOK,), activations=(WEIGHT_ONLY,), per_partition_scales=True)
+"""Codes indexing a declared table (``weight.table``: NF4, bitsandbytes' FP4) with group scales, with
+16-bit or fp32 activations: a kernel decodes them only where it says so (the reference and Triton kernels)."""
 
 ANY_WEIGHT_ONLY = Supports(
     weights=("nvfp4", "mxfp4", "fp4", "int2", "int3", "int4", "int8", "fp8"),

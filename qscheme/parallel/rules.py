@@ -284,6 +284,13 @@ def split_problem(scheme: Scheme, n: int, k: int, style: Style, tp_size: int, la
     if variable is None or tp_size == 1:
         return None
     size = n if variable == "N" else k
+    whole = whole_layer_tensors(scheme)
+    if whole:
+        whole_reason = (
+            f"scheme {scheme.name} stores {whole}, counted over the whole layer; qscheme does not split such "
+            "layers: load them with tp_size 1"
+        )
+        return SplitProblem(layer or "?", scheme.name, style, variable, size, tp_size, whole_reason, (1,))
     units = split_units(scheme, style)
     working = working_degrees(size, lcm(1, *(unit.multiple for unit in units)))
     reason = None
@@ -304,6 +311,18 @@ def split_problem(scheme: Scheme, n: int, k: int, style: Style, tp_size: int, la
     if reason is None:
         return None
     return SplitProblem(layer or "?", scheme.name, style, variable, size, tp_size, reason, working)
+
+
+def whole_layer_tensors(scheme: Scheme) -> str:
+    """What of a scheme's layout is counted over the whole layer (flat tensors, a JSON state, scales
+    quantized in flat blocks), described; empty when every tensor splits along N or K."""
+    weight = scheme.weight
+    found = [f"flat tensor {spec.name!r}" for spec in scheme.tensor_specs().values() if spec.flat]
+    if weight.state is not None:
+        found.append(f"the JSON state {weight.state.tensor.name!r}")
+    if weight.scale.quantized is not None:
+        found.append(f"scales quantized in flat blocks of {weight.scale.quantized.group_size}")
+    return ", ".join(found)
 
 
 def _chosen_shape(spec: TensorSpec, n: int, k: int, stored: tuple[int, ...] | None) -> Shape:

@@ -19,7 +19,17 @@ checks); what producers share is in ``base``.
 from __future__ import annotations
 
 from qscheme.descriptor.rules import RuleSchema, register_rule_schema
-from qscheme.producers import auto_round, awq, compressed_tensors, fp8, gptq, modelopt, mxfp4, self_described
+from qscheme.producers import (
+    auto_round,
+    awq,
+    bitsandbytes,
+    compressed_tensors,
+    fp8,
+    gptq,
+    modelopt,
+    mxfp4,
+    self_described,
+)
 from qscheme.producers.base import Producer, ProducerConfig
 from qscheme.producers.gguf import rule as _gguf_rule
 
@@ -31,6 +41,7 @@ PRODUCERS: tuple[Producer, ...] = (
     awq.PRODUCER,
     auto_round.PRODUCER,
     fp8.PRODUCER,
+    bitsandbytes.PRODUCER,
     self_described.PRODUCER,
 )
 

@@ -216,12 +216,32 @@ def split_name(tensor: str) -> tuple[str, str]:
     return module, short
 
 
-def group_by_module(tensors: Mapping[str, TensorInfo]) -> dict[str, dict[str, TensorInfo]]:
+def group_by_module(tensors: Mapping[str, TensorInfo], dotted: Iterable[str] = ()) -> dict[str, dict[str, TensorInfo]]:
+    """Tensors by module and short name. ``dotted``: declared names that contain dots (bitsandbytes'
+    ``weight.absmax``): a tensor ending in ``.<one of them>`` belongs to the module before it."""
+    suffixes = sorted({f".{name}" for name in dotted if "." in name}, key=len, reverse=True)
+    heads = {name.split(".", 1)[0] for name in dotted if "." in name}
     modules: dict[str, dict[str, TensorInfo]] = {}
     for name, info in tensors.items():
-        module, short = split_name(name)
+        suffix = next((end for end in suffixes if name.endswith(end) and len(name) > len(end)), None)
+        if suffix is None and heads:
+            # an undeclared ``<module>.weight.<other>`` next to declared ``weight.*`` tensors stays with
+            # its module (where the scheme's check names it unexpected), not a module of its own
+            parent, _, rest = name.rpartition(".")
+            module_name, _, head = parent.rpartition(".")
+            if head in heads and module_name and parent in tensors:
+                suffix = f".{head}.{rest}"
+        if suffix is not None:
+            module, short = name[: -len(suffix)], suffix[1:]
+        else:
+            module, short = split_name(name)
         modules.setdefault(module, {})[short] = info
     return modules
+
+
+def dotted_tensor_names(schemes: Iterable[Scheme]) -> frozenset[str]:
+    """Every tensor name a scheme declares that contains a dot (``weight.absmax``)."""
+    return frozenset(name for name in quantized_tensor_names(schemes) if "." in name)
 
 
 def quantized_tensor_names(schemes: Iterable[Scheme]) -> frozenset[str]:

@@ -17,7 +17,7 @@ from qscheme.descriptor.parse import NO_RECIPROCAL
 from qscheme.errors import QuantizeError
 from qscheme.formats import get_element_format
 from qscheme.producers import ARITHMETIC_MODULES
-from qscheme.quantize.blocks import quantize_blocks_for
+from qscheme.quantize.blocks import layer_quantizer, quantize_blocks_for
 from qscheme.quantize.checks import META_FIX, require_usable_scales
 from qscheme.quantize.given import split_given
 from qscheme.quantize.observe import ScaleLayout
@@ -75,6 +75,15 @@ def quantize_weight(weight: Tensor, scheme: Scheme | str | Path, **given: Tensor
             )
         with torch.no_grad():
             return quantize_blocks_for(scheme, weight.detach())
+    whole = layer_quantizer(scheme)
+    if whole is not None:  # a producer that quantizes whole layers (qscheme.quantize.blocks)
+        if given:
+            raise QuantizeError(
+                f"scheme {scheme.name}: its producer computes every tensor of a layer at once; given tensors "
+                f"({', '.join(sorted(given))}) cannot be used"
+            )
+        with torch.no_grad():
+            return whole(scheme, weight.detach())
     rules = get_rules(scheme.rules)
     plan = _plan(scheme, weight, rules)
     given_scales, given_inputs = split_given(plan, rules, given, weight.device)

@@ -37,7 +37,9 @@ from qscheme.transformers._config import (
     MODELOPT,
     QSCHEME,
     ROUTED_FROM,
+    ROUTED_HIDDEN,
     ROUTES,
+    SELECTING_KEYS,
     CompressedTensorsViaQSchemeConfig,
     ModeloptQuantizationConfig,
     QSchemeQuantizationConfig,
@@ -134,6 +136,9 @@ def via_qscheme(path: str | Path, *, kernel: str | None = None, **config_kwargs:
     routed = dict(quantization)
     if method in owned:
         routed.update({"quant_method": routed_method(method), ROUTED_FROM: method})
+        hidden = {key: routed.pop(key) for key in SELECTING_KEYS if key in routed}
+        if hidden:
+            routed[ROUTED_HIDDEN] = hidden
     if kernel is not None:
         if not isinstance(kernel, str) or not kernel:
             raise UsageError(f"via_qscheme: kernel must be a kernel name such as 'triton', not {kernel!r}")

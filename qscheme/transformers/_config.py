@@ -26,6 +26,10 @@ QSCHEME = "qscheme"
 COMPRESSED_TENSORS = "compressed-tensors"
 ROUTE_PREFIX = "qscheme-"  # the opt-in name of a method transformers owns: "qscheme-<quant_method>"
 ROUTED_FROM = "qscheme_routed_from"  # key that records the method a routed config had
+ROUTED_HIDDEN = "qscheme_routed_keys"  # keys of a routed config kept out of transformers' sight
+SELECTING_KEYS: tuple[str, ...] = ("load_in_4bit", "load_in_8bit")
+"""Keys from which transformers picks its own quantizer whatever the ``quant_method`` says
+(``AutoQuantizationConfig.from_dict``): a routed config keeps them under ``ROUTED_HIDDEN``."""
 
 
 def routed_method(quant_method: str) -> str:
@@ -87,6 +91,7 @@ class RoutedQuantizationConfig(QSchemeQuantizationConfig):
         """The producer's dictionary, with its own ``quant_method`` back."""
         fields = copy.deepcopy(self.fields)
         fields["quant_method"] = fields.pop(ROUTED_FROM, self.routed_from)
+        fields.update(fields.pop(ROUTED_HIDDEN, {}))
         return fields
 
 

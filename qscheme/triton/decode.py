@@ -19,6 +19,7 @@ E4M3: tl.constexpr = tl.constexpr(3)
 E5M2: tl.constexpr = tl.constexpr(4)
 INT8: tl.constexpr = tl.constexpr(5)
 UINT8: tl.constexpr = tl.constexpr(6)
+CODEBOOK: tl.constexpr = tl.constexpr(7)  # 4-bit codes indexing a table (qscheme.triton.spec.CODEBOOK_ID)
 
 # Scale formats (keep equal to qscheme.triton.spec.SCALE_FORMAT_IDS).
 SCALE_FLOAT: tl.constexpr = tl.constexpr(0)

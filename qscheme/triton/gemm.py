@@ -37,6 +37,7 @@ import triton.language as tl
 
 from qscheme.triton.asm_decode import asm_decode_e2m1_words, asm_decode_int4_words
 from qscheme.triton.decode import (
+    CODEBOOK,
     DECODE_BF16,
     DECODE_FP16,
     DECODE_FP32,
@@ -224,7 +225,10 @@ def load_weight_tile(
         # computed in the kernel, Triton knows its divisibility and vectorises the load.
         mask = n_mask[:, None] & (offs_word[None, :] < stride_wn)
         words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_word[None, :], mask=mask, other=0)
-        if W_FORMAT == E2M1 and ASM_DECODE and W_DECODE == DECODE_BF16:
+        if W_FORMAT == CODEBOOK:  # the codes index a float32 table, passed as w_zero_ptr (no zero points)
+            codes = decode_int4_words(words, BLOCK_N, BLOCK_K // 8, False, DECODE_FP32, USE_PTX).to(tl.int32)
+            values = tl.load(w_zero_ptr + codes)
+        elif W_FORMAT == E2M1 and ASM_DECODE and W_DECODE == DECODE_BF16:
             values = asm_decode_e2m1_words(words, BLOCK_N, BLOCK_K // 8, W_FOLD_SCALE)
         elif W_FORMAT == E2M1:
             values = decode_e2m1_words(words, BLOCK_N, BLOCK_K // 8, W_DECODE, USE_PTX, W_FOLD_SCALE)

@@ -43,6 +43,7 @@ from qscheme.triton.layout import four_bit_words
 from qscheme.triton.spec import (
     ACT_RULE_NVFP4,
     ACT_RULE_STATIC,
+    CODEBOOK_ID,
     DECODE_BF16,
     DECODE_FP16,
     DECODE_FP32,
@@ -85,7 +86,7 @@ class PreparedWeight:
     codes: Tensor
     scale: Tensor | None  # tiled (group / block) scales [N / rows, ceil(K / cols)], see _tiled_layout
     scale_dtype: torch.dtype | None  # the checkpoint's dtype of float tiled scales (before widening)
-    zero_point: Tensor | None  # tiled like the scale, or [N] per row
+    zero_point: Tensor | None  # tiled like the scale, or [N] per row; a codebook's float32 table (it has none)
     row_scale: Tensor | None  # float32 [N]
     pre_scale: Tensor | None  # float32 [K]
     segments: tuple[Segment, ...]
@@ -307,6 +308,9 @@ def prepare_weight(weight: CanonicalWeight, device: torch.device | str) -> Prepa
     if weight.input_pre_scale is not None:
         pre_scale = weight.input_pre_scale.reshape(-1).to(torch.float32).contiguous()
     codes = _kernel_codes(weight.codes, weight.scheme.weight.format)
+    table = weight.scheme.weight.table
+    if table is not None:  # a codebook has no zero points: the kernels read its table where they would
+        zero_point = torch.tensor(table, dtype=torch.float32, device=device)
     tiled = [t.stride(0) for t in (scale, zero_point) if t is not None and t.dim() == 2]
     row_elements = max([codes.stride(0), *tiled])  # the widest row of the weight's tensors
     return PreparedWeight(
@@ -594,8 +598,8 @@ def decode_dtype(spec: Specialization, input_dtype: torch.dtype, scale_dtype: to
     the kernel then casts it to the decode dtype.
     """
     half = _HALF_DECODE.get(input_dtype)
-    if not on_gpu or not spec.W_FOUR_BIT or half is None:
-        return DECODE_FP32
+    if not on_gpu or not spec.W_FOUR_BIT or half is None or spec.W_FORMAT == CODEBOOK_ID:
+        return DECODE_FP32  # a codebook's values (NF4's quantiles) are exact in float32 only
     if not spec.W_SCALE_TILED:
         return half
     exact_in = SCALE_EXACT_IN.get(spec.W_SCALE_FORMAT)
@@ -763,6 +767,8 @@ def _gemm_template(
     w_scale = None if prepared.scale is None else prepared.scale[scale_start:]
     if prepared.zero_point is None:
         w_zero = None
+    elif spec.W_FORMAT == CODEBOOK_ID:  # the whole table (see prepare_weight)
+        w_zero = prepared.zero_point
     elif spec.W_SCALE_TILED:
         w_zero = prepared.zero_point[scale_start:]
     else:

@@ -35,6 +35,9 @@ ELEMENT_IDS = MappingProxyType(
     {"e2m1": 0, "int4": 1, "uint4": 2, "e4m3": 3, "e5m2": 4, "int8": 5, "uint8": 6, "int2": 5, "int3": 5}
 )
 FOUR_BIT_ELEMENTS = frozenset(name for name in ELEMENT_IDS if FORMAT_FACTS[name].bits == 4)
+CODEBOOK_ID = 7
+"""A 4-bit weight whose codes index a declared table (``weight.table``: NF4): the kernels decode the
+codes as unsigned integers and load their values from the table (equal to qscheme.triton.decode's)."""
 
 # Scale storage: uint8 bits for e4m3 and e8m0, any float dtype otherwise (loaded as is).
 SCALE_FORMAT_IDS = MappingProxyType({"float": 0, "fp32": 0, "fp16": 0, "bf16": 0, "e4m3": 1, "e8m0": 2})
@@ -114,6 +117,8 @@ def _activation_key(scheme: Scheme) -> tuple[str, str, bool, str] | None:
 def unsupported_reason(scheme: Scheme) -> str | None:
     """Why the Triton kernels cannot run ``scheme``, or None when they can."""
     weight = scheme.weight
+    if weight.table is not None and (weight.format not in FOUR_BIT_ELEMENTS or len(weight.table) != 16):
+        return f"a codebook of {len(weight.table)} values for {weight.format!r} codes; the kernels take 4-bit codebooks"
     if weight.format not in ELEMENT_IDS:
         return f"weight format {weight.format!r} is not one of {', '.join(ELEMENT_IDS)}"
     if weight.scale.format not in SCALE_FORMAT_IDS:
@@ -173,7 +178,7 @@ def specialize(scheme: Scheme) -> Specialization:
             a_scale = ACT_SCALE_STATIC
         a_scale_format = SCALE_FORMAT_IDS[key[3]]
     return Specialization(
-        W_FORMAT=ELEMENT_IDS[weight.format],
+        W_FORMAT=CODEBOOK_ID if weight.table is not None else ELEMENT_IDS[weight.format],
         W_FOUR_BIT=weight.format in FOUR_BIT_ELEMENTS,
         W_SCALE_TILED=tiled,
         W_SCALE_FORMAT=SCALE_FORMAT_IDS[scale.format] if tiled else 0,

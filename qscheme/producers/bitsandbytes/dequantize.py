@@ -27,9 +27,10 @@ _NF4 = (
     0.7229568362236023, 1.0,
 )  # fmt: skip
 """NF4: quantiles of N(0, 1) scaled to [-1, 1] (QLoRA), as bitsandbytes' ``get_4bit_type('nf4')`` lists them."""
-_FP4_UNSCALED = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0)
+_FP4_UNSCALED = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, 0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0)
 """bitsandbytes' FP4 (1 sign, 2 exponent, 1 mantissa bits, exponent bias 2) by code, divided by 12
-(its largest magnitude) in float32 as ``get_4bit_type('fp4')`` does."""
+(its largest magnitude) in float32 as ``get_4bit_type('fp4')`` does. Code 8 (the sign bit alone) is
++0.0, as bitsandbytes' table and its CPU dequantization have it: a weight of code 8 is +0.0, never -0.0."""
 
 
 def code_table(quant_type: str) -> Tensor:

@@ -19,6 +19,7 @@ from qscheme.errors import CheckpointError
 from qscheme.producers.base import CONFIG_FILE, ConfigFields, natural_key
 from qscheme.producers.bitsandbytes import dequantize as exact
 from qscheme.producers.bitsandbytes.config import QUANT_METHOD, BitsAndBytesConfig, read_section
+from qscheme.producers.bitsandbytes.detect import skipped_by
 from qscheme.producers.bitsandbytes.layout import (
     ABSMAX,
     NESTED_ABSMAX,
@@ -92,11 +93,6 @@ def _modules(tensors: dict[str, TensorInfo]) -> dict[str, dict[str, TensorInfo]]
     return modules
 
 
-def _skipped_by(module: str, skip: tuple[str, ...]) -> str | None:
-    """transformers skips a module when a skip entry is one of its dotted name's components' runs."""
-    return next((entry for entry in skip if entry == module or f".{entry}." in f".{module}."), None)
-
-
 def read_layers(folder: str | Path) -> dict[str, BitsAndBytesLayer]:
     """Every quantized layer of a bitsandbytes 4-bit folder, checked from the headers and the quant
     states alone (CheckpointError naming the tensor and the rule otherwise)."""
@@ -105,7 +101,7 @@ def read_layers(folder: str | Path) -> dict[str, BitsAndBytesLayer]:
     files = CheckpointFiles(folder)
     layers: dict[str, BitsAndBytesLayer] = {}
     for module, members in sorted(_modules(files.tensors).items(), key=lambda item: natural_key(item[0])):
-        skipped = _skipped_by(module, config.skip_modules)
+        skipped = skipped_by(module, config.skip_modules)
         if skipped is not None:
             raise CheckpointError(
                 f"{config.file}: module {module} is in llm_int8_skip_modules ({skipped!r}) but stores quantized "
