@@ -20,6 +20,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -114,27 +115,33 @@ int isa_level() {
     return isa_active;
 }
 
-/* A pool of worker threads: run(count, job) calls job(0) on the caller and job(1..count-1) on the
- * workers, and returns when all are done. One run at a time (the callers are serialized). */
+/* A pool of worker threads sharing out `tasks` numbered pieces of work: run(count, tasks, job)
+ * calls job(task) for every task once, on the caller and on up to count - 1 workers, each taking
+ * the next task from a shared counter. The caller does not wait for a worker that has not started
+ * yet (on a busy machine a woken thread may wait long for a core): once the tasks are all taken,
+ * it closes the run and waits only for the workers inside it. One run at a time. */
 class Pool {
    public:
-    void run(int count, const std::function<void(int)> &job) {
+    void run(int count, int64_t tasks, const std::function<void(int64_t)> &job) {
         std::lock_guard<std::mutex> serial(call_mutex_);
+        next_.store(0);
+        tasks_ = tasks;
         if (count > 1) {
             grow(count - 1);
             {
                 std::lock_guard<std::mutex> lock(mutex_);
                 job_ = &job;
                 wanted_ = count - 1;
-                pending_ = count - 1;
+                open_ = true;
                 generation_++;
             }
             wake_.notify_all();
         }
-        job(0);
+        work(job);
         if (count > 1) {
             std::unique_lock<std::mutex> lock(mutex_);
-            done_.wait(lock, [this] { return pending_ == 0; });
+            open_ = false;
+            done_.wait(lock, [this] { return active_ == 0; });
             job_ = nullptr;
         }
     }
@@ -147,29 +154,36 @@ class Pool {
             threads_.back().detach();  // lives as long as the process
         }
     }
+    void work(const std::function<void(int64_t)> &job) {
+        for (int64_t task = next_.fetch_add(1); task < tasks_; task = next_.fetch_add(1)) job(task);
+    }
     void loop(int index) {
         uint64_t seen = 0;
         for (;;) {
-            const std::function<void(int)> *job;
+            const std::function<void(int64_t)> *job;
             {
                 std::unique_lock<std::mutex> lock(mutex_);
                 wake_.wait(lock, [&] { return generation_ != seen; });
                 seen = generation_;
-                if (index >= wanted_) continue;
+                if (index >= wanted_ || !open_) continue;  // a run already closed: nothing left
                 job = job_;
+                active_++;
             }
-            (*job)(index + 1);
+            work(*job);
             {
                 std::lock_guard<std::mutex> lock(mutex_);
-                if (--pending_ == 0) done_.notify_one();
+                if (--active_ == 0) done_.notify_one();
             }
         }
     }
     std::mutex call_mutex_, mutex_;
     std::condition_variable wake_, done_;
     std::vector<std::thread> threads_;
-    const std::function<void(int)> *job_ = nullptr;
-    int wanted_ = 0, pending_ = 0;
+    const std::function<void(int64_t)> *job_ = nullptr;
+    std::atomic<int64_t> next_{0};
+    int64_t tasks_ = 0;
+    int wanted_ = 0, active_ = 0;
+    bool open_ = false;
     uint64_t generation_ = 0;
 };
 
@@ -178,12 +192,9 @@ Pool *pool() {
     return instance;
 }
 
-/* Row ranges for `count` workers, multiples of `unit` rows. */
-void split_rows(int64_t n, int count, int64_t unit, int index, int64_t &lo, int64_t &hi) {
-    const int64_t units = (n + unit - 1) / unit;
-    lo = std::min(n, (units * index / count) * unit);
-    hi = std::min(n, (units * (index + 1) / count) * unit);
-}
+/* Weight rows per task of the GEMV (a multiple of the loops' 4-row blocks): small enough that
+ * the workers share the rows evenly, large enough that taking a task costs nothing. */
+constexpr int64_t TASK_ROWS = 64;
 
 int64_t width_of(int level) { return level == ISA_AVX512 ? 16 : (level == ISA_AVX2 ? 8 : 0); }
 
@@ -291,12 +302,11 @@ PyObject *gemv(PyObject *, PyObject *args) {
         }
     }
     std::vector<float> acc(static_cast<size_t>(m * p.n), 0.0f);
-    const int64_t rows_per_task = 4;
-    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, (p.n + 63) / 64)));
-    auto job = [&](int index) {
-        int64_t lo, hi;
-        split_rows(p.n, count, rows_per_task, index, lo, hi);
-        if (lo >= hi) return;
+    const int64_t rows_per_task = TASK_ROWS;
+    const int64_t tasks = (p.n + rows_per_task - 1) / rows_per_task;
+    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+    auto job = [&](int64_t task) {
+        const int64_t lo = task * rows_per_task, hi = std::min(p.n, lo + rows_per_task);
 #if defined(__x86_64__) || defined(__i386__)
         if (level == ISA_AVX512) {
             gemv_avx512(p, xs.data(), ldx, static_cast<int>(m), lo, hi, acc.data(), p.n);
@@ -320,7 +330,7 @@ PyObject *gemv(PyObject *, PyObject *args) {
             }
         }
     };
-    pool()->run(count, job);
+    pool()->run(count, tasks, job);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
@@ -350,12 +360,11 @@ PyObject *dequantize(PyObject *, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS;
     const bool vector = isa_level() == ISA_AVX512 && (p.group_k % 16 == 0 || p.group_k >= p.k);
     const int64_t k_main = vector ? (p.k / chunk_elements(p, 16)) * chunk_elements(p, 16) : 0;
-    const int64_t rows = n1 - n0;
-    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, rows / 16)));
-    auto job = [&](int index) {
-        int64_t lo, hi;
-        split_rows(rows, count, 1, index, lo, hi);
-        if (lo >= hi) return;
+    const int64_t rows = n1 - n0, per_task = 16;
+    const int64_t tasks = (rows + per_task - 1) / per_task;
+    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+    auto job = [&](int64_t task) {
+        const int64_t lo = task * per_task, hi = std::min(rows, lo + per_task);
 #if defined(__x86_64__) || defined(__i386__)
         if (vector) dequantize_avx512(p, n0 + lo, n0 + hi, static_cast<char *>(out) + lo * p.k * (out_bf16 ? 2 : 4),
                                       out_bf16);
@@ -372,7 +381,7 @@ PyObject *dequantize(PyObject *, PyObject *args) {
             }
         }
     };
-    pool()->run(count, job);
+    pool()->run(count, tasks, job);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }

@@ -70,6 +70,8 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
             vec part[R];
             for (int r = 0; r < R; r++) part[r] = V::zero();
             for (; c < stop; c++) {
+                if ((c & 3) == 0)
+                    for (int r = 0; r < R; r++) __builtin_prefetch(codes[r] + c * W + 1024, 0, 0);
                 if (NIBBLE) {
                     const vec xe = V::load(x + c * CE), xo = V::load(x + c * CE + W);
                     for (int r = 0; r < R; r++) {
@@ -87,6 +89,8 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
             continue;
         }
         for (; c < stop; c++) {
+            if ((c & 3) == 0)
+                for (int r = 0; r < R; r++) __builtin_prefetch(codes[r] + c * W + 1024, 0, 0);
             if (NIBBLE) {
                 vec xe[M], xo[M];
                 for (int m = 0; m < M; m++) {
