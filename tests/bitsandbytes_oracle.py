@@ -56,7 +56,32 @@ def build_checkpoints(jobs: Sequence[Mapping[str, Any]], *, python: str | None =
 # ----------------------------------------------------------------------------- the oracle side
 
 
+def _dequantize_job(job: Mapping[str, Any]) -> None:
+    """bitsandbytes' own ``dequantize_4bit`` (float32) of each layer of ``tensors`` (a safetensors file of
+    bitsandbytes-layout layers named ``<layer>.weight``, ``<layer>.weight.absmax``, ...), its quant state
+    rebuilt by ``QuantState.from_dict`` from the stored tensors: ``dst`` gets ``<layer>`` -> [N, K]."""
+    import bitsandbytes.functional as bnb_functional
+    import safetensors.torch
+    import torch
+
+    tensors = safetensors.torch.load_file(job["tensors"])
+    out = {}
+    for layer in job["layers"]:
+        own = {
+            key.removeprefix(f"{layer}.weight."): value
+            for key, value in tensors.items()
+            if key.startswith(f"{layer}.weight.")
+        }
+        state = bnb_functional.QuantState.from_dict(own, device=torch.device("cpu"))
+        state.dtype = torch.float32
+        out[layer] = bnb_functional.dequantize_4bit(tensors[f"{layer}.weight"], state).contiguous()
+    safetensors.torch.save_file(out, job["dst"])
+
+
 def _job(job: Mapping[str, Any]) -> None:
+    if job.get("kind") == "dequantize":
+        _dequantize_job(job)
+        return
     import bitsandbytes
     import bitsandbytes.functional as bnb_functional
     import safetensors.torch

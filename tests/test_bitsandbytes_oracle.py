@@ -161,6 +161,47 @@ def test_loaded_layers_are_bit_identical_to_bitsandbytes(folders: dict[str, Path
     assert not any(".weight." in tensor for tensor in checkpoint.tensors)  # every layer tensor consumed
 
 
+def test_bitsandbytes_dequantizes_what_qscheme_quantizes(tmp_path: Path) -> None:
+    """quantize_weight's tensors for every bitsandbytes scheme, read by bitsandbytes itself (its
+    QuantState.from_dict and CPU dequantize_4bit, in the oracle venv): bit-identical to qscheme's own
+    dequantization of them, so the layout qscheme writes is the one bitsandbytes reads."""
+    from qscheme.canonical import canonicalize, dequantize
+    from qscheme.catalog import load_scheme
+    from qscheme.quantize import quantize_weight
+
+    python = oracle_python()
+    tensors: dict[str, torch.Tensor] = {}
+    expected: dict[str, torch.Tensor] = {}
+    generator = torch.Generator().manual_seed(3)
+    for name in ("NF4", "NF4_DQ", "FP4", "FP4_DQ"):
+        scheme = load_scheme(f"bitsandbytes/{name}")
+        weight = torch.randn(96, 320, generator=generator) * 0.05  # 480 blocks: two nested blocks, one partial
+        written = quantize_weight(weight, scheme)
+        expected[name] = dequantize(canonicalize(scheme, written))
+        tensors.update({f"{name}.{short}": value for short, value in written.items()})
+    save_file(tensors, tmp_path / "written.safetensors")
+    job = {"kind": "dequantize", "tensors": str(tmp_path / "written.safetensors"), "layers": list(expected)}
+    build_checkpoints([{**job, "dst": str(tmp_path / "read.safetensors")}], python=python)
+    read = load_file(tmp_path / "read.safetensors")
+    for name, weight in expected.items():
+        assert _bits(read[name]) == _bits(weight), name
+
+
+def test_qscheme_quantize_writes_a_checkpoint_that_loads_back(folders: dict[str, Path], tmp_path: Path) -> None:
+    """qscheme quantize --scheme bitsandbytes/NF4_DQ of the dense tiny Llama writes a self-described
+    checkpoint (bitsandbytes' tensors, qscheme's config) that loads back as those schemes."""
+    from qscheme.writing.quantize import quantize_checkpoint
+
+    quantize_checkpoint(folders["nf4-dq"] / "dense", tmp_path / "out", scheme="bitsandbytes/NF4_DQ")
+    checkpoint = load_checkpoint(tmp_path / "out", kernel="reference")
+    dense = load_file(folders["nf4-dq"] / "dense" / "model.safetensors")
+    assert sorted(checkpoint.modules) == sorted(_module(linear) for linear in LINEARS)
+    for module, layer in checkpoint.modules.items():
+        assert layer.scheme.name == "bitsandbytes/NF4_DQ"
+        weight = dense[f"{module}.weight"]
+        assert float((layer.dequantize() - weight).abs().max()) <= 0.2 * float(weight.abs().max()), module
+
+
 def test_resolve_shows_the_codebook_route(folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """NF4/FP4 codes index a table: the reference kernel takes them; the int4 kernels decline, saying why."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -52,6 +52,7 @@ from qscheme.checkpoint.patterns import compile_entries, pattern_problem
 from qscheme.descriptor import Scheme
 from qscheme.errors import CheckpointError, QuantizeError, UsageError
 from qscheme.quantize import quantize_weight
+from qscheme.quantize.blocks import layer_quantizer
 from qscheme.quantize.rules import get_rules
 from qscheme.storage import (
     OutputFolder,
@@ -230,7 +231,8 @@ def config_ignore(
 
 
 def _check_quantizable(scheme: Scheme) -> None:
-    get_rules(scheme.rules)  # QuantizeError for an unknown rule set
+    if layer_quantizer(scheme) is None:  # a producer that quantizes whole layers needs no rule set
+        get_rules(scheme.rules)  # QuantizeError for an unknown rule set
     if scheme.input_pre_scale is not None:
         raise QuantizeError(
             f"scheme {scheme.name}: declares a pre-quantization scale ({scheme.input_pre_scale.name}, AWQ), which "
@@ -346,7 +348,7 @@ def _shape_problem(scheme: Scheme, info: TensorInfo) -> str | None:
         )
     n, k = info.shape
     for spec in scheme.tensor_specs().values():
-        if not spec.expected_shapes(n, k):
+        if spec.shapes and not spec.expected_shapes(n, k):  # (a JSON state declares no shape)
             return (
                 f"{where} has shape [{n}, {k}], which scheme {scheme.name} cannot take: its tensor {spec.name!r} is "
                 f"declared {spec.describe_shapes()} (N and K must divide as that says); ignore the module with "
