@@ -203,12 +203,17 @@ def test_qscheme_quantize_writes_a_checkpoint_that_loads_back(folders: dict[str,
 
 
 def test_resolve_shows_the_codebook_route(folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """NF4/FP4 codes index a table: the reference kernel takes them; the int4 kernels decline, saying why."""
+    """NF4/FP4 codes index a table: the reference kernel takes them (and Triton on a GPU); the int4 kernels
+    decline, saying why."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     _, decisions = resolve_checkpoint(folders["nf4-dq"] / "quantized", device="cpu")
-    assert {decision.resolution.kernel.name for decision in decisions} == {"reference"}  # type: ignore[union-attr]
-    declined = decisions[0].resolution.candidate("tinygemm_cpu")  # type: ignore[union-attr]
-    assert not declined.accepted and "scheme has codebook weights" in declined.reason
+    for decision in decisions:
+        resolution = decision.resolution
+        assert resolution is not None and resolution.candidate("reference").accepted
+        declined = resolution.candidate("tinygemm_cpu")
+        assert not declined.accepted and "scheme has codebook weights" in declined.reason
+    _, on_gpu = resolve_checkpoint(folders["nf4-dq"] / "quantized", device="sm90")
+    assert {decision.resolution.kernel.name for decision in on_gpu} == {"triton"}  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("name", ["nf4", "fp4-dq"])
