@@ -4,12 +4,14 @@ CPU engine, one LLM after another in this one process, and write what each gave.
     python vllm_cpu_run.py RUNS.json OUT.json
 
 RUNS.json: {"prompts": [[token ids], ...], "max_tokens": N, "runs": [{"name", "model",
-"quantization" (null or "qscheme")}, ...]}. OUT.json: per run name, the greedy output tokens and
-the prompt logprobs (the logprob of each prompt token after the first) of every prompt, the
-quantization method class of every linear layer (``LLM.apply_model``), the qscheme kernel of the
-layers the plugin holds, each layer's per-partition global scales, and the seconds per output token.
+"quantization" (null or "qscheme"), optional "dtype" and "tensor_parallel_size"}, ...]}.
+OUT.json: per run name, the greedy output tokens and the prompt logprobs (the logprob of each
+prompt token after the first) of every prompt, the quantization method class of every linear
+layer (``LLM.apply_model``), the qscheme kernel of the layers the plugin holds, each layer's
+per-partition global scales, and the seconds per output token.
 
-float32, eager, the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), no tokenizer.
+float32, eager, the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), no tokenizer;
+a tensor-parallel run starts one worker process per rank, each bound to one core.
 """
 
 from __future__ import annotations
@@ -48,8 +50,28 @@ def describe_layers(model: Any) -> dict[str, dict[str, Any]]:
 
 
 def run(spec: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    tp = int(spec.get("tensor_parallel_size", 1))
+    names = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION")
+    saved = {name: os.environ.get(name) for name in names}
+    if tp > 1:  # one worker process per rank, each bound to its own core ("0|1")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model's function, pickled to the workers
+    try:
+        return _run(spec, prompts, max_tokens, tp)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _run(spec: dict[str, Any], prompts: list[list[int]], max_tokens: int, tp: int) -> dict[str, Any]:
     start = time.perf_counter()
     llm = LLM(
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp" if tp > 1 else None,
         model=spec["model"],
         quantization=spec.get("quantization"),
         skip_tokenizer_init=True,
@@ -74,7 +96,10 @@ def run(spec: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> dict
     for ids, output in zip(prompts, outputs, strict=True):
         entries = output.prompt_logprobs[1:]
         logprobs.append([float(entry[token].logprob) for entry, token in zip(entries, ids[1:], strict=True)])
-    layers = llm.apply_model(describe_layers)[0]
+    try:
+        layers = llm.apply_model(describe_layers)[0]  # rank 0's layers
+    except Exception as exc:
+        layers = {"error": f"{type(exc).__name__}: {exc}"}
     del llm
     gc.collect()
     return {

@@ -23,6 +23,7 @@ from qscheme.canonical import canonicalize
 from qscheme.checkpoint.fuse import concatenate
 from qscheme.descriptor import Scheme
 from qscheme.modules.linear import QuantLinear
+from qscheme.parallel.rules import ShardLayout, Style, shard_layout
 from qscheme.tensor_checks import ModuleLayout, require_valid_tensors
 from qscheme.vllm.params import DeclaredTensor, VllmLayerError, declare, make_parameter
 
@@ -73,15 +74,10 @@ class QschemeLinearMethod(LinearMethodBase):  # type: ignore[misc]
         params_dtype: torch.dtype,
         **extra_weight_attrs: Any,
     ) -> None:
-        ns = [member.n for member in self.members]
-        k = self.members[0].k
-        if list(output_partition_sizes) != ns or input_size_per_partition != k:
-            raise VllmLayerError(
-                f"{self.layer_name}: vLLM asks for outputs {list(output_partition_sizes)} and K="
-                f"{input_size_per_partition} per rank, the checkpoint's {', '.join(m.module for m in self.members)} "
-                f"hold N={ns}, K={k}; the qscheme plugin runs tensor_parallel_size=1 for now (serve with "
-                "tensor_parallel_size=1)"
-            )
+        shards = self._shards(layer, input_size_per_partition, input_size, output_partition_sizes)
+        ns = [shard.shard_n for shard in shards]
+        k = shards[0].shard_k
+        self.shard_shapes = tuple((shard.shard_n, shard.shard_k) for shard in shards)
         weight_loader = extra_weight_attrs["weight_loader"]
         specs = {spec.name: spec for spec in self.scheme.tensor_specs().values()}
         weight_name = self.scheme.weight.tensor.name
@@ -95,7 +91,12 @@ class QschemeLinearMethod(LinearMethodBase):  # type: ignore[misc]
                     f"{self.layer_name}: {self.members[0].module}.{name} has no counterpart in {', '.join(missing)}; "
                     "the members of a fused layer must store the same tensors"
                 )
-            stored = [per_member[m.module][name] for m in self.members]
+            stored = [
+                (name, text, shard.tensors[name].shard_shape if name in shard.tensors else shape)
+                for (_, text, shape), shard in zip(
+                    [per_member[m.module][name] for m in self.members], shards, strict=True
+                )
+            ]
             dtypes = {dtype for _, dtype, _ in stored}
             if len(dtypes) > 1:
                 raise VllmLayerError(
@@ -108,6 +109,30 @@ class QschemeLinearMethod(LinearMethodBase):  # type: ignore[misc]
         setattr(layer, DECLARED, declared)  # plain attributes of vLLM's module, until the weights are loaded
         setattr(layer, ACTIVATION_DTYPE, params_dtype)
 
+    def _shards(
+        self, layer: torch.nn.Module, k_per_rank: int, k_full: int, n_per_rank: Sequence[int]
+    ) -> list[ShardLayout]:
+        """Each member's split for this rank, by qscheme's descriptor-derived rules (ShardError,
+        qscheme's message naming the layer and the degrees that work, where it cannot split)."""
+        row = k_per_rank != k_full
+        tp = k_full // k_per_rank if row else max(1, sum(m.n for m in self.members) // max(1, sum(n_per_rank)))
+        style: Style = "row" if row else "column"
+        shards = []
+        for member in self.members:
+            stored = {name: shape for name, _, shape in member.tensors}
+            shards.append(
+                shard_layout(self.scheme, member.n, member.k, style, tp, layer=member.module, stored_shapes=stored)
+            )
+        got = [shard.shard_n for shard in shards]
+        if list(n_per_rank) != got or shards[0].shard_k != k_per_rank:
+            raise VllmLayerError(
+                f"{self.layer_name}: vLLM gives each of its {tp} ranks outputs {list(n_per_rank)} and K={k_per_rank}; "
+                f"qscheme's {style}-parallel split of {', '.join(m.module for m in self.members)} gives N={got}, "
+                f"K={shards[0].shard_k} (vLLM replicates KV heads when tensor_parallel_size exceeds their count, "
+                "which the plugin does not yet): serve with a tensor_parallel_size that divides every member"
+            )
+        return shards
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         declared: dict[str, DeclaredTensor] = getattr(layer, DECLARED)
         weights = []
@@ -118,6 +143,10 @@ class QschemeLinearMethod(LinearMethodBase):  # type: ignore[misc]
                 param = getattr(layer, name)
                 device = param.device
                 tensors[name] = held.member(param.data.to("cpu"), index)
+            shape_tensor = self.scheme.weight.shape_tensor
+            if shape_tensor is not None and shape_tensor.name in tensors:  # this rank's [N, K], not the layer's
+                stored = tensors[shape_tensor.name]
+                tensors[shape_tensor.name] = torch.tensor(self.shard_shapes[index], dtype=stored.dtype)
             n, k = require_valid_tensors(self.scheme, tensors, member.module)
             weights.append(canonicalize(self.scheme, tensors, n, k, layer=member.module))
         weight = weights[0] if len(weights) == 1 else concatenate(weights)

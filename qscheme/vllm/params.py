@@ -66,6 +66,10 @@ class MemberStackParameter(BasevLLMParameter):  # type: ignore[misc]
 
     def _load_member(self, loaded_weight: Tensor, shard_id: object = 0, **_: Any) -> None:
         slot = self.data[shard_index(shard_id)]
+        differ = [d for d, (a, b) in enumerate(zip(loaded_weight.shape, slot.shape, strict=False)) if a != b]
+        if loaded_weight.dim() == slot.dim() and len(differ) == 1:  # split with K on a row-parallel rank
+            size = slot.shape[differ[0]]
+            loaded_weight = loaded_weight.narrow(differ[0], self.tp_rank * size, size)
         if tuple(loaded_weight.shape) != tuple(slot.shape):
             raise VllmLayerError(
                 f"a tensor of shape {list(loaded_weight.shape)} was given for a slot of shape {list(slot.shape)}"
