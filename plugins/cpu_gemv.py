@@ -3,10 +3,11 @@ declaration of the ``cpu_gemv`` kernel.
 
 It runs the scale-and-code formats on the CPU without dequantizing the weight: e2m1 (NVFP4,
 MXFP4, FP4 with float scales), e4m3 (FP8 per tensor, channel or 128x128 block), int8 and uint8
-(W8A16, W8A8's weights), int4 and uint4, with zero points, per-partition global scales and AWQ
-pre-scales; bfloat16, float16 (through float32) and float32 inputs. Schemes that quantize their
-activations run with the reference kernel's exact activation emulation (``qscheme.emulation``)
-ahead of the GEMV. The code is in ``qscheme_plugins.cpu_gemv_kernel`` and ``qscheme.cpu_gemv``.
+(W8A16, W8A8's weights), int4 and uint4, 4-bit codes into a 16-value codebook (bitsandbytes NF4
+and FP4), with zero points, per-partition global scales and AWQ pre-scales; bfloat16, float16
+(through float32) and float32 inputs. Schemes that quantize their activations run with the
+reference kernel's exact activation emulation (``qscheme.emulation``) ahead of the GEMV. The
+code is in ``qscheme_plugins.cpu_gemv_kernel`` and ``qscheme.cpu_gemv``.
 
 Priority 45: above the reference kernel (0) on every format it takes, below ``tinygemm_cpu``
 (60), which keeps int4 with bfloat16 inputs (see the benchmark figures in the report), and below
@@ -55,6 +56,10 @@ WEIGHT_ONLY_FORMATS = Supports(
     per_partition_scales=True,
     input_pre_scale=True,
 )
+
+
+# 4-bit codes into a declared table of 16 values (bitsandbytes NF4 and FP4) with group scales
+CODEBOOK_FORMATS = Supports(weights=("codebook",), granularities=("group",), per_partition_scales=True)
 
 
 def _restricted(entry: Supports) -> Supports:
@@ -121,6 +126,7 @@ CPU_GEMV = KernelDeclaration(
     description="qscheme's C++ CPU GEMV: codes decoded in registers, float32 sums (AVX-512 / AVX2)",
     supports=(
         WEIGHT_ONLY_FORMATS,
+        CODEBOOK_FORMATS,
         _restricted(NVFP4_ACTIVATION_PAIR),
         *(_restricted(entry) for entry in DEPLOYED_ACTIVATION_PAIRS),
     ),

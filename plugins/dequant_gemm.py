@@ -16,6 +16,7 @@ from dataclasses import replace
 from qscheme.kernels.declaration import (
     ANY_WEIGHT_ONLY,
     BLOCKS_WEIGHT_ONLY,
+    CODEBOOK_WEIGHT_ONLY,
     ActivationDtypes,
     BatchRange,
     DeviceSupport,
@@ -43,7 +44,7 @@ DEQUANT_GEMM = KernelDeclaration(
     provider="qscheme",
     priority=10,
     description="dequantize row tiles exactly into the activation dtype, then torch's GEMM (large batches)",
-    supports=(replace(ANY_WEIGHT_ONLY, input_permutation=True), BLOCKS_WEIGHT_ONLY),
+    supports=(replace(ANY_WEIGHT_ONLY, input_permutation=True), BLOCKS_WEIGHT_ONLY, CODEBOOK_WEIGHT_ONLY),
     devices=(DeviceSupport("cpu"),),
     implementation="qscheme_plugins.dequant_gemm_kernel:DequantGemmKernel",
     requires_modules=("torch",),

@@ -11,7 +11,8 @@ where a scale depends on the fused partition (its global scale, or a tensor-wide
 16-entry value table of the 4-bit codes and a 256-entry one of byte scales (e4m3, e8m0).
 
 What it takes (``layout_of`` raises UsageError for anything else, naming what is missing):
-codes e2m1, int4 and uint4 (two per byte), e4m3, int8 and uint8; scales per group (any size),
+codes e2m1, int4 and uint4 (two per byte), 4-bit codes into a 16-value codebook (NF4), e4m3,
+int8 and uint8; scales per group (any size),
 channel, 128x128-style block or tensor, stored as float32, bfloat16, float16, e4m3 or e8m0;
 zero points as the scale; one global scale per fused partition, multiplied or (for a stored
 divisor) divided as ``qscheme.canonical.effective_scale`` does.
@@ -192,7 +193,16 @@ def layout_of(weight: CanonicalWeight) -> GemvLayout:
     if codes.device.type != "cpu":
         raise UsageError(f"cpu_gemv runs on the CPU; {where}'s codes are on {codes.device}")
     code_kind = {"e4m3": CODE_E4M3, "int8": CODE_INT8, "uint8": CODE_UINT8}.get(spec.format, CODE_NIBBLE)
-    lut = _nibble_values(spec.format) if code_kind == CODE_NIBBLE else torch.zeros(16)
+    table = getattr(spec, "table", None)
+    if table is not None and (code_kind != CODE_NIBBLE or len(table) != 16):
+        raise UsageError(
+            f"cpu_gemv takes codebooks of 16 values indexed by 4-bit codes; {where} has {len(table)} values "
+            f"indexed by {spec.format} codes"
+        )
+    if table is not None:  # a codebook (NF4, bitsandbytes FP4): code i is worth table[i] in float32
+        lut = torch.tensor(table, dtype=torch.float32)
+    else:
+        lut = _nibble_values(spec.format) if code_kind == CODE_NIBBLE else torch.zeros(16)
     codes = _contiguous(codes).view(torch.uint8)
     granularity = spec.scale.granularity
     scale: Tensor | None = weight.scale

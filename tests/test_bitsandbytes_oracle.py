@@ -203,15 +203,24 @@ def test_qscheme_quantize_writes_a_checkpoint_that_loads_back(folders: dict[str,
 
 
 def test_resolve_shows_the_codebook_route(folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """NF4/FP4 codes index a table: the reference kernel takes them (and Triton on a GPU); the int4 kernels
-    decline, saying why."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    """NF4/FP4 codes index a table: the reference kernel takes them, and on a CPU the cpu_gemv GEMV (where
+    its extension is built) for small batches and dequant_gemm for large ones (Triton on a GPU); the int4
+    kernels decline, saying why."""
+    from qscheme import cpu_gemv
+
+    # as on a fresh install, where Triton does not run on a CPU (unsetting TRITON_INTERPRET instead would
+    # leave Triton's driver state broken for the interpreter tests that follow in this process)
+    monkeypatch.setenv("QSCHEME_DISABLED_KERNELS", "triton")
     _, decisions = resolve_checkpoint(folders["nf4-dq"] / "quantized", device="cpu")
     for decision in decisions:
         resolution = decision.resolution
         assert resolution is not None and resolution.candidate("reference").accepted
         declined = resolution.candidate("tinygemm_cpu")
         assert not declined.accepted and "scheme has codebook weights" in declined.reason
+        plan = [(entry.m_min, entry.kernel.name) for entry in resolution.plan.entries]
+        small = "cpu_gemv" if cpu_gemv.available() else "reference"
+        assert plan == [(0, small), (16, "dequant_gemm")]
+    monkeypatch.delenv("QSCHEME_DISABLED_KERNELS")
     _, on_gpu = resolve_checkpoint(folders["nf4-dq"] / "quantized", device="sm90")
     assert {decision.resolution.kernel.name for decision in on_gpu} == {"triton"}  # type: ignore[union-attr]
 

@@ -201,7 +201,8 @@ def test_tiles_are_the_reference_dequantization(nvfp4: CanonicalWeight, native: 
 
 
 @pytest.mark.parametrize(
-    "scheme_name", ["compressed-tensors/NVFP4A16", "compressed-tensors/W4A16_ASYM", "modelopt/W4A16_AWQ"]
+    "scheme_name",
+    ["compressed-tensors/NVFP4A16", "compressed-tensors/W4A16_ASYM", "modelopt/W4A16_AWQ", "bitsandbytes/NF4_DQ"],
 )
 @pytest.mark.parametrize("native", [False, True], ids=["torch", "extension"])
 def test_dequant_gemm_output(scheme_name: str, native: bool, small_tiles: None) -> None:
