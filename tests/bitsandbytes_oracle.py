@@ -36,18 +36,21 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import oracle_jobs
-
 ENV = "QSCHEME_BITSANDBYTES_PYTHON"
 
 
 def oracle_python() -> str:
     """The oracle venv's Python, or skip the calling test (CI always sets it)."""
+    import oracle_jobs  # the tests' helper; the oracle side (run as a script in the venv, with no tests/ on
+    # its path: the venv's import check on a cold build) needs none
+
     return oracle_jobs.oracle_python(ENV, "bitsandbytes")
 
 
 def build_checkpoints(jobs: Sequence[Mapping[str, Any]], *, python: str | None = None, timeout: float = 600) -> None:
     """Write each job's folders (see the module docstring) in one oracle process."""
+    import oracle_jobs
+
     oracle_jobs.run_jobs(
         __file__, jobs, python=python or oracle_python(), label="bitsandbytes", timeout=timeout, extra_env=None
     )
