@@ -10,6 +10,7 @@ import os
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -49,3 +50,12 @@ def run_jobs(
     if completed.returncode != 0:
         raise RuntimeError(f"the {label} oracle failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-6000:]}")
     return completed
+
+
+def references(folder: Path) -> dict[str, Any]:
+    """The producer's own dequantization a job wrote beside its checkpoint: ``reference.safetensors``'s
+    ``<module>.dequantized`` tensors, keyed by module name."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(folder / "reference.safetensors")
+    return {name.removesuffix(".dequantized"): value for name, value in tensors.items()}

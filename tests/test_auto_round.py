@@ -15,6 +15,7 @@ import pytest
 import torch
 from auto_round_oracle import build_checkpoints, oracle_python
 from checkpoint_cache import single_threaded_torch  # noqa: F401  (autouse)
+from oracle_jobs import references as producer_references
 from safetensors.torch import load_file
 from transformers import AutoConfig, LlamaForCausalLM
 
@@ -70,12 +71,6 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: root / name for name in JOBS}
 
 
-def _references(folder: Path) -> dict[str, torch.Tensor]:
-    return {
-        name.removesuffix(".dequantized"): value for name, value in load_file(folder / "reference.safetensors").items()
-    }
-
-
 def _section(folder: Path) -> dict[str, Any]:
     section = json.loads((folder / "config.json").read_text())["quantization_config"]
     assert isinstance(section, dict)
@@ -87,7 +82,7 @@ def test_every_layer_dequantizes_bit_identical_to_autorounds_own_layer(folders: 
     section = _section(folders[name])
     assert section["quant_method"] == "auto-round" and section["packing_format"] == PACKING[name]
     checkpoint = load_checkpoint(folders[name])
-    references = _references(folders[name])
+    references = producer_references(folders[name])
     assert set(checkpoint.modules) == set(references) and len(references) == 7
     assert {layer.scheme.name for layer in checkpoint.modules.values()} == SCHEMES[name]
     assert checkpoint.producer == "auto-round"
@@ -111,7 +106,7 @@ def _dense_and_quantized(folder: Path) -> tuple[LlamaForCausalLM, LlamaForCausal
     dense = LlamaForCausalLM(config).eval()
     state = load_file(folder / "model.safetensors")
     plain = {name: value.float() for name, value in state.items() if name in dense.state_dict()}
-    plain.update({f"{module}.weight": weight for module, weight in _references(folder).items()})
+    plain.update({f"{module}.weight": weight for module, weight in producer_references(folder).items()})
     missing, unexpected = dense.load_state_dict(plain, strict=False)
     assert not unexpected and all(name.endswith("rotary_emb.inv_freq") for name in missing), missing
     apply_to_model(quantized, folder, kernel="reference")

@@ -15,6 +15,7 @@ import pytest
 import torch
 from checkpoint_cache import single_threaded_torch  # noqa: F401  (autouse)
 from gptq_oracle import ENV, build_checkpoints, oracle_python
+from oracle_jobs import references as producer_references
 from safetensors.torch import load_file
 from transformers import AutoConfig, LlamaForCausalLM
 
@@ -131,16 +132,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: root / name for name in JOBS}
 
 
-def _references(folder: Path) -> dict[str, torch.Tensor]:
-    return {
-        name.removesuffix(".dequantized"): value for name, value in load_file(folder / "reference.safetensors").items()
-    }
-
-
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_every_layer_dequantizes_bit_identical_to_the_library(folders: dict[str, Path], name: str) -> None:
     checkpoint = load_checkpoint(folders[name])
-    references = _references(folders[name])
+    references = producer_references(folders[name])
     assert set(checkpoint.modules) == set(references)
     assert {layer.scheme.name for layer in checkpoint.modules.values()} == SCHEMES[name]
     for module, layer in checkpoint.modules.items():
@@ -212,7 +207,7 @@ def _dense_and_quantized(folder: Path) -> tuple[LlamaForCausalLM, LlamaForCausal
     dense = LlamaForCausalLM(config).eval()
     state = load_file(folder / "model.safetensors")
     plain = {name: value for name, value in state.items() if name in dense.state_dict()}
-    plain.update({f"{module}.weight": weight for module, weight in _references(folder).items()})
+    plain.update({f"{module}.weight": weight for module, weight in producer_references(folder).items()})
     missing, unexpected = dense.load_state_dict(plain, strict=False)
     assert not unexpected and all(name.endswith("rotary_emb.inv_freq") for name in missing), missing
     apply_to_model(quantized, folder, kernel="reference")
@@ -303,7 +298,7 @@ def test_convert_to_compressed_tensors_keeps_the_librarys_weights(
     summary = convert_checkpoint(folders[name], tmp_path / "ct", target)
     converted = [row for row in summary.layers if row.action == "converted"]
     assert len(converted) == 7 and {row.max_ulps for row in converted} == {0}
-    references = _references(folders[name])
+    references = producer_references(folders[name])
     for module, weight in references.items():
         # compressed-tensors' own decompression of the converted layer is GPTQModel's / AutoAWQ's weight
         assert torch.equal(_compressed_tensors_dequantize(tmp_path / "ct", module), weight), module
