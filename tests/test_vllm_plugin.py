@@ -180,6 +180,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             runs.append({"name": REFERENCE[name], "model": str(root / REFERENCE[name]), "quantization": None})
     for name, quantization in (("bf16_w4a16_qscheme", "qscheme"), ("bf16_w4a16_vllm", None)):
         runs.append({"name": name, "model": str(root / "ct_w4a16"), "quantization": quantization, "dtype": "bfloat16"})
+    half = root / "k_proj_unquantized"  # qkv_proj of layer 0 would fuse quantized q, v with a plain k
+    quantize_checkpoint(source, half, "compressed-tensors/W4A16", ignore=["lm_head", "model.layers.0.self_attn.k_proj"])
+    runs.append({"name": "refused_half_fused", "model": str(half), "quantization": "qscheme"})
     runs.append(
         {
             "name": "tp2_nvfp4a16",
@@ -314,3 +317,11 @@ with mock.patch.object(metadata, "version", lambda name: "0.33.0"):
     lines = done.stdout.strip().splitlines()
     assert lines[-2] == "qscheme.vllm.config"
     assert lines[-1].startswith("refused: ") and "vllm 0.33.0 is installed" in lines[-1] and SUPPORTED_VLLM in lines[-1]
+
+
+@needs_vllm_cpu
+def test_a_fused_layer_with_one_member_unquantized_is_refused_naming_it(served: dict[str, Any]) -> None:
+    error = served["refused_half_fused"].get("error", "")
+    assert "model.layers.0.self_attn.qkv_proj" in error, error
+    assert "model.layers.0.self_attn.k_proj is not quantized" in error
+    assert "quantize all of them or none" in error
