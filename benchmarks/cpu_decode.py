@@ -25,9 +25,12 @@ weights cannot stop early at an EOS). Each run is timed (prefill and decode apar
 comes first and the figure is the median over ``--runs`` runs of decode tokens per second. Where
 the llama.cpp oracle venv exists (``bash scripts/oracle-venv.sh llamacpp``), the same GGUF files
 also run in llama-cpp-python (``n_threads`` = ``--threads``), with the same prompt, the same
-greedy steps and the same timing.
+greedy steps and the same timing. The files carry no tokenizer, so llama.cpp loads them with the
+``tokenizer.ggml.model`` override ``none`` (its vocabulary-free type); it evaluates one token per
+call (``n_batch=1``), so its prefill figure is token by token, not batched.
 
-Reported per variant: decode tokens/s, the ratio to bf16 transformers of the same invocation,
+Reported per variant: decode tokens/s, the ratio to bf16 transformers of the same invocation (bf16
+runs first and again last, to show drift from other jobs; the ratio is to the faster of the two),
 prefill ms, resident memory (VmRSS) after loading and after decoding and the peak (VmHWM), and
 the kernel plan of the quantized layers (``QuantLinear.plan``: the kernel per batch-size range,
 as ``qscheme resolve --m`` shows it), with how many layers share it. ``uptime``'s load average
@@ -282,6 +285,13 @@ def llamacpp_python() -> str | None:
     return str(found[-1]) if found else None
 
 
+def llamacpp_system_info(python: str) -> str:
+    """llama.cpp's own line of the CPU features it was built for (``llama_print_system_info``)."""
+    code = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
+    return done.stdout.strip() or f"unknown ({done.stderr.strip()[-200:]})"
+
+
 def _run_json(command: list[str]) -> dict[str, Any]:
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -311,7 +321,7 @@ def _mib(value: int) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     """The results as markdown: decode speed and memory, then the kernel plans."""
-    base = next((r["tokens_per_s"] for r in results if r["variant"] == "bf16"), None)
+    base = max((r["tokens_per_s"] for r in results if r["variant"] == "bf16"), default=None)
     lines = [
         "| variant | engine | threads | decode tok/s | vs bf16 | prefill ms | load s | RSS loaded MiB "
         "| RSS after decode MiB | peak MiB | greedy tokens agreeing |",
@@ -359,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--variant", action="append", choices=sorted(BY_NAME), help="repeatable; default: all")
+    parser.add_argument(
+        "--llamacpp-python",
+        help="the python of a venv with llama-cpp-python (default: $QSCHEME_LLAMACPP_PYTHON, else the oracle venv, "
+        "which is built for a baseline x86-64 CPU without AVX: pass a native build for representative figures)",
+    )
     parser.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even where its venv exists")
     parser.add_argument("--folder", type=Path, help="work folder (default: a temporary one, removed)")
     parser.add_argument("--markdown", type=Path, help="also write the tables here")
@@ -377,8 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     names = args.variant or [variant.name for variant in VARIANTS]
     if "bf16" not in names:
         names = ["bf16", *names]
+    if len(names) > 1:  # bf16 again at the end: the ratios are to the faster of its two runs
+        names.append("bf16")
     variants = [BY_NAME[name] for name in names]
-    python = None if args.no_llamacpp else llamacpp_python()
+    python = None if args.no_llamacpp else (args.llamacpp_python or llamacpp_python())
     work = args.folder or Path(tempfile.mkdtemp(prefix="qscheme-cpu-decode-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -387,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         count = build_source(source, shape)
         print(f"model: Llama {shape}, {count / 1e9:.3f}B parameters, bf16 in {time.perf_counter() - started:.0f} s")
         print(f"llama.cpp: {python or 'no oracle venv (bash scripts/oracle-venv.sh llamacpp builds it)'}")
+        if python is not None:
+            print(f"llama.cpp build: {llamacpp_system_info(python)}")
         results = []
         for variant in variants:
             started = time.perf_counter()

@@ -44,7 +44,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str,
 def test_a_speed_row_per_variant_and_engine(smoke: tuple[str, list[dict[str, object]]]) -> None:
     text, results = smoke
     rows = _table(text, SPEED_HEADER)
-    expected = [("bf16", "transformers")] + [
+    expected = [("bf16", "transformers")] * 2 + [  # bf16 first and last
         (variant.name, "qscheme") for variant in cpu_decode.VARIANTS if variant.scheme is not None
     ]
     if cpu_decode.llamacpp_python() is not None:
@@ -57,7 +57,7 @@ def test_a_speed_row_per_variant_and_engine(smoke: tuple[str, list[dict[str, obj
         assert float(row[3]) > 0
         assert row[4].endswith("x")
         assert float(row[7]) > 0 and float(row[9]) >= float(row[8]) - 1  # peak >= RSS after decode
-    assert next(row for row in rows if row[0] == "bf16")[4] == "1.00x"
+    assert "1.00x" in [row[4] for row in rows if row[0] == "bf16"]  # the faster bf16 run is the base
     for result in results:  # the prefill's token and one per decode step
         assert len(result["generated"]) == 3  # type: ignore[arg-type]
 
