@@ -114,6 +114,7 @@ def test_kernel_families_cover_the_table_families() -> None:
     from qscheme.kernels.declaration import ACTIVATION_FAMILIES, WEIGHT_FAMILIES
 
     families = {f.family for f in FORMAT_FACTS.values() if f.family is not None} | set(_FAMILY_BY_PAIR.values())
-    assert set(WEIGHT_FAMILIES) == families | {"blocks"}  # blocks: layouts declared by descriptors
+    # blocks and codebook: declared by descriptors (`packing: blocks`, `weight.table`), not by a format of the table
+    assert set(WEIGHT_FAMILIES) == families | {"blocks", "codebook"}
     activation_families = {FORMAT_FACTS[name].family for name in activation_formats()}
     assert activation_families | {"nvfp4", "mxfp4", "none"} == set(ACTIVATION_FAMILIES)
