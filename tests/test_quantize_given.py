@@ -12,6 +12,7 @@ from qscheme.catalog import load_catalog, load_scheme
 from qscheme.descriptor import Scheme, parse_scheme_text
 from qscheme.errors import QuantizeError
 from qscheme.quantize import quantize_weight
+from qscheme.quantize.blocks import layer_quantizer
 
 WEIGHT = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
 NAN, INF = float("nan"), float("inf")
@@ -140,7 +141,10 @@ def _given_weight_scales(scheme_name: str, tensors: dict[str, Tensor]) -> dict[s
     [
         name
         for name in load_catalog().schemes
-        if load_scheme(name).weight.zero_point is None and load_scheme(name).weight.blocks is None  # blocks: no scales
+        # blocks, and producers that quantize whole layers (bitsandbytes), take no given scales
+        if load_scheme(name).weight.zero_point is None
+        and load_scheme(name).weight.blocks is None
+        and layer_quantizer(load_scheme(name)) is None
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -152,6 +156,17 @@ def test_the_scales_quantize_weight_writes_are_taken_back_unchanged(scheme: str,
     for name, value in first.items():
         assert again[name].dtype == value.dtype and again[name].shape == value.shape, name
         assert torch.equal(again[name].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), name
+
+
+def test_a_whole_layer_quantizer_refuses_given_scales() -> None:
+    """bitsandbytes computes codes, absmax and its double quantization together: given tensors would be
+    silently ignored, so they are refused, naming them."""
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
+    first = quantize_weight(weight, "bitsandbytes/NF4_DQ")
+    with pytest.raises(
+        QuantizeError, match=r"computes every tensor of a layer at once; given tensors \(weight.absmax\)"
+    ):
+        quantize_weight(weight, "bitsandbytes/NF4_DQ", **{"weight.absmax": first["weight.absmax"]})
 
 
 # --- global scales ----------------------------------------------------------------------------
