@@ -43,6 +43,15 @@ JOBS: dict[str, dict[str, object]] = {
     "w8": {"kind": "gptq", "bits": 8, "group_size": -1, "sym": True, "checkpoint_format": "gptq", "seed": 3},
     "w2": {"kind": "gptq", "bits": 2, "group_size": 128, "sym": False, "checkpoint_format": "gptq", "seed": 7},
     "w2_v2": {"kind": "gptq", "bits": 2, "group_size": 128, "sym": False, "checkpoint_format": "gptq_v2", "seed": 7},
+    "w2_sym": {"kind": "gptq", "bits": 2, "group_size": 128, "sym": True, "checkpoint_format": "gptq", "seed": 10},
+    "w2_sym_v2": {
+        "kind": "gptq",
+        "bits": 2,
+        "group_size": 128,
+        "sym": True,
+        "checkpoint_format": "gptq_v2",
+        "seed": 10,
+    },
     "act_order": {
         "kind": "gptq",
         "bits": 4,
@@ -110,6 +119,8 @@ SCHEMES = {
     "w8": {"gptq/W8A16_CHANNEL"},
     "w2": {"gptq/W2A16_ASYM"},
     "w2_v2": {"gptq_v2/W2A16_ASYM"},
+    "w2_sym": {"gptq/W2A16"},
+    "w2_sym_v2": {"gptq_v2/W2A16"},
     "dynamic": {"gptq/W4A16", "gptq/W8A16_CHANNEL"},
     "act_order": {"gptq_v2/W4A16_G32"},
     "awq": {"awq/W4A16_ASYM"},
@@ -145,7 +156,13 @@ def test_every_layer_dequantizes_bit_identical_to_the_library(folders: dict[str,
 
 
 def test_v1_and_v2_of_the_same_weights_load_to_identical_weights(folders: dict[str, Path]) -> None:
-    for v1, v2 in (("v1_sym", "v2_sym"), ("v1_asym", "v2_asym"), ("w2", "w2_v2"), ("w3", "w3_v2")):
+    for v1, v2 in (
+        ("v1_sym", "v2_sym"),
+        ("v1_asym", "v2_asym"),
+        ("w2", "w2_v2"),
+        ("w2_sym", "w2_sym_v2"),
+        ("w3", "w3_v2"),
+    ):
         first, second = load_checkpoint(folders[v1]), load_checkpoint(folders[v2])
         stored_v1 = load_file(folders[v1] / "model.safetensors")
         stored_v2 = load_file(folders[v2] / "model.safetensors")
