@@ -22,6 +22,7 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from qscheme.checkpoint.plan import Plan, format_problems, plan_checkpoint
+from qscheme.engines.vllm_layers import fused_members
 from qscheme.vllm.linear_method import MemberFacts, QschemeLinearMethod
 from qscheme.vllm.params import VllmLayerError
 from qscheme.vllm.plugin import METHOD
@@ -94,11 +95,8 @@ class QschemeConfig(QuantizationConfig):  # type: ignore[misc]
         return self._plan
 
     def _members(self, prefix: str) -> list[str]:
-        parent, _, last = prefix.rpartition(".")
-        mapping: dict[str, list[str]] = getattr(self, "packed_modules_mapping", None) or {}
-        if last in mapping:
-            return [f"{parent}.{member}" if parent else member for member in mapping[last]]
-        return [prefix]
+        """The checkpoint modules behind vLLM's layer (``qscheme resolve --engine vllm`` groups alike)."""
+        return fused_members(prefix, getattr(self, "packed_modules_mapping", None))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if not isinstance(layer, LinearBase):
