@@ -31,10 +31,14 @@ from vllm.inputs import TokensPrompt
 
 def describe_layers(model: Any) -> dict[str, dict[str, Any]]:
     """Each linear layer's quant method class, and what the qscheme plugin's layers hold."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.linear import LinearBase
 
     out: dict[str, dict[str, Any]] = {}
     for name, module in model.named_modules():
+        if isinstance(module, RoutedExperts):  # a fused-MoE layer's experts: one entry for all
+            out[name] = describe_experts(module)
+            continue
         if not isinstance(module, LinearBase):
             continue
         entry: dict[str, Any] = {"method": type(module.quant_method).__name__}
@@ -47,6 +51,24 @@ def describe_layers(model: Any) -> dict[str, dict[str, Any]]:
             entry["global_scale"] = None if scale is None else [float(v) for v in scale.reshape(-1)]
         out[name] = entry
     return out
+
+
+def describe_experts(module: Any) -> dict[str, Any]:
+    """A RoutedExperts' quant method class and, where the qscheme plugin holds its experts, each
+    expert's kernels, scheme and gate/up global scales (one per partition)."""
+    entry: dict[str, Any] = {"method": type(module.quant_method).__name__}
+    held = getattr(module, "qscheme_experts", None)
+    if held is not None:
+        layers = dict(held.layers())
+        entry["kernels"] = sorted({layer.kernel.name for layer in layers.values()})
+        entry["schemes"] = sorted({layer.scheme.name for layer in layers.values()})
+        entry["layers"] = sorted(layers)
+        entry["gate_up_global_scale"] = [
+            None if (scale := layer.weight_canonical.global_scale) is None else [float(v) for v in scale.reshape(-1)]
+            for layer_name, layer in sorted(layers.items())
+            if layer_name.endswith("gate_up_proj")
+        ]
+    return entry
 
 
 def run(spec: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:

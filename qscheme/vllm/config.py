@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
@@ -24,6 +25,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from qscheme.checkpoint.plan import Plan, format_problems, plan_checkpoint
 from qscheme.engines.vllm_layers import fused_members
 from qscheme.vllm.linear_method import MemberFacts, QschemeLinearMethod
+from qscheme.vllm.moe_method import experts_method
 from qscheme.vllm.params import VllmLayerError
 from qscheme.vllm.plugin import METHOD
 
@@ -99,6 +101,8 @@ class QschemeConfig(QuantizationConfig):  # type: ignore[misc]
         return fused_members(prefix, getattr(self, "packed_modules_mapping", None))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, RoutedExperts):  # a fused-MoE layer: its experts (qscheme.vllm.moe_method)
+            return experts_method(self.plan(), layer, prefix, self.model_path)
         if not isinstance(layer, LinearBase):
             return None
         plan = self.plan()
