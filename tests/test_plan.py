@@ -290,6 +290,10 @@ def test_resolve_refuses_bad_batch_options(
     assert words in capsys.readouterr().err
 
 
-def test_resolve_refuses_batch_options_for_a_checkpoint(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["resolve", str(tmp_path), "--m", "1"]) == 2
-    assert "the plan is shown for a scheme name or descriptor file, not a checkpoint" in capsys.readouterr().err
+def test_resolve_checks_batch_options_for_a_checkpoint(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint takes --m and --m-split (per-layer plans: tests/test_resolve_engine_vllm.py); bad
+    values are refused before the folder is read."""
+    assert main(["resolve", str(tmp_path), "--m", "one"]) == 2
+    assert "--m 'one': expected batch sizes M >= 0" in capsys.readouterr().err
+    assert main(["resolve", str(tmp_path), "--m-split", "sometimes"]) == 2
+    assert "--m-split='sometimes'" in capsys.readouterr().err

@@ -51,6 +51,7 @@ from qscheme.checkpoint.plan import FuseSpec
 from qscheme.checkpoint.routers import router_hint
 from qscheme.dtype_fallback import warn_dtype_fallbacks
 from qscheme.errors import CheckpointError, UsageError
+from qscheme.kernels.registry import m_split_override
 from qscheme.modules import ExpertsSpec, QuantExperts, QuantLinear, checked_device, find_expert_modules
 from qscheme.modules.experts import gating_of
 from qscheme.parallel.agree import failures_shared
@@ -354,6 +355,7 @@ def apply_to_model(
     tp_rank: int | None = None,
     tp_size: int | None = None,
     tp_plan: object = None,
+    m_split: str | int | None = None,
 ) -> Checkpoint:
     """Replace the model's matching nn.Linear modules with QuantLinear and load the rest.
 
@@ -364,8 +366,13 @@ def apply_to_model(
 
     ``tp_rank`` and ``tp_size`` (together; ``tp_plan`` optional) make this rank's part of a
     tensor-parallel model on torch.distributed (``apply_to_model_tp``, docs/parallel.md).
+
+    ``m_split`` overrides the kernels' declared batch ranges on every layer it loads, as
+    ``QuantLinear(m_split=)`` and QSCHEME_M_SPLIT do (docs/plans.md; checked before the model changes).
     """
     require_flag(strict, "strict", "apply_to_model")
+    if m_split is not None:
+        m_split_override(m_split, origin="apply_to_model(m_split=...)")
     if tp_size is not None or tp_rank is not None or tp_plan is not None:
         if tp_size is None or tp_rank is None:
             raise UsageError(
@@ -384,12 +391,15 @@ def apply_to_model(
             fuse_policy=fuse_policy,
             strict=strict,
             progress=progress,
+            m_split=m_split,
         )
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"apply_to_model: model must be a torch.nn.Module, not {type(model).__name__}")
     split = WholeModel()
     prepared = _prepare(model, path, split, device, kernel, fuse, fuse_policy, strict, progress)
-    return _change(model, prepared, split)
+    checkpoint = _change(model, prepared, split)
+    _set_m_split(model, m_split)
+    return checkpoint
 
 
 def apply_to_model_tp(
@@ -405,6 +415,7 @@ def apply_to_model_tp(
     fuse_policy: FusePolicyChoice = None,
     strict: bool = True,
     progress: bool | None = None,
+    m_split: str | int | None = None,
 ) -> ShardedCheckpoint:
     """Make ``model`` rank ``tp_rank`` of a ``tp_size``-way tensor-parallel model of ``path``.
 
@@ -420,12 +431,24 @@ def apply_to_model_tp(
         raise UsageError(f"apply_to_model: model must be a torch.nn.Module, not {type(model).__name__}")
     tp_size, tp_rank = checked_degree(tp_size, tp_rank)
     require_flag(strict, "strict", "apply_to_model")
+    if m_split is not None:
+        m_split_override(m_split, origin="apply_to_model(m_split=...)")
     what = f"apply_to_model({str(path)!r}, tp_rank={tp_rank}, tp_size={tp_size})"
     with failures_shared(what, tp_rank, tp_size) as done:
         split = RankSplit(tp_rank, tp_size, checked_tp_plan(tp_plan), done)
         prepared = _prepare(model, path, split, device, kernel, fuse, fuse_policy, strict, progress)
     _change(model, prepared, split)
+    _set_m_split(model, m_split)
     return split.checkpoint
+
+
+def _set_m_split(model: torch.nn.Module, m_split: str | int | None) -> None:
+    """``m_split`` on every QuantLinear of the model (the layers just loaded, experts' included)."""
+    if m_split is None:
+        return
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.set_m_split(m_split)
 
 
 @dataclasses.dataclass

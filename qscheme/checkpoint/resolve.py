@@ -19,6 +19,7 @@ from qscheme.canonical import check_group_index
 from qscheme.checkpoint.inspect import module_pattern
 from qscheme.checkpoint.plan import FuseSpec, Plan, format_problems, plan_checkpoint
 from qscheme.errors import CheckpointError
+from qscheme.kernels.plan import MSplit
 from qscheme.kernels.problem import Problem, normalize_dtype
 from qscheme.kernels.resolver import Resolution
 from qscheme.text import group_label
@@ -92,8 +93,11 @@ def resolve_checkpoint(
     kernel: str | None = None,
     fuse: FuseSpec | None = None,
     activation_dtype: str = "bfloat16",
+    m_split: MSplit | str | int | None = None,
 ) -> tuple[Plan, list[LayerDecision]]:
-    """Every layer's kernel decision on ``device`` (cpu, cuda or a simulated smXY)."""
+    """Every layer's kernel decision on ``device`` (cpu, cuda or a simulated smXY); each
+    decision's ``resolution.plan`` gives the kernel per batch size M (``m_split``: the override
+    of the declared ranges, as QSCHEME_M_SPLIT takes it; the variable itself when None)."""
     from qscheme.kernels import registry
 
     plan = plan_checkpoint(path, fuse=fuse)
@@ -117,7 +121,7 @@ def resolve_checkpoint(
             layer=name,
             input_permutation=any(permuted_inputs(plan, member) for member in members),
         )
-        resolution = registry.resolve_layer(scheme, problem, facts, kernel)
+        resolution = registry.resolve_layer(scheme, problem, facts, kernel, m_split=m_split)
         policy = None
         if len(members) > 1:
             policy = "per_partition" if differ else "shared"
@@ -125,7 +129,7 @@ def resolve_checkpoint(
                 policy = scheme.fused.policy if scheme.fused.policy != "per_partition" else scheme.fused.fallback
                 if policy != "refuse":
                     shared = Problem(problem.n, problem.k, dtype, len(members), False, pre_scale, name)
-                    resolution = registry.resolve_layer(scheme, shared, facts, kernel)
+                    resolution = registry.resolve_layer(scheme, shared, facts, kernel, m_split=m_split)
         decisions.append(LayerDecision(name, members, resolution, policy))
     return plan, decisions
 
@@ -209,10 +213,16 @@ def render_checkpoint_resolution(path: str, decisions: list[LayerDecision]) -> s
 
 def resolve_command(args: argparse.Namespace) -> int:
     """``qscheme resolve CHECKPOINT``: the body cli/resolve.py dispatches to for a folder."""
+    from qscheme.checkpoint.resolve_plans import plan_json, render_plans
     from qscheme.cli.output import print_json
 
     dtype = getattr(args, "dtype", None) or "bf16"
-    _, decisions = resolve_checkpoint(args.target, device=args.device, kernel=args.kernel, activation_dtype=dtype)
+    batch_sizes: tuple[int, ...] = getattr(args, "batch_sizes", ())  # --m, parsed by qscheme.cli.resolve
+    m_split: MSplit | None = getattr(args, "m_split_override", None)  # --m-split (or QSCHEME_M_SPLIT)
+    _, decisions = resolve_checkpoint(
+        args.target, device=args.device, kernel=args.kernel, activation_dtype=dtype, m_split=m_split
+    )
+    planned = bool(batch_sizes) or m_split is not None
     if getattr(args, "json", False):
         from qscheme.kernels.registry import unavailable_kernels
 
@@ -226,8 +236,12 @@ def resolve_command(args: argparse.Namespace) -> int:
                     for pattern, decision, count in group_decisions(decisions)
                 ],
                 "unavailable_kernels": unavailable_kernels(),
+                **(plan_json(decisions, batch_sizes, m_split) if planned else {}),
             }
         )
     else:
-        sys.stdout.write(render_checkpoint_resolution(str(args.target), decisions) + "\n")
+        text = render_checkpoint_resolution(str(args.target), decisions)
+        if planned:
+            text += "\n\n" + render_plans(group_decisions(decisions), decisions, batch_sizes, m_split)
+        sys.stdout.write(text + "\n")
     return 0 if all(d.kernel is not None for d in decisions) else 1

@@ -1,5 +1,5 @@
 """`qscheme resolve TARGET [--device D] [--kernel K] [--shape N,K] [--dtype T] [--m M,...] [--m-split S] [--tp N|auto]
-[--json]`.
+[--engine vllm] [--json]`.
 
 Which kernel would run a layer of the scheme (a catalog name or a descriptor file), and why
 every other kernel would not. Exit 0 when a kernel is chosen, 1 when none can run it, 2 when the
@@ -79,8 +79,31 @@ def register(sub: Any) -> None:
         help="override the kernels' declared batch ranges (overrides QSCHEME_M_SPLIT): a boundary M such as 32, "
         "'off', or kernel=RANGE pairs such as dequant_gemm=32-",
     )
+    parser.add_argument(
+        "--engine",
+        default=None,
+        metavar="ENGINE",
+        help=f"for a checkpoint: the layers a serving engine builds ({', '.join(ENGINES)}): vLLM's fused names, "
+        "qscheme's kernel for each, its shard with --tp N, and the engine's own method",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.set_defaults(handler=run)
+
+
+ENGINES: tuple[str, ...] = ("vllm",)
+
+
+def parse_engine(text: str | None) -> str | None:
+    """``--engine``: one of ENGINES (case-insensitive); UsageError naming the value otherwise."""
+    if text is None:
+        return None
+    value = text.strip().lower()
+    if value not in ENGINES:
+        raise UsageError(
+            f"--engine {text!r}: not an engine qscheme explains; allowed: {', '.join(ENGINES)} "
+            "(e.g. qscheme resolve PATH --engine vllm --tp 2)"
+        )
+    return value
 
 
 MAX_BATCH_SIZES = 64  # batch sizes one --m may list
@@ -151,6 +174,12 @@ def parse_shape(text: str | None) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> int:
     gguf = is_gguf_file(args.target)  # one GGUF file is a checkpoint too (a scheme name never ends in .gguf)
+    if args.engine is not None and not (Path(args.target).is_dir() or gguf):
+        parse_engine(args.engine)
+        raise UsageError(
+            f"--engine {args.engine}: for a checkpoint folder, whose layers the engine builds; {args.target!r} is not "
+            "one (resolve the checkpoint's folder, or drop --engine)"
+        )
     if args.tp is not None and gguf:
         raise UsageError(f"--tp: tensor parallelism is not offered for GGUF files ({args.target}); drop --tp")
     if args.tp is not None and not Path(args.target).is_dir():
@@ -175,13 +204,19 @@ def run(args: argparse.Namespace) -> int:
                 f"{' and '.join(given)}: not for a checkpoint folder ({args.target}), whose layers have their own "
                 "shapes and partitions; drop them, or resolve a scheme name or descriptor file instead"
             )
-        planned = [flag for flag, value in (("--m", args.m), ("--m-split", args.m_split)) if value is not None]
-        if planned:
-            raise UsageError(
-                f"{' and '.join(planned)}: the plan is shown for a scheme name or descriptor file, not a checkpoint "
-                f"({args.target}); resolve one of its schemes with --shape N,K, or set QSCHEME_M_SPLIT for the load"
-            )
+        args.batch_sizes = parse_batch_sizes(args.m)
+        args.m_split_override = registry.m_split_override(args.m_split, origin="--m-split")
+        engine = parse_engine(args.engine)
+        if engine is not None:
+            from qscheme.cli.resolve_vllm import run_vllm
+
+            return run_vllm(args, gguf)
         if args.tp is not None:
+            if args.batch_sizes or args.m_split is not None:
+                raise UsageError(
+                    "--m and --m-split: not with --tp, whose report is per shard; resolve without --tp for the plans, "
+                    "or with --engine vllm --tp N for vLLM's layers and their plans"
+                )
             return run_tp(args, args.target)
         return resolve_command(args)
     batch_sizes = parse_batch_sizes(args.m)
