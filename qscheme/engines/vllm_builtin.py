@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 VLLM_VERSION = "0.32.0"
+CPU_ASSUMED = "an x86 CPU with AMX tiles and no AMX-FP8 (Sapphire, Emerald or Granite Rapids)"
 
 KERNEL_LISTS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     "_POSSIBLE_KERNELS": {  # mixed precision (int4/int8 weights, 16-bit activations)
@@ -109,8 +110,9 @@ class VllmBuiltin:
     ``quantization``: the method name vLLM resolves the checkpoint's config to (None: vLLM 0.32
     has no method that reads it); ``method``: its linear method class, and for compressed-tensors
     the scheme class it picks (``scheme_class``); ``kernels``: the ``KERNEL_LISTS`` entry the
-    method chooses from; ``cpu``: what vLLM's CPU build runs, or None where it refuses the layer
-    (``cpu_note`` says where and why); ``note``: anything else a reader needs.
+    method chooses from; ``cpu``: what vLLM's CPU build runs on ``CPU_ASSUMED`` where the choice
+    depends on the CPU, or None where it refuses the layer (``cpu_note`` says where and why, and
+    what other CPUs get); ``note``: anything else a reader needs.
     """
 
     patterns: tuple[str, ...]
@@ -139,8 +141,8 @@ class VllmBuiltin:
         if device_type == "cpu":
             if self.cpu is None:
                 return f"{head}; vLLM {VLLM_VERSION}'s CPU build has no kernel for it ({self.cpu_note})"
-            note = f" ({self.cpu_note})" if self.cpu_note else ""
-            return f"{head}; on CPU {self.cpu}{note}"
+            note = f"; {self.cpu_note}" if self.cpu_note else ""
+            return f"{head}; on CPU {self.cpu} (with AMX, no AMX-FP8{note})"
         kernels = self.gpu_kernels()
         if not kernels:
             return f"{head}{'; ' + self.note if self.note else ''}"
@@ -166,6 +168,7 @@ _CT_METHOD = "CompressedTensorsLinearMethod"
 _MO_METHOD = "ModelOptLinearMethod"
 _NO_NVFP4_CPU = "vLLM's NVFP4 kernel list has no CPU entry: it fails choosing the kernel"
 _NO_MXFP4_CPU = "vLLM's MXFP4 kernel list has no CPU entry: it fails choosing the kernel"
+_AMX_FP8 = "{} on a CPU with AMX-FP8 (Diamond Rapids)"
 _MODELOPT_ALGOS = "vLLM's ModelOpt configs read FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, NVFP4, W4A16_NVFP4, MXFP8"
 
 BUILTINS: tuple[VllmBuiltin, ...] = (
@@ -210,13 +213,23 @@ BUILTINS: tuple[VllmBuiltin, ...] = (
         _NO_MXFP4_CPU,
     ),
     VllmBuiltin(
-        (f"{_CT}/FP8", f"{_CT}/FP8_DYNAMIC"),
+        (f"{_CT}/FP8",),
         _CT,
         _CT_METHOD,
         "CompressedTensorsW8A8Fp8",
         "_POSSIBLE_FP8_KERNELS",
-        "CPUFP8W8A8ScaledMMLinearKernel",
-        "the first of its CPU FP8 list",
+        "CPUFp8PerTensorScaledMMLinearKernel",
+        _AMX_FP8.format("CPUFP8W8A8ScaledMMLinearKernel") + "; without AMX, the torch FP8 kernels",
+    ),
+    VllmBuiltin(
+        (f"{_CT}/FP8_DYNAMIC",),
+        _CT,
+        _CT_METHOD,
+        "CompressedTensorsW8A8Fp8",
+        "_POSSIBLE_FP8_KERNELS",
+        "ChannelWiseTorchFP8ScaledMMLinearKernel",
+        _AMX_FP8.format("CPUFP8W8A8ScaledMMLinearKernel")
+        + "; per-token activation scales rule out the per-tensor ones",
     ),
     VllmBuiltin(
         (f"{_CT}/FP8_BLOCK",),
@@ -224,8 +237,9 @@ BUILTINS: tuple[VllmBuiltin, ...] = (
         _CT_METHOD,
         "CompressedTensorsW8A8Fp8",
         "_POSSIBLE_FP8_BLOCK_KERNELS",
-        "CPUFp8W8A8BlockScaledMMKernel",
-        "W8A8 first, CPUFp8BlockScaledMMKernel (W8A16) where it cannot",
+        "CPUFp8BlockScaledMMKernel",
+        "W8A16: the weight dequantized, activations in 16 bits; "
+        + _AMX_FP8.format("CPUFp8W8A8BlockScaledMMKernel (W8A8)"),
     ),
     VllmBuiltin(
         (f"{_CT}/W8A8",),
