@@ -232,3 +232,35 @@ def test_import_qscheme_engines_imports_no_vllm() -> None:
         "assert 'vllm' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_engine_vllm_moe_experts_are_one_fused_moe_layer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny Qwen3-MoE (8 experts, hidden and expert width 128) in compressed-tensors NVFP4A16, as
+    tests/test_experts.py writes it with the library, its config naming the architecture."""
+    import shutil
+
+    from test_experts import EXPERTS, HIDDEN, INNER, cached_moe_checkpoint
+
+    folder = shutil.copytree(cached_moe_checkpoint("NVFP4A16"), tmp_path / "moe")
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["Qwen3MoeForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+    code, out, _ = run(["resolve", str(folder), "--engine", "vllm", "--tp", "2", "--device", "cpu", "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["packed_modules_mapping"] == {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}  # vLLM's Qwen3-MoE
+    experts = next(item for item in data["layers"] if item["layer"] == "model.layers.0.mlp.experts")
+    assert experts["kind"] == "fused_moe" and len(experts["members"]) == 3 * EXPERTS
+    parts = {part["name"].rpartition(".")[2]: part for part in experts["parts"]}
+    assert set(parts) == {"gate_proj", "up_proj", "down_proj"}
+    # vLLM's fused MoE splits each expert's intermediate size: gate/up by rows, down by K
+    assert (parts["gate_proj"]["style"], parts["gate_proj"]["problem"]["n"]) == ("column", INNER // 2)
+    assert (parts["down_proj"]["style"], parts["down_proj"]["problem"]["k"]) == ("row", INNER // 2)
+    assert parts["down_proj"]["problem"]["n"] == HIDDEN
+    assert all(len(part["global_scales"]) == EXPERTS for part in parts.values())  # one per expert, each kept
+    code, text, _ = run(["resolve", str(folder), "--engine", "vllm", "--device", "cpu"], capsys)
+    assert (
+        code == 0
+        and f"{EXPERTS} kept, one per expert" in text
+        and "vLLM fuses: qkv_proj <- q_proj/k_proj/v_proj\n" in text
+    )

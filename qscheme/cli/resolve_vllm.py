@@ -110,9 +110,11 @@ def _resolve_part(
     kernel: str | None,
     dtype: str,
     m_split: MSplit | None,
+    alike: tuple[str, ...] = (),
 ) -> Part:
     """The members' shards (ShardError where qscheme's rules refuse the split) and the kernel for
-    the rank's fused shard, each member keeping its own global scale."""
+    the rank's fused shard, each member keeping its own global scale. ``alike``: modules of the
+    same problem (the other experts' same projection), whose global scales are kept too."""
     layouts = [plan.layouts[m] for m in members]
     scheme = layouts[0].scheme
     shards = tuple(
@@ -139,7 +141,7 @@ def _resolve_part(
         input_permutation=any(permuted_inputs(plan, member) for member in members),
     )
     resolution = registry.resolve_layer(scheme, problem, facts, kernel, m_split=m_split)
-    return Part(name, members, style, shards, resolution, _global_scales(plan, members))
+    return Part(name, members, style, shards, resolution, _global_scales(plan, alike or members))
 
 
 def _moe_parts(layer: VllmLayer) -> list[tuple[str, tuple[str, ...]]]:
@@ -193,7 +195,7 @@ def explain_layer(
         if layer.kind == "fused_moe":
             parts = tuple(
                 _resolve_part(
-                    plan, name, (members[0],), tp_plan.style_for(members[0]), tp, facts, kernel, dtype, m_split
+                    plan, name, (members[0],), tp_plan.style_for(members[0]), tp, facts, kernel, dtype, m_split, members
                 )
                 for name, members in _moe_parts(layer)
             )
@@ -258,8 +260,9 @@ def _scales_text(part: Part) -> str:
     count = len(part.global_scales)
     if count == 1:
         return "1 kept"
-    values = {values for _, values in part.global_scales}
-    return f"{count} kept, {'different' if len(values) > 1 else 'equal'}"
+    differ = len({values for _, values in part.global_scales}) > 1
+    each = "one per expert, " if count > len(part.members) else ""
+    return f"{count} kept, {each}{'different' if differ else 'equal'}"
 
 
 def _group(explanations: Sequence[LayerExplanation]) -> list[tuple[str, LayerExplanation, int]]:
@@ -338,7 +341,7 @@ def render(
                 entry.describe(facts.type) if entry is not None else "not in qscheme's table of vLLM's methods"
             )
     if builtins:
-        lines.extend(["", f'vLLM {VLLM_VERSION}\'s own method (without quantization="qscheme"):'])
+        lines.extend(["", f'vLLM {VLLM_VERSION}\'s own method for the linear layers (without quantization="qscheme"):'])
         lines.extend(f"  {scheme}: {text}" for scheme, text in builtins.items())
     ok = sum(1 for item in explanations if item.ok)
     lines.extend(["", f"{ok} of {len(explanations)} vLLM layers have a qscheme kernel"])
