@@ -252,15 +252,19 @@ def test_engine_vllm_moe_experts_are_one_fused_moe_layer(tmp_path: Path, capsys:
     experts = next(item for item in data["layers"] if item["layer"] == "model.layers.0.mlp.experts")
     assert experts["kind"] == "fused_moe" and len(experts["members"]) == 3 * EXPERTS
     parts = {part["name"].rpartition(".")[2]: part for part in experts["parts"]}
-    assert set(parts) == {"gate_proj", "up_proj", "down_proj"}
+    # as the plugin's MoE method builds each expert: gate and up as one layer (vLLM's w13), down (w2)
+    assert set(parts) == {"gate_up_proj", "down_proj"}
+    gate_up, down = parts["gate_up_proj"], parts["down_proj"]
+    assert gate_up["members"] == ["model.layers.0.mlp.experts.0.gate_proj", "model.layers.0.mlp.experts.0.up_proj"]
     # vLLM's fused MoE splits each expert's intermediate size: gate/up by rows, down by K
-    assert (parts["gate_proj"]["style"], parts["gate_proj"]["problem"]["n"]) == ("column", INNER // 2)
-    assert (parts["down_proj"]["style"], parts["down_proj"]["problem"]["k"]) == ("row", INNER // 2)
-    assert parts["down_proj"]["problem"]["n"] == HIDDEN
-    assert all(len(part["global_scales"]) == EXPERTS for part in parts.values())  # one per expert, each kept
+    assert (gate_up["style"], gate_up["problem"]["n"], gate_up["problem"]["k"]) == ("column", INNER, HIDDEN)
+    assert gate_up["problem"]["partitions"] == 2
+    assert (down["style"], down["problem"]["n"], down["problem"]["k"]) == ("row", HIDDEN, INNER // 2)
+    assert len(gate_up["global_scales"]) == 2 * EXPERTS and len(down["global_scales"]) == EXPERTS  # each kept
     code, text, _ = run(["resolve", str(folder), "--engine", "vllm", "--device", "cpu"], capsys)
     assert (
         code == 0
-        and f"{EXPERTS} kept, one per expert" in text
+        and f"{EXPERTS} kept, one per expert," in text
+        and f"{2 * EXPERTS} kept, one per expert and partition" in text
         and "vLLM fuses: qkv_proj <- q_proj/k_proj/v_proj\n" in text
     )

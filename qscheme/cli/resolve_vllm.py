@@ -24,8 +24,15 @@ import torch
 from qscheme.checkpoint.plan import Plan, format_problems, plan_checkpoint
 from qscheme.checkpoint.resolve import permuted_inputs, scales_differ
 from qscheme.cli.output import print_json
-from qscheme.engines.vllm_builtin import VLLM_VERSION, VllmBuiltin, builtin_for
-from qscheme.engines.vllm_layers import PackedModules, VllmLayer, packed_modules_for, vllm_layers
+from qscheme.engines.vllm_builtin import CPU_ASSUMED, VLLM_VERSION, VllmBuiltin, builtin_for
+from qscheme.engines.vllm_layers import (
+    EXPERT_FUSED,
+    PackedModules,
+    VllmLayer,
+    expert_of,
+    packed_modules_for,
+    vllm_layers,
+)
 from qscheme.errors import CheckpointError, UsageError
 from qscheme.kernels import registry
 from qscheme.kernels.devices import DeviceFacts
@@ -110,11 +117,12 @@ def _resolve_part(
     kernel: str | None,
     dtype: str,
     m_split: MSplit | None,
-    alike: tuple[str, ...] = (),
+    alike: Sequence[tuple[str, ...]] = (),
 ) -> Part:
     """The members' shards (ShardError where qscheme's rules refuse the split) and the kernel for
-    the rank's fused shard, each member keeping its own global scale. ``alike``: modules of the
-    same problem (the other experts' same projection), whose global scales are kept too."""
+    the rank's fused shard, each member keeping its own global scale. ``alike``: the same layer
+    of every expert (``members`` is the first), whose global scales are kept too and decide
+    whether the partitions' scales differ."""
     layouts = [plan.layouts[m] for m in members]
     scheme = layouts[0].scheme
     shards = tuple(
@@ -129,7 +137,8 @@ def _resolve_part(
         )
         for layout in layouts
     )
-    differ = len(members) > 1 and scales_differ(plan, members)
+    groups = list(alike) or [members]
+    differ = len(members) > 1 and any(scales_differ(plan, group) for group in groups)
     problem = Problem(
         n=sum(shard.shard_n for shard in shards),
         k=shards[0].shard_k,
@@ -141,15 +150,30 @@ def _resolve_part(
         input_permutation=any(permuted_inputs(plan, member) for member in members),
     )
     resolution = registry.resolve_layer(scheme, problem, facts, kernel, m_split=m_split)
-    return Part(name, members, style, shards, resolution, _global_scales(plan, alike or members))
+    kept = _global_scales(plan, [member for group in groups for member in group])
+    return Part(name, members, style, shards, resolution, kept)
 
 
-def _moe_parts(layer: VllmLayer) -> list[tuple[str, tuple[str, ...]]]:
-    """A fused-MoE layer's members by projection: (``experts.*.gate_proj``, one member each)."""
-    by_projection: dict[str, list[str]] = {}
+def _moe_parts(layer: VllmLayer) -> list[tuple[str, list[tuple[str, ...]]]]:
+    """A fused-MoE layer's per-expert layers as the plugin builds them: (``experts.*.gate_up_proj``,
+    each expert's (gate_proj, up_proj)) and (``experts.*.down_proj``, each expert's (down_proj,)),
+    experts in index order (``EXPERT_FUSED``; a projection stored fused stays as stored)."""
+    by_expert: dict[int, dict[str, str]] = {}
     for member in layer.members:
-        by_projection.setdefault(member.rpartition(".")[2], []).append(member)
-    return [(f"{layer.name}.*.{projection}", tuple(found)) for projection, found in by_projection.items()]
+        found = expert_of(member)
+        if found is not None:
+            by_expert.setdefault(found[1], {})[found[2]] = member
+    groups: dict[str, list[tuple[str, ...]]] = {}
+    for _, projections in sorted(by_expert.items()):
+        taken: set[str] = set()
+        for fused, parts in EXPERT_FUSED.items():
+            if all(part in projections for part in parts):
+                groups.setdefault(fused, []).append(tuple(projections[part] for part in parts))
+                taken.update(parts)
+        for projection, member in projections.items():
+            if projection not in taken:
+                groups.setdefault(projection, []).append((member,))
+    return [(f"{layer.name}.*.{name}", experts) for name, experts in groups.items()]
 
 
 def explain_layer(
@@ -195,9 +219,18 @@ def explain_layer(
         if layer.kind == "fused_moe":
             parts = tuple(
                 _resolve_part(
-                    plan, name, (members[0],), tp_plan.style_for(members[0]), tp, facts, kernel, dtype, m_split, members
+                    plan,
+                    name,
+                    experts[0],
+                    tp_plan.fused_style(name, experts[0]),
+                    tp,
+                    facts,
+                    kernel,
+                    dtype,
+                    m_split,
+                    experts,
                 )
-                for name, members in _moe_parts(layer)
+                for name, experts in _moe_parts(layer)
             )
             scales = _global_scales(plan, layer.members)
             notes: tuple[str, ...] = (f"{len(layer.members)} expert projections",)
@@ -261,7 +294,9 @@ def _scales_text(part: Part) -> str:
     if count == 1:
         return "1 kept"
     differ = len({values for _, values in part.global_scales}) > 1
-    each = "one per expert, " if count > len(part.members) else ""
+    each = ""
+    if count > len(part.members):
+        each = "one per expert and partition, " if len(part.members) > 1 else "one per expert, "
     return f"{count} kept, {each}{'different' if differ else 'equal'}"
 
 
@@ -342,6 +377,8 @@ def render(
             )
     if builtins:
         lines.extend(["", f'vLLM {VLLM_VERSION}\'s own method for the linear layers (without quantization="qscheme"):'])
+        if facts.type == "cpu":
+            lines.append(f"  (its CPU kernel as vLLM chooses it on {CPU_ASSUMED})")
         lines.extend(f"  {scheme}: {text}" for scheme, text in builtins.items())
     ok = sum(1 for item in explanations if item.ok)
     lines.extend(["", f"{ok} of {len(explanations)} vLLM layers have a qscheme kernel"])

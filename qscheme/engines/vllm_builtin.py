@@ -141,8 +141,8 @@ class VllmBuiltin:
         if device_type == "cpu":
             if self.cpu is None:
                 return f"{head}; vLLM {VLLM_VERSION}'s CPU build has no kernel for it ({self.cpu_note})"
-            note = f"; {self.cpu_note}" if self.cpu_note else ""
-            return f"{head}; on CPU {self.cpu} (with AMX, no AMX-FP8{note})"
+            note = f" ({self.cpu_note})" if self.cpu_note else ""
+            return f"{head}; on CPU {self.cpu}{note}"
         kernels = self.gpu_kernels()
         if not kernels:
             return f"{head}{'; ' + self.note if self.note else ''}"

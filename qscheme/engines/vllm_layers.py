@@ -47,6 +47,11 @@ _EXPERT = re.compile(r"^(?P<layer>(?:.+\.)?experts)\.(?P<index>[0-9]+)\.(?P<proj
 
 LayerKind = Literal["linear", "fused_moe"]
 
+EXPERT_FUSED: PackedModules = {"gate_up_proj": ("gate_proj", "up_proj")}
+"""vLLM's fused-MoE layer holds each expert's gate and up projections as one ``w13`` (gate ``w1``
+first, up ``w3``), and down as ``w2``; the plugin's MoE method runs gate and up as one fused
+layer per expert, each keeping its own global scale."""
+
 
 def packed_modules_for(architectures: Sequence[str] | None) -> PackedModules:
     """The mapping of the first listed architecture vLLM's table has; Llama's otherwise."""
