@@ -34,6 +34,8 @@ needs_vllm_cpu = pytest.mark.skipif(
     not VLLM_CPU_PYTHON,
     reason="set QSCHEME_VLLM_CPU_PYTHON to the python of the venv bash scripts/install-vllm-cpu.sh prints",
 )
+# Tensor parallel 2 starts a worker process per rank (about 30 s on a busy 2-core machine): opt in.
+TENSOR_PARALLEL = os.environ.get("QSCHEME_VLLM_MOE_TP") == "1"
 LAYERS, EXPERTS = 2, 4
 PROMPTS = [[1, 17, 42, 99, 7, 3, 250, 64], [5, 6, 7, 8]]
 MAX_TOKENS = 4
@@ -54,7 +56,7 @@ def _tiny_moe(folder: Path) -> None:
         moe_intermediate_size=128,
         num_hidden_layers=LAYERS,
         num_attention_heads=2,
-        num_key_value_heads=1,
+        num_key_value_heads=2,
         head_dim=64,
         num_experts=EXPERTS,
         num_experts_per_tok=2,
@@ -150,6 +152,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         _dequantized_copy(source, root / name, root / f"{name}_dequantized")
         runs.append({"name": name, "model": str(root / name), "quantization": "qscheme"})
         runs.append({"name": f"{name}_dequantized", "model": str(root / f"{name}_dequantized"), "quantization": None})
+    if TENSOR_PARALLEL:
+        runs.append(
+            {
+                "name": "tp2_nvfp4a16",
+                "model": str(root / "ct_nvfp4a16"),
+                "quantization": "qscheme",
+                "tensor_parallel_size": 2,
+            }
+        )
     half = root / "one_expert_unquantized"
     quantize_checkpoint(source, half, "compressed-tensors/W4A16", ignore=[*ROUTER_IGNORED, HALF_QUANTIZED])
     runs.append({"name": "refused_half_quantized", "model": str(half), "quantization": "qscheme"})
@@ -164,6 +175,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     assert done.returncode == 0 and out.exists(), done.stderr[-4000:]
     results: dict[str, Any] = json.loads(out.read_text())
+    timing = {name: (r.get("init_s"), r.get("s_per_token")) for name, r in results.items()}
+    print(f"vLLM engine start (s) and time per output token (s): {timing}")  # shown with pytest -s
     return results
 
 
@@ -227,3 +240,15 @@ def test_experts_of_two_schemes_are_refused_naming_the_layer(served: dict[str, A
     assert "model.layers.1.mlp.experts:" in error, error
     assert "compressed-tensors/NVFP4A16, compressed-tensors/W4A16" in error
     assert "quantize them alike" in error
+
+
+@needs_vllm_cpu
+@pytest.mark.skipif(not TENSOR_PARALLEL, reason="set QSCHEME_VLLM_MOE_TP=1 (two worker processes, about 30 s more)")
+def test_tensor_parallel_2_experts_equal_the_dequantized_moe(served: dict[str, Any]) -> None:
+    """Two ranks (a worker process each): every NVFP4 expert split by qscheme's rules (gate and up
+    by rows, 64 of 128 per rank; down by K, whole groups of 16), vLLM's loader calls placing each
+    rank's share; the partial sums are reduced by vLLM's MoE runner."""
+    ours, dense = _result(served, "tp2_nvfp4a16"), _result(served, "ct_nvfp4a16_dequantized")
+    assert ours["tokens"] == dense["tokens"]
+    for got, want in zip(ours["prompt_logprobs"], dense["prompt_logprobs"], strict=True):
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-3

@@ -44,7 +44,7 @@ from qscheme.modules.experts import ExpertsSpec, QuantExperts
 from qscheme.modules.linear import QuantLinear
 from qscheme.parallel.rules import ShardLayout, Style, TensorShard, shard_layout
 from qscheme.tensor_checks import require_valid_tensors
-from qscheme.vllm.linear_method import MemberFacts, _torch_dtype
+from qscheme.vllm.linear_method import MemberFacts
 from qscheme.vllm.params import VllmLayerError
 
 HOLDER = "qscheme_experts"
@@ -209,7 +209,11 @@ class QschemeMoEMethod(FusedMoEMethodBase):  # type: ignore[misc]
                 f"{self.layer_name}: the experts store {name} as {sorted(texts)}; one dtype is needed for the stacked "
                 "parameter: quantize the experts alike"
             )
-        return _torch_dtype(self.layer_name, name, texts.pop())
+        text = texts.pop()
+        dtype = getattr(torch, text, None)
+        if not isinstance(dtype, torch.dtype):
+            raise VllmLayerError(f"{self.layer_name}: the checkpoint's dtype {text} of {name} has no torch dtype")
+        return dtype
 
     def _plan_shards(self, hidden_size: int, intermediate: int) -> None:
         """Each projection's split for this rank (every expert has the same shapes), checked
@@ -234,7 +238,12 @@ class QschemeMoEMethod(FusedMoEMethodBase):  # type: ignore[misc]
                 self.scheme, member.n, member.k, style, tp, layer=member.module, stored_shapes=stored
             )
         gate, down = self.shards["w1"], self.shards["w2"]
-        if (gate.shard_n, gate.shard_k, down.shard_n, down.shard_k) != (intermediate, hidden_size) * 2:
+        if (gate.shard_n, gate.shard_k, down.shard_n, down.shard_k) != (
+            intermediate,
+            hidden_size,
+            hidden_size,
+            intermediate,
+        ):
             raise VllmLayerError(
                 f"{self.layer_name}: vLLM gives each of its {tp} ranks experts of hidden size {hidden_size} and "
                 f"intermediate size {intermediate}; the checkpoint's {facts.gate.module} is [{facts.gate.n}, "
