@@ -153,4 +153,6 @@ CPU_GEMV = KernelDeclaration(
 
 @hookimpl
 def qscheme_kernels() -> list[KernelDeclaration]:
-    return [CPU_GEMV]
+    from qscheme_plugins.cpu_gemv_blocks import CPU_GEMV_BLOCKS  # its packed-block loops (GGUF)
+
+    return [CPU_GEMV, CPU_GEMV_BLOCKS]

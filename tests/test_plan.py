@@ -263,10 +263,10 @@ def test_resolve_forced_and_overridden(capsys: pytest.CaptureFixture[str], monke
     assert main(["resolve", BLOCKS, "--device", "cpu", "--m-split", "off", "--m", "256"]) == 0
     out = capsys.readouterr().out
     assert "plan override: off" in out and "M=256: dequant_gemm" not in out
-    monkeypatch.setenv("QSCHEME_M_SPLIT", "dequant_gemm=2-")
+    monkeypatch.setenv("QSCHEME_M_SPLIT", "cpu_gemv_blocks=0-1,dequant_gemm=2-")  # two ranges moved
     assert main(["resolve", BLOCKS, "--device", "cpu", "--m", "1,2"]) == 0
     out = capsys.readouterr().out
-    assert "  M=2: dequant_gemm\n" in out and "plan override: dequant_gemm=2-" in out
+    assert "  M=2: dequant_gemm\n" in out and "plan override: cpu_gemv_blocks=0-1,dequant_gemm=2-" in out
 
 
 def test_a_single_kernel_plan_leaves_the_default_output_as_it_was(capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "cpu_gemv.h"
+#include "cpu_gemv_gguf.h"
 
 namespace qscheme_gemv {
 
@@ -408,12 +409,22 @@ PyObject *set_isa(PyObject *, PyObject *args) {
     return nullptr;
 }
 
+}  // namespace
+
+namespace qscheme_gemv {  // for the packed-block loops (cpu_gemv_gguf.cpp)
+int active_isa() { return isa_level(); }
+void run_tasks(int threads, int64_t tasks, const std::function<void(int64_t)> &job) { pool()->run(threads, tasks, job); }
+}  // namespace qscheme_gemv
+
+namespace {
+
 PyMethodDef methods[] = {
     {"gemv", gemv, METH_VARARGS, "y = x W^T (+ bias) over a canonical quantized weight (see qscheme.cpu_gemv)."},
     {"dequantize", dequantize, METH_VARARGS, "Rows of a canonical quantized weight as float32 or bfloat16."},
     {"isa", isa, METH_NOARGS, "The vector loops in use: 'avx512', 'avx2' or 'scalar'."},
     {"supported_isa", supported_isa, METH_NOARGS, "The widest vector loops this CPU runs."},
     {"set_isa", set_isa, METH_VARARGS, "Use the 'scalar', 'avx2' or 'avx512' loops (at most what the CPU runs)."},
+    {"gemv_blocks", qscheme_gguf::gemv_blocks, METH_VARARGS, "y = x W^T (+ bias) over packed blocks (qscheme.cpu_gemv_blocks)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -1,0 +1,104 @@
+"""qscheme's CPU GEMV over packed blocks (``qscheme._cpu_gemv.gemv_blocks``, C++ with AVX-512 /
+AVX2 / scalar loops): the declaration of the ``cpu_gemv_blocks`` kernel, listed by the
+``cpu_gemv`` plugin's hook beside ``cpu_gemv``.
+
+It runs schemes of ``packing: blocks`` (GGUF's types Q4_0 ... Q6_K, IQ4_NL, IQ4_XS, MXFP4,
+NVFP4) straight from the raw blocks the canonical weight holds: each block decoded in registers
+as its declaration says (no type is known by name here or in the loops), the weight never stored.
+bfloat16 and float32 inputs (float16 through float32), with bias. The code is in
+``qscheme_plugins.cpu_gemv_blocks_kernel`` and ``qscheme.cpu_gemv_blocks``.
+
+Priority 65: above ``tinygemm_cpu`` (60), which also takes Q4_0, Q4_1 and Q4_K with bfloat16
+inputs but rounds the block scales to bfloat16 and keeps a repacked copy beside the blocks (about
+2.1x the 4-bit data), where this kernel is float32-exact up to summation order and keeps the blocks
+alone; for M <= 15 only (the GEMV reads the weight once per 4 input rows), so larger batches go to
+the kernels meant for them. The capability check is ``cpu_gemv``'s (the extension built, an AVX2
+or AVX-512 CPU) plus the block entry point in the built extension.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from qscheme.kernels.declaration import (
+    PASSED,
+    ActivationDtypes,
+    BatchRange,
+    CheckResult,
+    DeviceSupport,
+    KernelDeclaration,
+    PreparedState,
+    Supports,
+)
+
+if TYPE_CHECKING:
+    from qscheme.kernels.problem import Problem
+
+# The block codes (BlockLayout.code_kind) of every quantized GGUF type; plain float blocks
+# (F32, F16, BF16) are left to the dense kernels.
+BLOCK_CODES: tuple[str, ...] = ("uint2", "uint3", "uint4", "uint5", "uint6", "int8", "table4", "e2m1")
+VECTOR_ISAS: tuple[str, ...] = ("avx2", "avx512")
+
+PACKED_BLOCKS = Supports(weights=("blocks",), block_codes=BLOCK_CODES)
+
+
+@dataclass(frozen=True)
+class NativeBlockLoops:
+    """``qscheme._cpu_gemv`` is built with its packed-block entry point, on an AVX2 or AVX-512 CPU."""
+
+    def check(self, problem: Problem) -> CheckResult:
+        hint = "reinstall qscheme with a C++17 compiler: pip install --no-build-isolation -e ."
+        try:
+            module = importlib.import_module("qscheme._cpu_gemv")
+        except ImportError as error:
+            return CheckResult(False, f"the C++ extension qscheme._cpu_gemv is not built here ({error})", hint)
+        if not hasattr(module, "gemv_blocks"):
+            return CheckResult(False, "the built qscheme._cpu_gemv predates its packed-block loops", hint)
+        supported = str(module.supported_isa())
+        if supported not in VECTOR_ISAS:
+            return CheckResult(
+                False,
+                f"this CPU runs neither AVX-512 nor AVX2 (qscheme._cpu_gemv has only its portable loop: {supported})",
+                "run the layer on the reference kernel (the default here)",
+            )
+        return PASSED
+
+    def describe(self) -> str:
+        return "qscheme._cpu_gemv built with gemv_blocks, AVX-512 or AVX2 CPU"
+
+
+BLOCK_GEMV_BATCHES = BatchRange(
+    "cpu",
+    0,
+    15,
+    source=(
+        "cpu_gemv_blocks reads the weight once per 4 input rows; dequant_gemm (M >= 16) once per call: "
+        "the boundary is dequant_gemm's own, as cpu_gemv's (benchmarks/cpu_gemm.py --gguf)"
+    ),
+)
+
+CPU_GEMV_BLOCKS = KernelDeclaration(
+    name="cpu_gemv_blocks",
+    provider="qscheme",
+    priority=65,
+    description="qscheme's C++ CPU GEMV over packed blocks (GGUF): decoded in registers, float32 sums",
+    supports=(PACKED_BLOCKS,),
+    devices=(DeviceSupport("cpu"),),
+    implementation="qscheme_plugins.cpu_gemv_blocks_kernel:CpuGemvBlocksKernel",
+    requires_modules=("torch",),
+    checks=(ActivationDtypes(("bfloat16", "float16", "float32")), NativeBlockLoops()),
+    batch_ranges=(BLOCK_GEMV_BATCHES,),
+    prepared_state=PreparedState("canonical"),
+    notes=(
+        "per sub-block g of a block the kernel sums x_k * value(code_k) in float32 and adds s_g times that sum "
+        "(minus, or plus, m_g times the sub-block's sum of x), where s_g and m_g are the float32 scale and minimum "
+        "products the reference decoder forms; the reference rounds each weight s_g * value - m_g to float32 "
+        "first: |y - y_ref| <= 2 * (K + 8) * 2**-24 * sum_k |x_k| * (|s_k * value_k| + |m_k|) before the output "
+        "is rounded once to the input's dtype (a bias is added in float32 before that rounding), so with 16-bit "
+        "outputs the two may also differ by one unit in the last place of the output",
+        "float16 inputs are widened to float32 and the output rounded back once",
+        "keeps the canonical blocks as they are (no copy), plus one small program per scheme",
+    ),
+)

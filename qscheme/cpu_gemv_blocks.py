@@ -1,0 +1,251 @@
+"""The CPU GEMV over packed blocks (``packing: blocks``: GGUF's types) as a torch custom op.
+
+``qscheme._cpu_gemv.gemv_blocks`` (``qscheme/csrc/cpu_gemv_gguf*.cpp``) computes ``y = x W^T (+
+bias)`` for a few rows of x (float32 or bfloat16) straight from the raw blocks the canonical
+weight holds, decoding each block in registers and never storing the weight. Nothing in it knows
+a type by name: the scheme's block declaration (``qscheme.descriptor.blocks``) is compiled here
+into a small int32 "program" (the element integer's pieces, as ``qscheme.formats.blocks``
+compiles them for its decoder; each scale and minimum factor: a float field or an integer with
+its pieces), plus the element's value for every raw code and a 256-entry table per one-byte float
+field (e8m0, e4m3, ue4m3), each built by the reference decoder's own functions.
+
+Arithmetic: per block, the sub-block scale products ``s_g`` (and minimum products ``m_g``) are
+the float32 products the reference decoder forms (factors multiplied left to right); the kernel
+sums ``x_k * value(code_k)`` over each sub-block in float32 (fused multiply-adds) and adds
+``s_g`` times that sum, minus (or plus) ``m_g`` times the sub-block's sum of x. The reference
+rounds each weight ``s_g * value - m_g`` to float32 first; the two differ by float32 rounding
+only (the bound is in ``qscheme_plugins.cpu_gemv_blocks``).
+
+Loops: AVX-512 (16 weights at a time) or AVX2 (8), each 16- or 8-weight chunk of a block read
+from one 16-byte window of the block with per-lane shifts and masks, and the portable scalar
+loop where a layout does not fit (sub-blocks not a multiple of the width, a chunk's bytes further
+apart than 16, a table code of more than 4 bits); ``qscheme.cpu_gemv.set_isa`` /
+``QSCHEME_CPU_GEMV_ISA`` choose narrower loops for these too.
+
+Op (namespace ``qscheme``, with a fake implementation for torch.compile):
+``cpu_gemv_blocks(x, codes, program, values, byte_tables, bias, meta, threads)``: ``x`` [M, K]
+float32 or bfloat16, contiguous; returns [M, N] in x's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qscheme.canonical import CanonicalWeight
+from qscheme.cpu_gemv import _require_native
+from qscheme.descriptor.blocks import BlockField, BlockLayout
+from qscheme.errors import UsageError
+from qscheme.formats.blocks import compile_layout, float_field_values
+
+FIELD_FORMATS: dict[str, int] = {"fp16": 0, "bf16": 1, "fp32": 2}  # any other (one byte): through a table
+FIELD_TABLE = 3
+MAX_GROUPS = 64  # sub-blocks per block (the extension's limit)
+MAX_DEPTH = 4  # pieces of one integer value
+MAX_ELEMENT_BITS = 8
+LUT_ENTRIES = 16  # the vector loops load 16 element values
+
+
+@dataclass(frozen=True)
+class BlockProgram:
+    """A block declaration compiled for the extension (shared by every layer of the scheme)."""
+
+    program: Tensor  # int32
+    values: Tensor  # float32 [max(16, 2**bits)]
+    byte_tables: Tensor  # float32 [tables * 256] (one zero where there are none)
+    tables: int
+
+
+@dataclass(frozen=True)
+class BlockGemvLayout:
+    """A layer as ``gemv_blocks`` reads it: the canonical raw blocks (a view) and its program."""
+
+    codes: Tensor
+    compiled: BlockProgram
+    meta: tuple[int, int, int, int]  # N, K, bytes per row, byte tables
+
+    @property
+    def n(self) -> int:
+        return self.meta[0]
+
+    @property
+    def k(self) -> int:
+        return self.meta[1]
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Every tensor the layout holds, by name."""
+        return {
+            "codes": self.codes,
+            "program": self.compiled.program,
+            "values": self.compiled.values,
+            "byte_tables": self.compiled.byte_tables,
+        }
+
+
+def _byte_table(field: BlockField) -> Tensor:
+    """float32 [256]: the value of every byte of a one-byte float field, by the reference decoder."""
+    every = torch.arange(256, dtype=torch.uint8).view(256, 1)
+    one = BlockField(field.name, 0, 1, field.format, 1)
+    return float_field_values(every, one).reshape(256).to(torch.float32)
+
+
+def _refuse(layout: BlockLayout, what: str) -> UsageError:
+    return UsageError(f"cpu_gemv_blocks cannot run blocks {layout.describe()}: {what}")
+
+
+@functools.cache
+def block_program(layout: BlockLayout) -> BlockProgram:
+    """The extension's program for a block declaration (see the module docstring); UsageError
+    naming what it cannot take."""
+    element = layout.element
+    if element is None:
+        raise _refuse(layout, "plain float blocks (no element code) run on the other kernels")
+    spec = layout.integer(element.integer)
+    assert spec is not None
+    if spec.bits > MAX_ELEMENT_BITS:
+        raise _refuse(layout, f"element codes of {spec.bits} bits (at most {MAX_ELEMENT_BITS})")
+    sub = layout.sub_block
+    groups = layout.elements // sub
+    if groups > MAX_GROUPS or layout.elements % sub:
+        raise _refuse(layout, f"{groups} sub-blocks per block (at most {MAX_GROUPS})")
+    compiled = compile_layout(layout, "cpu")
+    tables: list[Tensor] = []
+    ints: list[int] = []
+
+    def slots_of(name: str) -> Tensor:
+        slots = compiled.native[name][0]
+        if slots.shape[0] > MAX_DEPTH:
+            raise _refuse(layout, f"integer {name} of {slots.shape[0]} pieces (at most {MAX_DEPTH})")
+        return slots
+
+    for name in (*layout.scale, *layout.minimum):
+        field = layout.field(name)
+        if field is not None:
+            assert field.format is not None
+            form = FIELD_FORMATS.get(field.format, FIELD_TABLE)
+            table = len(tables) if form == FIELD_TABLE else 0
+            if form == FIELD_TABLE:
+                tables.append(_byte_table(field))
+            ints += [1, field.count, field.offset, form, table, 0, 0, 0, 0]
+            continue
+        factor = layout.integer(name)
+        assert factor is not None
+        slots = slots_of(name)
+        ints += [0, factor.count, 0, 0, 0, factor.bits, int(factor.signed), factor.offset, slots.shape[0]]
+        ints += slots.reshape(-1).tolist()
+    element_slots = slots_of(element.integer)
+    table_coded = element.table is not None or element.format is not None
+    sign = {"subtract": -1, "add": 1}[layout.minimum_sign] if layout.minimum else 0
+    header = [
+        layout.bytes, layout.elements, groups, len(layout.scale), len(layout.minimum), sign, spec.bits,
+        element_slots.shape[0], int(table_coded), int(spec.signed), spec.offset, len(tables),
+    ]  # fmt: skip
+    program = torch.tensor(header + element_slots.reshape(-1).tolist() + ints, dtype=torch.int32)
+    assert compiled.native_table is not None
+    values = torch.zeros(max(LUT_ENTRIES, 1 << spec.bits), dtype=torch.float32)
+    values[: compiled.native_table.numel()] = compiled.native_table
+    byte_tables = torch.cat(tables) if tables else torch.zeros(1)
+    return BlockProgram(program, values, byte_tables.contiguous(), len(tables))
+
+
+def block_layout_of(weight: CanonicalWeight) -> BlockGemvLayout:
+    """The extension's view of a canonical weight of packed blocks; UsageError naming what it
+    cannot take."""
+    scheme = weight.scheme
+    layout = scheme.weight.blocks
+    if layout is None:
+        raise UsageError(f"cpu_gemv_blocks takes packed blocks; scheme {scheme.name} has scale-and-code tensors")
+    if weight.input_permutation is not None or weight.input_pre_scale is not None:
+        raise UsageError(f"cpu_gemv_blocks takes no input permutation or pre-scale (scheme {scheme.name})")
+    codes = weight.codes
+    if codes.device.type != "cpu":
+        raise UsageError(f"cpu_gemv_blocks runs on the CPU; scheme {scheme.name}'s blocks are on {codes.device}")
+    compiled = block_program(layout)
+    codes = codes if codes.is_contiguous() else codes.contiguous()
+    row_bytes = weight.k // layout.elements * layout.bytes
+    if codes.dtype != torch.uint8 or tuple(codes.shape) != (weight.n, row_bytes):
+        raise UsageError(
+            f"cpu_gemv_blocks: scheme {scheme.name}'s blocks must be uint8 [{weight.n}, {row_bytes}], "
+            f"not {codes.dtype} {list(codes.shape)}"
+        )
+    return BlockGemvLayout(codes, compiled, (weight.n, weight.k, row_bytes, compiled.tables))
+
+
+def _address(value: Tensor | None) -> int:
+    return 0 if value is None else int(value.data_ptr())
+
+
+def _run(
+    x: Tensor,
+    codes: Tensor,
+    program: Tensor,
+    values: Tensor,
+    byte_tables: Tensor,
+    bias: Tensor | None,
+    meta: list[int] | tuple[int, ...],
+    threads: int,
+) -> Tensor:
+    module = _require_native()
+    n, k, row_bytes, tables = meta
+    threads = threads or torch.get_num_threads()
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.ndim != 2 or x.shape[1] != k or x.device.type != "cpu":
+        raise UsageError(
+            f"qscheme::cpu_gemv_blocks takes a CPU float32 or bfloat16 x of shape [M, {k}], not {x.dtype} "
+            f"{list(x.shape)} on {x.device}"
+        )
+    x = x if x.is_contiguous() else x.contiguous()
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    if x.shape[0] == 0 or n == 0:
+        return out
+    bias32 = None if bias is None else bias.to(torch.float32).contiguous()
+    module.gemv_blocks(
+        _address(x), int(x.dtype == torch.bfloat16), x.shape[0], _address(out), int(out.dtype == torch.bfloat16),
+        _address(bias32), threads, _address(codes), n, k, row_bytes, _address(program), program.numel(),
+        _address(values), _address(byte_tables), tables,
+    )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("qscheme::cpu_gemv_blocks", mutates_args=())
+def cpu_gemv_blocks_op(
+    x: Tensor,
+    codes: Tensor,
+    program: Tensor,
+    values: Tensor,
+    byte_tables: Tensor,
+    bias: Tensor | None,
+    meta: list[int],
+    threads: int,
+) -> Tensor:
+    """y = x W^T (+ bias) over a BlockGemvLayout's tensors (see the module docstring)."""
+    return _run(x, codes, program, values, byte_tables, bias, meta, threads)
+
+
+@cpu_gemv_blocks_op.register_fake
+def _cpu_gemv_blocks_fake(
+    x: Tensor,
+    codes: Tensor,
+    program: Tensor,
+    values: Tensor,
+    byte_tables: Tensor,
+    bias: Tensor | None,
+    meta: list[int],
+    threads: int,
+) -> Tensor:
+    return x.new_empty((x.shape[0], meta[0]))
+
+
+def gemv_blocks(layout: BlockGemvLayout, x: Tensor, bias: Tensor | None = None, threads: int | None = None) -> Tensor:
+    """y = x W^T (+ bias) for x [M, K] float32 or bfloat16 on the CPU; [M, N] in x's dtype.
+    ``threads``: worker threads over N (default ``torch.get_num_threads()`` when it runs)."""
+    count = 0 if threads is None else max(1, threads)
+    c = layout.compiled
+    if torch.compiler.is_compiling():
+        out: Tensor = torch.ops.qscheme.cpu_gemv_blocks(
+            x, layout.codes, c.program, c.values, c.byte_tables, bias, list(layout.meta), count
+        )
+        return out
+    return _run(x, layout.codes, c.program, c.values, c.byte_tables, bias, layout.meta, count)

@@ -1,0 +1,205 @@
+// qscheme._cpu_gemv, packed blocks: the GEMV over weights stored as raw blocks (GGUF's types and
+// any other `packing: blocks` declaration), decoded in registers from the block bytes.
+//
+// A layout arrives as a "program" of int32 built by qscheme.cpu_gemv_blocks from the scheme's
+// block declaration (nothing here knows a type by name):
+//
+//   header  block_bytes, elements, groups, n_scale, n_minimum, minimum_sign (+1 add, -1 subtract,
+//           0 none), element bits, element slot depth, element by table (1) or as an integer (0),
+//           element signed, element offset
+//   slots   the element integer's pieces: int32 [depth][4][elements] (byte within the block,
+//           shift, mask, destination bit), as qscheme.formats.blocks compiles them
+//   factors n_scale then n_minimum, each: is_field, count, offset, format (0 fp16, 1 bf16,
+//           2 fp32, 3 a byte through table `table`), table, bits, signed, integer offset, depth,
+//           then (integers) their pieces int32 [depth][4][count]
+//
+// Each block's `groups` sub-block scale products s_g (and minimum products m_g) are formed in
+// float32 left to right, as the reference decoder forms them; the GEMV then sums, per sub-block,
+// x_k * value(code_k) in float32 and adds s_g times that sum (and -/+ m_g times the sub-block's sum
+// of x). The weight is never stored.
+#pragma once
+
+#include <Python.h>
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+namespace qscheme_gguf {
+
+constexpr int MAX_FACTORS = 4;
+constexpr int MAX_GROUPS = 64;  // sub-blocks per block
+constexpr int MAX_DEPTH = 4;    // pieces of one integer value
+enum FieldFormat : int { FIELD_FP16 = 0, FIELD_BF16 = 1, FIELD_FP32 = 2, FIELD_TABLE = 3 };
+
+struct Factor {
+    int is_field = 0, count = 1, offset = 0, format = 0, table = 0, bits = 0, is_signed = 0, add = 0, depth = 0;
+    const int32_t *slots = nullptr;  // [depth][4][count]
+    uint8_t at[MAX_GROUPS] = {};     // the value covering sub-block g: g * count / groups
+};
+
+struct Layout {
+    const uint8_t *codes = nullptr;
+    int64_t n = 0, k = 0, row_bytes = 0;
+    int block_bytes = 0, elements = 0, groups = 1, sub = 0;
+    int n_scale = 0, n_minimum = 0, minimum_sign = 0;
+    int el_bits = 0, el_depth = 0, el_table = 0, el_signed = 0, el_offset = 0;
+    const int32_t *el_slots = nullptr;  // [depth][4][elements]
+    Factor scale[MAX_FACTORS], minimum[MAX_FACTORS];
+    const float *values = nullptr;       // the element's value of every raw code [2**bits]
+    const float *byte_tables = nullptr;  // [tables][256]: float fields of one byte
+};
+
+// The value of integer `index` of a factor or of the element, from its pieces.
+inline int32_t integer_value(const uint8_t *block, const int32_t *slots, int depth, int count, int index) {
+    uint32_t v = 0;
+    for (int s = 0; s < depth; s++) {
+        const int32_t *slot = slots + s * 4 * count;
+        v |= ((static_cast<uint32_t>(block[slot[index]]) >> slot[count + index]) & static_cast<uint32_t>(slot[2 * count + index]))
+             << slot[3 * count + index];
+    }
+    return static_cast<int32_t>(v);
+}
+
+// The raw (unsigned, before sign and offset) element code `index` of a block.
+inline uint32_t element_code(const Layout &l, const uint8_t *block, int index) {
+    return static_cast<uint32_t>(integer_value(block, l.el_slots, l.el_depth, l.elements, index));
+}
+
+// Value i of a factor in a block, as float32; HALF converts fp16 bits.
+template <class HALF>
+inline float factor_value(const Layout &l, const Factor &f, const uint8_t *block, int i, HALF half) {
+    if (f.is_field) {
+        switch (f.format) {
+            case FIELD_FP16: {
+                uint16_t h;
+                __builtin_memcpy(&h, block + f.offset + 2 * i, 2);
+                return half(h);
+            }
+            case FIELD_BF16: {
+                uint16_t h;
+                __builtin_memcpy(&h, block + f.offset + 2 * i, 2);
+                const uint32_t bits = static_cast<uint32_t>(h) << 16;
+                float v;
+                __builtin_memcpy(&v, &bits, 4);
+                return v;
+            }
+            case FIELD_FP32: {
+                float v;
+                __builtin_memcpy(&v, block + f.offset + 4 * i, 4);
+                return v;
+            }
+            default: return l.byte_tables[256 * f.table + block[f.offset + i]];
+        }
+    }
+    int32_t v = integer_value(block, f.slots, f.depth, f.count, i);
+    if (f.is_signed) v -= ((v >> (f.bits - 1)) & 1) << f.bits;
+    return static_cast<float>(v + f.add);
+}
+
+// The block's sub-block products of `factors` (left to right, float32), into out[groups].
+template <class HALF>
+inline void block_products(const Layout &l, const Factor *factors, int count, const uint8_t *block, float *out,
+                           HALF half) {
+    const int groups = l.groups;
+    if (count == 1 && factors[0].count == 1) {  // one value per block (Q4_0's d)
+        const float v = factor_value(l, factors[0], block, 0, half);
+        for (int g = 0; g < groups; g++) out[g] = v;
+        return;
+    }
+    for (int g = 0; g < groups; g++) {
+        float v = factor_value(l, factors[0], block, factors[0].at[g], half);
+        for (int f = 1; f < count; f++) {
+            const float w = factor_value(l, factors[f], block, factors[f].at[g], half);
+            v = v * w;
+        }
+        out[g] = v;
+    }
+}
+
+struct alignas(64) Chunk {
+    int32_t shift[16], mask[16], dest[16];
+    uint8_t idx[16];
+    int32_t off = 0, ident = 1;
+};
+
+// The pieces `slots` ([depth][4][count]) of `count` values taken W at a time: per chunk of W values
+// and per slot, a 16-byte window of the block holding their bytes, with each lane's byte within
+// it, shift, mask and destination (lanes past `count` have mask 0). Empty where some chunk's
+// bytes do not fit one window.
+inline std::vector<Chunk> plan_windows(const int32_t *slots, int depth, int count, int block_bytes, int W) {
+    std::vector<Chunk> plan;
+    if (block_bytes < 16 || depth < 1 || depth > MAX_DEPTH) return plan;
+    const int chunks = (count + W - 1) / W;
+    plan.resize(static_cast<size_t>(chunks * depth));
+    for (int c = 0; c < chunks; c++) {
+        const int lanes = count - c * W < W ? count - c * W : W;
+        for (int s = 0; s < depth; s++) {
+            Chunk &ch = plan[c * depth + s];
+            const int32_t *slot = slots + s * 4 * count;
+            int lo = 1 << 30, hi = -1;
+            for (int i = 0; i < lanes; i++) {
+                const int byte = slot[c * W + i];
+                lo = byte < lo ? byte : lo;
+                hi = byte > hi ? byte : hi;
+            }
+            const int off = lo + 16 > block_bytes ? block_bytes - 16 : lo;
+            if (hi - off >= 16) return {};
+            ch.off = off;
+            ch.ident = lanes == W;
+            std::memset(ch.idx, 0, sizeof(ch.idx));
+            for (int i = 0; i < 16; i++) ch.shift[i] = ch.mask[i] = ch.dest[i] = 0;
+            for (int i = 0; i < lanes; i++) {
+                const int e = c * W + i;
+                ch.idx[i] = static_cast<uint8_t>(slot[e] - off);
+                if (ch.idx[i] != i) ch.ident = 0;
+                ch.shift[i] = slot[count + e];
+                ch.mask[i] = slot[2 * count + e];
+                ch.dest[i] = slot[3 * count + e];
+            }
+        }
+    }
+    return plan;
+}
+
+// What the vector loops of width W read: the element's windows ([elements / W][depth]) and each
+// integer factor's ([chunks][depth]; empty: decoded by the scalar code). width 0: the layout does
+// not fit (then the scalar loop runs).
+struct Plan {
+    int width = 0;
+    std::vector<Chunk> element;
+    std::vector<Chunk> factor[2 * MAX_FACTORS];
+};
+
+inline Plan make_plan(const Layout &l, int W) {
+    Plan p;
+    if (l.elements % W || l.sub % W || l.el_depth > 3 || (l.el_table && l.el_bits > 4)) return p;
+    p.element = plan_windows(l.el_slots, l.el_depth, l.elements, l.block_bytes, W);
+    if (p.element.empty()) return p;
+    for (int i = 0; i < l.n_scale + l.n_minimum; i++) {
+        const Factor &f = i < l.n_scale ? l.scale[i] : l.minimum[i - l.n_scale];
+        if (!f.is_field) p.factor[i] = plan_windows(f.slots, f.depth, f.count, l.block_bytes, W);
+    }
+    p.width = W;
+    return p;
+}
+
+// Vector loops: rows [n0, n1) of the layer times m rows of x (float32 [m][ldx]); xsum holds, per
+// row of x, the sum of x over each sub-block of K ([m][K / sub]); acc[m * ldy + n] receives the
+// sum. plan: make_plan(l, W) for their width W (16, 8), with width W.
+void gemv_blocks_avx512(const Layout &l, const Plan &plan, const float *x, int64_t ldx, const float *xsum, int m,
+                        int64_t n0, int64_t n1, float *acc, int64_t ldy);
+void gemv_blocks_avx2(const Layout &l, const Plan &plan, const float *x, int64_t ldx, const float *xsum, int m,
+                      int64_t n0, int64_t n1, float *acc, int64_t ldy);
+
+// The Python entry point (in cpu_gemv_gguf.cpp), listed in cpu_gemv.cpp's method table.
+PyObject *gemv_blocks(PyObject *, PyObject *args);
+
+}  // namespace qscheme_gguf
+
+namespace qscheme_gemv {
+// From cpu_gemv.cpp: the ISA in use (0 scalar, 1 AVX2, 2 AVX-512) and its pool of worker threads.
+int active_isa();
+void run_tasks(int threads, int64_t tasks, const std::function<void(int64_t)> &job);
+}  // namespace qscheme_gemv

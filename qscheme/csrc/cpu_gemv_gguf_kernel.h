@@ -1,0 +1,236 @@
+// The vector GEMV loop over packed blocks (cpu_gemv_gguf.h), written once over a vector type V and
+// included by one translation unit per instruction set (cpu_gemv_gguf_avx512.cpp,
+// cpu_gemv_gguf_avx2.cpp), each compiled for its ISA by a target pragma in its own namespace.
+//
+// V provides: W (float lanes), vec, ivec, Table, zero(), load(const float *), set1(float),
+// fma(a, b, c), hsum(vec), window(bytes, const Chunk &) (W bytes of a 16-byte window, shuffled
+// unless the chunk reads them in order, zero-extended to int32 lanes), srlv/sllv(ivec, const
+// int32_t *), and_(ivec, const int32_t *), or_(ivec, ivec), table(const float *) (16 values),
+// lut(ivec, Table), integer(ivec, shift, add) (sign-extended from 32 - shift bits when shift > 0,
+// plus add, to float).
+//
+// A block's elements are taken W at a time ("chunks"): for each piece of the element integer
+// ("slot") a chunk's W bytes lie within one 16-byte window of the block, each lane with its own
+// shift, mask and destination bit (precomputed per layout: `Chunk`). Chunks never straddle a
+// sub-block (sub % W == 0), so each sub-block's products are summed apart and scaled once.
+#pragma once
+
+#include "cpu_gemv_gguf.h"
+
+namespace QS_GGUF_NAMESPACE {
+
+using namespace qscheme_gguf;
+
+// DEPTH 0: one slot of 4-bit codes through the table, which reads only each lane's low 4 bits
+// (the mask is skipped).
+template <class V, int DEPTH, bool LUT>
+static inline typename V::vec decode(const uint8_t *block, const Chunk *cs, const typename V::Table &table,
+                                     int int_shift, int int_add) {
+    using ivec = typename V::ivec;
+    if (DEPTH == 0) return V::lut(V::srlv(V::window(block + cs[0].off, cs[0]), cs[0].shift), table);
+    ivec v = V::and_(V::srlv(V::window(block + cs[0].off, cs[0]), cs[0].shift), cs[0].mask);
+    for (int s = 1; s < DEPTH; s++) {
+        const ivec w = V::and_(V::srlv(V::window(block + cs[s].off, cs[s]), cs[s].shift), cs[s].mask);
+        v = V::or_(v, V::sllv(w, cs[s].dest));
+    }
+    if (LUT) return V::lut(v, table);
+    return V::integer(v, int_shift, int_add);
+}
+
+// The float32 values of factor f of a block into out[count] (out padded to a multiple of W).
+template <class V, class HALF>
+static inline void factor_values(const Layout &l, const Plan &plan, int index, const Factor &f, const uint8_t *block,
+                                 float *out, HALF half) {
+    const std::vector<Chunk> &chunks = plan.factor[index];
+    if (chunks.empty()) {
+        for (int i = 0; i < f.count; i++) out[i] = factor_value(l, f, block, i, half);
+        return;
+    }
+    using ivec = typename V::ivec;
+    const int count = static_cast<int>(chunks.size()) / f.depth;
+    const int shift = f.is_signed ? 32 - f.bits : 0;
+    for (int c = 0; c < count; c++) {
+        const Chunk *cs = chunks.data() + c * f.depth;
+        ivec v = V::and_(V::srlv(V::window(block + cs[0].off, cs[0]), cs[0].shift), cs[0].mask);
+        for (int s = 1; s < f.depth; s++) {
+            const ivec w = V::and_(V::srlv(V::window(block + cs[s].off, cs[s]), cs[s].shift), cs[s].mask);
+            v = V::or_(v, V::sllv(w, cs[s].dest));
+        }
+        V::store(out + c * V::W, V::integer(v, shift, f.add));
+    }
+}
+
+// The sub-block products of a row's blocks: scale[b * groups + g] (and minimum[...] when the layout
+// has one), formed as the reference decoder forms them (factors multiplied left to right).
+template <class V, class HALF>
+static void row_products(const Layout &l, const Plan &plan, const uint8_t *row, float *scale, float *minimum,
+                         HALF half) {
+    const int64_t blocks = l.k / l.elements;
+    const int groups = l.groups;
+    const Factor &first = l.scale[0];
+    if (l.n_scale == 1 && !l.n_minimum && first.is_field && first.count == 1 && first.format == FIELD_FP16) {
+        for (int64_t b = 0; b < blocks; b++) {  // one fp16 per block (Q4_0, Q8_0, IQ4_NL, ...)
+            uint16_t h;
+            __builtin_memcpy(&h, row + b * l.block_bytes + first.offset, 2);
+            const float v = half(h);
+            for (int g = 0; g < groups; g++) scale[b * groups + g] = v;
+        }
+        return;
+    }
+    alignas(64) float values[2 * MAX_FACTORS][MAX_GROUPS + 16];
+    for (int i = 0; i < l.n_scale + l.n_minimum; i++)  // lanes past a factor's count: zeros, never garbage
+        for (int j = 0; j < V::W; j++) values[i][j] = 0.0f;
+    bool vector_products = groups <= V::W;
+    for (int i = 0; i < l.n_scale + l.n_minimum; i++) {
+        const Factor &f = i < l.n_scale ? l.scale[i] : l.minimum[i - l.n_scale];
+        vector_products = vector_products && (f.count == 1 || f.count == groups);
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = row + b * l.block_bytes;
+        for (int i = 0; i < l.n_scale + l.n_minimum; i++) {
+            const Factor &f = i < l.n_scale ? l.scale[i] : l.minimum[i - l.n_scale];
+            factor_values<V>(l, plan, i, f, block, values[i], half);
+        }
+        for (int part = 0; part < (l.n_minimum ? 2 : 1); part++) {
+            const int first_factor = part ? l.n_scale : 0, count = part ? l.n_minimum : l.n_scale;
+            const Factor *factors = part ? l.minimum : l.scale;
+            float *out = (part ? minimum : scale) + b * groups;
+            if (vector_products) {  // every factor one value per block or one per sub-block
+                auto take = [&](int f) {
+                    return factors[f].count == 1 ? V::set1(values[first_factor + f][0]) : V::load(values[first_factor + f]);
+                };
+                typename V::vec v = take(0);
+                for (int f = 1; f < count; f++) v = V::mul(v, take(f));
+                V::store(out, v);  // lanes past `groups`: overwritten by the next block (rows are padded)
+                continue;
+            }
+            for (int g = 0; g < groups; g++) {
+                float v = values[first_factor][factors[0].at[g]];
+                for (int f = 1; f < count; f++) v = v * values[first_factor + f][factors[f].at[g]];
+                out[g] = v;
+            }
+        }
+    }
+}
+
+template <class V>
+static inline float dot(const float *a, const float *b, int64_t count) {
+    typename V::vec s = V::zero();
+    int64_t i = 0;
+    for (; i + V::W <= count; i += V::W) s = V::fma(V::load(a + i), V::load(b + i), s);
+    float total = V::hsum(s);
+    for (; i < count; i++) total += a[i] * b[i];
+    return total;
+}
+
+template <class HALF, class V, int M, int R, int DEPTH, bool LUT>
+static void rows_block(const Layout &l, const Plan &plan, const float *x, int64_t ldx, const float *xsum, int64_t n,
+                       float *acc, int64_t ldy, const typename V::Table &table, HALF half) {
+    using vec = typename V::vec;
+    constexpr int W = V::W;
+    const int groups = l.groups, per_group = l.sub / W;
+    const int64_t blocks = l.k / l.elements, row_groups = l.k / l.sub;
+    const int int_shift = l.el_signed ? 32 - l.el_bits : 0, int_add = l.el_offset;
+    const Chunk *chunks = plan.element.data();
+    // each row's sub-block products, formed once per call and row
+    thread_local std::vector<float> buffer;
+    const int64_t stride = row_groups + 16;  // row_products may write 16 values past a row's last
+    if (buffer.size() < static_cast<size_t>(2 * R * stride)) buffer.resize(static_cast<size_t>(2 * R * stride));
+    const float *scales[R];
+    const uint8_t *rows[R];
+    for (int r = 0; r < R; r++) {
+        rows[r] = l.codes + (n + r) * l.row_bytes;
+        float *s = buffer.data() + r * stride, *mn = buffer.data() + (R + r) * stride;
+        row_products<V>(l, plan, rows[r], s, mn, half);
+        scales[r] = s;
+    }
+    vec sum[R][M];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) sum[r][m] = V::zero();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block[R];
+        for (int r = 0; r < R; r++) {
+            block[r] = rows[r] + b * l.block_bytes;
+            __builtin_prefetch(block[r] + 768, 0, 0);
+        }
+        const float *xb = x + b * l.elements;
+        for (int g = 0; g < groups; g++) {
+            vec part[R][M];
+            for (int r = 0; r < R; r++)
+                for (int m = 0; m < M; m++) part[r][m] = V::zero();
+            for (int c = g * per_group; c < (g + 1) * per_group; c++) {
+                vec xv[M];
+                for (int m = 0; m < M; m++) xv[m] = V::load(xb + m * ldx + c * W);
+                const Chunk *cs = chunks + c * (DEPTH ? DEPTH : 1);
+                for (int r = 0; r < R; r++) {
+                    const vec e = decode<V, DEPTH, LUT>(block[r], cs, table, int_shift, int_add);
+                    for (int m = 0; m < M; m++) part[r][m] = V::fma(xv[m], e, part[r][m]);
+                }
+            }
+            const int64_t at = b * groups + g;
+            for (int r = 0; r < R; r++) {
+                const vec s = V::set1(scales[r][at]);
+                for (int m = 0; m < M; m++) sum[r][m] = V::fma(part[r][m], s, sum[r][m]);
+            }
+        }
+    }
+    const float sign = static_cast<float>(l.minimum_sign);
+    for (int r = 0; r < R; r++) {
+        const float *mn = buffer.data() + (R + r) * stride;
+        for (int m = 0; m < M; m++) {
+            float total = V::hsum(sum[r][m]);
+            if (l.n_minimum) total += sign * dot<V>(mn, xsum + m * row_groups, row_groups);
+            acc[m * ldy + n + r] = total;
+        }
+    }
+}
+
+template <class HALF, class V, int M, int DEPTH, bool LUT>
+static void rows_m(const Layout &l, const Plan &plan, const float *x, int64_t ldx, const float *xsum, int64_t n0,
+                   int64_t n1, float *acc, int64_t ldy, HALF half) {
+    constexpr int R = M <= 2 ? 4 : 2;
+    const typename V::Table table = V::table(l.values);
+    int64_t n = n0;
+    for (; n + R <= n1; n += R) rows_block<HALF, V, M, R, DEPTH, LUT>(l, plan, x, ldx, xsum, n, acc, ldy, table, half);
+    for (; n < n1; n++) rows_block<HALF, V, M, 1, DEPTH, LUT>(l, plan, x, ldx, xsum, n, acc, ldy, table, half);
+}
+
+template <class HALF, class V, int DEPTH, bool LUT>
+static void rows_any(const Layout &l, const Plan &plan, const float *x, int64_t ldx, const float *xsum, int m,
+                     int64_t n0, int64_t n1, float *acc, int64_t ldy, HALF half) {
+    switch (m) {
+        case 1: return rows_m<HALF, V, 1, DEPTH, LUT>(l, plan, x, ldx, xsum, n0, n1, acc, ldy, half);
+        case 2: return rows_m<HALF, V, 2, DEPTH, LUT>(l, plan, x, ldx, xsum, n0, n1, acc, ldy, half);
+        case 3: return rows_m<HALF, V, 3, DEPTH, LUT>(l, plan, x, ldx, xsum, n0, n1, acc, ldy, half);
+        default: return rows_m<HALF, V, 4, DEPTH, LUT>(l, plan, x, ldx, xsum, n0, n1, acc, ldy, half);
+    }
+}
+
+// M rows of x in passes of at most 4 (each pass reads the weight once).
+template <class V, class HALF>
+static void gemv_blocks_vector(const Layout &l, const Plan &plan, const float *x, int64_t ldx, const float *xsum,
+                               int m, int64_t n0, int64_t n1, float *acc, int64_t ldy, HALF half) {
+    const bool lut = l.el_bits <= 4;
+    bool nibbles = l.el_depth == 1 && lut;
+    for (int i = 0; i < l.elements && nibbles; i++) nibbles = l.el_slots[2 * l.elements + i] == 0xF;
+    const int64_t xs_stride = l.k / l.sub;
+    for (int m0 = 0; m0 < m; m0 += 4) {
+        const int count = m - m0 < 4 ? m - m0 : 4;
+        const float *xs = x + m0 * ldx, *ss = xsum + m0 * xs_stride;
+        float *ys = acc + m0 * ldy;
+        switch (l.el_depth * 2 + (lut ? 1 : 0)) {
+            case 3:
+                if (nibbles) {
+                    rows_any<HALF, V, 0, true>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half);
+                    break;
+                } rows_any<HALF, V, 1, true>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half); break;
+            case 2: rows_any<HALF, V, 1, false>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half); break;
+            case 5: rows_any<HALF, V, 2, true>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half); break;
+            case 4: rows_any<HALF, V, 2, false>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half); break;
+            case 7: rows_any<HALF, V, 3, true>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half); break;
+            default: rows_any<HALF, V, 3, false>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half); break;
+        }
+    }
+}
+
+}  // namespace QS_GGUF_NAMESPACE
