@@ -77,6 +77,10 @@ SCHEMES = (
     "modelopt/FP8",
     "modelopt/W4A16_AWQ",
 )
+# --gguf: GGUF's block types (real blocks: qscheme's GGUF quantizer, llama.cpp's bytes), at decode sizes
+GGUF_SCHEMES = ("gguf/Q4_0", "gguf/Q8_0", "gguf/Q4_K", "gguf/Q6_K", "gguf/IQ4_NL")
+GGUF_M_VALUES = (1, 4)
+GGUF_SLAB_ROWS = 256  # rows quantized once and repeated down N (quantizing 14336 rows would take minutes)
 M_VALUES = (1, 4, 16, 64)
 SHAPES = ((4096, 4096), (14336, 4096))  # a full run: about 4-5 minutes on 2 busy cores
 MEMORY_SHAPE = (4096, 4096)
@@ -153,7 +157,10 @@ def measure_scheme(
     from qscheme.triton.samples import model_scale_dtype, random_weight
 
     scheme = load_scheme(scheme_name)
-    weight = random_weight(scheme, n, k, seed=1, scale_dtype=model_scale_dtype(scheme, torch.bfloat16))
+    if scheme.weight.blocks is not None:
+        weight = gguf_weight(scheme, n, k)
+    else:
+        weight = random_weight(scheme, n, k, seed=1, scale_dtype=model_scale_dtype(scheme, torch.bfloat16))
     runnable = runnable_kernels(weight, facts, only=args.kernel or (), skip=args.skip or ())  # type: ignore[arg-type]
     notes = list(runnable.notes)
     if not runnable.kernels:
@@ -206,6 +213,19 @@ def measure_scheme(
     return rows, checks, memory, notes
 
 
+def gguf_weight(scheme: object, n: int, k: int) -> object:
+    """A canonical weight of real GGUF blocks [n, k]: a random slab quantized by qscheme's GGUF
+    quantizer (bit-identical to llama.cpp's) and repeated down the rows."""
+    from qscheme.canonical_blocks import canonical_blocks
+    from qscheme.producers.gguf.quants.api import quantize_blocks
+
+    rows = min(n, GGUF_SLAB_ROWS)
+    dense = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+    raw = quantize_blocks(dense, scheme.name.removeprefix("gguf/"))  # type: ignore[attr-defined]
+    raw = raw.repeat(-(-n // rows), 1)[:n].contiguous()
+    return canonical_blocks(scheme, raw, n, k)  # type: ignore[arg-type]
+
+
 def claims(rows: Sequence[Row], memory: Sequence[MemoryRow], shape: tuple[int, int]) -> list[str]:
     """For 4-bit weight-only schemes at the memory shape: is each kernel faster than the reference
     kernel at every M <= 16, and does it hold at most twice the canonical tensors?"""
@@ -215,6 +235,8 @@ def claims(rows: Sequence[Row], memory: Sequence[MemoryRow], shape: tuple[int, i
     out: list[str] = []
     for entry in memory:
         scheme = load_scheme(entry.scheme)
+        if scheme.weight.blocks is not None:  # packed blocks: the memory table says what they hold
+            continue
         if scheme.activation is not None or element_bits(scheme.weight.format) != 4:
             continue
         held = entry.total / entry.canonical
@@ -333,11 +355,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, help=f"samples per time (default {ROUNDS})")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and few calls: checks the script only")
+    parser.add_argument(
+        "--gguf", action="store_true", help=f"GGUF block types instead ({', '.join(GGUF_SCHEMES)}; M = 1 and 4)"
+    )
     parser.add_argument("--markdown", help="also write the tables to this file")
     args = parser.parse_args(argv)
-    args.scheme = args.scheme or list(SCHEMES)
+    args.scheme = args.scheme or list(GGUF_SCHEMES if args.gguf else SCHEMES)
     args.shapes = args.shape or list(SMOKE_SHAPES if args.smoke else SHAPES)
-    args.m_values = args.m_values or list(SMOKE_M_VALUES if args.smoke else M_VALUES)
+    args.m_values = args.m_values or list(SMOKE_M_VALUES if args.smoke else (GGUF_M_VALUES if args.gguf else M_VALUES))
     args.rounds = args.rounds or (SMOKE_ROUNDS if args.smoke else ROUNDS)
     args.sample_seconds = SMOKE_SAMPLE_SECONDS if args.smoke else SAMPLE_SECONDS
     args.memory_shape = MEMORY_SHAPE if MEMORY_SHAPE in args.shapes else args.shapes[0]
