@@ -171,6 +171,8 @@ def test_engine_vllm_shows_plans_and_different_scales(
         (["--engine", "sglang"], "--engine 'sglang': not an engine qscheme explains; allowed: vllm"),
         (["--engine", "vllm", "--tp", "0"], "--tp '0' with --engine vllm: expected vLLM's tensor_parallel_size"),
         (["--engine", "vllm", "--tp", "auto"], "--tp 'auto' with --engine vllm"),
+        (["--engine", "vllm", "--m", "1,x"], "--m '1,x': expected batch sizes"),
+        (["--tp", "2", "--m", "1"], "--m and --m-split: not with --tp"),
     ],
 )
 def test_engine_usage_errors(
