@@ -47,6 +47,7 @@ CPU_GEMV_EXTENSION = Extension(
         "qscheme/csrc/cpu_gemv.cpp",
         "qscheme/csrc/cpu_gemv_avx512.cpp",
         "qscheme/csrc/cpu_gemv_avx2.cpp",
+        "qscheme/csrc/cpu_gemv_amx.cpp",
         "qscheme/csrc/cpu_gemv_gguf.cpp",
         "qscheme/csrc/cpu_gemv_gguf_avx512.cpp",
         "qscheme/csrc/cpu_gemv_gguf_avx2.cpp",
@@ -54,6 +55,7 @@ CPU_GEMV_EXTENSION = Extension(
     depends=[
         "qscheme/csrc/cpu_gemv.h",
         "qscheme/csrc/cpu_gemv_kernel.h",
+        "qscheme/csrc/cpu_gemv_amx.h",
         "qscheme/csrc/cpu_gemv_gguf.h",
         "qscheme/csrc/cpu_gemv_gguf_kernel.h",
     ],

@@ -1,5 +1,5 @@
-"""qscheme's CPU GEMV (``qscheme._cpu_gemv``, C++ with AVX-512 / AVX2 / scalar loops): the
-declaration of the ``cpu_gemv`` kernel.
+"""qscheme's CPU GEMV (``qscheme._cpu_gemv``, C++ with AMX tile / AVX-512 / AVX2 / scalar loops):
+the declaration of the ``cpu_gemv`` kernel.
 
 It runs the scale-and-code formats on the CPU without dequantizing the weight: e2m1 (NVFP4,
 MXFP4, FP4 with float scales), e4m3 (FP8 per tensor, channel or 128x128 block), int8 and uint8
@@ -123,7 +123,7 @@ CPU_GEMV = KernelDeclaration(
     name="cpu_gemv",
     provider="qscheme",
     priority=45,
-    description="qscheme's C++ CPU GEMV: codes decoded in registers, float32 sums (AVX-512 / AVX2)",
+    description="qscheme's C++ CPU GEMV: codes decoded in registers, float32 sums (AMX tiles / AVX-512 / AVX2)",
     supports=(
         WEIGHT_ONLY_FORMATS,
         CODEBOOK_FORMATS,
@@ -139,10 +139,21 @@ CPU_GEMV = KernelDeclaration(
     notes=(
         "each weight is the reference's float32 value, (code - zero) * effective scale, formed in registers; the "
         "products are summed in float32 with fused multiply-adds in another order than the reference's matmul "
-        "(with one input row and no zero points the scale multiplies each group's partial sum instead): "
-        "|y - y_ref| <= (K + 4) * 2**-24 * sum_k |x_k * w_k| before the output is rounded once to the input's "
-        "dtype (the worst case of two float32 sums; a bias is added in float32 before that rounding), so with "
-        "16-bit outputs the two may also differ by one unit in the last place of the output",
+        "(with one input row and no zero points the scale multiplies each group's partial sum instead)",
+        "AMX tile path (on the AVX-512 loops, where cpuid shows AMX-BF16, AVX512-BF16 and VBMI and Linux grants the "
+        "tile state; QSCHEME_CPU_GEMV_AMX=0 turns it off): where every element of x is a bfloat16 value, zero or at "
+        "least 2**-100 in magnitude, and the layer has no zero points and code values exact in bfloat16 (e2m1, int4, "
+        "uint4, e4m3, int8, uint8), 16 weight rows are decoded to bfloat16 32 columns at a time and multiplied by up "
+        "to 16 rows of x with TDPBF16PS (the weight read once for all of them); 4-bit codes times byte scales "
+        "(NVFP4's e4m3, MXFP4's e8m0) are exact in bfloat16 and folded into the decode (a row with a scale whose "
+        "products are not exact, normal and finite in bfloat16 runs the float32 loop), a per-row global scale "
+        "multiplies or divides the row's sum at the end, and other scales multiply each scale group's float32 tile "
+        "sums; products are exact and sums float32, one rounding per addition, in sequence along K",
+        "bound: each side's float32 result is within (K + 4) * 2**-24 * sum_k |x_k * w_k| of the exact sum (up to K "
+        "additions in sequence, and the roundings that form the weight or apply the scales), so |y - y_ref| <= "
+        "(2K + 8) * 2**-24 * sum_k |x_k * w_k| before the output is rounded once to the input's dtype (a bias is "
+        "added in float32 before that rounding); with 16-bit outputs the two may also differ by one unit in the "
+        "last place of the output",
         "float16 inputs are widened to float32 and the output rounded back once; AWQ pre-scales and activation "
         "quantization are applied to the input exactly as the reference kernel applies them",
         "keeps the canonical tensors as they are (no copy): plus 4 bytes per output row where a global or "

@@ -4,9 +4,10 @@ Every built-in scheme its declaration covers, quantized from a random layer (``l
 qscheme's own quantizer writes the checkpoint tensors, which are canonicalized as a loaded
 checkpoint is), runs on every loop this CPU has (AVX-512, AVX2) and on the portable one, with
 ragged N and K, M = 0, 1, a 3-D input and more than 8 rows, a bias, bfloat16, float16 and float32
-inputs. The bound is the declaration's: per output, (K + 4) * 2**-24 * sum_k |x_k w_k| (the
-input as the reference multiplies it: pre-scaled and quantized), plus for 16-bit outputs one
-rounding of each side's output (one unit in the last place: 2**-7 of the larger for bfloat16).
+inputs, each on the AVX-512 loops with and without the AMX tile path. The bound is the
+declaration's: per output, (2K + 8) * 2**-24 * sum_k |x_k w_k| (the input as the reference
+multiplies it: pre-scaled and quantized), plus for 16-bit outputs one rounding of each side's
+output (one unit in the last place: 2**-7 of the larger for bfloat16).
 
 Also: fused layers whose partitions have different global scales equal the separate layers' outputs
 bit for bit; the row dequantization is the reference's float32 weight bit for bit; the prepared
@@ -16,8 +17,10 @@ ops' fake implementations (torch.library.opcheck); typed refusals.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,7 +66,12 @@ EXPECTED = {
     "mxfp4/MXFP4",
     "fp8/FP8_BLOCK",
 }
-ISAS = ("scalar", "avx2", "avx512")
+# "amx": the AVX-512 loops with the tile path (cpu_gemv_amx.cpp) on, where this CPU has it; "avx512"
+# with it off (QSCHEME_CPU_GEMV_AMX=0), so that both run every case
+ISAS = ("scalar", "avx2", "avx512", "amx")
+AMX_VARIABLE = "QSCHEME_CPU_GEMV_AMX"
+# what the tile path needs (cpuid, as /proc/cpuinfo names it; Linux grants the tile state)
+AMX_FLAGS = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512vbmi"}
 SHAPES = ((37, 200), (64, 256), (5, 20))  # ragged N and K (not multiples of 16/32/64), and K under one chunk
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # (input shape without K, dtype, bias): M = 1, a 3-D input, more rows than one pass takes (8), M = 0
@@ -78,15 +86,26 @@ CASES = (
 )
 
 
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+
+
 def _isa_param(name: str) -> object:
-    runs = cpu_gemv.ISA_CHOICES.index(name) <= cpu_gemv.ISA_CHOICES.index(cpu_gemv.supported_isa())
+    loops = "avx512" if name == "amx" else name
+    runs = cpu_gemv.ISA_CHOICES.index(loops) <= cpu_gemv.ISA_CHOICES.index(cpu_gemv.supported_isa())
+    runs = runs and (name != "amx" or AMX_FLAGS <= cpu_flags())
     return pytest.param(name, marks=pytest.mark.skipif(not runs, reason=f"this CPU does not run {name}"))
 
 
 @pytest.fixture(params=[_isa_param(name) for name in ISAS])
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     before = cpu_gemv.isa()
-    cpu_gemv.set_isa(request.param)
+    cpu_gemv.set_isa("avx512" if request.param == "amx" else request.param)
+    monkeypatch.setenv(AMX_VARIABLE, "1" if request.param == "amx" else "0")
     try:
         yield request.param
     finally:
@@ -127,7 +146,7 @@ def absolute_weight(weight: CanonicalWeight) -> torch.Tensor:
 def check_close(weight: CanonicalWeight, x: torch.Tensor, y: torch.Tensor, expected: torch.Tensor) -> None:
     assert y.shape == expected.shape and y.dtype == expected.dtype == x.dtype
     magnitude = reference_input(weight, x).double() @ absolute_weight(weight).t()
-    bound = (weight.k + 4) * 2.0**-24 * magnitude.reshape(y.shape)
+    bound = (2 * weight.k + 8) * 2.0**-24 * magnitude.reshape(y.shape)
     if x.dtype != torch.float32:
         ulp = 2.0**-7 if x.dtype == torch.bfloat16 else 2.0**-10  # one unit in the last place
         bound = bound + ulp * torch.maximum(y.double().abs(), expected.double().abs())
@@ -254,6 +273,48 @@ def test_the_isa_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         cpu_gemv.isa()
     monkeypatch.delenv(cpu_gemv.ISA_VARIABLE)
     assert cpu_gemv.isa() == cpu_gemv.supported_isa()
+
+
+# (scheme, N, K) for the tile path's edges, each called through cpu_gemv.gemv (the weight alone):
+# byte codes with a tensor scale and K = 216 (six chunks of 32 columns, a half chunk, a K tail of 8),
+# channel scales and a half chunk, NVFP4's folded e4m3 scales with a ragged block of rows and a K
+# tail, MXFP4 with a scale whose products the fold cannot take (that row runs the float32 loop),
+# group sums (int8 g32: eight groups; int4 g128) and 128x128 block scales over ragged rows
+TILE_CASES = (
+    ("compressed-tensors/FP8", 33, 216),
+    ("compressed-tensors/FP8_DYNAMIC", 40, 208),
+    ("compressed-tensors/NVFP4A16", 37, 208),
+    ("compressed-tensors/MXFP4A16", 19, 256),
+    ("compressed-tensors/W8A16_G32", 40, 256),
+    ("compressed-tensors/W4A16", 24, 256),
+    ("modelopt/fp8_pb_wo", 130, 256),
+)
+
+
+@pytest.mark.parametrize(("name", "n", "k"), TILE_CASES)
+def test_the_tile_path_s_edges(name: str, n: int, k: int, isa: str) -> None:
+    weight = weight_of(name, n, k)
+    if name.endswith("MXFP4A16"):
+        scale = weight.scale.clone() if weight.scale is not None else None
+        assert scale is not None and scale.dtype == torch.uint8
+        scale[3, 1] = 1  # 2**-126: half of it is a bfloat16 subnormal
+        weight = dataclasses.replace(weight, scale=scale)
+    layout = cpu_gemv.layout_of(weight)
+    w = dequantize(weight).double()
+    generator = torch.Generator().manual_seed(5)
+    bias = torch.randn(n, generator=generator)
+    for rows in (1, 4, 17):  # 17: two passes of at most 16 input rows
+        x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
+        if rows == 4:
+            x[2, 5] = 2.0**-110  # too small for the tiles: the float32 loop runs this call
+        for given in (x, x.float()):  # a float32 x of bfloat16 values takes the tiles too
+            y = cpu_gemv.gemv(layout, given, bias)
+            exact = given.double() @ w.t() + bias.double()
+            bound = (2 * k + 8) * 2.0**-24 * (given.double().abs() @ w.abs().t())
+            if given.dtype == torch.bfloat16:
+                bound = bound + 2.0**-8 * exact.abs()  # the output's rounding (half a unit, and the bias)
+            error = (y.double() - exact).abs()
+            assert bool((error <= bound + 1e-30).all()), (rows, given.dtype, float((error - bound).max()))
 
 
 def test_refusals_are_typed() -> None:

@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #define QS_ISA_NAMESPACE qscheme_gemv_avx512
+#include "cpu_gemv_amx.h"
 #include "cpu_gemv_kernel.h"
 
 namespace qscheme_gemv_avx512 {
@@ -48,9 +49,16 @@ struct V512 {
 
 namespace qscheme_gemv {
 
+static void vector_rows(const Params &p, const float *x, int64_t ldx, int m, int64_t n0, int64_t n1, float *acc,
+                        int64_t ldy) {
+    qscheme_gemv_avx512::gemv_vector<qscheme_gemv_avx512::V512>(p, x, ldx, m, n0, n1, acc, ldy);
+}
+
+// The tiles where the CPU, the layer and x allow them (cpu_gemv_amx.h), else the float32 loops.
 void gemv_avx512(const Params &p, const float *x, int64_t ldx, int m, int64_t n0, int64_t n1, float *acc,
                  int64_t ldy) {
-    qscheme_gemv_avx512::gemv_vector<qscheme_gemv_avx512::V512>(p, x, ldx, m, n0, n1, acc, ldy);
+    if (gemv_amx(p, x, ldx, m, n0, n1, acc, ldy, vector_rows)) return;
+    vector_rows(p, x, ldx, m, n0, n1, acc, ldy);
 }
 
 // bf16 with round-to-nearest-even (finite values; NaN stays NaN).
