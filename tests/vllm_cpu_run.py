@@ -4,9 +4,10 @@ CPU engine, one LLM after another in this one process, and write what each gave.
     python vllm_cpu_run.py RUNS.json OUT.json
 
 RUNS.json: {"prompts": [[token ids], ...], "max_tokens": N, "runs": [{"name", "model",
-"quantization" (null or "qscheme"), optional "dtype", "tensor_parallel_size" and "repeats"}, or
-{"name", "code", "args"}: Python source defining ``check(*args)``, whose JSON result is the run's:
-a check that needs vLLM's modules but no engine, in this process that has imported them}, ...]}.
+"quantization" (null or "qscheme"), optional "dtype", "tensor_parallel_size",
+"enable_expert_parallel" and "repeats"}, or {"name", "code", "args"}: Python source defining
+``check(*args)``, whose JSON result is the run's: a check that needs vLLM's modules but no engine,
+in this process that has imported them}, ...]}.
 OUT.json: per run name, the greedy output tokens and the prompt logprobs (the logprob of each
 prompt token after the first) of every prompt, the quantization method class of every linear
 layer (``LLM.apply_model``), the qscheme kernel of the layers the plugin holds, each layer's
@@ -109,6 +110,7 @@ def _run(spec: dict[str, Any], prompts: list[list[int]], max_tokens: int, tp: in
     llm = LLM(
         tensor_parallel_size=tp,
         distributed_executor_backend="mp" if tp > 1 else None,
+        enable_expert_parallel=bool(spec.get("enable_expert_parallel", False)),
         model=spec["model"],
         quantization=spec.get("quantization"),
         skip_tokenizer_init=True,
@@ -161,12 +163,13 @@ def main() -> None:
                 namespace: dict[str, Any] = {}
                 exec(compile(entry["code"], entry["name"], "exec"), namespace)
                 results[entry["name"]] = namespace["check"](*entry.get("args", ()))
-                continue
-            results[entry["name"]] = run(entry, spec["prompts"], spec["max_tokens"])
+            else:
+                results[entry["name"]] = run(entry, spec["prompts"], spec["max_tokens"])
         except Exception as exc:  # reported per run: the test names the run and the error
             results[entry["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
-    with open(sys.argv[2], "w") as f:
-        json.dump(results, f)
+        with open(sys.argv[2], "w") as f:  # after every run: a run cut short keeps what is done
+            json.dump(results, f)
+        print(f"vllm_cpu_run: {entry['name']} done", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
