@@ -331,7 +331,7 @@ def _chosen_shape(spec: TensorSpec, n: int, k: int, stored: tuple[int, ...] | No
         sizes = evaluate_shape(shape, n, k)
         if sizes is not None and (stored is None or sizes == stored):
             return shape
-    return spec.shapes[0]
+    return spec.shapes[0] if spec.shapes else ()  # a JSON state tensor declares no shape
 
 
 def shard_layout(

@@ -26,7 +26,7 @@ from qscheme.checkpoint.plan import Plan, format_problems, plan_checkpoint
 from qscheme.engines.vllm_layers import fused_members
 from qscheme.vllm.linear_method import MemberFacts, QschemeLinearMethod
 from qscheme.vllm.moe_method import experts_method
-from qscheme.vllm.params import VllmLayerError
+from qscheme.vllm.params import VllmLayerError, checkpoint_renames
 from qscheme.vllm.plugin import METHOD
 
 
@@ -76,10 +76,12 @@ class QschemeConfig(QuantizationConfig):  # type: ignore[misc]
         self.model_path = model_name
 
     def get_checkpoint_weight_mapper(self) -> Any:
-        """Nothing is renamed or dropped (vLLM's default drops ``g_idx``, which qscheme's schemes read)."""
+        """Nothing is dropped (vLLM's default drops ``g_idx``, which qscheme's schemes read); tensor names
+        with dots get the names of the parameters that hold them (``params.checkpoint_renames``)."""
         from vllm.model_executor.models.utils import WeightsMapper
 
-        return WeightsMapper()
+        names = {name for layout in self.plan().layouts.values() for name in layout.declared}
+        return WeightsMapper(orig_to_new_suffix=checkpoint_renames(names))
 
     # -- the checkpoint's plan ----------------------------------------------------------------
 

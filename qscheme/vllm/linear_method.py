@@ -25,7 +25,7 @@ from qscheme.descriptor import Scheme
 from qscheme.modules.linear import QuantLinear
 from qscheme.parallel.rules import ShardLayout, Style, shard_layout
 from qscheme.tensor_checks import ModuleLayout, require_valid_tensors
-from qscheme.vllm.params import DeclaredTensor, VllmLayerError, declare, make_parameter
+from qscheme.vllm.params import DeclaredTensor, VllmLayerError, declare, make_parameter, parameter_name
 
 HOLDER = "qscheme_linear"
 """The attribute of a vLLM layer that holds its QuantLinear once the weights are loaded."""
@@ -46,6 +46,21 @@ class MemberFacts:
     def of(layout: ModuleLayout[Any]) -> MemberFacts:
         tensors = tuple((name, str(info.dtype), tuple(info.shape)) for name, info in layout.declared.items())
         return MemberFacts(layout.module, layout.n, layout.k, tensors)
+
+
+def request_amx() -> None:
+    """Ask the kernel for the AMX tile registers (Linux: ``arch_prctl(ARCH_REQ_XCOMP_PERM)``, once
+    per process, through torch), where the CPU has them.
+
+    vLLM's CPU attention for bfloat16 runs AMX tile instructions (``cpu_attn_amx``) without asking
+    for them: it relies on oneDNN, whose bf16 GEMMs in vLLM's unquantized linear layers ask first.
+    A model whose every linear layer is qscheme's never reaches oneDNN, and the first attention call
+    then dies of SIGILL (Illegal instruction)."""
+    cpu = getattr(torch, "cpu", None)
+    supported = getattr(cpu, "_is_amx_tile_supported", None)
+    init = getattr(cpu, "_init_amx", None)
+    if supported is not None and init is not None and supported():
+        init()
 
 
 def _torch_dtype(layer: str, name: str, text: str) -> torch.dtype:
@@ -105,7 +120,7 @@ class QschemeLinearMethod(LinearMethodBase):  # type: ignore[misc]
             dtype = _torch_dtype(self.layer_name, name, stored[0][1])
             held = declare(self.layer_name, self.scheme, specs[name], dtype, [s[2] for s in stored], ns, k)
             declared[name] = held
-            layer.register_parameter(name, make_parameter(held, name == weight_name, weight_loader))
+            layer.register_parameter(parameter_name(name), make_parameter(held, name == weight_name, weight_loader))
         setattr(layer, DECLARED, declared)  # plain attributes of vLLM's module, until the weights are loaded
         setattr(layer, ACTIVATION_DTYPE, params_dtype)
 
@@ -140,7 +155,7 @@ class QschemeLinearMethod(LinearMethodBase):  # type: ignore[misc]
         for index, member in enumerate(self.members):
             tensors: dict[str, Tensor] = {}
             for name, held in declared.items():
-                param = getattr(layer, name)
+                param = getattr(layer, parameter_name(name))
                 device = param.device
                 tensors[name] = held.member(param.data.to("cpu"), index)
             shape_tensor = self.scheme.weight.shape_tensor
@@ -150,8 +165,10 @@ class QschemeLinearMethod(LinearMethodBase):  # type: ignore[misc]
             n, k = require_valid_tensors(self.scheme, tensors, member.module)
             weights.append(canonicalize(self.scheme, tensors, n, k, layer=member.module))
         weight = weights[0] if len(weights) == 1 else concatenate(weights)
+        if device.type == "cpu":
+            request_amx()
         for name in declared:
-            delattr(layer, name)
+            delattr(layer, parameter_name(name))
         delattr(layer, DECLARED)
         setattr(
             layer,
