@@ -8,7 +8,10 @@ per-expert modules (``<experts>.<e>.gate_proj`` ...) into them by calling each p
 
 ``create_weights`` declares the scheme's checkpoint tensors under those names (``w13_weight_packed``
 [E, 2, *stored shape]: gate and up in their own slots, so each keeps its own global scale;
-``w2_weight_packed`` [E, *stored shape]). Their loader takes each expert's tensor as stored, keeps
+``w2_weight_packed`` [E, *stored shape]). Their loader (``ExpertTensorLoader``, called by vLLM's
+``RoutedExperts.load_weights`` with the arguments above; vLLM's own ``RoutedExperts.weight_loader``
+places a tensor by what its name contains, "scale", "zero", "weight_shape", which a scheme's
+tensor names need not follow) takes each expert's tensor as stored, keeps
 this rank's share by qscheme's descriptor-derived rules (gate and up split by rows, down by K:
 ``qscheme.parallel.rules.shard_layout``, ShardError where a split would cut a packed word or a
 scale group) and places it in its expert's slot; experts another rank holds (expert parallelism)
