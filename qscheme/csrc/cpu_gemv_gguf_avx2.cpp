@@ -34,6 +34,14 @@ struct V256 {
         if (!c.ident) w = _mm_shuffle_epi8(w, _mm_load_si128(reinterpret_cast<const __m128i *>(c.idx)));
         return _mm256_cvtepu8_epi32(w);
     }
+    static inline ivec raw(const uint8_t *p) {
+        return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)));
+    }
+    static inline ivec srli4(ivec v) { return _mm256_srli_epi32(v, 4); }
+    static inline ivec bytes(const uint8_t *p, bool is_signed) {
+        const __m128i w = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(p));
+        return is_signed ? _mm256_cvtepi8_epi32(w) : _mm256_cvtepu8_epi32(w);
+    }
     static inline ivec srlv(ivec v, const int32_t *s) {
         return _mm256_srlv_epi32(v, _mm256_load_si256(reinterpret_cast<const __m256i *>(s)));
     }
@@ -51,7 +59,7 @@ struct V256 {
     }
     static inline vec integer(ivec v, int shift, int add) {
         if (shift) v = _mm256_srai_epi32(_mm256_slli_epi32(v, shift), shift);
-        return _mm256_cvtepi32_ps(_mm256_add_epi32(v, _mm256_set1_epi32(add)));
+        return _mm256_cvtepi32_ps(add ? _mm256_add_epi32(v, _mm256_set1_epi32(add)) : v);
     }
 };
 

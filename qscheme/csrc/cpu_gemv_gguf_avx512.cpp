@@ -25,6 +25,14 @@ struct V512 {
         if (!c.ident) w = _mm_shuffle_epi8(w, _mm_load_si128(reinterpret_cast<const __m128i *>(c.idx)));
         return _mm512_cvtepu8_epi32(w);
     }
+    static inline ivec raw(const uint8_t *p) {
+        return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+    }
+    static inline ivec srli4(ivec v) { return _mm512_srli_epi32(v, 4); }
+    static inline ivec bytes(const uint8_t *p, bool is_signed) {
+        const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
+        return is_signed ? _mm512_cvtepi8_epi32(w) : _mm512_cvtepu8_epi32(w);
+    }
     static inline ivec srlv(ivec v, const int32_t *s) { return _mm512_srlv_epi32(v, _mm512_load_si512(s)); }
     static inline ivec sllv(ivec v, const int32_t *s) { return _mm512_sllv_epi32(v, _mm512_load_si512(s)); }
     static inline ivec and_(ivec v, const int32_t *s) { return _mm512_and_si512(v, _mm512_load_si512(s)); }
@@ -33,7 +41,7 @@ struct V512 {
     static inline vec lut(ivec v, Table t) { return _mm512_permutexvar_ps(v, t); }
     static inline vec integer(ivec v, int shift, int add) {
         if (shift) v = _mm512_srai_epi32(_mm512_slli_epi32(v, shift), shift);
-        return _mm512_cvtepi32_ps(_mm512_add_epi32(v, _mm512_set1_epi32(add)));
+        return _mm512_cvtepi32_ps(add ? _mm512_add_epi32(v, _mm512_set1_epi32(add)) : v);
     }
 };
 

@@ -15,6 +15,8 @@
 // sub-block (sub % W == 0), so each sub-block's products are summed apart and scaled once.
 #pragma once
 
+#include <type_traits>
+
 #include "cpu_gemv_gguf.h"
 
 namespace QS_GGUF_NAMESPACE {
@@ -22,12 +24,13 @@ namespace QS_GGUF_NAMESPACE {
 using namespace qscheme_gguf;
 
 // DEPTH 0: one slot of 4-bit codes through the table, which reads only each lane's low 4 bits
-// (the mask is skipped).
+// (the mask is skipped); 8 and 9: whole bytes in order, unsigned or signed, plus the offset.
 template <class V, int DEPTH, bool LUT>
 static inline typename V::vec decode(const uint8_t *block, const Chunk *cs, const typename V::Table &table,
                                      int int_shift, int int_add) {
     using ivec = typename V::ivec;
     if (DEPTH == 0) return V::lut(V::srlv(V::window(block + cs[0].off, cs[0]), cs[0].shift), table);
+    if (DEPTH == 8 || DEPTH == 9) return V::integer(V::bytes(block + cs[0].off, DEPTH == 9), 0, int_add);
     ivec v = V::and_(V::srlv(V::window(block + cs[0].off, cs[0]), cs[0].shift), cs[0].mask);
     for (int s = 1; s < DEPTH; s++) {
         const ivec w = V::and_(V::srlv(V::window(block + cs[s].off, cs[s]), cs[s].shift), cs[s].mask);
@@ -113,6 +116,20 @@ static void row_products(const Layout &l, const Plan &plan, const uint8_t *row, 
     }
 }
 
+// One fp16 scale field per block and nothing else (Q4_0, Q8_0, IQ4_NL, Q5_0): the scale is read
+// in the loop from the block itself, with no pass over the row first.
+template <class HALF>
+static inline float block_half(const uint8_t *block, int offset, HALF half) {
+    uint16_t h;
+    __builtin_memcpy(&h, block + offset, 2);
+    return half(h);
+}
+
+inline bool one_half_scale(const Layout &l) {
+    const Factor &f = l.scale[0];
+    return l.n_scale == 1 && !l.n_minimum && l.groups == 1 && f.is_field && f.count == 1 && f.format == FIELD_FP16;
+}
+
 template <class V>
 static inline float dot(const float *a, const float *b, int64_t count) {
     typename V::vec s = V::zero();
@@ -132,6 +149,7 @@ static void rows_block(const Layout &l, const Plan &plan, const float *x, int64_
     const int64_t blocks = l.k / l.elements, row_groups = l.k / l.sub;
     const int int_shift = l.el_signed ? 32 - l.el_bits : 0, int_add = l.el_offset;
     const Chunk *chunks = plan.element.data();
+    const bool inline_scale = one_half_scale(l);
     // each row's sub-block products, formed once per call and row
     thread_local std::vector<float> buffer;
     const int64_t stride = row_groups + 16;  // row_products may write 16 values past a row's last
@@ -141,7 +159,7 @@ static void rows_block(const Layout &l, const Plan &plan, const float *x, int64_
     for (int r = 0; r < R; r++) {
         rows[r] = l.codes + (n + r) * l.row_bytes;
         float *s = buffer.data() + r * stride, *mn = buffer.data() + (R + r) * stride;
-        row_products<V>(l, plan, rows[r], s, mn, half);
+        if (!inline_scale) row_products<V>(l, plan, rows[r], s, mn, half);
         scales[r] = s;
     }
     vec sum[R][M];
@@ -151,7 +169,9 @@ static void rows_block(const Layout &l, const Plan &plan, const float *x, int64_
         const uint8_t *block[R];
         for (int r = 0; r < R; r++) {
             block[r] = rows[r] + b * l.block_bytes;
-            __builtin_prefetch(block[r] + 768, 0, 0);
+            // 1 KiB ahead, once per cache line the row's blocks enter
+            if (((reinterpret_cast<uintptr_t>(block[r]) + 1024) & 63) < static_cast<uintptr_t>(l.block_bytes))
+                __builtin_prefetch(block[r] + 1024, 0, 0);
         }
         const float *xb = x + b * l.elements;
         for (int g = 0; g < groups; g++) {
@@ -161,7 +181,7 @@ static void rows_block(const Layout &l, const Plan &plan, const float *x, int64_
             for (int c = g * per_group; c < (g + 1) * per_group; c++) {
                 vec xv[M];
                 for (int m = 0; m < M; m++) xv[m] = V::load(xb + m * ldx + c * W);
-                const Chunk *cs = chunks + c * (DEPTH ? DEPTH : 1);
+                const Chunk *cs = chunks + c * (DEPTH == 0 || DEPTH >= 8 ? 1 : DEPTH);
                 for (int r = 0; r < R; r++) {
                     const vec e = decode<V, DEPTH, LUT>(block[r], cs, table, int_shift, int_add);
                     for (int m = 0; m < M; m++) part[r][m] = V::fma(xv[m], e, part[r][m]);
@@ -169,7 +189,7 @@ static void rows_block(const Layout &l, const Plan &plan, const float *x, int64_
             }
             const int64_t at = b * groups + g;
             for (int r = 0; r < R; r++) {
-                const vec s = V::set1(scales[r][at]);
+                const vec s = V::set1(inline_scale ? block_half(block[r], l.scale[0].offset, half) : scales[r][at]);
                 for (int m = 0; m < M; m++) sum[r][m] = V::fma(part[r][m], s, sum[r][m]);
             }
         }
@@ -183,6 +203,149 @@ static void rows_block(const Layout &l, const Plan &plan, const float *x, int64_
             acc[m * ldy + n + r] = total;
         }
     }
+}
+
+// 4-bit codes whose chunks go in pairs reading the same 16-byte window, the first of a pair its
+// low nibbles and the second its high nibbles (llama.cpp's "low nibbles first, then high"): each
+// window is widened once for both. A unit is 2 * D chunks: chunks i and i + D (i < D) share a
+// window; the unit is one sub-block (SAME) or the first D chunks are one sub-block and the next D
+// the next one (NEXT).
+template <class HALF, class V, int M, int R, bool NEXT, int DT>
+static void rows_block_pairs(const Layout &l, const Plan &plan, const float *x, int64_t ldx, const float *xsum,
+                             int64_t n, float *acc, int64_t ldy, const typename V::Table &table, HALF half, int DR) {
+    const int D = DT ? DT : DR;  // chunks per half unit: a constant where the dispatch knows it
+    using vec = typename V::vec;
+    using ivec = typename V::ivec;
+    constexpr int W = V::W;
+    const int groups = l.groups, per_group = l.sub / W, units = l.elements / W / (2 * D);
+    const int64_t blocks = l.k / l.elements, row_groups = l.k / l.sub;
+    const Chunk *chunks = plan.element.data();
+    const bool inline_scale = one_half_scale(l);
+    thread_local std::vector<float> buffer;
+    const int64_t stride = row_groups + 16;
+    if (buffer.size() < static_cast<size_t>(2 * R * stride)) buffer.resize(static_cast<size_t>(2 * R * stride));
+    const float *scales[R];
+    const uint8_t *rows[R];
+    for (int r = 0; r < R; r++) {
+        rows[r] = l.codes + (n + r) * l.row_bytes;
+        float *s = buffer.data() + r * stride, *mn = buffer.data() + (R + r) * stride;
+        if (!inline_scale) row_products<V>(l, plan, rows[r], s, mn, half);
+        scales[r] = s;
+    }
+    vec sum[R][M];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) sum[r][m] = V::zero();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block[R];
+        for (int r = 0; r < R; r++) {
+            block[r] = rows[r] + b * l.block_bytes;
+            // 1 KiB ahead, once per cache line the row's blocks enter
+            if (((reinterpret_cast<uintptr_t>(block[r]) + 1024) & 63) < static_cast<uintptr_t>(l.block_bytes))
+                __builtin_prefetch(block[r] + 1024, 0, 0);
+        }
+        const float *xb = x + b * l.elements;
+        for (int u = 0; u < units; u++) {
+            const int c0 = u * 2 * D, g0 = c0 / per_group;
+            vec low[R][M], high[R][M];
+            for (int r = 0; r < R; r++)
+                for (int m = 0; m < M; m++) {
+                    low[r][m] = V::zero();
+                    if (NEXT) high[r][m] = V::zero();
+                }
+            for (int i = 0; i < D; i++) {
+                const int off = chunks[c0 + i].off;
+                vec xl[M], xh[M];
+                for (int m = 0; m < M; m++) {
+                    xl[m] = V::load(xb + m * ldx + (c0 + i) * W);
+                    xh[m] = V::load(xb + m * ldx + (c0 + D + i) * W);
+                }
+                for (int r = 0; r < R; r++) {
+                    const ivec raw = V::raw(block[r] + off);
+                    const vec el = V::lut(raw, table), eh = V::lut(V::srli4(raw), table);
+                    for (int m = 0; m < M; m++) {
+                        low[r][m] = V::fma(xl[m], el, low[r][m]);
+                        if (NEXT)
+                            high[r][m] = V::fma(xh[m], eh, high[r][m]);
+                        else
+                            low[r][m] = V::fma(xh[m], eh, low[r][m]);
+                    }
+                }
+            }
+            const int64_t at = b * groups + g0;
+            for (int r = 0; r < R; r++) {
+                const vec s = V::set1(inline_scale ? block_half(block[r], l.scale[0].offset, half) : scales[r][at]);
+                for (int m = 0; m < M; m++) sum[r][m] = V::fma(low[r][m], s, sum[r][m]);
+                if (NEXT) {
+                    const vec t = V::set1(scales[r][at + 1]);
+                    for (int m = 0; m < M; m++) sum[r][m] = V::fma(high[r][m], t, sum[r][m]);
+                }
+            }
+        }
+    }
+    const float sign = static_cast<float>(l.minimum_sign);
+    for (int r = 0; r < R; r++) {
+        const float *mn = buffer.data() + (R + r) * stride;
+        for (int m = 0; m < M; m++) {
+            float total = V::hsum(sum[r][m]);
+            if (l.n_minimum) total += sign * dot<V>(mn, xsum + m * row_groups, row_groups);
+            acc[m * ldy + n + r] = total;
+        }
+    }
+}
+
+template <class HALF, class V, int M, bool NEXT>
+static void rows_pairs_m(const Layout &l, const Plan &plan, const float *x, int64_t ldx, const float *xsum,
+                         int64_t n0, int64_t n1, float *acc, int64_t ldy, HALF half, int D) {
+    constexpr int R = M <= 2 ? 4 : 2;
+    const typename V::Table table = V::table(l.values);
+    int64_t n = n0;
+    auto block = [&](auto rows_t, int64_t at) {
+        constexpr int RR = decltype(rows_t)::value;
+        switch (D) {
+            case 1: return rows_block_pairs<HALF, V, M, RR, NEXT, 1>(l, plan, x, ldx, xsum, at, acc, ldy, table, half, D);
+            case 2: return rows_block_pairs<HALF, V, M, RR, NEXT, 2>(l, plan, x, ldx, xsum, at, acc, ldy, table, half, D);
+            case 4: return rows_block_pairs<HALF, V, M, RR, NEXT, 4>(l, plan, x, ldx, xsum, at, acc, ldy, table, half, D);
+            default: return rows_block_pairs<HALF, V, M, RR, NEXT, 0>(l, plan, x, ldx, xsum, at, acc, ldy, table, half, D);
+        }
+    };
+    for (; n + R <= n1; n += R) block(std::integral_constant<int, R>(), n);
+    for (; n < n1; n++) block(std::integral_constant<int, 1>(), n);
+}
+
+template <class HALF, class V, bool NEXT>
+static void rows_pairs(const Layout &l, const Plan &plan, const float *x, int64_t ldx, const float *xsum, int m,
+                       int64_t n0, int64_t n1, float *acc, int64_t ldy, HALF half, int D) {
+    switch (m) {
+        case 1: return rows_pairs_m<HALF, V, 1, NEXT>(l, plan, x, ldx, xsum, n0, n1, acc, ldy, half, D);
+        case 2: return rows_pairs_m<HALF, V, 2, NEXT>(l, plan, x, ldx, xsum, n0, n1, acc, ldy, half, D);
+        case 3: return rows_pairs_m<HALF, V, 3, NEXT>(l, plan, x, ldx, xsum, n0, n1, acc, ldy, half, D);
+        default: return rows_pairs_m<HALF, V, 4, NEXT>(l, plan, x, ldx, xsum, n0, n1, acc, ldy, half, D);
+    }
+}
+
+// Whether every unit of 2 * D chunks pairs chunk i with chunk i + D on one window, shifts 0 and 4.
+inline bool pairs_fit(const Layout &l, const Plan &plan, int W, int D) {
+    const int chunks = l.elements / W;
+    if (D < 1 || chunks % (2 * D)) return false;
+    for (int c0 = 0; c0 < chunks; c0 += 2 * D)
+        for (int i = 0; i < D; i++) {
+            const Chunk &a = plan.element[c0 + i], &b = plan.element[c0 + D + i];
+            if (!a.ident || !b.ident || a.off != b.off) return false;
+            for (int j = 0; j < W; j++)
+                if (a.shift[j] != 0 || b.shift[j] != 4) return false;
+        }
+    return true;
+}
+
+// Whether every chunk reads W whole bytes in order (no shift, every bit, no other piece).
+inline bool whole_bytes(const Layout &l, const Plan &plan, int W) {
+    if (l.el_depth != 1 || l.el_bits != 8 || l.el_table) return false;
+    for (const Chunk &c : plan.element) {
+        if (!c.ident) return false;
+        for (int j = 0; j < W; j++)
+            if (c.shift[j] != 0 || c.mask[j] != 0xFF || c.dest[j] != 0) return false;
+    }
+    return true;
 }
 
 template <class HALF, class V, int M, int DEPTH, bool LUT>
@@ -213,6 +376,10 @@ static void gemv_blocks_vector(const Layout &l, const Plan &plan, const float *x
     const bool lut = l.el_bits <= 4;
     bool nibbles = l.el_depth == 1 && lut;
     for (int i = 0; i < l.elements && nibbles; i++) nibbles = l.el_slots[2 * l.elements + i] == 0xF;
+    const int per_group = l.sub / V::W;
+    const int same = nibbles && per_group % 2 == 0 && pairs_fit(l, plan, V::W, per_group / 2) ? per_group / 2 : 0;
+    const int next = nibbles && !same && l.groups % 2 == 0 && pairs_fit(l, plan, V::W, per_group) ? per_group : 0;
+    const bool bytes = whole_bytes(l, plan, V::W);
     const int64_t xs_stride = l.k / l.sub;
     for (int m0 = 0; m0 < m; m0 += 4) {
         const int count = m - m0 < 4 ? m - m0 : 4;
@@ -220,11 +387,26 @@ static void gemv_blocks_vector(const Layout &l, const Plan &plan, const float *x
         float *ys = acc + m0 * ldy;
         switch (l.el_depth * 2 + (lut ? 1 : 0)) {
             case 3:
+                if (same) {
+                    rows_pairs<HALF, V, false>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half, same);
+                    break;
+                }
+                if (next) {
+                    rows_pairs<HALF, V, true>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half, next);
+                    break;
+                }
                 if (nibbles) {
                     rows_any<HALF, V, 0, true>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half);
                     break;
                 } rows_any<HALF, V, 1, true>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half); break;
-            case 2: rows_any<HALF, V, 1, false>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half); break;
+            case 2:
+                if (bytes && l.el_signed)
+                    rows_any<HALF, V, 9, false>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half);
+                else if (bytes)
+                    rows_any<HALF, V, 8, false>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half);
+                else
+                    rows_any<HALF, V, 1, false>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half);
+                break;
             case 5: rows_any<HALF, V, 2, true>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half); break;
             case 4: rows_any<HALF, V, 2, false>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half); break;
             case 7: rows_any<HALF, V, 3, true>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half); break;
