@@ -65,6 +65,22 @@ CPU_GEMV_EXTENSION = Extension(
     optional=True,
 )
 
+# The dequant_gemm kernel's bfloat16 tile decoder and fused AMX tile GEMM (qscheme.tile_gemm), C++17
+# with no torch headers, optional in the same way (without it dequant_gemm decodes through torch).
+TILE_GEMM_EXTENSION = Extension(
+    "qscheme._tile_gemm",
+    sources=["qscheme/csrc/tile_gemm.cpp", "qscheme/csrc/tile_gemm_amx.cpp"],
+    depends=["qscheme/csrc/tile_gemm.h"],
+    language="c++",
+    extra_compile_args=["-O3", "-std=c++17", "-fno-fast-math", "-pthread"],
+    extra_link_args=["-pthread"],
+    optional=True,
+)
+
 
 if __name__ == "__main__":
-    setup(package_dir=ROOTS, packages=packages(), ext_modules=[BLOCKS_EXTENSION, CPU_GEMV_EXTENSION])
+    setup(
+        package_dir=ROOTS,
+        packages=packages(),
+        ext_modules=[BLOCKS_EXTENSION, CPU_GEMV_EXTENSION, TILE_GEMM_EXTENSION],
+    )

@@ -1,25 +1,39 @@
-"""The ``dequant_gemm`` kernel: dequantize row tiles into the activation dtype, then torch's GEMM.
+"""The ``dequant_gemm`` kernel: dequantize tiles into the activation dtype, then a GEMM.
 
 For large batches (prefill) a GEMM beats any GEMV: the weight is read once per call either way,
 and the multiplication is what costs. ``prepare`` keeps the canonical weight as it is (on the
-CPU the very tensors the layer holds: no copy). ``apply`` dequantizes a tile of output rows at
-a time with the reference dequantization (``qscheme.canonical.dequantize_rows``: bit for bit the
-rows of ``qscheme.canonical.dequantize``) into a float32 buffer, rounds the tile once to the
-activation dtype (bfloat16; float32 inputs use the float32 tile as it is) and multiplies it with
-``torch.nn.functional.linear`` (on a CPU, oneDNN's bfloat16 GEMM on AVX-512 BF16 / AMX) into
-its columns of the output. A tile's buffers are freed when it is done: nothing stays allocated.
+CPU the very tensors the layer holds: no copy), with the ``cpu_gemv`` extension's description
+of it (views) where that extension takes its format.
 
-Threads: the tiles are shared out over qscheme's slab workers (``qscheme.slabs``), each running
-torch single-threaded, one tile's dequantization and GEMM after the other, with the calling
-thread single-threaded meanwhile. Alternating multi-threaded dequantization on the workers with
-a GEMM on torch's OpenMP team, whose threads spin after each parallel region, was 3-5x slower
-on two cores.
+``apply``, bfloat16 inputs, where the ``qscheme._tile_gemm`` extension runs AMX (``qscheme.tile_gemm``):
+one call decodes panels of 32 weight rows, K chunk by K chunk, into bfloat16 (each weight the
+reference's float32 value rounded once to nearest even) in a buffer that stays in the core's
+cache, and multiplies them at once by every input row on the AMX tiles (products summed in
+float32, the output rounded once to bfloat16, the bias added in float32 before). The panels are
+shared out over ``torch.get_num_threads()`` threads of the extension.
+
+Otherwise (float32 inputs, no AMX, a format the extensions do not decode): a tile of output rows
+at a time is dequantized exactly (the extension's bfloat16 decoder, ``cpu_gemv``'s float32 row
+decoder, or ``qscheme.canonical.dequantize_rows``: bit for bit the rows of
+``qscheme.canonical.dequantize``), rounded once to the activation dtype (bfloat16; float32
+inputs use the float32 tile as it is) and multiplied with ``torch.nn.functional.linear``
+(oneDNN) into its columns of the output. The tiles are shared out over qscheme's slab workers
+(``qscheme.slabs``), each running torch single-threaded, with the calling thread single-threaded
+meanwhile: alternating multi-threaded dequantization with a GEMM on torch's OpenMP team, whose
+threads spin after each parallel region, was 3-5x slower on two cores. A tile's buffers are
+freed when it is done: nothing stays allocated.
+
+Quantized activations (FP8, FP8_DYNAMIC, W8A8, NVFP4 W4A4) are emulated exactly as the reference
+kernel emulates them (``ReferenceKernel.quantize_input``: float32, once per run of fused
+partitions sharing their static input scales); with bfloat16 inputs the emulated float32 input
+is then rounded once to bfloat16 for the GEMM.
 
 Numerics: with bfloat16 inputs each weight is rounded once to bfloat16 (half a bfloat16 ulp,
 ``2**-9 * |w|``), products are summed in float32 by the GEMM and the output rounded once; an
 AWQ input pre-scale multiplies the input in float32 and the product is rounded once to the
-input's dtype. With float32 inputs the math is the reference kernel's (float32 weight, float32
-products) up to the order of the sums.
+input's dtype, as is an emulated quantized input. AMX (and oneDNN's bfloat16 GEMM on it) reads
+bfloat16 subnormals (below 2**-126 in magnitude) as zero. With float32 inputs the math is the
+reference kernel's (float32 weight, float32 products) up to the order of the sums.
 """
 
 from __future__ import annotations
@@ -28,11 +42,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from qscheme_plugins.reference_kernel import ReferenceKernel, ReferenceState, input_scalings
 from torch import Tensor
 
-from qscheme import slabs
+from qscheme import slabs, tile_gemm
 from qscheme.canonical import CanonicalWeight, dequantize_rows, scale_tile
-from qscheme.emulation import apply_pre_scale
 from qscheme.errors import UsageError
 
 TILE_BYTES = 4 << 20  # float32 bytes of weight rows dequantized at once by one thread (at most)
@@ -49,11 +63,12 @@ def tile_rows(n: int, k: int, unit: int = 1) -> int:
 
 @dataclass(frozen=True)
 class DequantGemmState:
-    """The canonical weight on the device (no copy on a CPU), the input pre-scale, and the
-    ``cpu_gemv`` extension's view of the same tensors where it decodes them (``native``)."""
+    """The canonical weight on the device (no copy on a CPU), what the input needs before the
+    GEMM (an AWQ pre-scale, activation quantization: the reference kernel's state, or None), and
+    the ``cpu_gemv`` extension's view of the same tensors where it decodes them (``native``)."""
 
     canonical: CanonicalWeight
-    pre_scale: Tensor | None
+    emulation: ReferenceState | None
     native: Any = None
 
 
@@ -84,11 +99,20 @@ class DequantGemmKernel:
 
     def prepare(self, weight: CanonicalWeight, device: torch.device) -> DequantGemmState:
         device = torch.device(device)
-        pre_scale = weight.input_pre_scale
         canonical = weight.to(device)
+        emulation = None
+        if weight.scheme.activation is not None or weight.input_pre_scale is not None:
+            pre_scale = weight.input_pre_scale
+            emulation = ReferenceState(
+                canonical=canonical,
+                k=weight.k,
+                activation=weight.scheme.activation,
+                scalings=input_scalings(canonical, device) if weight.scheme.activation is not None else (),
+                pre_scale=None if pre_scale is None else pre_scale.to(device=device, dtype=torch.float32),
+            )
         return DequantGemmState(
             canonical=canonical,
-            pre_scale=None if pre_scale is None else pre_scale.to(device=device, dtype=torch.float32),
+            emulation=emulation,
             native=native_layout(canonical) if self.native else None,
         )
 
@@ -97,30 +121,56 @@ class DequantGemmKernel:
         if x.shape[-1] != weight.k:
             raise UsageError(f"input has {x.shape[-1]} features in its last dim; the layer takes K={weight.k}")
         dtype = x.dtype
-        inputs = x.reshape(-1, weight.k)
-        if state.pre_scale is not None:
-            inputs = apply_pre_scale(inputs.to(torch.float32), state.pre_scale).to(dtype)
-        y = torch.empty(inputs.shape[0], weight.n, dtype=dtype, device=inputs.device)
-        if inputs.shape[0] > 0:
-            inputs = inputs.contiguous()
-            bias = None if bias is None else bias.to(device=inputs.device, dtype=dtype)
-            rows = tile_rows(weight.n, weight.k, scale_tile(weight, weight.scale)[0])
-            tiles = [slice(start, min(weight.n, start + rows)) for start in range(0, weight.n, rows)]
-            inference = torch.is_inference_mode_enabled()
-
-            def work(tile: slice) -> None:
-                # on a worker (torch single-threaded there): this tile's dequantization and GEMM
-                with torch.inference_mode(inference), torch.no_grad():
-                    _multiply_tile(state, inputs, bias, tile, y)
-
-            with slabs.single_threaded_caller():  # see the module docstring: Threads
-                slabs.run_slabs(work, tiles, inputs.device)
+        rows = x.reshape(-1, weight.k)
+        y = torch.empty(rows.shape[0], weight.n, dtype=dtype, device=rows.device)
+        if rows.shape[0] > 0:
+            bias = None if bias is None else bias.to(device=rows.device, dtype=dtype)
+            for start, stop, inputs in _pieces(state, rows):
+                if self.native and state.native is not None and dtype == torch.bfloat16 and tile_gemm.fused():
+                    bias32 = None if bias is None else bias.to(torch.float32)
+                    tile_gemm.gemm(state.native, inputs, bias32, start, stop, out=y[:, start:stop])
+                else:
+                    _tiles(state, inputs, bias, start, stop, y)
         return y.reshape(*x.shape[:-1], weight.n)
+
+
+def _pieces(state: DequantGemmState, rows: Tensor) -> list[tuple[int, int, Tensor]]:
+    """(first output row, last + 1, the input those rows multiply, contiguous in the input's
+    dtype): the input itself, or pre-scaled and quantized as the reference kernel does, per run
+    of fused partitions sharing their static input scales."""
+    n = state.canonical.n
+    if state.emulation is None:
+        return [(0, n, rows.contiguous())]
+    return [
+        (0, n, values.to(rows.dtype).contiguous())
+        if scaling is None
+        else (scaling.start, scaling.stop, values.to(rows.dtype).contiguous())
+        for scaling, values in ReferenceKernel().quantize_input(state.emulation, rows)
+    ]
+
+
+def _tiles(state: DequantGemmState, inputs: Tensor, bias: Tensor | None, start: int, stop: int, y: Tensor) -> None:
+    """y[:, start:stop] = inputs @ W[start:stop]^T (+ bias) a tile of rows at a time (see the
+    module docstring)."""
+    weight = state.canonical
+    rows = tile_rows(weight.n, weight.k, scale_tile(weight, weight.scale)[0])
+    tiles = [slice(first, min(stop, first + rows)) for first in range(start, stop, rows)]
+    inference = torch.is_inference_mode_enabled()
+
+    def work(tile: slice) -> None:
+        # on a worker (torch single-threaded there): this tile's dequantization and GEMM
+        with torch.inference_mode(inference), torch.no_grad():
+            _multiply_tile(state, inputs, bias, tile, y)
+
+    with slabs.single_threaded_caller():  # see the module docstring
+        slabs.run_slabs(work, tiles, inputs.device)
 
 
 def tile_weight(state: DequantGemmState, start: int, stop: int, dtype: torch.dtype) -> Tensor:
     """Rows [start, stop) of the weight in ``dtype``: the reference's float32 values, rounded
-    once to bfloat16 for bfloat16 inputs (by the extension where it decodes the layer)."""
+    once to bfloat16 for bfloat16 inputs (by the extensions where they decode the layer)."""
+    if state.native is not None and dtype == torch.bfloat16 and tile_gemm.available():
+        return tile_gemm.dequantize_rows(state.native, start, stop, threads=1)
     if state.native is not None:
         from qscheme import cpu_gemv
 
@@ -143,6 +193,8 @@ def dequantized_tiles(state: DequantGemmState, dtype: torch.dtype) -> list[tuple
 def _multiply_tile(state: DequantGemmState, inputs: Tensor, bias: Tensor | None, tile: slice, y: Tensor) -> None:
     """y[:, tile] = inputs @ W[tile]^T (+ bias[tile]), W's rows dequantized exactly and rounded
     once to the inputs' dtype."""
+    if tile.stop <= tile.start:
+        return
     rows = tile_weight(state, tile.start, tile.stop, inputs.dtype)
     part = None if bias is None else bias[tile]
     y[:, tile] = torch.nn.functional.linear(inputs, rows, part)

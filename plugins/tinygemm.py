@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from qscheme.kernels.declaration import (
     ActivationDtypes,
+    BatchRange,
     CapabilityRange,
     DeviceSupport,
     KernelDeclaration,
@@ -104,6 +105,17 @@ TINYGEMM = KernelDeclaration(
     ),
 )
 
+# Where torch's CPU int4 GEMM stops paying: from M = 16 the dequant_gemm tiles (AMX) beat it on every
+# measurement (benchmarks/cpu_plan.py, W4A16 g128 4096x4096 bf16, two shared AVX-512/AMX cores:
+# tinygemm_cpu 3.3-14 / 64-88 / 280 ms at M = 16 / 64 / 256 against the tiles' 1.4 / 3.1-3.4 / 25 ms).
+TINYGEMM_CPU_BATCHES = BatchRange(
+    "cpu",
+    0,
+    15,
+    source="benchmarks/cpu_plan.py, W4A16 g128 4096x4096 bf16, 1 and 2 threads: dequant_gemm's AMX tiles are "
+    "2-10x faster from M = 16 on",
+)
+
 TINYGEMM_CPU = KernelDeclaration(
     name="tinygemm_cpu",
     provider="torch",
@@ -127,6 +139,7 @@ TINYGEMM_CPU = KernelDeclaration(
         _MEMORY_NOTE,
         _BLOCKS_NOTE,
     ),
+    batch_ranges=(TINYGEMM_CPU_BATCHES,),
 )
 
 

@@ -64,9 +64,9 @@ BUILTIN_KERNELS_BY_PRIORITY: list[str] = [
     "marlin_mxfp4",
     "tinygemm",
     "tinygemm_cpu",
+    "dequant_gemm",
     "triton",
     "cpu_gemv",
-    "dequant_gemm",
     "reference",
     "native_fp8_cpu",
 ]

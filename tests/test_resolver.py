@@ -336,9 +336,9 @@ def test_order_is_priority_then_name_whatever_the_input_order() -> None:
         "a_twin",
         "b_twin",
         "tinygemm_cpu",
+        "dequant_gemm",
         "triton",
         "cpu_gemv",
-        "dequant_gemm",
         "reference",
         "native_fp8_cpu",
     ]
@@ -435,12 +435,12 @@ def test_nvfp4_weights_with_fp8_inputs_fail_naming_both_formats(tmp_path: Path) 
             assert all(c.stage == "scheme" for c in resolution.trace)
             message = no_kernel_message(resolution, declarations=AS_IF_IMPLEMENTED)
             assert "No kernel implements nvfp4 weights with fp8 static per tensor activations." in message
-            assert "none (16-bit)                  marlin, triton, cpu_gemv, dequant_gemm, reference" in message
-            assert "nvfp4 dynamic per group of 16  native_fp4, triton, cpu_gemv, reference" in message
+            assert "none (16-bit)                  marlin, dequant_gemm, triton, cpu_gemv, reference" in message
+            assert "nvfp4 dynamic per group of 16  native_fp4, dequant_gemm, triton, cpu_gemv, reference" in message
     # The pairing table is computed from the declarations, not written down anywhere.
     assert activation_pairings("nvfp4", AS_IF_IMPLEMENTED) == [
-        ("none (16-bit)", ["marlin", "triton", "cpu_gemv", "dequant_gemm", "reference"]),
-        ("nvfp4 dynamic per group of 16", ["native_fp4", "triton", "cpu_gemv", "reference"]),
+        ("none (16-bit)", ["marlin", "dequant_gemm", "triton", "cpu_gemv", "reference"]),
+        ("nvfp4 dynamic per group of 16", ["native_fp4", "dequant_gemm", "triton", "cpu_gemv", "reference"]),
     ]
 
 
@@ -562,16 +562,16 @@ def test_activation_formats_no_kernel_runs_fail_at_resolution_naming_the_format(
         message = str(raised.value)
         assert "No kernel implements fp8 weights with fp8 dynamic per token (e5m2, bf16 scales) activations." in message
         assert (
-            "fp8 dynamic per token (e4m3, fp32/float scales)            native_fp8_rowwise, triton, cpu_gemv, "
-            "reference, native_fp8_cpu" in message
-        )
-        assert (
-            "fp8 static per tensor (e4m3, fp32/float/fp16/bf16 scales)  native_fp8, native_fp8_rowwise, triton, "
+            "fp8 dynamic per token (e4m3, fp32/float scales)            native_fp8_rowwise, dequant_gemm, triton, "
             "cpu_gemv, reference, native_fp8_cpu" in message
         )
         assert (
-            "fp8 dynamic per group of 128 (e4m3, fp32/float scales)     native_fp8_block, triton, cpu_gemv, reference"
-            in message
+            "fp8 static per tensor (e4m3, fp32/float/fp16/bf16 scales)  native_fp8, native_fp8_rowwise, dequant_gemm, "
+            "triton, cpu_gemv, reference, native_fp8_cpu" in message
+        )
+        assert (
+            "fp8 dynamic per group of 128 (e4m3, fp32/float scales)     native_fp8_block, dequant_gemm, triton, "
+            "cpu_gemv, reference" in message
         )
     # A plugin kernel declaring the format takes the scheme.
     declarations = (*AS_IF_IMPLEMENTED, implemented(E5M2_KERNEL))
@@ -646,7 +646,7 @@ def test_weight_element_formats_a_kernel_does_not_take_are_rejected_at_the_schem
     on_cpu = resolve(e4m3, SQUARE, fake_device("cpu"), AS_IF_IMPLEMENTED)
     assert (
         on_cpu.candidate("native_fp8_cpu").reason
-        == "not chosen: cpu_gemv, reference rank higher for the M it is meant for"
+        == "not chosen: cpu_gemv, dequant_gemm rank higher for the M it is meant for"
     )
     # A kernel that declares e5m2 weights takes the scheme, and only e5m2 ones.
     declarations = (*AS_IF_IMPLEMENTED, implemented(E5M2_WEIGHTS_KERNEL))

@@ -1,0 +1,445 @@
+/* qscheme._tile_gemm: the dequant_gemm kernel's tile decoder and fused tile GEMM on the CPU.
+ *
+ * dequantize: rows of a canonical quantized weight as bfloat16, each the reference's float32
+ * value fp32((value - zero) * effective_scale) rounded once (to nearest, ties to even). Vector
+ * loops for AVX-512 with BF16 (tile_gemm_amx.cpp), a portable loop otherwise and for what the
+ * vector loops do not tile (the rest of K past a multiple of 32, 4-bit groups other than 16 or a
+ * multiple of 32, 8-bit groups not a multiple of 16).
+ *
+ * gemm: y = x W^T (+ bias) for bfloat16 x on AMX: panels of 32 weight rows are decoded as above
+ * into a bfloat16 buffer that stays in the core's cache and multiplied at once by every row of x
+ * with TDPBF16PS (products of bfloat16 values summed in float32), the output rounded once to
+ * bfloat16 (the bias added in float32 first). x is packed once per call into the tiles' pair
+ * layout. Panels are shared out over a pool of worker threads (the caller passes the count); the
+ * GIL is released meanwhile. Never is the whole weight dequantized: a thread holds one panel.
+ *
+ * No torch headers: the Python wrapper (qscheme.tile_gemm) passes the tensors' addresses, in the
+ * order of the layer description qscheme.cpu_gemv.layout_of gives.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "tile_gemm.h"
+
+namespace qscheme_tile {
+
+namespace {
+
+float half_value(uint16_t h) {
+    const float sign = (h & 0x8000u) ? -1.0f : 1.0f;
+    const int exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -24);
+    if (exponent == 31) return mantissa ? std::nanf("") : sign * INFINITY;
+    return sign * std::ldexp(static_cast<float>(mantissa | 0x400), exponent - 25);
+}
+
+float bf16_value(uint16_t h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+float e4m3_value(uint8_t b) {
+    if ((b & 0x7F) == 0x7F) return std::nanf("");
+    const float sign = (b & 0x80) ? -1.0f : 1.0f;
+    const int exponent = (b >> 3) & 0xF, mantissa = b & 7;
+    if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -9);
+    return sign * std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);
+}
+
+}  // namespace
+
+uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFFu)) return static_cast<uint16_t>((bits >> 16) | 0x40);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest, ties to even
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+void row_scales(const Layer &p, int64_t n, int64_t g0, int64_t g1, float *s, float *z) {
+    const int64_t base = (n / p.group_n) * p.scale_cols;
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t i = base + g;
+        float v;
+        switch (p.scale_kind) {
+            case SCALE_F32: v = static_cast<const float *>(p.scale)[i]; break;
+            case SCALE_BF16: v = bf16_value(static_cast<const uint16_t *>(p.scale)[i]); break;
+            case SCALE_F16: v = half_value(static_cast<const uint16_t *>(p.scale)[i]); break;
+            case SCALE_BYTE: v = p.scale_table[static_cast<const uint8_t *>(p.scale)[i]]; break;
+            default: v = p.row_scale ? p.row_scale[n] : 1.0f; break;
+        }
+        if (p.scale_kind != SCALE_NONE && p.row_scale) v = p.row_divide ? v / p.row_scale[n] : v * p.row_scale[n];
+        s[g] = v;
+        z[g] = p.zero ? static_cast<float>(p.zero[i]) : 0.0f;
+    }
+}
+
+float weight_value(const Layer &p, const uint8_t *row, const float *s, const float *z, int64_t k) {
+    float v;
+    switch (p.code_kind) {
+        case CODE_NIBBLE: v = p.lut[(row[k >> 1] >> ((k & 1) * 4)) & 0xF]; break;
+        case CODE_E4M3: v = e4m3_value(row[k]); break;
+        case CODE_INT8: v = static_cast<float>(static_cast<int8_t>(row[k])); break;
+        default: v = static_cast<float>(row[k]); break;
+    }
+    const int64_t g = k / p.group_k;
+    if (p.zero) v = v - z[g];
+    return v * s[g];
+}
+
+bool amx_ready() {
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__linux__)
+    static const bool ready = [] {
+        if (!vector_compiled()) return false;
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // AMX-BF16, AMX-TILE
+        // Linux hands out the tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+        return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }();
+    return ready;
+#else
+    return false;
+#endif
+}
+
+}  // namespace qscheme_tile
+
+using namespace qscheme_tile;
+
+namespace {
+
+enum { ISA_SCALAR = 0, ISA_AVX512 = 1, ISA_AMX = 2 };
+const char *const ISA_NAMES[] = {"scalar", "avx512", "amx"};
+
+bool avx512_bf16() {
+#if defined(__x86_64__) || defined(__i386__)
+    if (!vector_compiled()) return false;
+    __builtin_cpu_init();
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c")))
+        return false;
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1);  // AVX512_BF16
+#else
+    return false;
+#endif
+}
+
+int isa_supported() {
+    static const int level = [] {
+        if (!avx512_bf16()) return static_cast<int>(ISA_SCALAR);
+        return static_cast<int>(amx_ready() ? ISA_AMX : ISA_AVX512);
+    }();
+    return level;
+}
+
+int isa_active = -1;
+
+int isa_level() {
+    if (isa_active < 0) isa_active = isa_supported();
+    return isa_active;
+}
+
+/* Worker threads sharing out numbered tasks: run(count, tasks, job) calls job(task) once for every
+ * task, on the caller and up to count - 1 workers taking the next task from a shared counter. The
+ * caller never waits for a worker that has not started (it may wait long for a core on a busy
+ * machine): once every task is taken it closes the run and waits only for workers inside it. */
+class Pool {
+   public:
+    void run(int count, int64_t tasks, const std::function<void(int64_t)> &job) {
+        std::lock_guard<std::mutex> serial(serial_);
+        next_.store(0);
+        tasks_ = tasks;
+        if (count > 1) {
+            while (static_cast<int>(threads_) < count - 1) {
+                const int index = threads_++;
+                std::thread([this, index] { loop(index); }).detach();  // lives as long as the process
+            }
+            std::lock_guard<std::mutex> lock(mutex_);
+            job_ = &job;
+            wanted_ = count - 1;
+            open_ = true;
+            generation_++;
+        }
+        if (count > 1) wake_.notify_all();
+        take(job);
+        if (count > 1) {
+            std::unique_lock<std::mutex> lock(mutex_);
+            open_ = false;
+            done_.wait(lock, [this] { return active_ == 0; });
+            job_ = nullptr;
+        }
+    }
+
+   private:
+    void take(const std::function<void(int64_t)> &job) {
+        for (int64_t task = next_.fetch_add(1); task < tasks_; task = next_.fetch_add(1)) job(task);
+    }
+    void loop(int index) {
+        uint64_t seen = 0;
+        for (;;) {
+            const std::function<void(int64_t)> *job;
+            {
+                std::unique_lock<std::mutex> lock(mutex_);
+                wake_.wait(lock, [&] { return generation_ != seen; });
+                seen = generation_;
+                if (index >= wanted_ || !open_) continue;
+                job = job_;
+                active_++;
+            }
+            take(*job);
+            std::lock_guard<std::mutex> lock(mutex_);
+            if (--active_ == 0) done_.notify_one();
+        }
+    }
+    std::mutex serial_, mutex_;
+    std::condition_variable wake_, done_;
+    int threads_ = 0, wanted_ = 0, active_ = 0;
+    const std::function<void(int64_t)> *job_ = nullptr;
+    std::atomic<int64_t> next_{0};
+    int64_t tasks_ = 0;
+    bool open_ = false;
+    uint64_t generation_ = 0;
+};
+
+Pool *pool() {
+    static Pool *instance = new Pool();  // never destroyed: detached workers wait on it
+    return instance;
+}
+
+constexpr int LAYER_INTS = 15;
+
+bool read_ints(PyObject *args, Py_ssize_t first, int count, long long *out) {
+    for (int i = 0; i < count; i++) {
+        PyObject *item = PyTuple_GetItem(args, first + i);
+        if (!item) return false;
+        out[i] = PyLong_AsLongLong(item);
+        if (out[i] == -1 && PyErr_Occurred()) return false;
+    }
+    return true;
+}
+
+template <class T>
+T *address(long long value) {
+    return reinterpret_cast<T *>(static_cast<uintptr_t>(value));
+}
+
+/* The layer from its 15 integers (addresses as ints): codes, code stride, code kind, lut, scale,
+ * scale kind, scale table, scale columns, group rows, group columns, zero, row scale, divide, N, K. */
+bool parse_layer(PyObject *args, Py_ssize_t first, Layer &p) {
+    long long v[LAYER_INTS];
+    if (!read_ints(args, first, LAYER_INTS, v)) return false;
+    p.codes = address<const uint8_t>(v[0]);
+    p.code_stride = v[1];
+    p.code_kind = static_cast<int>(v[2]);
+    const float *lut = address<const float>(v[3]);
+    p.scale = address<const void>(v[4]);
+    p.scale_kind = static_cast<int>(v[5]);
+    const float *table = address<const float>(v[6]);
+    p.scale_cols = v[7];
+    p.group_n = v[8];
+    p.group_k = v[9];
+    p.zero = address<const int16_t>(v[10]);
+    p.row_scale = address<const float>(v[11]);
+    p.row_divide = static_cast<int>(v[12]);
+    p.n = v[13];
+    p.k = v[14];
+    if (p.code_kind < CODE_NIBBLE || p.code_kind > CODE_UINT8 || p.scale_kind < SCALE_NONE ||
+        p.scale_kind > SCALE_BYTE || p.scale_cols < 1 || p.group_n < 1 || p.group_k < 1 || p.n < 0 || p.k < 0 ||
+        !p.codes || (p.scale_kind != SCALE_NONE && !p.scale) || (p.scale_kind == SCALE_NONE && p.scale_cols != 1) ||
+        (p.code_kind == CODE_NIBBLE && !lut) || (p.scale_kind == SCALE_BYTE && !table)) {
+        PyErr_SetString(PyExc_ValueError, "qscheme._tile_gemm: inconsistent layer description");
+        return false;
+    }
+    if (lut) std::memcpy(p.lut, lut, sizeof(p.lut));
+    if (table) std::memcpy(p.scale_table, table, sizeof(p.scale_table));
+    return true;
+}
+
+struct RowBuffers {
+    std::vector<float> s, z, acc;
+    std::vector<uint16_t> panel;
+    void fit(const Layer &p, size_t panel_elements, size_t acc_elements, int64_t rows = 1) {
+        if (s.size() < static_cast<size_t>(rows * p.scale_cols)) {
+            s.resize(static_cast<size_t>(rows * p.scale_cols));
+            z.resize(static_cast<size_t>(rows * p.scale_cols));
+        }
+        if (panel.size() < panel_elements) panel.resize(panel_elements);
+        if (acc.size() < acc_elements) acc.resize(acc_elements);
+    }
+    void release() {  // buffers above 1 MiB are not kept between calls
+        if (2 * panel.size() + 4 * (acc.size() + s.size() + z.size()) > (size_t(1) << 20)) {
+            std::vector<uint16_t>().swap(panel);
+            std::vector<float>().swap(acc);
+            std::vector<float>().swap(s);
+            std::vector<float>().swap(z);
+        }
+    }
+};
+
+thread_local RowBuffers buffers;
+
+void decode_row(const Layer &p, int64_t n, uint16_t *out, bool vector) {
+    RowBuffers &b = buffers;
+    b.fit(p, 0, 0);
+    if (vector)
+        row_scales_avx512(p, n, 0, p.scale_cols, b.s.data(), b.z.data());
+    else
+        row_scales(p, n, 0, p.scale_cols, b.s.data(), b.z.data());
+    const uint8_t *row = p.codes + n * p.code_stride;
+    int64_t k = vector ? decode_row_avx512(p, n, b.s.data(), b.z.data(), 0, p.k, out) : 0;
+    for (; k < p.k; k++) out[k] = float_to_bf16(weight_value(p, row, b.s.data(), b.z.data(), k));
+}
+
+/* dequantize(out, n0, n1, threads, <15 layer ints>): rows [n0, n1) as bfloat16 [n1 - n0, K]. */
+PyObject *dequantize(PyObject *, PyObject *args) {
+    if (!PyTuple_Check(args) || PyTuple_Size(args) != 4 + LAYER_INTS) {
+        PyErr_SetString(PyExc_TypeError, "qscheme._tile_gemm.dequantize takes 19 integer arguments");
+        return nullptr;
+    }
+    long long head[4];
+    Layer p;
+    if (!read_ints(args, 0, 4, head) || !parse_layer(args, 4, p)) return nullptr;
+    uint16_t *out = address<uint16_t>(head[0]);
+    const int64_t n0 = head[1], n1 = head[2];
+    const int threads = static_cast<int>(std::max(1LL, std::min(head[3], 256LL)));
+    if (!out || n0 < 0 || n1 < n0 || n1 > p.n) {
+        PyErr_SetString(PyExc_ValueError, "qscheme._tile_gemm.dequantize: rows out of range");
+        return nullptr;
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    const bool vector = isa_level() >= ISA_AVX512;
+    const int64_t per_task = 16, tasks = (n1 - n0 + per_task - 1) / per_task;
+    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+    pool()->run(count, tasks, [&](int64_t task) {
+        const int64_t lo = n0 + task * per_task, hi = std::min(n1, lo + per_task);
+        for (int64_t n = lo; n < hi; n++) decode_row(p, n, out + (n - n0) * p.k, vector);
+    });
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
+/* x [M, K] bfloat16 -> the tiles' pair layout: for each block of 16 rows and each pair of columns
+ * (2r, 2r + 1), 16 uint32 (row j: x[16b + j, 2r] | x[16b + j, 2r + 1] << 16), zero past M and K. */
+void pack_block(const uint16_t *x, int64_t m, int64_t k, int64_t kp, int64_t block, uint32_t *xp) {
+    uint32_t *dst = xp + block * (kp / 2) * 16;
+    for (int j = 0; j < 16; j++) {
+        const int64_t row = block * 16 + j;
+        if (row >= m) {
+            for (int64_t r = 0; r < kp / 2; r++) dst[r * 16 + j] = 0;
+            continue;
+        }
+        const uint16_t *src = x + row * k;
+        const int64_t pairs = k / 2;
+        for (int64_t r = 0; r < pairs; r++)
+            dst[r * 16 + j] = static_cast<uint32_t>(src[2 * r]) | (static_cast<uint32_t>(src[2 * r + 1]) << 16);
+        for (int64_t r = pairs; r < kp / 2; r++) dst[r * 16 + j] = 2 * r < k ? src[2 * r] : 0;
+    }
+}
+
+/* gemm(x, m, out, ldy, bias, r0, r1, threads, rows, kc, <15 layer ints>): out[i, n - r0] (bfloat16,
+ * row stride ldy) = sum_k x[i, k] w[n, k] (+ bias[n], float32) for rows n in [r0, r1) of the weight;
+ * each task decodes `rows` weight rows (a multiple of 32) kc columns (a multiple of 32) at a time. */
+PyObject *gemm(PyObject *, PyObject *args) {
+    if (!PyTuple_Check(args) || PyTuple_Size(args) != 10 + LAYER_INTS) {
+        PyErr_SetString(PyExc_TypeError, "qscheme._tile_gemm.gemm takes 25 integer arguments");
+        return nullptr;
+    }
+    long long head[10];
+    Layer p;
+    if (!read_ints(args, 0, 10, head) || !parse_layer(args, 10, p)) return nullptr;
+    const uint16_t *x = address<const uint16_t>(head[0]);
+    const int64_t m = head[1];
+    uint16_t *out = address<uint16_t>(head[2]);
+    const int64_t ldy = head[3];
+    const float *bias = address<const float>(head[4]);
+    const int64_t r0 = head[5], r1 = head[6];
+    const int threads = static_cast<int>(std::max(1LL, std::min(head[7], 256LL)));
+    if (isa_level() != ISA_AMX) {
+        PyErr_SetString(PyExc_RuntimeError, "qscheme._tile_gemm.gemm needs AMX (isa() is not 'amx')");
+        return nullptr;
+    }
+    const int64_t task_rows = head[8], kc = head[9];
+    if (!x || !out || m < 0 || r0 < 0 || r1 < r0 || r1 > p.n || ldy < r1 - r0 || task_rows < 32 || task_rows % 32 ||
+        kc < 32 || kc % 32) {
+        PyErr_SetString(PyExc_ValueError, "qscheme._tile_gemm.gemm: inconsistent sizes");
+        return nullptr;
+    }
+    if (m == 0 || r1 == r0) Py_RETURN_NONE;
+    Py_BEGIN_ALLOW_THREADS;
+    const int64_t kp = (p.k + 31) / 32 * 32, blocks = (m + 15) / 16, mp = blocks * 16;
+    std::vector<uint32_t> xp(static_cast<size_t>(mp * kp / 2));
+    const int packers = static_cast<int>(std::min<int64_t>(threads, blocks));
+    pool()->run(packers, blocks, [&](int64_t block) { pack_block(x, m, p.k, kp, block, xp.data()); });
+    const int64_t tasks = (r1 - r0 + task_rows - 1) / task_rows, mp32 = (mp + 31) / 32 * 32;
+    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+    pool()->run(count, tasks, [&](int64_t task) {
+        const int64_t q0 = r0 + task * task_rows;
+        const int64_t q1 = q0 + std::min(task_rows, (r1 - q0 + 31) / 32 * 32);
+        RowBuffers &b = buffers;
+        b.fit(p, static_cast<size_t>((q1 - q0) * std::min(kc, kp)), static_cast<size_t>((q1 - q0) * mp32), q1 - q0);
+        gemm_rows_amx(p, xp.data(), m, mp, kp, bias, out, ldy, r0, r1, q0, q1, kc, b.panel.data(), b.acc.data(),
+                      b.s.data(), b.z.data());
+        b.release();
+    });
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
+PyObject *isa(PyObject *, PyObject *) { return PyUnicode_FromString(ISA_NAMES[isa_level()]); }
+
+PyObject *supported_isa(PyObject *, PyObject *) { return PyUnicode_FromString(ISA_NAMES[isa_supported()]); }
+
+PyObject *set_isa(PyObject *, PyObject *args) {
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
+    for (int level = ISA_SCALAR; level <= ISA_AMX; level++) {
+        if (std::strcmp(name, ISA_NAMES[level]) == 0) {
+            if (level > isa_supported()) {
+                PyErr_Format(PyExc_ValueError, "qscheme._tile_gemm.set_isa: this CPU does not run %s (it runs %s)",
+                             name, ISA_NAMES[isa_supported()]);
+                return nullptr;
+            }
+            isa_active = level;
+            Py_RETURN_NONE;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "qscheme._tile_gemm.set_isa: %s is not one of scalar, avx512, amx", name);
+    return nullptr;
+}
+
+PyMethodDef methods[] = {
+    {"dequantize", dequantize, METH_VARARGS, "Rows of a canonical quantized weight as bfloat16 (see qscheme.tile_gemm)."},
+    {"gemm", gemm, METH_VARARGS, "y = x W^T (+ bias) for bfloat16 x on AMX tiles (see qscheme.tile_gemm)."},
+    {"isa", isa, METH_NOARGS, "The loops in use: 'amx', 'avx512' or 'scalar'."},
+    {"supported_isa", supported_isa, METH_NOARGS, "The widest loops this CPU runs."},
+    {"set_isa", set_isa, METH_VARARGS, "Use the 'scalar', 'avx512' or 'amx' loops (at most what the CPU runs)."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tile_gemm", nullptr, -1, methods, nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__tile_gemm(void) { return PyModule_Create(&module); }

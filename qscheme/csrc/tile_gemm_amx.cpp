@@ -1,0 +1,313 @@
+// AVX-512 (with BF16) row decoder into bfloat16, and the fused tile GEMM on AMX tiles (tile_gemm.h).
+//
+// The decoder forms each weight as the reference does, fp32((value - zero) * scale), and rounds it
+// once to bfloat16 with VCVTNE2PS2BF16 (round to nearest even). That instruction reads a float32
+// subnormal as zero: such a weight (|w| < 2**-126) becomes 0 instead of a bfloat16 subnormal,
+// which the AMX dot product (TDPBF16PS) would read as zero anyway; the portable decoder keeps it.
+// 4-bit codes go through a bfloat16 table of the 16 values times the group's scale (VPERMW: one
+// table per group, or per pair of 16-wide groups); 8-bit codes are widened, scaled and rounded.
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma,amx-tile,amx-bf16")
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "tile_gemm.h"
+
+namespace qscheme_tile {
+
+namespace {
+
+inline __m512 decode16(const uint8_t *bytes, int kind) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(bytes));
+    if (kind == CODE_E4M3) {
+        // s eeee mmm -> float16 s 0 eeee mmm 0000000 (exact, subnormals included), widened and
+        // scaled by 2**8 (the bias difference); 0x7F and 0xFF are NaN, as float8_e4m3fn says
+        __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8);
+        h = _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+        const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+        const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(raw, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
+        return _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(std::nanf("")));
+    }
+    if (kind == CODE_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw));
+}
+
+inline __m512i bf16_pair(__m512 high, __m512 low) { return (__m512i)_mm512_cvtne2ps_pbh(high, low); }
+
+inline __m512 scaled(__m512 values, const float *s, const float *z, int64_t g, bool zero) {
+    if (zero) values = _mm512_sub_ps(values, _mm512_set1_ps(z[g]));
+    return _mm512_mul_ps(values, _mm512_set1_ps(s[g]));
+}
+
+// 16 code bytes (32 nibbles, element 2i in the low nibble of byte i) as 32 word indices in k order.
+inline __m512i nibble_indices(const uint8_t *bytes) {
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(bytes)));
+    // (d | d << 12) & 0x000F000F: the low nibble in word 2i, the high one in word 2i + 1
+    return _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+}
+
+}  // namespace
+
+bool vector_compiled() { return true; }
+
+void row_scales_avx512(const Layer &p, int64_t n, int64_t g0, int64_t g1, float *s, float *z) {
+    const int64_t base = (n / p.group_n) * p.scale_cols;
+    if (p.scale_kind == SCALE_NONE) {
+        row_scales(p, n, g0, g1, s, z);
+        return;
+    }
+    const bool factor = p.row_scale != nullptr, divide = p.row_divide != 0;
+    const __m512 row = _mm512_set1_ps(factor ? p.row_scale[n] : 1.0f);
+    int64_t g = g0;
+    for (; g + 16 <= g1; g += 16) {
+        const int64_t i = base + g;
+        __m512 v;
+        switch (p.scale_kind) {
+            case SCALE_F32: v = _mm512_loadu_ps(static_cast<const float *>(p.scale) + i); break;
+            case SCALE_BF16: {
+                const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(static_cast<const uint16_t *>(p.scale) + i));
+                v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                break;
+            }
+            case SCALE_F16:
+                v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(static_cast<const uint16_t *>(p.scale) + i)));
+                break;
+            default: {
+                const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint8_t *>(p.scale) + i));
+                v = _mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), p.scale_table, 4);
+                break;
+            }
+        }
+        if (factor) v = divide ? _mm512_div_ps(v, row) : _mm512_mul_ps(v, row);
+        _mm512_storeu_ps(s + g, v);
+        if (p.zero) {
+            const __m256i zz = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p.zero + i));
+            _mm512_storeu_ps(z + g, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(zz)));
+        }
+    }
+    if (g < g1) row_scales(p, n, g, g1, s, z);
+}
+
+int64_t decode_row_avx512(const Layer &p, int64_t n, const float *s, const float *z, int64_t k0, int64_t k1,
+                          uint16_t *out) {
+    // k0: a multiple of 32; k1: clipped to the whole chunks of 32 in K
+    const int64_t g = p.group_k;
+    k1 = std::min<int64_t>(k1, (p.k / 32) * 32);
+    if (k1 <= k0) return k0;
+    const uint8_t *row = p.codes + n * p.code_stride;
+    const bool zero = p.zero != nullptr;
+    if (p.code_kind == CODE_NIBBLE) {
+        if (g != 16 && g % 32 != 0) return k0;
+        const __m512 lut = _mm512_loadu_ps(p.lut);
+        if (g == 16) {  // two groups per 32 codes: a 32-entry table, the upper 16 words index its upper half
+            const __m512i upper = _mm512_set_epi32(0x00100010, 0x00100010, 0x00100010, 0x00100010, 0x00100010,
+                                                   0x00100010, 0x00100010, 0x00100010, 0, 0, 0, 0, 0, 0, 0, 0);
+            for (int64_t k = k0; k < k1; k += 32) {
+                const int64_t c = k / 32;
+                const __m512i table = bf16_pair(scaled(lut, s, z, 2 * c + 1, zero), scaled(lut, s, z, 2 * c, zero));
+                const __m512i index = _mm512_or_si512(nibble_indices(row + 16 * c), upper);
+                _mm512_storeu_si512(out + (k - k0), _mm512_permutexvar_epi16(index, table));
+            }
+            return k1;
+        }
+        int64_t group = k0 / g;  // one division per call: a group's run ends at the next multiple of g
+        for (int64_t k = k0; k < k1; group++) {
+            const int64_t stop = std::min<int64_t>(k1, (group + 1) * g);
+            const __m512 values = scaled(lut, s, z, group, zero);
+            const __m512i table = bf16_pair(values, values);
+            for (; k < stop; k += 32)
+                _mm512_storeu_si512(out + (k - k0), _mm512_permutexvar_epi16(nibble_indices(row + k / 2), table));
+        }
+        return k1;
+    }
+    if (g == 16) {
+        for (int64_t k = k0; k < k1; k += 32) {
+            const __m512 low = scaled(decode16(row + k, p.code_kind), s, z, k / 16, zero);
+            const __m512 high = scaled(decode16(row + k + 16, p.code_kind), s, z, k / 16 + 1, zero);
+            _mm512_storeu_si512(out + (k - k0), bf16_pair(high, low));
+        }
+        return k1;
+    }
+    if (g % 32 != 0) return k0;
+    int64_t group = k0 / g;
+    for (int64_t k = k0; k < k1; group++) {
+        const int64_t stop = std::min<int64_t>(k1, (group + 1) * g);
+        const __m512 scale = _mm512_set1_ps(s[group]), offset = _mm512_set1_ps(zero ? z[group] : 0.0f);
+        for (; k < stop; k += 32) {
+            __m512 low = decode16(row + k, p.code_kind), high = decode16(row + k + 16, p.code_kind);
+            if (zero) {
+                low = _mm512_sub_ps(low, offset);
+                high = _mm512_sub_ps(high, offset);
+            }
+            _mm512_storeu_si512(out + (k - k0), bf16_pair(_mm512_mul_ps(high, scale), _mm512_mul_ps(low, scale)));
+        }
+    }
+    return k1;
+}
+
+namespace {
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: the 2 x 2 float32 accumulators (16 weight rows x 16 input rows each); 4, 5: two
+// 16-row slices of the decoded weight panel (32 k each); 6, 7: two 16-row blocks of the packed input.
+void configure_tiles() {
+    TileConfig config;
+    for (int t = 0; t < 8; t++) {
+        config.colsb[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+// Write the accumulators of weight rows [pp, pp + 32) and input rows [m0, m0 + count): out[m, n]
+// = bf16(c[n - pp][m - m0] + bias[n]), c stored as [32][32] float32.
+void store_outputs(const float *c, int64_t m0, int count, int64_t pp, int64_t r0, int64_t r1, const float *bias,
+                   uint16_t *out, int64_t ldy) {
+    const int64_t valid = std::min<int64_t>(32, r1 - pp);
+    const __mmask32 mask = valid >= 32 ? 0xFFFFFFFFu : ((1u << valid) - 1u);
+    const __mmask16 low_mask = static_cast<__mmask16>(mask), high_mask = static_cast<__mmask16>(mask >> 16);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(32));
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) {
+        b0 = _mm512_maskz_loadu_ps(low_mask, bias + pp);
+        b1 = _mm512_maskz_loadu_ps(high_mask, bias + pp + 16);
+    }
+    for (int j = 0; j < count; j++) {
+        const __m512i index = _mm512_add_epi32(rows, _mm512_set1_epi32(j));
+        const __m512 low = _mm512_add_ps(_mm512_i32gather_ps(index, c, 4), b0);
+        const __m512 high = _mm512_add_ps(_mm512_i32gather_ps(index, c + 16 * 32, 4), b1);
+        _mm512_mask_storeu_epi16(out + (m0 + j) * ldy + (pp - r0), mask, bf16_pair(high, low));
+    }
+}
+
+}  // namespace
+
+// Row n's bfloat16 weights for k in [k0, k1) (k0 a multiple of 32) into out, zero past K, given
+// the row's effective scales and zero points (s, z: every group of the row).
+static void decode_chunk(const Layer &p, int64_t n, int64_t k0, int64_t k1, uint16_t *out, const float *s,
+                         const float *z) {
+    const int64_t last = std::min(k1, p.k);
+    if (last > k0) {
+        // the next chunk's codes of this row, fetched while this one is decoded (rows are far apart:
+        // the hardware prefetchers do not follow that many streams)
+        const int64_t bytes = p.code_kind == CODE_NIBBLE ? (k1 - k0) / 2 : k1 - k0;
+        const int64_t ahead = p.code_kind == CODE_NIBBLE ? k1 / 2 : k1;
+        const uint8_t *row = p.codes + n * p.code_stride;
+        if (ahead + bytes <= p.code_stride)
+            for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char *>(row + ahead + b), _MM_HINT_T0);
+        for (int64_t k = decode_row_avx512(p, n, s, z, k0, last, out); k < last; k++)
+            out[k - k0] = float_to_bf16(weight_value(p, row, s, z, k));
+    }
+    for (int64_t k = std::max(last, k0); k < k1; k++) out[k - k0] = 0;
+}
+
+void gemm_rows_amx(const Layer &p, const uint32_t *xp, int64_t m, int64_t mp, int64_t kp, const float *bias,
+                   uint16_t *out, int64_t ldy, int64_t r0, int64_t r1, int64_t q0, int64_t q1, int64_t kc,
+                   uint16_t *panel, float *acc, float *s, float *z) {
+    // s, z: (q1 - q0) rows of scale_cols effective scales and zero points, filled once here
+    alignas(64) float c[32 * 32];
+    configure_tiles();
+    const int64_t rows = q1 - q0, subpanels = rows / 32, groups = (mp / 16 + 1) / 2;
+    const int64_t block = (kp / 2) * 16;  // uint32 per 16 input rows
+    const bool keep = subpanels * groups == 1;  // one accumulator set: it stays in the tiles
+    const int64_t cols = p.scale_cols;
+    for (int64_t r = 0; r < rows && q0 + r < r1; r++) row_scales_avx512(p, q0 + r, 0, cols, s + r * cols, z + r * cols);
+    for (int64_t k0 = 0; k0 < kp; k0 += kc) {
+        const int64_t width = std::min(kc, kp - k0), steps = width / 32, stride = width * 2;
+        const bool first = k0 == 0, last = k0 + width >= kp;
+        for (int64_t r = 0; r < rows; r++) {
+            uint16_t *dst = panel + r * width;
+            if (q0 + r >= r1)
+                std::memset(dst, 0, static_cast<size_t>(width) * 2);
+            else
+                decode_chunk(p, q0 + r, k0, k0 + width, dst, s + r * cols, z + r * cols);
+        }
+        for (int64_t sp = 0; sp < subpanels; sp++) {
+            const uint16_t *a = panel + sp * 32 * width;
+            for (int64_t mg = 0; mg < groups; mg++) {
+                const int64_t mb = 2 * mg;
+                const bool two = mb + 1 < mp / 16;
+                float *saved = acc + (sp * groups + mg) * 4 * 256;
+                if (first) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                } else if (!keep) {
+                    _tile_loadd(0, saved, 64);
+                    _tile_loadd(1, saved + 256, 64);
+                    _tile_loadd(2, saved + 512, 64);
+                    _tile_loadd(3, saved + 768, 64);
+                }
+                const uint32_t *x0 = xp + mb * block + (k0 / 32) * 256, *x1 = x0 + block;
+                if (two) {
+                    for (int64_t t = 0; t < steps; t++) {
+                        _tile_loadd(4, a + 32 * t, stride);
+                        _tile_loadd(6, x0 + 256 * t, 64);
+                        _tile_loadd(7, x1 + 256 * t, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_loadd(5, a + 16 * width + 32 * t, stride);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                } else {
+                    for (int64_t t = 0; t < steps; t++) {
+                        _tile_loadd(4, a + 32 * t, stride);
+                        _tile_loadd(6, x0 + 256 * t, 64);
+                        _tile_loadd(5, a + 16 * width + 32 * t, stride);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(2, 5, 6);
+                    }
+                }
+                if (!last) {
+                    if (!keep) {
+                        _tile_stored(0, saved, 64);
+                        _tile_stored(1, saved + 256, 64);
+                        _tile_stored(2, saved + 512, 64);
+                        _tile_stored(3, saved + 768, 64);
+                    }
+                    continue;
+                }
+                _tile_stored(0, c, 128);
+                _tile_stored(2, c + 16 * 32, 128);
+                if (two) {
+                    _tile_stored(1, c + 16, 128);
+                    _tile_stored(3, c + 16 * 32 + 16, 128);
+                }
+                const int64_t m0 = mb * 16, pp = q0 + sp * 32;
+                const int count = static_cast<int>(std::min<int64_t>(m - m0, two ? 32 : 16));
+                if (count > 0 && pp < r1) store_outputs(c, m0, count, pp, r0, r1, bias, out, ldy);
+            }
+        }
+    }
+    _tile_release();
+}
+
+}  // namespace qscheme_tile
+
+#else  // no x86, or a compiler without AMX intrinsics: the portable decoder runs, and no AMX
+
+#include "tile_gemm.h"
+
+namespace qscheme_tile {
+bool vector_compiled() { return false; }
+void row_scales_avx512(const Layer &p, int64_t n, int64_t g0, int64_t g1, float *s, float *z) { row_scales(p, n, g0, g1, s, z); }
+int64_t decode_row_avx512(const Layer &, int64_t, const float *, const float *, int64_t k0, int64_t, uint16_t *) {
+    return k0;
+}
+void gemm_rows_amx(const Layer &, const uint32_t *, int64_t, int64_t, int64_t, const float *, uint16_t *, int64_t,
+                   int64_t, int64_t, int64_t, int64_t, int64_t, uint16_t *, float *, float *, float *) {}
+}  // namespace qscheme_tile
+
+#endif

@@ -1,0 +1,305 @@
+"""The ``dequant_gemm`` kernel's C++ tile decoder and fused AMX tile GEMM (``qscheme._tile_gemm``).
+
+The extension (``qscheme/csrc/tile_gemm*.cpp``, built by setup.py, optional) reads a layer as
+``qscheme.cpu_gemv.layout_of`` describes it (the canonical tensors themselves, no copy) and:
+
+- ``dequantize_rows``: rows of the weight in bfloat16, each the reference's float32 value
+  (``qscheme.canonical.dequantize_rows``) rounded once to nearest even, bit for bit
+  ``dequantize(weight).to(torch.bfloat16)`` (the AVX-512 loops write 0 for a weight below
+  2**-126 in magnitude, a float32 subnormal; the portable loop keeps the bfloat16 subnormal);
+- ``gemm``: ``y = x W^T (+ bias)`` for bfloat16 ``x`` on AMX (Intel AMX-BF16): panels of 32
+  weight rows decoded as above into a cache-resident buffer and multiplied by every row of x with
+  TDPBF16PS, products summed in float32 and the output rounded once to bfloat16 (a float32 bias
+  added before that rounding). It holds one panel per thread (32 x K bfloat16) and the input
+  packed once per call; nothing else.
+
+Ops (namespace ``qscheme``, with fake implementations for torch.compile): ``tile_gemm(x, codes,
+scale, zero_point, row_scale, bias, lut, scale_table, meta, start, stop, threads)`` (rows
+[start, stop) of the output) and ``tile_dequantize(codes, ..., start, stop, threads)``.
+
+``isa()`` says which loops run ('amx', 'avx512', 'scalar': AMX tiles and AVX-512 BF16 decoding,
+AVX-512 BF16 decoding only, or the portable decoder only); ``QSCHEME_TILE_GEMM_ISA`` (or
+``set_isa``) chooses narrower ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qscheme.cpu_gemv import GemvLayout
+from qscheme.environment import env_choice
+from qscheme.errors import UsageError
+
+ISA_CHOICES: tuple[str, ...] = ("scalar", "avx512", "amx")
+ISA_VARIABLE = "QSCHEME_TILE_GEMM_ISA"
+_APPLIED: list[str | None] = []
+
+
+def native() -> Any:
+    """The extension, with ``QSCHEME_TILE_GEMM_ISA`` applied, or None where it was not built."""
+    try:
+        import qscheme._tile_gemm as module  # type: ignore[import-not-found]  # a C++ extension (setup.py)
+    except ImportError:
+        return None
+    chosen = env_choice(ISA_VARIABLE, ISA_CHOICES)
+    if _APPLIED != [chosen]:
+        supported = module.supported_isa()
+        if chosen is not None and ISA_CHOICES.index(chosen) > ISA_CHOICES.index(supported):
+            raise UsageError(
+                f"environment variable {ISA_VARIABLE}={chosen}: this CPU runs at most the {supported} loops; "
+                f"allowed here: {', '.join(ISA_CHOICES[: ISA_CHOICES.index(supported) + 1])}, or unset it"
+            )
+        module.set_isa(chosen or supported)
+        _APPLIED[:] = [chosen]
+    return module
+
+
+def available() -> bool:
+    """Whether the extension was built (and imports) here."""
+    return native() is not None
+
+
+def isa() -> str:
+    """The loops in use: 'amx', 'avx512' or 'scalar' ('scalar' where the extension is missing)."""
+    module = native()
+    return "scalar" if module is None else str(module.isa())
+
+
+def fused() -> bool:
+    """Whether ``gemm`` runs here (the extension is built and runs its AMX loops)."""
+    return isa() == "amx"
+
+
+def set_isa(name: str) -> None:
+    """Use the ``name`` loops from now on (at most what the CPU runs), as the variable does."""
+    if name not in ISA_CHOICES:
+        raise UsageError(f"tile_gemm ISA {name!r} is not one of {', '.join(ISA_CHOICES)}")
+    module = _require_native()
+    if ISA_CHOICES.index(name) > ISA_CHOICES.index(module.supported_isa()):
+        raise UsageError(f"this CPU runs at most the {module.supported_isa()} tile loops, not {name}")
+    module.set_isa(name)
+
+
+def _require_native() -> Any:
+    module = native()
+    if module is None:
+        raise UsageError(
+            "qscheme._tile_gemm is not built: reinstall qscheme with a C++17 compiler "
+            "(pip install --no-build-isolation -e .)"
+        )
+    return module
+
+
+def _address(value: Tensor | None) -> int:
+    return 0 if value is None else int(value.data_ptr())
+
+
+def _layer_args(
+    codes: Tensor,
+    scale: Tensor | None,
+    zero_point: Tensor | None,
+    row_scale: Tensor | None,
+    lut: Tensor,
+    scale_table: Tensor | None,
+    meta: list[int] | tuple[int, ...],
+) -> tuple[int, ...]:
+    code_kind, scale_kind, scale_cols, group_n, group_k, divide, n, k = meta[:8]
+    stride = codes.shape[1] if codes.ndim == 2 else 0
+    return (
+        _address(codes), stride, code_kind, _address(lut), _address(scale), scale_kind, _address(scale_table),
+        scale_cols, group_n, group_k, _address(zero_point), _address(row_scale), divide, n, k,
+    )  # fmt: skip
+
+
+def blocking(m: int) -> tuple[int, int]:
+    """(weight rows per task, K columns decoded at a time) for M input rows: the decoded chunk,
+    its accumulators and the packed input's chunk stay in the core's cache while every row of x
+    multiplies them (measured on a 2-core AMX Xeon: few rows decode whole rows at a time)."""
+    if m <= 32:
+        return 32, 4096
+    if m <= 128:
+        return 64, 512
+    return 256, 256
+
+
+def _threads(threads: int | None) -> int:
+    return torch.get_num_threads() if not threads else max(1, threads)
+
+
+def _run_gemm(
+    x: Tensor,
+    codes: Tensor,
+    scale: Tensor | None,
+    zero_point: Tensor | None,
+    row_scale: Tensor | None,
+    bias: Tensor | None,
+    lut: Tensor,
+    scale_table: Tensor | None,
+    meta: list[int] | tuple[int, ...],
+    start: int,
+    stop: int,
+    threads: int,
+    out: Tensor | None = None,
+) -> Tensor:
+    module = _require_native()
+    n, k = meta[6], meta[7]
+    if x.dtype != torch.bfloat16 or x.ndim != 2 or x.shape[1] != k or x.device.type != "cpu":
+        raise UsageError(
+            f"qscheme::tile_gemm takes a CPU bfloat16 x of shape [M, {k}], not {x.dtype} {list(x.shape)} on {x.device}"
+        )
+    if not 0 <= start <= stop <= n:
+        raise UsageError(f"qscheme::tile_gemm: rows [{start}, {stop}) are not within N={n}")
+    if module.isa() != "amx":
+        raise UsageError(f"qscheme::tile_gemm runs on AMX; this CPU (or {ISA_VARIABLE}) gives {module.isa()}")
+    x = x if x.is_contiguous() else x.contiguous()
+    if out is None:
+        out = torch.empty(x.shape[0], stop - start, dtype=torch.bfloat16)
+    if x.shape[0] == 0 or stop == start:
+        return out
+    if out.dtype != torch.bfloat16 or out.shape[0] != x.shape[0] or out.shape[1] != stop - start or out.stride(1) != 1:
+        raise UsageError(f"qscheme::tile_gemm: out must be bfloat16 [{x.shape[0]}, {stop - start}] with unit columns")
+    bias32 = None if bias is None else bias.to(torch.float32).contiguous()
+    if bias32 is not None and bias32.shape != (n,):
+        raise UsageError(f"qscheme::tile_gemm: bias has shape {list(bias32.shape)}; the layer has N={n}")
+    rows, chunk = blocking(x.shape[0])
+    module.gemm(
+        _address(x), x.shape[0], _address(out), out.stride(0), _address(bias32), start, stop, _threads(threads),
+        rows, chunk, *_layer_args(codes, scale, zero_point, row_scale, lut, scale_table, meta),
+    )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("qscheme::tile_gemm", mutates_args=())
+def tile_gemm_op(
+    x: Tensor,
+    codes: Tensor,
+    scale: Tensor | None,
+    zero_point: Tensor | None,
+    row_scale: Tensor | None,
+    bias: Tensor | None,
+    lut: Tensor,
+    scale_table: Tensor | None,
+    meta: list[int],
+    start: int,
+    stop: int,
+    threads: int,
+) -> Tensor:
+    """Columns [start, stop) of y = x W^T (+ bias) over a GemvLayout's tensors (bfloat16 x, AMX)."""
+    return _run_gemm(x, codes, scale, zero_point, row_scale, bias, lut, scale_table, meta, start, stop, threads)
+
+
+@tile_gemm_op.register_fake
+def _tile_gemm_fake(
+    x: Tensor,
+    codes: Tensor,
+    scale: Tensor | None,
+    zero_point: Tensor | None,
+    row_scale: Tensor | None,
+    bias: Tensor | None,
+    lut: Tensor,
+    scale_table: Tensor | None,
+    meta: list[int],
+    start: int,
+    stop: int,
+    threads: int,
+) -> Tensor:
+    return x.new_empty((x.shape[0], stop - start))
+
+
+def _run_dequantize(
+    codes: Tensor,
+    scale: Tensor | None,
+    zero_point: Tensor | None,
+    row_scale: Tensor | None,
+    lut: Tensor,
+    scale_table: Tensor | None,
+    meta: list[int] | tuple[int, ...],
+    start: int,
+    stop: int,
+    threads: int,
+) -> Tensor:
+    module = _require_native()
+    n, k = meta[6], meta[7]
+    if not 0 <= start <= stop <= n:
+        raise UsageError(f"qscheme::tile_dequantize: rows [{start}, {stop}) are not within N={n}")
+    out = torch.empty(stop - start, k, dtype=torch.bfloat16)
+    if stop > start and k:
+        module.dequantize(
+            _address(out), start, stop, _threads(threads),
+            *_layer_args(codes, scale, zero_point, row_scale, lut, scale_table, meta),
+        )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("qscheme::tile_dequantize", mutates_args=())
+def tile_dequantize_op(
+    codes: Tensor,
+    scale: Tensor | None,
+    zero_point: Tensor | None,
+    row_scale: Tensor | None,
+    lut: Tensor,
+    scale_table: Tensor | None,
+    meta: list[int],
+    start: int,
+    stop: int,
+    threads: int,
+) -> Tensor:
+    """Rows [start, stop) of a GemvLayout's weight in bfloat16."""
+    return _run_dequantize(codes, scale, zero_point, row_scale, lut, scale_table, meta, start, stop, threads)
+
+
+@tile_dequantize_op.register_fake
+def _tile_dequantize_fake(
+    codes: Tensor,
+    scale: Tensor | None,
+    zero_point: Tensor | None,
+    row_scale: Tensor | None,
+    lut: Tensor,
+    scale_table: Tensor | None,
+    meta: list[int],
+    start: int,
+    stop: int,
+    threads: int,
+) -> Tensor:
+    return codes.new_empty((stop - start, meta[7]), dtype=torch.bfloat16)
+
+
+def _tensors(layout: GemvLayout) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    return layout.codes, layout.scale, layout.zero_point, layout.row_scale
+
+
+def gemm(
+    layout: GemvLayout,
+    x: Tensor,
+    bias: Tensor | None = None,
+    start: int = 0,
+    stop: int | None = None,
+    threads: int | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Columns [start, stop) (default: all) of ``y = x W^T (+ bias)`` for bfloat16 ``x`` [M, K]:
+    [M, stop - start] bfloat16 (into ``out`` where given: a view with unit column stride). ``bias``:
+    [N] (all of it; its rows [start, stop) are added). ``threads``: default torch's count."""
+    stop = layout.n if stop is None else stop
+    meta = list(layout.meta[:8])
+    if torch.compiler.is_compiling():
+        result: Tensor = torch.ops.qscheme.tile_gemm(
+            x, *_tensors(layout), bias, layout.lut, layout.scale_table, meta, start, stop, _threads(threads)
+        )
+        return result
+    return _run_gemm(
+        x, *_tensors(layout), bias, layout.lut, layout.scale_table, meta, start, stop, _threads(threads), out
+    )
+
+
+def dequantize_rows(layout: GemvLayout, start: int, stop: int, threads: int | None = None) -> Tensor:
+    """Rows [start, stop) of the weight as bfloat16 [stop - start, K] (see the module docstring)."""
+    meta = list(layout.meta[:8])
+    args = (*_tensors(layout), layout.lut, layout.scale_table)
+    if torch.compiler.is_compiling():
+        result: Tensor = torch.ops.qscheme.tile_dequantize(*args, meta, start, stop, _threads(threads))
+        return result
+    return _run_dequantize(*args, meta, start, stop, _threads(threads))

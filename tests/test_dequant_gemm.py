@@ -1,0 +1,215 @@
+"""The ``dequant_gemm`` kernel's tile decoder and fused AMX tile GEMM (``qscheme.tile_gemm``), and
+the kernel on every scheme family it claims, against the reference dequantization and kernel.
+
+- The decoder, on every ISA this CPU runs (the portable loop always): bit for bit
+  ``dequantize(weight).to(bfloat16)``, for every code and scale format, ragged K, row ranges.
+- The fused GEMM (where AMX runs): the bfloat16 weight times the bfloat16 input summed in float32
+  and rounded once (a float32 sum in another order), on every blocking of M (one accumulator set,
+  accumulators saved across K chunks), ragged N and K, M = 0 and 1, bias, output column ranges.
+- The kernel (``DequantGemmKernel``, whichever path runs here, and the torch path): within its
+  declared bound of the reference kernel, for weight-only and quantized-activation schemes (FP8,
+  FP8_DYNAMIC, NVFP4 W4A4), fused partitions with their own global and input scales, 3-D inputs.
+- Plans on a CPU: int4 runs tinygemm_cpu up to M = 15 and dequant_gemm from M = 16, also under
+  the Triton interpreter (the interpreted Triton kernel never takes a batch size from it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_fakes import isolated_plugins
+from qscheme_plugins.dequant_gemm_kernel import DequantGemmKernel
+from qscheme_plugins.reference_kernel import ReferenceKernel
+
+from qscheme import cpu_gemv, tile_gemm
+from qscheme.canonical import CanonicalWeight, dequantize
+from qscheme.catalog import load_scheme
+from qscheme.kernels import registry
+from qscheme.modules import QuantLinear, problem_for
+from qscheme.triton.samples import model_scale_dtype, random_weight
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+kernel_table = importlib.import_module("kernel_table")
+
+needs_extension = pytest.mark.skipif(not tile_gemm.available(), reason="qscheme._tile_gemm is not built here")
+needs_amx = pytest.mark.skipif(not tile_gemm.fused(), reason="this CPU (or its kernel) runs no AMX tiles")
+
+WEIGHT_ONLY = (
+    "compressed-tensors/NVFP4A16",  # e2m1, e4m3 group-16 scales, a global scale
+    "compressed-tensors/MXFP4A16",  # e2m1, e8m0 group-32 scales
+    "compressed-tensors/W4A16",  # int4, group 128
+    "compressed-tensors/W4A16_ASYM",  # uint4 with zero points
+    "modelopt/W4A16_AWQ",  # an input pre-scale
+    "compressed-tensors/W8A16_G32",  # int8, group 32
+    "modelopt/fp8_pb_wo",  # e4m3 with 128x128 block scales
+    "bitsandbytes/NF4_DQ",  # a 16-value codebook, quantized scales
+)
+ACTIVATIONS = ("compressed-tensors/FP8_DYNAMIC", "compressed-tensors/FP8", "compressed-tensors/NVFP4")
+SHAPES = ((96, 128), (100, 200), (72, 600))  # ragged N against the 32-row panels, ragged K (K % 32)
+
+
+@pytest.fixture(autouse=True)
+def isa_restored() -> Iterator[None]:
+    before = tile_gemm.isa() if tile_gemm.available() else None
+    yield
+    if before is not None:
+        tile_gemm.set_isa(before)
+
+
+def weight_of(name: str, n: int, k: int, partitions: tuple[int, ...] | None = None, seed: int = 1) -> CanonicalWeight:
+    scheme = load_scheme(name)
+    return random_weight(scheme, n, k, partitions, seed=seed, scale_dtype=model_scale_dtype(scheme, torch.bfloat16))
+
+
+def isas() -> list[str]:
+    supported = tile_gemm.native().supported_isa()
+    return [
+        isa
+        for isa in ("scalar", "avx512")
+        if tile_gemm.ISA_CHOICES.index(isa) <= tile_gemm.ISA_CHOICES.index(supported)
+    ]
+
+
+@needs_extension
+@pytest.mark.parametrize("name", (*WEIGHT_ONLY, "compressed-tensors/FP8"))
+def test_the_decoder_is_the_reference_dequantization_rounded_once(name: str) -> None:
+    for n, k in SHAPES:
+        weight = weight_of(name, n, k)
+        layout = cpu_gemv.layout_of(weight)
+        exact = dequantize(weight).to(torch.bfloat16)
+        for isa in isas():
+            tile_gemm.set_isa(isa)
+            decoded = tile_gemm.dequantize_rows(layout, 0, n, threads=2)
+            assert torch.equal(decoded.view(torch.int16), exact.view(torch.int16)), (name, n, k, isa)
+            middle = tile_gemm.dequantize_rows(layout, 33, 70, threads=1)
+            assert torch.equal(middle.view(torch.int16), exact[33:70].view(torch.int16)), (name, n, k, isa)
+
+
+def exact_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The bfloat16 products summed in float32 (float64 here: the float32 sum differs by its order)."""
+    y = x.double() @ weight.double().T
+    return y if bias is None else y + bias.double()
+
+
+def assert_gemm_close(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """y is the float32 sum of bf16(x) * bf16(w) (+ bias) rounded once to bfloat16: within half a
+    bfloat16 ulp of the exact sum, plus K float32 roundings of the magnitude."""
+    exact = exact_gemm(x, weight, bias)
+    magnitude = x.double().abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs())
+    bound = 2.0**-8 * exact.abs() + (x.shape[-1] + 2) * 2.0**-24 * magnitude + 1e-30
+    assert ((y.double() - exact).abs() <= bound).all()
+
+
+@needs_amx
+@pytest.mark.parametrize("name", WEIGHT_ONLY)
+def test_the_fused_gemm_multiplies_the_rounded_weight(name: str) -> None:
+    generator = torch.Generator().manual_seed(5)
+    for n, k in SHAPES:
+        weight = weight_of(name, n, k)
+        layout = cpu_gemv.layout_of(weight)
+        rounded = dequantize(weight).to(torch.bfloat16)
+        bias = torch.randn(n, generator=generator)
+        # one accumulator set; 64-row tasks, K in chunks of 512; 256-row tasks, K in chunks of 256 (saved across K)
+        for m in (1, 16, 37) if k < 512 else (1, 37, 150):
+            x = torch.randn(m, k, generator=generator).to(torch.bfloat16)
+            y = tile_gemm.gemm(layout, x, bias)
+            assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+            assert_gemm_close(y, x, rounded, bias)
+            part = tile_gemm.gemm(layout, x, None, 40, n, threads=1)  # output columns [40, N), no bias
+            assert_gemm_close(part, x, rounded[40:], None)
+    empty = tile_gemm.gemm(layout, x[:0])
+    assert empty.shape == (0, n)
+
+
+@needs_amx
+def test_the_fused_gemm_refuses_what_it_does_not_take() -> None:
+    layout = cpu_gemv.layout_of(weight_of("compressed-tensors/NVFP4A16", 96, 128))
+    with pytest.raises(Exception, match="bfloat16 x of shape"):
+        tile_gemm.gemm(layout, torch.randn(4, 128))
+    with pytest.raises(Exception, match=r"rows \[0, 97\) are not within N=96"):
+        tile_gemm.gemm(layout, torch.randn(4, 128).to(torch.bfloat16), None, 0, 97)
+    tile_gemm.set_isa("avx512" if "avx512" in isas() else "scalar")
+    with pytest.raises(Exception, match="runs on AMX"):
+        tile_gemm.gemm(layout, torch.randn(4, 128).to(torch.bfloat16))
+
+
+def declared_bound(x: torch.Tensor, effective: torch.Tensor, bias: torch.Tensor | None, y16: torch.Tensor) -> None:
+    """dequant_gemm's bfloat16 bound: weight and (pre-scaled or emulated) input each rounded once
+    to bfloat16, products summed in float32, the output rounded once."""
+    reference = x.double() @ effective.double().T + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ effective.double().abs().T + (0 if bias is None else bias.double().abs())
+    assert ((y16.double() - reference).abs() <= 2.0**-7 * magnitude + 2.0**-8 * reference.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("name", (*ACTIVATIONS, "modelopt/W4A16_AWQ", "compressed-tensors/NVFP4A16"))
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_the_kernel_is_within_its_bound_of_the_reference_kernel(name: str, native: bool) -> None:
+    """Fused partitions (their own global and input scales), a 3-D input, bias: the reference
+    kernel's emulated float32 input and output, against dequant_gemm with bfloat16 inputs (whichever
+    path runs: AMX tiles, decoded tiles and torch's GEMM) and float32 inputs."""
+    n, k = 160, 256
+    weight = weight_of(name, n, k, partitions=(64, 32, 64), seed=3)
+    kernel, reference = DequantGemmKernel(native=native), ReferenceKernel()
+    state, reference_state = kernel.prepare(weight, torch.device("cpu")), reference.prepare(weight, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 20, k, generator=generator)
+    bias = torch.randn(n, generator=generator)
+    effective = dequantize(weight)
+    xb, bb = x.to(torch.bfloat16), bias.to(torch.bfloat16)
+    y16 = kernel.apply(state, xb, bb)
+    assert y16.dtype == torch.bfloat16 and y16.shape == (2, 20, n)
+    # the reference kernel's own float32 input per partition run (pre-scaled, quantized, dequantized)
+    expected = reference.apply(reference_state, xb.float(), bb.float())
+    pieces = reference.quantize_input(reference_state, xb.reshape(-1, k))
+    for scaling, values in pieces:
+        start, stop = (0, n) if scaling is None else (scaling.start, scaling.stop)
+        declared_bound(values, effective[start:stop], bb.float()[start:stop], y16.reshape(-1, n)[:, start:stop])
+    y32 = kernel.apply(state, x, bias)
+    torch.testing.assert_close(y32, reference.apply(reference_state, x, bias), rtol=1e-5, atol=1e-5)
+    assert ((y16.float() - expected).abs() <= 2.0**-5 * expected.abs().max() + 1e-3).all()
+    empty = kernel.apply(state, xb[:, :0], None)
+    assert empty.shape == (2, 0, n)
+
+
+def test_int4_runs_tinygemm_below_16_and_the_tiles_from_16_even_under_the_triton_interpreter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    weight = weight_of("compressed-tensors/W4A16", 256, 512)
+    for interpreted in (False, True):
+        if interpreted:
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+        else:
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        with isolated_plugins():
+            resolution = registry.resolve_layer(weight.scheme, problem_for(weight, "bfloat16"), "cpu")
+            plan = resolution.plan  # type: ignore[attr-defined]
+            assert interpreted == resolution.candidate("triton").accepted
+            assert [plan.kernel_for(m).name for m in (1, 15, 16, 256)] == [
+                "tinygemm_cpu",
+                "tinygemm_cpu",
+                "dequant_gemm",
+                "dequant_gemm",
+            ]
+
+
+@pytest.mark.parametrize("name", ["compressed-tensors/FP8_DYNAMIC", "compressed-tensors/NVFP4A16"])
+def test_a_layer_runs_the_tiles_from_16_and_holds_no_copy(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After forwards at M = 1, 16 and 64 the layer holds its canonical tensors and small tables:
+    the tiles (and the extension's buffers) are transient."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with isolated_plugins():
+        layer = QuantLinear(weight_of(name, 128, 1024))
+        assert layer.kernel_for_batch(16).name == "dequant_gemm"
+        ran = []
+        with torch.inference_mode():
+            for m in (1, 16, 64):
+                ran.append(layer.kernel_for_batch(m).name)
+                layer(torch.randn(m, 1024).to(torch.bfloat16))
+        assert ran[1:] == ["dequant_gemm", "dequant_gemm"]
+        canonical = kernel_table.canonical_bytes(layer)
+        assert canonical <= sum(kernel_table.resident_bytes(layer).values()) <= 1.05 * canonical
