@@ -15,6 +15,7 @@ the kernel on every scheme family it claims, against the reference dequantizatio
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from collections.abc import Iterator
@@ -88,6 +89,37 @@ def test_the_decoder_is_the_reference_dequantization_rounded_once(name: str) -> 
             assert torch.equal(decoded.view(torch.int16), exact.view(torch.int16)), (name, n, k, isa)
             middle = tile_gemm.dequantize_rows(layout, 33, 70, threads=1)
             assert torch.equal(middle.view(torch.int16), exact[33:70].view(torch.int16)), (name, n, k, isa)
+
+
+@needs_extension
+@pytest.mark.parametrize(
+    ("name", "edge"),
+    [
+        ("compressed-tensors/MXFP4A16", [0, 1, 127, 254, 255]),  # e8m0: 2**-127 (subnormal), NaN
+        ("compressed-tensors/NVFP4A16", [0x00, 0x01, 0x07, 0x08, 0x7E, 0x7F, 0x80, 0xFF]),  # e4m3: subnormal, NaN
+    ],
+)
+def test_edge_scale_bytes_decode_as_the_reference_does(name: str, edge: list[int]) -> None:
+    """Byte scales are decoded by arithmetic in the vector loops: the subnormal and NaN codes too.
+    The AVX-512 loops round with VCVTNE2PS2BF16, which reads a float32 subnormal weight as zero
+    (declared: AMX reads bfloat16 subnormals as zero anyway); the portable loop keeps it."""
+    weight = weight_of(name, 32, 256)
+    assert weight.scale is not None
+    raw = weight.scale.view(torch.uint8).clone()
+    raw[0, : len(edge)] = torch.tensor(edge, dtype=torch.uint8)
+    weight = dataclasses.replace(weight, scale=raw.view(weight.scale.dtype))
+    reference = dequantize(weight).to(torch.bfloat16)
+    flushed = torch.where(reference.float().abs() < 2.0**-126, reference * 0, reference)  # signed zeros
+    subnormal = (reference.float().abs() < 2.0**-126) & (reference != 0)
+    assert subnormal.any() == (name == "compressed-tensors/MXFP4A16")  # e8m0's 0 byte makes subnormal weights
+    assert reference.isnan().any()  # and the NaN bytes NaN weights
+    for isa in isas():
+        tile_gemm.set_isa(isa)
+        exact = reference if isa == "scalar" else flushed
+        decoded = tile_gemm.dequantize_rows(cpu_gemv.layout_of(weight), 0, 32)
+        assert torch.equal(decoded.isnan(), exact.isnan()), isa
+        finite = ~exact.isnan()
+        assert torch.equal(decoded[finite].view(torch.int16), exact[finite].view(torch.int16)), isa
 
 
 def exact_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

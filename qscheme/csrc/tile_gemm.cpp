@@ -245,6 +245,20 @@ T *address(long long value) {
     return reinterpret_cast<T *>(static_cast<uintptr_t>(value));
 }
 
+/* Whether a byte scale's table holds every e4m3 value (NaN at 0x7F and 0xFF) or every e8m0 value
+ * (2**(e - 127), NaN at 0xFF): the vector loops then decode the bytes by arithmetic, bit for bit. */
+int byte_format_of(const float *table) {
+    bool e4m3 = true, e8m0 = true;
+    for (int b = 0; b < 256; b++) {
+        const float v = table[b], four = e4m3_value(static_cast<uint8_t>(b));
+        const float eight = b == 255 ? std::nanf("") : std::ldexp(1.0f, b - 127);
+        const bool nan = std::isnan(v);
+        if (nan != std::isnan(four) || (!nan && std::memcmp(&v, &four, 4) != 0)) e4m3 = false;
+        if (nan != std::isnan(eight) || (!nan && std::memcmp(&v, &eight, 4) != 0)) e8m0 = false;
+    }
+    return e4m3 ? BYTE_E4M3 : (e8m0 ? BYTE_E8M0 : BYTE_TABLE);
+}
+
 /* The layer from its 15 integers (addresses as ints): codes, code stride, code kind, lut, scale,
  * scale kind, scale table, scale columns, group rows, group columns, zero, row scale, divide, N, K. */
 bool parse_layer(PyObject *args, Py_ssize_t first, Layer &p) {
@@ -273,7 +287,10 @@ bool parse_layer(PyObject *args, Py_ssize_t first, Layer &p) {
         return false;
     }
     if (lut) std::memcpy(p.lut, lut, sizeof(p.lut));
-    if (table) std::memcpy(p.scale_table, table, sizeof(p.scale_table));
+    if (table) {
+        std::memcpy(p.scale_table, table, sizeof(p.scale_table));
+        p.byte_format = byte_format_of(p.scale_table);
+    }
     return true;
 }
 

@@ -12,6 +12,7 @@ namespace qscheme_tile {
 
 enum CodeKind : int { CODE_NIBBLE = 0, CODE_E4M3 = 1, CODE_INT8 = 2, CODE_UINT8 = 3 };
 enum ScaleKind : int { SCALE_NONE = 0, SCALE_F32 = 1, SCALE_BF16 = 2, SCALE_F16 = 3, SCALE_BYTE = 4 };
+enum ByteFormat : int { BYTE_TABLE = 0, BYTE_E4M3 = 1, BYTE_E8M0 = 2 };
 
 struct Layer {
     const uint8_t *codes = nullptr;
@@ -21,6 +22,7 @@ struct Layer {
     const void *scale = nullptr;
     int scale_kind = SCALE_NONE;
     float scale_table[256] = {};  // values of the 256 scale bytes (SCALE_BYTE)
+    int byte_format = BYTE_TABLE;  // the table is e4m3's or e8m0's values: decoded by arithmetic
     int64_t scale_cols = 1, group_n = 1, group_k = 1;
     const int16_t *zero = nullptr;  // indexed as the scale
     const float *row_scale = nullptr;  // [N]: effective = scale * row (or / row, or row alone)

@@ -76,8 +76,22 @@ void row_scales_avx512(const Layer &p, int64_t n, int64_t g0, int64_t g1, float 
                 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(static_cast<const uint16_t *>(p.scale) + i)));
                 break;
             default: {
-                const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint8_t *>(p.scale) + i));
-                v = _mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), p.scale_table, 4);
+                const uint8_t *bytes = static_cast<const uint8_t *>(p.scale) + i;
+                if (p.byte_format == BYTE_E4M3) {
+                    v = decode16(bytes, CODE_E4M3);
+                } else if (p.byte_format == BYTE_E8M0) {
+                    // 2**(e - 127): the exponent field; e = 0 is the subnormal 2**-127, e = 255 NaN
+                    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(bytes)));
+                    __m512i bits = _mm512_slli_epi32(e, 23);
+                    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
+                                                 _mm512_set1_epi32(0x00400000));
+                    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)),
+                                                 _mm512_set1_epi32(0x7FC00000));
+                    v = _mm512_castsi512_ps(bits);
+                } else {
+                    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(bytes));
+                    v = _mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), p.scale_table, 4);
+                }
                 break;
             }
         }
