@@ -8,12 +8,16 @@ as its declaration says (no type is known by name here or in the loops), the wei
 bfloat16 and float32 inputs (float16 through float32), with bias. The code is in
 ``qscheme_plugins.cpu_gemv_blocks_kernel`` and ``qscheme.cpu_gemv_blocks``.
 
-Priority 65: above ``tinygemm_cpu`` (60), which also takes Q4_0, Q4_1 and Q4_K with bfloat16
-inputs but rounds the block scales to bfloat16 and keeps a repacked copy beside the blocks (about
-2.1x the 4-bit data), where this kernel is float32-exact up to summation order and keeps the blocks
-alone; for M <= 15 only (the GEMV reads the weight once per 4 input rows), so larger batches go to
-the kernels meant for them. The capability check is ``cpu_gemv``'s (the extension built, an AVX2
-or AVX-512 CPU) plus the block entry point in the built extension.
+Priority 56: below ``tinygemm_cpu`` (60), which also takes Q4_0, Q4_1 and Q4_K with bfloat16
+inputs and was faster in the same runs of ``benchmarks/cpu_gemm.py --gguf`` (1.3-2x at M = 1, 2-5x
+at M = 4 on one thread), though it rounds the block scales to bfloat16 and keeps a repacked copy
+beside the blocks (about 2.1x the 4-bit data) where this kernel is float32-exact up to summation
+order and keeps the blocks alone; above ``dequant_gemm`` (55, meant for M >= 16), the Triton
+kernel (50) and ``cpu_gemv`` (45, which takes no blocks). For M <= 15 only (the GEMV reads the
+weight once per 4 input rows), so larger batches go to the kernels meant for them.
+
+The capability check is ``cpu_gemv``'s (the extension built, an AVX2 or AVX-512 CPU) plus the
+block entry point in the built extension.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ BLOCK_GEMV_BATCHES = BatchRange(
 CPU_GEMV_BLOCKS = KernelDeclaration(
     name="cpu_gemv_blocks",
     provider="qscheme",
-    priority=65,
+    priority=56,
     description="qscheme's C++ CPU GEMV over packed blocks (GGUF): decoded in registers, float32 sums",
     supports=(PACKED_BLOCKS,),
     devices=(DeviceSupport("cpu"),),

@@ -57,14 +57,15 @@ def test_the_declarations_claim_the_affine_4_bit_blocks_with_groups_of_32(declar
 
 @pytest.mark.parametrize("name", CLAIMED)
 def test_the_cpu_picks_tinygemm_cpu_for_bfloat16(name: str) -> None:
-    """For M >= 16 (M <= 15 goes to cpu_gemv_blocks where its loops are built: tests/test_cpu_gemv_gguf.py)."""
     scheme = load_scheme(name)
-    small = "cpu_gemv_blocks" if NativeBlockLoops().check(Problem(4096, 4096)).ok else None
-    resolution = registry.resolve_layer(scheme, Problem(4096, 4096, "bfloat16"), device="cpu", environ={})
-    assert resolution.kernel.name == (small or "tinygemm_cpu")  # type: ignore[union-attr]
-    assert resolution.plan.kernel_for(16).name == "tinygemm_cpu"
-    resolution = registry.resolve_layer(scheme, Problem(4096, 4096, "float32"), device="cpu", environ={})
-    assert resolution.kernel.name == (small or "reference")  # type: ignore[union-attr]
+    assert registry.resolve_layer(scheme, Problem(4096, 4096, "bfloat16"), device="cpu", environ={}).kernel.name == (  # type: ignore[union-attr]
+        "tinygemm_cpu"
+    )
+    # float32 inputs (tinygemm takes 16-bit ones): cpu_gemv_blocks where its loops are built
+    small = "cpu_gemv_blocks" if NativeBlockLoops().check(Problem(4096, 4096)).ok else "reference"
+    assert registry.resolve_layer(scheme, Problem(4096, 4096, "float32"), device="cpu", environ={}).kernel.name == (  # type: ignore[union-attr]
+        small
+    )
 
 
 @pytest.mark.parametrize("name", CLAIMED)
@@ -73,9 +74,7 @@ def test_tinygemm_cpu_output_is_within_the_declared_bound(name: str, n: int, k: 
     raw = _blocks(name, n, k, 3)
     layout = load_scheme(name).weight.blocks
     assert layout is not None
-    layer = QuantLinear.from_tensors(
-        name, {"weight": raw.clone()}, kernel="tinygemm_cpu", activation_dtype=torch.bfloat16
-    )
+    layer = QuantLinear.from_tensors(name, {"weight": raw.clone()}, activation_dtype=torch.bfloat16)
     assert layer.kernel.name == "tinygemm_cpu"
     x = torch.randn(5, k).to(torch.bfloat16)
     exact = decode_blocks(raw, layout)
