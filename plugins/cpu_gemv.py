@@ -155,7 +155,10 @@ CPU_GEMV = KernelDeclaration(
         "added in float32 before that rounding); with 16-bit outputs the two may also differ by one unit in the "
         "last place of the output",
         "float16 inputs are widened to float32 and the output rounded back once; AWQ pre-scales and activation "
-        "quantization are applied to the input exactly as the reference kernel applies them",
+        "quantization are applied to the input exactly as the reference kernel applies them; where the quantized "
+        "input is e4m3 or int8 code values times one float32 scale per row (per-tensor or per-token: FP8, "
+        "FP8_DYNAMIC, W8A8), the codes are multiplied by the weight and each output row by its scale afterwards "
+        "(scale * (codes . w): one rounding where the reference rounds each code times the scale)",
         "keeps the canonical tensors as they are (no copy): plus 4 bytes per output row where a global or "
         "per-tensor scale is folded per row, and two small value tables",
     ),

@@ -6,7 +6,15 @@ flattens the input to [M, K] and:
 
 - weight-only with bfloat16 or float32 inputs and no pre-scale: one call of the extension, which
   converts a bfloat16 input itself and rounds the output once to the input's dtype;
-- otherwise (float16 inputs, an AWQ pre-scale, quantized activations) the float32 input the
+- quantized activations whose dequantized input is integer or e4m3 code values times one float32
+  scale per row (per-tensor or per-token FP8 and int8: FP8, FP8_DYNAMIC, W8A8), quantized as the
+  reference kernel quantizes them (``qscheme.emulation.quantize_activation``, after any AWQ
+  pre-scale): the code values (exact in bfloat16, so the extension's AMX tile path takes them) go
+  through the extension for each run of fused partitions sharing static input scales, and each
+  output row is multiplied by its scale afterwards, the bias added in float32 (one rounding where
+  the reference rounds each code times the scale: within the declared bound);
+- otherwise (float16 inputs or an AWQ pre-scale of a weight-only layer, other quantized activations)
+  the float32 input the
   reference kernel multiplies (``ReferenceKernel.quantize_input``: pre-scaled, then quantized and
   dequantized exactly as the scheme says, once per run of fused partitions sharing their static
   input scales) goes through the extension for those partitions' rows, and the float32 result is
@@ -26,7 +34,9 @@ from torch import Tensor
 from qscheme import cpu_gemv
 from qscheme.canonical import CanonicalWeight
 from qscheme.cpu_gemv import GemvLayout
+from qscheme.emulation import apply_pre_scale, quantize_activation
 from qscheme.errors import UsageError
+from qscheme.formats import decode
 
 DIRECT_DTYPES = (torch.bfloat16, torch.float32)  # the extension reads these inputs itself
 
@@ -98,6 +108,16 @@ class CpuGemvKernel:
         if state.emulation is None and x.dtype in DIRECT_DTYPES:
             y = cpu_gemv.gemv(layout, rows, bias)
             return y.reshape(*x.shape[:-1], layout.n)
+        factored = None if state.emulation is None else scaled_codes(state.emulation, rows)
+        if factored is not None:  # the codes times the weight, then each row's activation scale
+            outputs = []
+            for start, stop, codes, factor in factored:
+                part = _rows(layout, start, stop)
+                y = cpu_gemv.gemv(layout, codes)[:, start:stop] if part is None else cpu_gemv.gemv(part, codes)
+                y = y * factor
+                outputs.append(y if bias is None else y + bias[start:stop].to(torch.float32))
+            y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+            return y.to(x.dtype).reshape(*x.shape[:-1], layout.n)
         if state.emulation is None:
             pieces = [(0, layout.n, rows.to(torch.float32))]
         else:
@@ -118,3 +138,39 @@ class CpuGemvKernel:
                 outputs.append(cpu_gemv.gemv(part, values.contiguous(), part_bias))
         y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         return y.to(x.dtype).reshape(*x.shape[:-1], layout.n)
+
+
+# Activation formats whose code values are exact in bfloat16 (the GEMV's tile path takes them).
+FACTORED_FORMATS = ("e4m3", "int8")
+
+
+def scaled_codes(state: ReferenceState, rows: Tensor) -> list[tuple[int, int, Tensor, Tensor]] | None:
+    """The quantized input as (start, stop, code values, per-row scale) for each run of output
+    rows sharing static input scales, where each row's dequantized input is its code values times
+    one float32 scale (per tensor or per token, no group or global scale): the product is then
+    taken as scale * (codes . w), one rounding where the reference kernel rounds each code times
+    the scale (within the declared bound); None otherwise (the reference's float32 input is used)."""
+    activation = state.activation
+    if activation is None:
+        return None
+    values = rows.to(torch.float32)
+    if state.pre_scale is not None:
+        values = apply_pre_scale(values, state.pre_scale)
+    found = []
+    for scaling in state.scalings:
+        divisor = scaling.input_global_scale_divisor
+        quantized = quantize_activation(
+            values,
+            activation,
+            input_scale=scaling.input_scale,
+            input_global_scale=None if divisor is not None else scaling.input_global_scale,
+            input_global_scale_divisor=divisor,
+        )
+        if quantized.format not in FACTORED_FORMATS or quantized.group_size is not None:
+            return None
+        if quantized.global_scale is not None or quantized.global_scale_divisor is not None:
+            return None
+        factor = quantized.block_scale()  # [M, 1] per token, [1] per tensor
+        codes = decode(quantized.codes, quantized.format).contiguous()
+        found.append((scaling.start, scaling.stop, codes, factor))
+    return found or None

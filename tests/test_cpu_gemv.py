@@ -26,7 +26,7 @@ import pytest
 import torch
 from kernel_fakes import all_modules, builtin_scheme, builtin_schemes, fake_device, layer_tensors
 from qscheme_plugins.cpu_gemv import CPU_GEMV, NativeLoops
-from qscheme_plugins.cpu_gemv_kernel import CpuGemvKernel
+from qscheme_plugins.cpu_gemv_kernel import CpuGemvKernel, scaled_codes
 from qscheme_plugins.reference_kernel import ReferenceKernel
 
 from qscheme import cpu_gemv
@@ -315,6 +315,26 @@ def test_the_tile_path_s_edges(name: str, n: int, k: int, isa: str) -> None:
                 bound = bound + 2.0**-8 * exact.abs()  # the output's rounding (half a unit, and the bias)
             error = (y.double() - exact).abs()
             assert bool((error <= bound + 1e-30).all()), (rows, given.dtype, float((error - bound).max()))
+
+
+def test_scaled_codes_take_the_factored_path() -> None:
+    """Per-tensor and per-token FP8 and int8 activations reach the GEMV as their code values (one
+    scale per row applied to the output); NVFP4's block-scaled activations as the reference's input."""
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    for name, factored in (
+        ("compressed-tensors/FP8", True),
+        ("compressed-tensors/FP8_DYNAMIC", True),
+        ("compressed-tensors/W8A8", True),
+        ("compressed-tensors/NVFP4", False),
+    ):
+        state = CpuGemvKernel().prepare(weight_of(name, 64, 256), CPU)
+        assert state.emulation is not None
+        found = scaled_codes(state.emulation, x.float())
+        assert (found is not None) == factored, name
+        if found is not None:
+            (_, _, codes, factor), *_ = found
+            values = ReferenceKernel().quantize_input(state.emulation, x.float())[0][1]
+            assert torch.equal(codes * factor, values)  # the reference's input, factored
 
 
 def test_refusals_are_typed() -> None:
