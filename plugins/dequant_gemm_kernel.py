@@ -124,13 +124,17 @@ class DequantGemmKernel:
         rows = x.reshape(-1, weight.k)
         y = torch.empty(rows.shape[0], weight.n, dtype=dtype, device=rows.device)
         if rows.shape[0] > 0:
-            bias = None if bias is None else bias.to(device=rows.device, dtype=dtype)
-            for start, stop, inputs in _pieces(state, rows):
-                if self.native and state.native is not None and dtype == torch.bfloat16 and tile_gemm.fused():
-                    bias32 = None if bias is None else bias.to(torch.float32)
-                    tile_gemm.gemm(state.native, inputs, bias32, start, stop, out=y[:, start:stop])
-                else:
-                    _tiles(state, inputs, bias, start, stop, y)
+            threads = torch.get_num_threads()
+            # torch single-threaded meanwhile: the input's few elementwise operations need no OpenMP
+            # team, whose threads would spin on the cores the extension's (or the slabs') threads use
+            with slabs.single_threaded_caller():
+                bias = None if bias is None else bias.to(device=rows.device, dtype=dtype)
+                for start, stop, inputs in _pieces(state, rows):
+                    if self.native and state.native is not None and dtype == torch.bfloat16 and tile_gemm.fused():
+                        bias32 = None if bias is None else bias.to(torch.float32)
+                        tile_gemm.gemm(state.native, inputs, bias32, start, stop, threads, y[:, start:stop])
+                    else:
+                        _tiles(state, inputs, bias, start, stop, y)
         return y.reshape(*x.shape[:-1], weight.n)
 
 
