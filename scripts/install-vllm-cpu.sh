@@ -87,13 +87,24 @@ info.mkdir(exist_ok=True)
 (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: qscheme\nVersion: {project['version']}\n")
 (info / "INSTALLER").write_text("scripts/install-vllm-cpu.sh\n")
 lines = []
-for group, entries in project.get("entry-points", {}).items():
+for group, entries in {"console_scripts": project.get("scripts", {}), **project.get("entry-points", {})}.items():
     lines.append(f"[{group}]")
     lines += [f"{name} = {target}" for name, target in entries.items()]
     lines.append("")
 (info / "entry_points.txt").write_text("\n".join(lines))
 (info / "RECORD").write_text("")
 print(f"vllm-cpu venv: qscheme linked from {root}")
+# A qscheme.egg-info in the clone (an editable install's build leaves one there) comes first on
+# sys.path when Python runs in the clone ('' or the script's folder), and importlib.metadata takes
+# the first qscheme it finds: stale entry points there hide the plugin's vllm.general_plugins entry.
+# Give it pyproject.toml's entry points (what setuptools writes there on the next build).
+for stale in sorted(root.glob("*.egg-info")):
+    if stale.name.removesuffix(".egg-info").split("-")[0].lower() != "qscheme":
+        continue
+    entry_points = stale / "entry_points.txt"
+    if not entry_points.exists() or entry_points.read_text() != "\n".join(lines):
+        entry_points.write_text("\n".join(lines))
+        print(f"vllm-cpu venv: {entry_points} rewritten from pyproject.toml's entry points")
 PY
 if ! out="$("$venv/bin/python" -c 'import qscheme.vllm.plugin as p; p.check_vllm_version()' 2>&1)"; then
     echo "$out" >&2
