@@ -63,6 +63,24 @@ static inline void factor_values(const Layout &l, const Plan &plan, int index, c
     }
 }
 
+template <class HALF>
+static inline float block_half(const uint8_t *block, int offset, HALF half) {
+    uint16_t h;
+    __builtin_memcpy(&h, block + offset, 2);
+    return half(h);
+}
+
+// Scales [fp16 d, integer sc] with one sc per sub-block, and a minimum of none or the same shape
+// ([fp16 dmin, integer m]), the integers read by one window each (GGUF's K-quants, IQ4_XS).
+inline bool k_quant_products(const Layout &l, const Plan &plan, int W) {
+    auto pair_fits = [&](const Factor *f, int first) {
+        return f[0].is_field && f[0].count == 1 && f[0].format == FIELD_FP16 && !f[1].is_field &&
+               f[1].count == l.groups && static_cast<int>(plan.factor[first + 1].size()) == f[1].depth;
+    };
+    return l.groups <= W && l.n_scale == 2 && pair_fits(l.scale, 0) &&
+           (l.n_minimum == 0 || (l.n_minimum == 2 && pair_fits(l.minimum, l.n_scale)));
+}
+
 // The sub-block products of a row's blocks: scale[b * groups + g] (and minimum[...] when the layout
 // has one), formed as the reference decoder forms them (factors multiplied left to right).
 template <class V, class HALF>
@@ -77,6 +95,28 @@ static void row_products(const Layout &l, const Plan &plan, const uint8_t *row, 
             __builtin_memcpy(&h, row + b * l.block_bytes + first.offset, 2);
             const float v = half(h);
             for (int g = 0; g < groups; g++) scale[b * groups + g] = v;
+        }
+        return;
+    }
+    if (k_quant_products(l, plan, V::W)) {  // [d, sc] (and [dmin, m]): one vector product per block
+        using vec = typename V::vec;
+        auto integers = [&](int index, const uint8_t *block) {
+            const Factor &f = index < l.n_scale ? l.scale[index] : l.minimum[index - l.n_scale];
+            const Chunk *cs = plan.factor[index].data();
+            typename V::ivec v = V::and_(V::srlv(V::window(block + cs[0].off, cs[0]), cs[0].shift), cs[0].mask);
+            for (int s = 1; s < f.depth; s++)
+                v = V::or_(v, V::sllv(V::and_(V::srlv(V::window(block + cs[s].off, cs[s]), cs[s].shift), cs[s].mask),
+                                      cs[s].dest));
+            return V::integer(v, f.is_signed ? 32 - f.bits : 0, f.add);
+        };
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *block = row + b * l.block_bytes;
+            const vec s = V::mul(V::set1(block_half(block, first.offset, half)), integers(1, block));
+            V::store(scale + b * groups, s);  // lanes past `groups`: overwritten by the next block
+            if (l.n_minimum) {
+                const vec m = V::mul(V::set1(block_half(block, l.minimum[0].offset, half)), integers(l.n_scale + 1, block));
+                V::store(minimum + b * groups, m);
+            }
         }
         return;
     }
@@ -118,13 +158,6 @@ static void row_products(const Layout &l, const Plan &plan, const uint8_t *row, 
 
 // One fp16 scale field per block and nothing else (Q4_0, Q8_0, IQ4_NL, Q5_0): the scale is read
 // in the loop from the block itself, with no pass over the row first.
-template <class HALF>
-static inline float block_half(const uint8_t *block, int offset, HALF half) {
-    uint16_t h;
-    __builtin_memcpy(&h, block + offset, 2);
-    return half(h);
-}
-
 inline bool one_half_scale(const Layout &l) {
     const Factor &f = l.scale[0];
     return l.n_scale == 1 && !l.n_minimum && l.groups == 1 && f.is_field && f.count == 1 && f.format == FIELD_FP16;
