@@ -165,7 +165,7 @@ int64_t decode_row_avx512(const Layer &p, int64_t n, const float *s, const float
 namespace {
 
 struct alignas(64) TileConfig {
-    uint8_t palette = 1, start_row = 0;
+    uint8_t palette = 0, start_row = 0;
     uint8_t reserved[14] = {};
     uint16_t colsb[16] = {};
     uint8_t rows[16] = {};
@@ -173,13 +173,19 @@ struct alignas(64) TileConfig {
 
 // Tiles 0-3: the 2 x 2 float32 accumulators (16 weight rows x 16 input rows each); 4, 5: two
 // 16-row slices of the decoded weight panel (32 k each); 6, 7: two 16-row blocks of the packed input.
+// The whole configuration as the asm operand: GCC's _tile_loadconfig names only the first 8 bytes
+// of its operand, so that the stores filling the rest may be dropped as dead.
+inline void load_config(const TileConfig &config) { __asm__ volatile("ldtilecfg %0" ::"m"(config)); }
+inline void store_config(TileConfig &config) { __asm__ volatile("sttilecfg %0" : "=m"(config)); }
+
 void configure_tiles() {
     TileConfig config;
+    config.palette = 1;
     for (int t = 0; t < 8; t++) {
         config.colsb[t] = 64;
         config.rows[t] = 16;
     }
-    _tile_loadconfig(&config);
+    load_config(config);
 }
 
 // Write the accumulators of weight rows [pp, pp + 32) and input rows [m0, m0 + count): out[m, n]
@@ -230,6 +236,8 @@ void gemm_rows_amx(const Layer &p, const uint32_t *xp, int64_t m, int64_t mp, in
                    uint16_t *panel, float *acc, float *s, float *z) {
     // s, z: (q1 - q0) rows of scale_cols effective scales and zero points, filled once here
     alignas(64) float c[32 * 32];
+    TileConfig saved;
+    store_config(saved);  // the caller's tile state (torch's own kernels may keep one)
     configure_tiles();
     const int64_t rows = q1 - q0, subpanels = rows / 32, groups = (mp / 16 + 1) / 2;
     const int64_t block = (kp / 2) * 16;  // uint32 per 16 input rows
@@ -305,7 +313,10 @@ void gemm_rows_amx(const Layer &p, const uint32_t *xp, int64_t m, int64_t mp, in
             }
         }
     }
-    _tile_release();
+    if (saved.palette)
+        load_config(saved);
+    else
+        _tile_release();
 }
 
 }  // namespace qscheme_tile
