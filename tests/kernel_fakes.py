@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from qscheme_plugins.cpu_gemv import CPU_GEMV
+from qscheme_plugins.cpu_gemv_blocks import CPU_GEMV_BLOCKS
 from qscheme_plugins.dequant_gemm import DEQUANT_GEMM
 from qscheme_plugins.marlin import MARLIN, MARLIN_MXFP4
 from qscheme_plugins.native_fp4 import NATIVE_FP4, NATIVE_MXFP4
@@ -51,6 +52,7 @@ BUILTIN_DECLARATIONS: tuple[KernelDeclaration, ...] = (
     TINYGEMM_CPU,
     DEQUANT_GEMM,
     CPU_GEMV,
+    CPU_GEMV_BLOCKS,
 )
 # The built-in kernels in the resolver's order: highest priority first, then by name (written
 # out, so that a priority change shows in the tests that compare a trace's order with it).
@@ -64,6 +66,7 @@ BUILTIN_KERNELS_BY_PRIORITY: list[str] = [
     "marlin_mxfp4",
     "tinygemm",
     "tinygemm_cpu",
+    "cpu_gemv_blocks",
     "dequant_gemm",
     "triton",
     "cpu_gemv",

@@ -33,6 +33,7 @@ BUILTIN_KERNELS = {
     "reference",
     "dequant_gemm",
     "cpu_gemv",
+    "cpu_gemv_blocks",
     "triton",
     "marlin",
     "marlin_mxfp4",
