@@ -39,9 +39,9 @@ import torch
 from torch import Tensor
 
 from qscheme.canonical import CanonicalWeight, effective_scale
-from qscheme.environment import env_choice
 from qscheme.errors import UsageError
 from qscheme.formats import decode
+from qscheme.native_isa import IsaExtension
 
 ISA_CHOICES: tuple[str, ...] = ("scalar", "avx2", "avx512")
 ISA_VARIABLE = "QSCHEME_CPU_GEMV_ISA"
@@ -58,26 +58,14 @@ SCALE_DTYPES: dict[torch.dtype, int] = {
     torch.float8_e4m3fn: SCALE_BYTE,
     torch.uint8: SCALE_BYTE,  # e8m0 bytes
 }
-_APPLIED: list[str | None] = []
+
+
+_EXTENSION = IsaExtension("qscheme._cpu_gemv", ISA_CHOICES, ISA_VARIABLE, "cpu_gemv")
 
 
 def native() -> Any:
     """The extension, with ``QSCHEME_CPU_GEMV_ISA`` applied, or None where it was not built."""
-    try:
-        import qscheme._cpu_gemv as module  # type: ignore[import-not-found]  # a C++ extension (setup.py)
-    except ImportError:
-        return None
-    chosen = env_choice(ISA_VARIABLE, ISA_CHOICES)
-    if _APPLIED != [chosen]:
-        supported = module.supported_isa()
-        if chosen is not None and ISA_CHOICES.index(chosen) > ISA_CHOICES.index(supported):
-            raise UsageError(
-                f"environment variable {ISA_VARIABLE}={chosen}: this CPU runs at most the {supported} loops; "
-                f"allowed here: {', '.join(ISA_CHOICES[: ISA_CHOICES.index(supported) + 1])}, or unset it"
-            )
-        module.set_isa(chosen or supported)
-        _APPLIED[:] = [chosen]
-    return module
+    return _EXTENSION.native()
 
 
 def available() -> bool:
@@ -99,22 +87,11 @@ def supported_isa() -> str:
 
 def set_isa(name: str) -> None:
     """Use the ``name`` loops from now on (at most what the CPU runs), as the variable does."""
-    if name not in ISA_CHOICES:
-        raise UsageError(f"cpu_gemv ISA {name!r} is not one of {', '.join(ISA_CHOICES)}")
-    module = _require_native()
-    if ISA_CHOICES.index(name) > ISA_CHOICES.index(module.supported_isa()):
-        raise UsageError(f"this CPU runs at most the {module.supported_isa()} loops, not {name}")
-    module.set_isa(name)
+    _EXTENSION.set_isa(name)
 
 
 def _require_native() -> Any:
-    module = native()
-    if module is None:
-        raise UsageError(
-            "qscheme._cpu_gemv is not built: reinstall qscheme with a C++17 compiler "
-            "(pip install --no-build-isolation -e .)"
-        )
-    return module
+    return _EXTENSION.require()
 
 
 @dataclass(frozen=True)

@@ -30,31 +30,19 @@ import torch
 from torch import Tensor
 
 from qscheme.cpu_gemv import GemvLayout
-from qscheme.environment import env_choice
 from qscheme.errors import UsageError
+from qscheme.native_isa import IsaExtension
 
 ISA_CHOICES: tuple[str, ...] = ("scalar", "avx512", "amx")
 ISA_VARIABLE = "QSCHEME_TILE_GEMM_ISA"
-_APPLIED: list[str | None] = []
+
+
+_EXTENSION = IsaExtension("qscheme._tile_gemm", ISA_CHOICES, ISA_VARIABLE, "tile_gemm")
 
 
 def native() -> Any:
     """The extension, with ``QSCHEME_TILE_GEMM_ISA`` applied, or None where it was not built."""
-    try:
-        import qscheme._tile_gemm as module  # type: ignore[import-not-found]  # a C++ extension (setup.py)
-    except ImportError:
-        return None
-    chosen = env_choice(ISA_VARIABLE, ISA_CHOICES)
-    if _APPLIED != [chosen]:
-        supported = module.supported_isa()
-        if chosen is not None and ISA_CHOICES.index(chosen) > ISA_CHOICES.index(supported):
-            raise UsageError(
-                f"environment variable {ISA_VARIABLE}={chosen}: this CPU runs at most the {supported} loops; "
-                f"allowed here: {', '.join(ISA_CHOICES[: ISA_CHOICES.index(supported) + 1])}, or unset it"
-            )
-        module.set_isa(chosen or supported)
-        _APPLIED[:] = [chosen]
-    return module
+    return _EXTENSION.native()
 
 
 def available() -> bool:
@@ -75,22 +63,11 @@ def fused() -> bool:
 
 def set_isa(name: str) -> None:
     """Use the ``name`` loops from now on (at most what the CPU runs), as the variable does."""
-    if name not in ISA_CHOICES:
-        raise UsageError(f"tile_gemm ISA {name!r} is not one of {', '.join(ISA_CHOICES)}")
-    module = _require_native()
-    if ISA_CHOICES.index(name) > ISA_CHOICES.index(module.supported_isa()):
-        raise UsageError(f"this CPU runs at most the {module.supported_isa()} tile loops, not {name}")
-    module.set_isa(name)
+    _EXTENSION.set_isa(name)
 
 
 def _require_native() -> Any:
-    module = native()
-    if module is None:
-        raise UsageError(
-            "qscheme._tile_gemm is not built: reinstall qscheme with a C++17 compiler "
-            "(pip install --no-build-isolation -e .)"
-        )
-    return module
+    return _EXTENSION.require()
 
 
 def _address(value: Tensor | None) -> int:

@@ -20,10 +20,11 @@ import torch
 from torch import Tensor
 
 from qscheme.descriptor.blocks import BlockField, BlockLayout, IntegerSpec, Plane
-from qscheme.environment import env_choice, env_flag
-from qscheme.errors import QuantizeError, UsageError
+from qscheme.environment import env_flag
+from qscheme.errors import QuantizeError
 from qscheme.formats.elements import decode
 from qscheme.huge_pages import empty as empty_huge
+from qscheme.native_isa import IsaExtension
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,7 @@ def _product(blocks: Tensor, compiled: CompiledLayout, names: tuple[str, ...]) -
 
 ISA_CHOICES: tuple[str, ...] = ("scalar", "avx2", "avx512")
 """The C loop's vector widths (``QSCHEME_BLOCKS_ISA`` chooses one, at most what the CPU runs)."""
-_ISA_APPLIED: list[str | None] = []
+_EXTENSION = IsaExtension("qscheme._blocks", ISA_CHOICES, "QSCHEME_BLOCKS_ISA", "blocks")
 
 
 def native_decoder() -> Any:
@@ -269,21 +270,7 @@ def native_decoder() -> Any:
     narrower ones; every width gives the same bits."""
     if env_flag("QSCHEME_BLOCKS_TORCH"):
         return None
-    try:
-        import qscheme._blocks as native  # type: ignore[import-not-found]  # a C extension (setup.py)
-    except ImportError:
-        return None
-    chosen = env_choice("QSCHEME_BLOCKS_ISA", ISA_CHOICES)
-    if _ISA_APPLIED != [chosen]:
-        supported = native.supported_isa()
-        if chosen is not None and ISA_CHOICES.index(chosen) > ISA_CHOICES.index(supported):
-            raise UsageError(
-                f"environment variable QSCHEME_BLOCKS_ISA={chosen}: this CPU runs at most the {supported} loops; "
-                f"allowed here: {', '.join(ISA_CHOICES[: ISA_CHOICES.index(supported) + 1])}, or unset it"
-            )
-        native.set_isa(chosen or supported)
-        _ISA_APPLIED[:] = [chosen]
-    return native
+    return _EXTENSION.native()
 
 
 def empty_output(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
