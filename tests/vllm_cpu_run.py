@@ -54,7 +54,12 @@ def describe_layers(model: Any) -> dict[str, dict[str, Any]]:
             continue
         entry: dict[str, Any] = {"method": type(module.quant_method).__name__}
         held = getattr(module, "qscheme_linear", None)
-        if held is not None:
+        if held is not None and hasattr(held, "members"):  # MemberLinears: fused members run apart
+            entry["kernel"] = "+".join(sorted({member.kernel.name for member in held.members}))
+            entry["scheme"] = held.members[0].scheme.name
+            entry["partitions"] = [member.weight_canonical.n for member in held.members]
+            entry["separate_members"] = len(held.members)
+        elif held is not None:
             entry["kernel"] = held.kernel.name
             entry["scheme"] = held.scheme.name
             entry["partitions"] = list(held.weight_canonical.partitions or ())

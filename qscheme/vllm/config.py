@@ -30,14 +30,42 @@ from qscheme.vllm.params import VllmLayerError, checkpoint_renames
 from qscheme.vllm.plugin import METHOD
 
 
+class VllmGgufError(VllmLayerError):
+    """A GGUF file given to the qscheme vLLM method, which does not serve GGUF: names the file and
+    how to serve it (``gguf_refusal``)."""
+
+
+def gguf_refusal(file: Path) -> VllmGgufError:
+    return VllmGgufError(
+        f"{file}: a GGUF file; the qscheme vLLM method does not serve GGUF yet (vLLM 0.32 has no GGUF "
+        "loader or method of its own, and the plugin's weights come through vLLM's safetensors loader). "
+        "Run it with qscheme's own loader (qscheme.transformers.from_gguf), or convert it into a folder "
+        f"and serve that: `qscheme convert {file} OUT --to SCHEME` (a compressed-tensors or ModelOpt "
+        "scheme; docs/gguf.md says which GGUF types convert exactly, the others need --allow-requantize), "
+        'then LLM(model="OUT", quantization="qscheme")'
+    )
+
+
+def gguf_files(path: str | None) -> list[Path]:
+    """The GGUF file ``path`` is, or those of a folder that holds no safetensors (nothing else to serve)."""
+    if path is None:
+        return []
+    where = Path(path)
+    if where.is_file():
+        return [where] if where.suffix.lower() == ".gguf" else []
+    if where.is_dir() and not any(where.glob("*.safetensors")):
+        return sorted(where.glob("*.gguf"))
+    return []
+
+
 @register_quantization_config(METHOD)
 class QschemeConfig(QuantizationConfig):  # type: ignore[misc]
     """The ``qscheme`` quantization method: each linear layer gets its scheme from qscheme's
     detection of the checkpoint, and runs on the kernel qscheme's resolver picks."""
 
-    def __init__(self, quantization_config: dict[str, Any]) -> None:
-        super().__init__()
-        self.quantization_config = dict(quantization_config)
+    def __init__(self, quantization_config: dict[str, Any] | None = None) -> None:
+        super().__init__()  # vLLM builds it without a config for a checkpoint whose config.json has none
+        self.quantization_config = dict(quantization_config or {})
         self.model_path: str | None = None
         self._plan: Plan | None = None
 
@@ -87,6 +115,9 @@ class QschemeConfig(QuantizationConfig):  # type: ignore[misc]
 
     def plan(self) -> Plan:
         if self._plan is None:
+            gguf = gguf_files(self.model_path)
+            if gguf:
+                raise gguf_refusal(gguf[0])
             if self.model_path is None or not Path(self.model_path).is_dir():
                 raise VllmLayerError(
                     f"the qscheme vLLM method reads the checkpoint's folder, and {self.model_path!r} is none; "

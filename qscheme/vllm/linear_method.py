@@ -4,7 +4,10 @@
 ``process_weights_after_loading`` checks each member's tensors as qscheme's loader does, builds
 their CanonicalWeight, concatenates the members along N with one global scale per member (exact:
 ``qscheme.checkpoint.fuse.concatenate``) and holds the result as a ``QuantLinear``, whose kernel
-qscheme's resolver picks for the layer's device and activation dtype. vLLM's parameters are then
+qscheme's resolver picks for the layer's device and activation dtype (members whose input channels
+are permuted differently, GPTQ act-order, are held as one QuantLinear each: ``MemberLinears``;
+a row-parallel rank's GPTQ ``g_idx`` is rebased to number its own groups from 0, as qscheme's TP
+rules say). vLLM's parameters are then
 dropped: the canonical tensors and the kernel's prepared form are what the layer keeps.
 ``apply`` runs the QuantLinear (the kernel's registered code) and adds vLLM's bias.
 """
@@ -20,6 +23,7 @@ from torch import Tensor
 from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
 
 from qscheme.canonical import canonicalize
+from qscheme.canonical_weight import CanonicalWeight
 from qscheme.checkpoint.fuse import concatenate
 from qscheme.descriptor import Scheme
 from qscheme.modules.linear import QuantLinear
@@ -28,7 +32,8 @@ from qscheme.tensor_checks import ModuleLayout, require_valid_tensors
 from qscheme.vllm.params import DeclaredTensor, VllmLayerError, declare, make_parameter, parameter_name
 
 HOLDER = "qscheme_linear"
-"""The attribute of a vLLM layer that holds its QuantLinear once the weights are loaded."""
+"""The attribute of a vLLM layer that holds its QuantLinear (MemberLinears for fused members in
+different input orders) once the weights are loaded."""
 DECLARED = "qscheme_declared"  # how each checkpoint tensor is held, from create_weights to loading
 ACTIVATION_DTYPE = "qscheme_activation_dtype"
 
@@ -70,6 +75,44 @@ def _torch_dtype(layer: str, name: str, text: str) -> torch.dtype:
     return dtype
 
 
+def _rank_groups(layer: str, module: str, name: str, group_index: Tensor, rank: int, groups: int) -> Tensor:
+    """Rank ``rank``'s slice of a row-parallel layer's group index (GPTQ ``g_idx``), numbering its
+    ``groups`` groups from 0; VllmLayerError where its columns belong to other ranks' groups (act-order)."""
+    values = group_index - rank * groups
+    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= groups):
+        raise VllmLayerError(
+            f"{layer}: {module}.{name} assigns the input channels of tensor-parallel rank {rank} to groups "
+            f"{int(group_index.min())}..{int(group_index.max())}, while the rank holds the scales of groups "
+            f"{rank * groups}..{(rank + 1) * groups - 1} (GPTQ act-order: groups out of order); a row-parallel "
+            "split needs each rank's channels in its own groups: serve with tensor_parallel_size=1, or "
+            "re-quantize without act-order (desc_act: false)"
+        )
+    return values
+
+
+def _same_input_order(weights: Sequence[CanonicalWeight]) -> bool:
+    """Whether the members hold their input channels in one order (None: the input's own), so that
+    their codes can share one input and be concatenated into one weight."""
+    orders = [weight.input_permutation for weight in weights]
+    first = orders[0]
+    if first is None:
+        return all(order is None for order in orders)
+    return all(order is not None and torch.equal(order, first) for order in orders)
+
+
+class MemberLinears(torch.nn.Module):
+    """The members of a fused layer whose input channels are permuted differently (GPTQ act-order:
+    each member's ``g_idx`` orders its own groups): one QuantLinear each, on its own kernel, their
+    outputs concatenated along N in the members' order (exact: each computes its own rows)."""
+
+    def __init__(self, members: Sequence[QuantLinear]) -> None:
+        super().__init__()
+        self.members = torch.nn.ModuleList(members)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([member(x) for member in self.members], dim=-1)
+
+
 @register_weight_loader_v2_supported_method
 class QschemeLinearMethod(LinearMethodBase):  # type: ignore[misc]
     """vLLM's linear method for the members of one layer, all of one qscheme scheme."""
@@ -93,6 +136,7 @@ class QschemeLinearMethod(LinearMethodBase):  # type: ignore[misc]
         ns = [shard.shard_n for shard in shards]
         k = shards[0].shard_k
         self.shard_shapes = tuple((shard.shard_n, shard.shard_k) for shard in shards)
+        self.rebases = tuple({n: t.rebase for n, t in shard.tensors.items() if t.rebase} for shard in shards)
         weight_loader = extra_weight_attrs["weight_loader"]
         specs = {spec.name: spec for spec in self.scheme.tensor_specs().values()}
         weight_name = self.scheme.weight.tensor.name
@@ -154,29 +198,38 @@ class QschemeLinearMethod(LinearMethodBase):  # type: ignore[misc]
         device = torch.device("cpu")
         for index, member in enumerate(self.members):
             tensors: dict[str, Tensor] = {}
+            rank = 0
             for name, held in declared.items():
                 param = getattr(layer, parameter_name(name))
                 device = param.device
+                rank = int(getattr(param, "tp_rank", 0))
                 tensors[name] = held.member(param.data.to("cpu"), index)
+            for name, rebase in self.rebases[index].items():  # a group index split with K: this rank's groups from 0
+                tensors[name] = _rank_groups(self.layer_name, member.module, name, tensors[name], rank, rebase)
             shape_tensor = self.scheme.weight.shape_tensor
             if shape_tensor is not None and shape_tensor.name in tensors:  # this rank's [N, K], not the layer's
                 stored = tensors[shape_tensor.name]
                 tensors[shape_tensor.name] = torch.tensor(self.shard_shapes[index], dtype=stored.dtype)
             n, k = require_valid_tensors(self.scheme, tensors, member.module)
             weights.append(canonicalize(self.scheme, tensors, n, k, layer=member.module))
-        weight = weights[0] if len(weights) == 1 else concatenate(weights)
         if device.type == "cpu":
             request_amx()
         for name in declared:
             delattr(layer, parameter_name(name))
         delattr(layer, DECLARED)
-        setattr(
-            layer,
-            HOLDER,
-            QuantLinear(
-                weight, device=device, layer_name=self.layer_name, activation_dtype=getattr(layer, ACTIVATION_DTYPE)
-            ),
-        )
+        dtype = getattr(layer, ACTIVATION_DTYPE)
+        holder: torch.nn.Module
+        if _same_input_order(weights):
+            weight = weights[0] if len(weights) == 1 else concatenate(weights)
+            holder = QuantLinear(weight, device=device, layer_name=self.layer_name, activation_dtype=dtype)
+        else:  # GPTQ act-order members, each with its own g_idx: one kernel each, outputs side by side
+            holder = MemberLinears(
+                [
+                    QuantLinear(w, device=device, layer_name=m.module, activation_dtype=dtype)
+                    for w, m in zip(weights, self.members, strict=True)
+                ]
+            )
+        setattr(layer, HOLDER, holder)
 
     def apply(self, layer: torch.nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
         y: Tensor = getattr(layer, HOLDER)(x)
