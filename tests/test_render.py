@@ -133,7 +133,7 @@ def test_activation_formats_no_kernel_takes(tmp_path: Path) -> None:
     pairings: list[dict[str, object]] = data["pairings"]  # type: ignore[assignment]
     assert {
         "activations": "fp8 dynamic per token (e4m3, fp32/float scales)",
-        "kernels": ["native_fp8_rowwise", "triton", "cpu_gemv", "reference", "native_fp8_cpu"],
+        "kernels": ["native_fp8_rowwise", "dequant_gemm", "triton", "cpu_gemv", "reference", "native_fp8_cpu"],
     } in pairings
 
 
