@@ -8,6 +8,13 @@ the packages are found here from the tree: every package under each root, and th
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
 from setuptools import Extension, find_namespace_packages, find_packages, setup
 
 ROOTS = {"qscheme": "qscheme", "qscheme_plugins": "plugins", "qscheme_schemes": "schemes"}
@@ -26,6 +33,32 @@ def packages() -> list[str]:
         found += [name, *(f"{name}.{child}" for child in sorted(children))]
     return found
 
+
+def openmp_flags() -> list[str]:
+    """``-fopenmp`` where the C++ compiler builds and links an OpenMP program, else nothing.
+
+    With it the compiled kernels run on torch's own OpenMP threads (qscheme/csrc/thread_pool.h);
+    without it, on a pool of their own (slower beside torch's operators, still correct).
+    """
+    compiler = (sysconfig.get_config_var("CXX") or "c++").split()[0]
+    if not shutil.which(compiler) or os.environ.get("QSCHEME_NO_OPENMP") == "1":
+        return []
+    with tempfile.TemporaryDirectory() as folder:
+        source = os.path.join(folder, "probe.cpp")
+        with open(source, "w", encoding="utf-8") as handle:
+            handle.write("#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
+        command = [compiler, "-fopenmp", source, "-o", os.path.join(folder, "probe")]
+        try:
+            done = subprocess.run(command, capture_output=True, check=False, timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+    if done.returncode != 0:
+        print("qscheme: the C++ compiler has no OpenMP; the CPU kernels use their own threads", file=sys.stderr)
+        return []
+    return ["-fopenmp"]
+
+
+OPENMP = openmp_flags()
 
 # The per-weight loop of decoding packed blocks (qscheme.formats.blocks), in plain C with no torch
 # headers: built by any C compiler, and optional (without a compiler the install still succeeds and
@@ -58,10 +91,11 @@ CPU_GEMV_EXTENSION = Extension(
         "qscheme/csrc/cpu_gemv_amx.h",
         "qscheme/csrc/cpu_gemv_gguf.h",
         "qscheme/csrc/cpu_gemv_gguf_kernel.h",
+        "qscheme/csrc/thread_pool.h",
     ],
     language="c++",
-    extra_compile_args=["-O3", "-std=c++17", "-fno-fast-math", "-pthread"],
-    extra_link_args=["-pthread"],
+    extra_compile_args=["-O3", "-std=c++17", "-fno-fast-math", "-pthread", *OPENMP],
+    extra_link_args=["-pthread", *OPENMP],
     optional=True,
 )
 
@@ -70,10 +104,10 @@ CPU_GEMV_EXTENSION = Extension(
 TILE_GEMM_EXTENSION = Extension(
     "qscheme._tile_gemm",
     sources=["qscheme/csrc/tile_gemm.cpp", "qscheme/csrc/tile_gemm_amx.cpp"],
-    depends=["qscheme/csrc/tile_gemm.h"],
+    depends=["qscheme/csrc/tile_gemm.h", "qscheme/csrc/thread_pool.h"],
     language="c++",
-    extra_compile_args=["-O3", "-std=c++17", "-fno-fast-math", "-pthread"],
-    extra_link_args=["-pthread"],
+    extra_compile_args=["-O3", "-std=c++17", "-fno-fast-math", "-pthread", *OPENMP],
+    extra_link_args=["-pthread", *OPENMP],
     optional=True,
 )
 

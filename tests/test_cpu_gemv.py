@@ -66,7 +66,8 @@ EXPECTED = {
     "mxfp4/MXFP4",
     "fp8/FP8_BLOCK",
 }
-# "amx": the AVX-512 loops with the tile path (cpu_gemv_amx.cpp) on, where this CPU has it; "avx512"
+# "amx": the AVX-512 loops with the tile path (cpu_gemv_amx.cpp) taking every M ("all"; by default
+# it starts at M = 3), where this CPU has it; "avx512"
 # with it off (QSCHEME_CPU_GEMV_AMX=0), so that both run every case
 ISAS = ("scalar", "avx2", "avx512", "amx")
 AMX_VARIABLE = "QSCHEME_CPU_GEMV_AMX"
@@ -105,7 +106,7 @@ def _isa_param(name: str) -> object:
 def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     before = cpu_gemv.isa()
     cpu_gemv.set_isa("avx512" if request.param == "amx" else request.param)
-    monkeypatch.setenv(AMX_VARIABLE, "1" if request.param == "amx" else "0")
+    monkeypatch.setenv(AMX_VARIABLE, "all" if request.param == "amx" else "0")
     try:
         yield request.param
     finally:

@@ -22,14 +22,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstring>
 #include <functional>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #include "cpu_gemv.h"
+#include "thread_pool.h"
 #include "cpu_gemv_gguf.h"
 
 namespace qscheme_gemv {
@@ -116,82 +114,6 @@ int isa_level() {
     return isa_active;
 }
 
-/* A pool of worker threads sharing out `tasks` numbered pieces of work: run(count, tasks, job)
- * calls job(task) for every task once, on the caller and on up to count - 1 workers, each taking
- * the next task from a shared counter. The caller does not wait for a worker that has not started
- * yet (on a busy machine a woken thread may wait long for a core): once the tasks are all taken,
- * it closes the run and waits only for the workers inside it. One run at a time. */
-class Pool {
-   public:
-    void run(int count, int64_t tasks, const std::function<void(int64_t)> &job) {
-        std::lock_guard<std::mutex> serial(call_mutex_);
-        next_.store(0);
-        tasks_ = tasks;
-        if (count > 1) {
-            grow(count - 1);
-            {
-                std::lock_guard<std::mutex> lock(mutex_);
-                job_ = &job;
-                wanted_ = count - 1;
-                open_ = true;
-                generation_++;
-            }
-            wake_.notify_all();
-        }
-        work(job);
-        if (count > 1) {
-            std::unique_lock<std::mutex> lock(mutex_);
-            open_ = false;
-            done_.wait(lock, [this] { return active_ == 0; });
-            job_ = nullptr;
-        }
-    }
-
-   private:
-    void grow(int workers) {
-        while (static_cast<int>(threads_.size()) < workers) {
-            const int index = static_cast<int>(threads_.size());
-            threads_.emplace_back([this, index] { loop(index); });
-            threads_.back().detach();  // lives as long as the process
-        }
-    }
-    void work(const std::function<void(int64_t)> &job) {
-        for (int64_t task = next_.fetch_add(1); task < tasks_; task = next_.fetch_add(1)) job(task);
-    }
-    void loop(int index) {
-        uint64_t seen = 0;
-        for (;;) {
-            const std::function<void(int64_t)> *job;
-            {
-                std::unique_lock<std::mutex> lock(mutex_);
-                wake_.wait(lock, [&] { return generation_ != seen; });
-                seen = generation_;
-                if (index >= wanted_ || !open_) continue;  // a run already closed: nothing left
-                job = job_;
-                active_++;
-            }
-            work(*job);
-            {
-                std::lock_guard<std::mutex> lock(mutex_);
-                if (--active_ == 0) done_.notify_one();
-            }
-        }
-    }
-    std::mutex call_mutex_, mutex_;
-    std::condition_variable wake_, done_;
-    std::vector<std::thread> threads_;
-    const std::function<void(int64_t)> *job_ = nullptr;
-    std::atomic<int64_t> next_{0};
-    int64_t tasks_ = 0;
-    int wanted_ = 0, active_ = 0;
-    bool open_ = false;
-    uint64_t generation_ = 0;
-};
-
-Pool *pool() {
-    static Pool *instance = new Pool();  // never destroyed: detached workers wait on it
-    return instance;
-}
 
 /* Weight rows per task of the GEMV (a multiple of the loops' 4-row blocks): small enough that
  * the workers share the rows evenly, large enough that taking a task costs nothing. */
@@ -230,6 +152,8 @@ bool parse_params(PyObject *args, Params &p, Py_ssize_t first) {
         PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv: inconsistent layer description");
         return false;
     }
+    static std::atomic<uint64_t> calls{0};
+    p.serial = ++calls;
     if (lut) std::memcpy(p.lut, lut, sizeof(p.lut));
     if (table) std::memcpy(p.scale_table, table, sizeof(p.scale_table));
     return true;
@@ -331,7 +255,7 @@ PyObject *gemv(PyObject *, PyObject *args) {
             }
         }
     };
-    pool()->run(count, tasks, job);
+    qscheme_threads::run_tasks(count, tasks, job);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
@@ -382,7 +306,7 @@ PyObject *dequantize(PyObject *, PyObject *args) {
             }
         }
     };
-    pool()->run(count, tasks, job);
+    qscheme_threads::run_tasks(count, tasks, job);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
@@ -413,7 +337,7 @@ PyObject *set_isa(PyObject *, PyObject *args) {
 
 namespace qscheme_gemv {  // for the packed-block loops (cpu_gemv_gguf.cpp)
 int active_isa() { return isa_level(); }
-void run_tasks(int threads, int64_t tasks, const std::function<void(int64_t)> &job) { pool()->run(threads, tasks, job); }
+void run_tasks(int threads, int64_t tasks, const std::function<void(int64_t)> &job) { qscheme_threads::run_tasks(threads, tasks, job); }
 }  // namespace qscheme_gemv
 
 namespace {

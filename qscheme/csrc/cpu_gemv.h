@@ -27,6 +27,7 @@ struct Params {
     const float *row_scale = nullptr;  // [N]: effective = scale * row (or / row, or row alone)
     int row_divide = 0;
     int64_t n = 0, k = 0;
+    uint64_t serial = 0;  // this call's number (keys the per-thread tables derived from it)
 };
 
 float half_to_float(uint16_t h);

@@ -406,9 +406,15 @@ bool amx_usable() {
     return granted && !(setting && setting[0] == '0');
 }
 
+int amx_min_rows(const Params &p) {
+    const char *setting = std::getenv("QSCHEME_CPU_GEMV_AMX");
+    if (setting && std::strcmp(setting, "all") == 0) return 1;
+    return p.code_kind == CODE_NIBBLE ? 3 : 4;
+}
+
 bool gemv_amx(const Params &p, const float *x, int64_t ldx, int m, int64_t n0, int64_t n1, float *acc, int64_t ldy,
               RowsFunction fallback) {
-    if (m < 1 || n1 <= n0 || p.zero || !amx_usable()) return false;
+    if (m < amx_min_rows(p) || n1 <= n0 || p.zero || !amx_usable()) return false;
     const bool nibble = p.code_kind == CODE_NIBBLE;
     const int64_t ce = nibble ? 32 : 16;
     const int64_t k_main = (p.k / ce) * ce;
@@ -468,6 +474,7 @@ bool gemv_amx(const Params &p, const float *x, int64_t ldx, int m, int64_t n0, i
 
 namespace qscheme_gemv {
 bool amx_usable() { return false; }
+int amx_min_rows(const Params &) { return 1; }
 bool gemv_amx(const Params &, const float *, int64_t, int, int64_t, int64_t, float *, int64_t, RowsFunction) {
     return false;
 }

@@ -33,6 +33,12 @@ using RowsFunction = void (*)(const Params &, const float *, int64_t, int, int64
 // disabled by QSCHEME_CPU_GEMV_AMX=0, read once).
 bool amx_usable();
 
+// The fewest rows of x the tile path takes: with 1-2 rows (4-bit codes) or 1-3 (byte codes) the
+// float32 loops are faster (measured by benchmarks/cpu_gemm.py: 1.1-1.5x at M = 1-2, where each
+// weight row feeds one or two products), unless QSCHEME_CPU_GEMV_AMX=all (the tests use it to run
+// the tile path at every M).
+int amx_min_rows(const Params &p);
+
 // Rows [n0, n1) through the tiles, as gemv_avx512 (same arguments); false where the layer or x
 // does not qualify (nothing written then).
 bool gemv_amx(const Params &p, const float *x, int64_t ldx, int m, int64_t n0, int64_t n1, float *acc, int64_t ldy,

@@ -18,6 +18,7 @@ struct V256 {
     using Table = Lut8;
     static inline vec zero() { return _mm256_setzero_ps(); }
     static inline vec load(const float *p) { return _mm256_loadu_ps(p); }
+    static inline vec pair2(float a, float b) { return _mm256_blend_ps(_mm256_set1_ps(a), _mm256_set1_ps(b), 0xF0); }
     static inline vec set1(float v) { return _mm256_set1_ps(v); }
     static inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
     static inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }

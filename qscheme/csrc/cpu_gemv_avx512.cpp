@@ -15,6 +15,7 @@ struct V512 {
     using Table = __m512;
     static inline vec zero() { return _mm512_setzero_ps(); }
     static inline vec load(const float *p) { return _mm512_loadu_ps(p); }
+    static inline vec pair2(float a, float b) { return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1); }
     static inline vec set1(float v) { return _mm512_set1_ps(v); }
     static inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
     static inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }

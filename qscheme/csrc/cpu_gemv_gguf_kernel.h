@@ -204,7 +204,7 @@ static void rows_block(const Layout &l, const Plan &plan, const float *x, int64_
             block[r] = rows[r] + b * l.block_bytes;
             // 1 KiB ahead, once per cache line the row's blocks enter
             if (((reinterpret_cast<uintptr_t>(block[r]) + 1024) & 63) < static_cast<uintptr_t>(l.block_bytes))
-                __builtin_prefetch(block[r] + 1024, 0, 0);
+                __builtin_prefetch(block[r] + 1024, 0, 3);
         }
         const float *xb = x + b * l.elements;
         for (int g = 0; g < groups; g++) {
@@ -274,7 +274,7 @@ static void rows_block_pairs(const Layout &l, const Plan &plan, const float *x, 
             block[r] = rows[r] + b * l.block_bytes;
             // 1 KiB ahead, once per cache line the row's blocks enter
             if (((reinterpret_cast<uintptr_t>(block[r]) + 1024) & 63) < static_cast<uintptr_t>(l.block_bytes))
-                __builtin_prefetch(block[r] + 1024, 0, 0);
+                __builtin_prefetch(block[r] + 1024, 0, 3);
         }
         const float *xb = x + b * l.elements;
         for (int u = 0; u < units; u++) {

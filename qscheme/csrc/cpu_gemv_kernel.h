@@ -3,7 +3,7 @@
 // compiled for its ISA by a target pragma and in its own namespace.
 //
 // V provides: W (float lanes), vec, zero(), load(const float *), set1(float), fma(a, b, c),
-// mul, sub, pair(values) (lanes [0, W/2) values[0], the rest values[1]), hsum(vec), decode_nibbles(bytes,
+// mul, sub, pair(values) (lanes [0, W/2) values[0], the rest values[1]), pair2(a, b) (the same from two floats), hsum(vec), decode_nibbles(bytes,
 // table, even, odd) (W bytes -> the W low-nibble values and the W high-nibble values, through
 // the table), decode_bytes(bytes, kind) (W bytes -> W values), and Table, table(const float *).
 //
@@ -21,6 +21,64 @@
 namespace QS_ISA_NAMESPACE {
 
 using namespace qscheme_gemv;
+
+// The 256 effective values of the scale bytes for a row whose per-row factor is f: the value
+// table divided (or multiplied) by f as fill_scales does element by element, computed once per
+// call and factor in each thread (a fused layer's rows take a handful of factors) instead of once
+// per scale. Eight tables per thread, the least recently used replaced: a block's rows (at most
+// four) keep theirs valid while the block runs.
+static inline const float *byte_scales(const Params &p, int64_t row) {
+    if (!p.row_scale) return p.scale_table;
+    constexpr int SLOTS = 8;
+    struct Slot {
+        float values[256];
+        uint64_t serial = 0, used = 0;
+        uint32_t factor = 0;
+    };
+    thread_local Slot slots[SLOTS];
+    thread_local uint64_t clock = 0;
+    const float f = p.row_scale[row];
+    uint32_t bits;
+    __builtin_memcpy(&bits, &f, 4);
+    int oldest = 0;
+    for (int i = 0; i < SLOTS; i++) {
+        if (slots[i].serial == p.serial && slots[i].factor == bits) {
+            slots[i].used = ++clock;
+            return slots[i].values;
+        }
+        if (slots[i].used < slots[oldest].used) oldest = i;
+    }
+    Slot &slot = slots[oldest];
+    for (int i = 0; i < 256; i++) slot.values[i] = p.row_divide ? p.scale_table[i] / f : p.scale_table[i] * f;
+    slot.serial = p.serial;
+    slot.factor = bits;
+    slot.used = ++clock;
+    return slot.values;
+}
+
+// One row of x, 4-bit codes in scale groups of W (NVFP4 on 16 lanes: two groups per chunk), no
+// zero points: each chunk's products are summed, then multiplied by the pair of group scales.
+template <class V, int R, bool BYTES>
+static inline void late_pairs(const Params &p, const float *x, const uint8_t *const *codes, const float *const *scales,
+                              const uint8_t *const *scale_bytes, const float *const *scale_table,
+                              const typename V::Table &table, typename V::vec *sum) {
+    using vec = typename V::vec;
+    constexpr int W = V::W;
+    const int64_t chunks = p.k / (2 * W);
+    for (int64_t c = 0; c < chunks; c++) {
+        if ((c & 3) == 0)
+            for (int r = 0; r < R; r++) __builtin_prefetch(codes[r] + c * W + 1024, 0, 3);
+        const vec xe = V::load(x + c * 2 * W), xo = V::load(x + c * 2 * W + W);
+        for (int r = 0; r < R; r++) {
+            vec even, odd;
+            V::decode_nibbles(codes[r] + c * W, table, even, odd);
+            const vec part = V::fma(xo, odd, V::mul(xe, even));
+            const vec scale = BYTES ? V::pair2(scale_table[r][scale_bytes[r][2 * c]], scale_table[r][scale_bytes[r][2 * c + 1]])
+                                    : V::pair(scales[r] + 2 * c);
+            sum[r] = V::fma(part, scale, sum[r]);
+        }
+    }
+}
 
 template <class V, int M, int R, bool NIBBLE, bool ZERO>
 static inline void rows_block(const Params &p, const float *x, int64_t ldx, int64_t n, float *acc, int64_t ldy,
@@ -42,10 +100,20 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
     thread_local std::vector<float> buffer;
     const int64_t cols = p.scale_cols;
     if (buffer.size() < static_cast<size_t>(2 * R * cols)) buffer.resize(static_cast<size_t>(2 * R * cols));
+    // byte scales (NVFP4's e4m3, MXFP4's e8m0) are looked up group by group in the row's table
+    // (a scalar loop over every scale of the row first cost NVFP4 a quarter of its time)
+    const bool byte_scale = p.scale_kind == SCALE_BYTE;
+    const uint8_t *scale_bytes[R];
+    const float *scale_table[R];
     for (int r = 0; r < R; r++) {
         codes[r] = p.codes + (n + r) * p.code_stride;
         float *sr = buffer.data() + r * cols, *zr = buffer.data() + (R + r) * cols;
-        fill_scales(p, n + r, sr);
+        if (byte_scale) {
+            scale_bytes[r] = static_cast<const uint8_t *>(p.scale) + scale_row_base(p, n + r);
+            scale_table[r] = byte_scales(p, n + r);
+        } else {
+            fill_scales(p, n + r, sr);
+        }
         scales[r] = sr;
         zeros[r] = zr;
         if (ZERO) {
@@ -53,16 +121,27 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
             for (int64_t g = 0; g < cols; g++) zr[g] = static_cast<float>(z[g]);
         }
     }
+    if (LATE && split) {
+        vec late[R];
+        for (int r = 0; r < R; r++) late[r] = V::zero();
+        if (byte_scale)
+            late_pairs<V, R, true>(p, x, codes, scales, scale_bytes, scale_table, table, late);
+        else
+            late_pairs<V, R, false>(p, x, codes, scales, scale_bytes, scale_table, table, late);
+        for (int r = 0; r < R; r++) acc[n + r] = V::hsum(late[r]);
+        return;
+    }
     for (int64_t c = 0; c < chunks;) {
         const int64_t group = split ? 2 * c : c / per_group;
         const int64_t stop = split ? c + 1 : (c + per_group < chunks ? c + per_group : chunks);
         vec scale[R], zero[R];
         for (int r = 0; r < R; r++) {
             if (split) {
-                scale[r] = V::pair(scales[r] + group);
+                scale[r] = byte_scale ? V::pair2(scale_table[r][scale_bytes[r][group]], scale_table[r][scale_bytes[r][group + 1]])
+                                      : V::pair(scales[r] + group);
                 if (ZERO) zero[r] = V::pair(zeros[r] + group);
             } else {
-                scale[r] = V::set1(scales[r][group]);
+                scale[r] = V::set1(byte_scale ? scale_table[r][scale_bytes[r][group]] : scales[r][group]);
                 if (ZERO) zero[r] = V::set1(zeros[r][group]);
             }
         }
@@ -71,7 +150,7 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
             for (int r = 0; r < R; r++) part[r] = V::zero();
             for (; c < stop; c++) {
                 if ((c & 3) == 0)
-                    for (int r = 0; r < R; r++) __builtin_prefetch(codes[r] + c * W + 1024, 0, 0);
+                    for (int r = 0; r < R; r++) __builtin_prefetch(codes[r] + c * W + 1024, 0, 3);
                 if (NIBBLE) {
                     const vec xe = V::load(x + c * CE), xo = V::load(x + c * CE + W);
                     for (int r = 0; r < R; r++) {
@@ -90,7 +169,7 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
         }
         for (; c < stop; c++) {
             if ((c & 3) == 0)
-                for (int r = 0; r < R; r++) __builtin_prefetch(codes[r] + c * W + 1024, 0, 0);
+                for (int r = 0; r < R; r++) __builtin_prefetch(codes[r] + c * W + 1024, 0, 3);
             if (NIBBLE) {
                 vec xe[M], xo[M];
                 for (int m = 0; m < M; m++) {

@@ -30,14 +30,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstring>
 #include <functional>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #include "tile_gemm.h"
+#include "thread_pool.h"
 
 namespace qscheme_tile {
 
@@ -161,72 +159,6 @@ int isa_level() {
     return isa_active;
 }
 
-/* Worker threads sharing out numbered tasks: run(count, tasks, job) calls job(task) once for every
- * task, on the caller and up to count - 1 workers taking the next task from a shared counter. The
- * caller never waits for a worker that has not started (it may wait long for a core on a busy
- * machine): once every task is taken it closes the run and waits only for workers inside it. */
-class Pool {
-   public:
-    void run(int count, int64_t tasks, const std::function<void(int64_t)> &job) {
-        std::lock_guard<std::mutex> serial(serial_);
-        next_.store(0);
-        tasks_ = tasks;
-        if (count > 1) {
-            while (static_cast<int>(threads_) < count - 1) {
-                const int index = threads_++;
-                std::thread([this, index] { loop(index); }).detach();  // lives as long as the process
-            }
-            std::lock_guard<std::mutex> lock(mutex_);
-            job_ = &job;
-            wanted_ = count - 1;
-            open_ = true;
-            generation_++;
-        }
-        if (count > 1) wake_.notify_all();
-        take(job);
-        if (count > 1) {
-            std::unique_lock<std::mutex> lock(mutex_);
-            open_ = false;
-            done_.wait(lock, [this] { return active_ == 0; });
-            job_ = nullptr;
-        }
-    }
-
-   private:
-    void take(const std::function<void(int64_t)> &job) {
-        for (int64_t task = next_.fetch_add(1); task < tasks_; task = next_.fetch_add(1)) job(task);
-    }
-    void loop(int index) {
-        uint64_t seen = 0;
-        for (;;) {
-            const std::function<void(int64_t)> *job;
-            {
-                std::unique_lock<std::mutex> lock(mutex_);
-                wake_.wait(lock, [&] { return generation_ != seen; });
-                seen = generation_;
-                if (index >= wanted_ || !open_) continue;
-                job = job_;
-                active_++;
-            }
-            take(*job);
-            std::lock_guard<std::mutex> lock(mutex_);
-            if (--active_ == 0) done_.notify_one();
-        }
-    }
-    std::mutex serial_, mutex_;
-    std::condition_variable wake_, done_;
-    int threads_ = 0, wanted_ = 0, active_ = 0;
-    const std::function<void(int64_t)> *job_ = nullptr;
-    std::atomic<int64_t> next_{0};
-    int64_t tasks_ = 0;
-    bool open_ = false;
-    uint64_t generation_ = 0;
-};
-
-Pool *pool() {
-    static Pool *instance = new Pool();  // never destroyed: detached workers wait on it
-    return instance;
-}
 
 constexpr int LAYER_INTS = 15;
 
@@ -349,7 +281,7 @@ PyObject *dequantize(PyObject *, PyObject *args) {
     const bool vector = isa_level() >= ISA_AVX512;
     const int64_t per_task = 16, tasks = (n1 - n0 + per_task - 1) / per_task;
     const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
-    pool()->run(count, tasks, [&](int64_t task) {
+    qscheme_threads::run_tasks(count, tasks, [&](int64_t task) {
         const int64_t lo = n0 + task * per_task, hi = std::min(n1, lo + per_task);
         for (int64_t n = lo; n < hi; n++) decode_row(p, n, out + (n - n0) * p.k, vector);
     });
@@ -408,10 +340,10 @@ PyObject *gemm(PyObject *, PyObject *args) {
     const int64_t kp = (p.k + 31) / 32 * 32, blocks = (m + 15) / 16, mp = blocks * 16;
     std::vector<uint32_t> xp(static_cast<size_t>(mp * kp / 2));
     const int packers = static_cast<int>(std::min<int64_t>(threads, blocks));
-    pool()->run(packers, blocks, [&](int64_t block) { pack_block(x, m, p.k, kp, block, xp.data()); });
+    qscheme_threads::run_tasks(packers, blocks, [&](int64_t block) { pack_block(x, m, p.k, kp, block, xp.data()); });
     const int64_t tasks = (r1 - r0 + task_rows - 1) / task_rows, mp32 = (mp + 31) / 32 * 32;
     const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
-    pool()->run(count, tasks, [&](int64_t task) {
+    qscheme_threads::run_tasks(count, tasks, [&](int64_t task) {
         const int64_t q0 = r0 + task * task_rows;
         const int64_t q1 = q0 + std::min(task_rows, (r1 - q0 + 31) / 32 * 32);
         RowBuffers &b = buffers;
