@@ -12,6 +12,9 @@
 namespace qscheme_gemv {
 
 enum CodeKind : int { CODE_NIBBLE = 0, CODE_E4M3 = 1, CODE_INT8 = 2, CODE_UINT8 = 3 };
+// Inside gemv only (never passed in): e4m3 codes with x multiplied by 256 beforehand, so that the
+// vector loops use each code's float16 form (its value / 256) with no multiply per weight.
+constexpr int CODE_E4M3_X256 = 4;
 enum ScaleKind : int { SCALE_NONE = 0, SCALE_F32 = 1, SCALE_BF16 = 2, SCALE_F16 = 3, SCALE_BYTE = 4 };
 
 struct Params {

@@ -414,7 +414,7 @@ int amx_min_rows(const Params &p) {
 
 bool gemv_amx(const Params &p, const float *x, int64_t ldx, int m, int64_t n0, int64_t n1, float *acc, int64_t ldy,
               RowsFunction fallback) {
-    if (m < amx_min_rows(p) || n1 <= n0 || p.zero || !amx_usable()) return false;
+    if (m < amx_min_rows(p) || n1 <= n0 || p.zero || p.code_kind == CODE_E4M3_X256 || !amx_usable()) return false;
     const bool nibble = p.code_kind == CODE_NIBBLE;
     const int64_t ce = nibble ? 32 : 16;
     const int64_t k_main = (p.k / ce) * ce;

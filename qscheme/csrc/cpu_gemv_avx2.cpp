@@ -41,12 +41,17 @@ struct V256 {
         even = lookup(t, d, _mm256_slli_epi32(d, 28));
         odd = lookup(t, _mm256_srli_epi32(d, 4), _mm256_slli_epi32(d, 24));
     }
+    static inline void decode_bytes2(const uint8_t *bytes, int kind, vec &a, vec &b) {
+        a = decode_bytes(bytes, kind);
+        b = decode_bytes(bytes + 8, kind);
+    }
     static inline vec decode_bytes(const uint8_t *bytes, int kind) {
         const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(bytes));
-        if (kind == CODE_E4M3) {  // through float16, as the AVX-512 loop (no float32 subnormals)
+        if (kind == CODE_E4M3 || kind == CODE_E4M3_X256) {  // through float16, as the AVX-512 loop (no float32 subnormals)
             __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8);
             h = _mm_and_si128(_mm_srai_epi16(h, 1), _mm_set1_epi16(static_cast<short>(0xBF80)));
-            return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+            const __m256 value = _mm256_cvtph_ps(h);  // the code's value / 256
+            return kind == CODE_E4M3_X256 ? value : _mm256_mul_ps(value, _mm256_set1_ps(256.0f));
         }
         if (kind == CODE_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
         return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw));

@@ -31,15 +31,34 @@ struct V512 {
         even = _mm512_permutexvar_ps(d, lut);  // the low 4 bits of each index
         odd = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), lut);
     }
+    // 32 bytes: e4m3 codes widened to float16 all at once (one widening and one shift pair for both
+    // halves), other kinds as two decode_bytes
+    static inline void decode_bytes2(const uint8_t *bytes, int kind, vec &a, vec &b) {
+        if (kind == CODE_E4M3 || kind == CODE_E4M3_X256) {
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(bytes));
+            __m512i h = _mm512_slli_epi16(_mm512_cvtepu8_epi16(raw), 8);
+            h = _mm512_and_si512(_mm512_srai_epi16(h, 1), _mm512_set1_epi16(static_cast<short>(0xBF80)));
+            a = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+            b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+            if (kind == CODE_E4M3) {
+                a = _mm512_mul_ps(a, _mm512_set1_ps(256.0f));
+                b = _mm512_mul_ps(b, _mm512_set1_ps(256.0f));
+            }
+            return;
+        }
+        a = decode_bytes(bytes, kind);
+        b = decode_bytes(bytes + 16, kind);
+    }
     static inline vec decode_bytes(const uint8_t *bytes, int kind) {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(bytes));
-        if (kind == CODE_E4M3) {
+        if (kind == CODE_E4M3 || kind == CODE_E4M3_X256) {
             // s eeee mmm -> float16 bits s 0 eeee mmm 0000000 (exact, subnormals included), widened by
             // the F16C conversion and scaled by 2**8 (the bias difference): no float32 subnormal ever
             // reaches an arithmetic instruction (those would take microcode assists)
             __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8);
             h = _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16(static_cast<short>(0xBF80)));
-            return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+            const __m512 value = _mm512_cvtph_ps(h);  // the code's value / 256
+            return kind == CODE_E4M3_X256 ? value : _mm512_mul_ps(value, _mm512_set1_ps(256.0f));
         }
         if (kind == CODE_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw));

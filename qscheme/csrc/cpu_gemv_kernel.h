@@ -5,7 +5,8 @@
 // V provides: W (float lanes), vec, zero(), load(const float *), set1(float), fma(a, b, c),
 // mul, sub, pair(values) (lanes [0, W/2) values[0], the rest values[1]), pair2(a, b) (the same from two floats), hsum(vec), decode_nibbles(bytes,
 // table, even, odd) (W bytes -> the W low-nibble values and the W high-nibble values, through
-// the table), decode_bytes(bytes, kind) (W bytes -> W values), and Table, table(const float *).
+// the table), decode_bytes(bytes, kind) (W bytes -> W values), decode_bytes2(bytes, kind, a, b)
+// (2 W bytes -> their values, the first W in a), and Table, table(const float *).
 //
 // Rows are taken R at a time so that each load of x serves R rows; per chunk of each row the
 // codes are decoded, the zero point subtracted and the effective scale multiplied in (the
@@ -80,6 +81,67 @@ static inline void late_pairs(const Params &p, const float *x, const uint8_t *co
     }
 }
 
+// One row of x, no zero points, scale groups of whole chunks (KIND: the code kind, a constant so
+// that the decode has no branch): each group's products are summed, then multiplied by the
+// group's scale once. Groups are walked in order (no division per chunk).
+template <class V, int R, int KIND, bool BYTES>
+static inline void late_groups(const Params &p, const float *x, const uint8_t *const *codes, const float *const *scales,
+                               const uint8_t *const *scale_bytes, const float *const *scale_table,
+                               const typename V::Table &table, typename V::vec *sum) {
+    using vec = typename V::vec;
+    constexpr int W = V::W;
+    constexpr bool NIBBLE = KIND == CODE_NIBBLE;
+    constexpr int64_t CE = NIBBLE ? 2 * W : W;  // elements per chunk (W bytes either way)
+    const int64_t chunks = p.k / CE, per_group = p.group_k / CE;
+    for (int64_t c0 = 0, g = 0; c0 < chunks; c0 += per_group, g++) {
+        const int64_t stop = c0 + per_group < chunks ? c0 + per_group : chunks;
+        vec part[R];
+        for (int r = 0; r < R; r++) part[r] = V::zero();
+        int64_t c = c0;
+        if (!NIBBLE)  // two chunks of bytes at a time (decode_bytes2 may widen them together)
+            for (; c + 1 < stop; c += 2) {
+                if ((c & 3) == 0)
+                    for (int r = 0; r < R; r++) __builtin_prefetch(codes[r] + c * W + 1024, 0, 3);
+                const vec xa = V::load(x + c * CE), xb = V::load(x + c * CE + W);
+                for (int r = 0; r < R; r++) {
+                    vec a, b;
+                    V::decode_bytes2(codes[r] + c * W, KIND, a, b);
+                    part[r] = V::fma(xa, a, part[r]);
+                    part[r] = V::fma(xb, b, part[r]);
+                }
+            }
+        for (; c < stop; c++) {
+            if ((c & 3) == 0)
+                for (int r = 0; r < R; r++) __builtin_prefetch(codes[r] + c * W + 1024, 0, 3);
+            if (NIBBLE) {
+                const vec xe = V::load(x + c * CE), xo = V::load(x + c * CE + W);
+                for (int r = 0; r < R; r++) {
+                    vec even, odd;
+                    V::decode_nibbles(codes[r] + c * W, table, even, odd);
+                    part[r] = V::fma(xe, even, part[r]);
+                    part[r] = V::fma(xo, odd, part[r]);
+                }
+            } else {
+                const vec xv = V::load(x + c * CE);
+                for (int r = 0; r < R; r++) part[r] = V::fma(xv, V::decode_bytes(codes[r] + c * W, KIND), part[r]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            sum[r] = V::fma(part[r], V::set1(BYTES ? scale_table[r][scale_bytes[r][g]] : scales[r][g]), sum[r]);
+    }
+}
+
+template <class V, int R, int KIND>
+static inline void late_groups_any(const Params &p, const float *x, const uint8_t *const *codes,
+                                   const float *const *scales, const uint8_t *const *scale_bytes,
+                                   const float *const *scale_table, const typename V::Table &table,
+                                   typename V::vec *sum) {
+    if (p.scale_kind == SCALE_BYTE)
+        late_groups<V, R, KIND, true>(p, x, codes, scales, scale_bytes, scale_table, table, sum);
+    else
+        late_groups<V, R, KIND, false>(p, x, codes, scales, scale_bytes, scale_table, table, sum);
+}
+
 template <class V, int M, int R, bool NIBBLE, bool ZERO>
 static inline void rows_block(const Params &p, const float *x, int64_t ldx, int64_t n, float *acc, int64_t ldy,
                               const typename V::Table &table) {
@@ -121,13 +183,23 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
             for (int64_t g = 0; g < cols; g++) zr[g] = static_cast<float>(z[g]);
         }
     }
-    if (LATE && split) {
+    if (LATE) {
         vec late[R];
         for (int r = 0; r < R; r++) late[r] = V::zero();
-        if (byte_scale)
+        if (split && byte_scale)
             late_pairs<V, R, true>(p, x, codes, scales, scale_bytes, scale_table, table, late);
-        else
+        else if (split)
             late_pairs<V, R, false>(p, x, codes, scales, scale_bytes, scale_table, table, late);
+        else if (NIBBLE)
+            late_groups_any<V, R, CODE_NIBBLE>(p, x, codes, scales, scale_bytes, scale_table, table, late);
+        else if (p.code_kind == CODE_E4M3)
+            late_groups_any<V, R, CODE_E4M3>(p, x, codes, scales, scale_bytes, scale_table, table, late);
+        else if (p.code_kind == CODE_E4M3_X256)
+            late_groups_any<V, R, CODE_E4M3_X256>(p, x, codes, scales, scale_bytes, scale_table, table, late);
+        else if (p.code_kind == CODE_INT8)
+            late_groups_any<V, R, CODE_INT8>(p, x, codes, scales, scale_bytes, scale_table, table, late);
+        else
+            late_groups_any<V, R, CODE_UINT8>(p, x, codes, scales, scale_bytes, scale_table, table, late);
         for (int r = 0; r < R; r++) acc[n + r] = V::hsum(late[r]);
         return;
     }
@@ -144,28 +216,6 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
                 scale[r] = V::set1(byte_scale ? scale_table[r][scale_bytes[r][group]] : scales[r][group]);
                 if (ZERO) zero[r] = V::set1(zeros[r][group]);
             }
-        }
-        if (LATE) {  // one row of x: a scale group's products summed first, then scaled once
-            vec part[R];
-            for (int r = 0; r < R; r++) part[r] = V::zero();
-            for (; c < stop; c++) {
-                if ((c & 3) == 0)
-                    for (int r = 0; r < R; r++) __builtin_prefetch(codes[r] + c * W + 1024, 0, 3);
-                if (NIBBLE) {
-                    const vec xe = V::load(x + c * CE), xo = V::load(x + c * CE + W);
-                    for (int r = 0; r < R; r++) {
-                        vec even, odd;
-                        V::decode_nibbles(codes[r] + c * W, table, even, odd);
-                        part[r] = V::fma(xe, even, part[r]);
-                        part[r] = V::fma(xo, odd, part[r]);
-                    }
-                } else {
-                    const vec xv = V::load(x + c * CE);
-                    for (int r = 0; r < R; r++) part[r] = V::fma(xv, V::decode_bytes(codes[r] + c * W, p.code_kind), part[r]);
-                }
-            }
-            for (int r = 0; r < R; r++) sum[r][0] = V::fma(part[r], scale[r], sum[r][0]);
-            continue;
         }
         for (; c < stop; c++) {
             if ((c & 3) == 0)
