@@ -67,7 +67,7 @@ EXPECTED = {
     "fp8/FP8_BLOCK",
 }
 # "amx": the AVX-512 loops with the tile path (cpu_gemv_amx.cpp) taking every M ("all"; by default
-# it starts at M = 3), where this CPU has it; "avx512"
+# it starts at M = 4), where this CPU has it; "avx512"
 # with it off (QSCHEME_CPU_GEMV_AMX=0), so that both run every case
 ISAS = ("scalar", "avx2", "avx512", "amx")
 AMX_VARIABLE = "QSCHEME_CPU_GEMV_AMX"
@@ -178,6 +178,28 @@ def test_matches_the_reference_kernel(name: str, isa: str) -> None:
             b = bias.to(dtype) if with_bias else None
             check_close(weight, x, kernel.apply(state, x, b), reference.apply(expected_state, x, b))
     assert ran
+
+
+# Several rows of x take K in blocks that keep their slice of x in L1 (6144 / M floats: 768 at
+# M = 8, 1216 at M = 5): K = 2336 splits into several blocks, at M = 5 an edge inside a group of 128.
+BLOCKED_SCHEMES = (
+    "compressed-tensors/NVFP4A16",
+    "compressed-tensors/W8A16_G32",
+    "modelopt/fp8_pb_wo",
+    "modelopt/W4A16_AWQ",
+    "compressed-tensors/W4A16_ASYM",
+)
+
+
+@pytest.mark.parametrize("name", BLOCKED_SCHEMES)
+def test_long_rows_in_blocks_of_k(name: str, isa: str) -> None:
+    weight = storable(name, 24, 2336) or weight_of(name, 24, 2304)
+    kernel, reference = CpuGemvKernel(), ReferenceKernel()
+    state, expected_state = kernel.prepare(weight, CPU), reference.prepare(weight, CPU)
+    generator = torch.Generator().manual_seed(5)
+    for rows in (1, 3, 5, 8):
+        x = torch.randn(rows, weight.k, generator=generator).to(torch.bfloat16)
+        check_close(weight, x, kernel.apply(state, x, None), reference.apply(expected_state, x, None))
 
 
 @pytest.mark.parametrize("name", ["compressed-tensors/NVFP4A16", "compressed-tensors/FP8", "modelopt/NVFP4"])

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cpu_gemv.h"
+#include "cpu_gemv_amx.h"
 #include "thread_pool.h"
 #include "cpu_gemv_gguf.h"
 
@@ -227,10 +228,10 @@ PyObject *gemv(PyObject *, PyObject *args) {
             }
         }
     }
-    // e4m3 codes on the float32 loops (M < 4: the tiles take more rows): x times 256, exact where no
-    // finite element reaches 2**120, instead of a multiply by 256 of every decoded weight; the
+    // e4m3 codes on the float32 loops (where the tiles do not take them): x times 256, exact where
+    // no finite element reaches 2**120, instead of a multiply by 256 of every decoded weight; the
     // products are the same numbers
-    if (p.code_kind == CODE_E4M3 && level != ISA_SCALAR && m < 4) {
+    if (p.code_kind == CODE_E4M3 && level != ISA_SCALAR && (m < amx_min_rows(p) || !amx_usable())) {
         bool fits = true;
         for (const float v : xs) fits = fits && !(std::fabs(v) >= 0x1p120f && std::isfinite(v));
         if (fits) {

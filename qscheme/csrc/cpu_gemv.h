@@ -59,10 +59,12 @@ inline float scale_value(const Params &p, int64_t index, int64_t row) {
 
 inline int64_t scale_row_base(const Params &p, int64_t row) { return (row / p.group_n) * p.scale_cols; }
 
-// The effective scales of row `row`'s scale_cols groups, into out (the branch on the scale's type
-// taken once per row, not per group).
-inline void fill_scales(const Params &p, int64_t row, float *out) {
-    const int64_t base = scale_row_base(p, row), count = p.scale_cols;
+// The effective scales of row `row`'s groups [first, last) (default: all scale_cols) into
+// out[first, last) (the branch on the scale's type taken once per row, not per group).
+inline void fill_scales(const Params &p, int64_t row, float *out, int64_t first = 0, int64_t last = -1) {
+    if (last < 0 || last > p.scale_cols) last = p.scale_cols;
+    const int64_t base = scale_row_base(p, row) + first, count = last - first;
+    out += first;
     switch (p.scale_kind) {
         case SCALE_F32: {
             const float *s = static_cast<const float *>(p.scale) + base;

@@ -409,7 +409,7 @@ bool amx_usable() {
 int amx_min_rows(const Params &p) {
     const char *setting = std::getenv("QSCHEME_CPU_GEMV_AMX");
     if (setting && std::strcmp(setting, "all") == 0) return 1;
-    return p.code_kind == CODE_NIBBLE ? 3 : 4;
+    return p.code_kind == CODE_INT8 || p.code_kind == CODE_UINT8 ? 5 : 4;
 }
 
 bool gemv_amx(const Params &p, const float *x, int64_t ldx, int m, int64_t n0, int64_t n1, float *acc, int64_t ldy,

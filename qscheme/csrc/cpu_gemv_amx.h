@@ -33,10 +33,9 @@ using RowsFunction = void (*)(const Params &, const float *, int64_t, int, int64
 // disabled by QSCHEME_CPU_GEMV_AMX=0, read once).
 bool amx_usable();
 
-// The fewest rows of x the tile path takes: with 1-2 rows (4-bit codes) or 1-3 (byte codes) the
-// float32 loops are faster (measured by benchmarks/cpu_gemm.py: 1.1-1.5x at M = 1-2, where each
-// weight row feeds one or two products), unless QSCHEME_CPU_GEMV_AMX=all (the tests use it to run
-// the tile path at every M).
+// The fewest rows of x the tile path takes: 4 (int8 / uint8 codes: 5). With fewer the float32
+// loops are faster (4096x4096, one thread: 1.1-1.5x at M = 1-2, 1.03-1.1x at M = 3, int8 1.16x at
+// M = 4), unless QSCHEME_CPU_GEMV_AMX=all (the tests use it to run the tile path at every M).
 int amx_min_rows(const Params &p);
 
 // Rows [n0, n1) through the tiles, as gemv_avx512 (same arguments); false where the layer or x

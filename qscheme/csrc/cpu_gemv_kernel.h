@@ -15,6 +15,7 @@
 // per group instead of one per weight; the same products, rounded in another place).
 #pragma once
 
+#include <algorithm>
 #include <vector>
 
 #include "cpu_gemv.h"
@@ -142,15 +143,17 @@ static inline void late_groups_any(const Params &p, const float *x, const uint8_
         late_groups<V, R, KIND, false>(p, x, codes, scales, scale_bytes, scale_table, table, sum);
 }
 
+// Rows [n, n + R) over chunks [c_begin, c_end) of K, added into acc (M = 1: the whole of K).
 template <class V, int M, int R, bool NIBBLE, bool ZERO>
 static inline void rows_block(const Params &p, const float *x, int64_t ldx, int64_t n, float *acc, int64_t ldy,
-                              const typename V::Table &table) {
+                              const typename V::Table &table, int64_t c_begin, int64_t c_end) {
     using vec = typename V::vec;
     constexpr int W = V::W;
     constexpr int64_t CE = NIBBLE ? 2 * W : W;  // elements per chunk
-    const int64_t chunks = p.k / CE;
     const bool split = NIBBLE && p.group_k == W;  // two scale groups per chunk (NVFP4 on 16 lanes)
     const int64_t per_group = split ? 1 : p.group_k / CE;  // chunks per scale group (>= 1)
+    const int64_t g_first = split ? 2 * c_begin : c_begin / per_group;
+    const int64_t g_last = split ? 2 * c_end : (c_end + per_group - 1) / per_group;
     // one row of x without zero points: scales multiply each group's partial sums, not each weight
     constexpr bool LATE = M == 1 && !ZERO;
     vec sum[R][M];
@@ -174,13 +177,13 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
             scale_bytes[r] = static_cast<const uint8_t *>(p.scale) + scale_row_base(p, n + r);
             scale_table[r] = byte_scales(p, n + r);
         } else {
-            fill_scales(p, n + r, sr);
+            fill_scales(p, n + r, sr, g_first, g_last);
         }
         scales[r] = sr;
         zeros[r] = zr;
         if (ZERO) {
             const int16_t *z = p.zero + scale_row_base(p, n + r);
-            for (int64_t g = 0; g < cols; g++) zr[g] = static_cast<float>(z[g]);
+            for (int64_t g = g_first; g < g_last && g < cols; g++) zr[g] = static_cast<float>(z[g]);
         }
     }
     if (LATE) {
@@ -203,9 +206,8 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
         for (int r = 0; r < R; r++) acc[n + r] = V::hsum(late[r]);
         return;
     }
-    for (int64_t c = 0; c < chunks;) {
-        const int64_t group = split ? 2 * c : c / per_group;
-        const int64_t stop = split ? c + 1 : (c + per_group < chunks ? c + per_group : chunks);
+    for (int64_t c = c_begin, group = g_first; c < c_end; group += split ? 2 : 1) {  // groups in order
+        const int64_t stop = split ? c + 1 : ((group + 1) * per_group < c_end ? (group + 1) * per_group : c_end);
         vec scale[R], zero[R];
         for (int r = 0; r < R; r++) {
             if (split) {
@@ -253,16 +255,25 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
         }
     }
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[m * ldy + n + r] = V::hsum(sum[r][m]);
+        for (int m = 0; m < M; m++) acc[m * ldy + n + r] += V::hsum(sum[r][m]);
 }
 
 template <class V, int M, bool NIBBLE, bool ZERO>
 static void rows_m(const Params &p, const float *x, int64_t ldx, int64_t n0, int64_t n1, float *acc, int64_t ldy) {
-    constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+    constexpr int R = M <= 4 ? 4 : 1;  // M = 3-4: 4 rows (2 were 15-35% slower), M > 4: one
     const typename V::Table table = V::table(p.lut);
-    int64_t n = n0;
-    for (; n + R <= n1; n += R) rows_block<V, M, R, NIBBLE, ZERO>(p, x, ldx, n, acc, ldy, table);
-    for (; n < n1; n++) rows_block<V, M, 1, NIBBLE, ZERO>(p, x, ldx, n, acc, ldy, table);
+    constexpr int64_t CE = NIBBLE ? 2 * V::W : V::W;
+    const int64_t chunks = p.k / CE;
+    // Several rows of x: K in blocks whose slice of x (M rows) stays in L1 (24 KiB) while the rows
+    // pass over it; whole, M rows of x were read from L2 again for every R rows of the weight
+    // (M = 4, K = 4096: 64 KiB, 2x the time). One row of x: all of K (16 KiB at K = 4096).
+    const int64_t block = M == 1 ? chunks : std::max<int64_t>(1, 6144 / M / CE);
+    for (int64_t c = 0; c < chunks; c += block) {
+        const int64_t stop = std::min(chunks, c + block);
+        int64_t n = n0;
+        for (; n + R <= n1; n += R) rows_block<V, M, R, NIBBLE, ZERO>(p, x, ldx, n, acc, ldy, table, c, stop);
+        for (; n < n1; n++) rows_block<V, M, 1, NIBBLE, ZERO>(p, x, ldx, n, acc, ldy, table, c, stop);
+    }
 }
 
 template <class V, bool NIBBLE, bool ZERO>
