@@ -141,7 +141,9 @@ CPU_GEMV = KernelDeclaration(
         "products are summed in float32 with fused multiply-adds in another order than the reference's matmul "
         "(with one input row and no zero points the scale multiplies each group's partial sum instead)",
         "AMX tile path (on the AVX-512 loops, where cpuid shows AMX-BF16, AVX512-BF16 and VBMI and Linux grants the "
-        "tile state; QSCHEME_CPU_GEMV_AMX=0 turns it off): where every element of x is a bfloat16 value, zero or at "
+        "tile state; QSCHEME_CPU_GEMV_AMX=0 turns it off): from 4 rows of x (int8 / uint8 codes: 5; with fewer the "
+        "float32 loops are faster; QSCHEME_CPU_GEMV_AMX=all takes every M), where every element of x is a bfloat16 "
+        "value, zero or at "
         "least 2**-100 in magnitude, and the layer has no zero points and code values exact in bfloat16 (e2m1, int4, "
         "uint4, e4m3, int8, uint8), 16 weight rows are decoded to bfloat16 32 columns at a time and multiplied by up "
         "to 16 rows of x with TDPBF16PS (the weight read once for all of them); 4-bit codes times byte scales "
