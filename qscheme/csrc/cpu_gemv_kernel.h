@@ -98,34 +98,27 @@ static inline void late_groups(const Params &p, const float *x, const uint8_t *c
         const int64_t stop = c0 + per_group < chunks ? c0 + per_group : chunks;
         vec part[R];
         for (int r = 0; r < R; r++) part[r] = V::zero();
+        // two vectors of codes per step (a chunk of 4-bit codes: its low and high nibbles; two chunks
+        // of bytes, which decode_bytes2 may widen together), then a last chunk of bytes alone
+        constexpr int64_t PER = NIBBLE ? 1 : 2;  // chunks per step
         int64_t c = c0;
-        if (!NIBBLE)  // two chunks of bytes at a time (decode_bytes2 may widen them together)
-            for (; c + 1 < stop; c += 2) {
-                if ((c & 3) == 0)
-                    for (int r = 0; r < R; r++) __builtin_prefetch(codes[r] + c * W + 1024, 0, 3);
-                const vec xa = V::load(x + c * CE), xb = V::load(x + c * CE + W);
-                for (int r = 0; r < R; r++) {
-                    vec a, b;
-                    V::decode_bytes2(codes[r] + c * W, KIND, a, b);
-                    part[r] = V::fma(xa, a, part[r]);
-                    part[r] = V::fma(xb, b, part[r]);
-                }
-            }
-        for (; c < stop; c++) {
-            if ((c & 3) == 0)
+        for (; c + PER <= stop; c += PER) {
+            if (((c * W) & 63) < PER * W)  // once per cache line of each row
                 for (int r = 0; r < R; r++) __builtin_prefetch(codes[r] + c * W + 1024, 0, 3);
-            if (NIBBLE) {
-                const vec xe = V::load(x + c * CE), xo = V::load(x + c * CE + W);
-                for (int r = 0; r < R; r++) {
-                    vec even, odd;
-                    V::decode_nibbles(codes[r] + c * W, table, even, odd);
-                    part[r] = V::fma(xe, even, part[r]);
-                    part[r] = V::fma(xo, odd, part[r]);
-                }
-            } else {
-                const vec xv = V::load(x + c * CE);
-                for (int r = 0; r < R; r++) part[r] = V::fma(xv, V::decode_bytes(codes[r] + c * W, KIND), part[r]);
+            const vec xa = V::load(x + c * CE), xb = V::load(x + c * CE + W);
+            for (int r = 0; r < R; r++) {
+                vec a, b;
+                if (NIBBLE)
+                    V::decode_nibbles(codes[r] + c * W, table, a, b);
+                else
+                    V::decode_bytes2(codes[r] + c * W, KIND, a, b);
+                part[r] = V::fma(xa, a, part[r]);
+                part[r] = V::fma(xb, b, part[r]);
             }
+        }
+        if (!NIBBLE && c < stop) {
+            const vec xv = V::load(x + c * CE);
+            for (int r = 0; r < R; r++) part[r] = V::fma(xv, V::decode_bytes(codes[r] + c * W, KIND), part[r]);
         }
         for (int r = 0; r < R; r++)
             sum[r] = V::fma(part[r], V::set1(BYTES ? scale_table[r][scale_bytes[r][g]] : scales[r][g]), sum[r]);
