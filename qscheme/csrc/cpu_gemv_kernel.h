@@ -24,37 +24,49 @@ namespace QS_ISA_NAMESPACE {
 
 using namespace qscheme_gemv;
 
-// The 256 effective values of the scale bytes for a row whose per-row factor is f: the value
-// table divided (or multiplied) by f as fill_scales does element by element, computed once per
-// call and factor in each thread (a fused layer's rows take a handful of factors) instead of once
-// per scale. Eight tables per thread, the least recently used replaced: a block's rows (at most
-// four) keep theirs valid while the block runs.
-static inline const float *byte_scales(const Params &p, int64_t row) {
-    if (!p.row_scale) return p.scale_table;
-    constexpr int SLOTS = 8;
+// Per-thread working memory of the loops, found once per task (a thread_local costs a call in a
+// shared library): each row's float32 scales and zero points, and the byte-scale tables.
+struct Scratch {
+    static constexpr int SLOTS = 8;
     struct Slot {
         float values[256];
         uint64_t serial = 0, used = 0;
         uint32_t factor = 0;
     };
-    thread_local Slot slots[SLOTS];
-    thread_local uint64_t clock = 0;
+    std::vector<float> buffer;
+    Slot slots[SLOTS];
+    uint64_t clock = 0;
+};
+
+static inline Scratch &scratch() {
+    thread_local Scratch instance;
+    return instance;
+}
+
+// The 256 effective values of the scale bytes for a row whose per-row factor is f: the value
+// table divided (or multiplied) by f as fill_scales does element by element, computed once per
+// call and factor in each thread (a fused layer's rows take a handful of factors) instead of once
+// per scale. Eight tables per thread, the least recently used replaced: a block's rows (at most
+// four) keep theirs valid while the block runs.
+static inline const float *byte_scales(const Params &p, int64_t row, Scratch &work) {
+    if (!p.row_scale) return p.scale_table;
     const float f = p.row_scale[row];
     uint32_t bits;
     __builtin_memcpy(&bits, &f, 4);
     int oldest = 0;
-    for (int i = 0; i < SLOTS; i++) {
-        if (slots[i].serial == p.serial && slots[i].factor == bits) {
-            slots[i].used = ++clock;
-            return slots[i].values;
+    for (int i = 0; i < Scratch::SLOTS; i++) {
+        Scratch::Slot &slot = work.slots[i];
+        if (slot.serial == p.serial && slot.factor == bits) {
+            slot.used = ++work.clock;
+            return slot.values;
         }
-        if (slots[i].used < slots[oldest].used) oldest = i;
+        if (slot.used < work.slots[oldest].used) oldest = i;
     }
-    Slot &slot = slots[oldest];
+    Scratch::Slot &slot = work.slots[oldest];
     for (int i = 0; i < 256; i++) slot.values[i] = p.row_divide ? p.scale_table[i] / f : p.scale_table[i] * f;
     slot.serial = p.serial;
     slot.factor = bits;
-    slot.used = ++clock;
+    slot.used = ++work.clock;
     return slot.values;
 }
 
@@ -139,7 +151,7 @@ static inline void late_groups_any(const Params &p, const float *x, const uint8_
 // Rows [n, n + R) over chunks [c_begin, c_end) of K, added into acc (M = 1: the whole of K).
 template <class V, int M, int R, bool NIBBLE, bool ZERO>
 static inline void rows_block(const Params &p, const float *x, int64_t ldx, int64_t n, float *acc, int64_t ldy,
-                              const typename V::Table &table, int64_t c_begin, int64_t c_end) {
+                              const typename V::Table &table, int64_t c_begin, int64_t c_end, Scratch &work) {
     using vec = typename V::vec;
     constexpr int W = V::W;
     constexpr int64_t CE = NIBBLE ? 2 * W : W;  // elements per chunk
@@ -155,7 +167,7 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
     const uint8_t *codes[R];
     const float *scales[R], *zeros[R];
     // each row's effective scales (and zero points) as float32, decoded once per call and row
-    thread_local std::vector<float> buffer;
+    std::vector<float> &buffer = work.buffer;
     const int64_t cols = p.scale_cols;
     if (buffer.size() < static_cast<size_t>(2 * R * cols)) buffer.resize(static_cast<size_t>(2 * R * cols));
     // byte scales (NVFP4's e4m3, MXFP4's e8m0) are looked up group by group in the row's table
@@ -168,7 +180,7 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
         float *sr = buffer.data() + r * cols, *zr = buffer.data() + (R + r) * cols;
         if (byte_scale) {
             scale_bytes[r] = static_cast<const uint8_t *>(p.scale) + scale_row_base(p, n + r);
-            scale_table[r] = byte_scales(p, n + r);
+            scale_table[r] = byte_scales(p, n + r, work);
         } else {
             fill_scales(p, n + r, sr, g_first, g_last);
         }
@@ -255,6 +267,7 @@ template <class V, int M, bool NIBBLE, bool ZERO>
 static void rows_m(const Params &p, const float *x, int64_t ldx, int64_t n0, int64_t n1, float *acc, int64_t ldy) {
     constexpr int R = M <= 4 ? 4 : 1;  // M = 3-4: 4 rows (2 were 15-35% slower), M > 4: one
     const typename V::Table table = V::table(p.lut);
+    Scratch &work = scratch();
     constexpr int64_t CE = NIBBLE ? 2 * V::W : V::W;
     const int64_t chunks = p.k / CE;
     // Several rows of x: K in blocks whose slice of x (M rows) stays in L1 (24 KiB) while the rows
@@ -264,8 +277,8 @@ static void rows_m(const Params &p, const float *x, int64_t ldx, int64_t n0, int
     for (int64_t c = 0; c < chunks; c += block) {
         const int64_t stop = std::min(chunks, c + block);
         int64_t n = n0;
-        for (; n + R <= n1; n += R) rows_block<V, M, R, NIBBLE, ZERO>(p, x, ldx, n, acc, ldy, table, c, stop);
-        for (; n < n1; n++) rows_block<V, M, 1, NIBBLE, ZERO>(p, x, ldx, n, acc, ldy, table, c, stop);
+        for (; n + R <= n1; n += R) rows_block<V, M, R, NIBBLE, ZERO>(p, x, ldx, n, acc, ldy, table, c, stop, work);
+        for (; n < n1; n++) rows_block<V, M, 1, NIBBLE, ZERO>(p, x, ldx, n, acc, ldy, table, c, stop, work);
     }
 }
 
