@@ -164,6 +164,7 @@ def test_quantization_config_says_what_model_free_ptq_says(
     assert ours == source
 
 
+@pytest.mark.oracle  # the llmcompressor fixture runs llm-compressor in its side venv
 def test_shards_index_and_copied_files(qscheme_ct: dict[str, Path], llmcompressor: dict[str, Path]) -> None:
     source_folder = qscheme_ct["NVFP4A16"].parent.parent / "src"
     source_shard = {name: shard for name, (shard, _) in read_tensors(source_folder).items()}
