@@ -27,6 +27,8 @@ from qscheme.modules import QuantLinear
 from qscheme.producers.auto_round.config import read_section
 from qscheme.producers.base import ConfigFields
 
+pytestmark = pytest.mark.oracle  # every test here: its module's fixture runs the producers in side venvs
+
 MODEL = {
     "hidden_size": 128,
     "intermediate_size": 256,

@@ -27,6 +27,8 @@ from qscheme.modules import QuantLinear
 from qscheme.producers.bitsandbytes.dequantize import dequantize, unpack_codes
 from qscheme.producers.bitsandbytes.read import read_layers
 
+pytestmark = pytest.mark.oracle  # every test here reads what a side venv's process produced
+
 MODEL = {
     "hidden_size": 64,
     "intermediate_size": 128,

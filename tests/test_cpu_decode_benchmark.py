@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.subprocess  # every test here: the smoke fixture asks the llama.cpp venv how it was built
+
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 cpu_decode = importlib.import_module("cpu_decode")

@@ -389,6 +389,7 @@ def test_ue4m3_code_is_ggml_fp32_to_ue4m3() -> None:
     assert fp4.ue4m3_code(torch.from_numpy(representable[:0x77])).tolist() == list(range(1, 0x78))
 
 
+@pytest.mark.subprocess  # ctypes.util.find_library runs ldconfig
 def test_e8m0_exponent_floors_log2f() -> None:
     import ctypes.util
 

@@ -25,6 +25,8 @@ from qscheme.errors import QSchemeError
 from qscheme.modules import QuantLinear
 from qscheme.writing.convert import convert_checkpoint
 
+pytestmark = pytest.mark.oracle  # every test here reads what a side venv's process produced
+
 MODEL = {
     "hidden_size": 128,
     "intermediate_size": 256,

@@ -54,6 +54,8 @@ from qscheme.kernels.resolver import resolve
 from qscheme.modules.problem import problem_for
 from qscheme.writing.convert import convert_checkpoint
 
+pytestmark = pytest.mark.oracle  # every test here: its module's fixture runs the producers in side venvs
+
 VLLM_PYTHON = os.environ.get("QSCHEME_VLLM_PYTHON")
 ORACLE = Path(__file__).with_name("vllm_oracle.py")
 needs_vllm = pytest.mark.skipif(

