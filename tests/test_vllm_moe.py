@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+from vllm_results import assert_same_generation
 
 pytestmark = pytest.mark.oracle  # every test here reads what a side venv's process produced
 
@@ -204,11 +205,7 @@ def _result(served: dict[str, Any], name: str) -> dict[str, Any]:
 @pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_greedy_tokens_and_prompt_logprobs_equal_the_dequantized_moe(served: dict[str, Any], name: str) -> None:
     ours, dense = _result(served, name), _result(served, f"{name}_dequantized")
-    assert ours["tokens"] == dense["tokens"]
-    assert all(len(tokens) == MAX_TOKENS for tokens in ours["tokens"])
-    for got, want in zip(ours["prompt_logprobs"], dense["prompt_logprobs"], strict=True):
-        assert len(got) == len(want) > 0
-        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-3
+    assert_same_generation(ours, dense, MAX_TOKENS)
 
 
 @needs_vllm_cpu

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from vllm_results import assert_same_generation
 
 from qscheme.vllm.versions import SUPPORTED_VLLM, VllmVersionError, check_vllm_version
 
@@ -319,11 +320,7 @@ def _result(served: dict[str, Any], name: str) -> dict[str, Any]:
 @pytest.mark.parametrize("name", [name for name, _, _ in SCHEMES])
 def test_greedy_tokens_and_prompt_logprobs_equal_the_reference(served: dict[str, Any], name: str) -> None:
     ours, dense = _result(served, name), _result(served, REFERENCE[name])
-    assert ours["tokens"] == dense["tokens"]
-    assert all(len(tokens) == MAX_TOKENS for tokens in ours["tokens"])
-    for got, want in zip(ours["prompt_logprobs"], dense["prompt_logprobs"], strict=True):
-        assert len(got) == len(want) > 0
-        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-3
+    assert_same_generation(ours, dense, MAX_TOKENS)
 
 
 @needs_vllm_cpu
@@ -338,11 +335,7 @@ def test_gptq_and_awq_checkpoints_of_the_producers_code_equal_their_own_dequanti
     if not GPTQ_PYTHON:
         pytest.skip("QSCHEME_GPTQ_PYTHON is not set: bash scripts/oracle-venv.sh gptq builds the producers' venv")
     ours, dense = _result(served, name), _result(served, f"{name}_dequantized")
-    assert ours["tokens"] == dense["tokens"]
-    assert all(len(tokens) == MAX_TOKENS for tokens in ours["tokens"])
-    for got, want in zip(ours["prompt_logprobs"], dense["prompt_logprobs"], strict=True):
-        assert len(got) == len(want) > 0
-        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-3
+    assert_same_generation(ours, dense, MAX_TOKENS)
     layers, plain = ours["layers"], dense["layers"]
     for i in range(2):
         for module in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
