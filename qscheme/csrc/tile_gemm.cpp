@@ -347,7 +347,7 @@ PyObject *gemm(PyObject *, PyObject *args) {
         const int64_t q0 = r0 + task * task_rows;
         const int64_t q1 = q0 + std::min(task_rows, (r1 - q0 + 31) / 32 * 32);
         RowBuffers &b = buffers;
-        b.fit(p, static_cast<size_t>((q1 - q0) * std::min(kc, kp)), static_cast<size_t>((q1 - q0) * mp32), q1 - q0);
+        b.fit(p, static_cast<size_t>((q1 - q0) * (std::min(kc, kp) + PANEL_PAD)), static_cast<size_t>((q1 - q0) * mp32), q1 - q0);
         gemm_rows_amx(p, xp.data(), m, mp, kp, bias, out, ldy, r0, r1, q0, q1, kc, b.panel.data(), b.acc.data(),
                       b.s.data(), b.z.data());
         b.release();

@@ -48,13 +48,17 @@ bool vector_compiled();
 int64_t decode_row_avx512(const Layer &p, int64_t n, const float *s, const float *z, int64_t k0, int64_t k1,
                           uint16_t *out);
 
+// Columns a panel row of gemm_rows_amx holds past its chunk, so that its rows are not a power of
+// two apart (16 rows a tile reads would share a set of the L1 cache).
+constexpr int64_t PANEL_PAD = 32;
+
 // Whether this CPU and kernel run AMX tiles (asks the kernel for the tile state once).
 bool amx_ready();
 
 // The fused GEMM on AMX over weight rows [q0, q1) (a multiple of 32 rows from r0; rows past r1 are
 // zeros and not written): out[i, n - r0] (bfloat16, row stride ldy) = sum_k x[i, k] w[n, k]
 // (+ bias[n]), x packed by pack_block (mp rows, a multiple of 16; kp columns, a multiple of 32),
-// K taken kc columns at a time. panel: (q1 - q0) * kc bfloat16; acc: (q1 - q0) * (mp rounded up
+// K taken kc columns at a time. panel: (q1 - q0) * (kc + PANEL_PAD) bfloat16; acc: (q1 - q0) * (mp rounded up
 // to 32) float32; s, z: scale_cols floats each.
 void gemm_rows_amx(const Layer &p, const uint32_t *xp, int64_t m, int64_t mp, int64_t kp, const float *bias,
                    uint16_t *out, int64_t ldy, int64_t r0, int64_t r1, int64_t q0, int64_t q1, int64_t kc,

@@ -245,17 +245,20 @@ void gemm_rows_amx(const Layer &p, const uint32_t *xp, int64_t m, int64_t mp, in
     const int64_t cols = p.scale_cols;
     for (int64_t r = 0; r < rows && q0 + r < r1; r++) row_scales_avx512(p, q0 + r, 0, cols, s + r * cols, z + r * cols);
     for (int64_t k0 = 0; k0 < kp; k0 += kc) {
-        const int64_t width = std::min(kc, kp - k0), steps = width / 32, stride = width * 2;
+        // panel rows PANEL_PAD columns longer than the chunk: rows a power of two apart fell into
+        // one set of the L1 cache when a tile read 16 of them
+        const int64_t width = std::min(kc, kp - k0), steps = width / 32, pitch = width + PANEL_PAD;
+        const int64_t stride = pitch * 2;
         const bool first = k0 == 0, last = k0 + width >= kp;
         for (int64_t r = 0; r < rows; r++) {
-            uint16_t *dst = panel + r * width;
+            uint16_t *dst = panel + r * pitch;
             if (q0 + r >= r1)
                 std::memset(dst, 0, static_cast<size_t>(width) * 2);
             else
                 decode_chunk(p, q0 + r, k0, k0 + width, dst, s + r * cols, z + r * cols);
         }
         for (int64_t sp = 0; sp < subpanels; sp++) {
-            const uint16_t *a = panel + sp * 32 * width;
+            const uint16_t *a = panel + sp * 32 * pitch;
             for (int64_t mg = 0; mg < groups; mg++) {
                 const int64_t mb = 2 * mg;
                 const bool two = mb + 1 < mp / 16;
@@ -278,7 +281,7 @@ void gemm_rows_amx(const Layer &p, const uint32_t *xp, int64_t m, int64_t mp, in
                         _tile_loadd(6, x0 + 256 * t, 64);
                         _tile_loadd(7, x1 + 256 * t, 64);
                         _tile_dpbf16ps(0, 4, 6);
-                        _tile_loadd(5, a + 16 * width + 32 * t, stride);
+                        _tile_loadd(5, a + 16 * pitch + 32 * t, stride);
                         _tile_dpbf16ps(1, 4, 7);
                         _tile_dpbf16ps(2, 5, 6);
                         _tile_dpbf16ps(3, 5, 7);
@@ -287,7 +290,7 @@ void gemm_rows_amx(const Layer &p, const uint32_t *xp, int64_t m, int64_t mp, in
                     for (int64_t t = 0; t < steps; t++) {
                         _tile_loadd(4, a + 32 * t, stride);
                         _tile_loadd(6, x0 + 256 * t, 64);
-                        _tile_loadd(5, a + 16 * width + 32 * t, stride);
+                        _tile_loadd(5, a + 16 * pitch + 32 * t, stride);
                         _tile_dpbf16ps(0, 4, 6);
                         _tile_dpbf16ps(2, 5, 6);
                     }
