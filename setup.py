@@ -81,6 +81,7 @@ CPU_GEMV_EXTENSION = Extension(
         "qscheme/csrc/cpu_gemv_avx512.cpp",
         "qscheme/csrc/cpu_gemv_avx2.cpp",
         "qscheme/csrc/cpu_gemv_amx.cpp",
+        "qscheme/csrc/cpu_gemv_int16.cpp",
         "qscheme/csrc/cpu_gemv_gguf.cpp",
         "qscheme/csrc/cpu_gemv_gguf_avx512.cpp",
         "qscheme/csrc/cpu_gemv_gguf_avx2.cpp",

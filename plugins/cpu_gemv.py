@@ -156,6 +156,13 @@ CPU_GEMV = KernelDeclaration(
         "(2K + 8) * 2**-24 * sum_k |x_k * w_k| before the output is rounded once to the input's dtype (a bias is "
         "added in float32 before that rounding); with 16-bit outputs the two may also differ by one unit in the "
         "last place of the output",
+        "VNNI integer loop (QSCHEME_CPU_GEMV_INT16=0 turns it off): one bfloat16 row of x (where the tiles do not "
+        "take it) on 4-bit codes whose values times a power of two up to 16 are integers (e2m1, int4, uint4) without "
+        "zero points, scale groups of 16, 32 or a multiple of 64, on a CPU with AVX512-VNNI: each block of 256 "
+        "elements of x is rounded to 16-bit integers over the smallest power-of-two step that holds its largest "
+        "magnitude (every element within 2**7 of it is exact, any other is off by at most half a step, 2**-16 of "
+        "that magnitude), the products are summed exactly in 32-bit integers and each group's sum is multiplied by "
+        "its effective scale in float32; the bound above grows by sum_k |w_k| * (half the step of k's block)",
         "float16 inputs are widened to float32 and the output rounded back once; AWQ pre-scales and activation "
         "quantization are applied to the input exactly as the reference kernel applies them; where the quantized "
         "input is e4m3 or int8 code values times one float32 scale per row (per-tensor or per-token: FP8, "

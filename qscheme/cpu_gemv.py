@@ -25,6 +25,14 @@ Ops (namespace ``qscheme``, each with a fake implementation for torch.compile):
   dtype, threads)``: rows [start, stop) of the weight as float32 (the reference's values, bit for
   bit) or bfloat16 (those rounded once), [stop - start, K].
 
+One bfloat16 row of x on 4-bit codes whose values times a power of two (up to 16) are integers
+(e2m1, int4, uint4 without zero points: NVFP4, MXFP4, W4A16), on a CPU with AVX512-VNNI, takes
+an integer loop instead of the float32 one (``int16_applies``; ``QSCHEME_CPU_GEMV_INT16=0`` turns
+it off): x is rounded per block of 256 elements to 16-bit integers over a power-of-two step (the
+smallest that holds the block's largest magnitude; every element within 2**7 of it is exact, any
+other off by at most half a step, 2**-16 of that magnitude), the products are summed exactly in
+32-bit integers (VPDPWSSD) and each group's sum is multiplied by its effective scale in float32.
+
 ``gemv`` and ``dequantize_rows`` call them (eagerly straight into the extension, skipping the
 dispatcher's cost). ``isa()`` says which loops run ('avx512', 'avx2', 'scalar');
 ``QSCHEME_CPU_GEMV_ISA`` (or ``set_isa``) chooses narrower ones.
@@ -386,6 +394,18 @@ def gemv(layout: GemvLayout, x: Tensor, bias: Tensor | None = None, threads: int
         out: Tensor = torch.ops.qscheme.cpu_gemv(x, *args, bias, *tables, list(layout.meta), _threads(threads))
         return out
     return _run_gemv(x, *args, bias, *tables, layout.meta, _threads(threads))
+
+
+def int16_applies(layout: GemvLayout) -> bool:
+    """Whether one bfloat16 row of x runs the VNNI integer loop on this layer here (see the
+    module docstring); False where the extension is not built."""
+    module = native()
+    if module is None:
+        return False
+    args = _layer_args(
+        layout.codes, layout.scale, layout.zero_point, layout.row_scale, layout.lut, layout.scale_table, layout.meta
+    )
+    return bool(module.int16_layer(*args))
 
 
 def dequantize_rows(

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,10 +69,12 @@ EXPECTED = {
     "fp8/FP8_BLOCK",
 }
 # "amx": the AVX-512 loops with the tile path (cpu_gemv_amx.cpp) taking every M ("all"; by default
-# it starts at M = 4), where this CPU has it; "avx512"
-# with it off (QSCHEME_CPU_GEMV_AMX=0), so that both run every case
-ISAS = ("scalar", "avx2", "avx512", "amx")
+# it starts at M = 4), where this CPU has it; "vnni": the AVX-512 loops with the VNNI integer loop
+# for one bfloat16 row of 4-bit codes (cpu_gemv_int16.cpp), where this CPU has it; "avx512" with
+# both off (QSCHEME_CPU_GEMV_AMX=0, QSCHEME_CPU_GEMV_INT16=0), so that each runs every case
+ISAS = ("scalar", "avx2", "avx512", "vnni", "amx")
 AMX_VARIABLE = "QSCHEME_CPU_GEMV_AMX"
+INT16_VARIABLE = "QSCHEME_CPU_GEMV_INT16"
 # what the tile path needs (cpuid, as /proc/cpuinfo names it; Linux grants the tile state)
 AMX_FLAGS = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512vbmi"}
 SHAPES = ((37, 200), (64, 256), (5, 20))  # ragged N and K (not multiples of 16/32/64), and K under one chunk
@@ -96,17 +100,18 @@ def cpu_flags() -> set[str]:
 
 
 def _isa_param(name: str) -> object:
-    loops = "avx512" if name == "amx" else name
+    loops = "avx512" if name in ("amx", "vnni") else name
     runs = cpu_gemv.ISA_CHOICES.index(loops) <= cpu_gemv.ISA_CHOICES.index(cpu_gemv.supported_isa())
-    runs = runs and (name != "amx" or AMX_FLAGS <= cpu_flags())
+    runs = runs and (name != "amx" or AMX_FLAGS <= cpu_flags()) and (name != "vnni" or "avx512_vnni" in cpu_flags())
     return pytest.param(name, marks=pytest.mark.skipif(not runs, reason=f"this CPU does not run {name}"))
 
 
 @pytest.fixture(params=[_isa_param(name) for name in ISAS])
 def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     before = cpu_gemv.isa()
-    cpu_gemv.set_isa("avx512" if request.param == "amx" else request.param)
+    cpu_gemv.set_isa("avx512" if request.param in ("amx", "vnni") else request.param)
     monkeypatch.setenv(AMX_VARIABLE, "all" if request.param == "amx" else "0")
+    monkeypatch.setenv(INT16_VARIABLE, "1" if request.param == "vnni" else "0")
     try:
         yield request.param
     finally:
@@ -144,10 +149,27 @@ def absolute_weight(weight: CanonicalWeight) -> torch.Tensor:
     return _ABSOLUTE[id(weight)][1]
 
 
+def int16_slack(weight: CanonicalWeight, x: torch.Tensor) -> torch.Tensor | float:
+    """The VNNI loop's rounding of x, where it may run (one bfloat16 row, the loop not turned off):
+    sum_k |w_k| * half the step of k's block of 256 (k < K rounded down to 64), the step the
+    smallest power of two that holds the block's largest |x| in 15 bits (cpu_gemv.py)."""
+    rows = x.reshape(-1, weight.k)
+    if x.dtype != torch.bfloat16 or rows.shape[0] != 1 or os.environ.get(INT16_VARIABLE) == "0":
+        return 0.0
+    k_main = weight.k // 64 * 64
+    half = torch.zeros(weight.k, dtype=torch.float64)
+    for start in range(0, k_main, 256):
+        block = rows[0, start : min(k_main, start + 256)].double().abs()
+        largest = float(block.max())
+        if largest > 0:
+            half[start : start + block.numel()] = 2.0 ** (math.floor(math.log2(largest)) - 15)
+    return absolute_weight(weight) @ half
+
+
 def check_close(weight: CanonicalWeight, x: torch.Tensor, y: torch.Tensor, expected: torch.Tensor) -> None:
     assert y.shape == expected.shape and y.dtype == expected.dtype == x.dtype
     magnitude = reference_input(weight, x).double() @ absolute_weight(weight).t()
-    bound = (2 * weight.k + 8) * 2.0**-24 * magnitude.reshape(y.shape)
+    bound = (2 * weight.k + 8) * 2.0**-24 * magnitude.reshape(y.shape) + int16_slack(weight, x)
     if x.dtype != torch.float32:
         ulp = 2.0**-7 if x.dtype == torch.bfloat16 else 2.0**-10  # one unit in the last place
         bound = bound + ulp * torch.maximum(y.double().abs(), expected.double().abs())
@@ -231,6 +253,42 @@ def test_row_dequantization_is_the_reference_s(name: str, isa: str) -> None:
     assert torch.equal(into, rows.to(torch.bfloat16))
     assert torch.equal(cpu_gemv.dequantize_rows(layout, 0, weight.n, threads=2), dequantize(weight))
     assert cpu_gemv.dequantize_rows(layout, 4, 4).shape == (0, weight.k)
+
+
+needs_vnni = pytest.mark.skipif(
+    "avx512_vnni" not in cpu_flags() or cpu_gemv.supported_isa() != "avx512", reason="this CPU runs no AVX512-VNNI"
+)
+
+
+@needs_vnni
+def test_the_vnni_loop_takes_one_bfloat16_row_of_4_bit_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = cpu_gemv.isa()
+    cpu_gemv.set_isa("avx512")
+    monkeypatch.setenv(AMX_VARIABLE, "0")
+    monkeypatch.setenv(INT16_VARIABLE, "1")
+    try:
+        for name in ("compressed-tensors/NVFP4A16", "compressed-tensors/MXFP4A16", "compressed-tensors/W4A16"):
+            assert cpu_gemv.int16_applies(cpu_gemv.layout_of(weight_of(name, 64, 256))), name
+        # zero points, byte codes and codebooks with fractional values keep the float32 loop
+        for name in ("compressed-tensors/W4A16_ASYM", "compressed-tensors/FP8", "compressed-tensors/W8A16_G32"):
+            assert not cpu_gemv.int16_applies(cpu_gemv.layout_of(weight_of(name, 64, 256))), name
+        nvfp4 = weight_of("compressed-tensors/NVFP4A16", 16, 256)
+        # row 0: w[0] = 0 and w[1] = 6 * its scale; x: 1 at k = 0, 2**-20 at k = 1 (below half the
+        # block's step, 2**-15), zero elsewhere: the integer loop rounds x[1] to 0, the float32 loop
+        # keeps 6 * scale * 2**-20
+        codes = nvfp4.codes.clone()
+        codes[0, 0] = 0x70  # e2m1 code 7 (6.0) in the high nibble (k = 1), 0 in the low one (k = 0)
+        crafted = dataclasses.replace(nvfp4, codes=codes)
+        layout = cpu_gemv.layout_of(crafted)
+        x = torch.zeros(1, 256)
+        x[0, 0], x[0, 1] = 1.0, 2.0**-20
+        x = x.to(torch.bfloat16)
+        assert float(cpu_gemv.gemv(layout, x)[0, 0]) == 0.0
+        monkeypatch.setenv(INT16_VARIABLE, "0")
+        assert not cpu_gemv.int16_applies(layout)
+        assert float(cpu_gemv.gemv(layout, x)[0, 0]) > 0.0
+    finally:
+        cpu_gemv.set_isa(before)
 
 
 def test_the_state_is_the_canonical_tensors() -> None:

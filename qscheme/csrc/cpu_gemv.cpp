@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <vector>
@@ -84,6 +85,71 @@ static inline float weight_value(const Params &p, const uint8_t *row, int64_t ba
 bool vector_fits(const Params &p, int width) {
     if (p.code_kind == CODE_NIBBLE) return p.group_k == width || p.group_k % (2 * width) == 0;
     return p.group_k % width == 0;
+}
+
+}  // namespace qscheme_gemv
+
+namespace qscheme_gemv {
+
+static bool vnni_supported() {
+#if defined(__x86_64__) || defined(__i386__)
+    static const bool supported = [] {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512vnni") != 0;
+    }();
+    return supported;
+#else
+    return false;
+#endif
+}
+
+bool int16_fits(const Params &p, Int16Input &in) {
+    const char *setting = std::getenv("QSCHEME_CPU_GEMV_INT16");
+    if ((setting && setting[0] == '0') || !vnni_supported()) return false;
+    if (p.code_kind != CODE_NIBBLE || p.zero || p.k < 64) return false;
+    if (!(p.group_k == 16 || p.group_k == 32 || p.group_k % 64 == 0)) return false;
+    for (int shift = 0; shift <= 4; shift++) {  // the smallest power of two making every value an integer
+        const float factor = static_cast<float>(1 << shift);
+        bool integral = true;
+        for (int i = 0; i < 16 && integral; i++) {
+            const float v = p.lut[i] * factor;  // exact: a power of two
+            integral = std::isfinite(v) && std::fabs(v) <= 2047.0f && v == std::nearbyint(v);
+        }
+        if (!integral) continue;
+        for (int i = 0; i < 32; i++) in.table[i] = static_cast<int16_t>(i < 16 ? p.lut[i] * factor : 0.0f);
+        in.factor = factor;
+        in.k_main = (p.k / 64) * 64;
+        return true;
+    }
+    return false;
+}
+
+bool int16_prepare(const float *x, Int16Input &in, int16_t *xq, float *unit) {
+    for (int64_t b0 = 0, b = 0; b0 < in.k_main; b0 += 256, b++) {
+        const int64_t b1 = std::min(in.k_main, b0 + 256);
+        float largest = 0.0f;
+        for (int64_t i = b0; i < b1; i++) {
+            if (!std::isfinite(x[i])) return false;
+            largest = std::max(largest, std::fabs(x[i]));
+        }
+        int exponent = 0;  // largest = f * 2**exponent, 0.5 <= f < 1
+        if (largest > 0.0f) {
+            std::frexp(largest, &exponent);
+            if (exponent < -100 || exponent > 100) return false;
+        }
+        // step 2**(exponent - 15): largest / step = f * 2**15 < 32768, at most 32640 for a bfloat16 value
+        const float inverse = std::ldexp(1.0f, 15 - exponent);
+        unit[b] = std::ldexp(1.0f, exponent - 15) / in.factor;
+        for (int64_t c = b0; c < b1; c += 64)
+            for (int64_t i = 0; i < 32; i++) {
+                const float even = std::nearbyint(x[c + 2 * i] * inverse), odd = std::nearbyint(x[c + 2 * i + 1] * inverse);
+                xq[c + i] = static_cast<int16_t>(std::max(-32767.0f, std::min(32767.0f, even)));
+                xq[c + 32 + i] = static_cast<int16_t>(std::max(-32767.0f, std::min(32767.0f, odd)));
+            }
+    }
+    in.x = xq;
+    in.unit = unit;
+    return true;
 }
 
 }  // namespace qscheme_gemv
@@ -207,16 +273,29 @@ PyObject *gemv(PyObject *, PyObject *args) {
     if (level != ISA_SCALAR && !vector_fits(p, static_cast<int>(width_of(level)))) level = ISA_SCALAR;
     const int64_t width = width_of(level);
     const int64_t ce = level == ISA_SCALAR ? 1 : chunk_elements(p, static_cast<int>(width));
-    const int64_t k_main = level == ISA_SCALAR ? 0 : (p.k / ce) * ce;
     const int64_t ldx = ((p.k + 15) / 16) * 16;
-    // x as float32, each whole chunk of a 4-bit layer reordered as its even then its odd elements
+    // x as float32
     std::vector<float> xs(static_cast<size_t>(m * ldx), 0.0f);
-    for (int64_t r = 0; r < m; r++) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t k = 0; k < p.k; k++)
+            xs[r * ldx + k] = x_bf16 ? bf16_to_float(static_cast<const uint16_t *>(x)[r * p.k + k])
+                                     : static_cast<const float *>(x)[r * p.k + k];
+    // one bfloat16 row of x and 4-bit codes on VNNI (where the tiles do not take the row): x as
+    // 16-bit integers (Int16Input) and integer products
+    Int16Input in16;
+    std::vector<int16_t> xq16;
+    std::vector<float> unit16;
+    bool int16 = level == ISA_AVX512 && m == 1 && x_bf16 && !(amx_usable() && m >= amx_min_rows(p)) &&
+                 int16_fits(p, in16);
+    if (int16) {
+        xq16.resize(static_cast<size_t>(in16.k_main));
+        unit16.resize(static_cast<size_t>((in16.k_main + 255) / 256));
+        int16 = int16_prepare(xs.data(), in16, xq16.data(), unit16.data());
+    }
+    const int64_t k_main = level == ISA_SCALAR ? 0 : (int16 ? in16.k_main : (p.k / ce) * ce);
+    // the float32 loops: each whole chunk of a 4-bit layer reordered as its even then its odd elements
+    for (int64_t r = 0; r < m && !int16; r++) {
         float *row = xs.data() + r * ldx;
-        for (int64_t k = 0; k < p.k; k++) {
-            row[k] = x_bf16 ? bf16_to_float(static_cast<const uint16_t *>(x)[r * p.k + k])
-                            : static_cast<const float *>(x)[r * p.k + k];
-        }
         if (p.code_kind == CODE_NIBBLE && k_main > 0) {
             std::vector<float> chunk(static_cast<size_t>(ce));
             for (int64_t k0 = 0; k0 < k_main; k0 += ce) {
@@ -247,7 +326,9 @@ PyObject *gemv(PyObject *, PyObject *args) {
     auto job = [&](int64_t task) {
         const int64_t lo = task * rows_per_task, hi = std::min(p.n, lo + rows_per_task);
 #if defined(__x86_64__) || defined(__i386__)
-        if (level == ISA_AVX512) {
+        if (int16) {
+            gemv_int16_avx512(p, in16, lo, hi, acc.data());
+        } else if (level == ISA_AVX512) {
             gemv_avx512(p, xs.data(), ldx, static_cast<int>(m), lo, hi, acc.data(), p.n);
         } else if (level == ISA_AVX2) {
             gemv_avx2(p, xs.data(), ldx, static_cast<int>(m), lo, hi, acc.data(), p.n);
@@ -325,6 +406,21 @@ PyObject *dequantize(PyObject *, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* int16_layer(<15 layer ints>): whether one bfloat16 row of x runs the VNNI loop on this layer
+ * (the AVX-512 loops in use, the tiles not taking one row, and int16_fits). */
+PyObject *int16_layer(PyObject *, PyObject *args) {
+    if (!PyTuple_Check(args) || PyTuple_Size(args) != 15) {
+        PyErr_SetString(PyExc_TypeError, "qscheme._cpu_gemv.int16_layer takes 15 integer arguments");
+        return nullptr;
+    }
+    Params p;
+    if (!parse_params(args, p, 0)) return nullptr;
+    Int16Input in;
+    const bool runs = isa_level() == ISA_AVX512 && vector_fits(p, 16) && !(amx_usable() && 1 >= amx_min_rows(p)) &&
+                      int16_fits(p, in);
+    return PyBool_FromLong(runs ? 1 : 0);
+}
+
 PyObject *isa(PyObject *, PyObject *) { return PyUnicode_FromString(ISA_NAMES[isa_level()]); }
 
 PyObject *supported_isa(PyObject *, PyObject *) { return PyUnicode_FromString(ISA_NAMES[isa_supported()]); }
@@ -360,6 +456,7 @@ PyMethodDef methods[] = {
     {"gemv", gemv, METH_VARARGS, "y = x W^T (+ bias) over a canonical quantized weight (see qscheme.cpu_gemv)."},
     {"dequantize", dequantize, METH_VARARGS, "Rows of a canonical quantized weight as float32 or bfloat16."},
     {"isa", isa, METH_NOARGS, "The vector loops in use: 'avx512', 'avx2' or 'scalar'."},
+    {"int16_layer", int16_layer, METH_VARARGS, "Whether one bfloat16 row of x runs the VNNI loop on this layer."},
     {"supported_isa", supported_isa, METH_NOARGS, "The widest vector loops this CPU runs."},
     {"set_isa", set_isa, METH_VARARGS, "Use the 'scalar', 'avx2' or 'avx512' loops (at most what the CPU runs)."},
     {"gemv_blocks", qscheme_gguf::gemv_blocks, METH_VARARGS, "y = x W^T (+ bias) over packed blocks (qscheme.cpu_gemv_blocks)."},
