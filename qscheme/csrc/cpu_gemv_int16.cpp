@@ -16,23 +16,32 @@
 
 namespace qscheme_gemv_int16 {
 
-constexpr int64_t BLOCK = 256, CHUNK = 64;
+constexpr int64_t BLOCK = 256, CHUNK = 64, PREFETCH_BYTES = 1024;
 
-template <int R>
+// The effective scales of row n's groups [g0, g0 + count) (count <= 16) as one vector.
+static inline __m512 group_scales(const Params &p, const uint8_t *bytes, const float *table, const float *scales,
+                                  int64_t g0, int64_t count) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+    if (!bytes) return _mm512_maskz_loadu_ps(mask, scales + g0);
+    const __m512i index = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, bytes + g0));
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, index, table, 4);
+}
+
+// R rows from row n; G: the scale group (16 or 32: several per chunk; 0: a multiple of 64).
+template <int R, int G>
 static void rows_int16(const Params &p, const Int16Input &in, int64_t n, float *acc, Scratch &work) {
-    const int64_t g = p.group_k, k_main = in.k_main, cols = p.scale_cols;
-    const bool small = g < CHUNK;  // 16 or 32: a chunk holds 4 or 2 groups
+    const int64_t g = p.group_k, k_main = in.k_main, cols = p.scale_cols, stride = p.code_stride;
     const __m512i table = _mm512_loadu_si512(in.table), low = _mm512_set1_epi16(0x000F);
-    // lane j of a chunk: elements 4j..4j+3, group (4j) / g of the chunk's groups
-    const __m512i lane_group = g == 16 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+    // lane j of a chunk: elements 4j..4j+3, the chunk's group 4j / G
+    const __m512i lane_group = G == 16 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
                                        : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i next_chunk = _mm512_set1_epi32(G ? CHUNK / G : 0);
     const bool byte_scale = p.scale_kind == SCALE_BYTE;
-    const uint8_t *codes[R], *scale_bytes[R];
+    const uint8_t *scale_bytes[R];
     const float *scale_table[R], *scales[R];
     std::vector<float> &buffer = work.buffer;
     if (buffer.size() < static_cast<size_t>(R * cols)) buffer.resize(static_cast<size_t>(R * cols));
     for (int r = 0; r < R; r++) {
-        codes[r] = p.codes + (n + r) * p.code_stride;
         scale_bytes[r] = nullptr;
         scale_table[r] = nullptr;
         scales[r] = buffer.data() + r * cols;
@@ -43,6 +52,12 @@ static void rows_int16(const Params &p, const Int16Input &in, int64_t n, float *
             fill_scales(p, n + r, buffer.data() + r * cols);
         }
     }
+    const uint8_t *codes = p.codes + n * stride;
+    if (byte_scale && n + 2 * R <= p.n)  // the next R rows' scales (a stream of their own)
+        for (int r = 0; r < R; r++) {
+            const uint8_t *next = static_cast<const uint8_t *>(p.scale) + scale_row_base(p, n + R + r);
+            for (int64_t b = 0; b < cols; b += 64) _mm_prefetch(reinterpret_cast<const char *>(next + b), _MM_HINT_T0);
+        }
     __m512 total[R];
     for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < k_main; b0 += BLOCK) {
@@ -52,43 +67,40 @@ static void rows_int16(const Params &p, const Int16Input &in, int64_t n, float *
         for (int r = 0; r < R; r++) {
             part[r] = _mm512_setzero_ps();
             sum[r] = _mm512_setzero_si512();
+            if (G) s16[r] = group_scales(p, scale_bytes[r], scale_table[r], scales[r], b0 / G, (b1 - b0) / G);
         }
-        if (small) {  // the block's groups' scales (16 or 8 at most) in one vector per row
-            const int64_t g0 = b0 / g, count = (b1 - b0) / g;
-            const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
-            for (int r = 0; r < R; r++) {
-                if (byte_scale) {
-                    const __m512i index = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, scale_bytes[r] + g0));
-                    s16[r] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, index, scale_table[r], 4);
-                } else {
-                    s16[r] = _mm512_maskz_loadu_ps(mask, scales[r] + g0);
-                }
+        __m512i index = lane_group;
+        int64_t group = b0 / g, group_end = (group + 1) * g;  // G = 0: the chunk's group and where it ends
+        const uint8_t *chunk = codes + b0 / 2;
+        for (int64_t k = b0; k < b1; k += CHUNK, chunk += CHUNK / 2) {
+            if ((k & 127) == 0) {  // 1 KiB ahead in each row; past its end, in the next R rows' (the next call's)
+                const int64_t ahead = k / 2 + PREFETCH_BYTES;
+                const uint8_t *target = ahead < stride ? codes + ahead : codes + R * stride + (ahead - stride);
+                for (int r = 0; r < R; r++) _mm_prefetch(reinterpret_cast<const char *>(target + r * stride), _MM_HINT_T0);
             }
-        }
-        for (int64_t k = b0; k < b1; k += CHUNK) {
-            if ((k & 127) == 0)
-                for (int r = 0; r < R; r++) _mm_prefetch(reinterpret_cast<const char *>(codes[r] + k / 2 + 1024), _MM_HINT_T0);
             const __m512i xa = _mm512_loadu_si512(in.x + k), xb = _mm512_loadu_si512(in.x + k + 32);
             for (int r = 0; r < R; r++) {
-                const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(codes[r] + k / 2)));
+                const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(chunk + r * stride)));
                 const __m512i even = _mm512_permutexvar_epi16(_mm512_and_si512(w, low), table);
                 const __m512i odd = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
                 sum[r] = _mm512_dpwssd_epi32(sum[r], even, xa);
                 sum[r] = _mm512_dpwssd_epi32(sum[r], odd, xb);
             }
-            const int64_t end = k + CHUNK;
-            if (small) {
-                const __m512i index = _mm512_add_epi32(lane_group, _mm512_set1_epi32(static_cast<int>((k - b0) / g)));
+            if (G) {  // every chunk: its groups' scales, lane by lane
                 for (int r = 0; r < R; r++) {
                     part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_permutexvar_ps(index, s16[r]), part[r]);
                     sum[r] = _mm512_setzero_si512();
                 }
-            } else if (end % g == 0 || end == b1) {  // since the last flush: one group
-                const int64_t group = k / g;
+                index = _mm512_add_epi32(index, next_chunk);
+            } else if (k + CHUNK == group_end || k + CHUNK == b1) {  // since the last flush: one group
                 for (int r = 0; r < R; r++) {
-                    const float s = byte_scale ? scale_table[r][scale_bytes[r][group]] : scales[r][group];
-                    part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_set1_ps(s), part[r]);
+                    const float sc = byte_scale ? scale_table[r][scale_bytes[r][group]] : scales[r][group];
+                    part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_set1_ps(sc), part[r]);
                     sum[r] = _mm512_setzero_si512();
+                }
+                if (k + CHUNK == group_end) {
+                    group++;
+                    group_end += g;
                 }
             }
         }
@@ -98,6 +110,13 @@ static void rows_int16(const Params &p, const Int16Input &in, int64_t n, float *
     for (int r = 0; r < R; r++) acc[n + r] = _mm512_reduce_add_ps(total[r]);
 }
 
+template <int G>
+static void rows_group(const Params &p, const Int16Input &in, int64_t n0, int64_t n1, float *acc, Scratch &work) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) rows_int16<4, G>(p, in, n, acc, work);
+    for (; n < n1; n++) rows_int16<1, G>(p, in, n, acc, work);
+}
+
 }  // namespace qscheme_gemv_int16
 
 namespace qscheme_gemv {
@@ -105,9 +124,12 @@ namespace qscheme_gemv {
 void gemv_int16_avx512(const Params &p, const Int16Input &in, int64_t n0, int64_t n1, float *acc) {
     using namespace qscheme_gemv_int16;
     Scratch &work = scratch();
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) rows_int16<4>(p, in, n, acc, work);
-    for (; n < n1; n++) rows_int16<1>(p, in, n, acc, work);
+    if (p.group_k == 16)
+        rows_group<16>(p, in, n0, n1, acc, work);
+    else if (p.group_k == 32)
+        rows_group<32>(p, in, n0, n1, acc, work);
+    else
+        rows_group<0>(p, in, n0, n1, acc, work);
 }
 
 }  // namespace qscheme_gemv

@@ -70,6 +70,16 @@ static inline const float *byte_scales(const Params &p, int64_t row, Scratch &wo
     return slot.values;
 }
 
+// Where to prefetch for byte `offset` of a row's codes, whose rows' reads run from byte `begin` to
+// `end` (a block of K): 1 KiB ahead in the row, and past `end` as far into the row R rows further
+// on (the one the next block of rows reads from there): at the end of each row the hardware
+// prefetchers had nothing in flight for the next rows.
+template <int R>
+static inline const uint8_t *ahead(const Params &p, const uint8_t *row, int64_t offset, int64_t begin, int64_t end) {
+    const int64_t target = offset + 1024;
+    return target < end ? row + target : row + R * p.code_stride + begin + (target - end);
+}
+
 // One row of x, 4-bit codes in scale groups of W (NVFP4 on 16 lanes: two groups per chunk), no
 // zero points: each chunk's products are summed, then multiplied by the pair of group scales.
 template <class V, int R, bool BYTES>
@@ -81,7 +91,7 @@ static inline void late_pairs(const Params &p, const float *x, const uint8_t *co
     const int64_t chunks = p.k / (2 * W);
     for (int64_t c = 0; c < chunks; c++) {
         if ((c & 3) == 0)
-            for (int r = 0; r < R; r++) __builtin_prefetch(codes[r] + c * W + 1024, 0, 3);
+            for (int r = 0; r < R; r++) __builtin_prefetch(ahead<R>(p, codes[r], c * W, 0, chunks * W), 0, 3);
         const vec xe = V::load(x + c * 2 * W), xo = V::load(x + c * 2 * W + W);
         for (int r = 0; r < R; r++) {
             vec even, odd;
@@ -116,7 +126,7 @@ static inline void late_groups(const Params &p, const float *x, const uint8_t *c
         int64_t c = c0;
         for (; c + PER <= stop; c += PER) {
             if (((c * W) & 63) < PER * W)  // once per cache line of each row
-                for (int r = 0; r < R; r++) __builtin_prefetch(codes[r] + c * W + 1024, 0, 3);
+                for (int r = 0; r < R; r++) __builtin_prefetch(ahead<R>(p, codes[r], c * W, 0, chunks * W), 0, 3);
             const vec xa = V::load(x + c * CE), xb = V::load(x + c * CE + W);
             for (int r = 0; r < R; r++) {
                 vec a, b;
@@ -226,7 +236,8 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
         }
         for (; c < stop; c++) {
             if ((c & 3) == 0)
-                for (int r = 0; r < R; r++) __builtin_prefetch(codes[r] + c * W + 1024, 0, 3);
+                for (int r = 0; r < R; r++)
+                    __builtin_prefetch(ahead<R>(p, codes[r], c * W, c_begin * W, c_end * W), 0, 3);
             if (NIBBLE) {
                 vec xe[M], xo[M];
                 for (int m = 0; m < M; m++) {
