@@ -72,7 +72,7 @@ DEQUANT_GEMM = KernelDeclaration(
         "multiplies the bfloat16 tiles",
         "float32 inputs: the reference kernel's float32 weight and products, summed in another order",
         "memory: keeps the canonical tensors (no copy); while it runs, each thread holds a panel of at most "
-        "256 x 512 bfloat16 weights with its float32 accumulators and scales, and the input packed once "
+        "32 x 4128 bfloat16 weights (258 KiB) with its float32 accumulators and scales, and the input packed once "
         "(AMX), or one tile of float32 rows (8 MiB at most) and its bfloat16 copy; all freed when it returns",
     ),
     batch_ranges=(CPU_BATCHES,),

@@ -146,14 +146,20 @@ def test_the_fused_gemm_multiplies_the_rounded_weight(name: str) -> None:
         layout = cpu_gemv.layout_of(weight)
         rounded = dequantize(weight).to(torch.bfloat16)
         bias = torch.randn(n, generator=generator)
-        # one accumulator set; 64-row tasks, K in chunks of 512; 256-row tasks, K in chunks of 256 (saved across K)
         for m in (1, 16, 37) if k < 512 else (1, 37, 150):
             x = torch.randn(m, k, generator=generator).to(torch.bfloat16)
-            y = tile_gemm.gemm(layout, x, bias)
-            assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-            assert_gemm_close(y, x, rounded, bias)
-            part = tile_gemm.gemm(layout, x, None, 40, n, threads=1)  # output columns [40, N), no bias
-            assert_gemm_close(part, x, rounded[40:], None)
+            # whatever blocking ``blocking`` picks, and each one it may pick: whole rows of 32 (one
+            # accumulator set up to M = 32), K in chunks (accumulators kept in the tiles or saved
+            # across K), 64- and 256-row tasks
+            for chosen in (None, (32, 4096), (32, 64), (64, 512), (256, 256)):
+                with pytest.MonkeyPatch.context() as patch:
+                    if chosen is not None:
+                        patch.setattr(tile_gemm, "blocking", lambda rows, chosen=chosen: chosen)
+                    y = tile_gemm.gemm(layout, x, bias)
+                    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+                    assert_gemm_close(y, x, rounded, bias)
+                    part = tile_gemm.gemm(layout, x, None, 40, n, threads=1)  # output columns [40, N), no bias
+                    assert_gemm_close(part, x, rounded[40:], None)
     empty = tile_gemm.gemm(layout, x[:0])
     assert empty.shape == (0, n)
 

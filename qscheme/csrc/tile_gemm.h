@@ -44,9 +44,10 @@ bool vector_compiled();
 
 // Row n's bfloat16 weights for k in [k0, k1) into out[k - k0] (k0 a multiple of 32), as far as the
 // vector decoder takes them (whole chunks of 32 within K, the layer's groups permitting): returns
-// the k it stopped at (k0 where it takes nothing), the rest left to the portable decoder.
+// the k it stopped at (k0 where it takes nothing), the rest left to the portable decoder. fetch:
+// codes to prefetch alongside, at the same offsets as the row's (or nullptr).
 int64_t decode_row_avx512(const Layer &p, int64_t n, const float *s, const float *z, int64_t k0, int64_t k1,
-                          uint16_t *out);
+                          uint16_t *out, const uint8_t *fetch = nullptr);
 
 // Columns a panel row of gemm_rows_amx holds past its chunk, so that its rows are not a power of
 // two apart (16 rows a tile reads would share a set of the L1 cache).

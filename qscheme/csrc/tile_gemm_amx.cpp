@@ -106,7 +106,7 @@ void row_scales_avx512(const Layer &p, int64_t n, int64_t g0, int64_t g1, float 
 }
 
 int64_t decode_row_avx512(const Layer &p, int64_t n, const float *s, const float *z, int64_t k0, int64_t k1,
-                          uint16_t *out) {
+                          uint16_t *out, const uint8_t *fetch) {
     // k0: a multiple of 32; k1: clipped to the whole chunks of 32 in K
     const int64_t g = p.group_k;
     k1 = std::min<int64_t>(k1, (p.k / 32) * 32);
@@ -120,6 +120,7 @@ int64_t decode_row_avx512(const Layer &p, int64_t n, const float *s, const float
             const __m512i upper = _mm512_set_epi32(0x00100010, 0x00100010, 0x00100010, 0x00100010, 0x00100010,
                                                    0x00100010, 0x00100010, 0x00100010, 0, 0, 0, 0, 0, 0, 0, 0);
             for (int64_t k = k0; k < k1; k += 32) {
+                if (fetch && (k & 127) == 0) _mm_prefetch(reinterpret_cast<const char *>(fetch + k / 2), _MM_HINT_T0);
                 const int64_t c = k / 32;
                 const __m512i table = bf16_pair(scaled(lut, s, z, 2 * c + 1, zero), scaled(lut, s, z, 2 * c, zero));
                 const __m512i index = _mm512_or_si512(nibble_indices(row + 16 * c), upper);
@@ -132,13 +133,16 @@ int64_t decode_row_avx512(const Layer &p, int64_t n, const float *s, const float
             const int64_t stop = std::min<int64_t>(k1, (group + 1) * g);
             const __m512 values = scaled(lut, s, z, group, zero);
             const __m512i table = bf16_pair(values, values);
-            for (; k < stop; k += 32)
+            for (; k < stop; k += 32) {
+                if (fetch && (k & 127) == 0) _mm_prefetch(reinterpret_cast<const char *>(fetch + k / 2), _MM_HINT_T0);
                 _mm512_storeu_si512(out + (k - k0), _mm512_permutexvar_epi16(nibble_indices(row + k / 2), table));
+            }
         }
         return k1;
     }
     if (g == 16) {
         for (int64_t k = k0; k < k1; k += 32) {
+            if (fetch && (k & 63) == 0) _mm_prefetch(reinterpret_cast<const char *>(fetch + k), _MM_HINT_T0);
             const __m512 low = scaled(decode16(row + k, p.code_kind), s, z, k / 16, zero);
             const __m512 high = scaled(decode16(row + k + 16, p.code_kind), s, z, k / 16 + 1, zero);
             _mm512_storeu_si512(out + (k - k0), bf16_pair(high, low));
@@ -151,6 +155,7 @@ int64_t decode_row_avx512(const Layer &p, int64_t n, const float *s, const float
         const int64_t stop = std::min<int64_t>(k1, (group + 1) * g);
         const __m512 scale = _mm512_set1_ps(s[group]), offset = _mm512_set1_ps(zero ? z[group] : 0.0f);
         for (; k < stop; k += 32) {
+            if (fetch && (k & 63) == 0) _mm_prefetch(reinterpret_cast<const char *>(fetch + k), _MM_HINT_T0);
             __m512 low = decode16(row + k, p.code_kind), high = decode16(row + k + 16, p.code_kind);
             if (zero) {
                 low = _mm512_sub_ps(low, offset);
@@ -218,14 +223,11 @@ static void decode_chunk(const Layer &p, int64_t n, int64_t k0, int64_t k1, uint
                          const float *z) {
     const int64_t last = std::min(k1, p.k);
     if (last > k0) {
-        // the next chunk's codes of this row, fetched while this one is decoded (rows are far apart:
-        // the hardware prefetchers do not follow that many streams)
-        const int64_t bytes = p.code_kind == CODE_NIBBLE ? (k1 - k0) / 2 : k1 - k0;
-        const int64_t ahead = p.code_kind == CODE_NIBBLE ? k1 / 2 : k1;
+        // the same columns of the next row, decoded next, fetched line by line as this one is decoded
+        // (a row or chunk is a few pages at most: the hardware prefetchers stop at each page's end)
         const uint8_t *row = p.codes + n * p.code_stride;
-        if (ahead + bytes <= p.code_stride)
-            for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char *>(row + ahead + b), _MM_HINT_T0);
-        for (int64_t k = decode_row_avx512(p, n, s, z, k0, last, out); k < last; k++)
+        const uint8_t *next = n + 1 < p.n ? row + p.code_stride : nullptr;
+        for (int64_t k = decode_row_avx512(p, n, s, z, k0, last, out, next); k < last; k++)
             out[k - k0] = float_to_bf16(weight_value(p, row, s, z, k));
     }
     for (int64_t k = std::max(last, k0); k < k1; k++) out[k - k0] = 0;
@@ -331,7 +333,8 @@ void gemm_rows_amx(const Layer &p, const uint32_t *xp, int64_t m, int64_t mp, in
 namespace qscheme_tile {
 bool vector_compiled() { return false; }
 void row_scales_avx512(const Layer &p, int64_t n, int64_t g0, int64_t g1, float *s, float *z) { row_scales(p, n, g0, g1, s, z); }
-int64_t decode_row_avx512(const Layer &, int64_t, const float *, const float *, int64_t k0, int64_t, uint16_t *) {
+int64_t decode_row_avx512(const Layer &, int64_t, const float *, const float *, int64_t k0, int64_t, uint16_t *,
+                          const uint8_t *) {
     return k0;
 }
 void gemm_rows_amx(const Layer &, const uint32_t *, int64_t, int64_t, int64_t, const float *, uint16_t *, int64_t,
