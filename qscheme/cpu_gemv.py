@@ -25,7 +25,7 @@ Ops (namespace ``qscheme``, each with a fake implementation for torch.compile):
   dtype, threads)``: rows [start, stop) of the weight as float32 (the reference's values, bit for
   bit) or bfloat16 (those rounded once), [stop - start, K].
 
-One bfloat16 row of x on 4-bit codes whose values times a power of two (up to 16) are integers
+One to four bfloat16 rows of x on 4-bit codes whose values times a power of two (up to 16) are integers
 (e2m1, int4, uint4 without zero points: NVFP4, MXFP4, W4A16), on a CPU with AVX512-VNNI, takes
 an integer loop instead of the float32 one (``int16_applies``; ``QSCHEME_CPU_GEMV_INT16=0`` turns
 it off): x is rounded per block of 256 elements to 16-bit integers over a power-of-two step (the
@@ -397,7 +397,7 @@ def gemv(layout: GemvLayout, x: Tensor, bias: Tensor | None = None, threads: int
 
 
 def int16_applies(layout: GemvLayout) -> bool:
-    """Whether one bfloat16 row of x runs the VNNI integer loop on this layer here (see the
+    """Whether one to four bfloat16 rows of x run the VNNI integer loop on this layer here (see the
     module docstring); False where the extension is not built."""
     module = native()
     if module is None:

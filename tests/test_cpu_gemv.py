@@ -70,7 +70,7 @@ EXPECTED = {
 }
 # "amx": the AVX-512 loops with the tile path (cpu_gemv_amx.cpp) taking every M ("all"; by default
 # it starts at M = 4), where this CPU has it; "vnni": the AVX-512 loops with the VNNI integer loop
-# for one bfloat16 row of 4-bit codes (cpu_gemv_int16.cpp), where this CPU has it; "avx512" with
+# for one to four bfloat16 rows of 4-bit codes (cpu_gemv_int16.cpp), where this CPU has it; "avx512" with
 # both off (QSCHEME_CPU_GEMV_AMX=0, QSCHEME_CPU_GEMV_INT16=0), so that each runs every case
 ISAS = ("scalar", "avx2", "avx512", "vnni", "amx")
 AMX_VARIABLE = "QSCHEME_CPU_GEMV_AMX"
@@ -79,10 +79,12 @@ INT16_VARIABLE = "QSCHEME_CPU_GEMV_INT16"
 AMX_FLAGS = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512vbmi"}
 SHAPES = ((37, 200), (64, 256), (5, 20))  # ragged N and K (not multiples of 16/32/64), and K under one chunk
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-# (input shape without K, dtype, bias): M = 1, a 3-D input, more rows than one pass takes (8), M = 0
+# (input shape without K, dtype, bias): M = 1, 2 and 4, a 3-D input, more rows than one pass takes (8), M = 0
 CASES = (
     ((1,), BF16, True),
     ((1,), FP32, False),
+    ((2,), BF16, False),
+    ((4,), BF16, True),
     ((2, 3), BF16, False),
     ((2, 3), FP32, True),
     ((9,), BF16, True),
@@ -150,26 +152,30 @@ def absolute_weight(weight: CanonicalWeight) -> torch.Tensor:
 
 
 def int16_slack(weight: CanonicalWeight, x: torch.Tensor) -> torch.Tensor | float:
-    """The VNNI loop's rounding of x, where it may run (one bfloat16 row, the loop not turned off):
-    sum_k |w_k| * half the step of k's block of 256 (k < K rounded down to 64), the step the
-    smallest power of two that holds the block's largest |x| in 15 bits (cpu_gemv.py)."""
+    """The VNNI loop's rounding of x, where it may run (one to four bfloat16 rows, the loop not
+    turned off): per row, sum_k |w_k| * half the step of k's block of 256 (k < K rounded down to
+    64), the step the smallest power of two that holds the block's largest |x| in 15 bits
+    (cpu_gemv.py); [rows, N]."""
     rows = x.reshape(-1, weight.k)
-    if x.dtype != torch.bfloat16 or rows.shape[0] != 1 or os.environ.get(INT16_VARIABLE) == "0":
+    if x.dtype != torch.bfloat16 or not 1 <= rows.shape[0] <= 4 or os.environ.get(INT16_VARIABLE) == "0":
         return 0.0
     k_main = weight.k // 64 * 64
-    half = torch.zeros(weight.k, dtype=torch.float64)
-    for start in range(0, k_main, 256):
-        block = rows[0, start : min(k_main, start + 256)].double().abs()
-        largest = float(block.max())
-        if largest > 0:
-            half[start : start + block.numel()] = 2.0 ** (math.floor(math.log2(largest)) - 15)
-    return absolute_weight(weight) @ half
+    half = torch.zeros(rows.shape[0], weight.k, dtype=torch.float64)
+    for row in range(rows.shape[0]):
+        for start in range(0, k_main, 256):
+            block = rows[row, start : min(k_main, start + 256)].double().abs()
+            largest = float(block.max())
+            if largest > 0:
+                half[row, start : start + block.numel()] = 2.0 ** (math.floor(math.log2(largest)) - 15)
+    return half @ absolute_weight(weight).t()
 
 
 def check_close(weight: CanonicalWeight, x: torch.Tensor, y: torch.Tensor, expected: torch.Tensor) -> None:
     assert y.shape == expected.shape and y.dtype == expected.dtype == x.dtype
     magnitude = reference_input(weight, x).double() @ absolute_weight(weight).t()
-    bound = (2 * weight.k + 8) * 2.0**-24 * magnitude.reshape(y.shape) + int16_slack(weight, x)
+    slack = int16_slack(weight, x)
+    bound = (2 * weight.k + 8) * 2.0**-24 * magnitude.reshape(y.shape)
+    bound = bound + (slack.reshape(y.shape) if isinstance(slack, torch.Tensor) else slack)
     if x.dtype != torch.float32:
         ulp = 2.0**-7 if x.dtype == torch.bfloat16 else 2.0**-10  # one unit in the last place
         bound = bound + ulp * torch.maximum(y.double().abs(), expected.double().abs())
@@ -261,7 +267,7 @@ needs_vnni = pytest.mark.skipif(
 
 
 @needs_vnni
-def test_the_vnni_loop_takes_one_bfloat16_row_of_4_bit_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_vnni_loop_takes_up_to_four_bfloat16_rows_of_4_bit_codes(monkeypatch: pytest.MonkeyPatch) -> None:
     before = cpu_gemv.isa()
     cpu_gemv.set_isa("avx512")
     monkeypatch.setenv(AMX_VARIABLE, "0")
@@ -287,6 +293,19 @@ def test_the_vnni_loop_takes_one_bfloat16_row_of_4_bit_codes(monkeypatch: pytest
         monkeypatch.setenv(INT16_VARIABLE, "0")
         assert not cpu_gemv.int16_applies(layout)
         assert float(cpu_gemv.gemv(layout, x)[0, 0]) > 0.0
+        # rows of x (and blocks of one row) of very different magnitudes: each block its own step
+        monkeypatch.setenv(INT16_VARIABLE, "1")
+        kernel, reference = CpuGemvKernel(), ReferenceKernel()
+        generator = torch.Generator().manual_seed(7)
+        for name in ("compressed-tensors/NVFP4A16", "compressed-tensors/MXFP4A16", "compressed-tensors/W4A16"):
+            weight = storable(name, 24, 2336) or weight_of(name, 24, 2304)
+            for rows in (1, 2, 3, 4):
+                x = torch.randn(rows, weight.k, generator=generator)
+                x = x * torch.tensor([1.0, 2.0**10, 2.0**-12, 3.0])[:rows, None]
+                x[:, 256:512] *= 2.0**-5
+                x = x.to(torch.bfloat16)
+                y = kernel.apply(kernel.prepare(weight, CPU), x, None)
+                check_close(weight, x, y, reference.apply(reference.prepare(weight, CPU), x, None))
     finally:
         cpu_gemv.set_isa(before)
 

@@ -119,12 +119,13 @@ bool int16_fits(const Params &p, Int16Input &in) {
         for (int i = 0; i < 32; i++) in.table[i] = static_cast<int16_t>(i < 16 ? p.lut[i] * factor : 0.0f);
         in.factor = factor;
         in.k_main = (p.k / 64) * 64;
+        in.blocks = (in.k_main + 255) / 256;
         return true;
     }
     return false;
 }
 
-bool int16_prepare(const float *x, Int16Input &in, int16_t *xq, float *unit) {
+bool int16_prepare(const float *x, const Int16Input &in, int16_t *xq, float *unit) {
     for (int64_t b0 = 0, b = 0; b0 < in.k_main; b0 += 256, b++) {
         const int64_t b1 = std::min(in.k_main, b0 + 256);
         float largest = 0.0f;
@@ -147,8 +148,6 @@ bool int16_prepare(const float *x, Int16Input &in, int16_t *xq, float *unit) {
                 xq[c + 32 + i] = static_cast<int16_t>(std::max(-32767.0f, std::min(32767.0f, odd)));
             }
     }
-    in.x = xq;
-    in.unit = unit;
     return true;
 }
 
@@ -280,17 +279,21 @@ PyObject *gemv(PyObject *, PyObject *args) {
         for (int64_t k = 0; k < p.k; k++)
             xs[r * ldx + k] = x_bf16 ? bf16_to_float(static_cast<const uint16_t *>(x)[r * p.k + k])
                                      : static_cast<const float *>(x)[r * p.k + k];
-    // one bfloat16 row of x and 4-bit codes on VNNI (where the tiles do not take the row): x as
-    // 16-bit integers (Int16Input) and integer products
     Int16Input in16;
     std::vector<int16_t> xq16;
     std::vector<float> unit16;
-    bool int16 = level == ISA_AVX512 && m == 1 && x_bf16 && !(amx_usable() && m >= amx_min_rows(p)) &&
+    // up to four bfloat16 rows of x and 4-bit codes on VNNI, ahead of the tiles (faster there up to
+    // M = 4) unless QSCHEME_CPU_GEMV_AMX=all sends every M to them
+    bool int16 = level == ISA_AVX512 && m <= INT16_ROWS && x_bf16 && !(amx_usable() && amx_min_rows(p) <= 1) &&
                  int16_fits(p, in16);
     if (int16) {
-        xq16.resize(static_cast<size_t>(in16.k_main));
-        unit16.resize(static_cast<size_t>((in16.k_main + 255) / 256));
-        int16 = int16_prepare(xs.data(), in16, xq16.data(), unit16.data());
+        xq16.resize(static_cast<size_t>(m * in16.k_main));
+        unit16.resize(static_cast<size_t>(m * in16.blocks));
+        for (int64_t r = 0; r < m && int16; r++)
+            int16 = int16_prepare(xs.data() + r * ldx, in16, xq16.data() + r * in16.k_main,
+                                  unit16.data() + r * in16.blocks);
+        in16.x = xq16.data();
+        in16.unit = unit16.data();
     }
     const int64_t k_main = level == ISA_SCALAR ? 0 : (int16 ? in16.k_main : (p.k / ce) * ce);
     // the float32 loops: each whole chunk of a 4-bit layer reordered as its even then its odd elements
@@ -327,7 +330,7 @@ PyObject *gemv(PyObject *, PyObject *args) {
         const int64_t lo = task * rows_per_task, hi = std::min(p.n, lo + rows_per_task);
 #if defined(__x86_64__) || defined(__i386__)
         if (int16) {
-            gemv_int16_avx512(p, in16, lo, hi, acc.data());
+            gemv_int16_avx512(p, in16, static_cast<int>(m), lo, hi, acc.data(), p.n);
         } else if (level == ISA_AVX512) {
             gemv_avx512(p, xs.data(), ldx, static_cast<int>(m), lo, hi, acc.data(), p.n);
         } else if (level == ISA_AVX2) {
@@ -406,8 +409,8 @@ PyObject *dequantize(PyObject *, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* int16_layer(<15 layer ints>): whether one bfloat16 row of x runs the VNNI loop on this layer
- * (the AVX-512 loops in use, the tiles not taking one row, and int16_fits). */
+/* int16_layer(<15 layer ints>): whether one to four bfloat16 rows of x run the VNNI loop on this
+ * layer (the AVX-512 loops in use, the tiles not taking every M, and int16_fits). */
 PyObject *int16_layer(PyObject *, PyObject *args) {
     if (!PyTuple_Check(args) || PyTuple_Size(args) != 15) {
         PyErr_SetString(PyExc_TypeError, "qscheme._cpu_gemv.int16_layer takes 15 integer arguments");
@@ -416,7 +419,7 @@ PyObject *int16_layer(PyObject *, PyObject *args) {
     Params p;
     if (!parse_params(args, p, 0)) return nullptr;
     Int16Input in;
-    const bool runs = isa_level() == ISA_AVX512 && vector_fits(p, 16) && !(amx_usable() && 1 >= amx_min_rows(p)) &&
+    const bool runs = isa_level() == ISA_AVX512 && vector_fits(p, 16) && !(amx_usable() && amx_min_rows(p) <= 1) &&
                       int16_fits(p, in);
     return PyBool_FromLong(runs ? 1 : 0);
 }

@@ -112,14 +112,17 @@ void gemv_avx512(const Params &p, const float *x, int64_t ldx, int m, int64_t n0
                  int64_t ldy);
 void gemv_avx2(const Params &p, const float *x, int64_t ldx, int m, int64_t n0, int64_t n1, float *acc,
                int64_t ldy);
-// One bfloat16 row of x as 16-bit integers, for the 4-bit loop on VNNI (gemv_int16_avx512): each
-// block of 256 elements (the last one shorter) over its own power-of-two step, the smallest that
-// keeps the block's largest magnitude within 15 bits, so that an element within 2**7 of it is
-// exact and any other is off by at most half a step (2**-16 of that largest magnitude).
+// Up to INT16_ROWS bfloat16 rows of x as 16-bit integers, for the 4-bit loop on VNNI
+// (gemv_int16_avx512): each block of 256 elements of a row (the last one shorter) over its own
+// power-of-two step, the smallest that keeps the block's largest magnitude within 15 bits, so that
+// an element within 2**7 of it is exact and any other is off by at most half a step (2**-16 of
+// that largest magnitude).
+constexpr int INT16_ROWS = 4;
 struct Int16Input {
-    const int16_t *x = nullptr;  // [k_main]: per chunk of 64, its 32 even elements, then its 32 odd ones
-    const float *unit = nullptr;  // per block of 256: its step divided by the code table's factor
+    const int16_t *x = nullptr;  // [M][k_main]: per chunk of 64, its 32 even elements, then its 32 odd ones
+    const float *unit = nullptr;  // [M][blocks]: each block's step divided by the code table's factor
     int64_t k_main = 0;  // K rounded down to a multiple of 64 (the rest: the portable loop)
+    int64_t blocks = 0;  // blocks of 256 in k_main (the last one may be shorter)
     int16_t table[32] = {};  // the 16 code values times the table's factor (a power of two)
     float factor = 1.0f;
 };
@@ -128,11 +131,14 @@ struct Int16Input {
 // are integers within 2047, no zero points, scale groups of 16, 32 or a multiple of 64, at least
 // 64 columns), this CPU runs AVX512-VNNI and QSCHEME_CPU_GEMV_INT16 is not "0"; fills the table.
 bool int16_fits(const Params &p, Int16Input &in);
-// x (float32 values, each a bfloat16 value; in.k_main of them read) into in (xq: k_main int16, unit: one per block);
-// false where an element is not finite or a block's largest magnitude is outside [2**-100, 2**100].
-bool int16_prepare(const float *x, Int16Input &in, int16_t *xq, float *unit);
-// Rows [n0, n1) times one row of x: acc[n] = the sum over k < in.k_main, with integer products.
-void gemv_int16_avx512(const Params &p, const Int16Input &in, int64_t n0, int64_t n1, float *acc);
+// One row of x (float32 values, each a bfloat16 value; in.k_main of them read) into xq (k_main
+// int16) and unit (in.blocks steps); false where an element is not finite or a block's largest
+// magnitude is outside [2**-100, 2**100].
+bool int16_prepare(const float *x, const Int16Input &in, int16_t *xq, float *unit);
+// Rows [n0, n1) times m (<= INT16_ROWS) rows of x: acc[r * ldy + n] = the sum over k < in.k_main
+// of row r, with integer products.
+void gemv_int16_avx512(const Params &p, const Int16Input &in, int m, int64_t n0, int64_t n1, float *acc,
+                       int64_t ldy);
 
 // Rows [n0, n1) dequantized into out (float32 or bfloat16 rows of K), as the reference does.
 void dequantize_avx512(const Params &p, int64_t n0, int64_t n1, void *out, int out_bf16);

@@ -1,4 +1,4 @@
-// The 4-bit GEMV loop for one bfloat16 row of x on AVX512-VNNI (cpu_gemv.h: Int16Input).
+// The 4-bit GEMV loop for one to four bfloat16 rows of x on AVX512-VNNI (cpu_gemv.h: Int16Input).
 //
 // x arrives as 16-bit integers over a power-of-two step per block of 256 elements; the codes are
 // looked up as 16-bit integers (the code values times a power of two) and multiplied into x with
@@ -27,9 +27,10 @@ static inline __m512 group_scales(const Params &p, const uint8_t *bytes, const f
     return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, index, table, 4);
 }
 
-// R rows from row n; G: the scale group (16 or 32: several per chunk; 0: a multiple of 64).
-template <int R, int G>
-static void rows_int16(const Params &p, const Int16Input &in, int64_t n, float *acc, Scratch &work) {
+// R weight rows from row n times M rows of x; G: the scale group (16 or 32: several per chunk; 0:
+// a multiple of 64). acc[m * ldy + n]: row m's sums.
+template <int R, int M, int G>
+static void rows_int16(const Params &p, const Int16Input &in, int64_t n, float *acc, int64_t ldy, Scratch &work) {
     const int64_t g = p.group_k, k_main = in.k_main, cols = p.scale_cols, stride = p.code_stride;
     const __m512i table = _mm512_loadu_si512(in.table), low = _mm512_set1_epi16(0x000F);
     // lane j of a chunk: elements 4j..4j+3, the chunk's group 4j / G
@@ -58,15 +59,18 @@ static void rows_int16(const Params &p, const Int16Input &in, int64_t n, float *
             const uint8_t *next = static_cast<const uint8_t *>(p.scale) + scale_row_base(p, n + R + r);
             for (int64_t b = 0; b < cols; b += 64) _mm_prefetch(reinterpret_cast<const char *>(next + b), _MM_HINT_T0);
         }
-    __m512 total[R];
-    for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();
+    __m512 total[R][M];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) total[r][m] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < k_main; b0 += BLOCK) {
         const int64_t b1 = std::min(k_main, b0 + BLOCK);
-        __m512 part[R], s16[R];
-        __m512i sum[R];
+        __m512 part[R][M], s16[R];
+        __m512i sum[R][M];
         for (int r = 0; r < R; r++) {
-            part[r] = _mm512_setzero_ps();
-            sum[r] = _mm512_setzero_si512();
+            for (int m = 0; m < M; m++) {
+                part[r][m] = _mm512_setzero_ps();
+                sum[r][m] = _mm512_setzero_si512();
+            }
             if (G) s16[r] = group_scales(p, scale_bytes[r], scale_table[r], scales[r], b0 / G, (b1 - b0) / G);
         }
         __m512i index = lane_group;
@@ -78,25 +82,36 @@ static void rows_int16(const Params &p, const Int16Input &in, int64_t n, float *
                 const uint8_t *target = ahead < stride ? codes + ahead : codes + R * stride + (ahead - stride);
                 for (int r = 0; r < R; r++) _mm_prefetch(reinterpret_cast<const char *>(target + r * stride), _MM_HINT_T0);
             }
-            const __m512i xa = _mm512_loadu_si512(in.x + k), xb = _mm512_loadu_si512(in.x + k + 32);
+            __m512i xa[M], xb[M];
+            for (int m = 0; m < M; m++) {
+                xa[m] = _mm512_loadu_si512(in.x + m * k_main + k);
+                xb[m] = _mm512_loadu_si512(in.x + m * k_main + k + 32);
+            }
             for (int r = 0; r < R; r++) {
                 const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(chunk + r * stride)));
                 const __m512i even = _mm512_permutexvar_epi16(_mm512_and_si512(w, low), table);
                 const __m512i odd = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
-                sum[r] = _mm512_dpwssd_epi32(sum[r], even, xa);
-                sum[r] = _mm512_dpwssd_epi32(sum[r], odd, xb);
+                for (int m = 0; m < M; m++) {
+                    sum[r][m] = _mm512_dpwssd_epi32(sum[r][m], even, xa[m]);
+                    sum[r][m] = _mm512_dpwssd_epi32(sum[r][m], odd, xb[m]);
+                }
             }
             if (G) {  // every chunk: its groups' scales, lane by lane
                 for (int r = 0; r < R; r++) {
-                    part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_permutexvar_ps(index, s16[r]), part[r]);
-                    sum[r] = _mm512_setzero_si512();
+                    const __m512 scale = _mm512_permutexvar_ps(index, s16[r]);
+                    for (int m = 0; m < M; m++) {
+                        part[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][m]), scale, part[r][m]);
+                        sum[r][m] = _mm512_setzero_si512();
+                    }
                 }
                 index = _mm512_add_epi32(index, next_chunk);
             } else if (k + CHUNK == group_end || k + CHUNK == b1) {  // since the last flush: one group
                 for (int r = 0; r < R; r++) {
-                    const float sc = byte_scale ? scale_table[r][scale_bytes[r][group]] : scales[r][group];
-                    part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_set1_ps(sc), part[r]);
-                    sum[r] = _mm512_setzero_si512();
+                    const __m512 scale = _mm512_set1_ps(byte_scale ? scale_table[r][scale_bytes[r][group]] : scales[r][group]);
+                    for (int m = 0; m < M; m++) {
+                        part[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][m]), scale, part[r][m]);
+                        sum[r][m] = _mm512_setzero_si512();
+                    }
                 }
                 if (k + CHUNK == group_end) {
                     group++;
@@ -104,32 +119,49 @@ static void rows_int16(const Params &p, const Int16Input &in, int64_t n, float *
                 }
             }
         }
-        const __m512 unit = _mm512_set1_ps(in.unit[b0 / BLOCK]);
-        for (int r = 0; r < R; r++) total[r] = _mm512_fmadd_ps(part[r], unit, total[r]);
+        for (int m = 0; m < M; m++) {
+            const __m512 unit = _mm512_set1_ps(in.unit[m * in.blocks + b0 / BLOCK]);
+            for (int r = 0; r < R; r++) total[r][m] = _mm512_fmadd_ps(part[r][m], unit, total[r][m]);
+        }
     }
-    for (int r = 0; r < R; r++) acc[n + r] = _mm512_reduce_add_ps(total[r]);
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[m * ldy + n + r] = _mm512_reduce_add_ps(total[r][m]);
 }
 
-template <int G>
-static void rows_group(const Params &p, const Int16Input &in, int64_t n0, int64_t n1, float *acc, Scratch &work) {
+template <int M, int G>
+static void rows_group(const Params &p, const Int16Input &in, int64_t n0, int64_t n1, float *acc, int64_t ldy,
+                       Scratch &work) {
+    constexpr int R = M == 1 ? 4 : 2;  // the accumulators of R x M within the registers
     int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) rows_int16<4, G>(p, in, n, acc, work);
-    for (; n < n1; n++) rows_int16<1, G>(p, in, n, acc, work);
+    for (; n + R <= n1; n += R) rows_int16<R, M, G>(p, in, n, acc, ldy, work);
+    for (; n < n1; n++) rows_int16<1, M, G>(p, in, n, acc, ldy, work);
+}
+
+template <int M>
+static void rows_m(const Params &p, const Int16Input &in, int64_t n0, int64_t n1, float *acc, int64_t ldy,
+                   Scratch &work) {
+    if (p.group_k == 16)
+        rows_group<M, 16>(p, in, n0, n1, acc, ldy, work);
+    else if (p.group_k == 32)
+        rows_group<M, 32>(p, in, n0, n1, acc, ldy, work);
+    else
+        rows_group<M, 0>(p, in, n0, n1, acc, ldy, work);
 }
 
 }  // namespace qscheme_gemv_int16
 
 namespace qscheme_gemv {
 
-void gemv_int16_avx512(const Params &p, const Int16Input &in, int64_t n0, int64_t n1, float *acc) {
+void gemv_int16_avx512(const Params &p, const Int16Input &in, int m, int64_t n0, int64_t n1, float *acc,
+                       int64_t ldy) {
     using namespace qscheme_gemv_int16;
     Scratch &work = scratch();
-    if (p.group_k == 16)
-        rows_group<16>(p, in, n0, n1, acc, work);
-    else if (p.group_k == 32)
-        rows_group<32>(p, in, n0, n1, acc, work);
-    else
-        rows_group<0>(p, in, n0, n1, acc, work);
+    switch (m) {
+        case 1: return rows_m<1>(p, in, n0, n1, acc, ldy, work);
+        case 2: return rows_m<2>(p, in, n0, n1, acc, ldy, work);
+        case 3: return rows_m<3>(p, in, n0, n1, acc, ldy, work);
+        default: return rows_m<4>(p, in, n0, n1, acc, ldy, work);
+    }
 }
 
 }  // namespace qscheme_gemv
@@ -139,7 +171,7 @@ void gemv_int16_avx512(const Params &p, const Int16Input &in, int64_t n0, int64_
 #include "cpu_gemv.h"
 
 namespace qscheme_gemv {
-void gemv_int16_avx512(const Params &, const Int16Input &, int64_t, int64_t, float *) {}
+void gemv_int16_avx512(const Params &, const Int16Input &, int, int64_t, int64_t, float *, int64_t) {}
 }  // namespace qscheme_gemv
 
 #endif
