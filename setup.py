@@ -100,11 +100,11 @@ CPU_GEMV_EXTENSION = Extension(
     optional=True,
 )
 
-# The dequant_gemm kernel's bfloat16 tile decoder and fused AMX tile GEMM (qscheme.tile_gemm), C++17
+# The dequant_gemm kernel's bfloat16 tile decoder and fused tile GEMM on AMX or AVX-512 BF16 (qscheme.tile_gemm), C++17
 # with no torch headers, optional in the same way (without it dequant_gemm decodes through torch).
 TILE_GEMM_EXTENSION = Extension(
     "qscheme._tile_gemm",
-    sources=["qscheme/csrc/tile_gemm.cpp", "qscheme/csrc/tile_gemm_amx.cpp"],
+    sources=["qscheme/csrc/tile_gemm.cpp", "qscheme/csrc/tile_gemm_amx.cpp", "qscheme/csrc/tile_gemm_bf16.cpp"],
     depends=["qscheme/csrc/tile_gemm.h", "qscheme/csrc/thread_pool.h"],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17", "-fno-fast-math", "-pthread", *OPENMP],

@@ -49,7 +49,7 @@ DEQUANT_GEMM = KernelDeclaration(
     name="dequant_gemm",
     provider="qscheme",
     priority=55,
-    description="decode weight tiles exactly into bf16 (AVX-512), multiply on AMX tiles (or torch's GEMM)",
+    description="decode weight tiles exactly into bf16 (AVX-512), multiply on AMX or AVX-512 BF16 (or torch's GEMM)",
     supports=(
         replace(ANY_WEIGHT_ONLY, input_permutation=True),
         BLOCKS_WEIGHT_ONLY,
@@ -67,13 +67,15 @@ DEQUANT_GEMM = KernelDeclaration(
         "added in float32 before; an AWQ pre-scale multiplies the input in float32, rounded once to bfloat16",
         "quantized activations are emulated exactly as the reference kernel emulates them, in float32; with "
         "bfloat16 inputs that input is then rounded once to bfloat16 (at most 2**-9 * |x| per element)",
-        "on AMX (qscheme._tile_gemm; QSCHEME_TILE_GEMM_ISA=avx512 turns it off) bfloat16 subnormal weights "
-        "and inputs (below 2**-126) count as zero, as in oneDNN's AMX GEMM; elsewhere torch's GEMM (oneDNN) "
-        "multiplies the bfloat16 tiles",
+        "on AMX tiles, or VDPBF16PS dot products on AVX-512 BF16 CPUs without AMX (qscheme._tile_gemm; "
+        "QSCHEME_TILE_GEMM_ISA=avx512 or scalar narrows it), bfloat16 subnormal weights and inputs (below "
+        "2**-126) count as zero, as in oneDNN's bfloat16 GEMM; elsewhere torch's GEMM (oneDNN) multiplies the "
+        "bfloat16 tiles",
         "float32 inputs: the reference kernel's float32 weight and products, summed in another order",
         "memory: keeps the canonical tensors (no copy); while it runs, each thread holds a panel of at most "
         "32 x 4128 bfloat16 weights (258 KiB) with its float32 accumulators and scales, and the input packed once "
-        "(AMX), or one tile of float32 rows (8 MiB at most) and its bfloat16 copy; all freed when it returns",
+        "(AMX) or padded to whole 32-column chunks (AVX-512 BF16), or one tile of float32 rows (8 MiB at most) "
+        "and its bfloat16 copy; all freed when it returns",
     ),
     batch_ranges=(CPU_BATCHES,),
     prepared_state=PreparedState("canonical"),

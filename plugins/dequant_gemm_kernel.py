@@ -5,14 +5,15 @@ and the multiplication is what costs. ``prepare`` keeps the canonical weight as 
 CPU the very tensors the layer holds: no copy), with the ``cpu_gemv`` extension's description
 of it (views) where that extension takes its format.
 
-``apply``, bfloat16 inputs, where the ``qscheme._tile_gemm`` extension runs AMX (``qscheme.tile_gemm``):
-one call decodes panels of 32 weight rows, K chunk by K chunk, into bfloat16 (each weight the
-reference's float32 value rounded once to nearest even) in a buffer that stays in the core's
-cache, and multiplies them at once by every input row on the AMX tiles (products summed in
-float32, the output rounded once to bfloat16, the bias added in float32 before). The panels are
-shared out over ``torch.get_num_threads()`` threads of the extension.
+``apply``, bfloat16 inputs, where the ``qscheme._tile_gemm`` extension runs AMX or AVX-512 BF16
+(``qscheme.tile_gemm``): one call decodes panels of 32 weight rows, K chunk by K chunk, into
+bfloat16 (each weight the reference's float32 value rounded once to nearest even) in a buffer
+that stays in the core's cache, and multiplies them at once by every input row, on the AMX tiles
+or with VDPBF16PS dot products (products summed in float32, the output rounded once to bfloat16,
+the bias added in float32 before). The panels are shared out over ``torch.get_num_threads()``
+threads of the extension.
 
-Otherwise (float32 inputs, no AMX, a format the extensions do not decode): a tile of output rows
+Otherwise (float32 inputs, neither AMX nor AVX-512 BF16, a format the extensions do not decode): a tile of output rows
 at a time is dequantized exactly (the extension's bfloat16 decoder, ``cpu_gemv``'s float32 row
 decoder, or ``qscheme.canonical.dequantize_rows``: bit for bit the rows of
 ``qscheme.canonical.dequantize``), rounded once to the activation dtype (bfloat16; float32
@@ -31,8 +32,8 @@ is then rounded once to bfloat16 for the GEMM.
 Numerics: with bfloat16 inputs each weight is rounded once to bfloat16 (half a bfloat16 ulp,
 ``2**-9 * |w|``), products are summed in float32 by the GEMM and the output rounded once; an
 AWQ input pre-scale multiplies the input in float32 and the product is rounded once to the
-input's dtype, as is an emulated quantized input. AMX (and oneDNN's bfloat16 GEMM on it) reads
-bfloat16 subnormals (below 2**-126 in magnitude) as zero. With float32 inputs the math is the
+input's dtype, as is an emulated quantized input. AMX and VDPBF16PS (and oneDNN's bfloat16 GEMM on
+them) read bfloat16 subnormals (below 2**-126 in magnitude) as zero. With float32 inputs the math is the
 reference kernel's (float32 weight, float32 products) up to the order of the sums.
 """
 

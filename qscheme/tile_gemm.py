@@ -1,4 +1,4 @@
-"""The ``dequant_gemm`` kernel's C++ tile decoder and fused AMX tile GEMM (``qscheme._tile_gemm``).
+"""The ``dequant_gemm`` kernel's C++ tile decoder and fused tile GEMM (``qscheme._tile_gemm``).
 
 The extension (``qscheme/csrc/tile_gemm*.cpp``, built by setup.py, optional) reads a layer as
 ``qscheme.cpu_gemv.layout_of`` describes it (the canonical tensors themselves, no copy) and:
@@ -7,19 +7,22 @@ The extension (``qscheme/csrc/tile_gemm*.cpp``, built by setup.py, optional) rea
   (``qscheme.canonical.dequantize_rows``) rounded once to nearest even, bit for bit
   ``dequantize(weight).to(torch.bfloat16)`` (the AVX-512 loops write 0 for a weight below
   2**-126 in magnitude, a float32 subnormal; the portable loop keeps the bfloat16 subnormal);
-- ``gemm``: ``y = x W^T (+ bias)`` for bfloat16 ``x`` on AMX (Intel AMX-BF16): panels of 32
-  weight rows decoded as above into a cache-resident buffer and multiplied by every row of x with
-  TDPBF16PS, products summed in float32 and the output rounded once to bfloat16 (a float32 bias
-  added before that rounding). It holds one panel per thread (32 x K bfloat16) and the input
-  packed once per call; nothing else.
+- ``gemm``: ``y = x W^T (+ bias)`` for bfloat16 ``x``: panels of 32 weight rows decoded as above
+  into a cache-resident buffer and multiplied by every row of x, products summed in float32 and
+  the output rounded once to bfloat16 (a float32 bias added before that rounding). On AMX (Intel
+  AMX-BF16) with TDPBF16PS on tiles, the input packed once per call into the tiles' pair layout;
+  on CPUs with AVX-512 BF16 but no AMX (AMD Zen 4 and later, Intel Cooper Lake) with VDPBF16PS dot
+  products along K, 4 weight rows by 4 input rows at a time, the input padded once per call to
+  whole chunks of 32 columns. Both read bfloat16 subnormals as zero. A thread holds one panel
+  (32 x K bfloat16 at most) and its float32 accumulators; nothing else.
 
 Ops (namespace ``qscheme``, with fake implementations for torch.compile): ``tile_gemm(x, codes,
 scale, zero_point, row_scale, bias, lut, scale_table, meta, start, stop, threads)`` (rows
 [start, stop) of the output) and ``tile_dequantize(codes, ..., start, stop, threads)``.
 
 ``isa()`` says which loops run ('amx', 'avx512', 'scalar': AMX tiles and AVX-512 BF16 decoding,
-AVX-512 BF16 decoding only, or the portable decoder only); ``QSCHEME_TILE_GEMM_ISA`` (or
-``set_isa``) chooses narrower ones.
+the AVX-512 BF16 decoder and dot products, or the portable decoder only: no ``gemm``);
+``QSCHEME_TILE_GEMM_ISA`` (or ``set_isa``) chooses narrower ones.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from qscheme.native_isa import IsaExtension
 
 ISA_CHOICES: tuple[str, ...] = ("scalar", "avx512", "amx")
 ISA_VARIABLE = "QSCHEME_TILE_GEMM_ISA"
+FUSED_ISAS: tuple[str, ...] = ("avx512", "amx")
+"""The loops ``gemm`` runs on: AMX tiles, or VDPBF16PS dot products on CPUs without AMX."""
 
 
 _EXTENSION = IsaExtension("qscheme._tile_gemm", ISA_CHOICES, ISA_VARIABLE, "tile_gemm")
@@ -57,8 +62,8 @@ def isa() -> str:
 
 
 def fused() -> bool:
-    """Whether ``gemm`` runs here (the extension is built and runs its AMX loops)."""
-    return isa() == "amx"
+    """Whether ``gemm`` runs here (the extension is built and runs its AMX or AVX-512 BF16 loops)."""
+    return isa() in FUSED_ISAS
 
 
 def set_isa(name: str) -> None:
@@ -91,12 +96,19 @@ def _layer_args(
     )  # fmt: skip
 
 
-def blocking(m: int) -> tuple[int, int]:
-    """(weight rows per task, K columns decoded at a time) for M input rows. Measured on a 2-core
-    AMX Xeon, 4096x4096, int8 / FP8 blocks / NVFP4, same-run A/B: up to M = 256 whole rows of 32 at a
-    time (each row's codes prefetched while the one before is decoded) were 1.0-1.5x faster than
-    64 rows by 512 columns (M = 64, 128) and as fast as 256 by 256 (M = 256); from M = 512 on, the
-    input no longer stays in the cache while a panel multiplies it, and 256 x 256 chunks win."""
+def blocking(m: int, loops: str = "amx") -> tuple[int, int]:
+    """(weight rows per task, K columns decoded at a time) for M input rows on the ``loops`` GEMM.
+
+    AMX, measured on a 2-core AMX Xeon, 4096x4096, int8 / FP8 blocks / NVFP4, same-run A/B: up to
+    M = 256 whole rows of 32 at a time (each row's codes prefetched while the one before is decoded)
+    were 1.0-1.5x faster than 64 rows by 512 columns (M = 64, 128) and as fast as 256 by 256
+    (M = 256); from M = 512 on, the input no longer stays in the cache while a panel multiplies it,
+    and 256 x 256 chunks win.
+
+    AVX-512 BF16: panels of 32 rows, K in chunks whose slice of the input (M rows) stays within
+    256 KiB of the core's L2 cache while every 4 rows of the panel multiply it (at most 4096)."""
+    if loops != "amx":
+        return 32, max(128, min(4096, (128 << 10) // max(1, m) // 32 * 32))
     if m <= 256:
         return 32, 4096
     return 256, 256
@@ -129,8 +141,9 @@ def _run_gemm(
         )
     if not 0 <= start <= stop <= n:
         raise UsageError(f"qscheme::tile_gemm: rows [{start}, {stop}) are not within N={n}")
-    if module.isa() != "amx":
-        raise UsageError(f"qscheme::tile_gemm runs on AMX; this CPU (or {ISA_VARIABLE}) gives {module.isa()}")
+    loops = str(module.isa())
+    if loops not in FUSED_ISAS:
+        raise UsageError(f"qscheme::tile_gemm runs on AMX or AVX-512 BF16; this CPU (or {ISA_VARIABLE}) gives {loops}")
     x = x if x.is_contiguous() else x.contiguous()
     if out is None:
         out = torch.empty(x.shape[0], stop - start, dtype=torch.bfloat16)
@@ -141,7 +154,7 @@ def _run_gemm(
     bias32 = None if bias is None else bias.to(torch.float32).contiguous()
     if bias32 is not None and bias32.shape != (n,):
         raise UsageError(f"qscheme::tile_gemm: bias has shape {list(bias32.shape)}; the layer has N={n}")
-    rows, chunk = blocking(x.shape[0])
+    rows, chunk = blocking(x.shape[0], loops)
     module.gemm(
         _address(x), x.shape[0], _address(out), out.stride(0), _address(bias32), start, stop, _threads(threads),
         rows, chunk, *_layer_args(codes, scale, zero_point, row_scale, lut, scale_table, meta),
@@ -164,7 +177,7 @@ def tile_gemm_op(
     stop: int,
     threads: int,
 ) -> Tensor:
-    """Columns [start, stop) of y = x W^T (+ bias) over a GemvLayout's tensors (bfloat16 x, AMX)."""
+    """Columns [start, stop) of y = x W^T (+ bias) over a GemvLayout's tensors (bfloat16 x, AMX or AVX-512 BF16)."""
     return _run_gemm(x, codes, scale, zero_point, row_scale, bias, lut, scale_table, meta, start, stop, threads)
 
 

@@ -1,11 +1,12 @@
-"""The ``dequant_gemm`` kernel's tile decoder and fused AMX tile GEMM (``qscheme.tile_gemm``), and
+"""The ``dequant_gemm`` kernel's tile decoder and fused tile GEMM (``qscheme.tile_gemm``), and
 the kernel on every scheme family it claims, against the reference dequantization and kernel.
 
 - The decoder, on every ISA this CPU runs (the portable loop always): bit for bit
   ``dequantize(weight).to(bfloat16)``, for every code and scale format, ragged K, row ranges.
-- The fused GEMM (where AMX runs): the bfloat16 weight times the bfloat16 input summed in float32
-  and rounded once (a float32 sum in another order), on every blocking of M (one accumulator set,
-  accumulators saved across K chunks), ragged N and K, M = 0 and 1, bias, output column ranges.
+- The fused GEMM (on AMX tiles and on AVX-512 BF16, each where this CPU runs it): the bfloat16
+  weight times the bfloat16 input summed in float32 and rounded once (a float32 sum in another
+  order), on every blocking of M (one accumulator set, accumulators saved across K chunks),
+  ragged N and K, M = 0 and 1, bias, output column ranges.
 - The kernel (``DequantGemmKernel``, whichever path runs here, and the torch path): within its
   declared bound of the reference kernel, for weight-only and quantized-activation schemes (FP8,
   FP8_DYNAMIC, NVFP4 W4A4), fused partitions with their own global and input scales, 3-D inputs.
@@ -38,7 +39,10 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 kernel_table = importlib.import_module("kernel_table")
 
 needs_extension = pytest.mark.skipif(not tile_gemm.available(), reason="qscheme._tile_gemm is not built here")
-needs_amx = pytest.mark.skipif(not tile_gemm.fused(), reason="this CPU (or its kernel) runs no AMX tiles")
+needs_fused = pytest.mark.skipif(
+    not tile_gemm.available() or tile_gemm.native().supported_isa() not in tile_gemm.FUSED_ISAS,
+    reason="this CPU (or its kernel) runs neither AMX tiles nor AVX-512 BF16",
+)
 
 WEIGHT_ONLY = (
     "compressed-tensors/NVFP4A16",  # e2m1, e4m3 group-16 scales, a global scale
@@ -67,13 +71,9 @@ def weight_of(name: str, n: int, k: int, partitions: tuple[int, ...] | None = No
     return random_weight(scheme, n, k, partitions, seed=seed, scale_dtype=model_scale_dtype(scheme, torch.bfloat16))
 
 
-def isas() -> list[str]:
+def isas(choices: tuple[str, ...] = ("scalar", "avx512")) -> list[str]:
     supported = tile_gemm.native().supported_isa()
-    return [
-        isa
-        for isa in ("scalar", "avx512")
-        if tile_gemm.ISA_CHOICES.index(isa) <= tile_gemm.ISA_CHOICES.index(supported)
-    ]
+    return [isa for isa in choices if tile_gemm.ISA_CHOICES.index(isa) <= tile_gemm.ISA_CHOICES.index(supported)]
 
 
 @needs_extension
@@ -137,9 +137,10 @@ def assert_gemm_close(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bi
     assert ((y.double() - exact).abs() <= bound).all()
 
 
-@needs_amx
+@needs_fused
 @pytest.mark.parametrize("name", WEIGHT_ONLY)
 def test_the_fused_gemm_multiplies_the_rounded_weight(name: str) -> None:
+    """On each fused loop this CPU runs (AMX tiles, VDPBF16PS dot products)."""
     generator = torch.Generator().manual_seed(5)
     for n, k in SHAPES:
         weight = weight_of(name, n, k)
@@ -151,28 +152,30 @@ def test_the_fused_gemm_multiplies_the_rounded_weight(name: str) -> None:
             # whatever blocking ``blocking`` picks, and each one it may pick: whole rows of 32 (one
             # accumulator set up to M = 32), K in chunks (accumulators kept in the tiles or saved
             # across K), 64- and 256-row tasks
-            for chosen in (None, (32, 4096), (32, 64), (64, 512), (256, 256)):
-                with pytest.MonkeyPatch.context() as patch:
-                    if chosen is not None:
-                        patch.setattr(tile_gemm, "blocking", lambda rows, chosen=chosen: chosen)
-                    y = tile_gemm.gemm(layout, x, bias)
-                    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-                    assert_gemm_close(y, x, rounded, bias)
-                    part = tile_gemm.gemm(layout, x, None, 40, n, threads=1)  # output columns [40, N), no bias
-                    assert_gemm_close(part, x, rounded[40:], None)
-    empty = tile_gemm.gemm(layout, x[:0])
-    assert empty.shape == (0, n)
+            for isa in isas(tile_gemm.FUSED_ISAS):
+                tile_gemm.set_isa(isa)
+                for chosen in (None, (32, 4096), (32, 64), (64, 512), (256, 256)):
+                    with pytest.MonkeyPatch.context() as patch:
+                        if chosen is not None:
+                            patch.setattr(tile_gemm, "blocking", lambda rows, loops, chosen=chosen: chosen)
+                        y = tile_gemm.gemm(layout, x, bias)
+                        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+                        assert_gemm_close(y, x, rounded, bias)
+                        part = tile_gemm.gemm(layout, x, None, 40, n, threads=1)  # output columns [40, N), no bias
+                        assert_gemm_close(part, x, rounded[40:], None)
+                empty = tile_gemm.gemm(layout, x[:0])
+                assert empty.shape == (0, n)
 
 
-@needs_amx
+@needs_fused
 def test_the_fused_gemm_refuses_what_it_does_not_take() -> None:
     layout = cpu_gemv.layout_of(weight_of("compressed-tensors/NVFP4A16", 96, 128))
     with pytest.raises(Exception, match="bfloat16 x of shape"):
         tile_gemm.gemm(layout, torch.randn(4, 128))
     with pytest.raises(Exception, match=r"rows \[0, 97\) are not within N=96"):
         tile_gemm.gemm(layout, torch.randn(4, 128).to(torch.bfloat16), None, 0, 97)
-    tile_gemm.set_isa("avx512" if "avx512" in isas() else "scalar")
-    with pytest.raises(Exception, match="runs on AMX"):
+    tile_gemm.set_isa("scalar")
+    with pytest.raises(Exception, match="runs on AMX or AVX-512 BF16"):
         tile_gemm.gemm(layout, torch.randn(4, 128).to(torch.bfloat16))
 
 

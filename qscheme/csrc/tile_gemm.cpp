@@ -307,9 +307,15 @@ void pack_block(const uint16_t *x, int64_t m, int64_t k, int64_t kp, int64_t blo
     }
 }
 
+void gemm_amx(const Layer &p, const uint16_t *x, int64_t m, uint16_t *out, int64_t ldy, const float *bias, int64_t r0,
+              int64_t r1, int threads, int64_t task_rows, int64_t kc);
+void gemm_bf16(const Layer &p, const uint16_t *x, int64_t m, uint16_t *out, int64_t ldy, const float *bias, int64_t r0,
+               int64_t r1, int threads, int64_t task_rows, int64_t kc);
+
 /* gemm(x, m, out, ldy, bias, r0, r1, threads, rows, kc, <15 layer ints>): out[i, n - r0] (bfloat16,
  * row stride ldy) = sum_k x[i, k] w[n, k] (+ bias[n], float32) for rows n in [r0, r1) of the weight;
- * each task decodes `rows` weight rows (a multiple of 32) kc columns (a multiple of 32) at a time. */
+ * each task decodes `rows` weight rows (a multiple of 32) kc columns (a multiple of 32) at a time,
+ * multiplied on AMX tiles where isa() is 'amx', with VDPBF16PS where it is 'avx512'. */
 PyObject *gemm(PyObject *, PyObject *args) {
     if (!PyTuple_Check(args) || PyTuple_Size(args) != 10 + LAYER_INTS) {
         PyErr_SetString(PyExc_TypeError, "qscheme._tile_gemm.gemm takes 25 integer arguments");
@@ -325,8 +331,9 @@ PyObject *gemm(PyObject *, PyObject *args) {
     const float *bias = address<const float>(head[4]);
     const int64_t r0 = head[5], r1 = head[6];
     const int threads = static_cast<int>(std::max(1LL, std::min(head[7], 256LL)));
-    if (isa_level() != ISA_AMX) {
-        PyErr_SetString(PyExc_RuntimeError, "qscheme._tile_gemm.gemm needs AMX (isa() is not 'amx')");
+    const int level = isa_level();
+    if (level < ISA_AVX512) {
+        PyErr_SetString(PyExc_RuntimeError, "qscheme._tile_gemm.gemm needs AMX or AVX-512 BF16 (isa() is 'scalar')");
         return nullptr;
     }
     const int64_t task_rows = head[8], kc = head[9];
@@ -337,6 +344,16 @@ PyObject *gemm(PyObject *, PyObject *args) {
     }
     if (m == 0 || r1 == r0) Py_RETURN_NONE;
     Py_BEGIN_ALLOW_THREADS;
+    if (level == ISA_AMX)
+        gemm_amx(p, x, m, out, ldy, bias, r0, r1, threads, task_rows, kc);
+    else
+        gemm_bf16(p, x, m, out, ldy, bias, r0, r1, threads, task_rows, kc);
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
+void gemm_amx(const Layer &p, const uint16_t *x, int64_t m, uint16_t *out, int64_t ldy, const float *bias, int64_t r0,
+              int64_t r1, int threads, int64_t task_rows, int64_t kc) {
     const int64_t kp = (p.k + 31) / 32 * 32, blocks = (m + 15) / 16, mp = blocks * 16;
     std::vector<uint32_t> xp(static_cast<size_t>(mp * kp / 2));
     const int packers = static_cast<int>(std::min<int64_t>(threads, blocks));
@@ -352,8 +369,31 @@ PyObject *gemm(PyObject *, PyObject *args) {
                       b.s.data(), b.z.data());
         b.release();
     });
-    Py_END_ALLOW_THREADS;
-    Py_RETURN_NONE;
+}
+
+/* x [M, K] bfloat16 -> rows of kp (a multiple of 32) bfloat16, zeros past K. */
+void pad_rows(const uint16_t *x, int64_t k, int64_t kp, int64_t row, uint16_t *xp) {
+    std::memcpy(xp + row * kp, x + row * k, static_cast<size_t>(k) * 2);
+    std::memset(xp + row * kp + k, 0, static_cast<size_t>(kp - k) * 2);
+}
+
+void gemm_bf16(const Layer &p, const uint16_t *x, int64_t m, uint16_t *out, int64_t ldy, const float *bias, int64_t r0,
+               int64_t r1, int threads, int64_t task_rows, int64_t kc) {
+    const int64_t kp = (p.k + 31) / 32 * 32;
+    std::vector<uint16_t> xp(static_cast<size_t>(m * kp));
+    qscheme_threads::run_tasks(static_cast<int>(std::min<int64_t>(threads, m)), m,
+                               [&](int64_t row) { pad_rows(x, p.k, kp, row, xp.data()); });
+    const int64_t tasks = (r1 - r0 + task_rows - 1) / task_rows;
+    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+    qscheme_threads::run_tasks(count, tasks, [&](int64_t task) {
+        const int64_t q0 = r0 + task * task_rows;
+        const int64_t q1 = q0 + std::min(task_rows, (r1 - q0 + 31) / 32 * 32);
+        RowBuffers &b = buffers;
+        b.fit(p, static_cast<size_t>((q1 - q0) * (std::min(kc, kp) + PANEL_PAD)), static_cast<size_t>((q1 - q0) * m), q1 - q0);
+        gemm_rows_bf16(p, xp.data(), m, kp, bias, out, ldy, r0, r1, q0, q1, kc, b.panel.data(), b.acc.data(),
+                       b.s.data(), b.z.data());
+        b.release();
+    });
 }
 
 PyObject *isa(PyObject *, PyObject *) { return PyUnicode_FromString(ISA_NAMES[isa_level()]); }

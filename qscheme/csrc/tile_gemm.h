@@ -49,6 +49,11 @@ bool vector_compiled();
 int64_t decode_row_avx512(const Layer &p, int64_t n, const float *s, const float *z, int64_t k0, int64_t k1,
                           uint16_t *out, const uint8_t *fetch = nullptr);
 
+// Row n's bfloat16 weights for k in [k0, k1) (k0 a multiple of 32) into out, zero past K, given
+// the row's effective scales and zero points (s, z: every group of the row, as row_scales gives
+// them); the same columns of row n + 1 are prefetched meanwhile.
+void decode_chunk(const Layer &p, int64_t n, int64_t k0, int64_t k1, uint16_t *out, const float *s, const float *z);
+
 // Columns a panel row of gemm_rows_amx holds past its chunk, so that its rows are not a power of
 // two apart (16 rows a tile reads would share a set of the L1 cache).
 constexpr int64_t PANEL_PAD = 32;
@@ -64,5 +69,13 @@ bool amx_ready();
 void gemm_rows_amx(const Layer &p, const uint32_t *xp, int64_t m, int64_t mp, int64_t kp, const float *bias,
                    uint16_t *out, int64_t ldy, int64_t r0, int64_t r1, int64_t q0, int64_t q1, int64_t kc,
                    uint16_t *panel, float *acc, float *s, float *z);
+
+// The fused GEMM on AVX-512 BF16 (VDPBF16PS) over weight rows [q0, q1) (a multiple of 32 rows
+// from r0; rows past r1 are not decoded or written): out[i, n - r0] as gemm_rows_amx's, x being m
+// rows of kp bfloat16 (a multiple of 32, zeros past K), K taken kc columns at a time. panel:
+// (q1 - q0) * (kc + PANEL_PAD) bfloat16; acc: m * (q1 - q0) float32; s, z: (q1 - q0) * scale_cols floats.
+void gemm_rows_bf16(const Layer &p, const uint16_t *x, int64_t m, int64_t kp, const float *bias, uint16_t *out,
+                    int64_t ldy, int64_t r0, int64_t r1, int64_t q0, int64_t q1, int64_t kc, uint16_t *panel,
+                    float *acc, float *s, float *z);
 
 }  // namespace qscheme_tile

@@ -217,9 +217,7 @@ void store_outputs(const float *c, int64_t m0, int count, int64_t pp, int64_t r0
 
 }  // namespace
 
-// Row n's bfloat16 weights for k in [k0, k1) (k0 a multiple of 32) into out, zero past K, given
-// the row's effective scales and zero points (s, z: every group of the row).
-static void decode_chunk(const Layer &p, int64_t n, int64_t k0, int64_t k1, uint16_t *out, const float *s,
+void decode_chunk(const Layer &p, int64_t n, int64_t k0, int64_t k1, uint16_t *out, const float *s,
                          const float *z) {
     const int64_t last = std::min(k1, p.k);
     if (last > k0) {
@@ -337,6 +335,7 @@ int64_t decode_row_avx512(const Layer &, int64_t, const float *, const float *, 
                           const uint8_t *) {
     return k0;
 }
+void decode_chunk(const Layer &, int64_t, int64_t, int64_t, uint16_t *, const float *, const float *) {}
 void gemm_rows_amx(const Layer &, const uint32_t *, int64_t, int64_t, int64_t, const float *, uint16_t *, int64_t,
                    int64_t, int64_t, int64_t, int64_t, int64_t, uint16_t *, float *, float *, float *) {}
 }  // namespace qscheme_tile
