@@ -85,6 +85,8 @@ CPU_GEMV_EXTENSION = Extension(
         "qscheme/csrc/cpu_gemv_gguf.cpp",
         "qscheme/csrc/cpu_gemv_gguf_avx512.cpp",
         "qscheme/csrc/cpu_gemv_gguf_avx2.cpp",
+        "qscheme/csrc/act_quant.cpp",
+        "qscheme/csrc/act_quant_avx512.cpp",
     ],
     depends=[
         "qscheme/csrc/cpu_gemv.h",
@@ -92,6 +94,7 @@ CPU_GEMV_EXTENSION = Extension(
         "qscheme/csrc/cpu_gemv_amx.h",
         "qscheme/csrc/cpu_gemv_gguf.h",
         "qscheme/csrc/cpu_gemv_gguf_kernel.h",
+        "qscheme/csrc/act_quant.h",
         "qscheme/csrc/thread_pool.h",
     ],
     language="c++",

@@ -83,6 +83,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional
 
+from qscheme import emulation_native
 from qscheme.descriptor import ActivationSpec
 from qscheme.descriptor.model import ActivationGranularity
 from qscheme.errors import FormatError, QuantizeError
@@ -321,6 +322,10 @@ _STORED_SCALE_FORMAT: Mapping[ScaleKind, str] = MappingProxyType(
 
 
 def _as_float32(x: Tensor, what: str) -> Tensor:
+    return _checked_input(x, what).to(torch.float32)
+
+
+def _checked_input(x: Tensor, what: str) -> Tensor:
     if not isinstance(x, Tensor):
         raise QuantizeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _INPUT_DTYPES:
@@ -328,7 +333,7 @@ def _as_float32(x: Tensor, what: str) -> Tensor:
         raise QuantizeError(f"{what} has dtype {x.dtype}; activation quantization takes {allowed}")
     if x.ndim == 0 or x.shape[-1] == 0:
         raise QuantizeError(f"{what} must have shape [..., K] with K >= 1 input features, got shape {tuple(x.shape)}")
-    return x.to(torch.float32)
+    return x
 
 
 def _one_positive(value: Tensor | None, name: str, device: torch.device) -> Tensor | None:
@@ -461,8 +466,16 @@ def fake_quantize_activation(
     """``x`` quantized then dequantized: float32, the shape of ``x``.
 
     The same arguments and errors as ``quantize_activation``; equals
-    ``quantize_activation(...).dequantize()``.
+    ``quantize_activation(...).dequantize()``, bit for bit. On a CPU, the FP8 and int8 rules run
+    in one native pass (``qscheme.emulation_native``) where the extension is built.
     """
+    rule = activation_rule(activation)
+    if rule.name in emulation_native.MODES:
+        checked = _checked_input(x, "the activation x")
+        scales = _validate_scales(rule, checked.device, input_scale, input_global_scale, input_global_scale_divisor)
+        fast = emulation_native.fake_quantize(checked, rule, scales.input_scale)
+        if fast is not None:
+            return fast
     return quantize_activation(
         x,
         activation,

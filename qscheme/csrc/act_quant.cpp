@@ -1,0 +1,112 @@
+/* qscheme._cpu_gemv.fake_quantize: qscheme.emulation's FP8 (e4m3) and int8 activation
+ * quantize-dequantize in one pass, bit for bit the torch path's float32 arithmetic (act_quant.h).
+ *
+ * Per block: s = absmax / 448 (e4m3) or / 127.5 (int8), float32 division, FLT_EPSILON where it is 0,
+ * or the static scale; then each element x / s (float32 division) rounded (e4m3: |v| >= 448 gives 448,
+ * below 2**-6 to a multiple of 2**-9, otherwise to 3 mantissa bits, ties to even; int8: clamped
+ * to [-128, 127], rounded half to even, a zero made +0.0 as the int8 code is) and multiplied by s.
+ * The portable loop here; the AVX-512 one in act_quant_avx512.cpp.
+ */
+#include "act_quant.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+
+namespace qscheme_act {
+
+void fake_quantize_avx512(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group,
+                          float scale);
+
+namespace {
+
+float load(const void *x, bool bf16, int64_t i) {
+    if (!bf16) return static_cast<const float *>(x)[i];
+    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t *>(x)[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+float round_e4m3(float v) {
+    const float a = std::fabs(v);
+    float r;
+    if (a >= 448.0f) {
+        r = 448.0f;
+    } else if (a < 0.015625f) {  // e4m3 subnormals: multiples of 2**-9
+        r = std::nearbyint(a * 512.0f) * (1.0f / 512.0f);
+    } else {
+        uint32_t bits;
+        std::memcpy(&bits, &a, 4);
+        bits = (bits + 0x7FFFFu + ((bits >> 20) & 1u)) & 0xFFF00000u;
+        std::memcpy(&r, &bits, 4);
+    }
+    return std::copysign(r, v);
+}
+
+float round_int8(float v) { return std::nearbyint(std::min(std::max(v, -128.0f), 127.0f)) + 0.0f; }
+
+void run_portable(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group, float scale) {
+    const bool e4m3 = mode != INT8_TOKEN;
+    const float range = e4m3 ? 448.0f : 127.5f;
+    const int64_t length = mode == E4M3_GROUP ? group : k;
+    for (int64_t row = 0; row < m; row++) {
+        for (int64_t g0 = 0; g0 < k; g0 += length) {
+            const int64_t g1 = std::min(k, g0 + length), base = row * k;
+            float s = scale;
+            if (mode != E4M3_STATIC) {
+                float amax = 0.0f;
+                for (int64_t i = g0; i < g1; i++) amax = std::max(amax, std::fabs(load(x, bf16, base + i)));
+                s = amax / range;
+                if (s == 0.0f) s = FLT_EPSILON;
+            }
+            for (int64_t i = g0; i < g1; i++) {
+                const float v = load(x, bf16, base + i) / s;
+                out[base + i] = (e4m3 ? round_e4m3(v) : round_int8(v)) * s;
+            }
+        }
+    }
+}
+
+bool cpu_has_avx512() {
+#if defined(__x86_64__) || defined(__i386__)
+    if (!vector_compiled()) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+#else
+    return false;
+#endif
+}
+
+}  // namespace
+
+void fake_quantize(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group, float scale,
+                   bool vector) {
+    static const bool avx512 = cpu_has_avx512();
+    if (vector && avx512)
+        fake_quantize_avx512(x, bf16, out, m, k, mode, group, scale);
+    else
+        run_portable(x, bf16, out, m, k, mode, group, scale);
+}
+
+PyObject *fake_quantize_method(PyObject *, PyObject *args) {
+    unsigned long long x, out;
+    int bf16, mode, vector;
+    long long m, k, group;
+    float scale;
+    if (!PyArg_ParseTuple(args, "KpKLLiLfp", &x, &bf16, &out, &m, &k, &mode, &group, &scale, &vector)) return nullptr;
+    if (!x || !out || m < 0 || k < 1 || mode < E4M3_STATIC || mode > INT8_TOKEN || (mode == E4M3_GROUP && group < 1) ||
+        (mode == E4M3_STATIC && !(scale > 0.0f && std::isfinite(scale)))) {
+        PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.fake_quantize: inconsistent arguments");
+        return nullptr;
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    fake_quantize(reinterpret_cast<const void *>(static_cast<uintptr_t>(x)), bf16 != 0,
+                  reinterpret_cast<float *>(static_cast<uintptr_t>(out)), m, k, mode, group, scale, vector != 0);
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
+}  // namespace qscheme_act

@@ -1,0 +1,29 @@
+// qscheme._cpu_gemv.fake_quantize: the exact activation quantize-dequantize of qscheme.emulation
+// for the FP8 (e4m3) and int8 rules, in one pass over the input (act_quant.cpp).
+#pragma once
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cstdint>
+
+namespace qscheme_act {
+
+// The rules (qscheme.emulation.SUPPORTED_ACTIVATIONS) this pass computes.
+enum Mode : int { E4M3_STATIC = 0, E4M3_TOKEN = 1, E4M3_GROUP = 2, INT8_TOKEN = 3 };
+
+// Rows [0, m) of x (float32 or bfloat16, rows of k) quantized and dequantized into out (float32):
+// a block of `group` elements (a row for per-token rules, the whole input for the static scale)
+// shares the scale s (static: `scale`; dynamic: absmax / 448 or / 127.5, float32 eps when zero),
+// and each element becomes round(x / s) * s, round being e4m3's saturating round to nearest even
+// or int8's clamp(round half even) (an int8 zero is +0.0).
+void fake_quantize(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group, float scale,
+                   bool vector);
+
+// Whether the AVX-512 pass was compiled (x86 and a compiler that has its intrinsics).
+bool vector_compiled();
+
+// fake_quantize(x, bf16, out, m, k, mode, group, scale): the Python method (addresses as ints).
+PyObject *fake_quantize_method(PyObject *, PyObject *args);
+
+}  // namespace qscheme_act

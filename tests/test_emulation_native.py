@@ -1,0 +1,116 @@
+"""The native FP8 / int8 activation pass (``qscheme.emulation_native``) against the torch path of
+``qscheme.emulation``, bit for bit: every rule it takes, float32 and bfloat16 inputs, ragged groups,
+3-D inputs, zero rows (the float32-eps scale), e4m3 subnormals, ties, saturation and signed zeros,
+on the AVX-512 loop (where this CPU runs it) and the portable one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import Tensor
+
+from qscheme import cpu_gemv, emulation_native
+from qscheme.catalog import load_scheme
+from qscheme.descriptor import ActivationSpec
+from qscheme.emulation import activation_rule, fake_quantize_activation
+from qscheme.formats import all_codes, decode
+
+pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="qscheme._cpu_gemv is not built here")
+
+PRESETS = {
+    "FP8 per tensor": "compressed-tensors/FP8",
+    "FP8 per token": "compressed-tensors/FP8_DYNAMIC",
+    "FP8 per group": "compressed-tensors/FP8_BLOCK",
+    "int8 per token": "compressed-tensors/W8A8",
+}
+
+
+@pytest.fixture(autouse=True)
+def isa_restored() -> Iterator[None]:
+    before = cpu_gemv.isa()
+    yield
+    cpu_gemv.set_isa(before)
+
+
+def spec(rule: str) -> ActivationSpec:
+    activation = load_scheme(PRESETS[rule]).activation
+    assert activation is not None and activation_rule(activation).name == rule
+    return activation
+
+
+def isas() -> list[str]:
+    return ["scalar", "avx512"] if cpu_gemv.supported_isa() == "avx512" else ["scalar"]
+
+
+def both_paths(x: Tensor, activation: ActivationSpec, monkeypatch: pytest.MonkeyPatch, **scales: Tensor) -> None:
+    with monkeypatch.context() as patch:
+        patch.setenv(emulation_native.VARIABLE, "0")
+        expected = fake_quantize_activation(x, activation, **scales)
+    rule = activation_rule(activation)
+    for isa in isas():
+        cpu_gemv.set_isa(isa)
+        native = emulation_native.fake_quantize(x, rule, scales.get("input_scale"))
+        assert native is not None, (rule.name, isa)
+        assert native.dtype == torch.float32 and native.shape == x.shape
+        # bit for bit, signed zeros included
+        assert torch.equal(native.view(torch.int32), expected.view(torch.int32)), (rule.name, isa, x.dtype)
+        assert torch.equal(
+            fake_quantize_activation(x, activation, **scales).view(torch.int32), native.view(torch.int32)
+        )
+
+
+def inputs(k: int, dtype: torch.dtype, seed: int) -> Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 5, k, generator=generator) * torch.logspace(-12, 6, 5).reshape(1, 5, 1)
+    x[0, 0] = 0  # a zero token: the scale is float32 eps
+    x[0, 1, ::3] = -0.0
+    x[1, 2, : k // 2] = 1e-30  # tiny values against a large one: e4m3 subnormals and zeros
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("rule", ["FP8 per token", "FP8 per group", "int8 per token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [16, 200, 4096, 300])  # 300 and 200: a ragged last group of 128, a tail of 16
+def test_dynamic_rules_match_the_torch_path(
+    rule: str, dtype: torch.dtype, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    both_paths(inputs(k, dtype, seed=k), spec(rule), monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 3.7e-3, 1e-30])  # 1e-30: every element saturates at 448
+def test_the_static_rule_matches_the_torch_path(
+    dtype: torch.dtype, scale: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    both_paths(inputs(333, dtype, seed=7), spec("FP8 per tensor"), monkeypatch, input_scale=torch.tensor([scale]))
+
+
+def test_every_e4m3_midpoint_rounds_to_even(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each value, each midpoint between neighbours (ties), and each just inside, with a unit scale."""
+    values = decode(all_codes("e4m3"), "e4m3")
+    values = values[values.isfinite() & (values >= 0)].sort().values
+    middle = (values[1:] + values[:-1]) / 2
+    beyond = torch.tensor([448.0, 460.0, 464.0, 470.0, 1e30])
+    row = torch.cat([values, middle, torch.nextafter(middle, values[1:]), torch.nextafter(middle, values[:-1]), beyond])
+    both_paths(
+        torch.cat([row, -row]).reshape(1, -1), spec("FP8 per tensor"), monkeypatch, input_scale=torch.tensor([1.0])
+    )
+
+
+def test_int8_ties_and_negative_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    """amax 127.5 makes the scale exactly 1: halves round to even, small negatives to +0.0."""
+    row = torch.tensor([127.5, -127.5, 0.5, 1.5, 2.5, -0.5, -1.5, -0.2, -0.0, 126.5, -126.5, 3.49999])
+    both_paths(row.reshape(1, -1), spec("int8 per token"), monkeypatch)
+
+
+def test_what_the_native_pass_does_not_take_falls_back() -> None:
+    fp8 = activation_rule(spec("FP8 per token"))
+    nvfp4 = load_scheme("compressed-tensors/NVFP4").activation
+    assert nvfp4 is not None
+    x = torch.randn(2, 64)
+    assert emulation_native.fake_quantize(x, activation_rule(nvfp4), None) is None
+    assert emulation_native.fake_quantize(x.half(), fp8, None) is None
+    assert emulation_native.fake_quantize(x.requires_grad_(), fp8, None) is None
+    assert emulation_native.fake_quantize(torch.randn(0, 64), fp8, None) is not None
