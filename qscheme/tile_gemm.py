@@ -105,10 +105,12 @@ def blocking(m: int, loops: str = "amx") -> tuple[int, int]:
     (M = 256); from M = 512 on, the input no longer stays in the cache while a panel multiplies it,
     and 256 x 256 chunks win.
 
-    AVX-512 BF16: panels of 32 rows, K in chunks whose slice of the input (M rows) stays within
-    256 KiB of the core's L2 cache while every 4 rows of the panel multiply it (at most 4096)."""
+    AVX-512 BF16 (dot products of 4 input rows, which stay in L1, by every 4 rows of a panel, which
+    stays in L2): panels of 32 rows, K in chunks of 4096, measured on a 2-core AMD EPYC (Zen 4),
+    NVFP4 4096x4096, one thread: 1.1-1.3x faster than chunks of 512-2048 at M = 16-256 (each chunk
+    ends with a sum across the lanes of every accumulator)."""
     if loops != "amx":
-        return 32, max(128, min(4096, (128 << 10) // max(1, m) // 32 * 32))
+        return 32, 4096
     if m <= 256:
         return 32, 4096
     return 256, 256

@@ -5,7 +5,8 @@
 // is a dot product along K: one 512-bit register holds 32 consecutive k of a weight row, another
 // the same k of an input row, and VDPBF16PS adds the 16 pairs' products to 16 float32 lanes. A
 // block of 4 weight rows by 4 input rows keeps 16 such accumulators; at the end of a chunk each is
-// summed across its lanes into the output's float32 partial sum. Products of two bfloat16 values
+// summed across its lanes (a tree of shuffles and adds over the 16 at once) into the output's
+// float32 partial sum. Products of two bfloat16 values
 // are exact in float32; the sums are float32 (in another order than AMX's); like AMX, VDPBF16PS
 // reads bfloat16 subnormals as zero and flushes float32 subnormal results to zero.
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
@@ -39,11 +40,29 @@ inline void block(const uint16_t *w, int64_t pitch, const uint16_t *x, int64_t l
             for (int j = 0; j < MB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], ws, xs[j]);
         }
     }
-    for (int j = 0; j < MB; j++)
-        for (int i = 0; i < 4; i++) {
-            const float total = _mm512_reduce_add_ps(acc[i][j]);
-            sums[j * ldj + i] = first ? total : sums[j * ldj + i] + total;
-        }
+    // the 16 accumulators' lane sums by a tree of shuffles and adds: quarter j of the result holds
+    // the sums of acc[0..3][j]
+    __m512 a[16];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) a[i * 4 + j] = j < MB ? acc[i][j] : _mm512_setzero_ps();
+    __m512 b[8], c[4], d[2];
+    for (int q = 0; q < 8; q++)  // quarters: a[2q] (q0 + q2, q1 + q3), a[2q + 1] (the same)
+        b[q] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * q], a[2 * q + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * q], a[2 * q + 1], 0xEE));
+    for (int q = 0; q < 4; q++)  // quarter r: four lanes summing to a[4q + r]
+        c[q] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * q], b[2 * q + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * q], b[2 * q + 1], 0xDD));
+    for (int q = 0; q < 2; q++)
+        d[q] = _mm512_add_ps(_mm512_unpacklo_ps(c[2 * q], c[2 * q + 1]), _mm512_unpackhi_ps(c[2 * q], c[2 * q + 1]));
+    const __m512 lo = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(d[0]), _mm512_castps_pd(d[1])));
+    const __m512 hi = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(d[0]), _mm512_castps_pd(d[1])));
+    alignas(64) float total[16];  // total[4 j + i]: the sum of acc[i][j]
+    _mm512_store_ps(total, _mm512_add_ps(lo, hi));
+    for (int j = 0; j < MB; j++) {
+        __m128 v = _mm_load_ps(total + 4 * j);
+        if (!first) v = _mm_add_ps(v, _mm_loadu_ps(sums + j * ldj));
+        _mm_storeu_ps(sums + j * ldj, v);
+    }
 }
 
 }  // namespace
@@ -60,16 +79,18 @@ void gemm_rows_bf16(const Layer &p, const uint16_t *x, int64_t m, int64_t kp, co
         const int64_t live = std::min(rows, r1 - q0);  // rows past r1 are not decoded, multiplied or written
         for (int64_t r = 0; r < live; r++) decode_chunk(p, q0 + r, k0, k0 + width, panel + r * pitch, s + r * cols, z + r * cols);
         for (int64_t r = live; r < (live + 3) / 4 * 4; r++) std::memset(panel + r * pitch, 0, static_cast<size_t>(width) * 2);
-        for (int64_t i = 0; i < live; i += 4) {
-            const uint16_t *w = panel + i * pitch;
-            const uint16_t *xs = x + k0;
-            int64_t j = 0;
-            for (; j + 4 <= m; j += 4) block<4>(w, pitch, xs + j * kp, kp, steps, acc + j * rows + i, rows, first);
-            switch (m - j) {
-                case 3: block<3>(w, pitch, xs + j * kp, kp, steps, acc + j * rows + i, rows, first); break;
-                case 2: block<2>(w, pitch, xs + j * kp, kp, steps, acc + j * rows + i, rows, first); break;
-                case 1: block<1>(w, pitch, xs + j * kp, kp, steps, acc + j * rows + i, rows, first); break;
-                default: break;
+        // 4 input rows (in L1) against every 4 rows of the panel (in L2) in turn
+        for (int64_t j = 0; j < m; j += 4) {
+            const uint16_t *xs = x + j * kp + k0;
+            for (int64_t i = 0; i < live; i += 4) {
+                const uint16_t *w = panel + i * pitch;
+                float *sums = acc + j * rows + i;
+                switch (std::min<int64_t>(4, m - j)) {
+                    case 4: block<4>(w, pitch, xs, kp, steps, sums, rows, first); break;
+                    case 3: block<3>(w, pitch, xs, kp, steps, sums, rows, first); break;
+                    case 2: block<2>(w, pitch, xs, kp, steps, sums, rows, first); break;
+                    default: block<1>(w, pitch, xs, kp, steps, sums, rows, first); break;
+                }
             }
         }
     }
