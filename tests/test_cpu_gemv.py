@@ -310,6 +310,42 @@ def test_the_vnni_loop_takes_up_to_four_bfloat16_rows_of_4_bit_codes(monkeypatch
         cpu_gemv.set_isa(before)
 
 
+@needs_vnni
+@pytest.mark.parametrize("name", ["compressed-tensors/NVFP4A16", "modelopt/W4A16_NVFP4", "compressed-tensors/MXFP4A16"])
+def test_the_vnni_loop_decodes_every_scale_byte_as_its_table_says(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """e4m3 and e8m0 scale bytes are decoded by arithmetic in the VNNI loop (with the row's global
+    scale multiplied or divided as the table is): each byte value, subnormal and NaN ones too,
+    gives the reference's output (NaN where a group's scale is NaN)."""
+    weight = weight_of(name, 16, 1024)
+    assert weight.scale is not None
+    raw = weight.scale.view(torch.uint8).clone()
+    # every e4m3 byte; e8m0 bytes up to 2**10 (larger ones overflow float32 sums, in another order
+    # than the reference's) and 255 (NaN)
+    every = torch.arange(256) if "NVFP4" in name else torch.cat([torch.arange(138), torch.tensor([255])])
+    every = every[torch.randperm(every.numel(), generator=torch.Generator().manual_seed(2))].to(torch.uint8)
+    raw.view(-1)[: every.numel()] = every
+    crafted = dataclasses.replace(weight, scale=raw.view(weight.scale.dtype))
+    before = cpu_gemv.isa()
+    cpu_gemv.set_isa("avx512")
+    monkeypatch.setenv(AMX_VARIABLE, "0")
+    monkeypatch.setenv(INT16_VARIABLE, "1")
+    try:
+        x = torch.randn(3, crafted.k, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+        layout = cpu_gemv.layout_of(crafted)
+        assert cpu_gemv.int16_applies(layout)
+        expected = ReferenceKernel().apply(ReferenceKernel().prepare(crafted, CPU), x, None)
+        assert bool(expected.isnan().any())
+        assert torch.equal(cpu_gemv.gemv(layout, x).isnan(), expected.isnan())
+        # the NaN bytes made zero (byte 0: e4m3 0, e8m0 2**-127): every other value within the bound
+        nan_bytes = torch.tensor([0x7F, 0xFF] if "NVFP4" in name else [0xFF], dtype=torch.uint8)
+        finite = dataclasses.replace(crafted, scale=torch.where(torch.isin(raw, nan_bytes), 0, raw).view(raw.dtype))
+        finite = dataclasses.replace(finite, scale=finite.scale.view(weight.scale.dtype))
+        y = cpu_gemv.gemv(cpu_gemv.layout_of(finite), x)
+        check_close(finite, x, y, ReferenceKernel().apply(ReferenceKernel().prepare(finite, CPU), x, None))
+    finally:
+        cpu_gemv.set_isa(before)
+
+
 def test_the_state_is_the_canonical_tensors() -> None:
     for name in ("compressed-tensors/NVFP4A16", "compressed-tensors/W8A16_G32", "modelopt/fp8_pb_wo"):
         weight = weight_of(name, 64, 256)
