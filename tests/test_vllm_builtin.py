@@ -120,6 +120,10 @@ def test_vllm_picks_the_method_the_table_says(name: str, entry: VllmBuiltin, vll
             assert said["cpu_kernel"].startswith("ValueError"), said
         elif vllm_says["cpu"] == {"amx_tile": True, "amx_fp8": False}:  # the CPU the table describes
             assert said["cpu_kernel"] == entry.cpu
+        elif said["cpu_kernel"].startswith("ValueError"):  # another CPU, without AMX tiles: vLLM refuses
+            # every CPU kernel of the method, each for want of AMX (its block-FP8 kernels need it)
+            assert not vllm_says["cpu"]["amx_tile"] and cpu_list, said
+            assert all(f"{kernel} requires AMX" in said["cpu_kernel"] for kernel in cpu_list), said
         else:  # another CPU: one of vLLM's CPU kernels for the method, at least
             assert said["cpu_kernel"] in [*(cpu_list or ()), *KERNEL_LISTS["_POSSIBLE_KERNELS"]["cpu"]], said
     elif entry.cpu is None and entry.kernels is not None:  # refused on a CPU: when built, or an empty list
