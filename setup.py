@@ -95,6 +95,7 @@ CPU_GEMV_EXTENSION = Extension(
         "qscheme/csrc/cpu_gemv_gguf.h",
         "qscheme/csrc/cpu_gemv_gguf_kernel.h",
         "qscheme/csrc/act_quant.h",
+        "qscheme/csrc/byte_scales.h",
         "qscheme/csrc/thread_pool.h",
     ],
     language="c++",
@@ -108,7 +109,7 @@ CPU_GEMV_EXTENSION = Extension(
 TILE_GEMM_EXTENSION = Extension(
     "qscheme._tile_gemm",
     sources=["qscheme/csrc/tile_gemm.cpp", "qscheme/csrc/tile_gemm_amx.cpp", "qscheme/csrc/tile_gemm_bf16.cpp"],
-    depends=["qscheme/csrc/tile_gemm.h", "qscheme/csrc/thread_pool.h"],
+    depends=["qscheme/csrc/tile_gemm.h", "qscheme/csrc/byte_scales.h", "qscheme/csrc/thread_pool.h"],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17", "-fno-fast-math", "-pthread", *OPENMP],
     extra_link_args=["-pthread", *OPENMP],

@@ -190,36 +190,6 @@ constexpr int64_t TASK_ROWS = 64;
 int64_t width_of(int level) { return level == ISA_AVX512 ? 16 : (level == ISA_AVX2 ? 8 : 0); }
 
 /* Fill Params from the Python arguments (a tuple of ints; addresses as ints). */
-
-float e4m3_table_value(int b) {
-    if ((b & 0x7F) == 0x7F) return std::nanf("");
-    const float sign = (b & 0x80) ? -1.0f : 1.0f;
-    const int exponent = (b >> 3) & 0xF, mantissa = b & 7;
-    if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -9);
-    return sign * std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);
-}
-
-bool same_bits(float a, float b) {
-    if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b);
-    return std::memcmp(&a, &b, 4) == 0;
-}
-
-/* Whether a byte scale's table holds every e4m3 or every e8m0 value (ByteFormat), the last answer
- * kept per thread for the same table contents (a layer passes the same table at every call). */
-int byte_format_of(const float *table) {
-    thread_local float last[256];
-    thread_local int known = -1;
-    if (known >= 0 && std::memcmp(last, table, sizeof(last)) == 0) return known;
-    bool e4m3 = true, e8m0 = true;
-    for (int b = 0; b < 256; b++) {
-        if (!same_bits(table[b], e4m3_table_value(b))) e4m3 = false;
-        if (!same_bits(table[b], b == 255 ? std::nanf("") : std::ldexp(1.0f, b - 127))) e8m0 = false;
-    }
-    std::memcpy(last, table, sizeof(last));
-    known = e4m3 ? BYTE_E4M3 : (e8m0 ? BYTE_E8M0 : BYTE_TABLE);
-    return known;
-}
-
 bool parse_params(PyObject *args, Params &p, Py_ssize_t first) {
     long long v[15];
     for (int i = 0; i < 15; i++) {
@@ -255,7 +225,7 @@ bool parse_params(PyObject *args, Params &p, Py_ssize_t first) {
     if (lut) std::memcpy(p.lut, lut, sizeof(p.lut));
     if (table) {
         std::memcpy(p.scale_table, table, sizeof(p.scale_table));
-        p.byte_format = byte_format_of(p.scale_table);
+        p.byte_format = qscheme_bytes::byte_format_of(p.scale_table);
     }
     return true;
 }

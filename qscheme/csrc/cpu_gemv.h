@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "byte_scales.h"
+
 namespace qscheme_gemv {
 
 enum CodeKind : int { CODE_NIBBLE = 0, CODE_E4M3 = 1, CODE_INT8 = 2, CODE_UINT8 = 3 };
@@ -16,10 +18,9 @@ enum CodeKind : int { CODE_NIBBLE = 0, CODE_E4M3 = 1, CODE_INT8 = 2, CODE_UINT8 
 // vector loops use each code's float16 form (its value / 256) with no multiply per weight.
 constexpr int CODE_E4M3_X256 = 4;
 enum ScaleKind : int { SCALE_NONE = 0, SCALE_F32 = 1, SCALE_BF16 = 2, SCALE_F16 = 3, SCALE_BYTE = 4 };
-// What a byte scale's table holds: any values, or every e4m3 value (NaN at 0x7F, 0xFF), or every
-// e8m0 value (2**(b - 127), NaN at 0xFF), bit for bit: then a vector loop may decode the bytes by
-// arithmetic instead of looking them up.
-enum ByteFormat : int { BYTE_TABLE = 0, BYTE_E4M3 = 1, BYTE_E8M0 = 2 };
+using qscheme_bytes::BYTE_E4M3;
+using qscheme_bytes::BYTE_E8M0;
+using qscheme_bytes::BYTE_TABLE;
 
 struct Params {
     const uint8_t *codes = nullptr;

@@ -56,13 +56,6 @@ float bf16_value(uint16_t h) {
     return f;
 }
 
-float e4m3_value(uint8_t b) {
-    if ((b & 0x7F) == 0x7F) return std::nanf("");
-    const float sign = (b & 0x80) ? -1.0f : 1.0f;
-    const int exponent = (b >> 3) & 0xF, mantissa = b & 7;
-    if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -9);
-    return sign * std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);
-}
 
 }  // namespace
 
@@ -96,7 +89,7 @@ float weight_value(const Layer &p, const uint8_t *row, const float *s, const flo
     float v;
     switch (p.code_kind) {
         case CODE_NIBBLE: v = p.lut[(row[k >> 1] >> ((k & 1) * 4)) & 0xF]; break;
-        case CODE_E4M3: v = e4m3_value(row[k]); break;
+        case CODE_E4M3: v = qscheme_bytes::e4m3_value(row[k]); break;
         case CODE_INT8: v = static_cast<float>(static_cast<int8_t>(row[k])); break;
         default: v = static_cast<float>(row[k]); break;
     }
@@ -177,19 +170,6 @@ T *address(long long value) {
     return reinterpret_cast<T *>(static_cast<uintptr_t>(value));
 }
 
-/* Whether a byte scale's table holds every e4m3 value (NaN at 0x7F and 0xFF) or every e8m0 value
- * (2**(e - 127), NaN at 0xFF): the vector loops then decode the bytes by arithmetic, bit for bit. */
-int byte_format_of(const float *table) {
-    bool e4m3 = true, e8m0 = true;
-    for (int b = 0; b < 256; b++) {
-        const float v = table[b], four = e4m3_value(static_cast<uint8_t>(b));
-        const float eight = b == 255 ? std::nanf("") : std::ldexp(1.0f, b - 127);
-        const bool nan = std::isnan(v);
-        if (nan != std::isnan(four) || (!nan && std::memcmp(&v, &four, 4) != 0)) e4m3 = false;
-        if (nan != std::isnan(eight) || (!nan && std::memcmp(&v, &eight, 4) != 0)) e8m0 = false;
-    }
-    return e4m3 ? BYTE_E4M3 : (e8m0 ? BYTE_E8M0 : BYTE_TABLE);
-}
 
 /* The layer from its 15 integers (addresses as ints): codes, code stride, code kind, lut, scale,
  * scale kind, scale table, scale columns, group rows, group columns, zero, row scale, divide, N, K. */
@@ -221,7 +201,7 @@ bool parse_layer(PyObject *args, Py_ssize_t first, Layer &p) {
     if (lut) std::memcpy(p.lut, lut, sizeof(p.lut));
     if (table) {
         std::memcpy(p.scale_table, table, sizeof(p.scale_table));
-        p.byte_format = byte_format_of(p.scale_table);
+        p.byte_format = qscheme_bytes::byte_format_of(p.scale_table);
     }
     return true;
 }

@@ -8,11 +8,15 @@
 
 #include <cstdint>
 
+#include "byte_scales.h"
+
 namespace qscheme_tile {
 
 enum CodeKind : int { CODE_NIBBLE = 0, CODE_E4M3 = 1, CODE_INT8 = 2, CODE_UINT8 = 3 };
 enum ScaleKind : int { SCALE_NONE = 0, SCALE_F32 = 1, SCALE_BF16 = 2, SCALE_F16 = 3, SCALE_BYTE = 4 };
-enum ByteFormat : int { BYTE_TABLE = 0, BYTE_E4M3 = 1, BYTE_E8M0 = 2 };
+using qscheme_bytes::BYTE_E4M3;
+using qscheme_bytes::BYTE_E8M0;
+using qscheme_bytes::BYTE_TABLE;
 
 struct Layer {
     const uint8_t *codes = nullptr;
