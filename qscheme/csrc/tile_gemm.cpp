@@ -56,7 +56,6 @@ float bf16_value(uint16_t h) {
     return f;
 }
 
-
 }  // namespace
 
 uint16_t float_to_bf16(float f) {
@@ -169,7 +168,6 @@ template <class T>
 T *address(long long value) {
     return reinterpret_cast<T *>(static_cast<uintptr_t>(value));
 }
-
 
 /* The layer from its 15 integers (addresses as ints): codes, code stride, code kind, lut, scale,
  * scale kind, scale table, scale columns, group rows, group columns, zero, row scale, divide, N, K. */
@@ -332,23 +330,36 @@ PyObject *gemm(PyObject *, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The weight rows [r0, r1) in tasks of task_rows (whole panels of 32 from r0), shared out over
+ * `threads` workers: task(q0, q1, buffers) with the worker's buffers fitted to a panel of
+ * `columns` (+ PANEL_PAD) bfloat16 and `accumulators` float32 per row. */
+template <class Task>
+void run_row_tasks(const Layer &p, int64_t r0, int64_t r1, int threads, int64_t task_rows, int64_t columns,
+                   int64_t accumulators, Task task) {
+    const int64_t tasks = (r1 - r0 + task_rows - 1) / task_rows;
+    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+    qscheme_threads::run_tasks(count, tasks, [&](int64_t t) {
+        const int64_t q0 = r0 + t * task_rows;
+        const int64_t q1 = q0 + std::min(task_rows, (r1 - q0 + 31) / 32 * 32);
+        RowBuffers &b = buffers;
+        b.fit(p, static_cast<size_t>((q1 - q0) * (columns + PANEL_PAD)), static_cast<size_t>((q1 - q0) * accumulators),
+              q1 - q0);
+        task(q0, q1, b);
+        b.release();
+    });
+}
+
 void gemm_amx(const Layer &p, const uint16_t *x, int64_t m, uint16_t *out, int64_t ldy, const float *bias, int64_t r0,
               int64_t r1, int threads, int64_t task_rows, int64_t kc) {
     const int64_t kp = (p.k + 31) / 32 * 32, blocks = (m + 15) / 16, mp = blocks * 16;
     std::vector<uint32_t> xp(static_cast<size_t>(mp * kp / 2));
     const int packers = static_cast<int>(std::min<int64_t>(threads, blocks));
     qscheme_threads::run_tasks(packers, blocks, [&](int64_t block) { pack_block(x, m, p.k, kp, block, xp.data()); });
-    const int64_t tasks = (r1 - r0 + task_rows - 1) / task_rows, mp32 = (mp + 31) / 32 * 32;
-    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
-    qscheme_threads::run_tasks(count, tasks, [&](int64_t task) {
-        const int64_t q0 = r0 + task * task_rows;
-        const int64_t q1 = q0 + std::min(task_rows, (r1 - q0 + 31) / 32 * 32);
-        RowBuffers &b = buffers;
-        b.fit(p, static_cast<size_t>((q1 - q0) * (std::min(kc, kp) + PANEL_PAD)), static_cast<size_t>((q1 - q0) * mp32), q1 - q0);
-        gemm_rows_amx(p, xp.data(), m, mp, kp, bias, out, ldy, r0, r1, q0, q1, kc, b.panel.data(), b.acc.data(),
-                      b.s.data(), b.z.data());
-        b.release();
-    });
+    run_row_tasks(p, r0, r1, threads, task_rows, std::min(kc, kp), (mp + 31) / 32 * 32,
+                  [&](int64_t q0, int64_t q1, RowBuffers &b) {
+                      gemm_rows_amx(p, xp.data(), m, mp, kp, bias, out, ldy, r0, r1, q0, q1, kc, b.panel.data(),
+                                    b.acc.data(), b.s.data(), b.z.data());
+                  });
 }
 
 /* x [M, K] bfloat16 -> rows of kp (a multiple of 32) bfloat16, zeros past K. */
@@ -363,16 +374,9 @@ void gemm_bf16(const Layer &p, const uint16_t *x, int64_t m, uint16_t *out, int6
     std::vector<uint16_t> xp(static_cast<size_t>(m * kp));
     qscheme_threads::run_tasks(static_cast<int>(std::min<int64_t>(threads, m)), m,
                                [&](int64_t row) { pad_rows(x, p.k, kp, row, xp.data()); });
-    const int64_t tasks = (r1 - r0 + task_rows - 1) / task_rows;
-    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
-    qscheme_threads::run_tasks(count, tasks, [&](int64_t task) {
-        const int64_t q0 = r0 + task * task_rows;
-        const int64_t q1 = q0 + std::min(task_rows, (r1 - q0 + 31) / 32 * 32);
-        RowBuffers &b = buffers;
-        b.fit(p, static_cast<size_t>((q1 - q0) * (std::min(kc, kp) + PANEL_PAD)), static_cast<size_t>((q1 - q0) * m), q1 - q0);
+    run_row_tasks(p, r0, r1, threads, task_rows, std::min(kc, kp), m, [&](int64_t q0, int64_t q1, RowBuffers &b) {
         gemm_rows_bf16(p, xp.data(), m, kp, bias, out, ldy, r0, r1, q0, q1, kc, b.panel.data(), b.acc.data(),
                        b.s.data(), b.z.data());
-        b.release();
     });
 }
 

@@ -72,11 +72,11 @@ void gemm_rows_bf16(const Layer &p, const uint16_t *x, int64_t m, int64_t kp, co
                     float *acc, float *s, float *z) {
     // x: m rows of kp bfloat16 (zeros past K); acc: m rows of (q1 - q0) float32 partial sums
     const int64_t rows = q1 - q0, cols = p.scale_cols;
-    for (int64_t r = 0; r < rows && q0 + r < r1; r++) row_scales_avx512(p, q0 + r, 0, cols, s + r * cols, z + r * cols);
+    const int64_t live = std::min(rows, r1 - q0);  // rows past r1 are not decoded, multiplied or written
+    for (int64_t r = 0; r < live; r++) row_scales_avx512(p, q0 + r, 0, cols, s + r * cols, z + r * cols);
     for (int64_t k0 = 0; k0 < kp; k0 += kc) {
         const int64_t width = std::min(kc, kp - k0), steps = width / 32, pitch = width + PANEL_PAD;
         const bool first = k0 == 0;
-        const int64_t live = std::min(rows, r1 - q0);  // rows past r1 are not decoded, multiplied or written
         for (int64_t r = 0; r < live; r++) decode_chunk(p, q0 + r, k0, k0 + width, panel + r * pitch, s + r * cols, z + r * cols);
         for (int64_t r = live; r < (live + 3) / 4 * 4; r++) std::memset(panel + r * pitch, 0, static_cast<size_t>(width) * 2);
         // 4 input rows (in L1) against every 4 rows of the panel (in L2) in turn
@@ -94,7 +94,6 @@ void gemm_rows_bf16(const Layer &p, const uint16_t *x, int64_t m, int64_t kp, co
             }
         }
     }
-    const int64_t live = std::min(rows, r1 - q0);
     const __mmask16 all = 0xFFFF;
     for (int64_t j = 0; j < m; j++) {
         const float *sums = acc + j * rows;
