@@ -353,6 +353,33 @@ def test_order_is_priority_then_name_whatever_the_input_order() -> None:
         assert again.trace == first.trace and again.kernel == first.kernel
 
 
+def test_a_supports_entry_ranks_its_kernel_for_the_schemes_it_takes() -> None:
+    """An entry's own priority applies to the schemes that entry takes (the highest of the
+    matching entries'), both in the order of the trace and in the choice; other schemes keep
+    the kernel's priority."""
+    anywhere = (DeviceSupport(ANY_DEVICE),)
+    plain = Supports(("int4",), granularities=("group",), priority=75)  # no zero points
+    general = Supports(("int4",), granularities=("group",), zero_points=True)
+    ranked = KernelDeclaration("ranked", "test", 20, (general, plain), anywhere, "fake_kernels:x")
+    rival = KernelDeclaration("rival", "test", 40, (general,), anywhere, "fake_kernels:x")
+    assert ranked.priority_for(()) == 20 and ranked.priority_for((general,)) == 20
+    assert ranked.priority_for((general, plain)) == 75
+    symmetric = resolve(builtin_scheme("compressed-tensors/W4A16"), SQUARE, fake_device("cpu"), [rival, ranked])
+    assert symmetric.kernel is not None and symmetric.kernel.name == "ranked"
+    assert [(c.kernel, c.priority) for c in symmetric.trace] == [("ranked", 75), ("rival", 40)]
+    assert symmetric.candidate("rival").reason == "not chosen: ranked ranks higher"
+    # zero points: only the general entry takes the scheme, so the kernel's own priority holds
+    asymmetric = resolve(builtin_scheme("compressed-tensors/W4A16_ASYM"), SQUARE, fake_device("cpu"), [ranked, rival])
+    assert asymmetric.kernel is not None and asymmetric.kernel.name == "rival"
+    assert [(c.kernel, c.priority) for c in asymmetric.trace] == [("rival", 40), ("ranked", 20)]
+    # a rejected kernel shows its own priority
+    nvfp4 = resolve(builtin_scheme("compressed-tensors/NVFP4A16"), SQUARE, fake_device("cpu"), [ranked, rival])
+    assert nvfp4.kernel is None and [(c.kernel, c.priority) for c in nvfp4.trace] == [("rival", 40), ("ranked", 20)]
+    assert "[priority 75]" in plain.describe() and "priority" not in general.describe()
+    with pytest.raises(ValueError, match="priority must be an int or None"):
+        Supports(("int4",), priority=True)  # type: ignore[arg-type]
+
+
 def test_forcing_and_disabling() -> None:
     scheme = builtin_scheme("compressed-tensors/W4A16")
     device = fake_device("sm90")

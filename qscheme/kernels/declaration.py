@@ -35,6 +35,8 @@ from qscheme.formats.table import weight_formats
 from qscheme.kernels.versions import parse_specifier
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from qscheme.kernels.problem import Problem
 
 Capability = tuple[int, int]
@@ -242,6 +244,10 @@ class Supports:
     ``block_codes``: for the ``blocks`` family, the codes taken (``BlockLayout.code_kind``:
     ``uint4`` for an affine 4-bit code, ``table4``, ``e2m1``, ...); empty takes any. The group
     size of packed blocks is their finest scale's sub-block.
+    ``priority``: the kernel's priority for the schemes this entry takes, where it differs from
+    the kernel's own (None: the kernel's). A scheme several entries take gets the highest of
+    theirs (``KernelDeclaration.priority_for``). This is how a kernel that is fastest for some
+    formats only ranks first for those, with the measurement in the declaration's notes.
     """
 
     weights: tuple[str, ...]
@@ -256,8 +262,13 @@ class Supports:
     input_pre_scale: bool = False
     block_codes: tuple[str, ...] = ()
     input_permutation: bool = False
+    priority: int | None = None
 
     def __post_init__(self) -> None:
+        _require(
+            self.priority is None or (isinstance(self.priority, int) and not isinstance(self.priority, bool)),
+            f"priority must be an int or None, not {self.priority!r}",
+        )
         _tuple_of(self.weights, str, "weights")
         _require(bool(self.weights), "weights must name at least one weight family")
         unknown = [w for w in self.weights if w not in WEIGHT_FAMILIES]
@@ -300,7 +311,8 @@ class Supports:
         weights = ", ".join(self.weights) + " weights"
         if details:
             weights += f" ({', '.join(details)})"
-        return f"{weights} x {', '.join(a.describe() for a in self.activations)}"
+        ranked = "" if self.priority is None else f" [priority {self.priority}]"
+        return f"{weights} x {', '.join(a.describe() for a in self.activations)}{ranked}"
 
 
 # Every weight family with 16-bit activations, zero points included: the entry of a kernel that
@@ -638,6 +650,11 @@ class KernelDeclaration:
     def sort_key(self) -> tuple[int, str]:
         """Highest priority first, then by name."""
         return (-self.priority, self.name)
+
+    def priority_for(self, matching: Sequence[Supports]) -> int:
+        """The priority for a scheme that the entries ``matching`` take: the highest entry
+        priority among them (an entry without one has the kernel's), the kernel's when none."""
+        return max((self.priority if s.priority is None else s.priority for s in matching), default=self.priority)
 
     def batch_range(self, device_type: str) -> tuple[int, int | None] | None:
         """The declared (m_min, m_max) for a device type (its own entry, else an ``any`` one);

@@ -12,11 +12,12 @@ failing check is kept (``Candidate.failures``), in the order of the stages:
 4. ``problem``: the layer's N, K, activation dtype, fused partitions or pre-scale do not suit it.
 
 ``Candidate.stage`` is the first failing stage. Candidates are ordered by priority (highest
-first), then name; the first accepted one wins, unless a kernel is forced, in which case only
-that one may win. A forced kernel that cannot run leaves the resolution without a kernel:
-``Resolution.require()`` then raises ``NoKernelError`` with the full trace. Nothing here reads
-the environment or imports kernels; ``qscheme.kernels.registry`` gathers those facts and
-passes them in.
+first), then name: the kernel's priority, or for a scheme that Supports entries with their own
+priority take, the highest of those (``KernelDeclaration.priority_for``). The first accepted
+one wins, unless a kernel is forced, in which case only that one may win. A forced kernel that
+cannot run leaves the resolution without a kernel: ``Resolution.require()`` then raises
+``NoKernelError`` with the full trace. Nothing here reads the environment or imports kernels;
+``qscheme.kernels.registry`` gathers those facts and passes them in.
 """
 
 from __future__ import annotations
@@ -504,12 +505,17 @@ def resolve(
     disabled_set = frozenset(disabled)
     features = SchemeFeatures.of(scheme)
     layout = check_layout(scheme, problem)
-    judged = [(d, judge(d, features, problem, device, disabled_set, unavailable)) for d in candidates]
-    accepted = [d for d, failures in judged if not failures and (force is None or d.name == force)]
+    judged: list[tuple[KernelDeclaration, int, list[Failure]]] = []
+    for declaration in candidates:
+        failures, matching = _judge(declaration, features, problem, device, disabled_set, unavailable)
+        judged.append((declaration, declaration.priority_for(matching), failures))
+    # a Supports entry may rank its kernel otherwise for the schemes it takes (Supports.priority)
+    judged.sort(key=lambda item: (-item[1], item[0].name))
+    accepted = [d for d, _, failures in judged if not failures and (force is None or d.name == force)]
     plan = build_plan(accepted if layout is None else [], device.type, force, m_split)
     chosen = plan.kernel_for(1) if plan.entries else None
     trace: list[Candidate] = []
-    for declaration, failures in judged:
+    for declaration, priority, failures in judged:
         is_chosen = chosen is not None and declaration.name == chosen.name
         reason = "; ".join(f.reason for f in failures)
         if not failures:
@@ -525,7 +531,7 @@ def resolve(
             Candidate(
                 declaration.name,
                 declaration.provider,
-                declaration.priority,
+                priority,
                 declaration.plugin,
                 not failures,
                 failures[0].stage if failures else None,
@@ -559,6 +565,19 @@ def judge(
     unavailable: Mapping[str, str] | None = None,
 ) -> list[Failure]:
     """Every failing check of one kernel, stage by stage (empty when it is accepted)."""
+    return _judge(declaration, features, problem, device, disabled, unavailable)[0]
+
+
+def _judge(
+    declaration: KernelDeclaration,
+    features: SchemeFeatures,
+    problem: Problem,
+    device: DeviceFacts,
+    disabled: frozenset[str],
+    unavailable: Mapping[str, str] | None,
+) -> tuple[list[Failure], tuple[Supports, ...]]:
+    """``judge``'s failures, and the kernel's Supports entries that take the scheme (empty when
+    none does)."""
     failures: list[Failure] = []
     if declaration.name in disabled:
         failures.append(
@@ -567,11 +586,12 @@ def judge(
     matching, reasons = scheme_reasons(declaration, features)
     failures.extend(Failure("scheme", reason) for reason in reasons)
     failures.extend(Failure("device", reason) for reason in device_reasons(declaration, device, unavailable))
-    if not matching:
+    checked = matching
+    if not checked:
         same_family = [s for s in declaration.supports if features.weight_family in s.weights]
-        matching = tuple(same_family or declaration.supports)
-    failures.extend(check_problem(declaration, matching, features, problem))
-    return failures
+        checked = tuple(same_family or declaration.supports)
+    failures.extend(check_problem(declaration, checked, features, problem))
+    return failures, matching
 
 
 class Resolver:
