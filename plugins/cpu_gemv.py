@@ -158,14 +158,18 @@ CPU_GEMV = KernelDeclaration(
         "last place of the output",
         "VNNI integer loop (QSCHEME_CPU_GEMV_INT16=0 turns it off): one to four bfloat16 rows of x (ahead of the "
         "tiles, unless QSCHEME_CPU_GEMV_AMX=all) on 4-bit codes whose values times a power of two up to 16 are "
-        "integers (e2m1, int4, uint4) without zero points, scale groups of 16, 32 or a multiple of 64, on a CPU with "
+        "integers (e2m1, int4, uint4), with zero points times that power of two within 2047 or none, scale groups of "
+        "16, 32 or a multiple of 64, on a CPU with "
         "AVX512-VNNI: each block of 256 elements of x is rounded to 16-bit integers over the smallest power-of-two "
         "step that holds its largest magnitude (every element within 2**7 of it is exact, any other is off by at "
         "most half a step, 2**-16 of that magnitude), the products are summed exactly in 32-bit integers and each "
         "group's sum is multiplied by its effective scale in float32; the bound above grows by sum_k |w_k| * (half "
         "the step of k's block)",
         "float16 inputs are widened to float32 and the output rounded back once; AWQ pre-scales and activation "
-        "quantization are applied to the input exactly as the reference kernel applies them; where the quantized "
+        "quantization are applied to the input exactly as the reference kernel applies them, except that with "
+        "bfloat16 inputs and no activation quantization the pre-scaled input (x * pre-scale in float32) is rounded "
+        "once to bfloat16, so that the bfloat16 loops take it (at most half a bfloat16 ulp per element: the bound "
+        "grows by 2**-9 * sum_k |x_k * w_k|, and the VNNI loop's steps are those of that input); where the quantized "
         "input is e4m3 or int8 code values times one float32 scale per row (per-tensor or per-token: FP8, "
         "FP8_DYNAMIC, W8A8), the codes are multiplied by the weight and each output row by its scale afterwards "
         "(scale * (codes . w): one rounding where the reference rounds each code times the scale)",

@@ -6,6 +6,9 @@ flattens the input to [M, K] and:
 
 - weight-only with bfloat16 or float32 inputs and no pre-scale: one call of the extension, which
   converts a bfloat16 input itself and rounds the output once to the input's dtype;
+- weight-only with an AWQ pre-scale and bfloat16 inputs: the input times the pre-scale in float32,
+  rounded once to bfloat16 (as ``tinygemm_cpu`` and ``dequant_gemm`` take it), then one call of
+  the extension as above, so that its bfloat16 loops (VNNI, AMX tiles) run AWQ layers too;
 - quantized activations whose dequantized input is integer or e4m3 code values times one float32
   scale per row (per-tensor or per-token FP8 and int8: FP8, FP8_DYNAMIC, W8A8), quantized as the
   reference kernel quantizes them (``qscheme.emulation.quantize_activation``, after any AWQ
@@ -13,7 +16,7 @@ flattens the input to [M, K] and:
   through the extension for each run of fused partitions sharing static input scales, and each
   output row is multiplied by its scale afterwards, the bias added in float32 (one rounding where
   the reference rounds each code times the scale: within the declared bound);
-- otherwise (float16 inputs or an AWQ pre-scale of a weight-only layer, other quantized activations)
+- otherwise (float16 inputs, float32 inputs with an AWQ pre-scale, other quantized activations)
   the float32 input the
   reference kernel multiplies (``ReferenceKernel.quantize_input``: pre-scaled, then quantized and
   dequantized exactly as the scheme says, once per run of fused partitions sharing their static
@@ -56,7 +59,7 @@ class CpuGemvState:
 def _rows(layout: GemvLayout, start: int, stop: int) -> GemvLayout | None:
     """The layout of weight rows [start, stop) (views), or None where a block of scale rows
     straddles ``start`` (then the whole layer is multiplied and the rows sliced)."""
-    code_kind, scale_kind, scale_cols, group_n, group_k, divide, n, k = layout.meta
+    code_kind, scale_kind, scale_cols, group_n, group_k, divide, n, k, zero_max = layout.meta
     if start == 0 and stop == n:
         return layout
     if start % group_n:
@@ -70,7 +73,7 @@ def _rows(layout: GemvLayout, start: int, stop: int) -> GemvLayout | None:
         row_scale=None if layout.row_scale is None else layout.row_scale[start:stop],
         lut=layout.lut,
         scale_table=layout.scale_table,
-        meta=(code_kind, scale_kind, scale_cols, group_n, group_k, divide, stop - start, k),
+        meta=(code_kind, scale_kind, scale_cols, group_n, group_k, divide, stop - start, k, zero_max),
     )
 
 
@@ -108,6 +111,12 @@ class CpuGemvKernel:
         if state.emulation is None and x.dtype in DIRECT_DTYPES:
             y = cpu_gemv.gemv(layout, rows, bias)
             return y.reshape(*x.shape[:-1], layout.n)
+        emulation = state.emulation
+        if emulation is not None and emulation.activation is None and x.dtype == torch.bfloat16:
+            assert emulation.pre_scale is not None  # weight-only with an emulation state: an AWQ pre-scale
+            # the pre-scaled input rounded once to bfloat16, so that the bfloat16 loops (VNNI, AMX) take it
+            scaled = apply_pre_scale(rows, emulation.pre_scale).to(torch.bfloat16)
+            return cpu_gemv.gemv(layout, scaled, bias).reshape(*x.shape[:-1], layout.n)
         factored = None if state.emulation is None else scaled_codes(state.emulation, rows)
         if factored is not None:  # the codes times the weight, then each row's activation scale
             outputs = []

@@ -26,12 +26,14 @@ Ops (namespace ``qscheme``, each with a fake implementation for torch.compile):
   bit) or bfloat16 (those rounded once), [stop - start, K].
 
 One to four bfloat16 rows of x on 4-bit codes whose values times a power of two (up to 16) are integers
-(e2m1, int4, uint4 without zero points: NVFP4, MXFP4, W4A16), on a CPU with AVX512-VNNI, takes
+(e2m1, int4, uint4, with or without zero points: NVFP4, MXFP4, W4A16, W4A16_ASYM, GPTQ, AWQ; zero
+points times that power of two within 2047), on a CPU with AVX512-VNNI, takes
 an integer loop instead of the float32 one (``int16_applies``; ``QSCHEME_CPU_GEMV_INT16=0`` turns
 it off): x is rounded per block of 256 elements to 16-bit integers over a power-of-two step (the
 smallest that holds the block's largest magnitude; every element within 2**7 of it is exact, any
 other off by at most half a step, 2**-16 of that magnitude), the products are summed exactly in
-32-bit integers (VPDPWSSD) and each group's sum is multiplied by its effective scale in float32.
+32-bit integers (VPDPWSSD), a zero point times its group's sum of x subtracted there, and each
+group's sum is multiplied by its effective scale in float32.
 
 ``gemv`` and ``dequantize_rows`` call them (eagerly straight into the extension, skipping the
 dispatcher's cost). ``isa()`` says which loops run ('avx512', 'avx2', 'scalar');
@@ -112,7 +114,8 @@ class GemvLayout:
     row_scale: Tensor | None
     lut: Tensor
     scale_table: Tensor | None
-    meta: tuple[int, ...]  # code kind, scale kind, scale columns, group rows, group columns, divide, N, K
+    # code kind, scale kind, scale columns, group rows, group columns, divide, N, K, largest |zero point|
+    meta: tuple[int, ...]
 
     @property
     def n(self) -> int:
@@ -223,8 +226,14 @@ def layout_of(weight: CanonicalWeight) -> GemvLayout:
         scale = scale.view(torch.uint8)
     elif scale is not None and scale_kind in (SCALE_BF16, SCALE_F16):
         scale = scale.view(torch.int16)
-    zero_point = None if weight.zero_point is None else _contiguous(weight.zero_point.to(torch.int16))
-    meta = (code_kind, scale_kind, scale_cols, group_n, group_k, divide, weight.n, weight.k)
+    zero_point = None
+    zero_max = 0
+    if weight.zero_point is not None:
+        if int(weight.zero_point.min()) < -32768 or int(weight.zero_point.max()) > 32767:
+            raise UsageError(f"cpu_gemv takes zero points within int16; {where} has larger ones")
+        zero_point = _contiguous(weight.zero_point.to(torch.int16))
+        zero_max = int(zero_point.abs().max()) if zero_point.numel() else 0
+    meta = (code_kind, scale_kind, scale_cols, group_n, group_k, divide, weight.n, weight.k, zero_max)
     return GemvLayout(codes, scale, zero_point, row_scale, lut, scale_table, meta)
 
 
@@ -241,11 +250,11 @@ def _layer_args(
     scale_table: Tensor | None,
     meta: list[int] | tuple[int, ...],
 ) -> tuple[int, ...]:
-    code_kind, scale_kind, scale_cols, group_n, group_k, divide, n, k = meta
+    code_kind, scale_kind, scale_cols, group_n, group_k, divide, n, k, zero_max = meta
     stride = codes.shape[1] if codes.ndim == 2 else 0
     return (
         _address(codes), stride, code_kind, _address(lut), _address(scale), scale_kind, _address(scale_table),
-        scale_cols, group_n, group_k, _address(zero_point), _address(row_scale), divide, n, k,
+        scale_cols, group_n, group_k, _address(zero_point), _address(row_scale), divide, n, k, zero_max,
     )  # fmt: skip
 
 

@@ -34,6 +34,7 @@ from qscheme_plugins.reference_kernel import ReferenceKernel
 from qscheme import cpu_gemv
 from qscheme.canonical import CanonicalWeight, canonicalize, dequantize, dequantize_rows
 from qscheme.checkpoint.fuse import concatenate
+from qscheme.emulation import apply_pre_scale
 from qscheme.errors import QuantizeError, UsageError
 from qscheme.kernels import registry
 from qscheme.kernels.problem import Problem
@@ -159,6 +160,9 @@ def int16_slack(weight: CanonicalWeight, x: torch.Tensor) -> torch.Tensor | floa
     rows = x.reshape(-1, weight.k)
     if x.dtype != torch.bfloat16 or not 1 <= rows.shape[0] <= 4 or os.environ.get(INT16_VARIABLE) == "0":
         return 0.0
+    if rounds_pre_scaled_input(weight, x):
+        assert weight.input_pre_scale is not None
+        rows = apply_pre_scale(rows, weight.input_pre_scale).to(torch.bfloat16)  # what the loop takes
     k_main = weight.k // 64 * 64
     half = torch.zeros(rows.shape[0], weight.k, dtype=torch.float64)
     for row in range(rows.shape[0]):
@@ -170,11 +174,17 @@ def int16_slack(weight: CanonicalWeight, x: torch.Tensor) -> torch.Tensor | floa
     return half @ absolute_weight(weight).t()
 
 
+def rounds_pre_scaled_input(weight: CanonicalWeight, x: torch.Tensor) -> bool:
+    """Whether the kernel rounds the pre-scaled input to bfloat16 (an AWQ layer, bfloat16 inputs)."""
+    return weight.input_pre_scale is not None and weight.scheme.activation is None and x.dtype == torch.bfloat16
+
+
 def check_close(weight: CanonicalWeight, x: torch.Tensor, y: torch.Tensor, expected: torch.Tensor) -> None:
     assert y.shape == expected.shape and y.dtype == expected.dtype == x.dtype
     magnitude = reference_input(weight, x).double() @ absolute_weight(weight).t()
     slack = int16_slack(weight, x)
-    bound = (2 * weight.k + 8) * 2.0**-24 * magnitude.reshape(y.shape)
+    relative = (2 * weight.k + 8) * 2.0**-24 + (2.0**-9 if rounds_pre_scaled_input(weight, x) else 0.0)
+    bound = relative * magnitude.reshape(y.shape)
     bound = bound + (slack.reshape(y.shape) if isinstance(slack, torch.Tensor) else slack)
     if x.dtype != torch.float32:
         ulp = 2.0**-7 if x.dtype == torch.bfloat16 else 2.0**-10  # one unit in the last place
@@ -261,6 +271,34 @@ def test_row_dequantization_is_the_reference_s(name: str, isa: str) -> None:
     assert cpu_gemv.dequantize_rows(layout, 4, 4).shape == (0, weight.k)
 
 
+def test_awq_layers_give_the_extension_the_pre_scaled_input_in_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With bfloat16 inputs the pre-scaled input is rounded once to bfloat16 and passed to the
+    extension in one call (its bfloat16 loops take it); float32 inputs keep the reference's
+    float32 pre-scaled input."""
+    weight = weight_of("modelopt/W4A16_AWQ", 48, 256)
+    assert weight.input_pre_scale is not None
+    kernel = CpuGemvKernel()
+    state = kernel.prepare(weight, CPU)
+    seen: list[torch.Tensor] = []
+    original = cpu_gemv.gemv
+
+    def recording(layout: cpu_gemv.GemvLayout, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        seen.append(x)
+        return original(layout, x, bias)
+
+    monkeypatch.setattr(cpu_gemv, "gemv", recording)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(9))
+    for dtype in (torch.bfloat16, torch.float32):
+        seen.clear()
+        rows = x.to(dtype)
+        y = kernel.apply(state, rows, bias.to(dtype))
+        assert len(seen) == 1 and seen[0].dtype == dtype
+        assert torch.equal(seen[0], apply_pre_scale(rows, weight.input_pre_scale).to(dtype))
+        reference = ReferenceKernel()
+        check_close(weight, rows, y, reference.apply(reference.prepare(weight, CPU), rows, bias.to(dtype)))
+
+
 needs_vnni = pytest.mark.skipif(
     "avx512_vnni" not in cpu_flags() or cpu_gemv.supported_isa() != "avx512", reason="this CPU runs no AVX512-VNNI"
 )
@@ -273,10 +311,12 @@ def test_the_vnni_loop_takes_up_to_four_bfloat16_rows_of_4_bit_codes(monkeypatch
     monkeypatch.setenv(AMX_VARIABLE, "0")
     monkeypatch.setenv(INT16_VARIABLE, "1")
     try:
-        for name in ("compressed-tensors/NVFP4A16", "compressed-tensors/MXFP4A16", "compressed-tensors/W4A16"):
+        taken = ("compressed-tensors/NVFP4A16", "compressed-tensors/MXFP4A16", "compressed-tensors/W4A16")
+        with_zeros = ("compressed-tensors/W4A16_ASYM", "gptq/W4A16_ASYM_G32", "gptq/W4A16_ASYM_CHANNEL")
+        for name in taken + with_zeros:
             assert cpu_gemv.int16_applies(cpu_gemv.layout_of(weight_of(name, 64, 256))), name
-        # zero points, byte codes and codebooks with fractional values keep the float32 loop
-        for name in ("compressed-tensors/W4A16_ASYM", "compressed-tensors/FP8", "compressed-tensors/W8A16_G32"):
+        # byte codes keep the float32 loop
+        for name in ("compressed-tensors/FP8", "compressed-tensors/W8A16_G32"):
             assert not cpu_gemv.int16_applies(cpu_gemv.layout_of(weight_of(name, 64, 256))), name
         nvfp4 = weight_of("compressed-tensors/NVFP4A16", 16, 256)
         # row 0: w[0] = 0 and w[1] = 6 * its scale; x: 1 at k = 0, 2**-20 at k = 1 (below half the
@@ -297,7 +337,7 @@ def test_the_vnni_loop_takes_up_to_four_bfloat16_rows_of_4_bit_codes(monkeypatch
         monkeypatch.setenv(INT16_VARIABLE, "1")
         kernel, reference = CpuGemvKernel(), ReferenceKernel()
         generator = torch.Generator().manual_seed(7)
-        for name in ("compressed-tensors/NVFP4A16", "compressed-tensors/MXFP4A16", "compressed-tensors/W4A16"):
+        for name in taken + with_zeros:
             weight = storable(name, 24, 2336) or weight_of(name, 24, 2304)
             for rows in (1, 2, 3, 4):
                 x = torch.randn(rows, weight.k, generator=generator)
@@ -306,6 +346,43 @@ def test_the_vnni_loop_takes_up_to_four_bfloat16_rows_of_4_bit_codes(monkeypatch
                 x = x.to(torch.bfloat16)
                 y = kernel.apply(kernel.prepare(weight, CPU), x, None)
                 check_close(weight, x, y, reference.apply(reference.prepare(weight, CPU), x, None))
+    finally:
+        cpu_gemv.set_isa(before)
+
+
+@needs_vnni
+def test_the_vnni_loop_subtracts_zero_points_exactly_and_leaves_large_ones_to_the_float_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Zero points are subtracted in 32-bit integers (a code equal to its zero point gives
+    exactly zero whatever x); zero points beyond 2047 (times the table's factor) would overflow
+    them, so such a layer runs the float32 loop, with the reference's result either way."""
+    before = cpu_gemv.isa()
+    cpu_gemv.set_isa("avx512")
+    monkeypatch.setenv(AMX_VARIABLE, "0")
+    monkeypatch.setenv(INT16_VARIABLE, "1")
+    try:
+        weight = weight_of("gptq/W4A16_ASYM", 16, 512)
+        assert weight.zero_point is not None
+        # every code of row 0 equals its group's zero point: the row's weights are all zero
+        zero = weight.zero_point.clone()
+        codes = weight.codes.clone()
+        zero[0] = 5
+        codes[0] = 0x55
+        crafted = dataclasses.replace(weight, codes=codes, zero_point=zero)
+        layout = cpu_gemv.layout_of(crafted)
+        assert cpu_gemv.int16_applies(layout)
+        x = (torch.randn(4, 512, generator=torch.Generator().manual_seed(3)) * 1e4).to(torch.bfloat16)
+        y = cpu_gemv.gemv(layout, x)
+        assert torch.equal(y[:, 0], torch.zeros(4, dtype=torch.bfloat16))
+        kernel, reference = CpuGemvKernel(), ReferenceKernel()
+        check_close(crafted, x, y, reference.apply(reference.prepare(crafted, CPU), x, None))
+        large = weight.zero_point.clone()
+        large[3, 0] = 3000
+        far = dataclasses.replace(weight, zero_point=large)
+        assert not cpu_gemv.int16_applies(cpu_gemv.layout_of(far))
+        y = kernel.apply(kernel.prepare(far, CPU), x, None)
+        check_close(far, x, y, reference.apply(reference.prepare(far, CPU), x, None))
     finally:
         cpu_gemv.set_isa(before)
 

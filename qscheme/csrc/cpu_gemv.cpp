@@ -107,7 +107,7 @@ static bool vnni_supported() {
 bool int16_fits(const Params &p, Int16Input &in) {
     const char *setting = std::getenv("QSCHEME_CPU_GEMV_INT16");
     if ((setting && setting[0] == '0') || !vnni_supported()) return false;
-    if (p.code_kind != CODE_NIBBLE || p.zero || p.k < 64) return false;
+    if (p.code_kind != CODE_NIBBLE || p.k < 64) return false;
     if (!(p.group_k == 16 || p.group_k == 32 || p.group_k % 64 == 0)) return false;
     for (int shift = 0; shift <= 4; shift++) {  // the smallest power of two making every value an integer
         const float factor = static_cast<float>(1 << shift);
@@ -116,7 +116,7 @@ bool int16_fits(const Params &p, Int16Input &in) {
             const float v = p.lut[i] * factor;  // exact: a power of two
             integral = std::isfinite(v) && std::fabs(v) <= 2047.0f && v == std::nearbyint(v);
         }
-        if (!integral) continue;
+        if (!integral || (p.zero && static_cast<double>(p.zero_max) * factor > 2047.0)) continue;
         for (int i = 0; i < 32; i++) in.table[i] = static_cast<int16_t>(i < 16 ? p.lut[i] * factor : 0.0f);
         in.factor = factor;
         in.k_main = (p.k / 64) * 64;
@@ -189,10 +189,15 @@ constexpr int64_t TASK_ROWS = 64;
 
 int64_t width_of(int level) { return level == ISA_AVX512 ? 16 : (level == ISA_AVX2 ? 8 : 0); }
 
+/* The layer's integers (qscheme.cpu_gemv._layer_args): codes, code stride, code kind, lut, scale,
+ * scale kind, scale table, scale columns, group rows, group columns, zero points, row scales, divide,
+ * N, K, the largest |zero point|. */
+constexpr int LAYER_INTS = 16;
+
 /* Fill Params from the Python arguments (a tuple of ints; addresses as ints). */
 bool parse_params(PyObject *args, Params &p, Py_ssize_t first) {
-    long long v[15];
-    for (int i = 0; i < 15; i++) {
+    long long v[LAYER_INTS];
+    for (int i = 0; i < LAYER_INTS; i++) {
         PyObject *item = PyTuple_GetItem(args, first + i);
         if (!item) return false;
         v[i] = PyLong_AsLongLong(item);
@@ -213,8 +218,9 @@ bool parse_params(PyObject *args, Params &p, Py_ssize_t first) {
     p.row_divide = static_cast<int>(v[12]);
     p.n = v[13];
     p.k = v[14];
+    p.zero_max = v[15];
     if (p.code_kind < CODE_NIBBLE || p.code_kind > CODE_UINT8 || p.scale_kind < SCALE_NONE ||
-        p.scale_kind > SCALE_BYTE || p.scale_cols < 1 || p.group_n < 1 || p.group_k < 1 || p.n < 0 || p.k < 0 ||
+        p.scale_kind > SCALE_BYTE || p.scale_cols < 1 || p.group_n < 1 || p.group_k < 1 || p.n < 0 || p.k < 0 || p.zero_max < 0 ||
         !p.codes || (p.scale_kind != SCALE_NONE && !p.scale) || (p.scale_kind == SCALE_NONE && !p.row_scale) ||
         (p.code_kind == CODE_NIBBLE && !lut) || (p.scale_kind == SCALE_BYTE && !table)) {
         PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv: inconsistent layer description");
@@ -245,10 +251,10 @@ inline uint16_t float_to_bf16(float f) {
     return static_cast<uint16_t>(bits >> 16);
 }
 
-/* gemv(x, x_bf16, m, out, out_bf16, bias, threads, <15 layer ints>): out[m, N] = x[m, K] W^T + bias. */
+/* gemv(x, x_bf16, m, out, out_bf16, bias, threads, <16 layer ints>): out[m, N] = x[m, K] W^T + bias. */
 PyObject *gemv(PyObject *, PyObject *args) {
-    if (!PyTuple_Check(args) || PyTuple_Size(args) != 22) {
-        PyErr_SetString(PyExc_TypeError, "qscheme._cpu_gemv.gemv takes 22 integer arguments");
+    if (!PyTuple_Check(args) || PyTuple_Size(args) != 7 + LAYER_INTS) {
+        PyErr_SetString(PyExc_TypeError, "qscheme._cpu_gemv.gemv takes 23 integer arguments");
         return nullptr;
     }
     long long head[7];
@@ -362,11 +368,11 @@ PyObject *gemv(PyObject *, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* dequantize(out, out_bf16, n0, n1, threads, <15 layer ints>): rows [n0, n1) of the weight as
+/* dequantize(out, out_bf16, n0, n1, threads, <16 layer ints>): rows [n0, n1) of the weight as
  * float32 or bfloat16 [n1 - n0, K], the reference's float32 values (rounded once to bfloat16). */
 PyObject *dequantize(PyObject *, PyObject *args) {
-    if (!PyTuple_Check(args) || PyTuple_Size(args) != 20) {
-        PyErr_SetString(PyExc_TypeError, "qscheme._cpu_gemv.dequantize takes 20 integer arguments");
+    if (!PyTuple_Check(args) || PyTuple_Size(args) != 5 + LAYER_INTS) {
+        PyErr_SetString(PyExc_TypeError, "qscheme._cpu_gemv.dequantize takes 21 integer arguments");
         return nullptr;
     }
     long long head[5];
@@ -413,11 +419,11 @@ PyObject *dequantize(PyObject *, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* int16_layer(<15 layer ints>): whether one to four bfloat16 rows of x run the VNNI loop on this
+/* int16_layer(<16 layer ints>): whether one to four bfloat16 rows of x run the VNNI loop on this
  * layer (the AVX-512 loops in use, the tiles not taking every M, and int16_fits). */
 PyObject *int16_layer(PyObject *, PyObject *args) {
-    if (!PyTuple_Check(args) || PyTuple_Size(args) != 15) {
-        PyErr_SetString(PyExc_TypeError, "qscheme._cpu_gemv.int16_layer takes 15 integer arguments");
+    if (!PyTuple_Check(args) || PyTuple_Size(args) != LAYER_INTS) {
+        PyErr_SetString(PyExc_TypeError, "qscheme._cpu_gemv.int16_layer takes 16 integer arguments");
         return nullptr;
     }
     Params p;

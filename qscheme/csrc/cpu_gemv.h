@@ -33,6 +33,7 @@ struct Params {
     int byte_format = 0;  // ByteFormat: the table holds e4m3's or e8m0's values (decoded by arithmetic)
     int64_t scale_cols = 1, group_n = 1, group_k = 1;
     const int16_t *zero = nullptr;  // indexed as the scale
+    int64_t zero_max = 0;  // the largest |zero point| (0 without)
     const float *row_scale = nullptr;  // [N]: effective = scale * row (or / row, or row alone)
     int row_divide = 0;
     int64_t n = 0, k = 0;
@@ -134,8 +135,9 @@ struct Int16Input {
 };
 
 // Whether the VNNI loop takes this layer (4-bit codes whose values times a power of two up to 16
-// are integers within 2047, no zero points, scale groups of 16, 32 or a multiple of 64, at least
-// 64 columns), this CPU runs AVX512-VNNI and QSCHEME_CPU_GEMV_INT16 is not "0"; fills the table.
+// are integers within 2047, and so are the zero points times it, scale groups of 16, 32 or a
+// multiple of 64, at least 64 columns), this CPU runs AVX512-VNNI and QSCHEME_CPU_GEMV_INT16 is not
+// "0"; fills the table.
 bool int16_fits(const Params &p, Int16Input &in);
 // One row of x (float32 values, each a bfloat16 value; in.k_main of them read) into xq (k_main
 // int16) and unit (in.blocks steps); false where an element is not finite or a block's largest

@@ -6,7 +6,10 @@
 // of a chunk of 64 holds elements 4j..4j+3, so that with groups of 16 or 32 a lane never mixes
 // two groups: after each chunk (groups of 16 or 32) or at the end of each group and block (groups
 // of a multiple of 64) the integer sums are converted to float32 and multiplied by their group's
-// effective scale, and each block's sum by its step (a power of two: exact).
+// effective scale, and each block's sum by its step (a power of two: exact). With zero points, each
+// lane also sums its elements of x (VPDPWSSD with ones) and, before the conversion, the zero point
+// (times the table's factor) times that sum is subtracted: sum x * (value - zero), exact in 32 bits
+// (|x| < 2**15, at most 16 elements per lane between two flushes, |value|, |zero| <= 2047).
 #if defined(__x86_64__) || defined(__i386__)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 #include <immintrin.h>
@@ -57,9 +60,14 @@ static inline __m512 group_scales(const Params &p, int64_t n, const uint8_t *byt
     return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, _mm512_cvtepu8_epi32(raw), table, 4);
 }
 
+// The zero points of row n's groups [g0, g0 + count) (count <= 16) times the table's factor, as 32-bit lanes.
+static inline __m512i group_zeros(const int32_t *zeros, int64_t g0, int64_t count) {
+    return _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << count) - 1u), zeros + g0);
+}
+
 // R weight rows from row n times M rows of x; G: the scale group (16 or 32: several per chunk; 0:
-// a multiple of 64). acc[m * ldy + n]: row m's sums.
-template <int R, int M, int G>
+// a multiple of 64); Z: with zero points. acc[m * ldy + n]: row m's sums.
+template <int R, int M, int G, bool Z>
 static void rows_int16(const Params &p, const Int16Input &in, int64_t n, float *acc, int64_t ldy, Scratch &work) {
     const int64_t g = p.group_k, k_main = in.k_main, cols = p.scale_cols, stride = p.code_stride;
     const __m512i table = _mm512_loadu_si512(in.table), low = _mm512_set1_epi16(0x000F);
@@ -72,6 +80,19 @@ static void rows_int16(const Params &p, const Int16Input &in, int64_t n, float *
     const float *scale_table[R], *scales[R];
     std::vector<float> &buffer = work.buffer;
     if (buffer.size() < static_cast<size_t>(R * cols)) buffer.resize(static_cast<size_t>(R * cols));
+    const int32_t *zeros[R];  // Z: each row's zero points times the table's factor
+    if (Z) {
+        std::vector<int32_t> &held = work.zeros;
+        if (held.size() < static_cast<size_t>(R * cols)) held.resize(static_cast<size_t>(R * cols));
+        const int32_t factor = static_cast<int32_t>(in.factor);
+        for (int r = 0; r < R; r++) {
+            const int16_t *z = p.zero + scale_row_base(p, n + r);
+            int32_t *row = held.data() + r * cols;
+            for (int64_t c = 0; c < cols; c++) row[c] = static_cast<int32_t>(z[c]) * factor;
+            zeros[r] = row;
+        }
+    }
+    const __m512i ones = _mm512_set1_epi16(1);
     for (int r = 0; r < R; r++) {
         scale_bytes[r] = nullptr;
         scale_table[r] = nullptr;
@@ -95,13 +116,15 @@ static void rows_int16(const Params &p, const Int16Input &in, int64_t n, float *
     for (int64_t b0 = 0; b0 < k_main; b0 += BLOCK) {
         const int64_t b1 = std::min(k_main, b0 + BLOCK);
         __m512 part[R][M], s16[R];
-        __m512i sum[R][M];
+        __m512i sum[R][M], z16[R], xsum[M];
+        for (int m = 0; m < M; m++) xsum[m] = _mm512_setzero_si512();
         for (int r = 0; r < R; r++) {
             for (int m = 0; m < M; m++) {
                 part[r][m] = _mm512_setzero_ps();
                 sum[r][m] = _mm512_setzero_si512();
             }
             if (G) s16[r] = group_scales(p, n + r, scale_bytes[r], scale_table[r], scales[r], b0 / G, (b1 - b0) / G);
+            if (G && Z) z16[r] = group_zeros(zeros[r], b0 / G, (b1 - b0) / G);
         }
         __m512i index = lane_group;
         int64_t group = b0 / g, group_end = (group + 1) * g;  // G = 0: the chunk's group and where it ends
@@ -116,6 +139,7 @@ static void rows_int16(const Params &p, const Int16Input &in, int64_t n, float *
             for (int m = 0; m < M; m++) {
                 xa[m] = _mm512_loadu_si512(in.x + m * k_main + k);
                 xb[m] = _mm512_loadu_si512(in.x + m * k_main + k + 32);
+                if (Z) xsum[m] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(xsum[m], ones, xa[m]), ones, xb[m]);
             }
             for (int r = 0; r < R; r++) {
                 const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(chunk + r * stride)));
@@ -126,23 +150,31 @@ static void rows_int16(const Params &p, const Int16Input &in, int64_t n, float *
                     sum[r][m] = _mm512_dpwssd_epi32(sum[r][m], odd, xb[m]);
                 }
             }
-            if (G) {  // every chunk: its groups' scales, lane by lane
+            if (G) {  // every chunk: its groups' scales (and zero points), lane by lane
                 for (int r = 0; r < R; r++) {
                     const __m512 scale = _mm512_permutexvar_ps(index, s16[r]);
+                    const __m512i zero = Z ? _mm512_permutexvar_epi32(index, z16[r]) : _mm512_setzero_si512();
                     for (int m = 0; m < M; m++) {
+                        if (Z) sum[r][m] = _mm512_sub_epi32(sum[r][m], _mm512_mullo_epi32(zero, xsum[m]));
                         part[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][m]), scale, part[r][m]);
                         sum[r][m] = _mm512_setzero_si512();
                     }
                 }
+                if (Z)
+                    for (int m = 0; m < M; m++) xsum[m] = _mm512_setzero_si512();
                 index = _mm512_add_epi32(index, next_chunk);
             } else if (k + CHUNK == group_end || k + CHUNK == b1) {  // since the last flush: one group
                 for (int r = 0; r < R; r++) {
                     const __m512 scale = _mm512_set1_ps(byte_scale ? scale_table[r][scale_bytes[r][group]] : scales[r][group]);
+                    const __m512i zero = Z ? _mm512_set1_epi32(zeros[r][group]) : _mm512_setzero_si512();
                     for (int m = 0; m < M; m++) {
+                        if (Z) sum[r][m] = _mm512_sub_epi32(sum[r][m], _mm512_mullo_epi32(zero, xsum[m]));
                         part[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][m]), scale, part[r][m]);
                         sum[r][m] = _mm512_setzero_si512();
                     }
                 }
+                if (Z)
+                    for (int m = 0; m < M; m++) xsum[m] = _mm512_setzero_si512();
                 if (k + CHUNK == group_end) {
                     group++;
                     group_end += g;
@@ -158,24 +190,33 @@ static void rows_int16(const Params &p, const Int16Input &in, int64_t n, float *
         for (int m = 0; m < M; m++) acc[m * ldy + n + r] = _mm512_reduce_add_ps(total[r][m]);
 }
 
-template <int M, int G>
+template <int M, int G, bool Z>
 static void rows_group(const Params &p, const Int16Input &in, int64_t n0, int64_t n1, float *acc, int64_t ldy,
                        Scratch &work) {
     constexpr int R = M == 1 ? 4 : 2;  // the accumulators of R x M within the registers
     int64_t n = n0;
-    for (; n + R <= n1; n += R) rows_int16<R, M, G>(p, in, n, acc, ldy, work);
-    for (; n < n1; n++) rows_int16<1, M, G>(p, in, n, acc, ldy, work);
+    for (; n + R <= n1; n += R) rows_int16<R, M, G, Z>(p, in, n, acc, ldy, work);
+    for (; n < n1; n++) rows_int16<1, M, G, Z>(p, in, n, acc, ldy, work);
+}
+
+template <int M, bool Z>
+static void rows_zero(const Params &p, const Int16Input &in, int64_t n0, int64_t n1, float *acc, int64_t ldy,
+                      Scratch &work) {
+    if (p.group_k == 16)
+        rows_group<M, 16, Z>(p, in, n0, n1, acc, ldy, work);
+    else if (p.group_k == 32)
+        rows_group<M, 32, Z>(p, in, n0, n1, acc, ldy, work);
+    else
+        rows_group<M, 0, Z>(p, in, n0, n1, acc, ldy, work);
 }
 
 template <int M>
 static void rows_m(const Params &p, const Int16Input &in, int64_t n0, int64_t n1, float *acc, int64_t ldy,
                    Scratch &work) {
-    if (p.group_k == 16)
-        rows_group<M, 16>(p, in, n0, n1, acc, ldy, work);
-    else if (p.group_k == 32)
-        rows_group<M, 32>(p, in, n0, n1, acc, ldy, work);
+    if (p.zero)
+        rows_zero<M, true>(p, in, n0, n1, acc, ldy, work);
     else
-        rows_group<M, 0>(p, in, n0, n1, acc, ldy, work);
+        rows_zero<M, false>(p, in, n0, n1, acc, ldy, work);
 }
 
 }  // namespace qscheme_gemv_int16

@@ -34,6 +34,7 @@ struct Scratch {
         uint32_t factor = 0;
     };
     std::vector<float> buffer;
+    std::vector<int32_t> zeros;  // the VNNI loop's zero points of its rows
     Slot slots[SLOTS];
     uint64_t clock = 0;
 };
