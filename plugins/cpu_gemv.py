@@ -9,9 +9,10 @@ and FP4), with zero points, per-partition global scales and AWQ pre-scales; bflo
 reference kernel's exact activation emulation (``qscheme.emulation``) ahead of the GEMV. The
 code is in ``qscheme_plugins.cpu_gemv_kernel`` and ``qscheme.cpu_gemv``.
 
-Priority 45: above the reference kernel (0) on every format it takes, below ``tinygemm_cpu``
-(60), which keeps int4 with bfloat16 inputs (see the benchmark figures in the report), and below
-the Triton kernel (50), which runs on a CPU only under the Triton interpreter (a test path).
+Priority 45: above the reference kernel (0) on every format it takes, and below the Triton kernel
+(50), which runs on a CPU only under the Triton interpreter (a test path); 62 for int4 and uint4
+codes (``INT4_FORMATS``), above ``tinygemm_cpu`` (60): as fast within the noise of same-run
+measurements, at half its memory (the figures are beside the entry).
 
 The capability check ``NativeLoops`` rejects the kernel, with its reason in the resolve trace,
 where the extension was not built (no C++ compiler at install) or the CPU runs neither AVX-512
@@ -55,8 +56,26 @@ WEIGHT_ONLY_FORMATS = Supports(
     zero_points=True,
     per_partition_scales=True,
     input_pre_scale=True,
+    input_permutation=True,
 )
 
+
+# int4 and uint4 codes (compressed-tensors W4A16 / W4A16_ASYM, GPTQ, AWQ, ModelOpt W4A16_AWQ), ranked
+# above tinygemm_cpu (60), which takes them too with bfloat16 inputs: same-run medians on a 2-core Zen 4
+# EPYC (4096x4096 and 14336x4096, M = 1 and 4, 1 and 2 threads; cpu_gemv with its VNNI loop) put the two
+# within 0.72-1.28x of each other (both 3.3-5.2x bf16 F.linear at M = 1), and cpu_gemv holds the
+# canonical tensors alone where tinygemm_cpu holds 2.0x them (a repacked copy beside the codes).
+INT4_FORMATS = Supports(
+    weights=("int4",),
+    weight_formats=("int4", "uint4"),
+    granularities=("group", "channel"),
+    scale_formats=("fp32", "fp16", "bf16", "float"),
+    zero_points=True,
+    per_partition_scales=True,
+    input_pre_scale=True,
+    input_permutation=True,
+    priority=62,
+)
 
 # 4-bit codes into a declared table of 16 values (bitsandbytes NF4 and FP4) with group scales
 CODEBOOK_FORMATS = Supports(weights=("codebook",), granularities=("group",), per_partition_scales=True)
@@ -125,6 +144,7 @@ CPU_GEMV = KernelDeclaration(
     priority=45,
     description="qscheme's C++ CPU GEMV: codes decoded in registers, float32 sums (AMX tiles / AVX-512 / AVX2)",
     supports=(
+        INT4_FORMATS,
         WEIGHT_ONLY_FORMATS,
         CODEBOOK_FORMATS,
         _restricted(NVFP4_ACTIVATION_PAIR),
@@ -173,6 +193,8 @@ CPU_GEMV = KernelDeclaration(
         "input is e4m3 or int8 code values times one float32 scale per row (per-tensor or per-token: FP8, "
         "FP8_DYNAMIC, W8A8), the codes are multiplied by the weight and each output row by its scale afterwards "
         "(scale * (codes . w): one rounding where the reference rounds each code times the scale)",
+        "act-order layers (GPTQ desc_act, input channels permuted in the canonical weight): the input's columns are "
+        "permuted into the codes' order (after any pre-scale), the same products summed in another order",
         "keeps the canonical tensors as they are (no copy): plus 4 bytes per output row where a global or "
         "per-tensor scale is folded per row, and two small value tables",
     ),

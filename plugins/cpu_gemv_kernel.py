@@ -23,11 +23,16 @@ flattens the input to [M, K] and:
   input scales) goes through the extension for those partitions' rows, and the float32 result is
   rounded once to the input's dtype.
 
+A layer whose canonical columns are the input channels permuted (GPTQ act-order,
+``CanonicalWeight.input_permutation``) keeps its codes as stored: the input (after any pre-scale
+and activation emulation, which take it in the input's order) is permuted the same way.
+
 Rows of the weight are split over ``torch.get_num_threads()`` worker threads of the extension.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -46,10 +51,12 @@ DIRECT_DTYPES = (torch.bfloat16, torch.float32)  # the extension reads these inp
 
 @dataclass(frozen=True)
 class CpuGemvState:
-    """The extension's view of the layer, and what the input needs before it (None: nothing)."""
+    """The extension's view of the layer, and what the input needs before it (None: nothing).
+    ``permutation``: the canonical columns' input channels (GPTQ act-order), or None."""
 
     layout: GemvLayout
     emulation: ReferenceState | None
+    permutation: Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -90,7 +97,17 @@ class CpuGemvKernel:
                 "compiler (pip install --no-build-isolation -e .)"
             )
         weight = weight.to(device)
-        layout = cpu_gemv.layout_of(weight)
+        permutation = weight.input_permutation
+        if permutation is not None:
+            if weight.scheme.activation is not None:
+                raise UsageError(
+                    f"cpu_gemv permutes the input channels of weight-only layers only; scheme {weight.scheme.name} "
+                    "quantizes its activations (run the layer on the reference kernel)"
+                )
+            # the codes as stored (column j holds input channel permutation[j]); apply() permutes x to match
+            layout = cpu_gemv.layout_of(dataclasses.replace(weight, input_permutation=None))
+        else:
+            layout = cpu_gemv.layout_of(weight)
         emulation = None
         if weight.scheme.activation is not None or weight.input_pre_scale is not None:
             pre_scale = weight.input_pre_scale
@@ -101,7 +118,7 @@ class CpuGemvKernel:
                 scalings=input_scalings(weight, device) if weight.scheme.activation is not None else (),
                 pre_scale=None if pre_scale is None else pre_scale.to(dtype=torch.float32),
             )
-        return CpuGemvState(layout=layout, emulation=emulation)
+        return CpuGemvState(layout=layout, emulation=emulation, permutation=permutation)
 
     def apply(self, state: CpuGemvState, x: Tensor, bias: Tensor | None) -> Tensor:
         if x.shape[-1] != state.k:
@@ -109,14 +126,14 @@ class CpuGemvKernel:
         rows = x.reshape(-1, state.k)
         layout = state.layout
         if state.emulation is None and x.dtype in DIRECT_DTYPES:
-            y = cpu_gemv.gemv(layout, rows, bias)
+            y = cpu_gemv.gemv(layout, _in_code_order(state, rows), bias)
             return y.reshape(*x.shape[:-1], layout.n)
         emulation = state.emulation
         if emulation is not None and emulation.activation is None and x.dtype == torch.bfloat16:
             assert emulation.pre_scale is not None  # weight-only with an emulation state: an AWQ pre-scale
             # the pre-scaled input rounded once to bfloat16, so that the bfloat16 loops (VNNI, AMX) take it
             scaled = apply_pre_scale(rows, emulation.pre_scale).to(torch.bfloat16)
-            return cpu_gemv.gemv(layout, scaled, bias).reshape(*x.shape[:-1], layout.n)
+            return cpu_gemv.gemv(layout, _in_code_order(state, scaled), bias).reshape(*x.shape[:-1], layout.n)
         factored = None if state.emulation is None else scaled_codes(state.emulation, rows)
         if factored is not None:  # the codes times the weight, then each row's activation scale
             outputs = []
@@ -128,11 +145,13 @@ class CpuGemvKernel:
             y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
             return y.to(x.dtype).reshape(*x.shape[:-1], layout.n)
         if state.emulation is None:
-            pieces = [(0, layout.n, rows.to(torch.float32))]
+            pieces = [(0, layout.n, _in_code_order(state, rows.to(torch.float32)))]
         else:
             inputs = ReferenceKernel().quantize_input(state.emulation, rows)
             pieces = [
-                (0, layout.n, values) if scaling is None else (scaling.start, scaling.stop, values)
+                (0, layout.n, _in_code_order(state, values))
+                if scaling is None
+                else (scaling.start, scaling.stop, _in_code_order(state, values))
                 for scaling, values in inputs
             ]
         outputs = []
@@ -147,6 +166,11 @@ class CpuGemvKernel:
                 outputs.append(cpu_gemv.gemv(part, values.contiguous(), part_bias))
         y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         return y.to(x.dtype).reshape(*x.shape[:-1], layout.n)
+
+
+def _in_code_order(state: CpuGemvState, rows: Tensor) -> Tensor:
+    """The input's columns in the order of the codes' columns (act-order layers), else as given."""
+    return rows if state.permutation is None else rows.index_select(1, state.permutation)
 
 
 # Activation formats whose code values are exact in bfloat16 (the GEMV's tile path takes them).

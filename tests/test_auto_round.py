@@ -171,7 +171,7 @@ def test_signed_scales_load_and_run_on_tinygemm_within_its_declared_bound(folder
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     expected, bound = expected_and_bound(weight, x, None, CPU)
     assert_within(kernel.apply(kernel.prepare(weight, CPU), x, None), expected, bound, module)
-    assert {layer.kernel.name for layer in load_checkpoint(folders["sym_4bit"]).modules.values()} == {"tinygemm_cpu"}
+    assert {layer.kernel.name for layer in load_checkpoint(folders["sym_4bit"]).modules.values()} == {"cpu_gemv"}
 
 
 def _relabelled(folders: dict[str, Path], name: str, tmp_path: Path, **changes: Any) -> Path:

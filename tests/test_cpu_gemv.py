@@ -299,6 +299,34 @@ def test_awq_layers_give_the_extension_the_pre_scaled_input_in_bfloat16(monkeypa
         check_close(weight, rows, y, reference.apply(reference.prepare(weight, CPU), rows, bias.to(dtype)))
 
 
+@pytest.mark.parametrize("name", ["gptq/W4A16_ASYM_G32", "gptq/W4A16", "gptq/W8A16", "modelopt/W4A16_AWQ"])
+def test_act_order_layers_permute_the_input_into_the_codes_order(name: str) -> None:
+    """A canonical weight whose columns are the input channels permuted (GPTQ act-order) gives the
+    reference's output within the bound (bf16 and float32, 1 to 5 rows, bias), the codes kept as
+    stored; the resolver sends such layers here rather than to the reference kernel."""
+    plain = weight_of(name, 40, 256)
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(6))
+    weight = dataclasses.replace(plain, input_permutation=order)
+    kernel, reference = CpuGemvKernel(), ReferenceKernel()
+    state, expected_state = kernel.prepare(weight, CPU), reference.prepare(weight, CPU)
+    assert state.layout.codes.data_ptr() == weight.codes.data_ptr()  # no copy
+    generator = torch.Generator().manual_seed(7)
+    bias = torch.randn(40, generator=generator)
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows in (1, 3, 5):
+            x = torch.randn(rows, 256, generator=generator).to(dtype)
+            y = kernel.apply(state, x, bias.to(dtype))
+            check_close(weight, x, y, reference.apply(expected_state, x, bias.to(dtype)))
+    # the permutation matters: without it the output is another one
+    unpermuted = kernel.apply(kernel.prepare(plain, CPU), x, bias.to(x.dtype))
+    assert not torch.equal(unpermuted, kernel.apply(state, x, bias.to(x.dtype)))
+    problem = Problem(4096, 4096, input_permutation=True)
+    device = fake_device("cpu", modules=all_modules() | {CPU_GEMV.implementation_module or ""})
+    resolution = resolve(builtin_scheme(name), problem, device, registry.declarations())
+    assert resolution.kernel is not None and resolution.kernel.name == "cpu_gemv"
+    assert not resolution.candidate("tinygemm_cpu").accepted  # which takes input channels in order
+
+
 needs_vnni = pytest.mark.skipif(
     "avx512_vnni" not in cpu_flags() or cpu_gemv.supported_isa() != "avx512", reason="this CPU runs no AVX512-VNNI"
 )
@@ -449,9 +477,12 @@ def test_the_resolver_routes_cpu_layers() -> None:
     for name in ("compressed-tensors/NVFP4A16", "compressed-tensors/MXFP4A16", "compressed-tensors/FP8"):
         assert chosen(name) == "cpu_gemv"
     assert chosen("compressed-tensors/W8A16_G32", "float32") == "cpu_gemv"
-    assert chosen("compressed-tensors/W4A16") == "tinygemm_cpu"  # bf16 int4 stays on tinygemm
-    assert chosen("compressed-tensors/W4A16", "float32") == "cpu_gemv"  # which takes only bf16
-    assert chosen("gptq/W4A16") == "tinygemm_cpu"
+    # int4 and uint4 codes rank above tinygemm_cpu (its entry's priority), for every input dtype
+    for name in ("compressed-tensors/W4A16", "compressed-tensors/W4A16_ASYM", "gptq/W4A16", "awq/W4A16_ASYM"):
+        assert chosen(name) == chosen(name, "float32") == "cpu_gemv", name
+    # without cpu_gemv they go back to tinygemm_cpu (bf16 only)
+    without = resolve(builtin_scheme("gptq/W4A16"), Problem(4096, 4096), device, declarations, disabled=["cpu_gemv"])
+    assert without.kernel is not None and without.kernel.name == "tinygemm_cpu"
 
 
 def test_quant_linear_runs_it() -> None:

@@ -10,7 +10,7 @@ the kernel on every scheme family it claims, against the reference dequantizatio
 - The kernel (``DequantGemmKernel``, whichever path runs here, and the torch path): within its
   declared bound of the reference kernel, for weight-only and quantized-activation schemes (FP8,
   FP8_DYNAMIC, NVFP4 W4A4), fused partitions with their own global and input scales, 3-D inputs.
-- Plans on a CPU: int4 runs tinygemm_cpu up to M = 15 and dequant_gemm from M = 16, also under
+- Plans on a CPU: int4 runs cpu_gemv up to M = 15 and dequant_gemm from M = 16, also under
   the Triton interpreter (the interpreted Triton kernel never takes a batch size from it).
 """
 
@@ -217,10 +217,12 @@ def test_the_kernel_is_within_its_bound_of_the_reference_kernel(name: str, nativ
     assert empty.shape == (2, 0, n)
 
 
-def test_int4_runs_tinygemm_below_16_and_the_tiles_from_16_even_under_the_triton_interpreter(
+def test_int4_runs_the_gemv_below_16_and_the_tiles_from_16_even_under_the_triton_interpreter(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     weight = weight_of("compressed-tensors/W4A16", 256, 512)
+    # cpu_gemv's int4 entry ranks above tinygemm_cpu; without its loops (no extension, no AVX2) tinygemm_cpu
+    gemv = "cpu_gemv" if cpu_gemv.available() and cpu_gemv.supported_isa() != "scalar" else "tinygemm_cpu"
     for interpreted in (False, True):
         if interpreted:
             monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -230,12 +232,7 @@ def test_int4_runs_tinygemm_below_16_and_the_tiles_from_16_even_under_the_triton
             resolution = registry.resolve_layer(weight.scheme, problem_for(weight, "bfloat16"), "cpu")
             plan = resolution.plan  # type: ignore[attr-defined]
             assert interpreted == resolution.candidate("triton").accepted
-            assert [plan.kernel_for(m).name for m in (1, 15, 16, 256)] == [
-                "tinygemm_cpu",
-                "tinygemm_cpu",
-                "dequant_gemm",
-                "dequant_gemm",
-            ]
+            assert [plan.kernel_for(m).name for m in (1, 15, 16, 256)] == [gemv, gemv, "dequant_gemm", "dequant_gemm"]
 
 
 @pytest.mark.parametrize("name", ["compressed-tensors/FP8_DYNAMIC", "compressed-tensors/NVFP4A16"])

@@ -294,14 +294,14 @@ def test_the_kernels_see_compressed_tensors_tensors_and_take_the_same_routes(nam
     assert ours.kernel_tensors().keys() == theirs.kernel_tensors().keys()
     for field, value in ours.kernel_tensors().items():
         assert torch.equal(value, theirs.kernel_tensors()[field]), field
-    # so Marlin (vLLM's gptq/awq Marlin repack of these canonical tensors) and tinygemm take them as they do
+    # so Marlin (vLLM's gptq/awq Marlin repack of these canonical tensors) and cpu_gemv take them as they do
     # compressed-tensors'
     for device in ("cpu", "sm80", "sm90", "sm120"):
         problem = Problem(4096, 4096)
         chosen = resolve(load_scheme(name), problem, fake_device(device), AS_IF_IMPLEMENTED).kernel
         expected = resolve(load_scheme(twin), problem, fake_device(device), AS_IF_IMPLEMENTED).kernel
         assert chosen is not None and expected is not None and chosen.name == expected.name, device
-        assert chosen.name == ("tinygemm_cpu" if device == "cpu" else "marlin")
+        assert chosen.name == ("cpu_gemv" if device == "cpu" else "marlin")
 
 
 @pytest.mark.parametrize("name", ["gptq/W4A16", "gptq_v2/W4A16_ASYM_G32", "awq/W4A16_ASYM"])

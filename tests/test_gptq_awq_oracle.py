@@ -197,17 +197,27 @@ def test_a_mislabelled_checkpoint_format_is_refused_or_differs(folders: dict[str
         assert not torch.equal(layer.dequantize(), right.modules[module].dequantize()), module
 
 
-def test_act_order_loads_exactly_on_the_reference_kernel_and_the_trace_says_why(folders: dict[str, Path]) -> None:
+def test_act_order_loads_exactly_on_cpu_gemv_and_the_trace_says_why_tinygemm_declines(folders: dict[str, Path]) -> None:
+    """GPTQModel's act-order layers run on cpu_gemv, which permutes its input into the codes' order
+    (within its declared bound of the reference kernel); tinygemm_cpu takes input channels in order."""
+    from test_cpu_gemv import check_close
+
     g_idx = load_file(folders["act_order"] / "model.safetensors")["model.layers.0.self_attn.q_proj.g_idx"]
     assert not torch.equal(g_idx, torch.arange(g_idx.numel(), dtype=g_idx.dtype) // 32)  # a real act-order file
     checkpoint = load_checkpoint(folders["act_order"])
+    generator = torch.Generator().manual_seed(5)
     for layer in checkpoint.modules.values():  # (bit-identical weights: test_every_layer_dequantizes_...)
-        assert layer.kernel.name == "reference"
+        assert layer.kernel.name == "cpu_gemv"
         tinygemm = layer.resolution.candidate("tinygemm_cpu")
         assert not tinygemm.accepted and "permuted (GPTQ act-order" in tinygemm.reason
+        weight = layer.weight_canonical
+        assert weight.input_permutation is not None
+        x = torch.randn(3, weight.k, generator=generator).to(torch.bfloat16)
+        reference = QuantLinear.from_canonical(weight, kernel="reference")
+        check_close(weight, x, layer(x), reference(x))
     # `qscheme resolve` reads the group index too (a [K] tensor), and says the same before loading
     _, decisions = resolve_checkpoint(folders["act_order"], device="cpu")
-    assert {decision.resolution.kernel.name for decision in decisions} == {"reference"}  # type: ignore[union-attr]
+    assert {decision.resolution.kernel.name for decision in decisions} == {"cpu_gemv"}  # type: ignore[union-attr]
 
 
 def test_dynamic_overrides_pick_each_modules_scheme_or_leave_it_unquantized(folders: dict[str, Path]) -> None:
@@ -277,10 +287,22 @@ def test_3bit_layers_run_on_the_reference_kernel_and_triton_and_the_trace_says_w
         assert float((got - expected).abs().max()) <= 1e-4 * float(expected.abs().max()), module
 
 
-def test_int4_layers_resolve_to_tinygemm_on_cpu(folders: dict[str, Path]) -> None:
+def test_int4_layers_run_on_cpu_gemv_within_its_bound(folders: dict[str, Path]) -> None:
+    """GPTQModel's and AutoAWQ's int4 layers (zero points included) run on cpu_gemv, which ranks above
+    tinygemm_cpu for int4 (both accepted), at M = 1 to 4 (its VNNI loop where the CPU has one) and 7."""
+    from test_cpu_gemv import check_close
+
+    generator = torch.Generator().manual_seed(6)
     for name in ("v1_sym", "v1_asym", "awq"):
         checkpoint = load_checkpoint(folders[name])
-        assert {layer.kernel.name for layer in checkpoint.modules.values()} == {"tinygemm_cpu"}, name
+        assert {layer.kernel.name for layer in checkpoint.modules.values()} == {"cpu_gemv"}, name
+        for layer in checkpoint.modules.values():
+            assert layer.resolution.candidate("tinygemm_cpu").accepted, name
+            weight = layer.weight_canonical
+            reference = QuantLinear.from_canonical(weight, kernel="reference")
+            for rows in (1, 4, 7):
+                x = torch.randn(rows, weight.k, generator=generator).to(torch.bfloat16)
+                check_close(weight, x, layer(x), reference(x))
 
 
 def test_the_oracle_is_exported_in_ci() -> None:

@@ -165,9 +165,12 @@ def test_kernels_of_a_plan_share_the_canonical_tensors() -> None:
     assert canonical <= resident(layer) <= 1.05 * canonical
 
 
-def test_a_repacking_kernel_and_dequant_gemm_hold_no_more_than_the_repack_alone() -> None:
+def test_a_repacking_kernel_and_dequant_gemm_hold_no_more_than_the_repack_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """int4: tinygemm_cpu repacks (about 1x more); beside it dequant_gemm adds no copy (at most
-    its small tables)."""
+    its small tables). cpu_gemv, which ranks above tinygemm_cpu for int4, is disabled."""
+    monkeypatch.setenv("QSCHEME_DISABLED_KERNELS", "cpu_gemv")
     weight = memory_weight("compressed-tensors/W4A16")
     alone = QuantLinear(weight, kernel="tinygemm_cpu").prepare()
     both = QuantLinear(weight, m_split="tinygemm_cpu=-15,dequant_gemm=16-")

@@ -336,10 +336,10 @@ def test_an_implementation_that_fails_to_import_is_rejected_not_fatal() -> None:
         environ: dict[str, str] = {}
         problem = Problem(256, 512)  # bf16 inputs
         # resolution already imports the kernel it would choose: it never reports broken_code, and
-        # goes on to the next kernel by priority whose code loads (tinygemm_cpu, 60, on a CPU)
+        # goes on to the next kernel by priority whose code loads (cpu_gemv, 62 for int4, on a CPU)
         reported = registry.resolve_layer(scheme, problem, "cpu", environ=environ)
         resolution, declaration, _ = registry.select_kernel(scheme, problem, "cpu", environ=environ)
-        assert reported.kernel == declaration and declaration.name == "tinygemm_cpu"
+        assert reported.kernel == declaration and declaration.name == "cpu_gemv"
         rejected = resolution.candidate("broken_code")
         assert rejected.stage == "device"
         assert "failed to load: AttributeError: qscheme_plugins.reference has no attribute 'NoSuchKernel'" in (
@@ -388,7 +388,7 @@ def test_installed_example_plugin_appears_and_wins_with_higher_priority(cli) -> 
     assert kernels["example_dequant"]["priority"] == -10
     assert kernels["example_dequant"]["available"] is True
     low = cli(["resolve", "compressed-tensors/W4A16", "--device", "cpu", "--json"], **env)
-    assert json.loads(str(low["out"]))["kernel"] == "tinygemm_cpu"  # the built-in CPU int4 kernel (priority 60)
+    assert json.loads(str(low["out"]))["kernel"] == "cpu_gemv"  # the built-in CPU int4 kernel (priority 62)
     high = cli(
         ["resolve", "compressed-tensors/W4A16", "--device", "cpu", "--json"], QSCHEME_EXAMPLE_PRIORITY="1000", **env
     )
@@ -547,11 +547,12 @@ def test_resolve_rejects_kernels_whose_code_cannot_be_imported(broken_cli) -> No
     resolved = broken_cli("resolve", "compressed-tensors/W4A16", "--device", "cpu", "--json")
     assert resolved.returncode == 0, resolved.stderr
     decision = json.loads(resolved.stdout)
-    # the three broken kernels rank higher, and are all rejected; tinygemm_cpu (60) outranks triton (50)
-    assert decision["kernel"] == "tinygemm_cpu"
+    # the three broken kernels rank higher, and are all rejected; cpu_gemv (62 for int4) outranks
+    # tinygemm_cpu (60) and triton (50)
+    assert decision["kernel"] == "cpu_gemv"
     _assert_rejected_for_their_code(decision["trace"])
     text = broken_cli("resolve", "compressed-tensors/W4A16", "--device", "cpu").stdout
-    assert text.startswith("kernel: tinygemm_cpu for scheme compressed-tensors/W4A16")
+    assert text.startswith("kernel: cpu_gemv for scheme compressed-tensors/W4A16")
     for name, reason in BROKEN_KERNELS.items():
         assert re.search(
             rf"\n{name} +qscheme-broken-plugin +\d+ +rejected +device +implementation .*{re.escape(reason)}", text
@@ -561,7 +562,7 @@ def test_resolve_rejects_kernels_whose_code_cannot_be_imported(broken_cli) -> No
     assert forced.returncode == 1
     assert "kernel: none: forced kernel 'broken_interface' cannot run" in forced.stdout
     assert BROKEN_KERNELS["broken_interface"] in forced.stdout
-    assert "hint: kernel tinygemm_cpu can run this layer here" in forced.stdout
+    assert "hint: kernel cpu_gemv can run this layer here" in forced.stdout
 
 
 @pytest.mark.subprocess
@@ -569,7 +570,7 @@ def test_resolve_and_run_a_checkpoint_without_the_broken_kernels(broken_cli, tin
     resolved = broken_cli("resolve", str(tiny_w4a16), "--device", "cpu", "--json")
     assert resolved.returncode == 0, resolved.stderr
     decisions = json.loads(resolved.stdout)
-    assert {layer["kernel"] for layer in decisions["layers"]} == {"tinygemm_cpu"}
+    assert {layer["kernel"] for layer in decisions["layers"]} == {"cpu_gemv"}
     unavailable = {u["kernel"]: u for u in decisions["unavailable_kernels"]}
     assert set(unavailable) == set(BROKEN_KERNELS)
     for name, reason in BROKEN_KERNELS.items():
@@ -581,10 +582,10 @@ def test_resolve_and_run_a_checkpoint_without_the_broken_kernels(broken_cli, tin
     assert "7 of 7 layers have a kernel\n\nkernels rejected: their code failed to import" in text
     assert "  broken_dependency (plugin broken-code): ModuleNotFoundError: No module named" in text
 
-    ran = broken_cli("run", str(tiny_w4a16), "--rows", "2", "--json")  # bf16 inputs: tinygemm_cpu runs them
+    ran = broken_cli("run", str(tiny_w4a16), "--rows", "2", "--json")  # bf16 inputs: cpu_gemv runs them
     assert ran.returncode == 0, ran.stderr
     result = json.loads(ran.stdout)
-    assert result["failed"] == 0 and {layer["kernel"] for layer in result["layers"]} == {"tinygemm_cpu"}
+    assert result["failed"] == 0 and {layer["kernel"] for layer in result["layers"]} == {"cpu_gemv"}
     assert {u["kernel"] for u in result["unavailable_kernels"]} == set(BROKEN_KERNELS)
     text = broken_cli("run", str(tiny_w4a16), "--rows", "2").stdout
     assert "kernels rejected: their code failed to import (`qscheme kernels` lists them):" in text

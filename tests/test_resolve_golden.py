@@ -162,14 +162,13 @@ def _route(device: str, name: str, label: str = "bfloat16") -> str:
 
 
 def test_issue_27_kernel_routes_hold() -> None:
-    """GPTQ/AWQ int4 on tinygemm_cpu (CPU) and Marlin (GPU with vLLM), int8 on Marlin; FP8 blocks on
+    """GPTQ/AWQ int4 on cpu_gemv (CPU) and Marlin (GPU with vLLM), int8 on Marlin; FP8 blocks on
     native_fp8_block (sm90, the only device torch's block-scaled FP8 GEMM runs on); gpt-oss MXFP4
-    on Marlin MXFP4; act-order GPTQ on the reference kernel everywhere."""
+    on Marlin MXFP4; act-order GPTQ on the reference kernel on GPUs, on cpu_gemv on the CPU."""
     int4 = [n for n in PRODUCER_SCHEMES if "/W4A16" in n]
     int8 = [n for n in PRODUCER_SCHEMES if "/W8A16" in n]
     assert len(int4) == 9 and len(int8) == 2
-    assert {_route("cpu", n) for n in int4} == {"tinygemm_cpu"}
-    assert {_route("cpu", n) for n in int8} == {"cpu_gemv"}  # tinygemm_cpu is int4 only
+    assert {_route("cpu", n) for n in int4 + int8} == {"cpu_gemv"}  # above tinygemm_cpu for int4 (62 > 60)
     for gpu in ("sm90", "sm100"):
         assert {_route(gpu, n) for n in int4 + int8} == {"marlin"}, gpu
         assert {_route(gpu, n) for n in PRODUCER_SCHEMES if "/W2A16" in n} == {"triton"}  # Marlin has no 2-bit
@@ -178,7 +177,7 @@ def test_issue_27_kernel_routes_hold() -> None:
         assert _route(gpu, "gptq/W4A16", "bfloat16, act-order") == "reference"
         for projection in ("gate_up_proj", "down_proj"):
             assert _route(gpu, "mxfp4/MXFP4", f"bfloat16, gpt-oss-20b expert {projection}") == "marlin_mxfp4"
-    assert _route("cpu", "gptq/W4A16", "bfloat16, act-order") == "reference"
+    assert _route("cpu", "gptq/W4A16", "bfloat16, act-order") == "cpu_gemv"  # it permutes its input
     assert {_route("sm90", n) for n in ("fp8/FP8_BLOCK", "fp8/FP8_BLOCK_UE8M0")} == {"native_fp8_block"}
     assert _route("sm90", "fp8/FP8_BLOCK", "bfloat16, DeepSeek-V3 kv_a_proj_with_mqa") == "native_fp8_block"
     # torch's 128x128 block-scaled FP8 GEMM is sm90-only; on sm100 Triton runs the blocks

@@ -50,7 +50,7 @@ def reasons_at(candidate: Candidate, stage: str) -> str:
 
 # (scheme, device, expected kernel) with every built-in kernel as if its code were installed, and
 # bf16 activations. Priorities: native_fp4 / native_mxfp4 100, native_fp8* 90, marlin 80, tinygemm 70,
-# tinygemm_cpu 60, triton 50, reference 0, native_fp8_cpu -10.
+# cpu_gemv for int4 62, tinygemm_cpu 60, triton 50, cpu_gemv 45, reference 0, native_fp8_cpu -10.
 EXPECTED: list[tuple[str, str, str | None]] = [
     # W4A4 NVFP4: native FP4 on both Blackwell families, Triton elsewhere on CUDA 8.0+.
     ("compressed-tensors/NVFP4", "sm100", "native_fp4"),
@@ -71,10 +71,10 @@ EXPECTED: list[tuple[str, str, str | None]] = [
     ("compressed-tensors/W4A16", "sm86", "marlin"),
     ("compressed-tensors/W4A16_ASYM", "sm90", "marlin"),
     ("compressed-tensors/NVFP4A16", "cpu", "cpu_gemv"),
-    # int4 weight-only on a CPU: torch's tinygemm for CPUs (bf16 activations).
-    ("compressed-tensors/W4A16", "cpu", "tinygemm_cpu"),
-    ("compressed-tensors/W4A16_ASYM", "cpu", "tinygemm_cpu"),
-    ("modelopt/W4A16_AWQ", "cpu", "tinygemm_cpu"),
+    # int4 weight-only on a CPU: cpu_gemv, whose int4 entry (62) ranks above torch's tinygemm for CPUs (60).
+    ("compressed-tensors/W4A16", "cpu", "cpu_gemv"),
+    ("compressed-tensors/W4A16_ASYM", "cpu", "cpu_gemv"),
+    ("modelopt/W4A16_AWQ", "cpu", "cpu_gemv"),
     ("modelopt/fp8_pb_wo", "sm90", "marlin"),  # Marlin runs 128x128 fp8 blocks as groups of 128
     # MXFP4 W4A4: native on datacenter Blackwell (10.x) only, else Triton quantizes the activations itself.
     ("compressed-tensors/MXFP4", "sm100", "native_mxfp4"),
@@ -161,8 +161,8 @@ def test_tinygemm_takes_bf16_activations_only() -> None:
 
 def test_triton_on_cpu_needs_the_interpreter() -> None:
     scheme = builtin_scheme("compressed-tensors/W4A16")
-    # tinygemm_cpu (60) outranks triton (50) for int4 with bf16 inputs on a CPU: leave it out here,
-    # and cpu_gemv (45), which would run the layer without the interpreter
+    # cpu_gemv (62 for int4) and tinygemm_cpu (60) outrank triton (50) for int4 on a CPU: leave them
+    # out here
     without_tinygemm = {"tinygemm_cpu", "cpu_gemv"}
     plain = resolve(scheme, SQUARE, fake_device("cpu"), AS_IF_IMPLEMENTED, disabled=without_tinygemm)
     assert plain.kernel is not None and plain.kernel.name == "reference"
@@ -335,17 +335,18 @@ def test_order_is_priority_then_name_whatever_the_input_order() -> None:
         "tinygemm",
         "a_twin",
         "b_twin",
+        "cpu_gemv",  # 62: its int4 entry's priority
         "tinygemm_cpu",
         "cpu_gemv_blocks",
         "dequant_gemm",
         "triton",
-        "cpu_gemv",
         "reference",
         "native_fp8_cpu",
     ]
     assert first.kernel is not None and first.kernel.name == "a_twin"
     assert first.candidate("b_twin").reason == "not chosen: a_twin ranks higher"
     assert first.candidate("tinygemm_cpu").reason == "not chosen: a_twin ranks higher"
+    assert first.candidate("cpu_gemv").priority == 62 and first.candidate("cpu_gemv_blocks").priority == 56
     for seed in range(5):
         shuffled = list(declarations)
         random.Random(seed).shuffle(shuffled)

@@ -222,17 +222,29 @@ def test_both_kernels_claim_exactly_the_builtin_int4_weight_only_schemes(declara
 
 
 def _resolve(
-    scheme: Scheme, device: str | DeviceFacts, dtype: str = "bfloat16", n: int = 4096, k: int = 4096
+    scheme: Scheme,
+    device: str | DeviceFacts,
+    dtype: str = "bfloat16",
+    n: int = 4096,
+    k: int = 4096,
+    environ: dict[str, str] | None = None,
 ) -> Resolution:
-    return registry.resolve_layer(scheme, Problem(n, k, dtype), device=device, environ={})
+    return registry.resolve_layer(scheme, Problem(n, k, dtype), device=device, environ=environ or {})
+
+
+# cpu_gemv's int4 entry ranks above tinygemm_cpu (62 > 60): without it, tinygemm_cpu runs int4 on a CPU
+WITHOUT_CPU_GEMV = {"QSCHEME_DISABLED_KERNELS": "cpu_gemv"}
 
 
 @pytest.mark.parametrize("name", INT4_SCHEMES)
 def test_the_cpu_picks_tinygemm_cpu_for_bfloat16_and_leaves_other_dtypes_to_slower_paths(name: str) -> None:
     scheme = builtin_scheme(name)
     for n, k in ((4096, 4096), (50, storable_k(scheme, 200))):  # the second padded
-        chosen = _resolve(scheme, "cpu", n=n, k=k).kernel
+        chosen = _resolve(scheme, "cpu", n=n, k=k, environ=WITHOUT_CPU_GEMV).kernel
         assert chosen is not None and chosen.name == "tinygemm_cpu"
+        first = _resolve(scheme, "cpu", n=n, k=k)
+        assert first.kernel is not None and first.kernel.name == "cpu_gemv"
+        assert first.candidate("tinygemm_cpu").accepted
     for dtype in ("float16", "float32"):
         candidate = _resolve(scheme, "cpu", dtype).candidate("tinygemm_cpu")
         assert not candidate.accepted and candidate.stage == "problem"
@@ -422,7 +434,7 @@ def test_a_quant_linear_on_the_cpu_runs_tinygemm_cpu() -> None:
     scheme = builtin_scheme("compressed-tensors/W4A16_ASYM")
     tensors = layer_tensors(scheme, n=48, k=200, seed=2)
     bias = torch.randn(48)
-    layer = QuantLinear.from_tensors(scheme, tensors, bias=bias)
+    layer = QuantLinear.from_tensors(scheme, tensors, bias=bias, kernel="tinygemm_cpu")
     assert layer.kernel.name == "tinygemm_cpu"
     x = torch.randn(2, 5, 200, generator=torch.Generator().manual_seed(1)).to(BF16)
     y = layer(x)
@@ -469,7 +481,7 @@ def _storages(tensors: list[Tensor]) -> int:
 def test_a_layer_keeps_the_4_bit_weight_twice_and_its_scales_three_times() -> None:
     n, k, group = 512, 1024, 128
     weight = random_weight(builtin_scheme("compressed-tensors/W4A16"), n, k, scale_dtype="bfloat16")
-    layer = QuantLinear.from_canonical(weight)
+    layer = QuantLinear.from_canonical(weight, kernel="tinygemm_cpu")
     assert layer.kernel.name == "tinygemm_cpu"
     layer(torch.randn(1, k).to(BF16))
     state = layer._states[("bfloat16", "tinygemm_cpu")]  # per (dtype, kernel of the plan)
