@@ -331,15 +331,18 @@ def test_what_vllm_refuses(job: str, folders: dict[str, Path], vllm_results: dic
             assert REFUSED_BY_VLLM[job] in result["error"], result
 
 
-def test_act_order_runs_on_the_reference_kernel_not_marlin(folders: dict[str, Path]) -> None:
-    """vLLM 0.33 refuses GPTQ act-order with groups; qscheme loads it exactly, on the reference
-    kernel, and a GPU with vLLM 0.33 would not pick Marlin for it (Marlin takes no permuted input)."""
+def test_act_order_runs_on_cpu_gemv_here_and_on_the_reference_kernel_not_marlin_on_a_gpu(
+    folders: dict[str, Path],
+) -> None:
+    """vLLM 0.33 refuses GPTQ act-order with groups; qscheme loads it exactly, on cpu_gemv on this
+    CPU (which permutes its input), and a GPU with vLLM 0.33 would not pick Marlin for it (Marlin
+    takes no permuted input): the reference kernel runs it there."""
     layers = _layers(folders["gptq_act_order"])
     device = replace(fake_device("sm90", modules=all_modules()), distributions=(("vllm", "0.33.0"),))
     for name, layer in layers.items():
         weight = layer.weight_canonical
         assert weight.input_permutation is not None, name
-        assert layer.kernel.name == "reference", name
+        assert layer.kernel.name == "cpu_gemv", name
         resolution = resolve(weight.scheme, problem_for(weight, "bfloat16", name), device, AS_IF_IMPLEMENTED)
         assert resolution.kernel is not None and resolution.kernel.name == "reference", render_resolution(resolution)
         marlin = resolution.candidate("marlin")
