@@ -20,6 +20,9 @@ git ls-files -z --cached --others --exclude-standard -- pyproject.toml setup.py 
     xargs -0 cp --parents -t "$work/src"
 .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$work/src" >/dev/null
 wheel="$(ls "$work"/dist/qscheme-*.whl)"
+if [ -n "${QSCHEME_KEEP_WHEEL:-}" ]; then  # a folder: scripts/test.sh passes this wheel to tests/test_packaging.py
+    cp "$wheel" "$QSCHEME_KEEP_WHEEL/"
+fi
 
 # 2. A fresh venv of .venv's Python with the wheel installed; deps from .venv after its own site.
 .venv/bin/python -m venv --without-pip "$work/venv"

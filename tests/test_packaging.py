@@ -11,6 +11,7 @@ scripts/check-wheel.sh goes further: it installs the wheel and runs qscheme from
 from __future__ import annotations
 
 import configparser
+import os
 import shutil
 import subprocess
 import sys
@@ -46,7 +47,13 @@ def tree_files() -> list[str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
-    """A wheel built (no build isolation: setuptools comes from this venv) from a copy of the tree."""
+    """A wheel built (no build isolation: setuptools comes from this venv) from a copy of the tree,
+    or the one ``QSCHEME_WHEEL`` names: scripts/test.sh sets it to the wheel scripts/check-wheel.sh
+    built from this checkout in the same run (building one takes minutes: the C++ extensions)."""
+    given = os.environ.get("QSCHEME_WHEEL")
+    if given:
+        assert Path(given).is_file(), f"QSCHEME_WHEEL={given!r} is not a file; unset it to build a wheel here"
+        return zipfile.ZipFile(given)
     folder = tmp_path_factory.mktemp("wheel")
     source = folder / "src"
     for name in tree_files():
