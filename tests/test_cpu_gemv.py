@@ -327,6 +327,38 @@ def test_act_order_layers_permute_the_input_into_the_codes_order(name: str) -> N
     assert not resolution.candidate("tinygemm_cpu").accepted  # which takes input channels in order
 
 
+@pytest.mark.parametrize("isa_name", ["avx512", "avx2", "scalar"])
+def test_every_float16_scale_decodes_as_torch_converts_it(isa_name: str) -> None:
+    """Float16 scales (GPTQ's and AutoAWQ's) are converted eight at a time with F16C where the CPU
+    has it, else one by one: every one of the 65,536 bit patterns gives torch's float32 value
+    (NaN where it is NaN), in the dequantized rows and in the GEMV's group sums."""
+    if isa_name not in cpu_gemv.ISA_CHOICES or (isa_name != "scalar" and cpu_gemv.supported_isa() == "scalar"):
+        pytest.skip(f"this CPU runs no {isa_name} loop")
+    weight = weight_of("gptq/W4A16_G32", 512, 4096)  # 512 x 128 scales, replaced by float16 ones below
+    assert weight.scale is not None and weight.scale.shape == (512, 128)
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).reshape(512, 128)
+    crafted = dataclasses.replace(weight, scale=every.contiguous())
+    before = cpu_gemv.isa()
+    try:
+        if isa_name != "avx512" or cpu_gemv.supported_isa() == "avx512":
+            cpu_gemv.set_isa(isa_name)
+        layout = cpu_gemv.layout_of(crafted)
+        rows = cpu_gemv.dequantize_rows(layout, 0, 512)
+        assert torch.equal(rows.isnan(), dequantize(crafted).isnan())
+        finite = ~rows.isnan()
+        assert torch.equal(rows[finite], dequantize(crafted)[finite])
+        # the GEMV: x picks the first element of each group (one column per group), so each output
+        # is the sum over its row's groups of value * scale; compare the rows whose scales are finite
+        x = torch.zeros(1, 4096)
+        x[0, ::32] = 1.0
+        y = cpu_gemv.gemv(layout, x)
+        expected = x @ dequantize(crafted).t()
+        ok = torch.isfinite(every.float()).all(dim=1)
+        torch.testing.assert_close(y[0, ok], expected[0, ok], rtol=2**-20, atol=0.0)
+    finally:
+        cpu_gemv.set_isa(before)
+
+
 needs_vnni = pytest.mark.skipif(
     "avx512_vnni" not in cpu_flags() or cpu_gemv.supported_isa() != "avx512", reason="this CPU runs no AVX512-VNNI"
 )

@@ -35,28 +35,17 @@
 
 namespace qscheme_gemv {
 
-float half_to_float(uint16_t h) {
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
-    if (exponent == 0) {
-        if (mantissa == 0) {
-            bits = sign;
-        } else {  // subnormal: normalize
-            exponent = 127 - 15 + 1;
-            while (!(mantissa & 0x400u)) {
-                mantissa <<= 1;
-                exponent--;
-            }
-            bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
-        }
-    } else if (exponent == 31) {
-        bits = sign | 0x7F800000u | (mantissa << 13);
-    } else {
-        bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
-    }
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
+float half_to_float(uint16_t h) { return half_value(h); }
+
+void halves_to_floats(const uint16_t *h, float *out, int64_t n) {
+#if defined(__x86_64__) || defined(__i386__)
+    static const bool f16c = [] {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("f16c") != 0;
+    }();
+    if (f16c) return halves_to_floats_f16c(h, out, n);
+#endif
+    for (int64_t i = 0; i < n; i++) out[i] = half_value(h[i]);
 }
 
 static float e4m3_value(uint8_t b) {
