@@ -11,8 +11,9 @@ code is in ``qscheme_plugins.cpu_gemv_kernel`` and ``qscheme.cpu_gemv``.
 
 Priority 45: above the reference kernel (0) on every format it takes, and below the Triton kernel
 (50), which runs on a CPU only under the Triton interpreter (a test path); 62 for int4 and uint4
-codes (``INT4_FORMATS``), above ``tinygemm_cpu`` (60): as fast within the noise of same-run
-measurements, at half its memory (the figures are beside the entry).
+codes in groups of 64 or more or per channel (``INT4_FORMATS``), above ``tinygemm_cpu`` (60): as
+fast within the noise of same-run measurements, at half its memory (the figures are beside the
+entry).
 
 The capability check ``NativeLoops`` rejects the kernel, with its reason in the resolve trace,
 where the extension was not built (no C++ compiler at install) or the CPU runs neither AVX-512
@@ -60,15 +61,19 @@ WEIGHT_ONLY_FORMATS = Supports(
 )
 
 
-# int4 and uint4 codes (compressed-tensors W4A16 / W4A16_ASYM, GPTQ, AWQ, ModelOpt W4A16_AWQ), ranked
-# above tinygemm_cpu (60), which takes them too with bfloat16 inputs: same-run medians on a 2-core Zen 4
-# EPYC (4096x4096 and 14336x4096, M = 1 and 4, 1 and 2 threads; cpu_gemv with its VNNI loop) put the two
-# within 0.72-1.28x of each other (both 3.3-5.2x bf16 F.linear at M = 1), and cpu_gemv holds the
-# canonical tensors alone where tinygemm_cpu holds 2.0x them (a repacked copy beside the codes).
+# int4 and uint4 codes in groups of 64 or more, or per channel (compressed-tensors W4A16 / W4A16_ASYM,
+# GPTQ, AWQ, ModelOpt W4A16_AWQ), ranked above tinygemm_cpu (60), which takes them too with bfloat16
+# inputs: same-run medians on a 2-core Zen 4 EPYC (4096x4096 and 14336x4096, M = 1 and 4, 1 and 2
+# threads; cpu_gemv with its VNNI loop) put the two within 0.72-1.28x of each other (both 2.7-6.0x bf16
+# F.linear at M = 1), and cpu_gemv holds the canonical tensors alone where tinygemm_cpu holds 2.0x them
+# (a repacked copy beside the codes). Groups of 32 stay below tinygemm_cpu: with them cpu_gemv flushes
+# its integer sums every 64 elements and was 1.6-1.7x slower at M = 4 (GPTQ W4A16_ASYM_G32, same runs).
+INT4_GROUPS = (64, 128, 256, 512, 1024)
 INT4_FORMATS = Supports(
     weights=("int4",),
     weight_formats=("int4", "uint4"),
     granularities=("group", "channel"),
+    group_sizes=INT4_GROUPS,
     scale_formats=("fp32", "fp16", "bf16", "float"),
     zero_points=True,
     per_partition_scales=True,

@@ -19,10 +19,10 @@ bfloat16 inputs ``tinygemm_cpu`` took 0.62-0.73 / 0.98-1.27 / 3.6-4.5 ms at M = 
 idle runs, medians): 6.7-7.1x / 9.0-10.7x / 2.6-3.7x faster than the reference kernel (1.2x at
 M = 256), and 3.5-4.1x / 2.1-2.3x / 0.83-0.88x bfloat16 ``F.linear`` on a dense weight; hence
 its priority 60, above the Triton kernel (50, on a CPU only under the interpreter) and the
-reference (0). ``cpu_gemv`` ranks above it for int4 and uint4 codes (62: as fast in the same
-runs, at half the memory), so on the CPU it runs those only where ``cpu_gemv`` cannot (the
-extension not built, a CPU without AVX2) or is disabled, and the packed blocks (GGUF Q4_0, Q4_1,
-Q4_K) above ``cpu_gemv_blocks``.
+reference (0). ``cpu_gemv`` ranks above it for int4 and uint4 codes in groups of 64 or more (62:
+as fast in the same runs, at half the memory), so on the CPU it runs those only where ``cpu_gemv``
+cannot (the extension not built, a CPU without AVX2) or is disabled, groups of 32, and the packed
+blocks (GGUF Q4_0, Q4_1, Q4_K) above ``cpu_gemv_blocks``.
 """
 
 from __future__ import annotations

@@ -289,20 +289,23 @@ def test_3bit_layers_run_on_the_reference_kernel_and_triton_and_the_trace_says_w
 
 def test_int4_layers_run_on_cpu_gemv_within_its_bound(folders: dict[str, Path]) -> None:
     """GPTQModel's and AutoAWQ's int4 layers (zero points included) run on cpu_gemv, which ranks above
-    tinygemm_cpu for int4 (both accepted), at M = 1 to 4 (its VNNI loop where the CPU has one) and 7."""
+    tinygemm_cpu for int4 in groups of 64 or more (both accepted; groups of 32 stay on tinygemm_cpu),
+    within its bound at M = 1 to 4 (its VNNI loop where the CPU has one) and 7, groups of 32 too."""
     from test_cpu_gemv import check_close
 
     generator = torch.Generator().manual_seed(6)
-    for name in ("v1_sym", "v1_asym", "awq"):
+    for name, chosen in (("v1_sym", "cpu_gemv"), ("v1_asym", "tinygemm_cpu"), ("awq", "cpu_gemv")):
         checkpoint = load_checkpoint(folders[name])
-        assert {layer.kernel.name for layer in checkpoint.modules.values()} == {"cpu_gemv"}, name
+        assert {layer.kernel.name for layer in checkpoint.modules.values()} == {chosen}, name
         for layer in checkpoint.modules.values():
             assert layer.resolution.candidate("tinygemm_cpu").accepted, name
+            assert layer.resolution.candidate("cpu_gemv").accepted, name
             weight = layer.weight_canonical
+            gemv = QuantLinear.from_canonical(weight, kernel="cpu_gemv")
             reference = QuantLinear.from_canonical(weight, kernel="reference")
             for rows in (1, 4, 7):
                 x = torch.randn(rows, weight.k, generator=generator).to(torch.bfloat16)
-                check_close(weight, x, layer(x), reference(x))
+                check_close(weight, x, gemv(x), reference(x))
 
 
 def test_the_oracle_is_exported_in_ci() -> None:
