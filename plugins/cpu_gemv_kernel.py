@@ -98,16 +98,15 @@ class CpuGemvKernel:
             )
         weight = weight.to(device)
         permutation = weight.input_permutation
-        if permutation is not None:
-            if weight.scheme.activation is not None:
-                raise UsageError(
-                    f"cpu_gemv permutes the input channels of weight-only layers only; scheme {weight.scheme.name} "
-                    "quantizes its activations (run the layer on the reference kernel)"
-                )
-            # the codes as stored (column j holds input channel permutation[j]); apply() permutes x to match
-            layout = cpu_gemv.layout_of(dataclasses.replace(weight, input_permutation=None))
-        else:
-            layout = cpu_gemv.layout_of(weight)
+        if permutation is not None and weight.scheme.activation is not None:
+            raise UsageError(
+                f"cpu_gemv permutes the input channels of weight-only layers only; scheme {weight.scheme.name} "
+                "quantizes its activations (run the layer on the reference kernel)"
+            )
+        # the codes as stored (column j holds input channel permutation[j]); apply() permutes x to match
+        layout = cpu_gemv.layout_of(
+            weight if permutation is None else dataclasses.replace(weight, input_permutation=None)
+        )
         emulation = None
         if weight.scheme.activation is not None or weight.input_pre_scale is not None:
             pre_scale = weight.input_pre_scale

@@ -229,10 +229,10 @@ def layout_of(weight: CanonicalWeight) -> GemvLayout:
     zero_point = None
     zero_max = 0
     if weight.zero_point is not None:
-        if int(weight.zero_point.min()) < -32768 or int(weight.zero_point.max()) > 32767:
-            raise UsageError(f"cpu_gemv takes zero points within int16; {where} has larger ones")
+        zero_max = int(weight.zero_point.abs().max()) if weight.zero_point.numel() else 0
+        if zero_max > 32767:
+            raise UsageError(f"cpu_gemv takes zero points within int16; {where} has one of magnitude {zero_max}")
         zero_point = _contiguous(weight.zero_point.to(torch.int16))
-        zero_max = int(zero_point.abs().max()) if zero_point.numel() else 0
     meta = (code_kind, scale_kind, scale_cols, group_n, group_k, divide, weight.n, weight.k, zero_max)
     return GemvLayout(codes, scale, zero_point, row_scale, lut, scale_table, meta)
 

@@ -1,7 +1,7 @@
-// Byte scales shared by the CPU extensions (qscheme._cpu_gemv, qscheme._tile_gemm): what a layer's
-// 256-entry table of scale values holds, so that vector loops may decode e4m3 and e8m0 bytes by
-// arithmetic instead of looking them up. Internal linkage: the files compiled for wider ISAs
-// (target pragmas) must not share a copy with the portable ones.
+// Scale values shared by the CPU extensions (qscheme._cpu_gemv, qscheme._tile_gemm): float16 scales
+// decoded exactly, and what a layer's 256-entry table of byte scale values holds, so that vector
+// loops may decode e4m3 and e8m0 bytes by arithmetic instead of looking them up. Internal linkage:
+// the files compiled for wider ISAs (target pragmas) must not share a copy with the portable ones.
 #pragma once
 
 #include <cmath>
@@ -9,6 +9,23 @@
 #include <cstring>
 
 namespace qscheme_bytes {
+
+// A float16 bit pattern as float32, exactly (subnormals, infinities and NaN payloads included),
+// without branches: normal values move their exponent and mantissa fields, subnormal ones are
+// their 10-bit integer mantissa times 2**-24.
+static inline float half_value(uint16_t h) {
+    const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+    uint32_t bits = ((exponent + 112u) << 23) | (mantissa << 13);
+    const float small = static_cast<float>(mantissa) * 0x1p-24f;
+    uint32_t small_bits;
+    std::memcpy(&small_bits, &small, 4);
+    bits = exponent == 0 ? small_bits : bits;
+    bits = exponent == 31 ? (0x7F800000u | (mantissa << 13)) : bits;
+    bits |= static_cast<uint32_t>(h & 0x8000u) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
 
 // What a byte scale's table holds: any values, or every e4m3 value (NaN at 0x7F, 0xFF), or every
 // e8m0 value (2**(b - 127), NaN at 0xFF), bit for bit.

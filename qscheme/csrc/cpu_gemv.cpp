@@ -35,8 +35,6 @@
 
 namespace qscheme_gemv {
 
-float half_to_float(uint16_t h) { return half_value(h); }
-
 void halves_to_floats(const uint16_t *h, float *out, int64_t n) {
 #if defined(__x86_64__) || defined(__i386__)
     static const bool f16c = [] {

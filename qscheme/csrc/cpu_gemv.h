@@ -40,24 +40,7 @@ struct Params {
     uint64_t serial = 0;  // this call's number (keys the per-thread tables derived from it)
 };
 
-float half_to_float(uint16_t h);
-
-// A float16 bit pattern as float32, exactly (subnormals, infinities and NaN payloads included),
-// without branches or a call, so that loops over many scales vectorize: normal values move their
-// exponent and mantissa fields, subnormal ones are their 10-bit integer mantissa times 2**-24.
-inline float half_value(uint16_t h) {
-    const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
-    uint32_t bits = ((exponent + 112u) << 23) | (mantissa << 13);
-    const float small = static_cast<float>(mantissa) * 0x1p-24f;
-    uint32_t small_bits;
-    __builtin_memcpy(&small_bits, &small, 4);
-    bits = exponent == 0 ? small_bits : bits;
-    bits = exponent == 31 ? (0x7F800000u | (mantissa << 13)) : bits;
-    bits |= static_cast<uint32_t>(h & 0x8000u) << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, 4);
-    return f;
-}
+using qscheme_bytes::half_value;
 
 // n float16 bit patterns as float32 (half_value's values), eight at a time with F16C where the CPU
 // has it: a row of scale groups of 32 at K = 4096 is 128 of them per row and call.

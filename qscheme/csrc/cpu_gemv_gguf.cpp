@@ -104,7 +104,7 @@ bool parse(const int32_t *p, int64_t length, int64_t tables, Layout &l) {
 }
 
 struct ScalarHalf {
-    inline float operator()(uint16_t h) const { return qscheme_gemv::half_to_float(h); }
+    inline float operator()(uint16_t h) const { return qscheme_gemv::half_value(h); }
 };
 
 // The portable loop: rows [n0, n1), every row of x.

@@ -39,15 +39,9 @@
 
 namespace qscheme_tile {
 
-namespace {
+using qscheme_bytes::half_value;
 
-float half_value(uint16_t h) {
-    const float sign = (h & 0x8000u) ? -1.0f : 1.0f;
-    const int exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-    if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -24);
-    if (exponent == 31) return mantissa ? std::nanf("") : sign * INFINITY;
-    return sign * std::ldexp(static_cast<float>(mantissa | 0x400), exponent - 25);
-}
+namespace {
 
 float bf16_value(uint16_t h) {
     const uint32_t bits = static_cast<uint32_t>(h) << 16;
