@@ -82,6 +82,7 @@ CPU_GEMV_EXTENSION = Extension(
         "qscheme/csrc/cpu_gemv_avx2.cpp",
         "qscheme/csrc/cpu_gemv_amx.cpp",
         "qscheme/csrc/cpu_gemv_int16.cpp",
+        "qscheme/csrc/cpu_gemv_bf16dot.cpp",
         "qscheme/csrc/cpu_gemv_gguf.cpp",
         "qscheme/csrc/cpu_gemv_gguf_avx512.cpp",
         "qscheme/csrc/cpu_gemv_gguf_avx2.cpp",
@@ -91,6 +92,7 @@ CPU_GEMV_EXTENSION = Extension(
     depends=[
         "qscheme/csrc/cpu_gemv.h",
         "qscheme/csrc/cpu_gemv_kernel.h",
+        "qscheme/csrc/cpu_gemv_dot_kernel.h",
         "qscheme/csrc/cpu_gemv_amx.h",
         "qscheme/csrc/cpu_gemv_gguf.h",
         "qscheme/csrc/cpu_gemv_gguf_kernel.h",

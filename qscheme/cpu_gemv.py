@@ -33,7 +33,12 @@ it off): x is rounded per block of 256 elements to 16-bit integers over a power-
 smallest that holds the block's largest magnitude; every element within 2**7 of it is exact, any
 other off by at most half a step, 2**-16 of that magnitude), the products are summed exactly in
 32-bit integers (VPDPWSSD), a zero point times its group's sum of x subtracted there, and each
-group's sum is multiplied by its effective scale in float32.
+group's sum is multiplied by its effective scale in float32. On a CPU with AVX512-BF16, layers
+without zero points whose code values are exact in bfloat16 take a bfloat16 loop instead in groups
+of 16 or 32 (NVFP4, MXFP4, int4 in groups of 32) and, from two rows of x, in any group
+(``dot_loop``; ``QSCHEME_CPU_GEMV_BF16DOT=0`` turns it off): x as it is, each product exact and
+summed in float32 (VDPBF16PS), each group's sums multiplied by its effective scale in float32,
+where every element of x is zero or of a magnitude in [2**-100, 2**64] (else the integer loop runs).
 
 ``gemv`` and ``dequantize_rows`` call them (eagerly straight into the extension, skipping the
 dispatcher's cost). ``isa()`` says which loops run ('avx512', 'avx2', 'scalar');
@@ -405,16 +410,23 @@ def gemv(layout: GemvLayout, x: Tensor, bias: Tensor | None = None, threads: int
     return _run_gemv(x, *args, bias, *tables, layout.meta, _threads(threads))
 
 
-def int16_applies(layout: GemvLayout) -> bool:
-    """Whether one to four bfloat16 rows of x run the VNNI integer loop on this layer here (see the
-    module docstring); False where the extension is not built."""
+def dot_loop(layout: GemvLayout, rows: int = 1) -> str | None:
+    """Which 16-bit dot-product loop ``rows`` (1 to 4) bfloat16 rows of x run on this layer here
+    (see the module docstring): "vnni" (integer products), "bf16" (bfloat16 products, where every
+    element of x is zero or of a magnitude in [2**-100, 2**64]), or None (the float32 loops, the tiles, or the
+    extension not built)."""
     module = native()
     if module is None:
-        return False
+        return None
     args = _layer_args(
         layout.codes, layout.scale, layout.zero_point, layout.row_scale, layout.lut, layout.scale_table, layout.meta
     )
-    return bool(module.int16_layer(*args))
+    return {0: None, 1: "vnni", 2: "bf16"}[int(module.int16_layer(rows, *args))]
+
+
+def int16_applies(layout: GemvLayout, rows: int = 1) -> bool:
+    """Whether ``rows`` bfloat16 rows of x run the VNNI integer loop on this layer here."""
+    return dot_loop(layout, rows) == "vnni"
 
 
 def dequantize_rows(

@@ -71,11 +71,15 @@ EXPECTED = {
 }
 # "amx": the AVX-512 loops with the tile path (cpu_gemv_amx.cpp) taking every M ("all"; by default
 # it starts at M = 4), where this CPU has it; "vnni": the AVX-512 loops with the VNNI integer loop
-# for one to four bfloat16 rows of 4-bit codes (cpu_gemv_int16.cpp), where this CPU has it; "avx512" with
-# both off (QSCHEME_CPU_GEMV_AMX=0, QSCHEME_CPU_GEMV_INT16=0), so that each runs every case
-ISAS = ("scalar", "avx2", "avx512", "vnni", "amx")
+# for one to four bfloat16 rows of 4-bit codes (cpu_gemv_int16.cpp), where this CPU has it, the
+# AVX512-BF16 loop off; "bf16dot": the AVX-512 loops with the AVX512-BF16 loop for the layers and rows
+# it takes (cpu_gemv_bf16dot.cpp), the VNNI loop for the others; "avx512" with all three off
+# (QSCHEME_CPU_GEMV_AMX=0, QSCHEME_CPU_GEMV_INT16=0, QSCHEME_CPU_GEMV_BF16DOT=0), so that each runs every case
+ISAS = ("scalar", "avx2", "avx512", "vnni", "bf16dot", "amx")
 AMX_VARIABLE = "QSCHEME_CPU_GEMV_AMX"
 INT16_VARIABLE = "QSCHEME_CPU_GEMV_INT16"
+BF16DOT_VARIABLE = "QSCHEME_CPU_GEMV_BF16DOT"
+DOT_LOOPS = ("vnni", "bf16dot")
 # what the tile path needs (cpuid, as /proc/cpuinfo names it; Linux grants the tile state)
 AMX_FLAGS = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512vbmi"}
 SHAPES = ((37, 200), (64, 256), (5, 20))  # ragged N and K (not multiples of 16/32/64), and K under one chunk
@@ -103,18 +107,21 @@ def cpu_flags() -> set[str]:
 
 
 def _isa_param(name: str) -> object:
-    loops = "avx512" if name in ("amx", "vnni") else name
+    loops = "avx512" if name in ("amx", *DOT_LOOPS) else name
     runs = cpu_gemv.ISA_CHOICES.index(loops) <= cpu_gemv.ISA_CHOICES.index(cpu_gemv.supported_isa())
-    runs = runs and (name != "amx" or AMX_FLAGS <= cpu_flags()) and (name != "vnni" or "avx512_vnni" in cpu_flags())
+    runs = runs and (name != "amx" or AMX_FLAGS <= cpu_flags())
+    runs = runs and (name not in DOT_LOOPS or "avx512_vnni" in cpu_flags())
+    runs = runs and (name != "bf16dot" or "avx512_bf16" in cpu_flags())
     return pytest.param(name, marks=pytest.mark.skipif(not runs, reason=f"this CPU does not run {name}"))
 
 
 @pytest.fixture(params=[_isa_param(name) for name in ISAS])
 def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     before = cpu_gemv.isa()
-    cpu_gemv.set_isa("avx512" if request.param in ("amx", "vnni") else request.param)
+    cpu_gemv.set_isa("avx512" if request.param in ("amx", *DOT_LOOPS) else request.param)
     monkeypatch.setenv(AMX_VARIABLE, "all" if request.param == "amx" else "0")
-    monkeypatch.setenv(INT16_VARIABLE, "1" if request.param == "vnni" else "0")
+    monkeypatch.setenv(INT16_VARIABLE, "1" if request.param in DOT_LOOPS else "0")
+    monkeypatch.setenv(BF16DOT_VARIABLE, "1" if request.param == "bf16dot" else "0")
     try:
         yield request.param
     finally:
@@ -152,17 +159,30 @@ def absolute_weight(weight: CanonicalWeight) -> torch.Tensor:
     return _ABSOLUTE[id(weight)][1]
 
 
+def bf16dot_takes(weight: CanonicalWeight, rows: torch.Tensor) -> bool:
+    """Whether the AVX512-BF16 loop multiplies these bfloat16 rows (as the loop takes them) by
+    the weight here: the layer and the number of rows its own (cpu_gemv.dot_loop), and every
+    element zero or of a magnitude in [2**-100, 2**64]."""
+    codes_only = dataclasses.replace(weight, input_permutation=None, input_pre_scale=None)  # what the loop sees
+    if cpu_gemv.dot_loop(cpu_gemv.layout_of(codes_only), rows.shape[0]) != "bf16":
+        return False
+    magnitude = rows.float().abs()
+    return bool(((magnitude == 0) | ((magnitude >= 2.0**-100) & (magnitude <= 2.0**64))).all())
+
+
 def int16_slack(weight: CanonicalWeight, x: torch.Tensor) -> torch.Tensor | float:
     """The VNNI loop's rounding of x, where it may run (one to four bfloat16 rows, the loop not
-    turned off): per row, sum_k |w_k| * half the step of k's block of 256 (k < K rounded down to
-    64), the step the smallest power of two that holds the block's largest |x| in 15 bits
-    (cpu_gemv.py); [rows, N]."""
+    turned off, the AVX512-BF16 loop not taking them): per row, sum_k |w_k| * half the step of k's
+    block of 256 (k < K rounded down to 64), the step the smallest power of two that holds the
+    block's largest |x| in 15 bits (cpu_gemv.py); [rows, N]."""
     rows = x.reshape(-1, weight.k)
     if x.dtype != torch.bfloat16 or not 1 <= rows.shape[0] <= 4 or os.environ.get(INT16_VARIABLE) == "0":
         return 0.0
     if rounds_pre_scaled_input(weight, x):
         assert weight.input_pre_scale is not None
         rows = apply_pre_scale(rows, weight.input_pre_scale).to(torch.bfloat16)  # what the loop takes
+    if os.environ.get(BF16DOT_VARIABLE) != "0" and bf16dot_takes(weight, rows):
+        return 0.0  # x as it is: the float32 bound
     k_main = weight.k // 64 * 64
     half = torch.zeros(rows.shape[0], weight.k, dtype=torch.float64)
     for row in range(rows.shape[0]):
@@ -362,6 +382,9 @@ def test_every_float16_scale_decodes_as_torch_converts_it(isa_name: str) -> None
 needs_vnni = pytest.mark.skipif(
     "avx512_vnni" not in cpu_flags() or cpu_gemv.supported_isa() != "avx512", reason="this CPU runs no AVX512-VNNI"
 )
+needs_bf16dot = pytest.mark.skipif(
+    "avx512_bf16" not in cpu_flags() or cpu_gemv.supported_isa() != "avx512", reason="this CPU runs no AVX512-BF16"
+)
 
 
 @needs_vnni
@@ -370,6 +393,7 @@ def test_the_vnni_loop_takes_up_to_four_bfloat16_rows_of_4_bit_codes(monkeypatch
     cpu_gemv.set_isa("avx512")
     monkeypatch.setenv(AMX_VARIABLE, "0")
     monkeypatch.setenv(INT16_VARIABLE, "1")
+    monkeypatch.setenv(BF16DOT_VARIABLE, "0")
     try:
         taken = ("compressed-tensors/NVFP4A16", "compressed-tensors/MXFP4A16", "compressed-tensors/W4A16")
         with_zeros = ("compressed-tensors/W4A16_ASYM", "gptq/W4A16_ASYM_G32", "gptq/W4A16_ASYM_CHANNEL")
@@ -421,6 +445,7 @@ def test_the_vnni_loop_subtracts_zero_points_exactly_and_leaves_large_ones_to_th
     cpu_gemv.set_isa("avx512")
     monkeypatch.setenv(AMX_VARIABLE, "0")
     monkeypatch.setenv(INT16_VARIABLE, "1")
+    monkeypatch.setenv(BF16DOT_VARIABLE, "0")
     try:
         weight = weight_of("gptq/W4A16_ASYM", 16, 512)
         assert weight.zero_point is not None
@@ -448,11 +473,14 @@ def test_the_vnni_loop_subtracts_zero_points_exactly_and_leaves_large_ones_to_th
 
 
 @needs_vnni
+@pytest.mark.parametrize("loop", [pytest.param("vnni"), pytest.param("bf16", marks=needs_bf16dot)])
 @pytest.mark.parametrize("name", ["compressed-tensors/NVFP4A16", "modelopt/W4A16_NVFP4", "compressed-tensors/MXFP4A16"])
-def test_the_vnni_loop_decodes_every_scale_byte_as_its_table_says(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """e4m3 and e8m0 scale bytes are decoded by arithmetic in the VNNI loop (with the row's global
-    scale multiplied or divided as the table is): each byte value, subnormal and NaN ones too,
-    gives the reference's output (NaN where a group's scale is NaN)."""
+def test_the_dot_loops_decode_every_scale_byte_as_its_table_says(
+    name: str, loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """e4m3 and e8m0 scale bytes are decoded by arithmetic in the VNNI and AVX512-BF16 loops (with
+    the row's global scale multiplied or divided as the table is): each byte value, subnormal and
+    NaN ones too, gives the reference's output (NaN where a group's scale is NaN)."""
     weight = weight_of(name, 16, 1024)
     assert weight.scale is not None
     raw = weight.scale.view(torch.uint8).clone()
@@ -466,10 +494,11 @@ def test_the_vnni_loop_decodes_every_scale_byte_as_its_table_says(name: str, mon
     cpu_gemv.set_isa("avx512")
     monkeypatch.setenv(AMX_VARIABLE, "0")
     monkeypatch.setenv(INT16_VARIABLE, "1")
+    monkeypatch.setenv(BF16DOT_VARIABLE, "1" if loop == "bf16" else "0")
     try:
         x = torch.randn(3, crafted.k, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
         layout = cpu_gemv.layout_of(crafted)
-        assert cpu_gemv.int16_applies(layout)
+        assert cpu_gemv.dot_loop(layout, 3) == loop
         expected = ReferenceKernel().apply(ReferenceKernel().prepare(crafted, CPU), x, None)
         assert bool(expected.isnan().any())
         assert torch.equal(cpu_gemv.gemv(layout, x).isnan(), expected.isnan())
@@ -479,6 +508,70 @@ def test_the_vnni_loop_decodes_every_scale_byte_as_its_table_says(name: str, mon
         finite = dataclasses.replace(finite, scale=finite.scale.view(weight.scale.dtype))
         y = cpu_gemv.gemv(cpu_gemv.layout_of(finite), x)
         check_close(finite, x, y, ReferenceKernel().apply(ReferenceKernel().prepare(finite, CPU), x, None))
+    finally:
+        cpu_gemv.set_isa(before)
+
+
+@needs_vnni
+@needs_bf16dot
+def test_the_bf16_loop_takes_x_as_it_is_on_layers_without_zero_points(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = cpu_gemv.isa()
+    cpu_gemv.set_isa("avx512")
+    monkeypatch.setenv(AMX_VARIABLE, "0")
+    monkeypatch.setenv(INT16_VARIABLE, "1")
+    monkeypatch.setenv(BF16DOT_VARIABLE, "1")
+    try:
+        small_groups = ("compressed-tensors/NVFP4A16", "modelopt/W4A16_NVFP4", "compressed-tensors/MXFP4A16")
+        small_groups += ("compressed-tensors/W4A16_G32",)
+        large_groups = ("compressed-tensors/W4A16", "gptq/W4A16")
+        with_zeros = ("compressed-tensors/W4A16_ASYM", "gptq/W4A16_ASYM_G32", "gptq/W4A16_ASYM_CHANNEL")
+        for name in small_groups + large_groups + with_zeros:
+            layout = cpu_gemv.layout_of(weight_of(name, 64, 256))
+            loops = [cpu_gemv.dot_loop(layout, rows) for rows in (1, 2, 3, 4, 5)]
+            if name in small_groups:
+                assert loops == ["bf16"] * 4 + [None], name
+            elif name in large_groups:  # one row: the VNNI loop was faster
+                assert loops == ["vnni"] + ["bf16"] * 3 + [None], name
+            else:
+                assert loops == ["vnni"] * 4 + [None], name
+        # byte codes keep the float32 loop
+        assert cpu_gemv.dot_loop(cpu_gemv.layout_of(weight_of("compressed-tensors/FP8", 64, 256))) is None
+        nvfp4 = weight_of("compressed-tensors/NVFP4A16", 16, 256)
+        # row 0: w[0] = w[2] = w[3] = 0 and w[1] = 6 * its scale; x: 1 at k = 0, 2**-20 at k = 1, zero
+        # elsewhere: the bfloat16 loop keeps x[1] (the integer loop rounds it to 0), its one product
+        # the reference's
+        codes = nvfp4.codes.clone()
+        codes[0, 0], codes[0, 1] = 0x70, 0x00
+        crafted = dataclasses.replace(nvfp4, codes=codes)
+        layout = cpu_gemv.layout_of(crafted)
+        x = torch.zeros(1, 256)
+        x[0, 0], x[0, 1] = 1.0, 2.0**-20
+        expected = ReferenceKernel().apply(ReferenceKernel().prepare(crafted, CPU), x.to(torch.bfloat16), None)
+        y = cpu_gemv.gemv(layout, x.to(torch.bfloat16))
+        assert float(y[0, 0]) > 0.0 and torch.equal(y[0, 0], expected[0, 0])
+        # an element of x out of [2**-100, 2**64] (here where w is zero): the VNNI loop takes the row
+        for outside in (2.0**-110, 2.0**70, -(2.0**70)):
+            x[0, 2] = outside
+            assert float(cpu_gemv.gemv(layout, x.to(torch.bfloat16))[0, 0]) == 0.0, outside
+        x[0, 2] = 2.0**-100
+        assert float(cpu_gemv.gemv(layout, x.to(torch.bfloat16))[0, 0]) > 0.0
+        monkeypatch.setenv(BF16DOT_VARIABLE, "0")
+        assert cpu_gemv.dot_loop(layout) == "vnni"
+        assert float(cpu_gemv.gemv(layout, x.to(torch.bfloat16))[0, 0]) == 0.0
+        # rows of x (and blocks of one row) of very different magnitudes: within the float32 bound
+        monkeypatch.setenv(BF16DOT_VARIABLE, "1")
+        kernel, reference = CpuGemvKernel(), ReferenceKernel()
+        generator = torch.Generator().manual_seed(7)
+        for name in small_groups + large_groups:
+            weight = storable(name, 24, 2336) or weight_of(name, 24, 2304)
+            for rows in (1, 2, 3, 4):
+                x = torch.randn(rows, weight.k, generator=generator)
+                x = x * torch.tensor([1.0, 2.0**10, 2.0**-12, 3.0])[:rows, None]
+                x[:, 256:512] *= 2.0**-20
+                x = x.to(torch.bfloat16)
+                assert bf16dot_takes(weight, x) == (name in small_groups or rows > 1), (name, rows)
+                y = kernel.apply(kernel.prepare(weight, CPU), x, None)
+                check_close(weight, x, y, reference.apply(reference.prepare(weight, CPU), x, None))
     finally:
         cpu_gemv.set_isa(before)
 

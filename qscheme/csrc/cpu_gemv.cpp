@@ -139,6 +139,58 @@ bool int16_prepare(const float *x, const Int16Input &in, int16_t *xq, float *uni
     return true;
 }
 
+static bool bf16_supported() {
+#if defined(__x86_64__) || defined(__i386__)
+    static const bool supported = [] {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512bf16") != 0;
+    }();
+    return supported;
+#else
+    return false;
+#endif
+}
+
+static bool bf16_word(float v, int16_t &word) {  // v as a bfloat16 word, where it is one exactly (and not subnormal)
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    if ((bits & 0xFFFFu) || !std::isfinite(v) || (v != 0.0f && std::fabs(v) < 0x1p-126f)) return false;
+    word = static_cast<int16_t>(bits >> 16);
+    return true;
+}
+
+bool bf16dot_fits(const Params &p, int64_t m, Int16Input &in) {
+    const char *setting = std::getenv("QSCHEME_CPU_GEMV_BF16DOT");
+    if ((setting && setting[0] == '0') || !bf16_supported() || p.zero) return false;
+    if (!(p.group_k == 16 || p.group_k == 32 || m >= 2)) return false;
+    int16_t table[32] = {};
+    for (int i = 0; i < 16; i++)
+        if (!bf16_word(p.lut[i], table[i])) return false;
+    std::memcpy(in.table, table, sizeof(table));
+    in.factor = 1.0f;
+    in.bf16 = true;
+    return true;
+}
+
+// Whether v may take the bfloat16 loop: zero, or a magnitude in [2**-100, 2**64] (products with the
+// code values stay normal, and sums of up to 2**31 of them finite).
+static bool bf16dot_range(float v) {
+    const float a = std::fabs(v);
+    return a == 0.0f || (a >= 0x1p-100f && a <= 0x1p64f);
+}
+
+bool bf16dot_prepare(const float *x, const Int16Input &in, int16_t *xq, float *unit) {
+    for (int64_t c = 0; c < in.k_main; c += 64)
+        for (int64_t i = 0; i < 32; i++) {
+            const float even = x[c + 2 * i], odd = x[c + 2 * i + 1];
+            if (!bf16dot_range(even) || !bf16dot_range(odd) || !bf16_word(even, xq[c + i]) ||
+                !bf16_word(odd, xq[c + 32 + i]))
+                return false;
+        }
+    for (int64_t b = 0; b < in.blocks; b++) unit[b] = 1.0f;
+    return true;
+}
+
 }  // namespace qscheme_gemv
 
 using namespace qscheme_gemv;
@@ -286,7 +338,13 @@ PyObject *gemv(PyObject *, PyObject *args) {
     if (int16) {
         xq16.resize(static_cast<size_t>(m * in16.k_main));
         unit16.resize(static_cast<size_t>(m * in16.blocks));
-        for (int64_t r = 0; r < m && int16; r++)
+        Int16Input bf = in16;  // the AVX512-BF16 loop where it takes the layer and x, else the VNNI one
+        bool words = bf16dot_fits(p, m, bf);
+        for (int64_t r = 0; r < m && words; r++)
+            words = bf16dot_prepare(xs.data() + r * ldx, bf, xq16.data() + r * in16.k_main,
+                                    unit16.data() + r * in16.blocks);
+        if (words) in16 = bf;
+        for (int64_t r = 0; r < m && int16 && !words; r++)
             int16 = int16_prepare(xs.data() + r * ldx, in16, xq16.data() + r * in16.k_main,
                                   unit16.data() + r * in16.blocks);
         in16.x = xq16.data();
@@ -326,7 +384,9 @@ PyObject *gemv(PyObject *, PyObject *args) {
     auto job = [&](int64_t task) {
         const int64_t lo = task * rows_per_task, hi = std::min(p.n, lo + rows_per_task);
 #if defined(__x86_64__) || defined(__i386__)
-        if (int16) {
+        if (int16 && in16.bf16) {
+            gemv_bf16dot_avx512(p, in16, static_cast<int>(m), lo, hi, acc.data(), p.n);
+        } else if (int16) {
             gemv_int16_avx512(p, in16, static_cast<int>(m), lo, hi, acc.data(), p.n);
         } else if (level == ISA_AVX512) {
             gemv_avx512(p, xs.data(), ldx, static_cast<int>(m), lo, hi, acc.data(), p.n);
@@ -406,19 +466,22 @@ PyObject *dequantize(PyObject *, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* int16_layer(<16 layer ints>): whether one to four bfloat16 rows of x run the VNNI loop on this
- * layer (the AVX-512 loops in use, the tiles not taking every M, and int16_fits). */
+/* int16_layer(m, <16 layer ints>): which loop m (1 to 4) bfloat16 rows of x run on this layer: 0
+ * neither of the two below, 1 the VNNI loop (the AVX-512 loops in use, the tiles not taking every M,
+ * and int16_fits), 2 the AVX512-BF16 loop (also bf16dot_fits; x of elements zero or of magnitudes in [2**-100, 2**64]). */
 PyObject *int16_layer(PyObject *, PyObject *args) {
-    if (!PyTuple_Check(args) || PyTuple_Size(args) != LAYER_INTS) {
-        PyErr_SetString(PyExc_TypeError, "qscheme._cpu_gemv.int16_layer takes 16 integer arguments");
+    if (!PyTuple_Check(args) || PyTuple_Size(args) != 1 + LAYER_INTS) {
+        PyErr_SetString(PyExc_TypeError, "qscheme._cpu_gemv.int16_layer takes 17 integer arguments");
         return nullptr;
     }
+    const long long m = PyLong_AsLongLong(PyTuple_GetItem(args, 0));
+    if (m == -1 && PyErr_Occurred()) return nullptr;
     Params p;
-    if (!parse_params(args, p, 0)) return nullptr;
+    if (!parse_params(args, p, 1)) return nullptr;
     Int16Input in;
-    const bool runs = isa_level() == ISA_AVX512 && vector_fits(p, 16) && !(amx_usable() && amx_min_rows(p) <= 1) &&
-                      int16_fits(p, in);
-    return PyBool_FromLong(runs ? 1 : 0);
+    const bool runs = m >= 1 && m <= INT16_ROWS && isa_level() == ISA_AVX512 && vector_fits(p, 16) &&
+                      !(amx_usable() && amx_min_rows(p) <= 1) && int16_fits(p, in);
+    return PyLong_FromLong(runs ? (bf16dot_fits(p, m, in) ? 2 : 1) : 0);
 }
 
 PyObject *isa(PyObject *, PyObject *) { return PyUnicode_FromString(ISA_NAMES[isa_level()]); }
@@ -456,7 +519,7 @@ PyMethodDef methods[] = {
     {"gemv", gemv, METH_VARARGS, "y = x W^T (+ bias) over a canonical quantized weight (see qscheme.cpu_gemv)."},
     {"dequantize", dequantize, METH_VARARGS, "Rows of a canonical quantized weight as float32 or bfloat16."},
     {"isa", isa, METH_NOARGS, "The vector loops in use: 'avx512', 'avx2' or 'scalar'."},
-    {"int16_layer", int16_layer, METH_VARARGS, "Whether one bfloat16 row of x runs the VNNI loop on this layer."},
+    {"int16_layer", int16_layer, METH_VARARGS, "Which loop one to four bfloat16 rows of x run on this layer: 0 neither, 1 VNNI, 2 AVX512-BF16."},
     {"supported_isa", supported_isa, METH_NOARGS, "The widest vector loops this CPU runs."},
     {"set_isa", set_isa, METH_VARARGS, "Use the 'scalar', 'avx2' or 'avx512' loops (at most what the CPU runs)."},
     {"gemv_blocks", qscheme_gguf::gemv_blocks, METH_VARARGS, "y = x W^T (+ bias) over packed blocks (qscheme.cpu_gemv_blocks)."},

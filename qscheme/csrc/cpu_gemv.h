@@ -139,6 +139,9 @@ struct Int16Input {
     int64_t blocks = 0;  // blocks of 256 in k_main (the last one may be shorter)
     int16_t table[32] = {};  // the 16 code values times the table's factor (a power of two)
     float factor = 1.0f;
+    // the AVX512-BF16 loop instead (bf16dot_fits): x and table hold bfloat16 words (x in the same
+    // order, each unit 1, the factor 1)
+    bool bf16 = false;
 };
 
 // Whether the VNNI loop takes this layer (4-bit codes whose values times a power of two up to 16
@@ -154,6 +157,21 @@ bool int16_prepare(const float *x, const Int16Input &in, int16_t *xq, float *uni
 // of row r, with integer products.
 void gemv_int16_avx512(const Params &p, const Int16Input &in, int m, int64_t n0, int64_t n1, float *acc,
                        int64_t ldy);
+// Whether the AVX512-BF16 loop takes m rows of x on a layer int16_fits took: this CPU runs
+// AVX512-BF16, no zero points, every code value exact in bfloat16, groups of 16 or 32 (any group
+// from m = 2), and QSCHEME_CPU_GEMV_BF16DOT is not "0". With groups of 16 or 32 the integer loop
+// converts and scales its sums every 64 elements where this one only scales them; with larger
+// groups and one row of x the integer loop was faster (Zen 4: 1.1-1.5x), with 2-4 rows slower
+// (1.1-1.25x). Sets in.bf16 and puts the code values' bfloat16 words in the table.
+bool bf16dot_fits(const Params &p, int64_t m, Int16Input &in);
+// One row of x (float32 values, each a bfloat16 value) as bfloat16 words in the loop's order, and
+// unit (in.blocks ones); false where an element is nonzero and its magnitude outside [2**-100,
+// 2**64] (not finite included): the products and sums then stay clear of the subnormals the
+// instruction flushes, and of overflows the reference's order (scale times code first) avoids.
+bool bf16dot_prepare(const float *x, const Int16Input &in, int16_t *xq, float *unit);
+// As gemv_int16_avx512, with bfloat16 products summed in float32 (VDPBF16PS).
+void gemv_bf16dot_avx512(const Params &p, const Int16Input &in, int m, int64_t n0, int64_t n1, float *acc,
+                         int64_t ldy);
 
 // Rows [n0, n1) dequantized into out (float32 or bfloat16 rows of K), as the reference does.
 void dequantize_avx512(const Params &p, int64_t n0, int64_t n1, void *out, int out_bf16);
