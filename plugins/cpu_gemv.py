@@ -11,7 +11,8 @@ code is in ``qscheme_plugins.cpu_gemv_kernel`` and ``qscheme.cpu_gemv``.
 
 Priority 45: above the reference kernel (0) on every format it takes, and below the Triton kernel
 (50), which runs on a CPU only under the Triton interpreter (a test path); 62 for int4 and uint4
-codes in groups of 64 or more or per channel (``INT4_FORMATS``), above ``tinygemm_cpu`` (60): as
+codes in groups of 64 or more or per channel (``INT4_FORMATS``) and for int4 codes in groups of 32
+without zero points (``INT4_G32_FORMATS``), above ``tinygemm_cpu`` (60): as
 fast within the noise of same-run measurements, at half its memory (the figures are beside the
 entry).
 
@@ -66,8 +67,9 @@ WEIGHT_ONLY_FORMATS = Supports(
 # inputs: same-run medians on a 2-core Zen 4 EPYC (4096x4096 and 14336x4096, M = 1 and 4, 1 and 2
 # threads; cpu_gemv with its VNNI loop) put the two within 0.72-1.28x of each other (both 2.7-6.0x bf16
 # F.linear at M = 1), and cpu_gemv holds the canonical tensors alone where tinygemm_cpu holds 2.0x them
-# (a repacked copy beside the codes). Groups of 32 stay below tinygemm_cpu: with them cpu_gemv flushes
-# its integer sums every 64 elements and was 1.6-1.7x slower at M = 4 (GPTQ W4A16_ASYM_G32, same runs).
+# (a repacked copy beside the codes). Groups of 32 with zero points stay below tinygemm_cpu: with them
+# cpu_gemv flushes its integer sums every 64 elements and was 1.6-1.7x slower at M = 4 (GPTQ
+# W4A16_ASYM_G32, same runs); without zero points see INT4_G32_FORMATS.
 INT4_GROUPS = (64, 128, 256, 512, 1024)
 INT4_FORMATS = Supports(
     weights=("int4",),
@@ -78,6 +80,23 @@ INT4_FORMATS = Supports(
     zero_points=True,
     per_partition_scales=True,
     input_pre_scale=True,
+    input_permutation=True,
+    priority=62,
+)
+# int4 codes in groups of 32 without zero points (compressed-tensors W4A16_G32, GPTQ W4A16_G32 with
+# symmetric codes, GGUF Q4_0 converted), ranked above tinygemm_cpu too since the AVX512-BF16 loop
+# (x as it is, one scale multiply per group per 64 elements, no integer conversion): same-run
+# medians on the 2-core Zen 4 EPYC (benchmarks/cpu_gemm.py, 4096x4096 and 14336x4096, M = 1 and 4,
+# 1 and 2 threads) put cpu_gemv at 0.93-1.28x tinygemm_cpu's speed (6 of 8 cells at or above 1.0x),
+# at half its memory; on that CPU the VNNI loop runs these layers within 0.84-1.0x of the BF16 loop
+# (benchmarks/cpu_gemv_loops.py).
+INT4_G32_FORMATS = Supports(
+    weights=("int4",),
+    weight_formats=("int4",),
+    granularities=("group",),
+    group_sizes=(32,),
+    scale_formats=("fp32", "fp16", "bf16", "float"),
+    per_partition_scales=True,
     input_permutation=True,
     priority=62,
 )
@@ -150,6 +169,7 @@ CPU_GEMV = KernelDeclaration(
     description="qscheme's C++ CPU GEMV: codes decoded in registers, float32 sums (AMX tiles / AVX-512 / AVX2)",
     supports=(
         INT4_FORMATS,
+        INT4_G32_FORMATS,
         WEIGHT_ONLY_FORMATS,
         CODEBOOK_FORMATS,
         _restricted(NVFP4_ACTIVATION_PAIR),

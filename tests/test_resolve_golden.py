@@ -162,16 +162,17 @@ def _route(device: str, name: str, label: str = "bfloat16") -> str:
 
 
 def test_issue_27_kernel_routes_hold() -> None:
-    """GPTQ/AWQ int4 on cpu_gemv (CPU; groups of 32 on tinygemm_cpu) and Marlin (GPU with vLLM), int8
+    """GPTQ/AWQ int4 on cpu_gemv (CPU; groups of 32 with zero points on tinygemm_cpu) and Marlin (GPU with vLLM), int8
     on Marlin; FP8 blocks on native_fp8_block (sm90, the only device torch's block-scaled FP8 GEMM
     runs on); gpt-oss MXFP4 on Marlin MXFP4; act-order GPTQ on the reference kernel on GPUs, on
     cpu_gemv on the CPU."""
     int4 = [n for n in PRODUCER_SCHEMES if "/W4A16" in n]
     int8 = [n for n in PRODUCER_SCHEMES if "/W8A16" in n]
     assert len(int4) == 9 and len(int8) == 2
-    # int4 in groups of 64 or more: cpu_gemv ranks above tinygemm_cpu (62 > 60); groups of 32: below it
-    assert {_route("cpu", n) for n in int4 + int8 if "G32" not in n} == {"cpu_gemv"}
-    assert {_route("cpu", n) for n in int4 if "G32" in n} == {"tinygemm_cpu"}
+    # int4 in groups of 64 or more, and in groups of 32 without zero points: cpu_gemv ranks above
+    # tinygemm_cpu (62 > 60); groups of 32 with zero points: below it
+    assert {_route("cpu", n) for n in int4 + int8 if "ASYM_G32" not in n} == {"cpu_gemv"}
+    assert {_route("cpu", n) for n in int4 if "ASYM_G32" in n} == {"tinygemm_cpu"}
     for gpu in ("sm90", "sm100"):
         assert {_route(gpu, n) for n in int4 + int8} == {"marlin"}, gpu
         assert {_route(gpu, n) for n in PRODUCER_SCHEMES if "/W2A16" in n} == {"triton"}  # Marlin has no 2-bit

@@ -243,8 +243,9 @@ def test_the_cpu_picks_tinygemm_cpu_for_bfloat16_and_leaves_other_dtypes_to_slow
         chosen = _resolve(scheme, "cpu", n=n, k=k, environ=WITHOUT_CPU_GEMV).kernel
         assert chosen is not None and chosen.name == "tinygemm_cpu"
         first = _resolve(scheme, "cpu", n=n, k=k)
-        # cpu_gemv ranks above it for groups of 64 or more (its int4 entry), below it for groups of 32
-        ahead = scheme.weight.scale.group_size != 32
+        # cpu_gemv ranks above it for groups of 64 or more and groups of 32 without zero points (its
+        # int4 entries), below it for groups of 32 with zero points
+        ahead = scheme.weight.scale.group_size != 32 or scheme.weight.zero_point is None
         assert first.kernel is not None and first.kernel.name == ("cpu_gemv" if ahead else "tinygemm_cpu")
         assert first.candidate("tinygemm_cpu").accepted and first.candidate("cpu_gemv").accepted
     for dtype in ("float16", "float32"):
