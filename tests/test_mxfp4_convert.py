@@ -25,7 +25,7 @@ import torch
 from gpt_oss_checkpoint import tiny_gpt_oss_config, write_gpt_oss_checkpoint
 from gpt_oss_llmcompressor_oracle import write_with_llmcompressor
 from safetensors.torch import load_file, save_file
-from transformers import GptOssForCausalLM
+from transformers import GptOssForCausalLM, Mxfp4Config
 from transformers.integrations import mxfp4 as hf_mxfp4
 from transformers.utils import logging as hf_logging
 
@@ -42,6 +42,9 @@ from qscheme.writing.convert_layer import RequantizationRefusedError, Unconverti
 from qscheme.writing.summary import WriteSummary
 
 TARGET = "compressed-tensors/MXFP4A16"
+# transformers' own dequantization (from 5.25, with triton and its kernels package on a CPU, it
+# otherwise fetches Triton kernels from the Hub)
+DEQUANTIZE = Mxfp4Config(dequantize=True)
 TOKENS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 3, 64, 12]])
 LAYERS, EXPERTS = 2, 4
 INNER = tiny_gpt_oss_config().intermediate_size
@@ -97,7 +100,7 @@ def expected(source: Path) -> dict[str, torch.Tensor]:
 def source_logits(source: Path) -> torch.Tensor:
     """The source through transformers' own loader (it dequantizes mxfp4 on a CPU)."""
     hf_logging.set_verbosity_error()
-    model = GptOssForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    model = GptOssForCausalLM.from_pretrained(source, dtype=torch.float32, quantization_config=DEQUANTIZE).eval()
     with torch.no_grad():
         return model(TOKENS).logits
 

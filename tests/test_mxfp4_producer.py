@@ -15,7 +15,7 @@ import pytest
 import torch
 from gpt_oss_checkpoint import tiny_gpt_oss_config, write_gpt_oss_checkpoint
 from safetensors.torch import load_file
-from transformers import GptOssForCausalLM
+from transformers import GptOssForCausalLM, Mxfp4Config
 from transformers.integrations import mxfp4 as hf_mxfp4
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.quantizers.quantizer_mxfp4 import Mxfp4HfQuantizer
@@ -27,6 +27,9 @@ from qscheme.errors import QSchemeError
 from qscheme.modules import QuantExperts
 from qscheme.transformers import via_qscheme
 
+# transformers' own dequantization (from 5.25, with triton and its kernels package on a CPU, it
+# otherwise fetches Triton kernels from the Hub)
+DEQUANTIZE = Mxfp4Config(dequantize=True)
 TOKENS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 3, 64, 12]])
 EXPERTS = "model.layers.1.mlp.experts"
 
@@ -39,7 +42,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def transformers_logits(folder: Path) -> torch.Tensor:
     hf_logging.set_verbosity_error()
-    model = GptOssForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = GptOssForCausalLM.from_pretrained(folder, dtype=torch.float32, quantization_config=DEQUANTIZE).eval()
     assert type(model.model.layers[0].mlp.experts) is GptOssExperts  # transformers dequantized on CPU
     with torch.no_grad():
         return model(TOKENS).logits
