@@ -379,6 +379,26 @@ def test_every_float16_scale_decodes_as_torch_converts_it(isa_name: str) -> None
         cpu_gemv.set_isa(before)
 
 
+def magnitude_cases(names: tuple[str, ...], quiet: float) -> Iterator[tuple[str, CanonicalWeight, torch.Tensor]]:
+    """(name, weight, x) for each scheme and 1 to 4 bfloat16 rows of x of very different
+    magnitudes (rows 2**10 and 2**-12 apart, and elements 256-511 of each row times ``quiet``)."""
+    generator = torch.Generator().manual_seed(7)
+    for name in names:
+        weight = storable(name, 24, 2336) or weight_of(name, 24, 2304)
+        for rows in (1, 2, 3, 4):
+            x = torch.randn(rows, weight.k, generator=generator)
+            x = x * torch.tensor([1.0, 2.0**10, 2.0**-12, 3.0])[:rows, None]
+            x[:, 256:512] *= quiet
+            yield name, weight, x.to(torch.bfloat16)
+
+
+def check_kernel(weight: CanonicalWeight, x: torch.Tensor) -> None:
+    """cpu_gemv's output for x against the reference kernel's, within the bound."""
+    kernel, reference = CpuGemvKernel(), ReferenceKernel()
+    y = kernel.apply(kernel.prepare(weight, CPU), x, None)
+    check_close(weight, x, y, reference.apply(reference.prepare(weight, CPU), x, None))
+
+
 needs_vnni = pytest.mark.skipif(
     "avx512_vnni" not in cpu_flags() or cpu_gemv.supported_isa() != "avx512", reason="this CPU runs no AVX512-VNNI"
 )
@@ -419,17 +439,8 @@ def test_the_vnni_loop_takes_up_to_four_bfloat16_rows_of_4_bit_codes(monkeypatch
         assert float(cpu_gemv.gemv(layout, x)[0, 0]) > 0.0
         # rows of x (and blocks of one row) of very different magnitudes: each block its own step
         monkeypatch.setenv(INT16_VARIABLE, "1")
-        kernel, reference = CpuGemvKernel(), ReferenceKernel()
-        generator = torch.Generator().manual_seed(7)
-        for name in taken + with_zeros:
-            weight = storable(name, 24, 2336) or weight_of(name, 24, 2304)
-            for rows in (1, 2, 3, 4):
-                x = torch.randn(rows, weight.k, generator=generator)
-                x = x * torch.tensor([1.0, 2.0**10, 2.0**-12, 3.0])[:rows, None]
-                x[:, 256:512] *= 2.0**-5
-                x = x.to(torch.bfloat16)
-                y = kernel.apply(kernel.prepare(weight, CPU), x, None)
-                check_close(weight, x, y, reference.apply(reference.prepare(weight, CPU), x, None))
+        for _, weight, x in magnitude_cases(taken + with_zeros, 2.0**-5):
+            check_kernel(weight, x)
     finally:
         cpu_gemv.set_isa(before)
 
@@ -560,18 +571,9 @@ def test_the_bf16_loop_takes_x_as_it_is_on_layers_without_zero_points(monkeypatc
         assert float(cpu_gemv.gemv(layout, x.to(torch.bfloat16))[0, 0]) == 0.0
         # rows of x (and blocks of one row) of very different magnitudes: within the float32 bound
         monkeypatch.setenv(BF16DOT_VARIABLE, "1")
-        kernel, reference = CpuGemvKernel(), ReferenceKernel()
-        generator = torch.Generator().manual_seed(7)
-        for name in small_groups + large_groups:
-            weight = storable(name, 24, 2336) or weight_of(name, 24, 2304)
-            for rows in (1, 2, 3, 4):
-                x = torch.randn(rows, weight.k, generator=generator)
-                x = x * torch.tensor([1.0, 2.0**10, 2.0**-12, 3.0])[:rows, None]
-                x[:, 256:512] *= 2.0**-20
-                x = x.to(torch.bfloat16)
-                assert bf16dot_takes(weight, x) == (name in small_groups or rows > 1), (name, rows)
-                y = kernel.apply(kernel.prepare(weight, CPU), x, None)
-                check_close(weight, x, y, reference.apply(reference.prepare(weight, CPU), x, None))
+        for name, weight, x in magnitude_cases(small_groups + large_groups, 2.0**-20):
+            assert bf16dot_takes(weight, x) == (name in small_groups or x.shape[0] > 1), (name, x.shape)
+            check_kernel(weight, x)
     finally:
         cpu_gemv.set_isa(before)
 

@@ -134,6 +134,14 @@ static void rows_dot(const Params &p, const Int16Input &in, int64_t n, float *ac
             if (G) s16[r] = group_scales(p, n + r, scale_bytes[r], scale_table[r], scales[r], b0 / G, (b1 - b0) / G);
             if (G && Z) z16[r] = group_zeros(zeros[r], b0 / G, (b1 - b0) / G);
         }
+        // row r's sums since the last flush (less zero times the sums of x) times scale, into part
+        auto flush = [&](int r, __m512 scale, [[maybe_unused]] __m512i zero) {
+            for (int m = 0; m < M; m++) {
+                if constexpr (Z) sum[r][m] = _mm512_sub_epi32(sum[r][m], _mm512_mullo_epi32(zero, xsum[m]));
+                part[r][m] = _mm512_fmadd_ps(D::widen(sum[r][m]), scale, part[r][m]);
+                sum[r][m] = D::zero();
+            }
+        };
         __m512i index = lane_group;
         int64_t group = b0 / g, group_end = (group + 1) * g;  // G = 0: the chunk's group and where it ends
         const uint8_t *chunk = codes + b0 / 2;
@@ -159,28 +167,16 @@ static void rows_dot(const Params &p, const Int16Input &in, int64_t n, float *ac
                 }
             }
             if (G) {  // every chunk: its groups' scales (and zero points), lane by lane
-                for (int r = 0; r < R; r++) {
-                    const __m512 scale = _mm512_permutexvar_ps(index, s16[r]);
-                    const __m512i zero = Z ? _mm512_permutexvar_epi32(index, z16[r]) : _mm512_setzero_si512();
-                    for (int m = 0; m < M; m++) {
-                        if constexpr (Z) sum[r][m] = _mm512_sub_epi32(sum[r][m], _mm512_mullo_epi32(zero, xsum[m]));
-                        part[r][m] = _mm512_fmadd_ps(D::widen(sum[r][m]), scale, part[r][m]);
-                        sum[r][m] = D::zero();
-                    }
-                }
+                for (int r = 0; r < R; r++)
+                    flush(r, _mm512_permutexvar_ps(index, s16[r]),
+                          Z ? _mm512_permutexvar_epi32(index, z16[r]) : _mm512_setzero_si512());
                 if (Z)
                     for (int m = 0; m < M; m++) xsum[m] = _mm512_setzero_si512();
                 index = _mm512_add_epi32(index, next_chunk);
             } else if (k + CHUNK == group_end || k + CHUNK == b1) {  // since the last flush: one group
-                for (int r = 0; r < R; r++) {
-                    const __m512 scale = _mm512_set1_ps(byte_scale ? scale_table[r][scale_bytes[r][group]] : scales[r][group]);
-                    const __m512i zero = Z ? _mm512_set1_epi32(zeros[r][group]) : _mm512_setzero_si512();
-                    for (int m = 0; m < M; m++) {
-                        if constexpr (Z) sum[r][m] = _mm512_sub_epi32(sum[r][m], _mm512_mullo_epi32(zero, xsum[m]));
-                        part[r][m] = _mm512_fmadd_ps(D::widen(sum[r][m]), scale, part[r][m]);
-                        sum[r][m] = D::zero();
-                    }
-                }
+                for (int r = 0; r < R; r++)
+                    flush(r, _mm512_set1_ps(byte_scale ? scale_table[r][scale_bytes[r][group]] : scales[r][group]),
+                          Z ? _mm512_set1_epi32(zeros[r][group]) : _mm512_setzero_si512());
                 if (Z)
                     for (int m = 0; m < M; m++) xsum[m] = _mm512_setzero_si512();
                 if (k + CHUNK == group_end) {
