@@ -5,6 +5,8 @@ AVX2 / scalar loops): the declaration of the ``cpu_gemv_blocks`` kernel, listed 
 It runs schemes of ``packing: blocks`` (GGUF's types Q4_0 ... Q6_K, IQ4_NL, IQ4_XS, MXFP4,
 NVFP4) straight from the raw blocks the canonical weight holds: each block decoded in registers
 as its declaration says (no type is known by name here or in the loops), the weight never stored.
+On CPUs with AVX512-BF16 and VBMI, bfloat16 inputs on the 4-bit types in sub-blocks of 32 take a
+loop of bfloat16 dot products (``qscheme.cpu_gemv_blocks.dot_loop``; the numerics in the notes).
 bfloat16 and float32 inputs (float16 through float32), with bias. The code is in
 ``qscheme_plugins.cpu_gemv_blocks_kernel`` and ``qscheme.cpu_gemv_blocks``.
 
@@ -102,6 +104,13 @@ CPU_GEMV_BLOCKS = KernelDeclaration(
         "first: |y - y_ref| <= 2 * (K + 8) * 2**-24 * sum_k |x_k| * (|s_k * value_k| + |m_k|) before the output "
         "is rounded once to the input's dtype (a bias is added in float32 before that rounding), so with 16-bit "
         "outputs the two may also differ by one unit in the last place of the output",
+        "AVX512-BF16 loop (QSCHEME_CPU_GEMV_BF16DOT=0 turns it off), on a CPU with AVX512-BF16 and VBMI running the "
+        "AVX-512 loops, for bfloat16 inputs on 4-bit codes in sub-blocks of 32 read as nibble pairs whose 16 code "
+        "values are bfloat16 numbers, each zero or of a magnitude in [2**-8, 2**8] (Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS, "
+        "MXFP4), where every element of x is zero or of a magnitude in [2**-100, 2**64] (else the loops above run): x "
+        "as it is times the code values with VDPBF16PS, each product exact and added in float32 (no product or sum is "
+        "subnormal or overflows in that range), each sub-block's sums multiplied by s_g in float32: within the bound "
+        "above",
         "float16 inputs are widened to float32 and the output rounded back once",
         "keeps the canonical blocks as they are (no copy), plus one small program per scheme",
     ),

@@ -16,7 +16,11 @@ sums ``x_k * value(code_k)`` over each sub-block in float32 (fused multiply-adds
 rounds each weight ``s_g * value - m_g`` to float32 first; the two differ by float32 rounding
 only (the bound is in ``qscheme_plugins.cpu_gemv_blocks``).
 
-Loops: AVX-512 (16 weights at a time) or AVX2 (8), each 16- or 8-weight chunk of a block read
+Loops: with bfloat16 inputs on a CPU with AVX512-BF16 and VBMI, 4-bit codes in sub-blocks of 32
+read as nibble pairs (Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS, MXFP4) take the AVX512-BF16 loop: x as it is
+times the code values with VDPBF16PS (products exact, summed in float32), 64 weights a step, the
+factors formed in the loop from each block (``dot_loop`` says where it runs). Otherwise AVX-512 (16
+weights at a time) or AVX2 (8), each 16- or 8-weight chunk of a block read
 from one 16-byte window of the block with per-lane shifts and masks, and the portable scalar
 loop where a layout does not fit (sub-blocks not a multiple of the width, a chunk's bytes further
 apart than 16, a table code of more than 4 bits); ``qscheme.cpu_gemv.set_isa`` /
@@ -36,7 +40,7 @@ import torch
 from torch import Tensor
 
 from qscheme.canonical import CanonicalWeight
-from qscheme.cpu_gemv import _require_native
+from qscheme.cpu_gemv import _require_native, native
 from qscheme.descriptor.blocks import BlockField, BlockLayout
 from qscheme.errors import UsageError
 from qscheme.formats.blocks import compile_layout, float_field_values
@@ -236,6 +240,23 @@ def _cpu_gemv_blocks_fake(
     threads: int,
 ) -> Tensor:
     return x.new_empty((x.shape[0], meta[0]))
+
+
+def dot_loop(layout: BlockGemvLayout) -> str | None:
+    """Which loop bfloat16 rows of x run on this layer here: "bf16" (the AVX512-BF16 loop, on a CPU
+    with AVX512-BF16 and VBMI running the AVX-512 loops, where every element of x is zero or of a
+    magnitude in [2**-100, 2**64]; ``QSCHEME_CPU_GEMV_BF16DOT=0`` turns it off) or None (the float32
+    loops, or the extension not built)."""
+    module = native()
+    if module is None or not hasattr(module, "blocks_loop"):
+        return None
+    c = layout.compiled
+    code = int(
+        module.blocks_loop(
+            layout.k, _address(c.program), c.program.numel(), _address(c.values), _address(c.byte_tables), c.tables
+        )
+    )
+    return "bf16" if code == 1 else None
 
 
 def gemv_blocks(layout: BlockGemvLayout, x: Tensor, bias: Tensor | None = None, threads: int | None = None) -> Tensor:

@@ -14,6 +14,11 @@ with s_k v_k the weight without its minimum and m_k the minimum, both from the r
 (the declaration decoded with and without its minimum), plus for 16-bit outputs one rounding of
 each side's output (one unit in the last place).
 
+The AVX512-BF16 loop (bfloat16 inputs on the 4-bit types in sub-blocks of 32, on a CPU with
+AVX512-BF16 and VBMI): which types it takes (``dot_loop``), its float32 sums and the float32 loops'
+on the same inputs, each within the bound of the reference (rows with an odd number of sub-blocks,
+M up to 6), and the inputs outside its range falling back to the float32 loops.
+
 Also: the resolver's plan on a CPU (this kernel for M <= 15, below tinygemm_cpu), the state holds
 the canonical blocks (no copy) and one program per scheme, the op's fake implementation
 (opcheck, torch.compile), and typed refusals.
@@ -162,6 +167,110 @@ def test_the_scalar_and_vector_loops_agree_within_the_bound() -> None:
         cpu_gemv.set_isa(before)
     for y in outputs.values():
         check_close("gguf/Q4_K", x, y, outputs["scalar"])
+
+
+# The 4-bit types in sub-blocks of 32 read as nibble pairs: the AVX512-BF16 loop's (written out)
+BF16_TYPES = ("gguf/IQ4_NL", "gguf/IQ4_XS", "gguf/MXFP4", "gguf/Q4_0", "gguf/Q4_1", "gguf/Q4_K")
+BF16_LOOP = pytest.mark.skipif(
+    not cpu_gemv.available()
+    or cpu_gemv.supported_isa() != "avx512"
+    or cpu_gemv_blocks.dot_loop(cpu_gemv_blocks.block_layout_of(weight_of("gguf/Q4_0"))) is None,
+    reason="this CPU has no AVX512-BF16 and VBMI (or QSCHEME_CPU_GEMV_BF16DOT=0): the float32 loops run",
+)
+
+
+@functools.cache
+def odd_weight(name: str) -> CanonicalWeight:
+    """A weight whose rows hold an odd number of sub-blocks of 32 where its blocks allow it (the
+    loop's last pair then half empty), N = 37."""
+    scheme = builtin_scheme(name)
+    layout = scheme.weight.blocks
+    assert layout is not None
+    k = 17 * 32 if layout.elements == 32 else 3 * layout.elements
+    dense = torch.randn(37, k, generator=torch.Generator().manual_seed(11))
+    return canonical_blocks(scheme, quantize_blocks(dense, name.removeprefix("gguf/")), 37, k)
+
+
+@pytest.mark.parametrize("name", CLAIMED)
+def test_the_bf16_loop_takes_the_4bit_types_in_sub_blocks_of_32(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = cpu_gemv_blocks.block_layout_of(weight_of(name))
+    runs = cpu_gemv_blocks.dot_loop(layout)
+    if runs is None and name in BF16_TYPES:
+        pytest.skip("this CPU has no AVX512-BF16 and VBMI: the float32 loops run")
+    assert runs == ("bf16" if name in BF16_TYPES else None)
+    monkeypatch.setenv("QSCHEME_CPU_GEMV_BF16DOT", "0")
+    assert cpu_gemv_blocks.dot_loop(layout) is None
+    before = cpu_gemv.isa()
+    try:
+        cpu_gemv.set_isa("avx2")
+        monkeypatch.delenv("QSCHEME_CPU_GEMV_BF16DOT")
+        assert cpu_gemv_blocks.dot_loop(layout) is None  # the AVX2 loops were asked for
+    finally:
+        cpu_gemv.set_isa(before)
+
+
+def float_sums(layout: cpu_gemv_blocks.BlockGemvLayout, x: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    """The extension's float32 sums for bfloat16 rows of x (its output not rounded to bfloat16)."""
+    out = torch.empty(x.shape[0], layout.n, dtype=torch.float32)
+    c, (n, k, row_bytes, tables) = layout.compiled, layout.meta
+    cpu_gemv.native().gemv_blocks(
+        x.data_ptr(), 1, x.shape[0], out.data_ptr(), 0, 0, threads, layout.codes.data_ptr(), n, k, row_bytes,
+        c.program.data_ptr(), c.program.numel(), c.values.data_ptr(), c.byte_tables.data_ptr(), tables,
+    )  # fmt: skip
+    return out
+
+
+@BF16_LOOP
+@pytest.mark.parametrize("name", BF16_TYPES)
+def test_the_bf16_loop_matches_the_reference_kernel(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both loops on the same inputs (their float32 sums), an odd number of sub-blocks per row, M = 1
+    to 6 (two passes), ragged N, 1 and 2 threads: each within the bound of the reference's float32
+    result; and through the op with a bias, within it plus one bfloat16 rounding."""
+    weight = odd_weight(name)
+    layout = cpu_gemv_blocks.block_layout_of(weight)
+    assert cpu_gemv_blocks.dot_loop(layout) == "bf16"
+    reference = ReferenceKernel()
+    state = reference.prepare(weight, CPU)
+    generator = torch.Generator().manual_seed(7)
+    bias = torch.randn(weight.n, generator=generator).to(BF16)
+    # |s_k v_k| + |m_k| of this weight, for the bound
+    blocks = weight.scheme.weight.blocks
+    assert blocks is not None
+    full = decode_blocks(weight.codes, blocks).double()
+    scaled = decode_blocks(weight.codes, dataclasses.replace(blocks, minimum=())).double()
+    size = scaled.abs() + (scaled - full).abs()
+    for m in (1, 2, 3, 4, 6):
+        x = (torch.randn(m, weight.k, generator=generator) * 4).to(BF16)
+        expected = reference.apply(state, x.float(), None).double()
+        bound = 2 * (weight.k + 8) * 2.0**-24 * (x.double().abs() @ size.t())
+        sums = {}
+        for flag in ("1", "0"):
+            monkeypatch.setenv("QSCHEME_CPU_GEMV_BF16DOT", flag)
+            sums[flag] = float_sums(layout, x, threads=1 + m % 2).double()
+            assert bool(((sums[flag] - expected).abs() <= bound + 1e-30).all()), (name, flag, m)
+            y = cpu_gemv_blocks.gemv_blocks(layout, x, bias).double()
+            with_bias = reference.apply(state, x, bias).double()
+            ulp = 2.0**-7 * torch.maximum(y.abs(), with_bias.abs())
+            assert bool(((y - with_bias).abs() <= bound + ulp + 1e-30).all()), (name, flag, m)
+        assert cpu_gemv_blocks.dot_loop(layout) is None  # the switch is read at each call
+
+
+@BF16_LOOP
+def test_inputs_out_of_the_bf16_loops_range_take_the_float_loops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An element of x below 2**-100 or above 2**64 in magnitude (VDPBF16PS would flush or overflow
+    there): the call runs the float32 loops, bit for bit what they give with the loop switched off."""
+    weight = odd_weight("gguf/Q4_0")
+    layout = cpu_gemv_blocks.block_layout_of(weight)
+    x = torch.randn(2, weight.k, generator=torch.Generator().manual_seed(3)).to(BF16)
+    for value in (2.0**-110, -(2.0**70), 2.0**-100):
+        odd = x.clone()
+        odd[1, 5] = value
+        inside = value == 2.0**-100
+        y = float_sums(layout, odd)
+        monkeypatch.setenv("QSCHEME_CPU_GEMV_BF16DOT", "0")
+        floats = float_sums(layout, odd)
+        monkeypatch.delenv("QSCHEME_CPU_GEMV_BF16DOT")
+        assert torch.equal(y, floats) != inside, value
 
 
 def test_the_state_is_the_canonical_blocks() -> None:

@@ -10,6 +10,8 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -150,7 +152,40 @@ inline uint16_t float_to_bf16(float f) {
     return static_cast<uint16_t>(bits >> 16);
 }
 
+// The loop's order of a row of x (cpu_gemv_gguf_bf16.cpp): per pair of sub-blocks
+// [s: 0-15 | s + 1: 0-15 | s: 16-31 | s + 1: 16-31].
+inline int64_t bf16_position(int64_t i) {
+    const int64_t e = i % 64, sub = e / 32, j = e % 32;
+    return i - e + (j / 16) * 32 + sub * 16 + j % 16;
+}
+
 }  // namespace
+
+bool bf16_blocks_available() {
+#if defined(__x86_64__) || defined(__i386__)
+    static const bool supported = [] {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512bf16") != 0 && __builtin_cpu_supports("avx512vbmi") != 0;
+    }();
+    const char *setting = std::getenv("QSCHEME_CPU_GEMV_BF16DOT");
+    return supported && !(setting && setting[0] == '0');
+#else
+    return false;
+#endif
+}
+
+bool bf16_blocks_prepare(const Bf16Input &in, const float *x, int64_t k, int16_t *xq) {
+    std::memset(xq, 0, static_cast<size_t>(in.pairs * 64) * sizeof(int16_t));
+    for (int64_t i = 0; i < k; i++) {
+        uint32_t bits;
+        std::memcpy(&bits, &x[i], 4);
+        const float a = std::fabs(x[i]);
+        // zero or a magnitude in [2**-100, 2**64]; a bfloat16 value (x came as one)
+        if ((bits & 0xFFFFu) || !(a == 0.0f || (a >= 0x1p-100f && a <= 0x1p64f))) return false;
+        xq[bf16_position(i)] = static_cast<int16_t>(bits >> 16);
+    }
+    return true;
+}
 
 /* gemv_blocks(x, x_bf16, m, out, out_bf16, bias, threads, codes, n, k, row_bytes, program,
  * program_length, values, byte_tables, tables): out[m, N] = x[m, K] W^T (+ bias), all ints. */
@@ -211,13 +246,25 @@ PyObject *gemv_blocks(PyObject *, PyObject *args) {
             }
         }
     }
+    // bfloat16 rows of x on the AVX512-BF16 loop where it takes the layout and every element of x
+    Bf16Input words;
+    std::vector<int16_t> xq;
+    bool bf16 = level == 2 && x_bf16 && bf16_blocks_available() && bf16_blocks_fits(l, plan, words);
+    if (bf16) {
+        xq.resize(static_cast<size_t>(m * words.pairs * 64));
+        for (int64_t r = 0; r < m && bf16; r++)
+            bf16 = bf16_blocks_prepare(words, xs.data() + r * ldx, l.k, xq.data() + r * words.pairs * 64);
+        words.x = xq.data();
+    }
     std::vector<float> acc(static_cast<size_t>(m * l.n), 0.0f);
     const int64_t tasks = (l.n + TASK_ROWS - 1) / TASK_ROWS;
     const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
     auto job = [&](int64_t task) {
         const int64_t lo = task * TASK_ROWS, hi = std::min(l.n, lo + TASK_ROWS);
 #if defined(__x86_64__) || defined(__i386__)
-        if (level == 2)
+        if (bf16)
+            gemv_blocks_bf16(l, plan, words, xsum.data(), static_cast<int>(m), lo, hi, acc.data(), l.n);
+        else if (level == 2)
             gemv_blocks_avx512(l, plan, xs.data(), ldx, xsum.data(), static_cast<int>(m), lo, hi, acc.data(), l.n);
         else if (level == 1)
             gemv_blocks_avx2(l, plan, xs.data(), ldx, xsum.data(), static_cast<int>(m), lo, hi, acc.data(), l.n);
@@ -238,6 +285,39 @@ PyObject *gemv_blocks(PyObject *, PyObject *args) {
     qscheme_gemv::run_tasks(count, tasks, job);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
+}
+
+/* blocks_loop(k, program, program_length, values, byte_tables, tables): 1 where bfloat16 rows of x
+ * (every element zero or of a magnitude in [2**-100, 2**64]) run the AVX512-BF16 loop on a layer of
+ * this program and K here, 0 where they run the float32 loops. */
+PyObject *blocks_loop(PyObject *, PyObject *args) {
+    constexpr Py_ssize_t COUNT = 6;
+    if (!PyTuple_Check(args) || PyTuple_Size(args) != COUNT) {
+        PyErr_SetString(PyExc_TypeError, "qscheme._cpu_gemv.blocks_loop takes 6 integer arguments");
+        return nullptr;
+    }
+    long long v[COUNT];
+    for (Py_ssize_t i = 0; i < COUNT; i++) {
+        v[i] = PyLong_AsLongLong(PyTuple_GetItem(args, i));
+        if (v[i] == -1 && PyErr_Occurred()) return nullptr;
+    }
+    Layout l;
+    l.k = v[0];
+    const int32_t *program = reinterpret_cast<const int32_t *>(static_cast<uintptr_t>(v[1]));
+    l.values = reinterpret_cast<const float *>(static_cast<uintptr_t>(v[3]));
+    l.byte_tables = reinterpret_cast<const float *>(static_cast<uintptr_t>(v[4]));
+    if (!program || !l.values || !parse(program, v[2], v[5], l)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.blocks_loop: no program");
+        return nullptr;
+    }
+    if (l.k <= 0 || l.k % l.elements) {
+        PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.blocks_loop: K is not a whole number of blocks");
+        return nullptr;
+    }
+    Bf16Input words;
+    bool runs = qscheme_gemv::active_isa() == 2 && bf16_blocks_available();
+    if (runs) runs = bf16_blocks_fits(l, make_plan(l, 16), words);
+    return PyLong_FromLong(runs ? 1 : 0);
 }
 
 }  // namespace qscheme_gguf

@@ -193,8 +193,52 @@ void gemv_blocks_avx512(const Layout &l, const Plan &plan, const float *x, int64
 void gemv_blocks_avx2(const Layout &l, const Plan &plan, const float *x, int64_t ldx, const float *xsum, int m,
                       int64_t n0, int64_t n1, float *acc, int64_t ldy);
 
+// The AVX512-BF16 loop (cpu_gemv_gguf_bf16.cpp) for up to four bfloat16 rows of x on 4-bit codes
+// in sub-blocks of 32 that the vector loops read as nibble pairs ("low nibbles, then high" windows),
+// whose 16 code values are bfloat16 numbers, each zero or of a magnitude in [2**-8, 2**8]: x as it is
+// times the code values, each product exact and added in float32 (VDPBF16PS), each sub-block's sums
+// multiplied by its scale product s_g in float32, the minimum products applied as the vector loops
+// apply them. Elements of x must be zero or of a magnitude in [2**-100, 2**64] (the instruction
+// flushes subnormals: products stay multiples of 2**-122, sums of up to 2**31 of them finite).
+struct Bf16Input {
+    int kind = 0;                // 1: each sub-block one 16-byte window, its low then its high nibbles
+                                 // (Q4_0, Q4_1, IQ4_NL, IQ4_XS, MXFP4); 2: two windows of 16 bytes,
+                                 // low nibbles one sub-block, high nibbles the next (Q4_K)
+    bool paired = false;         // kind 1 with one sub-block per block of at most 32 bytes: two blocks
+                                 // per 64-byte load, codes (and an fp16 scale) taken by byte permutes
+    int inline_factors = 0;       // paired: how the loop reads the factors from each block (0: formed
+                                  // per row first; cpu_gemv_gguf_bf16.cpp: Inline)
+    alignas(64) int16_t table[32] = {};         // the code values as bfloat16 words, twice over
+    alignas(64) uint8_t code_index[64] = {};    // paired: byte j of the codes' words (odd bytes zeroed)
+    alignas(64) uint8_t scale_index[64] = {};   // fp16 scales: the two blocks', 8 lanes each
+    alignas(64) uint8_t minimum_index[64] = {}; // fp16 minimums: the two blocks', lanes 0 and 1
+    uint64_t mask_two = 0, mask_one = 0;      // paired: the bytes of two blocks, of one
+    int64_t pairs = 0;                        // pairs of sub-blocks per row (the last may be half)
+    const int16_t *x = nullptr;               // [m][pairs * 64] bfloat16 words in the loop's order
+    // K-quant factors ([d, sc] and any [dmin, m], 8 sub-blocks, sc and m integers; not paired): sc
+    // and m of a block read as one vector of 16 integers (their pieces [depth][4][count], its windows,
+    // each lane's sign-extension shift and offset), formed block by block in the loop
+    alignas(64) int32_t kquant_shift[16] = {}, kquant_add[16] = {};
+    int kquant_depth = 0;
+    std::vector<int32_t> kquant_slots;
+    std::vector<Chunk> kquant;
+};
+
+// Whether this CPU runs the loop (AVX512-BF16 and VBMI) and QSCHEME_CPU_GEMV_BF16DOT is not 0.
+bool bf16_blocks_available();
+// Whether the loop takes the layout (plan16: make_plan(l, 16), width 16); fills `in` but x. Call only
+// where bf16_blocks_available().
+bool bf16_blocks_fits(const Layout &l, const Plan &plan16, Bf16Input &in);
+// Row x (float32 [k], bfloat16 values) into xq ([pairs * 64] words, in.kind's order, zero padded);
+// false where an element is outside the loop's range.
+bool bf16_blocks_prepare(const Bf16Input &in, const float *x, int64_t k, int16_t *xq);
+// Rows [n0, n1) of the layer times m rows of in.x (in passes of at most 4), as gemv_blocks_avx512.
+void gemv_blocks_bf16(const Layout &l, const Plan &plan16, const Bf16Input &in, const float *xsum, int m, int64_t n0,
+                      int64_t n1, float *acc, int64_t ldy);
+
 // The Python entry point (in cpu_gemv_gguf.cpp), listed in cpu_gemv.cpp's method table.
 PyObject *gemv_blocks(PyObject *, PyObject *args);
+PyObject *blocks_loop(PyObject *, PyObject *args);
 
 }  // namespace qscheme_gguf
 

@@ -1,0 +1,338 @@
+// The AVX512-BF16 loop over packed blocks (cpu_gemv_gguf.h: Bf16Input), for 4-bit codes in
+// sub-blocks of 32 read as nibble pairs: 64 weights (two sub-blocks) per step, their code values
+// looked up as bfloat16 words (VPERMW) and multiplied by x as it is (VDPBF16PS: products exact,
+// summed in float32 lanes), each sub-block's lane sums multiplied by its scale product s_g.
+//
+// Kind 1 (each sub-block one 16-byte window: its low nibbles are elements 0-15, its high nibbles
+// 16-31): the two windows of sub-blocks s and s + 1 make one vector of 32 bytes, so that the low
+// nibbles' words are [s: 0-15 | s + 1: 0-15] and the high ones' [s: 16-31 | s + 1: 16-31]; lanes
+// 0-7 of both products hold sub-block s and lanes 8-15 s + 1, and one multiply by [s_s x 8 | s_s+1 x 8]
+// scales both (x is stored in that order: cpu_gemv_gguf.cpp, bf16_blocks_prepare). Where a block
+// holds one sub-block and at most 32 bytes, the two blocks come in one masked 64-byte load and VPERMB
+// takes their code bytes (and an fp16 scale of each) out of it.
+// Kind 2 (two windows of 16 bytes: low nibbles sub-block s, high nibbles s + 1; Q4_K): the low
+// nibbles' words are sub-block s in order, the high ones' s + 1; x in order.
+#if defined(__x86_64__) || defined(__i386__)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c")
+#include <immintrin.h>
+
+#include <cstring>
+
+#define QS_GGUF_NAMESPACE qscheme_gguf_bf16
+#include "cpu_gemv_gguf_kernel.h"
+#include "cpu_gemv_gguf_v512.h"
+
+namespace qscheme_gguf_bf16 {
+
+constexpr int SUB = 32;
+constexpr int64_t PREFETCH_BYTES = 1024;
+
+static inline __m512 dot(__m512 sum, __m512i weights, __m512i x) {
+    return _mm512_dpbf16_ps(sum, reinterpret_cast<__m512bh>(weights), reinterpret_cast<__m512bh>(x));
+}
+
+// A block's sub-block products of K-quant factors (in.kquant: [d, sc] and any [dmin, m], sc and m 8
+// integers each): the integers in one vector [sc | m], sign-extended and offset as declared, times
+// [d x 8 | dmin x 8] (each product d * sc exact, as the reference forms it).
+static inline __m512 kquant_block(const Layout &l, const Bf16Input &in, const uint8_t *block) {
+    const Chunk *cs = in.kquant.data();
+    __m512i v = V512::and_(V512::srlv(V512::window(block + cs[0].off, cs[0]), cs[0].shift), cs[0].mask);
+    for (int s = 1; s < in.kquant_depth; s++) {
+        const __m512i w = V512::and_(V512::srlv(V512::window(block + cs[s].off, cs[s]), cs[s].shift), cs[s].mask);
+        v = _mm512_or_si512(v, V512::sllv(w, cs[s].dest));
+    }
+    const __m512i shift = _mm512_load_si512(in.kquant_shift);
+    v = _mm512_add_epi32(_mm512_srav_epi32(_mm512_sllv_epi32(v, shift), shift), _mm512_load_si512(in.kquant_add));
+    const float dmin = l.n_minimum ? block_half(block, l.minimum[0].offset, Half()) : 0.0f;
+    const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(block_half(block, l.scale[0].offset, Half())),
+                                          _mm512_set1_ps(dmin));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(v));
+}
+
+// How a paired loop reads its factors (Bf16Input::inline_factors): not from the block (row products
+// formed first), an fp16 scale, an fp16 scale and an fp16 minimum, a one-byte scale through its table.
+enum Inline : int { FROM_ROW = 0, FP16_SCALE = 1, FP16_SCALE_MINIMUM = 2, BYTE_SCALE = 3 };
+
+// Two blocks' fp16 fields (`raw`: their bytes) in the float lanes `index` names.
+static inline __m512 fp16_lanes(__m512i raw, __m512i index) {
+    return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi8(index, raw)));
+}
+
+// R weight rows from row n times M rows of x (xw, [M][in.pairs * 64]); acc[m * ldy + n]: row m's sums.
+template <int M, int R, int KIND, bool PAIRED, int INLINE>
+static void rows_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
+                      int64_t n, float *acc, int64_t ldy) {
+    const int64_t subs = l.k / SUB, pairs = in.pairs, xstride = pairs * 64;
+    const __m512i table = _mm512_load_si512(in.table);
+    const __m512i code_index = _mm512_load_si512(in.code_index), scale_index = _mm512_load_si512(in.scale_index);
+    const __m512i minimum_index = _mm512_load_si512(in.minimum_index);
+    const __m512i pair_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __mmask64 even_bytes = 0x5555555555555555ULL;
+    const __m512i nibble_shift = _mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 4);  // kind 2
+    const int64_t step_bytes = 2 * l.block_bytes;  // paired: the bytes of a step
+    // each row's sub-block products (not where the loop reads an fp16 scale from each block)
+    // K-quant factors: formed block by block in the loop (the block's bytes are then in cache), the
+    // minimum products kept for the end
+    const bool kquant = !PAIRED && in.kquant_depth;
+    thread_local std::vector<float> buffer;
+    const int64_t stride = subs + 17;  // row_products may write 16 values past a row's last; one more: 0
+    if (buffer.size() < static_cast<size_t>(2 * R * stride)) buffer.resize(static_cast<size_t>(2 * R * stride));
+    const uint8_t *rows[R];
+    const float *scales[R];
+    float *minimums[R];
+    const int scale_at = l.scale[0].offset;
+    const float *byte_table = INLINE == BYTE_SCALE ? l.byte_tables + 256 * l.scale[0].table : nullptr;
+    for (int r = 0; r < R; r++) {
+        rows[r] = l.codes + (n + r) * l.row_bytes;
+        float *s = buffer.data() + r * stride, *mn = buffer.data() + (R + r) * stride;
+        minimums[r] = mn;
+        if (INLINE == FROM_ROW && !kquant) {
+            row_products<V512>(l, plan, rows[r], s, mn, Half());
+            s[subs] = 0.0f;  // the missing half of an odd last pair: its products are zero
+        }
+        scales[r] = s;
+    }
+    __m512 sum[R][M];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) sum[r][m] = _mm512_setzero_ps();
+    // the pair's place: the block holding sub-block s0 (its bytes from the row's start) and s0's index
+    // in it (groups is 1 or even: sub-blocks s0 and s0 + 1 share a block unless there is one per block)
+    int64_t base = 0;
+    int g0 = 0;
+    __m512 products[R] = {};  // kquant: the current block's
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t s0 = 2 * p;
+        const bool whole = s0 + 1 < subs;
+        if (PAIRED || g0 == 0)  // 1 KiB ahead in each row: once per cache line (pairs), every line (blocks);
+            for (int r = 0; r < R; r++) {  // past the row's end, in the next R rows' (the next call's)
+                const int64_t to = base + PREFETCH_BYTES;
+                const uint8_t *ahead = to < l.row_bytes ? rows[r] + to : rows[r] + R * l.row_bytes + (to - l.row_bytes);
+                if (!PAIRED)
+                    for (int64_t line = 0; line < l.block_bytes; line += 64) __builtin_prefetch(ahead + line, 0, 3);
+                else if ((reinterpret_cast<uintptr_t>(ahead) & 63) < static_cast<uintptr_t>(step_bytes))
+                    __builtin_prefetch(ahead, 0, 3);
+            }
+        __m512i first[R], second[R];
+        __m512 scale[R];
+        if (kquant && g0 == 0)
+            for (int r = 0; r < R; r++) {
+                products[r] = kquant_block(l, in, rows[r] + base);
+                if (l.n_minimum)
+                    _mm256_storeu_ps(minimums[r] + 8 * (base / l.block_bytes), _mm512_extractf32x8_ps(products[r], 1));
+            }
+        for (int r = 0; r < R; r++) {
+            const uint8_t *block = rows[r] + base;
+            [[maybe_unused]] __m512i w;
+            scale[r] = _mm512_setzero_ps();
+            if constexpr (KIND == 2) {
+                // each window twice, its low nibbles in words 0-15 and its high ones in 16-31:
+                // [s: 0-15 | s + 1: 0-15] from the first, [s: 16-31 | s + 1: 16-31] from the second
+                const uint8_t *at = block + plan.element[2 * g0].off;  // the second 16 bytes on
+                auto halves = [&](const uint8_t *bytes) {
+                    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(bytes));
+                    const __m512i words = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(raw));
+                    return _mm512_permutexvar_epi16(_mm512_srlv_epi16(words, nibble_shift), table);
+                };
+                first[r] = halves(at);
+                second[r] = halves(at + 16);
+            } else if constexpr (PAIRED) {
+                const __m512i raw = _mm512_maskz_loadu_epi8(whole ? in.mask_two : in.mask_one, block);
+                w = _mm512_maskz_permutexvar_epi8(even_bytes, code_index, raw);
+                if constexpr (INLINE == FP16_SCALE || INLINE == FP16_SCALE_MINIMUM)
+                    scale[r] = fp16_lanes(raw, scale_index);
+                if constexpr (INLINE == FP16_SCALE_MINIMUM)  // the two minimum products, for the end
+                    _mm_storel_pi(reinterpret_cast<__m64 *>(minimums[r] + s0),
+                                  _mm512_castps512_ps128(fp16_lanes(raw, minimum_index)));
+                if constexpr (INLINE == BYTE_SCALE) {
+                    const float a = byte_table[block[scale_at]], b = byte_table[whole ? block[l.block_bytes + scale_at] : 0];
+                    scale[r] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
+                }
+            } else {  // both sub-blocks in this block (a missing last one: s0's window again, x zero)
+                const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i *>(block + plan.element[2 * g0].off));
+                const __m128i b = _mm_loadu_si128(
+                    reinterpret_cast<const __m128i *>(block + plan.element[2 * (whole ? g0 + 1 : g0)].off));
+                w = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
+            }
+            if constexpr (KIND == 1) {
+                // the table repeats its 16 values over index bits 0-4, so the low nibble needs no mask
+                first[r] = _mm512_permutexvar_epi16(w, table);
+                second[r] = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+            }
+            if (kquant) {
+                scale[r] = _mm512_permutexvar_ps(_mm512_add_epi32(pair_lanes, _mm512_set1_epi32(g0)), products[r]);
+            } else if constexpr (INLINE == FROM_ROW) {
+                double two;  // scales s0 and s0 + 1
+                std::memcpy(&two, scales[r] + s0, sizeof(two));
+                scale[r] = _mm512_permutexvar_ps(pair_lanes, _mm512_castpd_ps(_mm512_set1_pd(two)));
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            const __m512i x1 = _mm512_loadu_si512(xw + m * xstride + 64 * p);
+            const __m512i x2 = _mm512_loadu_si512(xw + m * xstride + 64 * p + 32);
+            for (int r = 0; r < R; r++)
+                sum[r][m] = _mm512_fmadd_ps(dot(dot(_mm512_setzero_ps(), first[r], x1), second[r], x2), scale[r], sum[r][m]);
+        }
+        if (PAIRED) {
+            base += 2 * l.block_bytes;
+        } else if ((g0 += 2) >= l.groups) {
+            g0 = 0;
+            base += l.block_bytes;
+        }
+    }
+    const float sign = static_cast<float>(l.minimum_sign);
+    for (int r = 0; r < R; r++) {
+        const float *mn = buffer.data() + (R + r) * stride;
+        for (int m = 0; m < M; m++) {
+            float total = _mm512_reduce_add_ps(sum[r][m]);
+            if (l.n_minimum) total += sign * dot<V512>(mn, xsum + m * subs, subs);
+            acc[m * ldy + n + r] = total;
+        }
+    }
+}
+
+template <int M, int KIND, bool PAIRED, int INLINE>
+static void rows_m(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
+                   int64_t n0, int64_t n1, float *acc, int64_t ldy) {
+    constexpr int R = M <= 2 ? 4 : 2;  // the accumulators of R x M within the registers
+    int64_t n = n0;
+    for (; n + R <= n1; n += R) rows_bf16<M, R, KIND, PAIRED, INLINE>(l, plan, in, xw, xsum, n, acc, ldy);
+    for (; n < n1; n++) rows_bf16<M, 1, KIND, PAIRED, INLINE>(l, plan, in, xw, xsum, n, acc, ldy);
+}
+
+template <int KIND, bool PAIRED, int INLINE>
+static void rows_kind(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
+                      int m, int64_t n0, int64_t n1, float *acc, int64_t ldy) {
+    switch (m) {
+        case 1: return rows_m<1, KIND, PAIRED, INLINE>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
+        case 2: return rows_m<2, KIND, PAIRED, INLINE>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
+        case 3: return rows_m<3, KIND, PAIRED, INLINE>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
+        default: return rows_m<4, KIND, PAIRED, INLINE>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
+    }
+}
+
+}  // namespace qscheme_gguf_bf16
+
+namespace qscheme_gguf {
+
+// A bfloat16 word for v where v is one exactly, finite, and zero or of a magnitude in [2**-8, 2**8].
+static bool value_word(float v, int16_t &word) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    const float a = v < 0.0f ? -v : v;
+    if ((bits & 0xFFFFu) || !(a == 0.0f || (a >= 0x1p-8f && a <= 0x1p8f))) return false;
+    word = static_cast<int16_t>(bits >> 16);
+    return true;
+}
+
+bool bf16_blocks_fits(const Layout &l, const Plan &plan, Bf16Input &in) {
+    using namespace qscheme_gguf_bf16;
+    if (plan.width != 16 || l.sub != SUB || l.el_depth != 1 || l.el_bits != 4 || l.k % SUB) return false;
+    for (int i = 0; i < l.elements; i++)
+        if (l.el_slots[2 * l.elements + i] != 0xF) return false;
+    int16_t table[16];
+    for (int i = 0; i < 16; i++)
+        if (!value_word(l.values[i], table[i])) return false;
+    for (int i = 0; i < 32; i++) in.table[i] = table[i % 16];
+    if (l.groups != 1 && l.groups % 2) return false;  // a step: two sub-blocks of one block, or two blocks
+    if (pairs_fit(l, plan, 16, 1))
+        in.kind = 1;
+    else if (l.groups % 2 == 0 && pairs_fit(l, plan, 16, 2))
+        in.kind = 2;
+    else
+        return false;
+    if (in.kind == 2)  // each unit's two windows adjacent: one 32-byte load
+        for (int u = 0; u < l.groups / 2; u++)
+            if (plan.element[4 * u + 1].off != plan.element[4 * u].off + 16) return false;
+    in.pairs = (l.k / SUB + 1) / 2;
+    in.kquant_depth = 0;
+    in.kquant.clear();
+    const Factor &sc = l.scale[1], &mn = l.minimum[1];
+    if (l.groups == 8 && k_quant_products(l, plan, 16) && (!l.n_minimum || sc.depth == mn.depth)) {
+        const int depth = sc.depth, g = l.groups, count = l.n_minimum ? 2 * g : g;
+        in.kquant_slots.assign(static_cast<size_t>(depth * 4 * count), 0);
+        for (int s = 0; s < depth; s++)
+            for (int j = 0; j < 4; j++)
+                for (int i = 0; i < g; i++) {
+                    in.kquant_slots[(s * 4 + j) * count + i] = sc.slots[(s * 4 + j) * g + i];
+                    if (l.n_minimum) in.kquant_slots[(s * 4 + j) * count + g + i] = mn.slots[(s * 4 + j) * g + i];
+                }
+        for (int i = 0; i < 16; i++) {
+            const Factor *f = i < g ? &sc : (l.n_minimum && i < 2 * g ? &mn : nullptr);
+            in.kquant_shift[i] = f && f->is_signed ? 32 - f->bits : 0;
+            in.kquant_add[i] = f ? f->add : 0;
+        }
+        in.kquant = plan_windows(in.kquant_slots.data(), depth, count, l.block_bytes, 16);
+        if (!in.kquant.empty()) in.kquant_depth = depth;
+    }
+    in.paired = in.kind == 1 && l.groups == 1;
+    if (in.paired && 2 * l.block_bytes > 64) return false;  // two blocks of one sub-block: one 64-byte load
+    // an fp16 scale (and an fp16 minimum) or a one-byte scale per block: read in the loop from the block
+    auto one = [&](const Factor *f, int count, int format) {
+        return count == 1 && f[0].is_field && f[0].count == 1 && f[0].format == format;
+    };
+    in.inline_factors = FROM_ROW;
+    if (in.paired && one(l.scale, l.n_scale, FIELD_FP16))
+        in.inline_factors = !l.n_minimum ? FP16_SCALE : (one(l.minimum, l.n_minimum, FIELD_FP16) ? FP16_SCALE_MINIMUM : FROM_ROW);
+    else if (in.paired && one(l.scale, l.n_scale, FIELD_TABLE) && !l.n_minimum)
+        in.inline_factors = BYTE_SCALE;
+    if (in.paired) {
+        const int bytes = l.block_bytes, off = plan.element[0].off;
+        std::memset(in.code_index, 0, sizeof(in.code_index));
+        for (int j = 0; j < 16; j++) {
+            in.code_index[2 * j] = static_cast<uint8_t>(off + j);
+            in.code_index[2 * (16 + j)] = static_cast<uint8_t>(bytes + off + j);
+        }
+        // fp16 word i of a field's index: block (i < half ? s : s + 1)'s field
+        auto fp16_index = [&](const Factor &f, uint8_t *index, int half) {
+            std::memset(index, 0, 64);
+            for (int i = 0; i < 2 * half; i++) {
+                const int at = (i < half ? 0 : bytes) + f.offset;
+                index[2 * i] = static_cast<uint8_t>(at);
+                index[2 * i + 1] = static_cast<uint8_t>(at + 1);
+            }
+        };
+        if (in.inline_factors == FP16_SCALE || in.inline_factors == FP16_SCALE_MINIMUM) fp16_index(l.scale[0], in.scale_index, 8);
+        if (in.inline_factors == FP16_SCALE_MINIMUM) fp16_index(l.minimum[0], in.minimum_index, 1);
+        in.mask_two = 2 * bytes == 64 ? ~0ULL : (1ULL << (2 * bytes)) - 1ULL;
+        in.mask_one = (1ULL << bytes) - 1ULL;
+    }
+    return true;
+}
+
+void gemv_blocks_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, const float *xsum, int m, int64_t n0,
+                      int64_t n1, float *acc, int64_t ldy) {
+    using namespace qscheme_gguf_bf16;
+    const int64_t xs_stride = l.k / SUB;
+    for (int m0 = 0; m0 < m; m0 += 4) {
+        const int count = m - m0 < 4 ? m - m0 : 4;
+        const int16_t *xw = in.x + m0 * in.pairs * 64;
+        const float *ss = xsum + m0 * xs_stride;
+        float *ys = acc + m0 * ldy;
+        if (in.kind == 2)
+            rows_kind<2, false, FROM_ROW>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
+        else if (in.inline_factors == FP16_SCALE)
+            rows_kind<1, true, FP16_SCALE>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
+        else if (in.inline_factors == FP16_SCALE_MINIMUM)
+            rows_kind<1, true, FP16_SCALE_MINIMUM>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
+        else if (in.inline_factors == BYTE_SCALE)
+            rows_kind<1, true, BYTE_SCALE>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
+        else if (in.paired)
+            rows_kind<1, true, FROM_ROW>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
+        else
+            rows_kind<1, false, FROM_ROW>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
+    }
+}
+
+}  // namespace qscheme_gguf
+
+#else  // not x86: never called (bf16_blocks_available is false)
+
+#include "cpu_gemv_gguf.h"
+
+namespace qscheme_gguf {
+bool bf16_blocks_fits(const Layout &, const Plan &, Bf16Input &) { return false; }
+void gemv_blocks_bf16(const Layout &, const Plan &, const Bf16Input &, const float *, int, int64_t, int64_t, float *,
+                      int64_t) {}
+}  // namespace qscheme_gguf
+
+#endif
