@@ -235,6 +235,6 @@ CPU_GEMV = KernelDeclaration(
 
 @hookimpl
 def qscheme_kernels() -> list[KernelDeclaration]:
-    from qscheme_plugins.cpu_gemv_blocks import CPU_GEMV_BLOCKS  # its packed-block loops (GGUF)
+    from qscheme_plugins.cpu_gemv_blocks import CPU_GEMV_BLOCKS, CPU_GEMV_BLOCKS_BF16  # packed blocks (GGUF)
 
-    return [CPU_GEMV, CPU_GEMV_BLOCKS]
+    return [CPU_GEMV, CPU_GEMV_BLOCKS, CPU_GEMV_BLOCKS_BF16]

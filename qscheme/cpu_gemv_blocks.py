@@ -242,6 +242,13 @@ def _cpu_gemv_blocks_fake(
     return x.new_empty((x.shape[0], meta[0]))
 
 
+def bf16_loop_available() -> bool:
+    """Whether this CPU runs the AVX512-BF16 loop: AVX512-BF16 and VBMI, the AVX-512 loops in use
+    (``qscheme.cpu_gemv.set_isa`` / ``QSCHEME_CPU_GEMV_ISA``) and ``QSCHEME_CPU_GEMV_BF16DOT`` not 0."""
+    module = native()
+    return module is not None and hasattr(module, "blocks_bf16") and bool(module.blocks_bf16())
+
+
 def dot_loop(layout: BlockGemvLayout) -> str | None:
     """Which loop bfloat16 rows of x run on this layer here: "bf16" (the AVX512-BF16 loop, on a CPU
     with AVX512-BF16 and VBMI running the AVX-512 loops, where every element of x is zero or of a

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from kernel_fakes import all_modules, builtin_scheme, builtin_schemes, fake_device
-from qscheme_plugins.cpu_gemv_blocks import CPU_GEMV_BLOCKS, NativeBlockLoops
+from qscheme_plugins.cpu_gemv_blocks import CPU_GEMV_BLOCKS, Bf16BlockLoop, NativeBlockLoops
 from qscheme_plugins.cpu_gemv_blocks_kernel import CpuGemvBlocksKernel
 from qscheme_plugins.reference_kernel import ReferenceKernel
 
@@ -283,21 +283,26 @@ def test_the_state_is_the_canonical_blocks() -> None:
     assert program < 8 << 10  # bytes, once per scheme: a 4096 x 4096 Q4_K layer holds 9.4 MB of blocks
 
 
-def test_the_resolver_plans_it_for_small_batches() -> None:
-    """For M <= 15 on a CPU, except the affine 4-bit types with bfloat16 inputs, which tinygemm_cpu
-    (priority 60, faster in the benchmark's same runs) keeps; with float32 inputs, which it does not take,
-    those come here too."""
+@pytest.mark.parametrize("bf16_loop", [True, False])
+def test_the_resolver_plans_it_for_small_batches(bf16_loop: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """For M <= 15 on a CPU. With bfloat16 inputs on a CPU running the AVX512-BF16 loop (the check's
+    answer set either way here), the 4-bit types in sub-blocks of 32 go to cpu_gemv_blocks_bf16
+    (62); on other CPUs the affine ones stay on tinygemm_cpu (60, faster than the float32 loops in the
+    benchmark's same runs). With float32 inputs, which neither takes, they all come here."""
+    monkeypatch.setattr(cpu_gemv_blocks, "bf16_loop_available", lambda: bf16_loop)
     device = fake_device("cpu", modules=all_modules() | {CPU_GEMV_BLOCKS.implementation_module or ""})
     declarations = registry.declarations()
     for name in CLAIMED:
         for dtype in ("bfloat16", "float32"):
             resolution = resolve(builtin_scheme(name), Problem(4096, 4096, dtype), device, declarations)
-            if dtype == "bfloat16" and name in TINYGEMM_TYPES:
-                assert resolution.plan.kernel_for(1).name == "tinygemm_cpu", name
-                continue
-            assert resolution.kernel is not None and resolution.kernel.name == "cpu_gemv_blocks", (name, dtype)
-            assert resolution.plan.kernel_for(15).name == "cpu_gemv_blocks"
-            assert resolution.plan.kernel_for(16).name != "cpu_gemv_blocks"
+            expected = "cpu_gemv_blocks"
+            if dtype == "bfloat16" and bf16_loop and name in BF16_TYPES:
+                expected = "cpu_gemv_blocks_bf16"
+            elif dtype == "bfloat16" and name in TINYGEMM_TYPES:
+                expected = "tinygemm_cpu"
+            assert resolution.kernel is not None and resolution.kernel.name == expected, (name, dtype)
+            assert resolution.plan.kernel_for(15).name == expected
+            assert resolution.plan.kernel_for(16).name not in ("cpu_gemv_blocks", "cpu_gemv_blocks_bf16")
     resolution = resolve(builtin_scheme("gguf/F16"), Problem(4096, 4096), device, declarations)
     assert resolution.kernel is not None and resolution.kernel.name != "cpu_gemv_blocks"
 
@@ -321,6 +326,15 @@ def test_the_extension_check_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("qscheme_plugins.cpu_gemv_blocks.importlib.import_module", missing)
     result = NativeBlockLoops().check(problem)
     assert not result.ok and "qscheme._cpu_gemv is not built" in result.reason and "C++17" in result.hint
+
+
+def test_the_bf16_loop_check_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    problem = Problem(64, 256)
+    assert Bf16BlockLoop().check(problem).ok == cpu_gemv_blocks.bf16_loop_available()
+    monkeypatch.setenv("QSCHEME_CPU_GEMV_BF16DOT", "0")
+    assert not cpu_gemv_blocks.bf16_loop_available()
+    result = Bf16BlockLoop().check(problem)
+    assert not result.ok and "AVX512-BF16 and VBMI" in result.reason and "tinygemm_cpu" in result.hint
 
 
 def test_refusals_are_typed() -> None:

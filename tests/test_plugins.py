@@ -34,6 +34,7 @@ BUILTIN_KERNELS = {
     "dequant_gemm",
     "cpu_gemv",
     "cpu_gemv_blocks",
+    "cpu_gemv_blocks_bf16",
     "triton",
     "marlin",
     "marlin_mxfp4",

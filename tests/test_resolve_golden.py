@@ -4,7 +4,8 @@ why every other kernel was rejected (tests/snapshots/golden/resolve_<device>.txt
 One file per device (cpu, and simulated sm80, sm89, sm90, sm100, sm103, sm120, which assume a
 CUDA build of the local torch release), each holding the CLI's own output for every built-in
 scheme on a 4096x4096 layer with bf16 activations, built-in plugins only, no QSCHEME_ or
-TRITON_ variables set. The device and note lines (versions) are left out. A change to a
+TRITON_ variables set, on a CPU that runs ``cpu_gemv_blocks``' AVX512-BF16 loop (its check's answer
+pinned, so that the text is the same on any machine). The device and note lines (versions) are left out. A change to a
 declaration, a priority or the resolver shows here as a diff to review; regenerate with
 ``QSCHEME_UPDATE_SNAPSHOTS=1 pytest tests/test_resolve_golden.py``.
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 from kernel_fakes import AS_IF_IMPLEMENTED, builtin_scheme, fake_device, isolated_plugins
 
+from qscheme import cpu_gemv_blocks
 from qscheme.catalog import load_catalog
 from qscheme.cli.main import main
 from qscheme.kernels.problem import Problem
@@ -41,6 +43,9 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in list(os.environ):
         if name.startswith(("QSCHEME_", "TRITON_")):
             monkeypatch.delenv(name)
+    # the cpu traces assume a CPU that runs cpu_gemv_blocks' AVX512-BF16 loop (AVX512-BF16 and VBMI), as
+    # the sm traces assume their GPU: the same text on any CI machine
+    monkeypatch.setattr(cpu_gemv_blocks, "bf16_loop_available", lambda: True)
     with isolated_plugins():
         yield
 

@@ -15,6 +15,7 @@ import torch
 from qscheme_plugins.cpu_gemv_blocks import NativeBlockLoops
 from qscheme_plugins.tinygemm import TINYGEMM, TINYGEMM_CPU
 
+from qscheme import cpu_gemv_blocks
 from qscheme.catalog import load_scheme
 from qscheme.formats.blocks import affine_parts, decode_blocks
 from qscheme.kernels import registry
@@ -56,16 +57,22 @@ def test_the_declarations_claim_the_affine_4_bit_blocks_with_groups_of_32(declar
 
 
 @pytest.mark.parametrize("name", CLAIMED)
-def test_the_cpu_picks_tinygemm_cpu_for_bfloat16(name: str) -> None:
+@pytest.mark.parametrize("bf16_loop", [True, False])
+def test_the_cpu_picks_tinygemm_cpu_for_bfloat16(name: str, bf16_loop: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unless the CPU runs cpu_gemv_blocks' AVX512-BF16 loop (its check's answer set either way here):
+    then cpu_gemv_blocks_bf16 (62) ranks above it."""
+    monkeypatch.setattr(cpu_gemv_blocks, "bf16_loop_available", lambda: bf16_loop)
     scheme = load_scheme(name)
-    assert registry.resolve_layer(scheme, Problem(4096, 4096, "bfloat16"), device="cpu", environ={}).kernel.name == (  # type: ignore[union-attr]
-        "tinygemm_cpu"
-    )
+    built = NativeBlockLoops().check(Problem(4096, 4096)).ok
+    registry.reset()  # resolutions are memoised per process: forget them before and after
+    try:
+        bf16 = registry.resolve_layer(scheme, Problem(4096, 4096, "bfloat16"), device="cpu", environ={}).kernel
+        fp32 = registry.resolve_layer(scheme, Problem(4096, 4096, "float32"), device="cpu", environ={}).kernel
+    finally:
+        registry.reset()
+    assert bf16 is not None and bf16.name == ("cpu_gemv_blocks_bf16" if bf16_loop and built else "tinygemm_cpu")
     # float32 inputs (tinygemm takes 16-bit ones): cpu_gemv_blocks where its loops are built
-    small = "cpu_gemv_blocks" if NativeBlockLoops().check(Problem(4096, 4096)).ok else "reference"
-    assert registry.resolve_layer(scheme, Problem(4096, 4096, "float32"), device="cpu", environ={}).kernel.name == (  # type: ignore[union-attr]
-        small
-    )
+    assert fp32 is not None and fp32.name == ("cpu_gemv_blocks" if built else "reference")
 
 
 @pytest.mark.parametrize("name", CLAIMED)
@@ -74,7 +81,9 @@ def test_tinygemm_cpu_output_is_within_the_declared_bound(name: str, n: int, k: 
     raw = _blocks(name, n, k, 3)
     layout = load_scheme(name).weight.blocks
     assert layout is not None
-    layer = QuantLinear.from_tensors(name, {"weight": raw.clone()}, activation_dtype=torch.bfloat16)
+    layer = QuantLinear.from_tensors(
+        name, {"weight": raw.clone()}, activation_dtype=torch.bfloat16, kernel="tinygemm_cpu"
+    )
     assert layer.kernel.name == "tinygemm_cpu"
     x = torch.randn(5, k).to(torch.bfloat16)
     exact = decode_blocks(raw, layout)

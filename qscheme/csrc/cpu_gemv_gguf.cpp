@@ -287,6 +287,12 @@ PyObject *gemv_blocks(PyObject *, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* blocks_bf16(): 1 where this CPU runs the AVX512-BF16 loop (AVX512-BF16 and VBMI, the AVX-512 loops in
+ * use, QSCHEME_CPU_GEMV_BF16DOT not 0), else 0. */
+PyObject *blocks_bf16(PyObject *, PyObject *) {
+    return PyLong_FromLong(qscheme_gemv::active_isa() == 2 && bf16_blocks_available() ? 1 : 0);
+}
+
 /* blocks_loop(k, program, program_length, values, byte_tables, tables): 1 where bfloat16 rows of x
  * (every element zero or of a magnitude in [2**-100, 2**64]) run the AVX512-BF16 loop on a layer of
  * this program and K here, 0 where they run the float32 loops. */

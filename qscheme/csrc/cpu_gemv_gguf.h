@@ -239,6 +239,7 @@ void gemv_blocks_bf16(const Layout &l, const Plan &plan16, const Bf16Input &in, 
 // The Python entry point (in cpu_gemv_gguf.cpp), listed in cpu_gemv.cpp's method table.
 PyObject *gemv_blocks(PyObject *, PyObject *args);
 PyObject *blocks_loop(PyObject *, PyObject *args);
+PyObject *blocks_bf16(PyObject *, PyObject *);
 
 }  // namespace qscheme_gguf
 
