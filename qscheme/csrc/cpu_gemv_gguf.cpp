@@ -152,6 +152,19 @@ inline uint16_t float_to_bf16(float f) {
     return static_cast<uint16_t>(bits >> 16);
 }
 
+// The `count` integer arguments of entry point `name` into v; false with a Python error otherwise.
+bool integer_args(PyObject *args, const char *name, long long *v, Py_ssize_t count) {
+    if (!PyTuple_Check(args) || PyTuple_Size(args) != count) {
+        PyErr_Format(PyExc_TypeError, "qscheme._cpu_gemv.%s takes %zd integer arguments", name, count);
+        return false;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        v[i] = PyLong_AsLongLong(PyTuple_GetItem(args, i));
+        if (v[i] == -1 && PyErr_Occurred()) return false;
+    }
+    return true;
+}
+
 // The loop's order of a row of x (cpu_gemv_gguf_bf16.cpp): per pair of sub-blocks
 // [s: 0-15 | s + 1: 0-15 | s: 16-31 | s + 1: 16-31].
 inline int64_t bf16_position(int64_t i) {
@@ -190,16 +203,8 @@ bool bf16_blocks_prepare(const Bf16Input &in, const float *x, int64_t k, int16_t
 /* gemv_blocks(x, x_bf16, m, out, out_bf16, bias, threads, codes, n, k, row_bytes, program,
  * program_length, values, byte_tables, tables): out[m, N] = x[m, K] W^T (+ bias), all ints. */
 PyObject *gemv_blocks(PyObject *, PyObject *args) {
-    constexpr Py_ssize_t COUNT = 16;
-    if (!PyTuple_Check(args) || PyTuple_Size(args) != COUNT) {
-        PyErr_SetString(PyExc_TypeError, "qscheme._cpu_gemv.gemv_blocks takes 16 integer arguments");
-        return nullptr;
-    }
-    long long v[COUNT];
-    for (Py_ssize_t i = 0; i < COUNT; i++) {
-        v[i] = PyLong_AsLongLong(PyTuple_GetItem(args, i));
-        if (v[i] == -1 && PyErr_Occurred()) return nullptr;
-    }
+    long long v[16];
+    if (!integer_args(args, "gemv_blocks", v, 16)) return nullptr;
     const void *x = reinterpret_cast<const void *>(static_cast<uintptr_t>(v[0]));
     const int x_bf16 = static_cast<int>(v[1]);
     const int64_t m = v[2];
@@ -297,16 +302,8 @@ PyObject *blocks_bf16(PyObject *, PyObject *) {
  * (every element zero or of a magnitude in [2**-100, 2**64]) run the AVX512-BF16 loop on a layer of
  * this program and K here, 0 where they run the float32 loops. */
 PyObject *blocks_loop(PyObject *, PyObject *args) {
-    constexpr Py_ssize_t COUNT = 6;
-    if (!PyTuple_Check(args) || PyTuple_Size(args) != COUNT) {
-        PyErr_SetString(PyExc_TypeError, "qscheme._cpu_gemv.blocks_loop takes 6 integer arguments");
-        return nullptr;
-    }
-    long long v[COUNT];
-    for (Py_ssize_t i = 0; i < COUNT; i++) {
-        v[i] = PyLong_AsLongLong(PyTuple_GetItem(args, i));
-        if (v[i] == -1 && PyErr_Occurred()) return nullptr;
-    }
+    long long v[6];
+    if (!integer_args(args, "blocks_loop", v, 6)) return nullptr;
     Layout l;
     l.k = v[0];
     const int32_t *program = reinterpret_cast<const int32_t *>(static_cast<uintptr_t>(v[1]));

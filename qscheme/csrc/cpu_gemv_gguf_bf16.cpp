@@ -144,7 +144,7 @@ static void rows_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, co
                     _mm_storel_pi(reinterpret_cast<__m64 *>(minimums[r] + s0),
                                   _mm512_castps512_ps128(fp16_lanes(raw, minimum_index)));
                 if constexpr (INLINE == BYTE_SCALE) {
-                    const float a = byte_table[block[scale_at]], b = byte_table[whole ? block[l.block_bytes + scale_at] : 0];
+                    const float a = byte_table[block[scale_at]], b = whole ? byte_table[block[l.block_bytes + scale_at]] : 0.0f;
                     scale[r] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
                 }
             } else {  // both sub-blocks in this block (a missing last one: s0's window again, x zero)
