@@ -201,14 +201,16 @@ def _run(
             f"{list(x.shape)} on {x.device}"
         )
     x = x if x.is_contiguous() else x.contiguous()
-    out = torch.empty(x.shape[0], n, dtype=x.dtype)
-    if x.shape[0] == 0 or n == 0:
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype)
+    if m == 0 or n == 0:
         return out
-    bias32 = None if bias is None else bias.to(torch.float32).contiguous()
+    bf16 = int(x.dtype == torch.bfloat16)
+    bias32 = None if bias is None else bias.to(torch.float32).contiguous()  # alive through the call
     module.gemv_blocks(
-        _address(x), int(x.dtype == torch.bfloat16), x.shape[0], _address(out), int(out.dtype == torch.bfloat16),
-        _address(bias32), threads, _address(codes), n, k, row_bytes, _address(program), program.numel(),
-        _address(values), _address(byte_tables), tables,
+        x.data_ptr(), bf16, m, out.data_ptr(), bf16, _address(bias32), threads,
+        codes.data_ptr(), n, k, row_bytes, program.data_ptr(), program.numel(), values.data_ptr(),
+        byte_tables.data_ptr(), tables,
     )  # fmt: skip
     return out
 

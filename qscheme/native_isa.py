@@ -9,6 +9,7 @@ Each extension module exports ``supported_isa()`` (the widest loops the CPU runs
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +26,13 @@ class IsaExtension:
     variable: str
     label: str  # how messages name its loops, e.g. "cpu_gemv"
     _applied: list[str | None] = field(default_factory=list, repr=False)
+    _seen: list[Any] = field(default_factory=list, repr=False)  # [module, the variable's raw value] once applied
 
     def native(self) -> Any:
         """The extension, with the variable applied, or None where it was not built."""
+        raw = os.environ.get(self.variable)
+        if self._seen and self._seen[1] == raw:  # every kernel call asks: the variable as last applied
+            return self._seen[0]
         try:
             module = importlib.import_module(self.module)
         except ImportError:
@@ -42,6 +47,7 @@ class IsaExtension:
                 )
             module.set_isa(chosen or supported)
             self._applied[:] = [chosen]
+        self._seen[:] = [module, raw]
         return module
 
     def require(self) -> Any:

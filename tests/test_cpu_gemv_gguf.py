@@ -255,22 +255,63 @@ def test_the_bf16_loop_matches_the_reference_kernel(name: str, monkeypatch: pyte
         assert cpu_gemv_blocks.dot_loop(layout) is None  # the switch is read at each call
 
 
+# bfloat16 values at the edges of the loop's range: (value, whether the loop takes it)
+EDGES = (
+    (2.0**-110, False),
+    (-(2.0**70), False),
+    (2.0**-100, True),  # the smallest magnitude taken
+    (-(2.0**-101) * (2 - 2**-7), False),  # the largest bfloat16 below it
+    (2.0**64, True),  # the largest taken
+    (2.0**64 * (1 + 2**-7), False),  # the next bfloat16 up
+    (-0.0, True),
+    (2.0**-130, False),  # subnormal in bfloat16
+    (float("inf"), False),
+)
+
+
 @BF16_LOOP
-def test_inputs_out_of_the_bf16_loops_range_take_the_float_loops(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("value", "inside"), EDGES)
+def test_inputs_out_of_the_bf16_loops_range_take_the_float_loops(
+    value: float, inside: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An element of x below 2**-100 or above 2**64 in magnitude (VDPBF16PS would flush or overflow
-    there): the call runs the float32 loops, bit for bit what they give with the loop switched off."""
+    there), or not finite: the call runs the float32 loops, bit for bit what they give with the loop
+    switched off. Zero and the range's own ends stay on the loop (its sums differ in the last bits)."""
     weight = odd_weight("gguf/Q4_0")
     layout = cpu_gemv_blocks.block_layout_of(weight)
     x = torch.randn(2, weight.k, generator=torch.Generator().manual_seed(3)).to(BF16)
-    for value in (2.0**-110, -(2.0**70), 2.0**-100):
+    for row, column in ((1, 5), (0, weight.k - 1)):  # a row of the last, half pair
         odd = x.clone()
-        odd[1, 5] = value
-        inside = value == 2.0**-100
+        odd[row, column] = value
+        assert float(odd[row, column]) == value  # exactly a bfloat16 value
         y = float_sums(layout, odd)
         monkeypatch.setenv("QSCHEME_CPU_GEMV_BF16DOT", "0")
         floats = float_sums(layout, odd)
         monkeypatch.delenv("QSCHEME_CPU_GEMV_BF16DOT")
-        assert torch.equal(y, floats) != inside, value
+        same_bits = torch.equal(y.view(torch.int32), floats.view(torch.int32))  # NaN where x holds inf
+        assert same_bits != inside, (value, row, column)
+
+
+def test_a_program_is_matched_by_its_contents_not_its_address() -> None:
+    """The extension keeps each program it has parsed; a call whose program or value table holds
+    other numbers at the same address (a tensor changed in place, or freed and its memory reused)
+    is parsed anew, never served the kept one. Doubling every code value doubles every sum exactly."""
+    weight = weight_of("gguf/Q4_0", 64, 1)
+    layout = cpu_gemv_blocks.block_layout_of(weight)
+    compiled = layout.compiled
+    own = dataclasses.replace(compiled, program=compiled.program.clone(), values=compiled.values.clone())
+    mine = dataclasses.replace(layout, compiled=own)
+    x = torch.randn(3, weight.k, generator=torch.Generator().manual_seed(4)).to(BF16)
+    before = float_sums(mine, x)
+    address = own.values.data_ptr()
+    own.values.mul_(2)
+    assert own.values.data_ptr() == address
+    assert torch.equal(float_sums(mine, x), 2 * before)
+    own.values.div_(2)
+    assert torch.equal(float_sums(mine, x), before)
+    own.program[3] = 9  # n_scale beyond the extension's limit: refused, not served from the kept entry
+    with pytest.raises(ValueError, match="inconsistent block program"):
+        float_sums(mine, x)
 
 
 def test_the_state_is_the_canonical_blocks() -> None:

@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "cpu_gemv.h"
@@ -165,39 +167,98 @@ bool integer_args(PyObject *args, const char *name, long long *v, Py_ssize_t cou
     return true;
 }
 
-// The loop's order of a row of x (cpu_gemv_gguf_bf16.cpp): per pair of sub-blocks
-// [s: 0-15 | s + 1: 0-15 | s: 16-31 | s + 1: 16-31].
-inline int64_t bf16_position(int64_t i) {
-    const int64_t e = i % 64, sub = e / 32, j = e % 32;
-    return i - e + (j / 16) * 32 + sub * 16 + j % 16;
+// A program parsed once, with its vector plans and what the AVX512-BF16 loop reads. It owns copies of
+// the program and its tables, so a call finds its entry by their contents, whatever their addresses.
+struct Prepared {
+    std::vector<int32_t> program;
+    std::vector<float> values, byte_tables;
+    Layout layout;  // pointing into the copies; codes, n, k and row_bytes unset
+    Plan plan16, plan8;
+    bool bf16 = false;  // this CPU has the AVX512-BF16 loop and it takes the layout (words filled)
+    Bf16Input words;
+};
+
+constexpr size_t MAX_PREPARED = 64;  // programs kept (a model has a few: one per block type)
+std::mutex prepared_lock;
+std::vector<std::shared_ptr<const Prepared>> prepared_cache;  // the most recently used first
+
+template <class T>
+bool holds(const std::vector<T> &kept, const T *p, size_t count) {
+    return kept.size() == count && (count == 0 || std::memcmp(kept.data(), p, count * sizeof(T)) == 0);
+}
+
+// The program of `length` ints with its element values (max(16, 2**bits) floats) and `tables` byte
+// tables (256 floats each), parsed and planned, from the cache or added to it; null with a Python
+// error where the program is inconsistent. Called with the GIL held (it may set the error).
+std::shared_ptr<const Prepared> prepared(const int32_t *program, int64_t length, const float *values,
+                                         const float *byte_tables, int64_t tables) {
+    if (!program || !values || length < HEADER || length > (1LL << 24) || tables < 0 || tables > 64 ||
+        (tables && !byte_tables) || program[6] < 1 || program[6] > 8) {
+        bad("header values");
+        return nullptr;
+    }
+    const size_t n_program = static_cast<size_t>(length), n_values = static_cast<size_t>(std::max(16, 1 << program[6]));
+    const size_t n_tables = static_cast<size_t>(256 * tables);
+    {
+        std::lock_guard<std::mutex> lock(prepared_lock);
+        for (size_t i = 0; i < prepared_cache.size(); i++) {
+            const std::shared_ptr<const Prepared> entry = prepared_cache[i];
+            if (holds(entry->program, program, n_program) && holds(entry->values, values, n_values) &&
+                holds(entry->byte_tables, byte_tables, n_tables)) {
+                if (i) {
+                    prepared_cache.erase(prepared_cache.begin() + static_cast<std::ptrdiff_t>(i));
+                    prepared_cache.insert(prepared_cache.begin(), entry);
+                }
+                return entry;
+            }
+        }
+    }
+    auto entry = std::make_shared<Prepared>();
+    entry->program.assign(program, program + n_program);
+    entry->values.assign(values, values + n_values);
+    if (n_tables) entry->byte_tables.assign(byte_tables, byte_tables + n_tables);
+    Layout &l = entry->layout;
+    if (!parse(entry->program.data(), length, tables, l)) return nullptr;
+    l.values = entry->values.data();
+    l.byte_tables = n_tables ? entry->byte_tables.data() : nullptr;
+    entry->plan16 = make_plan(l, 16);
+    entry->plan8 = make_plan(l, 8);
+    entry->bf16 = bf16_blocks_supported() && bf16_blocks_fits(l, entry->plan16, entry->words);
+    std::lock_guard<std::mutex> lock(prepared_lock);
+    prepared_cache.insert(prepared_cache.begin(), entry);
+    if (prepared_cache.size() > MAX_PREPARED) prepared_cache.pop_back();
+    return entry;
+}
+
+// The buffers of one call, kept per calling thread between calls.
+struct Scratch {
+    std::vector<float> xs, xsum, acc;
+    std::vector<int16_t> words;
+};
+
+template <class T>
+T *room(std::vector<T> &buffer, int64_t count) {
+    if (buffer.size() < static_cast<size_t>(count)) buffer.resize(static_cast<size_t>(count));
+    return buffer.data();
 }
 
 }  // namespace
 
-bool bf16_blocks_available() {
+bool bf16_blocks_supported() {
 #if defined(__x86_64__) || defined(__i386__)
     static const bool supported = [] {
         __builtin_cpu_init();
         return __builtin_cpu_supports("avx512bf16") != 0 && __builtin_cpu_supports("avx512vbmi") != 0;
     }();
-    const char *setting = std::getenv("QSCHEME_CPU_GEMV_BF16DOT");
-    return supported && !(setting && setting[0] == '0');
+    return supported;
 #else
     return false;
 #endif
 }
 
-bool bf16_blocks_prepare(const Bf16Input &in, const float *x, int64_t k, int16_t *xq) {
-    std::memset(xq, 0, static_cast<size_t>(in.pairs * 64) * sizeof(int16_t));
-    for (int64_t i = 0; i < k; i++) {
-        uint32_t bits;
-        std::memcpy(&bits, &x[i], 4);
-        const float a = std::fabs(x[i]);
-        // zero or a magnitude in [2**-100, 2**64]; a bfloat16 value (x came as one)
-        if ((bits & 0xFFFFu) || !(a == 0.0f || (a >= 0x1p-100f && a <= 0x1p64f))) return false;
-        xq[bf16_position(i)] = static_cast<int16_t>(bits >> 16);
-    }
-    return true;
+bool bf16_blocks_available() {
+    const char *setting = std::getenv("QSCHEME_CPU_GEMV_BF16DOT");
+    return bf16_blocks_supported() && !(setting && setting[0] == '0');
 }
 
 /* gemv_blocks(x, x_bf16, m, out, out_bf16, bias, threads, codes, n, k, row_bytes, program,
@@ -212,16 +273,17 @@ PyObject *gemv_blocks(PyObject *, PyObject *args) {
     const int out_bf16 = static_cast<int>(v[4]);
     const float *bias = reinterpret_cast<const float *>(static_cast<uintptr_t>(v[5]));
     const int threads = static_cast<int>(std::max(1LL, std::min(v[6], 256LL)));
-    Layout l;
+    const std::shared_ptr<const Prepared> prep =
+        prepared(reinterpret_cast<const int32_t *>(static_cast<uintptr_t>(v[11])), v[12],
+                 reinterpret_cast<const float *>(static_cast<uintptr_t>(v[13])),
+                 reinterpret_cast<const float *>(static_cast<uintptr_t>(v[14])), v[15]);
+    if (!prep) return nullptr;
+    Layout l = prep->layout;
     l.codes = reinterpret_cast<const uint8_t *>(static_cast<uintptr_t>(v[7]));
     l.n = v[8];
     l.k = v[9];
     l.row_bytes = v[10];
-    const int32_t *program = reinterpret_cast<const int32_t *>(static_cast<uintptr_t>(v[11]));
-    l.values = reinterpret_cast<const float *>(static_cast<uintptr_t>(v[13]));
-    l.byte_tables = reinterpret_cast<const float *>(static_cast<uintptr_t>(v[14]));
-    if (!program || !parse(program, v[12], v[15], l)) return nullptr;
-    if (m < 0 || !x || !out || !l.codes || !l.values || l.n < 0 || l.k < 0 || l.k % l.elements ||
+    if (m < 0 || !x || !out || !l.codes || l.n < 0 || l.k < 0 || l.k % l.elements ||
         l.row_bytes != l.k / l.elements * l.block_bytes) {
         PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.gemv_blocks: inconsistent sizes");
         return nullptr;
@@ -229,53 +291,60 @@ PyObject *gemv_blocks(PyObject *, PyObject *args) {
     if (m == 0 || l.n == 0) Py_RETURN_NONE;
 
     Py_BEGIN_ALLOW_THREADS;
+    thread_local Scratch scratch;
     int level = qscheme_gemv::active_isa();
-    Plan plan;
-    if (level == 2) plan = make_plan(l, 16);
-    if (plan.width == 0 && level >= 1) plan = make_plan(l, 8);
-    level = plan.width == 16 ? 2 : (plan.width == 8 ? 1 : 0);
+    const Plan *plan = &prep->plan16;
+    if (level < 2 || plan->width == 0) plan = level >= 1 ? &prep->plan8 : nullptr;
+    level = plan && plan->width == 16 ? 2 : (plan && plan->width == 8 ? 1 : 0);
+    static const Plan none;
+    if (!plan) plan = &none;
     const int64_t ldx = std::max<int64_t>(l.k, 1);
     const int64_t groups = l.k / l.sub;
-    std::vector<float> xs(static_cast<size_t>(m * ldx), 0.0f), xsum(static_cast<size_t>(m * std::max<int64_t>(groups, 1)), 0.0f);
-    for (int64_t r = 0; r < m; r++) {
-        float *row = xs.data() + r * ldx;
-        for (int64_t k = 0; k < l.k; k++) {
-            row[k] = x_bf16 ? bf16_to_float(static_cast<const uint16_t *>(x)[r * l.k + k])
-                            : static_cast<const float *>(x)[r * l.k + k];
-        }
-        if (l.n_minimum) {
+    // per row of x and sub-block: the sum of x (for the minimum products)
+    float *xsum = room(scratch.xsum, m * std::max<int64_t>(groups, 1));
+    if (l.n_minimum)
+        for (int64_t r = 0; r < m; r++)
             for (int64_t g = 0; g < groups; g++) {
                 float s = 0.0f;
-                for (int i = 0; i < l.sub; i++) s += row[g * l.sub + i];
+                for (int i = 0; i < l.sub; i++) {
+                    const int64_t at = r * l.k + g * l.sub + i;
+                    s += x_bf16 ? bf16_to_float(static_cast<const uint16_t *>(x)[at]) : static_cast<const float *>(x)[at];
+                }
                 xsum[r * groups + g] = s;
             }
-        }
-    }
-    // bfloat16 rows of x on the AVX512-BF16 loop where it takes the layout and every element of x
-    Bf16Input words;
-    std::vector<int16_t> xq;
-    bool bf16 = level == 2 && x_bf16 && bf16_blocks_available() && bf16_blocks_fits(l, plan, words);
+    // bfloat16 rows of x on the AVX512-BF16 loop where it takes the layout and every element of x,
+    // else float32 rows on the other loops
+    const int64_t words_per_row = bf16_pairs(l.k) * 64;
+    int16_t *words = nullptr;
+    bool bf16 = level == 2 && x_bf16 && prep->bf16 && bf16_blocks_available();
     if (bf16) {
-        xq.resize(static_cast<size_t>(m * words.pairs * 64));
+        words = room(scratch.words, m * words_per_row);
         for (int64_t r = 0; r < m && bf16; r++)
-            bf16 = bf16_blocks_prepare(words, xs.data() + r * ldx, l.k, xq.data() + r * words.pairs * 64);
-        words.x = xq.data();
+            bf16 = bf16_blocks_words(static_cast<const uint16_t *>(x) + r * l.k, l.k, words + r * words_per_row);
     }
-    std::vector<float> acc(static_cast<size_t>(m * l.n), 0.0f);
+    float *xs = nullptr;
+    if (!bf16) {
+        xs = room(scratch.xs, m * ldx);
+        if (x_bf16)
+            for (int64_t i = 0; i < m * l.k; i++) xs[i] = bf16_to_float(static_cast<const uint16_t *>(x)[i]);
+        else
+            std::memcpy(xs, x, static_cast<size_t>(m * l.k) * sizeof(float));
+    }
+    float *acc = room(scratch.acc, m * l.n);
     const int64_t tasks = (l.n + TASK_ROWS - 1) / TASK_ROWS;
     const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
     auto job = [&](int64_t task) {
         const int64_t lo = task * TASK_ROWS, hi = std::min(l.n, lo + TASK_ROWS);
 #if defined(__x86_64__) || defined(__i386__)
         if (bf16)
-            gemv_blocks_bf16(l, plan, words, xsum.data(), static_cast<int>(m), lo, hi, acc.data(), l.n);
+            gemv_blocks_bf16(l, *plan, prep->words, words, xsum, static_cast<int>(m), lo, hi, acc, l.n);
         else if (level == 2)
-            gemv_blocks_avx512(l, plan, xs.data(), ldx, xsum.data(), static_cast<int>(m), lo, hi, acc.data(), l.n);
+            gemv_blocks_avx512(l, *plan, xs, ldx, xsum, static_cast<int>(m), lo, hi, acc, l.n);
         else if (level == 1)
-            gemv_blocks_avx2(l, plan, xs.data(), ldx, xsum.data(), static_cast<int>(m), lo, hi, acc.data(), l.n);
+            gemv_blocks_avx2(l, *plan, xs, ldx, xsum, static_cast<int>(m), lo, hi, acc, l.n);
         else
 #endif
-            gemv_scalar(l, xs.data(), ldx, xsum.data(), static_cast<int>(m), lo, hi, acc.data(), l.n);
+            gemv_scalar(l, xs, ldx, xsum, static_cast<int>(m), lo, hi, acc, l.n);
         for (int64_t n = lo; n < hi; n++) {
             for (int64_t r = 0; r < m; r++) {
                 float sum = acc[r * l.n + n];
@@ -304,22 +373,17 @@ PyObject *blocks_bf16(PyObject *, PyObject *) {
 PyObject *blocks_loop(PyObject *, PyObject *args) {
     long long v[6];
     if (!integer_args(args, "blocks_loop", v, 6)) return nullptr;
-    Layout l;
-    l.k = v[0];
-    const int32_t *program = reinterpret_cast<const int32_t *>(static_cast<uintptr_t>(v[1]));
-    l.values = reinterpret_cast<const float *>(static_cast<uintptr_t>(v[3]));
-    l.byte_tables = reinterpret_cast<const float *>(static_cast<uintptr_t>(v[4]));
-    if (!program || !l.values || !parse(program, v[2], v[5], l)) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.blocks_loop: no program");
-        return nullptr;
-    }
-    if (l.k <= 0 || l.k % l.elements) {
+    const int64_t k = v[0];
+    const std::shared_ptr<const Prepared> prep =
+        prepared(reinterpret_cast<const int32_t *>(static_cast<uintptr_t>(v[1])), v[2],
+                 reinterpret_cast<const float *>(static_cast<uintptr_t>(v[3])),
+                 reinterpret_cast<const float *>(static_cast<uintptr_t>(v[4])), v[5]);
+    if (!prep) return nullptr;
+    if (k <= 0 || k % prep->layout.elements) {
         PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.blocks_loop: K is not a whole number of blocks");
         return nullptr;
     }
-    Bf16Input words;
-    bool runs = qscheme_gemv::active_isa() == 2 && bf16_blocks_available();
-    if (runs) runs = bf16_blocks_fits(l, make_plan(l, 16), words);
+    const bool runs = qscheme_gemv::active_isa() == 2 && bf16_blocks_available() && prep->bf16;
     return PyLong_FromLong(runs ? 1 : 0);
 }
 

@@ -213,28 +213,33 @@ struct Bf16Input {
     alignas(64) uint8_t scale_index[64] = {};   // fp16 scales: the two blocks', 8 lanes each
     alignas(64) uint8_t minimum_index[64] = {}; // fp16 minimums: the two blocks', lanes 0 and 1
     uint64_t mask_two = 0, mask_one = 0;      // paired: the bytes of two blocks, of one
-    int64_t pairs = 0;                        // pairs of sub-blocks per row (the last may be half)
-    const int16_t *x = nullptr;               // [m][pairs * 64] bfloat16 words in the loop's order
     // K-quant factors ([d, sc] and any [dmin, m], 8 sub-blocks, sc and m integers; not paired): sc
-    // and m of a block read as one vector of 16 integers (their pieces [depth][4][count], its windows,
-    // each lane's sign-extension shift and offset), formed block by block in the loop
+    // and m of a block read as one vector of 16 integers (its windows, each lane's sign-extension
+    // shift and offset), formed block by block in the loop
     alignas(64) int32_t kquant_shift[16] = {}, kquant_add[16] = {};
     int kquant_depth = 0;
-    std::vector<int32_t> kquant_slots;
     std::vector<Chunk> kquant;
 };
 
-// Whether this CPU runs the loop (AVX512-BF16 and VBMI) and QSCHEME_CPU_GEMV_BF16DOT is not 0.
+// Pairs of sub-blocks of 32 in a row of K (the last may be half): a row of x in the loop's order
+// holds 64 words per pair.
+inline int64_t bf16_pairs(int64_t k) { return (k / 32 + 1) / 2; }
+
+// Whether this CPU runs the loop (AVX512-BF16 and VBMI), whatever QSCHEME_CPU_GEMV_BF16DOT says.
+bool bf16_blocks_supported();
+// Whether this CPU runs the loop and QSCHEME_CPU_GEMV_BF16DOT is not 0.
 bool bf16_blocks_available();
-// Whether the loop takes the layout (plan16: make_plan(l, 16), width 16); fills `in` but x. Call only
-// where bf16_blocks_available().
+// Whether the loop takes the layout (plan16: make_plan(l, 16), width 16; K need not be set); fills
+// `in`. Call only where bf16_blocks_supported().
 bool bf16_blocks_fits(const Layout &l, const Plan &plan16, Bf16Input &in);
-// Row x (float32 [k], bfloat16 values) into xq ([pairs * 64] words, in.kind's order, zero padded);
-// false where an element is outside the loop's range.
-bool bf16_blocks_prepare(const Bf16Input &in, const float *x, int64_t k, int16_t *xq);
-// Rows [n0, n1) of the layer times m rows of in.x (in passes of at most 4), as gemv_blocks_avx512.
-void gemv_blocks_bf16(const Layout &l, const Plan &plan16, const Bf16Input &in, const float *xsum, int m, int64_t n0,
-                      int64_t n1, float *acc, int64_t ldy);
+// A bfloat16 row of x ([k], k a multiple of 32) into xq ([bf16_pairs(k) * 64] words in the loop's
+// order, zero padded); false where an element is neither zero nor of a magnitude in [2**-100, 2**64].
+// Call only where bf16_blocks_supported().
+bool bf16_blocks_words(const uint16_t *x, int64_t k, int16_t *xq);
+// Rows [n0, n1) of the layer times m rows of xw ([m][bf16_pairs(l.k) * 64], from bf16_blocks_words;
+// in passes of at most 4), as gemv_blocks_avx512.
+void gemv_blocks_bf16(const Layout &l, const Plan &plan16, const Bf16Input &in, const int16_t *xw, const float *xsum,
+                      int m, int64_t n0, int64_t n1, float *acc, int64_t ldy);
 
 // The Python entry point (in cpu_gemv_gguf.cpp), listed in cpu_gemv.cpp's method table.
 PyObject *gemv_blocks(PyObject *, PyObject *args);

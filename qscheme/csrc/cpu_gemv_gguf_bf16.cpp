@@ -7,11 +7,12 @@
 // 16-31): the two windows of sub-blocks s and s + 1 make one vector of 32 bytes, so that the low
 // nibbles' words are [s: 0-15 | s + 1: 0-15] and the high ones' [s: 16-31 | s + 1: 16-31]; lanes
 // 0-7 of both products hold sub-block s and lanes 8-15 s + 1, and one multiply by [s_s x 8 | s_s+1 x 8]
-// scales both (x is stored in that order: cpu_gemv_gguf.cpp, bf16_blocks_prepare). Where a block
+// scales both (x is stored in that order: bf16_blocks_words). Where a block
 // holds one sub-block and at most 32 bytes, the two blocks come in one masked 64-byte load and VPERMB
 // takes their code bytes (and an fp16 scale of each) out of it.
-// Kind 2 (two windows of 16 bytes: low nibbles sub-block s, high nibbles s + 1; Q4_K): the low
-// nibbles' words are sub-block s in order, the high ones' s + 1; x in order.
+// Kind 2 (two windows of 16 bytes: low nibbles sub-block s, high nibbles s + 1; Q4_K): each window
+// widened twice gives the same lanes, [s: 0-15 | s + 1: 0-15] and [s: 16-31 | s + 1: 16-31]; x in the
+// same order.
 #if defined(__x86_64__) || defined(__i386__)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c")
 #include <immintrin.h>
@@ -58,11 +59,11 @@ static inline __m512 fp16_lanes(__m512i raw, __m512i index) {
     return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi8(index, raw)));
 }
 
-// R weight rows from row n times M rows of x (xw, [M][in.pairs * 64]); acc[m * ldy + n]: row m's sums.
+// R weight rows from row n times M rows of x (xw, [M][bf16_pairs(K) * 64]); acc[m * ldy + n]: row m's sums.
 template <int M, int R, int KIND, bool PAIRED, int INLINE>
 static void rows_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
                       int64_t n, float *acc, int64_t ldy) {
-    const int64_t subs = l.k / SUB, pairs = in.pairs, xstride = pairs * 64;
+    const int64_t subs = l.k / SUB, pairs = bf16_pairs(l.k), xstride = pairs * 64;
     const __m512i table = _mm512_load_si512(in.table);
     const __m512i code_index = _mm512_load_si512(in.code_index), scale_index = _mm512_load_si512(in.scale_index);
     const __m512i minimum_index = _mm512_load_si512(in.minimum_index);
@@ -70,9 +71,9 @@ static void rows_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, co
     const __mmask64 even_bytes = 0x5555555555555555ULL;
     const __m512i nibble_shift = _mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 4);  // kind 2
     const int64_t step_bytes = 2 * l.block_bytes;  // paired: the bytes of a step
-    // each row's sub-block products (not where the loop reads an fp16 scale from each block)
-    // K-quant factors: formed block by block in the loop (the block's bytes are then in cache), the
-    // minimum products kept for the end
+    // per row, its sub-block scale and minimum products: formed for the whole row first (FROM_ROW),
+    // or, for K-quant factors, block by block in the loop (the block's bytes then in cache; only the
+    // minimum products kept, for the end)
     const bool kquant = !PAIRED && in.kquant_depth;
     thread_local std::vector<float> buffer;
     const int64_t stride = subs + 17;  // row_products may write 16 values past a row's last; one more: 0
@@ -243,25 +244,24 @@ bool bf16_blocks_fits(const Layout &l, const Plan &plan, Bf16Input &in) {
     if (in.kind == 2)  // each unit's two windows adjacent: one 32-byte load
         for (int u = 0; u < l.groups / 2; u++)
             if (plan.element[4 * u + 1].off != plan.element[4 * u].off + 16) return false;
-    in.pairs = (l.k / SUB + 1) / 2;
     in.kquant_depth = 0;
     in.kquant.clear();
     const Factor &sc = l.scale[1], &mn = l.minimum[1];
     if (l.groups == 8 && k_quant_products(l, plan, 16) && (!l.n_minimum || sc.depth == mn.depth)) {
         const int depth = sc.depth, g = l.groups, count = l.n_minimum ? 2 * g : g;
-        in.kquant_slots.assign(static_cast<size_t>(depth * 4 * count), 0);
+        std::vector<int32_t> slots(static_cast<size_t>(depth * 4 * count), 0);  // [sc | m]'s pieces
         for (int s = 0; s < depth; s++)
             for (int j = 0; j < 4; j++)
                 for (int i = 0; i < g; i++) {
-                    in.kquant_slots[(s * 4 + j) * count + i] = sc.slots[(s * 4 + j) * g + i];
-                    if (l.n_minimum) in.kquant_slots[(s * 4 + j) * count + g + i] = mn.slots[(s * 4 + j) * g + i];
+                    slots[(s * 4 + j) * count + i] = sc.slots[(s * 4 + j) * g + i];
+                    if (l.n_minimum) slots[(s * 4 + j) * count + g + i] = mn.slots[(s * 4 + j) * g + i];
                 }
         for (int i = 0; i < 16; i++) {
             const Factor *f = i < g ? &sc : (l.n_minimum && i < 2 * g ? &mn : nullptr);
             in.kquant_shift[i] = f && f->is_signed ? 32 - f->bits : 0;
             in.kquant_add[i] = f ? f->add : 0;
         }
-        in.kquant = plan_windows(in.kquant_slots.data(), depth, count, l.block_bytes, 16);
+        in.kquant = plan_windows(slots.data(), depth, count, l.block_bytes, 16);
         if (!in.kquant.empty()) in.kquant_depth = depth;
     }
     in.paired = in.kind == 1 && l.groups == 1;
@@ -299,13 +299,36 @@ bool bf16_blocks_fits(const Layout &l, const Plan &plan, Bf16Input &in) {
     return true;
 }
 
-void gemv_blocks_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, const float *xsum, int m, int64_t n0,
-                      int64_t n1, float *acc, int64_t ldy) {
+bool bf16_blocks_words(const uint16_t *x, int64_t k, int16_t *xq) {
+    using namespace qscheme_gguf_bf16;
+    const int64_t subs = k / SUB, pairs = bf16_pairs(k);
+    // magnitudes as 15-bit integers: 2**-100 is 0x0D80 (exponent field 27), 2**64 is 0x5F80
+    const __m512i magnitude = _mm512_set1_epi16(0x7FFF), lowest = _mm512_set1_epi16(0x0D80);
+    const __m512i highest = _mm512_set1_epi16(0x5F80);
+    auto outside = [&](__m512i v) {  // the words neither zero nor in range
+        const __m512i size = _mm512_and_si512(v, magnitude);
+        const __mmask32 in_range = _mm512_cmpge_epu16_mask(size, lowest) & _mm512_cmple_epu16_mask(size, highest);
+        return static_cast<__mmask32>(~(in_range | _mm512_cmpeq_epi16_mask(size, _mm512_setzero_si512())));
+    };
+    __mmask32 bad = 0;
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m512i a = _mm512_loadu_si512(x + 64 * p);
+        const __m512i b = 2 * p + 1 < subs ? _mm512_loadu_si512(x + 64 * p + 32) : _mm512_setzero_si512();
+        bad |= outside(a) | outside(b);
+        // [s: 0-15 | s + 1: 0-15], then [s: 16-31 | s + 1: 16-31]
+        _mm512_storeu_si512(xq + 64 * p, _mm512_shuffle_i64x2(a, b, 0x44));
+        _mm512_storeu_si512(xq + 64 * p + 32, _mm512_shuffle_i64x2(a, b, 0xEE));
+    }
+    return bad == 0;
+}
+
+void gemv_blocks_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *x, const float *xsum,
+                      int m, int64_t n0, int64_t n1, float *acc, int64_t ldy) {
     using namespace qscheme_gguf_bf16;
     const int64_t xs_stride = l.k / SUB;
     for (int m0 = 0; m0 < m; m0 += 4) {
         const int count = m - m0 < 4 ? m - m0 : 4;
-        const int16_t *xw = in.x + m0 * in.pairs * 64;
+        const int16_t *xw = x + m0 * bf16_pairs(l.k) * 64;
         const float *ss = xsum + m0 * xs_stride;
         float *ys = acc + m0 * ldy;
         if (in.kind == 2)
@@ -331,8 +354,9 @@ void gemv_blocks_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, co
 
 namespace qscheme_gguf {
 bool bf16_blocks_fits(const Layout &, const Plan &, Bf16Input &) { return false; }
-void gemv_blocks_bf16(const Layout &, const Plan &, const Bf16Input &, const float *, int, int64_t, int64_t, float *,
-                      int64_t) {}
+bool bf16_blocks_words(const uint16_t *, int64_t, int16_t *) { return false; }
+void gemv_blocks_bf16(const Layout &, const Plan &, const Bf16Input &, const int16_t *, const float *, int, int64_t,
+                      int64_t, float *, int64_t) {}
 }  // namespace qscheme_gguf
 
 #endif
