@@ -445,6 +445,57 @@ def test_the_vnni_loop_takes_up_to_four_bfloat16_rows_of_4_bit_codes(monkeypatch
         cpu_gemv.set_isa(before)
 
 
+# a block's largest |x| at the edges of the VNNI loop's range: (value, whether the loop takes the row);
+# frexp's exponent of the value must lie in [-100, 100]
+VNNI_EDGES = (
+    (0.0, True),  # a block of zeros
+    (2.0**-101, True),  # exponent -100
+    (-(2.0**-102) * 1.5, False),  # exponent -101
+    (2.0**-130, False),  # subnormal
+    (2.0**99 * 1.5, True),  # exponent 100
+    (-(2.0**100), False),  # exponent 101
+    (float("inf"), False),
+    (float("nan"), False),
+)
+
+
+@needs_vnni
+@pytest.mark.parametrize(("value", "taken"), VNNI_EDGES)
+def test_the_vnni_loop_takes_blocks_whose_largest_element_is_in_range(
+    value: float, taken: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each block of 256 elements of a row is scaled by a power of two from its largest magnitude;
+    outside the loop's range (or not finite) the call runs the float32 loops, bit for bit what they
+    give with the VNNI loop off. The edge element meets zero weights; the next block's rounding to
+    16 bits (its largest element, 256, also on a zero weight, the others about 2**-7) shows which
+    loop ran."""
+    before = cpu_gemv.isa()
+    cpu_gemv.set_isa("avx512")
+    monkeypatch.setenv(AMX_VARIABLE, "0")
+    monkeypatch.setenv(BF16DOT_VARIABLE, "0")
+    try:
+        nvfp4 = weight_of("compressed-tensors/NVFP4A16", 16, 512)
+        codes = nvfp4.codes.clone()
+        codes[:, 0] &= 0xF0  # k = 0 and k = 256 (low nibbles) are +0 in every row
+        codes[:, 128] &= 0xF0
+        layout = cpu_gemv.layout_of(dataclasses.replace(nvfp4, codes=codes))
+        x = torch.zeros(2, 512)
+        x[:, 256:] = torch.randn(2, 256, generator=torch.Generator().manual_seed(5)) * 2.0**-7
+        x[:, 256] = 256.0  # the block's step: 2**-6
+        x[1, 0] = value
+        x = x.to(torch.bfloat16)
+        assert float(x[1, 0]) == value or math.isnan(value)
+        monkeypatch.setenv(INT16_VARIABLE, "1")
+        assert cpu_gemv.dot_loop(layout, 2) == "vnni"
+        y = cpu_gemv.gemv(layout, x)
+        monkeypatch.setenv(INT16_VARIABLE, "0")
+        floats = cpu_gemv.gemv(layout, x)
+        same_bits = torch.equal(y.view(torch.int16), floats.view(torch.int16))
+        assert same_bits != taken
+    finally:
+        cpu_gemv.set_isa(before)
+
+
 @needs_vnni
 def test_the_vnni_loop_subtracts_zero_points_exactly_and_leaves_large_ones_to_the_float_loop(
     monkeypatch: pytest.MonkeyPatch,
@@ -561,11 +612,14 @@ def test_the_bf16_loop_takes_x_as_it_is_on_layers_without_zero_points(monkeypatc
         y = cpu_gemv.gemv(layout, x.to(torch.bfloat16))
         assert float(y[0, 0]) > 0.0 and torch.equal(y[0, 0], expected[0, 0])
         # an element of x out of [2**-100, 2**64] (here where w is zero): the VNNI loop takes the row
-        for outside in (2.0**-110, 2.0**70, -(2.0**70)):
+        # (the bfloat16 values next to the range's ends included)
+        for outside in (2.0**-110, 2.0**70, -(2.0**70), 2.0**64 * (1 + 2**-7), -(2.0**-101) * (2 - 2**-7)):
             x[0, 2] = outside
             assert float(cpu_gemv.gemv(layout, x.to(torch.bfloat16))[0, 0]) == 0.0, outside
+        for inside in (2.0**64, -(2.0**-100)):
+            x[0, 2] = inside
+            assert float(cpu_gemv.gemv(layout, x.to(torch.bfloat16))[0, 0]) > 0.0, inside
         x[0, 2] = 2.0**-100
-        assert float(cpu_gemv.gemv(layout, x.to(torch.bfloat16))[0, 0]) > 0.0
         monkeypatch.setenv(BF16DOT_VARIABLE, "0")
         assert cpu_gemv.dot_loop(layout) == "vnni"
         assert float(cpu_gemv.gemv(layout, x.to(torch.bfloat16))[0, 0]) == 0.0

@@ -113,32 +113,6 @@ bool int16_fits(const Params &p, Int16Input &in) {
     return false;
 }
 
-bool int16_prepare(const float *x, const Int16Input &in, int16_t *xq, float *unit) {
-    for (int64_t b0 = 0, b = 0; b0 < in.k_main; b0 += 256, b++) {
-        const int64_t b1 = std::min(in.k_main, b0 + 256);
-        float largest = 0.0f;
-        for (int64_t i = b0; i < b1; i++) {
-            if (!std::isfinite(x[i])) return false;
-            largest = std::max(largest, std::fabs(x[i]));
-        }
-        int exponent = 0;  // largest = f * 2**exponent, 0.5 <= f < 1
-        if (largest > 0.0f) {
-            std::frexp(largest, &exponent);
-            if (exponent < -100 || exponent > 100) return false;
-        }
-        // step 2**(exponent - 15): largest / step = f * 2**15 < 32768, at most 32640 for a bfloat16 value
-        const float inverse = std::ldexp(1.0f, 15 - exponent);
-        unit[b] = std::ldexp(1.0f, exponent - 15) / in.factor;
-        for (int64_t c = b0; c < b1; c += 64)
-            for (int64_t i = 0; i < 32; i++) {
-                const float even = std::nearbyint(x[c + 2 * i] * inverse), odd = std::nearbyint(x[c + 2 * i + 1] * inverse);
-                xq[c + i] = static_cast<int16_t>(std::max(-32767.0f, std::min(32767.0f, even)));
-                xq[c + 32 + i] = static_cast<int16_t>(std::max(-32767.0f, std::min(32767.0f, odd)));
-            }
-    }
-    return true;
-}
-
 static bool bf16_supported() {
 #if defined(__x86_64__) || defined(__i386__)
     static const bool supported = [] {
@@ -169,25 +143,6 @@ bool bf16dot_fits(const Params &p, int64_t m, Int16Input &in) {
     std::memcpy(in.table, table, sizeof(table));
     in.factor = 1.0f;
     in.bf16 = true;
-    return true;
-}
-
-// Whether v may take the bfloat16 loop: zero, or a magnitude in [2**-100, 2**64] (products with the
-// code values stay normal, and sums of up to 2**31 of them finite).
-static bool bf16dot_range(float v) {
-    const float a = std::fabs(v);
-    return a == 0.0f || (a >= 0x1p-100f && a <= 0x1p64f);
-}
-
-bool bf16dot_prepare(const float *x, const Int16Input &in, int16_t *xq, float *unit) {
-    for (int64_t c = 0; c < in.k_main; c += 64)
-        for (int64_t i = 0; i < 32; i++) {
-            const float even = x[c + 2 * i], odd = x[c + 2 * i + 1];
-            if (!bf16dot_range(even) || !bf16dot_range(odd) || !bf16_word(even, xq[c + i]) ||
-                !bf16_word(odd, xq[c + 32 + i]))
-                return false;
-        }
-    for (int64_t b = 0; b < in.blocks; b++) unit[b] = 1.0f;
     return true;
 }
 
@@ -324,10 +279,14 @@ PyObject *gemv(PyObject *, PyObject *args) {
     const int64_t ldx = ((p.k + 15) / 16) * 16;
     // x as float32
     std::vector<float> xs(static_cast<size_t>(m * ldx), 0.0f);
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t k = 0; k < p.k; k++)
-            xs[r * ldx + k] = x_bf16 ? bf16_to_float(static_cast<const uint16_t *>(x)[r * p.k + k])
-                                     : static_cast<const float *>(x)[r * p.k + k];
+    for (int64_t r = 0; r < m; r++) {
+        if (x_bf16) {
+            const uint16_t *row = static_cast<const uint16_t *>(x) + r * p.k;
+            for (int64_t k = 0; k < p.k; k++) xs[r * ldx + k] = bf16_to_float(row[k]);
+        } else {
+            std::memcpy(xs.data() + r * ldx, static_cast<const float *>(x) + r * p.k, static_cast<size_t>(p.k) * 4);
+        }
+    }
     Int16Input in16;
     std::vector<int16_t> xq16;
     std::vector<float> unit16;
@@ -341,12 +300,14 @@ PyObject *gemv(PyObject *, PyObject *args) {
         Int16Input bf = in16;  // the AVX512-BF16 loop where it takes the layer and x, else the VNNI one
         bool words = bf16dot_fits(p, m, bf);
         for (int64_t r = 0; r < m && words; r++)
-            words = bf16dot_prepare(xs.data() + r * ldx, bf, xq16.data() + r * in16.k_main,
-                                    unit16.data() + r * in16.blocks);
-        if (words) in16 = bf;
+            words = bf16dot_words(static_cast<const uint16_t *>(x) + r * p.k, in16.k_main, xq16.data() + r * in16.k_main);
+        if (words) {
+            in16 = bf;
+            std::fill(unit16.begin(), unit16.end(), 1.0f);
+        }
         for (int64_t r = 0; r < m && int16 && !words; r++)
-            int16 = int16_prepare(xs.data() + r * ldx, in16, xq16.data() + r * in16.k_main,
-                                  unit16.data() + r * in16.blocks);
+            int16 = int16_words(static_cast<const uint16_t *>(x) + r * p.k, in16, xq16.data() + r * in16.k_main,
+                                unit16.data() + r * in16.blocks);
         in16.x = xq16.data();
         in16.unit = unit16.data();
     }

@@ -149,10 +149,10 @@ struct Int16Input {
 // multiple of 64, at least 64 columns), this CPU runs AVX512-VNNI and QSCHEME_CPU_GEMV_INT16 is not
 // "0"; fills the table.
 bool int16_fits(const Params &p, Int16Input &in);
-// One row of x (float32 values, each a bfloat16 value; in.k_main of them read) into xq (k_main
-// int16) and unit (in.blocks steps); false where an element is not finite or a block's largest
-// magnitude is outside [2**-100, 2**100].
-bool int16_prepare(const float *x, const Int16Input &in, int16_t *xq, float *unit);
+// One bfloat16 row of x (in.k_main words read) into xq (k_main int16, in the loop's order) and unit
+// (in.blocks steps); false where an element is not finite or a block's largest magnitude is outside
+// [2**-100, 2**100]. Call only where int16_fits took the layer.
+bool int16_words(const uint16_t *x, const Int16Input &in, int16_t *xq, float *unit);
 // Rows [n0, n1) times m (<= INT16_ROWS) rows of x: acc[r * ldy + n] = the sum over k < in.k_main
 // of row r, with integer products.
 void gemv_int16_avx512(const Params &p, const Int16Input &in, int m, int64_t n0, int64_t n1, float *acc,
@@ -164,11 +164,11 @@ void gemv_int16_avx512(const Params &p, const Int16Input &in, int m, int64_t n0,
 // groups and one row of x the integer loop was faster (Zen 4: 1.1-1.5x), with 2-4 rows slower
 // (1.1-1.25x). Sets in.bf16 and puts the code values' bfloat16 words in the table.
 bool bf16dot_fits(const Params &p, int64_t m, Int16Input &in);
-// One row of x (float32 values, each a bfloat16 value) as bfloat16 words in the loop's order, and
-// unit (in.blocks ones); false where an element is nonzero and its magnitude outside [2**-100,
-// 2**64] (not finite included): the products and sums then stay clear of the subnormals the
-// instruction flushes, and of overflows the reference's order (scale times code first) avoids.
-bool bf16dot_prepare(const float *x, const Int16Input &in, int16_t *xq, float *unit);
+// One bfloat16 row of x (k_main words read, a multiple of 64) into xq in the loop's order; false
+// where an element is nonzero and its magnitude outside [2**-100, 2**64] (not finite included): the
+// products and sums then stay clear of the subnormals the instruction flushes, and of overflows the
+// reference's order (scale times code first) avoids. Call only where bf16dot_fits took the layer.
+bool bf16dot_words(const uint16_t *x, int64_t k_main, int16_t *xq);
 // As gemv_int16_avx512, with bfloat16 products summed in float32 (VDPBF16PS).
 void gemv_bf16dot_avx512(const Params &p, const Int16Input &in, int m, int64_t n0, int64_t n1, float *acc,
                          int64_t ldy);
