@@ -26,7 +26,7 @@ namespace {
 
 constexpr int HEADER = 12;
 constexpr int FACTOR_INTS = 9;
-constexpr int64_t TASK_ROWS = 64;
+constexpr int64_t TASK_ROWS = 64;  // the fewest rows a worker takes
 
 bool bad(const char *what) {
     PyErr_Format(PyExc_ValueError, "qscheme._cpu_gemv.gemv_blocks: inconsistent block program (%s)", what);
@@ -331,10 +331,14 @@ PyObject *gemv_blocks(PyObject *, PyObject *args) {
             std::memcpy(xs, x, static_cast<size_t>(m * l.k) * sizeof(float));
     }
     float *acc = room(scratch.acc, m * l.n);
-    const int64_t tasks = (l.n + TASK_ROWS - 1) / TASK_ROWS;
+    // one span of rows per worker, read in order: the loops prefetch along each row and past its end
+    // into the next rows, so a span keeps the memory busy from its start; 64-row pieces shared out
+    // to 2 threads each started cold (2048x2048 Q4_0 from memory, 2 threads: 183 -> 150 us)
+    const int64_t span = std::max<int64_t>(TASK_ROWS, ((l.n + threads - 1) / threads + 3) / 4 * 4);
+    const int64_t tasks = (l.n + span - 1) / span;
     const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
     auto job = [&](int64_t task) {
-        const int64_t lo = task * TASK_ROWS, hi = std::min(l.n, lo + TASK_ROWS);
+        const int64_t lo = task * span, hi = std::min(l.n, lo + span);
 #if defined(__x86_64__) || defined(__i386__)
         if (bf16)
             gemv_blocks_bf16(l, *plan, prep->words, words, xsum, static_cast<int>(m), lo, hi, acc, l.n);
