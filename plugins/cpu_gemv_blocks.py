@@ -172,10 +172,11 @@ CPU_GEMV_BLOCKS_BF16 = KernelDeclaration(
         "14336x4096, 1 and 2 threads): Q4_0 3.71-4.79x at M = 1 and 2.01-2.43x at M = 4 (tinygemm_cpu 3.20-3.63x and "
         "1.71-2.05x); Q4_1 0.88-1.15x and Q4_K 0.76-0.95x tinygemm_cpu's speed; IQ4_NL, IQ4_XS and GGUF MXFP4 "
         "1.4-6x the float32 loops'. It holds the blocks alone (1.00x; tinygemm_cpu 2.11x, with bfloat16-rounded "
-        "scales) and is float32-exact up to summation order. End to end (benchmarks/cpu_decode.py, a 1.1B "
-        "Llama-shaped GGUF Q4_0 model, 2 threads) it decoded at 0.8-0.9x tinygemm_cpu's tokens per second, at "
-        "0.72x its resident memory, although its layer calls at that model's shapes were as fast or faster: "
-        "not explained yet (docs/notes/cpu-gemv-2026-12.md)",
+        "scales) and is float32-exact up to summation order. From memory, as a decode reads the layers "
+        "(benchmarks/cpu_layer_stack.py, 16 Llama blocks, 2 threads), Q4_0 and Q4_1 run at 1.0x and 0.92x "
+        "tinygemm_cpu's speed and Q4_K at 0.81x; a 1.1B GGUF Q4_0 model decodes at 0.96-1.01x tinygemm_cpu's "
+        "tokens per second at 0.72x its resident memory (docs/benchmarks.md). QSCHEME_DISABLED_KERNELS="
+        "cpu_gemv_blocks_bf16 sends these three to tinygemm_cpu",
         "numerics: cpu_gemv_blocks' (its AVX512-BF16 loop: bfloat16 inputs whose elements are zero or of a magnitude "
         "in [2**-100, 2**64], else its float32 loops in the same call); a layout of these codes the loop does not "
         "read (none of the built-in types) runs the float32 loops too (qscheme.cpu_gemv_blocks.dot_loop says which)",
