@@ -101,6 +101,7 @@ CPU_GEMV_EXTENSION = Extension(
         "qscheme/csrc/act_quant.h",
         "qscheme/csrc/byte_scales.h",
         "qscheme/csrc/thread_pool.h",
+        "qscheme/csrc/bf16_words.h",
     ],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17", "-fno-fast-math", "-pthread", *OPENMP],

@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #define QS_ISA_NAMESPACE qscheme_gemv_bf16dot
+#include "bf16_words.h"
 #include "cpu_gemv_dot_kernel.h"
 
 namespace qscheme_gemv_bf16dot {
@@ -31,20 +32,8 @@ void gemv_bf16dot_avx512(const Params &p, const Int16Input &in, int m, int64_t n
 }
 
 bool bf16dot_words(const uint16_t *x, int64_t k_main, int16_t *xq) {
-    // magnitudes as 15-bit integers: 2**-100 is 0x0D80 (exponent field 27), 2**64 is 0x5F80
-    const __m512i magnitude = _mm512_set1_epi16(0x7FFF), lowest = _mm512_set1_epi16(0x0D80);
-    const __m512i highest = _mm512_set1_epi16(0x5F80);
-    alignas(64) int16_t even[32], odd[32];
-    for (int i = 0; i < 32; i++) {
-        even[i] = static_cast<int16_t>(2 * i);
-        odd[i] = static_cast<int16_t>(2 * i + 1);
-    }
-    const __m512i evens = _mm512_load_si512(even), odds = _mm512_load_si512(odd);
-    auto outside = [&](__m512i v) {  // the words neither zero nor in range
-        const __m512i size = _mm512_and_si512(v, magnitude);
-        const __mmask32 in_range = _mm512_cmpge_epu16_mask(size, lowest) & _mm512_cmple_epu16_mask(size, highest);
-        return static_cast<__mmask32>(~(in_range | _mm512_cmpeq_epi16_mask(size, _mm512_setzero_si512())));
-    };
+    using namespace qscheme_bf16_words;
+    const __m512i evens = every_other_word(0), odds = every_other_word(1);
     __mmask32 bad = 0;
     for (int64_t c = 0; c < k_main; c += 64) {  // per chunk of 64: its 32 even elements, then its 32 odd ones
         const __m512i a = _mm512_loadu_si512(x + c), b = _mm512_loadu_si512(x + c + 32);

@@ -20,6 +20,7 @@
 #include <cstring>
 
 #define QS_GGUF_NAMESPACE qscheme_gguf_bf16
+#include "bf16_words.h"
 #include "cpu_gemv_gguf_kernel.h"
 #include "cpu_gemv_gguf_v512.h"
 
@@ -302,14 +303,7 @@ bool bf16_blocks_fits(const Layout &l, const Plan &plan, Bf16Input &in) {
 bool bf16_blocks_words(const uint16_t *x, int64_t k, int16_t *xq) {
     using namespace qscheme_gguf_bf16;
     const int64_t subs = k / SUB, pairs = bf16_pairs(k);
-    // magnitudes as 15-bit integers: 2**-100 is 0x0D80 (exponent field 27), 2**64 is 0x5F80
-    const __m512i magnitude = _mm512_set1_epi16(0x7FFF), lowest = _mm512_set1_epi16(0x0D80);
-    const __m512i highest = _mm512_set1_epi16(0x5F80);
-    auto outside = [&](__m512i v) {  // the words neither zero nor in range
-        const __m512i size = _mm512_and_si512(v, magnitude);
-        const __mmask32 in_range = _mm512_cmpge_epu16_mask(size, lowest) & _mm512_cmple_epu16_mask(size, highest);
-        return static_cast<__mmask32>(~(in_range | _mm512_cmpeq_epi16_mask(size, _mm512_setzero_si512())));
-    };
+    using qscheme_bf16_words::outside;
     __mmask32 bad = 0;
     for (int64_t p = 0; p < pairs; p++) {
         const __m512i a = _mm512_loadu_si512(x + 64 * p);

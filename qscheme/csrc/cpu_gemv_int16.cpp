@@ -7,6 +7,7 @@
 #include <cmath>
 
 #define QS_ISA_NAMESPACE qscheme_gemv_int16
+#include "bf16_words.h"
 #include "cpu_gemv_dot_kernel.h"
 
 namespace qscheme_gemv_int16 {
@@ -31,12 +32,7 @@ void gemv_int16_avx512(const Params &p, const Int16Input &in, int m, int64_t n0,
 }
 
 bool int16_words(const uint16_t *x, const Int16Input &in, int16_t *xq, float *unit) {
-    alignas(64) int16_t even[32], odd[32];
-    for (int i = 0; i < 32; i++) {
-        even[i] = static_cast<int16_t>(2 * i);
-        odd[i] = static_cast<int16_t>(2 * i + 1);
-    }
-    const __m512i evens = _mm512_load_si512(even), odds = _mm512_load_si512(odd);
+    const __m512i evens = qscheme_bf16_words::every_other_word(0), odds = qscheme_bf16_words::every_other_word(1);
     const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
     for (int64_t b0 = 0, b = 0; b0 < in.k_main; b0 += 256, b++) {
         const int64_t b1 = b0 + 256 < in.k_main ? b0 + 256 : in.k_main;  // multiples of 64
