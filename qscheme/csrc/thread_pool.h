@@ -112,6 +112,15 @@ inline void run_tasks(int count, int64_t tasks, const std::function<void(int64_t
 #endif
 }
 
+// The rows of each worker's one span of n rows split over `threads` workers: an even share rounded
+// up to a multiple of 4 (the loops' row blocks), at least `least`. The GEMV loops prefetch along
+// each row and past its end into the next rows, so a span read in order keeps the memory busy from
+// its start, where small pieces shared out in turn each start cold.
+inline int64_t span_rows(int64_t n, int threads, int64_t least) {
+    const int64_t share = ((n + threads - 1) / threads + 3) / 4 * 4;
+    return share > least ? share : least;
+}
+
 // Whether the kernels run on OpenMP's threads (torch's, see above) or on their own pool.
 inline bool openmp() {
 #ifdef _OPENMP
