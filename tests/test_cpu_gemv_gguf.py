@@ -14,10 +14,11 @@ with s_k v_k the weight without its minimum and m_k the minimum, both from the r
 (the declaration decoded with and without its minimum), plus for 16-bit outputs one rounding of
 each side's output (one unit in the last place).
 
-The AVX512-BF16 loop (bfloat16 inputs on the 4-bit types in sub-blocks of 32, on a CPU with
-AVX512-BF16 and VBMI): which types it takes (``dot_loop``), its float32 sums and the float32 loops'
-on the same inputs, each within the bound of the reference (rows with an odd number of sub-blocks,
-M up to 6), and the inputs outside its range falling back to the float32 loops.
+The AVX512-BF16 loop (bfloat16 inputs on the 4-bit types in sub-blocks of 32 and on the 2- to 6-bit
+integer codes, on a CPU with AVX512-BF16 and VBMI): which types it takes (``dot_loop``), its float32
+sums and the float32 loops' on the same inputs, each within the bound of the reference (rows with an
+odd number of sub-blocks where the blocks allow it, M up to 6: two passes), and the inputs outside
+its range falling back to the float32 loops.
 
 Also: the resolver's plan on a CPU (this kernel for M <= 15, below tinygemm_cpu), the state holds
 the canonical blocks (no copy) and one program per scheme, the op's fake implementation
@@ -169,8 +170,11 @@ def test_the_scalar_and_vector_loops_agree_within_the_bound() -> None:
         check_close("gguf/Q4_K", x, y, outputs["scalar"])
 
 
-# The 4-bit types in sub-blocks of 32 read as nibble pairs: the AVX512-BF16 loop's (written out)
-BF16_TYPES = ("gguf/IQ4_NL", "gguf/IQ4_XS", "gguf/MXFP4", "gguf/Q4_0", "gguf/Q4_1", "gguf/Q4_K")
+# The AVX512-BF16 loop's types (written out): the 4-bit types in sub-blocks of 32 read as nibble
+# pairs, and the integer codes of 2 to 6 bits in one or two pieces, in sub-blocks of 16 or 32
+NIBBLE_PAIR_TYPES = ("gguf/IQ4_NL", "gguf/IQ4_XS", "gguf/MXFP4", "gguf/Q4_0", "gguf/Q4_1", "gguf/Q4_K")
+PLANE_TYPES = ("gguf/Q2_K", "gguf/Q3_K", "gguf/Q5_0", "gguf/Q5_1", "gguf/Q5_K", "gguf/Q6_K")
+BF16_TYPES = NIBBLE_PAIR_TYPES + PLANE_TYPES
 BF16_LOOP = pytest.mark.skipif(
     not cpu_gemv.available()
     or cpu_gemv.supported_isa() != "avx512"
@@ -192,7 +196,7 @@ def odd_weight(name: str) -> CanonicalWeight:
 
 
 @pytest.mark.parametrize("name", CLAIMED)
-def test_the_bf16_loop_takes_the_4bit_types_in_sub_blocks_of_32(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_bf16_loop_takes_its_types(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     layout = cpu_gemv_blocks.block_layout_of(weight_of(name))
     runs = cpu_gemv_blocks.dot_loop(layout)
     if runs is None and name in BF16_TYPES:

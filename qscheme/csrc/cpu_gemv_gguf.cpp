@@ -321,7 +321,8 @@ PyObject *gemv_blocks(PyObject *, PyObject *args) {
     if (bf16) {
         words = room(scratch.words, m * words_per_row);
         for (int64_t r = 0; r < m && bf16; r++)
-            bf16 = bf16_blocks_words(static_cast<const uint16_t *>(x) + r * l.k, l.k, words + r * words_per_row);
+            bf16 = bf16_blocks_words(static_cast<const uint16_t *>(x) + r * l.k, l.k, prep->words.kind,
+                                     words + r * words_per_row);
     }
     float *xs = nullptr;
     if (!bf16) {

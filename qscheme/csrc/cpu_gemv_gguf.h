@@ -200,10 +200,22 @@ void gemv_blocks_avx2(const Layout &l, const Plan &plan, const float *x, int64_t
 // multiplied by its scale product s_g in float32, the minimum products applied as the vector loops
 // apply them. Elements of x must be zero or of a magnitude in [2**-100, 2**64] (the instruction
 // flushes subnormals: products stay multiples of 2**-122, sums of up to 2**31 of them finite).
+// Kind 3 of the loop: how 32 elements' piece of the element integer (one slot of two plan chunks of
+// 16) is gathered into 16-bit lanes: the two chunks' 16-byte windows side by side, byte 2i of
+// `index` naming lane i's byte within them, then each lane's shift, mask and destination bit.
+struct alignas(64) PlaneStep {
+    uint8_t index[64] = {};
+    int16_t shift[32] = {}, mask[32] = {}, dest[32] = {};
+    int32_t off0 = 0, off1 = 0;  // the windows' bytes within the block
+};
+
 struct Bf16Input {
     int kind = 0;                // 1: each sub-block one 16-byte window, its low then its high nibbles
                                  // (Q4_0, Q4_1, IQ4_NL, IQ4_XS, MXFP4); 2: two windows of 16 bytes,
-                                 // low nibbles one sub-block, high nibbles the next (Q4_K)
+                                 // low nibbles one sub-block, high nibbles the next (Q4_K); 3: integer
+                                 // codes of up to 6 bits from one or two pieces in sub-blocks of 16 or
+                                 // 32, 32 elements a step in their own order (Q2_K, Q3_K, Q5_0, Q5_1,
+                                 // Q5_K, Q6_K), factors formed per row first
     bool paired = false;         // kind 1 with one sub-block per block of at most 32 bytes: two blocks
                                  // per 64-byte load, codes (and an fp16 scale) taken by byte permutes
     int inline_factors = 0;       // paired: how the loop reads the factors from each block (0: formed
@@ -217,8 +229,14 @@ struct Bf16Input {
     // and m of a block read as one vector of 16 integers (its windows, each lane's sign-extension
     // shift and offset), formed block by block in the loop
     alignas(64) int32_t kquant_shift[16] = {}, kquant_add[16] = {};
+    uint16_t kquant_minimum_lanes = 0;  // the lanes of the minimum integers (m), multiplied by dmin
     int kquant_depth = 0;
     std::vector<Chunk> kquant;
+    // kind 3: the code values of up to 64 codes as bfloat16 words, and [elements / 32][depth] steps
+    alignas(64) int16_t table64[64] = {};
+    int plane_depth = 0;
+    int plane_factors = 0;  // how the loop reads the factors (cpu_gemv_gguf_bf16.cpp: PlaneFactors)
+    std::vector<PlaneStep> planes;
 };
 
 // Pairs of sub-blocks of 32 in a row of K (the last may be half): a row of x in the loop's order
@@ -233,9 +251,10 @@ bool bf16_blocks_available();
 // `in`. Call only where bf16_blocks_supported().
 bool bf16_blocks_fits(const Layout &l, const Plan &plan16, Bf16Input &in);
 // A bfloat16 row of x ([k], k a multiple of 32) into xq ([bf16_pairs(k) * 64] words in the loop's
-// order, zero padded); false where an element is neither zero nor of a magnitude in [2**-100, 2**64].
-// Call only where bf16_blocks_supported().
-bool bf16_blocks_words(const uint16_t *x, int64_t k, int16_t *xq);
+// order for `kind`: kinds 1 and 2 pair sub-blocks of 32, kind 3 keeps x's own order; zero padded);
+// false where an element is neither zero nor of a magnitude in [2**-100, 2**64]. Call only where
+// bf16_blocks_supported().
+bool bf16_blocks_words(const uint16_t *x, int64_t k, int kind, int16_t *xq);
 // Rows [n0, n1) of the layer times m rows of xw ([m][bf16_pairs(l.k) * 64], from bf16_blocks_words;
 // in passes of at most 4), as gemv_blocks_avx512.
 void gemv_blocks_bf16(const Layout &l, const Plan &plan16, const Bf16Input &in, const int16_t *xw, const float *xsum,

@@ -13,6 +13,11 @@
 // Kind 2 (two windows of 16 bytes: low nibbles sub-block s, high nibbles s + 1; Q4_K): each window
 // widened twice gives the same lanes, [s: 0-15 | s + 1: 0-15] and [s: 16-31 | s + 1: 16-31]; x in the
 // same order.
+// Kind 3 (integer codes of up to 6 bits, from one or two pieces, in sub-blocks of 16 or 32: Q2_K,
+// Q3_K, Q5_0, Q5_1, Q5_K, Q6_K): 32 elements a step in their own order, each piece gathered into
+// 16-bit lanes (PlaneStep), the codes' values looked up from 64 words (VPERMT2W); lanes 0-7 of a
+// product are elements 0-15 and lanes 8-15 elements 16-31, so with sub-blocks of 16 one multiply by
+// [s_a x 8 | s_b x 8] scales two of them. The factors are formed per row first (row_products).
 #if defined(__x86_64__) || defined(__i386__)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c")
 #include <immintrin.h>
@@ -33,9 +38,9 @@ static inline __m512 dot(__m512 sum, __m512i weights, __m512i x) {
     return _mm512_dpbf16_ps(sum, reinterpret_cast<__m512bh>(weights), reinterpret_cast<__m512bh>(x));
 }
 
-// A block's sub-block products of K-quant factors (in.kquant: [d, sc] and any [dmin, m], sc and m 8
-// integers each): the integers in one vector [sc | m], sign-extended and offset as declared, times
-// [d x 8 | dmin x 8] (each product d * sc exact, as the reference forms it).
+// A block's sub-block products of K-quant factors (in.kquant: [d, sc] and any [dmin, m], sc and m one
+// integer per sub-block): the integers in one vector [sc | m], sign-extended and offset as declared,
+// times [d ... | dmin ...] (each product d * sc exact, as the reference forms it).
 static inline __m512 kquant_block(const Layout &l, const Bf16Input &in, const uint8_t *block) {
     const Chunk *cs = in.kquant.data();
     __m512i v = V512::and_(V512::srlv(V512::window(block + cs[0].off, cs[0]), cs[0].shift), cs[0].mask);
@@ -46,8 +51,8 @@ static inline __m512 kquant_block(const Layout &l, const Bf16Input &in, const ui
     const __m512i shift = _mm512_load_si512(in.kquant_shift);
     v = _mm512_add_epi32(_mm512_srav_epi32(_mm512_sllv_epi32(v, shift), shift), _mm512_load_si512(in.kquant_add));
     const float dmin = l.n_minimum ? block_half(block, l.minimum[0].offset, Half()) : 0.0f;
-    const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(block_half(block, l.scale[0].offset, Half())),
-                                          _mm512_set1_ps(dmin));
+    const __m512 d = _mm512_mask_blend_ps(in.kquant_minimum_lanes,
+                                          _mm512_set1_ps(block_half(block, l.scale[0].offset, Half())), _mm512_set1_ps(dmin));
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(v));
 }
 
@@ -192,6 +197,150 @@ static void rows_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, co
     }
 }
 
+// How kind 3 reads a block's factors: its K-quant products in the loop (kquant_block), its one fp16
+// scale (and any one fp16 minimum) in the loop, or products formed for the whole row first.
+enum PlaneFactors : int { PLANE_KQUANT = 0, PLANE_HALF = 1, PLANE_ROW = 2 };
+
+// Kind 3: R weight rows from row n times M rows of x in their own order (xw, [M][bf16_pairs(K) * 64]);
+// SUB16: sub-blocks of 16 (else 32); DEPTH: the pieces of a code (1 or 2).
+template <int M, int R, bool SUB16, int DEPTH, int FACTORS>
+static void rows_planes(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
+                        int64_t n, float *acc, int64_t ldy) {
+    const int64_t subs = l.k / l.sub, xstride = bf16_pairs(l.k) * 64, blocks = l.k / l.elements;
+    const int steps = l.elements / 32;
+    const __m512i low_table = _mm512_load_si512(in.table64), high_table = _mm512_load_si512(in.table64 + 32);
+    const __m512i pair_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __mmask64 even_bytes = 0x5555555555555555ULL;
+    thread_local std::vector<float> buffer;
+    const int64_t stride = subs + 17;  // row_products may write 16 values past a row's last
+    if (buffer.size() < static_cast<size_t>(2 * R * stride)) buffer.resize(static_cast<size_t>(2 * R * stride));
+    const uint8_t *rows[R];
+    const float *scales[R];
+    float *minimums[R];
+    for (int r = 0; r < R; r++) {
+        rows[r] = l.codes + (n + r) * l.row_bytes;
+        float *sc = buffer.data() + r * stride, *mn = buffer.data() + (R + r) * stride;
+        if (FACTORS == PLANE_ROW) row_products<V512>(l, plan, rows[r], sc, mn, Half());
+        scales[r] = sc;
+        minimums[r] = mn;
+    }
+    const int groups = l.elements / l.sub;
+    const __mmask16 low_lanes = static_cast<__mmask16>((1u << groups) - 1u);
+    const __m512i minimum_lanes = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                   _mm512_set1_epi32(groups));
+    __m512 products[R];  // the current block's factors: K-quant products, or its fp16 scale in every lane
+    __m512 sum[R][M];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) sum[r][m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t base = b * l.block_bytes;
+        for (int r = 0; r < R; r++) {  // 1 KiB ahead in each row, each cache line the block enters;
+            const int64_t to = base + PREFETCH_BYTES;  // past the row's end, in the next R rows'
+            const uint8_t *ahead = to < l.row_bytes ? rows[r] + to : rows[r] + R * l.row_bytes + (to - l.row_bytes);
+            const uintptr_t first = reinterpret_cast<uintptr_t>(ahead) & 63;
+            for (int64_t line = first ? 64 - first : 0; line < l.block_bytes; line += 64) __builtin_prefetch(ahead + line, 0, 3);
+        }
+        for (int r = 0; r < R; r++) {
+            const uint8_t *block = rows[r] + base;
+            if constexpr (FACTORS == PLANE_KQUANT) {
+                products[r] = kquant_block(l, in, block);
+                if (l.n_minimum)  // the minimum products (lanes groups..2 groups - 1), for the end (not
+                    _mm512_mask_storeu_ps(minimums[r] + groups * b, low_lanes,  // VCOMPRESSPS: slow on Zen 4)
+                                          _mm512_permutexvar_ps(minimum_lanes, products[r]));
+            } else if constexpr (FACTORS == PLANE_HALF) {
+                products[r] = _mm512_set1_ps(block_half(block, l.scale[0].offset, Half()));
+                if (l.n_minimum) minimums[r][b] = block_half(block, l.minimum[0].offset, Half());
+            }
+        }
+        for (int t = 0; t < steps; t++) {
+            const PlaneStep *ps = in.planes.data() + t * DEPTH;
+            __m512i index[DEPTH], shift[DEPTH], mask[DEPTH], dest[DEPTH];
+            for (int d = 0; d < DEPTH; d++) {
+                index[d] = _mm512_load_si512(ps[d].index);
+                shift[d] = _mm512_load_si512(ps[d].shift);
+                mask[d] = _mm512_load_si512(ps[d].mask);
+                dest[d] = _mm512_load_si512(ps[d].dest);
+            }
+            __m512i value[R];
+            for (int r = 0; r < R; r++) {
+                const uint8_t *block = rows[r] + base;
+                __m512i code = _mm512_setzero_si512();
+                for (int d = 0; d < DEPTH; d++) {  // the piece's two windows, each lane's byte, shift, mask, place
+                    const __m256i two = _mm256_inserti128_si256(
+                        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(block + ps[d].off0))),
+                        _mm_loadu_si128(reinterpret_cast<const __m128i *>(block + ps[d].off1)), 1);
+                    __m512i w = _mm512_maskz_permutexvar_epi8(even_bytes, index[d], _mm512_zextsi256_si512(two));
+                    w = _mm512_and_si512(_mm512_srlv_epi16(w, shift[d]), mask[d]);
+                    code = _mm512_or_si512(code, _mm512_sllv_epi16(w, dest[d]));
+                }
+                value[r] = _mm512_permutex2var_epi16(low_table, code, high_table);
+            }
+            __m512 scale[R];
+            const int64_t g = b * groups + (SUB16 ? 2 * t : t);  // the step's (first) sub-block
+            for (int r = 0; r < R; r++) {
+                if constexpr (FACTORS == PLANE_HALF) {
+                    scale[r] = products[r];  // one sub-block per block
+                } else if constexpr (FACTORS == PLANE_KQUANT) {
+                    const __m512i lanes = SUB16 ? _mm512_add_epi32(pair_lanes, _mm512_set1_epi32(2 * t)) : _mm512_set1_epi32(t);
+                    scale[r] = _mm512_permutexvar_ps(lanes, products[r]);
+                } else if constexpr (SUB16) {
+                    double two;  // sub-blocks g and g + 1
+                    std::memcpy(&two, scales[r] + g, sizeof(two));
+                    scale[r] = _mm512_permutexvar_ps(pair_lanes, _mm512_castpd_ps(_mm512_set1_pd(two)));
+                } else {
+                    scale[r] = _mm512_set1_ps(scales[r][g]);
+                }
+            }
+            const int64_t at = b * l.elements + 32 * t;
+            for (int m = 0; m < M; m++) {
+                const __m512i xv = _mm512_loadu_si512(xw + m * xstride + at);
+                for (int r = 0; r < R; r++)
+                    sum[r][m] = _mm512_fmadd_ps(dot(_mm512_setzero_ps(), value[r], xv), scale[r], sum[r][m]);
+            }
+        }
+    }
+    const float sign = static_cast<float>(l.minimum_sign);
+    for (int r = 0; r < R; r++) {
+        const float *mn = buffer.data() + (R + r) * stride;
+        for (int m = 0; m < M; m++) {
+            float total = _mm512_reduce_add_ps(sum[r][m]);
+            if (l.n_minimum) total += sign * dot<V512>(mn, xsum + m * subs, subs);
+            acc[m * ldy + n + r] = total;
+        }
+    }
+}
+
+template <int M, bool SUB16, int DEPTH, int FACTORS>
+static void planes_m(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
+                     int64_t n0, int64_t n1, float *acc, int64_t ldy) {
+    constexpr int R = M <= 2 ? 4 : 2;
+    int64_t n = n0;
+    for (; n + R <= n1; n += R) rows_planes<M, R, SUB16, DEPTH, FACTORS>(l, plan, in, xw, xsum, n, acc, ldy);
+    for (; n < n1; n++) rows_planes<M, 1, SUB16, DEPTH, FACTORS>(l, plan, in, xw, xsum, n, acc, ldy);
+}
+
+template <bool SUB16, int DEPTH, int FACTORS>
+static void planes_factors(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
+                           int m, int64_t n0, int64_t n1, float *acc, int64_t ldy) {
+    switch (m) {
+        case 1: return planes_m<1, SUB16, DEPTH, FACTORS>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
+        case 2: return planes_m<2, SUB16, DEPTH, FACTORS>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
+        case 3: return planes_m<3, SUB16, DEPTH, FACTORS>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
+        default: return planes_m<4, SUB16, DEPTH, FACTORS>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
+    }
+}
+
+template <bool SUB16, int DEPTH>
+static void planes_kind(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
+                        int m, int64_t n0, int64_t n1, float *acc, int64_t ldy) {
+    if (in.plane_factors == PLANE_KQUANT)
+        planes_factors<SUB16, DEPTH, PLANE_KQUANT>(l, plan, in, xw, xsum, m, n0, n1, acc, ldy);
+    else if (in.plane_factors == PLANE_HALF)
+        planes_factors<SUB16, DEPTH, PLANE_HALF>(l, plan, in, xw, xsum, m, n0, n1, acc, ldy);
+    else
+        planes_factors<SUB16, DEPTH, PLANE_ROW>(l, plan, in, xw, xsum, m, n0, n1, acc, ldy);
+}
+
 template <int M, int KIND, bool PAIRED, int INLINE>
 static void rows_m(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
                    int64_t n0, int64_t n1, float *acc, int64_t ldy) {
@@ -226,7 +375,77 @@ static bool value_word(float v, int16_t &word) {
     return true;
 }
 
-bool bf16_blocks_fits(const Layout &l, const Plan &plan, Bf16Input &in) {
+// K-quant factors read in the loop (Bf16Input::kquant): [d, sc] with any [dmin, m] of the same depth,
+// sc and m one integer per sub-block, at most 16 integers in all (8 sub-blocks with minimums, 16
+// without). Leaves kquant_depth 0 where the layout has no such factors or their windows do not fit.
+static void plan_kquant(const Layout &l, const Plan &plan, Bf16Input &in) {
+    in.kquant_depth = 0;
+    in.kquant.clear();
+    const Factor &sc = l.scale[1], &mn = l.minimum[1];
+    const int g = l.groups, count = l.n_minimum ? 2 * g : g;
+    if (count > 16 || !qscheme_gguf_bf16::k_quant_products(l, plan, 16) || (l.n_minimum && sc.depth != mn.depth)) return;
+    const int depth = sc.depth;
+    std::vector<int32_t> slots(static_cast<size_t>(depth * 4 * count), 0);  // [sc | m]'s pieces
+    for (int s = 0; s < depth; s++)
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < g; i++) {
+                slots[(s * 4 + j) * count + i] = sc.slots[(s * 4 + j) * g + i];
+                if (l.n_minimum) slots[(s * 4 + j) * count + g + i] = mn.slots[(s * 4 + j) * g + i];
+            }
+    for (int i = 0; i < 16; i++) {
+        const Factor *f = i < g ? &sc : (l.n_minimum && i < 2 * g ? &mn : nullptr);
+        in.kquant_shift[i] = f && f->is_signed ? 32 - f->bits : 0;
+        in.kquant_add[i] = f ? f->add : 0;
+    }
+    in.kquant_minimum_lanes = l.n_minimum ? static_cast<uint16_t>(((1u << g) - 1u) << g) : 0;
+    in.kquant = plan_windows(slots.data(), depth, count, l.block_bytes, 16);
+    if (!in.kquant.empty()) in.kquant_depth = depth;
+}
+
+// Kind 3 (see the file's head): integer codes of up to 6 bits in one or two pieces, each of which
+// the plan reads as 16-byte windows, whose values are bfloat16 numbers as value_word takes them.
+static bool planes_fit(const Layout &l, const Plan &plan, Bf16Input &in) {
+    using namespace qscheme_gguf_bf16;
+    if (plan.width != 16 || !(l.sub == 16 || l.sub == 32) || l.elements % 32 || l.el_bits > 6 || l.el_depth < 1 ||
+        l.el_depth > 2 || l.el_table)
+        return false;
+    const int codes = 1 << l.el_bits, depth = l.el_depth, steps = l.elements / 32;
+    for (int i = 0; i < 64; i++) {
+        int16_t word = 0;
+        if (i < codes && !value_word(l.values[i], word)) return false;
+        in.table64[i] = word;
+    }
+    in.planes.assign(static_cast<size_t>(steps * depth), PlaneStep());
+    for (int t = 0; t < steps; t++)
+        for (int d = 0; d < depth; d++) {
+            const Chunk &a = plan.element[(2 * t) * depth + d], &b = plan.element[(2 * t + 1) * depth + d];
+            PlaneStep &st = in.planes[t * depth + d];
+            st.off0 = a.off;
+            st.off1 = b.off;
+            for (int i = 0; i < 32; i++) {
+                const Chunk &c = i < 16 ? a : b;
+                const int lane = i % 16;
+                if (c.mask[lane] > 0xFF || c.shift[lane] > 7 || c.dest[lane] + l.el_bits > 16) return false;
+                st.index[2 * i] = static_cast<uint8_t>((i < 16 ? 0 : 16) + c.idx[lane]);
+                st.shift[i] = static_cast<int16_t>(c.shift[lane]);
+                st.mask[i] = static_cast<int16_t>(c.mask[lane]);
+                st.dest[i] = static_cast<int16_t>(c.dest[lane]);
+            }
+        }
+    in.plane_depth = depth;
+    in.kind = 3;
+    plan_kquant(l, plan, in);
+    // an fp16 scale (and an fp16 minimum) per block of one sub-block (Q5_0, Q5_1): read in the loop
+    auto one_half = [&](const Factor *f, int count) {
+        return count == 1 && f[0].is_field && f[0].count == 1 && f[0].format == FIELD_FP16;
+    };
+    const bool half = l.groups == 1 && one_half(l.scale, l.n_scale) && (!l.n_minimum || one_half(l.minimum, l.n_minimum));
+    in.plane_factors = in.kquant_depth ? PLANE_KQUANT : (half ? PLANE_HALF : PLANE_ROW);
+    return true;
+}
+
+// Kinds 1 and 2 (see the file's head): 4-bit codes in sub-blocks of 32 read as nibble pairs.
+static bool nibble_pairs_fit(const Layout &l, const Plan &plan, Bf16Input &in) {
     using namespace qscheme_gguf_bf16;
     if (plan.width != 16 || l.sub != SUB || l.el_depth != 1 || l.el_bits != 4 || l.k % SUB) return false;
     for (int i = 0; i < l.elements; i++)
@@ -245,26 +464,7 @@ bool bf16_blocks_fits(const Layout &l, const Plan &plan, Bf16Input &in) {
     if (in.kind == 2)  // each unit's two windows adjacent: one 32-byte load
         for (int u = 0; u < l.groups / 2; u++)
             if (plan.element[4 * u + 1].off != plan.element[4 * u].off + 16) return false;
-    in.kquant_depth = 0;
-    in.kquant.clear();
-    const Factor &sc = l.scale[1], &mn = l.minimum[1];
-    if (l.groups == 8 && k_quant_products(l, plan, 16) && (!l.n_minimum || sc.depth == mn.depth)) {
-        const int depth = sc.depth, g = l.groups, count = l.n_minimum ? 2 * g : g;
-        std::vector<int32_t> slots(static_cast<size_t>(depth * 4 * count), 0);  // [sc | m]'s pieces
-        for (int s = 0; s < depth; s++)
-            for (int j = 0; j < 4; j++)
-                for (int i = 0; i < g; i++) {
-                    slots[(s * 4 + j) * count + i] = sc.slots[(s * 4 + j) * g + i];
-                    if (l.n_minimum) slots[(s * 4 + j) * count + g + i] = mn.slots[(s * 4 + j) * g + i];
-                }
-        for (int i = 0; i < 16; i++) {
-            const Factor *f = i < g ? &sc : (l.n_minimum && i < 2 * g ? &mn : nullptr);
-            in.kquant_shift[i] = f && f->is_signed ? 32 - f->bits : 0;
-            in.kquant_add[i] = f ? f->add : 0;
-        }
-        in.kquant = plan_windows(slots.data(), depth, count, l.block_bytes, 16);
-        if (!in.kquant.empty()) in.kquant_depth = depth;
-    }
+    if (l.groups == 8) plan_kquant(l, plan, in);
     in.paired = in.kind == 1 && l.groups == 1;
     if (in.paired && 2 * l.block_bytes > 64) return false;  // two blocks of one sub-block: one 64-byte load
     // an fp16 scale (and an fp16 minimum) or a one-byte scale per block: read in the loop from the block
@@ -300,7 +500,13 @@ bool bf16_blocks_fits(const Layout &l, const Plan &plan, Bf16Input &in) {
     return true;
 }
 
-bool bf16_blocks_words(const uint16_t *x, int64_t k, int16_t *xq) {
+bool bf16_blocks_fits(const Layout &l, const Plan &plan, Bf16Input &in) {
+    if (nibble_pairs_fit(l, plan, in)) return true;
+    in = Bf16Input();
+    return planes_fit(l, plan, in);
+}
+
+bool bf16_blocks_words(const uint16_t *x, int64_t k, int kind, int16_t *xq) {
     using namespace qscheme_gguf_bf16;
     const int64_t subs = k / SUB, pairs = bf16_pairs(k);
     using qscheme_bf16_words::outside;
@@ -309,6 +515,11 @@ bool bf16_blocks_words(const uint16_t *x, int64_t k, int16_t *xq) {
         const __m512i a = _mm512_loadu_si512(x + 64 * p);
         const __m512i b = 2 * p + 1 < subs ? _mm512_loadu_si512(x + 64 * p + 32) : _mm512_setzero_si512();
         bad |= outside(a) | outside(b);
+        if (kind == 3) {  // x's own order
+            _mm512_storeu_si512(xq + 64 * p, a);
+            _mm512_storeu_si512(xq + 64 * p + 32, b);
+            continue;
+        }
         // [s: 0-15 | s + 1: 0-15], then [s: 16-31 | s + 1: 16-31]
         _mm512_storeu_si512(xq + 64 * p, _mm512_shuffle_i64x2(a, b, 0x44));
         _mm512_storeu_si512(xq + 64 * p + 32, _mm512_shuffle_i64x2(a, b, 0xEE));
@@ -319,13 +530,21 @@ bool bf16_blocks_words(const uint16_t *x, int64_t k, int16_t *xq) {
 void gemv_blocks_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *x, const float *xsum,
                       int m, int64_t n0, int64_t n1, float *acc, int64_t ldy) {
     using namespace qscheme_gguf_bf16;
-    const int64_t xs_stride = l.k / SUB;
+    const int64_t xs_stride = l.k / l.sub;  // xsum: [m][K / sub]
     for (int m0 = 0; m0 < m; m0 += 4) {
         const int count = m - m0 < 4 ? m - m0 : 4;
         const int16_t *xw = x + m0 * bf16_pairs(l.k) * 64;
         const float *ss = xsum + m0 * xs_stride;
         float *ys = acc + m0 * ldy;
-        if (in.kind == 2)
+        if (in.kind == 3) {
+            const bool two = in.plane_depth == 2;
+            if (l.sub == 16)
+                two ? planes_kind<true, 2>(l, plan, in, xw, ss, count, n0, n1, ys, ldy)
+                    : planes_kind<true, 1>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
+            else
+                two ? planes_kind<false, 2>(l, plan, in, xw, ss, count, n0, n1, ys, ldy)
+                    : planes_kind<false, 1>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
+        } else if (in.kind == 2)
             rows_kind<2, false, FROM_ROW>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
         else if (in.inline_factors == FP16_SCALE)
             rows_kind<1, true, FP16_SCALE>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
@@ -348,7 +567,7 @@ void gemv_blocks_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, co
 
 namespace qscheme_gguf {
 bool bf16_blocks_fits(const Layout &, const Plan &, Bf16Input &) { return false; }
-bool bf16_blocks_words(const uint16_t *, int64_t, int16_t *) { return false; }
+bool bf16_blocks_words(const uint16_t *, int64_t, int, int16_t *) { return false; }
 void gemv_blocks_bf16(const Layout &, const Plan &, const Bf16Input &, const int16_t *, const float *, int, int64_t,
                       int64_t, float *, int64_t) {}
 }  // namespace qscheme_gguf
