@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -259,13 +260,27 @@ def dot_loop(layout: BlockGemvLayout) -> str | None:
     module = native()
     if module is None or not hasattr(module, "blocks_loop"):
         return None
+    return "bf16" if _loop_code(module, layout) else None
+
+
+def _loop_code(module: Any, layout: BlockGemvLayout) -> int:
     c = layout.compiled
-    code = int(
+    return int(
         module.blocks_loop(
             layout.k, _address(c.program), c.program.numel(), _address(c.values), _address(c.byte_tables), c.tables
         )
     )
-    return "bf16" if code == 1 else None
+
+
+def plane_step(layout: BlockGemvLayout) -> int | None:
+    """Elements per step of the AVX512-BF16 loop on a layer of integer codes (Q2_K, Q3_K, Q5_0, Q5_1,
+    Q5_K, Q6_K): 64 where the pieces of each code lie in runs of 32 bytes (the K-quants), else 32, or
+    32 with ``QSCHEME_CPU_GEMV_PLANES64=0``; None where the loop does not run such a layer here (4-bit
+    nibble pairs, the float32 loops, the extension not built)."""
+    module = native()
+    if module is None or not hasattr(module, "blocks_loop"):
+        return None
+    return {2: 32, 3: 64}.get(_loop_code(module, layout))
 
 
 def gemv_blocks(layout: BlockGemvLayout, x: Tensor, bias: Tensor | None = None, threads: int | None = None) -> Tensor:

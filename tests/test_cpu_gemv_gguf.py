@@ -230,6 +230,33 @@ def test_the_bf16_loop_matches_the_reference_kernel(name: str, monkeypatch: pyte
     """Both loops on the same inputs (their float32 sums), an odd number of sub-blocks per row, M = 1
     to 6 (two passes), ragged N, 1 and 2 threads: each within the bound of the reference's float32
     result; and through the op with a bias, within it plus one bfloat16 rounding."""
+    check_bf16_loop(name, monkeypatch)
+
+
+@BF16_LOOP
+@pytest.mark.parametrize("name", PLANE_TYPES)
+def test_the_integer_codes_take_64_or_32_elements_a_step(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The K-quants' pieces lie in runs of 32 bytes: 64 elements a step; Q5_0 and Q5_1 (blocks of 32)
+    take 32. QSCHEME_CPU_GEMV_PLANES64=0 (read at each call) sends every layout to 32 a step, which
+    then matches the reference kernel as the 64-element steps do."""
+    layout = cpu_gemv_blocks.block_layout_of(odd_weight(name))
+    blocks = builtin_scheme(name).weight.blocks
+    assert blocks is not None
+    assert cpu_gemv_blocks.plane_step(layout) == (64 if blocks.elements == 256 else 32)
+    monkeypatch.setenv("QSCHEME_CPU_GEMV_PLANES64", "0")
+    assert cpu_gemv_blocks.plane_step(layout) == 32
+    check_bf16_loop(name, monkeypatch)  # ends with QSCHEME_CPU_GEMV_BF16DOT=0
+    monkeypatch.delenv("QSCHEME_CPU_GEMV_BF16DOT")
+    monkeypatch.delenv("QSCHEME_CPU_GEMV_PLANES64")
+    assert cpu_gemv_blocks.plane_step(layout) == (64 if blocks.elements == 256 else 32)
+
+
+@pytest.mark.parametrize("name", NIBBLE_PAIR_TYPES)
+def test_the_nibble_pair_types_have_no_plane_step(name: str) -> None:
+    assert cpu_gemv_blocks.plane_step(cpu_gemv_blocks.block_layout_of(weight_of(name))) is None
+
+
+def check_bf16_loop(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     weight = odd_weight(name)
     layout = cpu_gemv_blocks.block_layout_of(weight)
     assert cpu_gemv_blocks.dot_loop(layout) == "bf16"

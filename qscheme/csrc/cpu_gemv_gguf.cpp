@@ -372,9 +372,10 @@ PyObject *blocks_bf16(PyObject *, PyObject *) {
     return PyLong_FromLong(qscheme_gemv::active_isa() == 2 && bf16_blocks_available() ? 1 : 0);
 }
 
-/* blocks_loop(k, program, program_length, values, byte_tables, tables): 1 where bfloat16 rows of x
+/* blocks_loop(k, program, program_length, values, byte_tables, tables): where bfloat16 rows of x
  * (every element zero or of a magnitude in [2**-100, 2**64]) run the AVX512-BF16 loop on a layer of
- * this program and K here, 0 where they run the float32 loops. */
+ * this program and K here, 1 (4-bit nibble pairs), 2 (integer codes, 32 elements a step) or 3 (64 a
+ * step); 0 where they run the float32 loops. */
 PyObject *blocks_loop(PyObject *, PyObject *args) {
     long long v[6];
     if (!integer_args(args, "blocks_loop", v, 6)) return nullptr;
@@ -389,7 +390,8 @@ PyObject *blocks_loop(PyObject *, PyObject *args) {
         return nullptr;
     }
     const bool runs = qscheme_gemv::active_isa() == 2 && bf16_blocks_available() && prep->bf16;
-    return PyLong_FromLong(runs ? 1 : 0);
+    const Bf16Input &in = prep->words;
+    return PyLong_FromLong(!runs ? 0 : (in.kind != 3 ? 1 : (!in.planes64.empty() && bf16_planes64_on() ? 3 : 2)));
 }
 
 }  // namespace qscheme_gguf

@@ -236,6 +236,7 @@ struct Bf16Input {
     alignas(64) int16_t table64[64] = {};
     int plane_depth = 0;
     int plane_factors = 0;  // how the loop reads the factors (cpu_gemv_gguf_bf16.cpp: PlaneFactors)
+    std::vector<PlaneStep> planes64;  // 64 elements a step, where the pieces' windows allow it (else empty)
     std::vector<PlaneStep> planes;
 };
 
@@ -250,6 +251,9 @@ bool bf16_blocks_available();
 // Whether the loop takes the layout (plan16: make_plan(l, 16), width 16; K need not be set); fills
 // `in`. Call only where bf16_blocks_supported().
 bool bf16_blocks_fits(const Layout &l, const Plan &plan16, Bf16Input &in);
+// Whether QSCHEME_CPU_GEMV_PLANES64 (read at each call) leaves kind 3's 64-element steps on (not 0);
+// with it 0, every layout takes 32 elements a step (the tests run both).
+bool bf16_planes64_on();
 // A bfloat16 row of x ([k], k a multiple of 32) into xq ([bf16_pairs(k) * 64] words in the loop's
 // order for `kind`: kinds 1 and 2 pair sub-blocks of 32, kind 3 keeps x's own order; zero padded);
 // false where an element is neither zero nor of a magnitude in [2**-100, 2**64]. Call only where

@@ -202,12 +202,14 @@ static void rows_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, co
 enum PlaneFactors : int { PLANE_KQUANT = 0, PLANE_HALF = 1, PLANE_ROW = 2 };
 
 // Kind 3: R weight rows from row n times M rows of x in their own order (xw, [M][bf16_pairs(K) * 64]);
-// SUB16: sub-blocks of 16 (else 32); DEPTH: the pieces of a code (1 or 2).
-template <int M, int R, bool SUB16, int DEPTH, int FACTORS>
+// SUB16: sub-blocks of 16 (else 32); DEPTH: the pieces of a code (1 or 2); WIDE: 64 elements a step
+// (Bf16Input::planes64), their pieces gathered as bytes and widened to words after.
+template <int M, int R, bool SUB16, int DEPTH, int FACTORS, bool WIDE>
 static void rows_planes(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
                         int64_t n, float *acc, int64_t ldy) {
     const int64_t subs = l.k / l.sub, xstride = bf16_pairs(l.k) * 64, blocks = l.k / l.elements;
-    const int steps = l.elements / 32;
+    constexpr int STEP = WIDE ? 64 : 32;
+    const int steps = l.elements / STEP;
     const __m512i low_table = _mm512_load_si512(in.table64), high_table = _mm512_load_si512(in.table64 + 32);
     const __m512i pair_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const __mmask64 even_bytes = 0x5555555555555555ULL;
@@ -253,7 +255,7 @@ static void rows_planes(const Layout &l, const Plan &plan, const Bf16Input &in, 
             }
         }
         for (int t = 0; t < steps; t++) {
-            const PlaneStep *ps = in.planes.data() + t * DEPTH;
+            const PlaneStep *ps = (WIDE ? in.planes64 : in.planes).data() + t * DEPTH;
             __m512i index[DEPTH], shift[DEPTH], mask[DEPTH], dest[DEPTH];
             for (int d = 0; d < DEPTH; d++) {
                 index[d] = _mm512_load_si512(ps[d].index);
@@ -261,41 +263,60 @@ static void rows_planes(const Layout &l, const Plan &plan, const Bf16Input &in, 
                 mask[d] = _mm512_load_si512(ps[d].mask);
                 dest[d] = _mm512_load_si512(ps[d].dest);
             }
-            __m512i value[R];
+            constexpr int HALVES = WIDE ? 2 : 1;  // products of 32 elements a step
+            __m512i value[HALVES][R];
             for (int r = 0; r < R; r++) {
                 const uint8_t *block = rows[r] + base;
                 __m512i code = _mm512_setzero_si512();
-                for (int d = 0; d < DEPTH; d++) {  // the piece's two windows, each lane's byte, shift, mask, place
-                    const __m256i two = _mm256_inserti128_si256(
-                        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(block + ps[d].off0))),
-                        _mm_loadu_si128(reinterpret_cast<const __m128i *>(block + ps[d].off1)), 1);
-                    __m512i w = _mm512_maskz_permutexvar_epi8(even_bytes, index[d], _mm512_zextsi256_si512(two));
+                for (int d = 0; d < DEPTH; d++) {
+                    __m512i w;
+                    if constexpr (WIDE) {  // 32 bytes at each offset, each byte lane's byte, shift, mask, place
+                        const __m512i four = _mm512_inserti64x4(
+                            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(block + ps[d].off0))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i *>(block + ps[d].off1)), 1);
+                        w = _mm512_permutexvar_epi8(index[d], four);
+                    } else {  // the piece's two windows, each word lane's byte, shift, mask, place
+                        const __m256i two = _mm256_inserti128_si256(
+                            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(block + ps[d].off0))),
+                            _mm_loadu_si128(reinterpret_cast<const __m128i *>(block + ps[d].off1)), 1);
+                        w = _mm512_maskz_permutexvar_epi8(even_bytes, index[d], _mm512_zextsi256_si512(two));
+                    }
                     w = _mm512_and_si512(_mm512_srlv_epi16(w, shift[d]), mask[d]);
                     code = _mm512_or_si512(code, _mm512_sllv_epi16(w, dest[d]));
                 }
-                value[r] = _mm512_permutex2var_epi16(low_table, code, high_table);
-            }
-            __m512 scale[R];
-            const int64_t g = b * groups + (SUB16 ? 2 * t : t);  // the step's (first) sub-block
-            for (int r = 0; r < R; r++) {
-                if constexpr (FACTORS == PLANE_HALF) {
-                    scale[r] = products[r];  // one sub-block per block
-                } else if constexpr (FACTORS == PLANE_KQUANT) {
-                    const __m512i lanes = SUB16 ? _mm512_add_epi32(pair_lanes, _mm512_set1_epi32(2 * t)) : _mm512_set1_epi32(t);
-                    scale[r] = _mm512_permutexvar_ps(lanes, products[r]);
-                } else if constexpr (SUB16) {
-                    double two;  // sub-blocks g and g + 1
-                    std::memcpy(&two, scales[r] + g, sizeof(two));
-                    scale[r] = _mm512_permutexvar_ps(pair_lanes, _mm512_castpd_ps(_mm512_set1_pd(two)));
+                if constexpr (WIDE) {
+                    value[0][r] = _mm512_permutex2var_epi16(low_table, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(code)),
+                                                            high_table);
+                    value[HALVES - 1][r] = _mm512_permutex2var_epi16(
+                        low_table, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(code, 1)), high_table);
                 } else {
-                    scale[r] = _mm512_set1_ps(scales[r][g]);
+                    value[0][r] = _mm512_permutex2var_epi16(low_table, code, high_table);
                 }
             }
-            const int64_t at = b * l.elements + 32 * t;
-            for (int m = 0; m < M; m++) {
-                const __m512i xv = _mm512_loadu_si512(xw + m * xstride + at);
-                for (int r = 0; r < R; r++)
-                    sum[r][m] = _mm512_fmadd_ps(dot(_mm512_setzero_ps(), value[r], xv), scale[r], sum[r][m]);
+            for (int h = 0; h < HALVES; h++) {
+                const int u = HALVES * t + h;  // the product's 32 elements within the block
+                __m512 scale[R];
+                const int64_t g = b * groups + (SUB16 ? 2 * u : u);  // its (first) sub-block
+                for (int r = 0; r < R; r++) {
+                    if constexpr (FACTORS == PLANE_HALF) {
+                        scale[r] = products[r];  // one sub-block per block
+                    } else if constexpr (FACTORS == PLANE_KQUANT) {
+                        const __m512i lanes = SUB16 ? _mm512_add_epi32(pair_lanes, _mm512_set1_epi32(2 * u)) : _mm512_set1_epi32(u);
+                        scale[r] = _mm512_permutexvar_ps(lanes, products[r]);
+                    } else if constexpr (SUB16) {
+                        double two;  // sub-blocks g and g + 1
+                        std::memcpy(&two, scales[r] + g, sizeof(two));
+                        scale[r] = _mm512_permutexvar_ps(pair_lanes, _mm512_castpd_ps(_mm512_set1_pd(two)));
+                    } else {
+                        scale[r] = _mm512_set1_ps(scales[r][g]);
+                    }
+                }
+                const int64_t at = b * l.elements + 32 * u;
+                for (int m = 0; m < M; m++) {
+                    const __m512i xv = _mm512_loadu_si512(xw + m * xstride + at);
+                    for (int r = 0; r < R; r++)
+                        sum[r][m] = _mm512_fmadd_ps(dot(_mm512_setzero_ps(), value[h][r], xv), scale[r], sum[r][m]);
+                }
             }
         }
     }
@@ -310,24 +331,36 @@ static void rows_planes(const Layout &l, const Plan &plan, const Bf16Input &in, 
     }
 }
 
-template <int M, bool SUB16, int DEPTH, int FACTORS>
+template <int M, bool SUB16, int DEPTH, int FACTORS, bool WIDE>
 static void planes_m(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
                      int64_t n0, int64_t n1, float *acc, int64_t ldy) {
     constexpr int R = M <= 2 ? 4 : 2;
     int64_t n = n0;
-    for (; n + R <= n1; n += R) rows_planes<M, R, SUB16, DEPTH, FACTORS>(l, plan, in, xw, xsum, n, acc, ldy);
-    for (; n < n1; n++) rows_planes<M, 1, SUB16, DEPTH, FACTORS>(l, plan, in, xw, xsum, n, acc, ldy);
+    for (; n + R <= n1; n += R) rows_planes<M, R, SUB16, DEPTH, FACTORS, WIDE>(l, plan, in, xw, xsum, n, acc, ldy);
+    for (; n < n1; n++) rows_planes<M, 1, SUB16, DEPTH, FACTORS, WIDE>(l, plan, in, xw, xsum, n, acc, ldy);
 }
 
+template <bool SUB16, int DEPTH, int FACTORS, bool WIDE>
+static void planes_rows(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
+                        int m, int64_t n0, int64_t n1, float *acc, int64_t ldy) {
+    switch (m) {
+        case 1: return planes_m<1, SUB16, DEPTH, FACTORS, WIDE>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
+        case 2: return planes_m<2, SUB16, DEPTH, FACTORS, WIDE>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
+        case 3: return planes_m<3, SUB16, DEPTH, FACTORS, WIDE>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
+        default: return planes_m<4, SUB16, DEPTH, FACTORS, WIDE>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
+    }
+}
+
+// 64 elements a step where the layout allows it (never with an fp16 factor per block: one sub-block of
+// at most 32), else 32.
 template <bool SUB16, int DEPTH, int FACTORS>
 static void planes_factors(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
                            int m, int64_t n0, int64_t n1, float *acc, int64_t ldy) {
-    switch (m) {
-        case 1: return planes_m<1, SUB16, DEPTH, FACTORS>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
-        case 2: return planes_m<2, SUB16, DEPTH, FACTORS>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
-        case 3: return planes_m<3, SUB16, DEPTH, FACTORS>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
-        default: return planes_m<4, SUB16, DEPTH, FACTORS>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
+    if constexpr (FACTORS != PLANE_HALF) {
+        if (!in.planes64.empty() && bf16_planes64_on())
+            return planes_rows<SUB16, DEPTH, FACTORS, true>(l, plan, in, xw, xsum, m, n0, n1, acc, ldy);
     }
+    planes_rows<SUB16, DEPTH, FACTORS, false>(l, plan, in, xw, xsum, m, n0, n1, acc, ldy);
 }
 
 template <bool SUB16, int DEPTH>
@@ -402,6 +435,40 @@ static void plan_kquant(const Layout &l, const Plan &plan, Bf16Input &in) {
     if (!in.kquant.empty()) in.kquant_depth = depth;
 }
 
+// Kind 3 with 64 elements a step: where each piece's four chunk windows are two runs of 32 bytes
+// (chunks 1 and 3 start 16 bytes after 0 and 2) and every two neighbouring lanes share their shift
+// and destination (the word shifts then serve both bytes: a code of at most 6 bits never crosses
+// into the next byte). Fills in.planes64 ([elements / 64][depth]: index and mask per byte lane, shift
+// and destination per word, the two runs' offsets in off0 and off1).
+static bool wide_planes_fit(const Layout &l, const Plan &plan, Bf16Input &in) {
+    const int depth = l.el_depth, steps = l.elements / 64;
+    if (l.elements % 64) return false;
+    std::vector<PlaneStep> planes(static_cast<size_t>(steps * depth));
+    for (int t = 0; t < steps; t++)
+        for (int d = 0; d < depth; d++) {
+            const Chunk *c[4];
+            for (int i = 0; i < 4; i++) c[i] = &plan.element[(4 * t + i) * depth + d];
+            if (c[1]->off != c[0]->off + 16 || c[3]->off != c[2]->off + 16) return false;
+            PlaneStep &st = planes[t * depth + d];
+            st.off0 = c[0]->off;
+            st.off1 = c[2]->off;
+            uint8_t *mask = reinterpret_cast<uint8_t *>(st.mask);
+            for (int e = 0; e < 64; e++) {
+                const Chunk &ch = *c[e / 16];
+                const int lane = e % 16, pair = lane ^ 1;
+                if (ch.mask[lane] > 0xFF || ch.shift[lane] > 7 || (ch.mask[lane] << ch.dest[lane]) > 0xFF ||
+                    ch.shift[lane] != ch.shift[pair] || ch.dest[lane] != ch.dest[pair])
+                    return false;
+                st.index[e] = static_cast<uint8_t>(16 * (e / 16) + ch.idx[lane]);
+                mask[e] = static_cast<uint8_t>(ch.mask[lane]);
+                st.shift[e / 2] = static_cast<int16_t>(ch.shift[lane]);
+                st.dest[e / 2] = static_cast<int16_t>(ch.dest[lane]);
+            }
+        }
+    in.planes64 = std::move(planes);
+    return true;
+}
+
 // Kind 3 (see the file's head): integer codes of up to 6 bits in one or two pieces, each of which
 // the plan reads as 16-byte windows, whose values are bfloat16 numbers as value_word takes them.
 static bool planes_fit(const Layout &l, const Plan &plan, Bf16Input &in) {
@@ -415,6 +482,7 @@ static bool planes_fit(const Layout &l, const Plan &plan, Bf16Input &in) {
         if (i < codes && !value_word(l.values[i], word)) return false;
         in.table64[i] = word;
     }
+    if (!wide_planes_fit(l, plan, in)) in.planes64.clear();
     in.planes.assign(static_cast<size_t>(steps * depth), PlaneStep());
     for (int t = 0; t < steps; t++)
         for (int d = 0; d < depth; d++) {
@@ -500,6 +568,11 @@ static bool nibble_pairs_fit(const Layout &l, const Plan &plan, Bf16Input &in) {
     return true;
 }
 
+bool bf16_planes64_on() {
+    const char *setting = std::getenv("QSCHEME_CPU_GEMV_PLANES64");
+    return !(setting && setting[0] == '0');
+}
+
 bool bf16_blocks_fits(const Layout &l, const Plan &plan, Bf16Input &in) {
     if (nibble_pairs_fit(l, plan, in)) return true;
     in = Bf16Input();
@@ -567,6 +640,7 @@ void gemv_blocks_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, co
 
 namespace qscheme_gguf {
 bool bf16_blocks_fits(const Layout &, const Plan &, Bf16Input &) { return false; }
+bool bf16_planes64_on() { return false; }
 bool bf16_blocks_words(const uint16_t *, int64_t, int, int16_t *) { return false; }
 void gemv_blocks_bf16(const Layout &, const Plan &, const Bf16Input &, const int16_t *, const float *, int, int64_t,
                       int64_t, float *, int64_t) {}
