@@ -1,6 +1,7 @@
 """Decode's layer calls from memory: a Llama-shaped stack of distinct layers per kernel, one run.
 
     python benchmarks/cpu_layer_stack.py [--scheme gguf/Q4_0] [--kernel NAME ...] [--layers 16] [--threads 2]
+    python benchmarks/cpu_layer_stack.py --scheme gguf/Q6_K --switch QSCHEME_CPU_GEMV_BF16DOT
     python benchmarks/cpu_layer_stack.py --smoke     # tiny shapes, two rounds (the test's run)
 
 ``cpu_gemm.py`` times one layer called again and again. A 4-bit 4096x4096 weight (9.4 MB) then
@@ -17,19 +18,24 @@ One bf16 row of x per call (M = 1). Each stack runs in turn within a round (the 
 its time the median over ``--rounds`` rounds; per shape, the median time of one call over the
 rounds. Reported: ms per stack, the ratio to bf16 ``F.linear`` and to the first kernel (above 1:
 faster), GB/s (the bytes each kernel state holds over the stack's time) and us per call per
-shape. The weights are GGUF blocks quantized by qscheme's GGUF quantizer (a 64-row slab repeated
+shape. ``--switch VAR`` (repeatable) adds, for each kernel, a row of the same stack run with the
+environment variable VAR set to 0 while it runs (the extension's loop switches, such as
+``QSCHEME_CPU_GEMV_BF16DOT`` or ``QSCHEME_CPU_GEMV_PLANES64``, are read at each call), in the same
+rounds. The weights are GGUF blocks quantized by qscheme's GGUF quantizer (a 64-row slab repeated
 down N) or ``qscheme.triton.samples.random_weight``; the times do not depend on the values.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -70,6 +76,23 @@ def copy_of(weight: CanonicalWeight) -> CanonicalWeight:
     return dataclasses.replace(weight, **{k: v.clone() for k, v in fields.items() if isinstance(v, torch.Tensor)})
 
 
+@contextlib.contextmanager
+def switched_off(variable: str | None) -> Iterator[None]:
+    """``variable`` set to 0 while the block runs (nothing for None), then as it was."""
+    if variable is None:
+        yield
+        return
+    before = os.environ.get(variable)
+    os.environ[variable] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[variable]
+        else:
+            os.environ[variable] = before
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scheme", default="gguf/Q4_0")
@@ -80,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 2 blocks, 2 rounds")
+    parser.add_argument(
+        "--switch", action="append", default=[], metavar="VAR",
+        help="repeatable: also run each kernel's stack with this environment variable set to 0",
+    )  # fmt: skip
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     args = parser.parse_args(argv)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
@@ -110,6 +137,7 @@ def run(
             dense = torch.randn(n, k, generator=generator).to(torch.bfloat16)
             stacks[DENSE].append(((n, k), lambda x, w=dense: F.linear(x, w)))
             held[DENSE] += dense.numel() * 2
+    switched: dict[str, str] = {}  # row name: the variable set to 0 while it runs
     for kernel in kernels:
         stacks[kernel] = []
         for _ in range(blocks):
@@ -117,19 +145,23 @@ def run(
                 layer = build_layer(copy_of(weights[shape]), kernel, "cpu", facts)
                 stacks[kernel].append((shape, layer))
                 held[kernel] += state_bytes(layer)
+        for variable in args.switch:
+            name = f"{kernel} ({variable}=0)"
+            stacks[name], held[name], switched[name] = stacks[kernel], held[kernel], variable
     inputs = {k: torch.randn(1, k, generator=generator).to(torch.bfloat16) for k in {k for _, k in shapes}}
     per_call: dict[tuple[str, tuple[int, int]], list[float]] = defaultdict(list)
     totals: dict[str, list[float]] = defaultdict(list)
 
     def run_stack(name: str, record: bool) -> None:
-        started = time.perf_counter()
-        for shape, call in stacks[name]:
-            begun = time.perf_counter()
-            call(inputs[shape[1]])
+        with switched_off(switched.get(name)):
+            started = time.perf_counter()
+            for shape, call in stacks[name]:
+                begun = time.perf_counter()
+                call(inputs[shape[1]])
+                if record:
+                    per_call[(name, shape)].append(time.perf_counter() - begun)
             if record:
-                per_call[(name, shape)].append(time.perf_counter() - begun)
-        if record:
-            totals[name].append(time.perf_counter() - started)
+                totals[name].append(time.perf_counter() - started)
 
     names = list(stacks)
     with torch.inference_mode():

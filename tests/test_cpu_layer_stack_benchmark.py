@@ -6,8 +6,10 @@ assertion is on a time."""
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -55,3 +57,28 @@ def test_named_kernels_only_and_the_slow_ones_on_request(capsys: pytest.CaptureF
 def test_a_scheme_no_kernel_runs_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert cpu_layer_stack.main(["--smoke", "--threads", "1", "--kernel", "no_such_kernel"]) == 1
     assert "no kernel runs gguf/Q4_0" in capsys.readouterr().err
+
+
+def test_a_switch_adds_a_row_per_kernel_run_with_the_variable_off(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--switch VAR: each kernel's stack again, with VAR=0 while it runs (seen by the layers), and VAR
+    as it was afterwards."""
+    variable = "QSCHEME_TEST_STACK_SWITCH"
+    monkeypatch.setenv(variable, "7")
+    seen: list[str | None] = []
+    real = cpu_layer_stack.build_layer
+
+    def spying(*args: Any, **kwargs: Any) -> torch.nn.Module:
+        layer = real(*args, **kwargs)
+        layer.register_forward_pre_hook(lambda module, inputs: seen.append(os.environ.get(variable)))
+        return layer
+
+    monkeypatch.setattr(cpu_layer_stack, "build_layer", spying)
+    args = ["--smoke", "--threads", "1", "--scheme", "gguf/Q4_0", "--kernel", "cpu_gemv_blocks", "--switch", variable]
+    assert cpu_layer_stack.main(args) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert list(rows) == [cpu_layer_stack.DENSE, "cpu_gemv_blocks", f"cpu_gemv_blocks ({variable}=0)"]
+    assert rows["cpu_gemv_blocks"][4] == rows[f"cpu_gemv_blocks ({variable}=0)"][4]  # the same layers' bytes
+    assert set(seen) == {"7", "0"} and seen.count("0") == seen.count("7")
+    assert os.environ[variable] == "7"
