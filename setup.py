@@ -87,6 +87,7 @@ CPU_GEMV_EXTENSION = Extension(
         "qscheme/csrc/cpu_gemv_gguf_avx512.cpp",
         "qscheme/csrc/cpu_gemv_gguf_avx2.cpp",
         "qscheme/csrc/cpu_gemv_gguf_bf16.cpp",
+        "qscheme/csrc/cpu_gemv_gguf_dequant.cpp",
         "qscheme/csrc/act_quant.cpp",
         "qscheme/csrc/act_quant_avx512.cpp",
     ],

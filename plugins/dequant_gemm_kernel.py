@@ -13,9 +13,10 @@ or with VDPBF16PS dot products (products summed in float32, the output rounded o
 the bias added in float32 before). The panels are shared out over ``torch.get_num_threads()``
 threads of the extension.
 
-Otherwise (float32 inputs, neither AMX nor AVX-512 BF16, a format the extensions do not decode): a tile of output rows
-at a time is dequantized exactly (the extension's bfloat16 decoder, ``cpu_gemv``'s float32 row
-decoder, or ``qscheme.canonical.dequantize_rows``: bit for bit the rows of
+Otherwise (float32 inputs, neither AMX nor AVX-512 BF16, a format the extensions do not decode, packed
+blocks): a tile of output rows at a time is dequantized exactly (the extension's bfloat16 decoder,
+``cpu_gemv``'s float32 row decoder, ``cpu_gemv_blocks``' AVX-512 block decoder for packed blocks such
+as GGUF's, or ``qscheme.canonical.dequantize_rows``: bit for bit the rows of
 ``qscheme.canonical.dequantize``), rounded once to the activation dtype (bfloat16; float32
 inputs use the float32 tile as it is) and multiplied with ``torch.nn.functional.linear``
 (oneDNN) into its columns of the output. The tiles are shared out over qscheme's slab workers
@@ -71,6 +72,22 @@ class DequantGemmState:
     canonical: CanonicalWeight
     emulation: ReferenceState | None
     native: Any = None
+    blocks: Any = None  # packed blocks: the cpu_gemv_blocks layout (views) its AVX-512 decoder reads
+
+
+def block_layout(weight: CanonicalWeight) -> Any:
+    """``qscheme.cpu_gemv_blocks``' layout of a weight of packed blocks on the CPU (views of its
+    canonical tensors), or None (other packings, another device, the extension not built)."""
+    if weight.scheme.weight.blocks is None or weight.codes.device.type != "cpu" or weight.input_permutation is not None:
+        return None
+    from qscheme import cpu_gemv, cpu_gemv_blocks
+
+    if not cpu_gemv.available():
+        return None
+    try:
+        return cpu_gemv_blocks.block_layout_of(weight)
+    except UsageError:  # a layout the extension does not read: the torch decoder takes it
+        return None
 
 
 def native_layout(weight: CanonicalWeight) -> Any:
@@ -115,6 +132,7 @@ class DequantGemmKernel:
             canonical=canonical,
             emulation=emulation,
             native=native_layout(canonical) if self.native else None,
+            blocks=block_layout(canonical) if self.native else None,
         )
 
     def apply(self, state: DequantGemmState, x: Tensor, bias: Tensor | None) -> Tensor:
@@ -176,6 +194,12 @@ def tile_weight(state: DequantGemmState, start: int, stop: int, dtype: torch.dty
     once to bfloat16 for bfloat16 inputs (by the extensions where they decode the layer)."""
     if state.native is not None and dtype == torch.bfloat16 and tile_gemm.available():
         return tile_gemm.dequantize_rows(state.native, start, stop, threads=1)
+    if state.blocks is not None:
+        from qscheme import cpu_gemv_blocks
+
+        rows = cpu_gemv_blocks.dequantize_rows(state.blocks, start, stop, dtype, threads=1)
+        if rows is not None:
+            return rows
     if state.native is not None:
         from qscheme import cpu_gemv
 

@@ -294,3 +294,31 @@ def gemv_blocks(layout: BlockGemvLayout, x: Tensor, bias: Tensor | None = None, 
         )
         return out
     return _run(x, layout.codes, c.program, c.values, c.byte_tables, bias, layout.meta, count)
+
+
+def dequantize_rows(
+    layout: BlockGemvLayout, start: int, stop: int, dtype: torch.dtype = torch.float32, threads: int | None = None
+) -> Tensor | None:
+    """Rows [start, stop) of the weight, [stop - start, K] in float32 (bit for bit
+    ``qscheme.formats.blocks.decode_blocks``) or bfloat16 (those values rounded once to nearest even,
+    as ``Tensor.to`` rounds), decoded by the extension's AVX-512 loop over ``threads`` workers (default
+    ``torch.get_num_threads()``). None where that loop does not run here (the AVX-512 loops not in use,
+    a layout they do not read, the extension not built): decode with ``decode_blocks`` then."""
+    n, k, row_bytes, tables = layout.meta
+    if not 0 <= start <= stop <= n:
+        raise UsageError(f"cpu_gemv_blocks dequantize_rows: rows [{start}, {stop}) are not within N={n}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise UsageError(f"cpu_gemv_blocks dequantize_rows writes float32 or bfloat16, not {dtype}")
+    module = native()
+    if module is None or not hasattr(module, "dequantize_blocks"):
+        return None
+    out = torch.empty(stop - start, k, dtype=dtype)
+    if stop == start or k == 0:
+        return out
+    c = layout.compiled
+    count = torch.get_num_threads() if threads is None else max(1, threads)
+    ran = module.dequantize_blocks(
+        out.data_ptr(), int(dtype == torch.bfloat16), start, stop, count, layout.codes.data_ptr(), n, k, row_bytes,
+        c.program.data_ptr(), c.program.numel(), c.values.data_ptr(), c.byte_tables.data_ptr(), tables,
+    )  # fmt: skip
+    return out if ran else None

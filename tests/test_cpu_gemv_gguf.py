@@ -443,3 +443,53 @@ def test_the_op_has_a_fake_implementation() -> None:
     )
     compiled = torch.compile(lambda v: cpu_gemv_blocks.gemv_blocks(layout, v), fullgraph=True, backend="eager")
     assert torch.equal(compiled(x), cpu_gemv_blocks.gemv_blocks(layout, x))
+
+
+@pytest.mark.parametrize("name", CLAIMED)
+def test_the_block_decoder_is_the_reference_decoder(name: str) -> None:
+    """cpu_gemv_blocks.dequantize_rows (the AVX-512 decoder dequant_gemm's tiles use): bit for bit
+    decode_blocks in float32, and those values rounded once to bfloat16, for row ranges, ragged N,
+    1 and 2 threads; None where the AVX-512 loops do not run (then dequant_gemm decodes with torch)."""
+    weight = odd_weight(name)
+    layout = cpu_gemv_blocks.block_layout_of(weight)
+    blocks = weight.scheme.weight.blocks
+    assert blocks is not None
+    expected = decode_blocks(weight.codes, blocks)
+    runs = cpu_gemv.available() and cpu_gemv.isa() == "avx512"
+    for start, stop, threads in ((0, weight.n, 2), (5, 22, 1), (36, 37, 2), (9, 9, 1)):
+        rows = cpu_gemv_blocks.dequantize_rows(layout, start, stop, torch.float32, threads)
+        halves = cpu_gemv_blocks.dequantize_rows(layout, start, stop, torch.bfloat16, threads)
+        if not runs and stop > start:
+            assert rows is None and halves is None
+            continue
+        assert rows is not None and halves is not None
+        assert rows.dtype == torch.float32 and halves.dtype == torch.bfloat16
+        assert torch.equal(rows.view(torch.int32), expected[start:stop].view(torch.int32))
+        assert torch.equal(halves.view(torch.int16), expected[start:stop].to(torch.bfloat16).view(torch.int16))
+    with pytest.raises(UsageError, match="not within N"):
+        cpu_gemv_blocks.dequantize_rows(layout, 3, weight.n + 1)
+    with pytest.raises(UsageError, match="float32 or bfloat16"):
+        cpu_gemv_blocks.dequantize_rows(layout, 0, 1, torch.float16)
+
+
+def test_the_block_decoder_rounds_to_bfloat16_as_torch_does() -> None:
+    """Halfway cases (ties to even, both ways), the largest fp16 scale, an fp16 subnormal one, a
+    negative and a zero one (a file's scales are finite: canonical_blocks refuses inf and NaN): Q8_0
+    blocks times codes +-1, +-127, 0, 3 and 5, against decode_blocks(...).to(bfloat16)."""
+    if not (cpu_gemv.available() and cpu_gemv.isa() == "avx512"):
+        pytest.skip("the AVX-512 loops do not run here")
+    scheme = builtin_scheme("gguf/Q8_0")
+    blocks = scheme.weight.blocks
+    assert blocks is not None
+    scales = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 65504.0, 2**-24, -(1 + 2**-8), 0.0])
+    raw = torch.zeros(len(scales), 34, dtype=torch.uint8)
+    raw[:, :2] = scales.to(torch.float16).view(torch.uint8).reshape(-1, 2)
+    raw[:, 2:] = torch.tensor([1, -1, 127, -127, 0] * 6 + [3, 5], dtype=torch.int8).view(torch.uint8)
+    weight = canonical_blocks(scheme, raw, len(scales), 32)
+    layout = cpu_gemv_blocks.block_layout_of(weight)
+    expected = decode_blocks(raw, blocks)
+    halves = cpu_gemv_blocks.dequantize_rows(layout, 0, len(scales), torch.bfloat16)
+    assert halves is not None
+    assert torch.equal(halves.view(torch.int16), expected.to(torch.bfloat16).view(torch.int16))
+    rows = cpu_gemv_blocks.dequantize_rows(layout, 0, len(scales))
+    assert rows is not None and torch.equal(rows.view(torch.int32), expected.view(torch.int32))

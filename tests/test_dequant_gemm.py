@@ -251,3 +251,44 @@ def test_a_layer_runs_the_tiles_from_16_and_holds_no_copy(name: str, monkeypatch
         assert ran[1:] == ["dequant_gemm", "dequant_gemm"]
         canonical = kernel_table.canonical_bytes(layer)
         assert canonical <= sum(kernel_table.resident_bytes(layer).values()) <= 1.05 * canonical
+
+
+@pytest.mark.parametrize("name", ["gguf/Q4_K", "gguf/Q6_K", "gguf/Q8_0", "gguf/IQ4_XS"])
+def test_packed_blocks_decode_their_tiles_with_the_block_decoder(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GGUF blocks: where cpu_gemv_blocks' AVX-512 decoder runs, the tiles come from it (the torch
+    decoder is never called), bit for bit the reference's weights rounded once to bfloat16 (float32
+    as they are); the output is the bfloat16 (float32) product over them, a 3-D input with bias."""
+    from qscheme_plugins import dequant_gemm_kernel
+
+    from qscheme import cpu_gemv_blocks
+    from qscheme.canonical_blocks import canonical_blocks
+    from qscheme.producers.gguf.quants.api import quantize_blocks
+
+    n, k = 72, 512
+    scheme = load_scheme(name)
+    dense = torch.randn(n, k, generator=torch.Generator().manual_seed(5))
+    weight = canonical_blocks(scheme, quantize_blocks(dense, name.removeprefix("gguf/")), n, k)
+    state = DequantGemmKernel().prepare(weight, torch.device("cpu"))
+    decoder_runs = cpu_gemv.available() and cpu_gemv.isa() == "avx512"
+    assert (state.blocks is not None) == cpu_gemv.available()
+    if decoder_runs:
+
+        def refused(*args: object, **kwargs: object) -> None:
+            raise AssertionError("the torch decoder ran")
+
+        monkeypatch.setattr(dequant_gemm_kernel, "dequantize_rows", refused)
+        assert cpu_gemv_blocks.dequantize_rows(state.blocks, 0, 1) is not None
+    reference = dequantize(weight)
+    for dtype in (torch.bfloat16, torch.float32):
+        tiles = torch.cat([rows for _, _, rows in dequant_gemm_kernel.dequantized_tiles(state, dtype)])
+        assert tiles.dtype == dtype
+        assert torch.equal(tiles.float(), reference.to(dtype).float())
+        generator = torch.Generator().manual_seed(6)
+        x = torch.randn(2, 9, k, generator=generator).to(dtype)
+        bias = torch.randn(n, generator=generator).to(dtype)
+        y = DequantGemmKernel().apply(state, x, bias)
+        expected = torch.nn.functional.linear(x.float(), tiles.float(), bias.float())
+        assert y.dtype == dtype and y.shape == (2, 9, n)
+        tolerance = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-18
+        scale = expected.abs() + x.float().abs().sum(-1, keepdim=True)
+        assert ((y.float() - expected).abs() <= tolerance * scale).all()

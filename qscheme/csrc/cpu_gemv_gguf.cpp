@@ -372,6 +372,48 @@ PyObject *blocks_bf16(PyObject *, PyObject *) {
     return PyLong_FromLong(qscheme_gemv::active_isa() == 2 && bf16_blocks_available() ? 1 : 0);
 }
 
+/* dequantize_blocks(out, out_bf16, n0, n1, threads, codes, n, k, row_bytes, program, program_length,
+ * values, byte_tables, tables): rows [n0, n1) of the weight into out as float32 (bit for bit
+ * qscheme.formats.blocks.decode_blocks) or bfloat16 (those values rounded once to nearest even);
+ * True where the AVX-512 decoder ran, False where it does not run here (the AVX-512 loops not in use,
+ * a layout they do not read): the caller then decodes another way. */
+PyObject *dequantize_blocks(PyObject *, PyObject *args) {
+    long long v[14];
+    if (!integer_args(args, "dequantize_blocks", v, 14)) return nullptr;
+    void *out = reinterpret_cast<void *>(static_cast<uintptr_t>(v[0]));
+    const bool bf16 = v[1] != 0;
+    const int64_t n0 = v[2], n1 = v[3];
+    const int threads = static_cast<int>(std::max(1LL, std::min(v[4], 256LL)));
+    const std::shared_ptr<const Prepared> prep =
+        prepared(reinterpret_cast<const int32_t *>(static_cast<uintptr_t>(v[9])), v[10],
+                 reinterpret_cast<const float *>(static_cast<uintptr_t>(v[11])),
+                 reinterpret_cast<const float *>(static_cast<uintptr_t>(v[12])), v[13]);
+    if (!prep) return nullptr;
+    Layout l = prep->layout;
+    l.codes = reinterpret_cast<const uint8_t *>(static_cast<uintptr_t>(v[5]));
+    l.n = v[6];
+    l.k = v[7];
+    l.row_bytes = v[8];
+    if (!out || !l.codes || l.n < 0 || l.k < 0 || l.k % l.elements || l.row_bytes != l.k / l.elements * l.block_bytes ||
+        n0 < 0 || n1 < n0 || n1 > l.n) {
+        PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.dequantize_blocks: inconsistent sizes");
+        return nullptr;
+    }
+    if (qscheme_gemv::active_isa() != 2 || prep->plan16.width != 16) Py_RETURN_FALSE;
+    Py_BEGIN_ALLOW_THREADS;
+    constexpr int64_t ROWS = 16;  // rows per task
+    const int64_t tasks = (n1 - n0 + ROWS - 1) / ROWS;
+    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+    const size_t element = bf16 ? 2 : 4;
+    auto job = [&](int64_t task) {
+        const int64_t lo = n0 + task * ROWS, hi = std::min(n1, lo + ROWS);
+        dequantize_blocks_avx512(l, prep->plan16, lo, hi, static_cast<char *>(out) + (lo - n0) * l.k * element, bf16);
+    };
+    qscheme_gemv::run_tasks(count, tasks, job);
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_TRUE;
+}
+
 /* blocks_loop(k, program, program_length, values, byte_tables, tables): where bfloat16 rows of x
  * (every element zero or of a magnitude in [2**-100, 2**64]) run the AVX512-BF16 loop on a layer of
  * this program and K here, 1 (4-bit nibble pairs), 2 (integer codes, 32 elements a step) or 3 (64 a

@@ -264,8 +264,14 @@ bool bf16_blocks_words(const uint16_t *x, int64_t k, int kind, int16_t *xq);
 void gemv_blocks_bf16(const Layout &l, const Plan &plan16, const Bf16Input &in, const int16_t *xw, const float *xsum,
                       int m, int64_t n0, int64_t n1, float *acc, int64_t ldy);
 
-// The Python entry point (in cpu_gemv_gguf.cpp), listed in cpu_gemv.cpp's method table.
+// Rows [n0, n1) of the layer into out ([n1 - n0][K], float32 or bfloat16): each weight as qscheme's
+// block decoder forms it, bfloat16 rounded once (cpu_gemv_gguf_dequant.cpp). False where plan16 has no
+// width (the layout does not fit the vector loops) or the build is not for x86.
+bool dequantize_blocks_avx512(const Layout &l, const Plan &plan16, int64_t n0, int64_t n1, void *out, bool bf16);
+
+// The Python entry points (in cpu_gemv_gguf.cpp), listed in cpu_gemv.cpp's method table.
 PyObject *gemv_blocks(PyObject *, PyObject *args);
+PyObject *dequantize_blocks(PyObject *, PyObject *args);
 PyObject *blocks_loop(PyObject *, PyObject *args);
 PyObject *blocks_bf16(PyObject *, PyObject *);
 
