@@ -40,6 +40,7 @@ reference kernel's (float32 weight, float32 products) up to the order of the sum
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,37 +76,38 @@ class DequantGemmState:
     blocks: Any = None  # packed blocks: the cpu_gemv_blocks layout (views) its AVX-512 decoder reads
 
 
-def block_layout(weight: CanonicalWeight) -> Any:
-    """``qscheme.cpu_gemv_blocks``' layout of a weight of packed blocks on the CPU (views of its
-    canonical tensors), or None (other packings, another device, the extension not built)."""
-    if weight.scheme.weight.blocks is None or weight.codes.device.type != "cpu" or weight.input_permutation is not None:
-        return None
-    from qscheme import cpu_gemv, cpu_gemv_blocks
-
-    if not cpu_gemv.available():
-        return None
-    try:
-        return cpu_gemv_blocks.block_layout_of(weight)
-    except UsageError:  # a layout the extension does not read: the torch decoder takes it
-        return None
-
-
-def native_layout(weight: CanonicalWeight) -> Any:
-    """The ``cpu_gemv`` extension's layout of ``weight`` (views of its canonical tensors, plus
-    per-row scales and small tables), or None where the extension is not built, the weight is
-    not on the CPU, or the extension does not take its formats: then the torch path runs."""
+def _extension_layout(weight: CanonicalWeight, module: str, function: str) -> Any:
+    """``module.function(weight)`` (a ``qscheme._cpu_gemv`` layout: views of the canonical tensors),
+    or None where the extension is not built, the weight is not on the CPU, or the extension does
+    not take its formats (a UsageError): then the torch path runs."""
     if weight.codes.device.type != "cpu" or weight.input_permutation is not None:
         return None
     try:
         from qscheme import cpu_gemv
+
+        layout_of = getattr(importlib.import_module(module), function)
     except ImportError:
         return None
     if not cpu_gemv.available():
         return None
     try:
-        return cpu_gemv.layout_of(weight)
-    except UsageError:  # a format the extension does not decode: the torch path takes it
+        return layout_of(weight)
+    except UsageError:
         return None
+
+
+def native_layout(weight: CanonicalWeight) -> Any:
+    """The ``cpu_gemv`` extension's layout of ``weight`` (plus per-row scales and small tables), or
+    None (``_extension_layout``)."""
+    return _extension_layout(weight, "qscheme.cpu_gemv", "layout_of")
+
+
+def block_layout(weight: CanonicalWeight) -> Any:
+    """``qscheme.cpu_gemv_blocks``' layout of a weight of packed blocks, whose AVX-512 decoder the
+    tiles use, or None (other packings, ``_extension_layout``)."""
+    if weight.scheme.weight.blocks is None:
+        return None
+    return _extension_layout(weight, "qscheme.cpu_gemv_blocks", "block_layout_of")
 
 
 class DequantGemmKernel:

@@ -38,6 +38,22 @@ static inline __m512 dot(__m512 sum, __m512i weights, __m512i x) {
     return _mm512_dpbf16_ps(sum, reinterpret_cast<__m512bh>(weights), reinterpret_cast<__m512bh>(x));
 }
 
+// Each of R rows' M lane sums into acc[m * ldy + n + r], with the minimum products (minimums + r *
+// stride, one per sub-block) times the sums of x over the sub-blocks (xsum, [M][K / sub]) added in the
+// layout's sign.
+template <int M, int R>
+static inline void store_sums(const Layout &l, const __m512 (&sum)[R][M], const float *minimums, int64_t stride,
+                              const float *xsum, int64_t n, float *acc, int64_t ldy) {
+    const int64_t subs = l.k / l.sub;
+    const float sign = static_cast<float>(l.minimum_sign);
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) {
+            float total = _mm512_reduce_add_ps(sum[r][m]);
+            if (l.n_minimum) total += sign * dot<V512>(minimums + r * stride, xsum + m * subs, subs);
+            acc[m * ldy + n + r] = total;
+        }
+}
+
 // A block's sub-block products of K-quant factors (in.kquant: [d, sc] and any [dmin, m], sc and m one
 // integer per sub-block): the integers in one vector [sc | m], sign-extended and offset as declared,
 // times [d ... | dmin ...] (each product d * sc exact, as the reference forms it).
@@ -186,15 +202,7 @@ static void rows_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, co
             base += l.block_bytes;
         }
     }
-    const float sign = static_cast<float>(l.minimum_sign);
-    for (int r = 0; r < R; r++) {
-        const float *mn = buffer.data() + (R + r) * stride;
-        for (int m = 0; m < M; m++) {
-            float total = _mm512_reduce_add_ps(sum[r][m]);
-            if (l.n_minimum) total += sign * dot<V512>(mn, xsum + m * subs, subs);
-            acc[m * ldy + n + r] = total;
-        }
-    }
+    store_sums<M, R>(l, sum, buffer.data() + R * stride, stride, xsum, n, acc, ldy);
 }
 
 // How kind 3 reads a block's factors: its K-quant products in the loop (kquant_block), its one fp16
@@ -320,15 +328,7 @@ static void rows_planes(const Layout &l, const Plan &plan, const Bf16Input &in, 
             }
         }
     }
-    const float sign = static_cast<float>(l.minimum_sign);
-    for (int r = 0; r < R; r++) {
-        const float *mn = buffer.data() + (R + r) * stride;
-        for (int m = 0; m < M; m++) {
-            float total = _mm512_reduce_add_ps(sum[r][m]);
-            if (l.n_minimum) total += sign * dot<V512>(mn, xsum + m * subs, subs);
-            acc[m * ldy + n + r] = total;
-        }
-    }
+    store_sums<M, R>(l, sum, buffer.data() + R * stride, stride, xsum, n, acc, ldy);
 }
 
 template <int M, bool SUB16, int DEPTH, int FACTORS, bool WIDE>
