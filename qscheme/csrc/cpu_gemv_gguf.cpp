@@ -262,6 +262,26 @@ bool bf16_blocks_available() {
     return bf16_blocks_supported() && !(setting && setting[0] == '0');
 }
 
+// The layer of a call from its 9 integers (codes, n, k, row_bytes, program, program_length, values,
+// byte_tables, tables): its program prepared and `l` filled; null with a Python error where the
+// program or the sizes are inconsistent.
+static std::shared_ptr<const Prepared> layer(const long long *v, Layout &l) {
+    std::shared_ptr<const Prepared> prep = prepared(
+        reinterpret_cast<const int32_t *>(static_cast<uintptr_t>(v[4])), v[5],
+        reinterpret_cast<const float *>(static_cast<uintptr_t>(v[6])), reinterpret_cast<const float *>(static_cast<uintptr_t>(v[7])), v[8]);
+    if (!prep) return nullptr;
+    l = prep->layout;
+    l.codes = reinterpret_cast<const uint8_t *>(static_cast<uintptr_t>(v[0]));
+    l.n = v[1];
+    l.k = v[2];
+    l.row_bytes = v[3];
+    if (!l.codes || l.n < 0 || l.k < 0 || l.k % l.elements || l.row_bytes != l.k / l.elements * l.block_bytes) {
+        PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv: a packed-block layer of inconsistent sizes");
+        return nullptr;
+    }
+    return prep;
+}
+
 /* gemv_blocks(x, x_bf16, m, out, out_bf16, bias, threads, codes, n, k, row_bytes, program,
  * program_length, values, byte_tables, tables): out[m, N] = x[m, K] W^T (+ bias), all ints. */
 PyObject *gemv_blocks(PyObject *, PyObject *args) {
@@ -274,19 +294,10 @@ PyObject *gemv_blocks(PyObject *, PyObject *args) {
     const int out_bf16 = static_cast<int>(v[4]);
     const float *bias = reinterpret_cast<const float *>(static_cast<uintptr_t>(v[5]));
     const int threads = static_cast<int>(std::max(1LL, std::min(v[6], 256LL)));
-    const std::shared_ptr<const Prepared> prep =
-        prepared(reinterpret_cast<const int32_t *>(static_cast<uintptr_t>(v[11])), v[12],
-                 reinterpret_cast<const float *>(static_cast<uintptr_t>(v[13])),
-                 reinterpret_cast<const float *>(static_cast<uintptr_t>(v[14])), v[15]);
-    if (!prep) return nullptr;
-    Layout l = prep->layout;
-    l.codes = reinterpret_cast<const uint8_t *>(static_cast<uintptr_t>(v[7]));
-    l.n = v[8];
-    l.k = v[9];
-    l.row_bytes = v[10];
-    if (m < 0 || !x || !out || !l.codes || l.n < 0 || l.k < 0 || l.k % l.elements ||
-        l.row_bytes != l.k / l.elements * l.block_bytes) {
-        PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.gemv_blocks: inconsistent sizes");
+    Layout l;
+    const std::shared_ptr<const Prepared> prep = layer(v + 7, l);
+    if (!prep || m < 0 || !x || !out) {
+        if (prep) PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.gemv_blocks: inconsistent sizes");
         return nullptr;
     }
     if (m == 0 || l.n == 0) Py_RETURN_NONE;
@@ -384,19 +395,10 @@ PyObject *dequantize_blocks(PyObject *, PyObject *args) {
     const bool bf16 = v[1] != 0;
     const int64_t n0 = v[2], n1 = v[3];
     const int threads = static_cast<int>(std::max(1LL, std::min(v[4], 256LL)));
-    const std::shared_ptr<const Prepared> prep =
-        prepared(reinterpret_cast<const int32_t *>(static_cast<uintptr_t>(v[9])), v[10],
-                 reinterpret_cast<const float *>(static_cast<uintptr_t>(v[11])),
-                 reinterpret_cast<const float *>(static_cast<uintptr_t>(v[12])), v[13]);
-    if (!prep) return nullptr;
-    Layout l = prep->layout;
-    l.codes = reinterpret_cast<const uint8_t *>(static_cast<uintptr_t>(v[5]));
-    l.n = v[6];
-    l.k = v[7];
-    l.row_bytes = v[8];
-    if (!out || !l.codes || l.n < 0 || l.k < 0 || l.k % l.elements || l.row_bytes != l.k / l.elements * l.block_bytes ||
-        n0 < 0 || n1 < n0 || n1 > l.n) {
-        PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.dequantize_blocks: inconsistent sizes");
+    Layout l;
+    const std::shared_ptr<const Prepared> prep = layer(v + 5, l);
+    if (!prep || !out || n0 < 0 || n1 < n0 || n1 > l.n) {
+        if (prep) PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.dequantize_blocks: inconsistent sizes");
         return nullptr;
     }
     if (qscheme_gemv::active_isa() != 2 || prep->plan16.width != 16) Py_RETURN_FALSE;

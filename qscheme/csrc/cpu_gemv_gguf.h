@@ -200,9 +200,11 @@ void gemv_blocks_avx2(const Layout &l, const Plan &plan, const float *x, int64_t
 // multiplied by its scale product s_g in float32, the minimum products applied as the vector loops
 // apply them. Elements of x must be zero or of a magnitude in [2**-100, 2**64] (the instruction
 // flushes subnormals: products stay multiples of 2**-122, sums of up to 2**31 of them finite).
-// Kind 3 of the loop: how 32 elements' piece of the element integer (one slot of two plan chunks of
-// 16) is gathered into 16-bit lanes: the two chunks' 16-byte windows side by side, byte 2i of
-// `index` naming lane i's byte within them, then each lane's shift, mask and destination bit.
+// Kind 3 of the loop: how a step's piece of the element integer (one slot of its plan chunks of 16)
+// is gathered. 32 elements: into 16-bit lanes, the two chunks' 16-byte windows (at off0, off1) side by
+// side, byte 2i of `index` naming lane i's byte within them, then each lane's shift, mask and
+// destination bit. 64 elements: into byte lanes, two 32-byte runs (at off0, off1), byte e of `index`
+// naming lane e's byte, `mask` read as 64 bytes, shift and destination per pair of lanes (a word).
 struct alignas(64) PlaneStep {
     uint8_t index[64] = {};
     int16_t shift[32] = {}, mask[32] = {}, dest[32] = {};
@@ -214,8 +216,8 @@ struct Bf16Input {
                                  // (Q4_0, Q4_1, IQ4_NL, IQ4_XS, MXFP4); 2: two windows of 16 bytes,
                                  // low nibbles one sub-block, high nibbles the next (Q4_K); 3: integer
                                  // codes of up to 6 bits from one or two pieces in sub-blocks of 16 or
-                                 // 32, 32 elements a step in their own order (Q2_K, Q3_K, Q5_0, Q5_1,
-                                 // Q5_K, Q6_K), factors formed per row first
+                                 // 32, 32 or 64 elements a step in their own order (Q2_K, Q3_K, Q5_0,
+                                 // Q5_1, Q5_K, Q6_K)
     bool paired = false;         // kind 1 with one sub-block per block of at most 32 bytes: two blocks
                                  // per 64-byte load, codes (and an fp16 scale) taken by byte permutes
     int inline_factors = 0;       // paired: how the loop reads the factors from each block (0: formed
@@ -232,12 +234,12 @@ struct Bf16Input {
     uint16_t kquant_minimum_lanes = 0;  // the lanes of the minimum integers (m), multiplied by dmin
     int kquant_depth = 0;
     std::vector<Chunk> kquant;
-    // kind 3: the code values of up to 64 codes as bfloat16 words, and [elements / 32][depth] steps
+    // kind 3: the code values of up to 64 codes as bfloat16 words, and the steps ([steps][depth])
     alignas(64) int16_t table64[64] = {};
     int plane_depth = 0;
     int plane_factors = 0;  // how the loop reads the factors (cpu_gemv_gguf_bf16.cpp: PlaneFactors)
+    std::vector<PlaneStep> planes;    // 32 elements a step
     std::vector<PlaneStep> planes64;  // 64 elements a step, where the pieces' windows allow it (else empty)
-    std::vector<PlaneStep> planes;
 };
 
 // Pairs of sub-blocks of 32 in a row of K (the last may be half): a row of x in the loop's order

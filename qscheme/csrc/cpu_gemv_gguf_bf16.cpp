@@ -17,7 +17,9 @@
 // Q3_K, Q5_0, Q5_1, Q5_K, Q6_K): 32 elements a step in their own order, each piece gathered into
 // 16-bit lanes (PlaneStep), the codes' values looked up from 64 words (VPERMT2W); lanes 0-7 of a
 // product are elements 0-15 and lanes 8-15 elements 16-31, so with sub-blocks of 16 one multiply by
-// [s_a x 8 | s_b x 8] scales two of them. The factors are formed per row first (row_products).
+// [s_a x 8 | s_b x 8] scales two of them. Where a piece's windows are two 32-byte runs (the K-quants),
+// 64 elements a step, gathered as bytes and widened after. K-quant factors and one fp16 scale (and
+// minimum) per block are read in the loop, any others formed per row first (row_products).
 #if defined(__x86_64__) || defined(__i386__)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c")
 #include <immintrin.h>
@@ -408,6 +410,11 @@ static bool value_word(float v, int16_t &word) {
     return true;
 }
 
+// Whether factors f[0..count) are one field of `format`, one value per block.
+static bool one_field(const Factor *f, int count, int format) {
+    return count == 1 && f[0].is_field && f[0].count == 1 && f[0].format == format;
+}
+
 // K-quant factors read in the loop (Bf16Input::kquant): [d, sc] with any [dmin, m] of the same depth,
 // sc and m one integer per sub-block, at most 16 integers in all (8 sub-blocks with minimums, 16
 // without). Leaves kquant_depth 0 where the layout has no such factors or their windows do not fit.
@@ -504,10 +511,8 @@ static bool planes_fit(const Layout &l, const Plan &plan, Bf16Input &in) {
     in.kind = 3;
     plan_kquant(l, plan, in);
     // an fp16 scale (and an fp16 minimum) per block of one sub-block (Q5_0, Q5_1): read in the loop
-    auto one_half = [&](const Factor *f, int count) {
-        return count == 1 && f[0].is_field && f[0].count == 1 && f[0].format == FIELD_FP16;
-    };
-    const bool half = l.groups == 1 && one_half(l.scale, l.n_scale) && (!l.n_minimum || one_half(l.minimum, l.n_minimum));
+    const bool half = l.groups == 1 && one_field(l.scale, l.n_scale, FIELD_FP16) &&
+                      (!l.n_minimum || one_field(l.minimum, l.n_minimum, FIELD_FP16));
     in.plane_factors = in.kquant_depth ? PLANE_KQUANT : (half ? PLANE_HALF : PLANE_ROW);
     return true;
 }
@@ -536,13 +541,11 @@ static bool nibble_pairs_fit(const Layout &l, const Plan &plan, Bf16Input &in) {
     in.paired = in.kind == 1 && l.groups == 1;
     if (in.paired && 2 * l.block_bytes > 64) return false;  // two blocks of one sub-block: one 64-byte load
     // an fp16 scale (and an fp16 minimum) or a one-byte scale per block: read in the loop from the block
-    auto one = [&](const Factor *f, int count, int format) {
-        return count == 1 && f[0].is_field && f[0].count == 1 && f[0].format == format;
-    };
     in.inline_factors = FROM_ROW;
-    if (in.paired && one(l.scale, l.n_scale, FIELD_FP16))
-        in.inline_factors = !l.n_minimum ? FP16_SCALE : (one(l.minimum, l.n_minimum, FIELD_FP16) ? FP16_SCALE_MINIMUM : FROM_ROW);
-    else if (in.paired && one(l.scale, l.n_scale, FIELD_TABLE) && !l.n_minimum)
+    if (in.paired && one_field(l.scale, l.n_scale, FIELD_FP16))
+        in.inline_factors =
+            !l.n_minimum ? FP16_SCALE : (one_field(l.minimum, l.n_minimum, FIELD_FP16) ? FP16_SCALE_MINIMUM : FROM_ROW);
+    else if (in.paired && one_field(l.scale, l.n_scale, FIELD_TABLE) && !l.n_minimum)
         in.inline_factors = BYTE_SCALE;
     if (in.paired) {
         const int bytes = l.block_bytes, off = plan.element[0].off;

@@ -68,23 +68,9 @@ namespace qscheme_gguf {
 bool dequantize_blocks_avx512(const Layout &l, const Plan &plan, int64_t n0, int64_t n1, void *out, bool bf16) {
     using namespace qscheme_gguf_dequant;
     if (plan.width != 16) return false;
-    const bool lut = l.el_bits <= 4;
-    bool nibbles = l.el_depth == 1 && lut;
-    for (int i = 0; i < l.elements && nibbles; i++) nibbles = l.el_slots[2 * l.elements + i] == 0xF;
-    const bool bytes = whole_bytes(l, plan, 16);
-    switch (l.el_depth * 2 + (lut ? 1 : 0)) {
-        case 3: nibbles ? rows_to<0, true>(l, plan, n0, n1, out, bf16) : rows_to<1, true>(l, plan, n0, n1, out, bf16); break;
-        case 2:
-            if (bytes)
-                l.el_signed ? rows_to<9, false>(l, plan, n0, n1, out, bf16) : rows_to<8, false>(l, plan, n0, n1, out, bf16);
-            else
-                rows_to<1, false>(l, plan, n0, n1, out, bf16);
-            break;
-        case 5: rows_to<2, true>(l, plan, n0, n1, out, bf16); break;
-        case 4: rows_to<2, false>(l, plan, n0, n1, out, bf16); break;
-        case 7: rows_to<3, true>(l, plan, n0, n1, out, bf16); break;
-        default: rows_to<3, false>(l, plan, n0, n1, out, bf16); break;
-    }
+    with_element_decoder<V512>(l, plan, [&](auto depth, auto lut) {
+        rows_to<decltype(depth)::value, decltype(lut)::value>(l, plan, n0, n1, out, bf16);
+    });
     return true;
 }
 

@@ -402,49 +402,56 @@ static void rows_any(const Layout &l, const Plan &plan, const float *x, int64_t 
     }
 }
 
+// Whether the element is one 4-bit piece whose mask is the low nibble (decode's DEPTH 0).
+inline bool nibble_elements(const Layout &l) {
+    bool nibbles = l.el_depth == 1 && l.el_bits <= 4;
+    for (int i = 0; i < l.elements && nibbles; i++) nibbles = l.el_slots[2 * l.elements + i] == 0xF;
+    return nibbles;
+}
+
+template <int N>
+using Int = std::integral_constant<int, N>;
+template <bool B>
+using Bool = std::integral_constant<bool, B>;
+
+// f(Int<DEPTH>(), Bool<LUT>()) with the decode<V, DEPTH, LUT> instance that reads the layout's elements.
+template <class V, class F>
+static inline void with_element_decoder(const Layout &l, const Plan &plan, F &&f) {
+    const bool lut = l.el_bits <= 4;
+    switch (l.el_depth * 2 + (lut ? 1 : 0)) {
+        case 3: return nibble_elements(l) ? f(Int<0>(), Bool<true>()) : f(Int<1>(), Bool<true>());
+        case 2:
+            if (!whole_bytes(l, plan, V::W)) return f(Int<1>(), Bool<false>());
+            return l.el_signed ? f(Int<9>(), Bool<false>()) : f(Int<8>(), Bool<false>());
+        case 5: return f(Int<2>(), Bool<true>());
+        case 4: return f(Int<2>(), Bool<false>());
+        case 7: return f(Int<3>(), Bool<true>());
+        default: return f(Int<3>(), Bool<false>());
+    }
+}
+
 // M rows of x in passes of at most 4 (each pass reads the weight once).
 template <class V, class HALF>
 static void gemv_blocks_vector(const Layout &l, const Plan &plan, const float *x, int64_t ldx, const float *xsum,
                                int m, int64_t n0, int64_t n1, float *acc, int64_t ldy, HALF half) {
-    const bool lut = l.el_bits <= 4;
-    bool nibbles = l.el_depth == 1 && lut;
-    for (int i = 0; i < l.elements && nibbles; i++) nibbles = l.el_slots[2 * l.elements + i] == 0xF;
+    const bool nibbles = nibble_elements(l);
     const int per_group = l.sub / V::W;
     const int same = nibbles && per_group % 2 == 0 && pairs_fit(l, plan, V::W, per_group / 2) ? per_group / 2 : 0;
     const int next = nibbles && !same && l.groups % 2 == 0 && pairs_fit(l, plan, V::W, per_group) ? per_group : 0;
-    const bool bytes = whole_bytes(l, plan, V::W);
     const int64_t xs_stride = l.k / l.sub;
     for (int m0 = 0; m0 < m; m0 += 4) {
         const int count = m - m0 < 4 ? m - m0 : 4;
         const float *xs = x + m0 * ldx, *ss = xsum + m0 * xs_stride;
         float *ys = acc + m0 * ldy;
-        switch (l.el_depth * 2 + (lut ? 1 : 0)) {
-            case 3:
-                if (same) {
-                    rows_pairs<HALF, V, false>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half, same);
-                    break;
-                }
-                if (next) {
-                    rows_pairs<HALF, V, true>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half, next);
-                    break;
-                }
-                if (nibbles) {
-                    rows_any<HALF, V, 0, true>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half);
-                    break;
-                } rows_any<HALF, V, 1, true>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half); break;
-            case 2:
-                if (bytes && l.el_signed)
-                    rows_any<HALF, V, 9, false>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half);
-                else if (bytes)
-                    rows_any<HALF, V, 8, false>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half);
-                else
-                    rows_any<HALF, V, 1, false>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half);
-                break;
-            case 5: rows_any<HALF, V, 2, true>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half); break;
-            case 4: rows_any<HALF, V, 2, false>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half); break;
-            case 7: rows_any<HALF, V, 3, true>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half); break;
-            default: rows_any<HALF, V, 3, false>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half); break;
-        }
+        if (same)
+            rows_pairs<HALF, V, false>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half, same);
+        else if (next)
+            rows_pairs<HALF, V, true>(l, plan, xs, ldx, ss, count, n0, n1, ys, ldy, half, next);
+        else
+            with_element_decoder<V>(l, plan, [&](auto depth, auto lut) {
+                rows_any<HALF, V, decltype(depth)::value, decltype(lut)::value>(l, plan, xs, ldx, ss, count, n0, n1,
+                                                                               ys, ldy, half);
+            });
     }
 }
 
