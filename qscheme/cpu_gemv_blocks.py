@@ -26,9 +26,21 @@ loop where a layout does not fit (sub-blocks not a multiple of the width, a chun
 apart than 16, a table code of more than 4 bits); ``qscheme.cpu_gemv.set_isa`` /
 ``QSCHEME_CPU_GEMV_ISA`` choose narrower loops for these too.
 
-Op (namespace ``qscheme``, with a fake implementation for torch.compile):
+For many rows of bfloat16 x (prefill: ``dequant_gemm``'s kernel from M = 16), ``gemm`` multiplies
+the blocks as a GEMM instead: tasks of 32 weight rows, each decoded chunk by chunk of K (about
+4096 columns, whole blocks) into a bfloat16 panel that stays in the core's cache (each weight the
+reference decoder's float32 value rounded once to nearest even; a float32 subnormal becomes zero,
+as the instruction reads a bfloat16 subnormal), then multiplied by every row of x with VDPBF16PS
+dot products (products exact, summed in float32, the output rounded once to bfloat16, a float32
+bias added first). It runs where the CPU has AVX512-BF16, the AVX-512 loops are in use and the
+layout fits their decoder (``gemm_runs``). A thread holds one panel; the weight is never stored
+whole.
+
+Ops (namespace ``qscheme``, with fake implementations for torch.compile):
 ``cpu_gemv_blocks(x, codes, program, values, byte_tables, bias, meta, threads)``: ``x`` [M, K]
-float32 or bfloat16, contiguous; returns [M, N] in x's dtype.
+float32 or bfloat16, contiguous; returns [M, N] in x's dtype. ``cpu_gemm_blocks(x, codes, program,
+values, byte_tables, bias, meta, start, stop, threads)``: ``x`` [M, K] bfloat16; returns columns
+[start, stop) of the product, [M, stop - start] bfloat16.
 """
 
 from __future__ import annotations
@@ -52,6 +64,10 @@ MAX_GROUPS = 64  # sub-blocks per block (the extension's limit)
 MAX_DEPTH = 4  # pieces of one integer value
 MAX_ELEMENT_BITS = 8
 LUT_ENTRIES = 16  # the vector loops load 16 element values
+GEMM_CHUNK = 4096
+"""Columns of K a ``gemm`` panel takes at a time (rounded down to whole blocks): as the canonical
+tensors' fused GEMM on AVX-512 BF16 (``qscheme.tile_gemm.blocking``), where chunks of 4096 beat
+512-2048 (each chunk ends with a sum across the lanes of every accumulator)."""
 
 
 @dataclass(frozen=True)
@@ -322,3 +338,126 @@ def dequantize_rows(
         c.program.data_ptr(), c.program.numel(), c.values.data_ptr(), c.byte_tables.data_ptr(), tables,
     )  # fmt: skip
     return out if ran else None
+
+
+def _gemm_args(layout: BlockGemvLayout) -> tuple[int, ...]:
+    n, k, row_bytes, tables = layout.meta
+    c = layout.compiled
+    return (
+        layout.codes.data_ptr(), n, k, row_bytes, c.program.data_ptr(), c.program.numel(), c.values.data_ptr(),
+        c.byte_tables.data_ptr(), tables,
+    )  # fmt: skip
+
+
+def gemm_runs(layout: BlockGemvLayout) -> bool:
+    """Whether ``gemm`` runs on this layer here: the extension built, a CPU with AVX512-BF16, the
+    AVX-512 loops in use (``qscheme.cpu_gemv.set_isa`` / ``QSCHEME_CPU_GEMV_ISA``) and a layout their
+    block decoder reads (16 elements a chunk, blocks of a multiple of 32 elements)."""
+    module = native()
+    if module is None or not hasattr(module, "gemm_blocks"):
+        return False
+    return bool(module.gemm_blocks(0, 0, 0, layout.n, 0, 0, 0, 1, GEMM_CHUNK, *_gemm_args(layout)))
+
+
+def _run_gemm(
+    x: Tensor,
+    codes: Tensor,
+    program: Tensor,
+    values: Tensor,
+    byte_tables: Tensor,
+    bias: Tensor | None,
+    meta: list[int] | tuple[int, ...],
+    start: int,
+    stop: int,
+    threads: int,
+    out: Tensor | None = None,
+) -> Tensor:
+    module = _require_native()
+    n, k, row_bytes, tables = meta
+    if x.dtype != torch.bfloat16 or x.ndim != 2 or x.shape[1] != k or x.device.type != "cpu":
+        raise UsageError(
+            f"qscheme::cpu_gemm_blocks takes a CPU bfloat16 x of shape [M, {k}], not {x.dtype} {list(x.shape)} "
+            f"on {x.device}"
+        )
+    if not 0 <= start <= stop <= n:
+        raise UsageError(f"qscheme::cpu_gemm_blocks: rows [{start}, {stop}) are not within N={n}")
+    x = x if x.is_contiguous() else x.contiguous()
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, stop - start, dtype=torch.bfloat16)
+    elif out.dtype != torch.bfloat16 or tuple(out.shape) != (m, stop - start) or (m and out.stride(1) != 1):
+        raise UsageError(f"qscheme::cpu_gemm_blocks: out must be bfloat16 [{m}, {stop - start}] with unit columns")
+    bias32 = None if bias is None else bias.to(torch.float32).contiguous()  # alive through the call
+    if bias32 is not None and tuple(bias32.shape) != (n,):
+        raise UsageError(f"qscheme::cpu_gemm_blocks: bias has shape {list(bias32.shape)}; the layer has N={n}")
+    if m == 0 or stop == start:
+        return out
+    threads = threads or torch.get_num_threads()
+    ran = module.gemm_blocks(
+        x.data_ptr(), m, out.data_ptr(), out.stride(0), _address(bias32), start, stop, threads, GEMM_CHUNK,
+        codes.data_ptr(), n, k, row_bytes, program.data_ptr(), program.numel(), values.data_ptr(),
+        byte_tables.data_ptr(), tables,
+    )  # fmt: skip
+    if not ran:
+        raise UsageError(
+            "qscheme::cpu_gemm_blocks does not run here: it needs a CPU with AVX512-BF16, the AVX-512 loops in use "
+            "(qscheme.cpu_gemv.set_isa) and a layout their decoder reads; check cpu_gemv_blocks.gemm_runs first"
+        )
+    return out
+
+
+@torch.library.custom_op("qscheme::cpu_gemm_blocks", mutates_args=())
+def cpu_gemm_blocks_op(
+    x: Tensor,
+    codes: Tensor,
+    program: Tensor,
+    values: Tensor,
+    byte_tables: Tensor,
+    bias: Tensor | None,
+    meta: list[int],
+    start: int,
+    stop: int,
+    threads: int,
+) -> Tensor:
+    """Columns [start, stop) of y = x W^T (+ bias) over a BlockGemvLayout's tensors (bfloat16 x, AVX-512 BF16)."""
+    return _run_gemm(x, codes, program, values, byte_tables, bias, meta, start, stop, threads)
+
+
+@cpu_gemm_blocks_op.register_fake
+def _cpu_gemm_blocks_fake(
+    x: Tensor,
+    codes: Tensor,
+    program: Tensor,
+    values: Tensor,
+    byte_tables: Tensor,
+    bias: Tensor | None,
+    meta: list[int],
+    start: int,
+    stop: int,
+    threads: int,
+) -> Tensor:
+    return x.new_empty((x.shape[0], stop - start))
+
+
+def gemm(
+    layout: BlockGemvLayout,
+    x: Tensor,
+    bias: Tensor | None = None,
+    start: int = 0,
+    stop: int | None = None,
+    threads: int | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Columns [start, stop) (default: all) of ``y = x W^T (+ bias)`` for bfloat16 ``x`` [M, K] on the
+    CPU (see the module docstring): [M, stop - start] bfloat16, into ``out`` where given (a view with
+    unit column stride). ``bias``: [N] (all of it). ``threads``: default ``torch.get_num_threads()``.
+    UsageError where it does not run here (``gemm_runs``)."""
+    stop = layout.n if stop is None else stop
+    count = 0 if threads is None else max(1, threads)
+    c = layout.compiled
+    if torch.compiler.is_compiling():
+        result: Tensor = torch.ops.qscheme.cpu_gemm_blocks(
+            x, layout.codes, c.program, c.values, c.byte_tables, bias, list(layout.meta), start, stop, count
+        )
+        return result if out is None else out.copy_(result)
+    return _run_gemm(x, layout.codes, c.program, c.values, c.byte_tables, bias, layout.meta, start, stop, count, out)

@@ -277,21 +277,21 @@ def gemm(
     [N] (all of it; its rows [start, stop) are added). ``threads``: default torch's count."""
     stop = layout.n if stop is None else stop
     meta = list(layout.meta[:8])
+    count = 0 if not threads else max(1, threads)  # 0: torch's count, read when the op runs
     if torch.compiler.is_compiling():
         result: Tensor = torch.ops.qscheme.tile_gemm(
-            x, *_tensors(layout), bias, layout.lut, layout.scale_table, meta, start, stop, _threads(threads)
+            x, *_tensors(layout), bias, layout.lut, layout.scale_table, meta, start, stop, count
         )
-        return result
-    return _run_gemm(
-        x, *_tensors(layout), bias, layout.lut, layout.scale_table, meta, start, stop, _threads(threads), out
-    )
+        return result if out is None else out.copy_(result)
+    return _run_gemm(x, *_tensors(layout), bias, layout.lut, layout.scale_table, meta, start, stop, count, out)
 
 
 def dequantize_rows(layout: GemvLayout, start: int, stop: int, threads: int | None = None) -> Tensor:
     """Rows [start, stop) of the weight as bfloat16 [stop - start, K] (see the module docstring)."""
     meta = list(layout.meta[:8])
     args = (*_tensors(layout), layout.lut, layout.scale_table)
+    count = 0 if not threads else max(1, threads)  # 0: torch's count, read when the op runs
     if torch.compiler.is_compiling():
-        result: Tensor = torch.ops.qscheme.tile_dequantize(*args, meta, start, stop, _threads(threads))
+        result: Tensor = torch.ops.qscheme.tile_dequantize(*args, meta, start, stop, count)
         return result
-    return _run_dequantize(*args, meta, start, stop, _threads(threads))
+    return _run_dequantize(*args, meta, start, stop, count)

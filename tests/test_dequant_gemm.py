@@ -292,3 +292,20 @@ def test_packed_blocks_decode_their_tiles_with_the_block_decoder(name: str, monk
         tolerance = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-18
         scale = expected.abs() + x.float().abs().sum(-1, keepdim=True)
         assert ((y.float() - expected).abs() <= tolerance * scale).all()
+
+
+@needs_fused
+def test_the_fused_gemm_writes_its_output_view_under_torch_compile() -> None:
+    """``out`` (a view of a wider output, as dequant_gemm passes it) is written when compiled too."""
+    weight = weight_of("compressed-tensors/NVFP4A16", 96, 128)
+    layout = cpu_gemv.layout_of(weight)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+
+    def into_view(v: torch.Tensor) -> torch.Tensor:
+        y = torch.zeros(v.shape[0], 96, dtype=torch.bfloat16)
+        tile_gemm.gemm(layout, v, None, 40, 96, out=y[:, 40:])
+        return y
+
+    eager = into_view(x)
+    assert bool((eager[:, 40:] != 0).any()) and bool((eager[:, :40] == 0).all())
+    assert torch.equal(torch.compile(into_view, fullgraph=True, backend="eager")(x), eager)

@@ -257,6 +257,18 @@ bool bf16_blocks_supported() {
 #endif
 }
 
+bool gemm_blocks_supported() {
+#if defined(__x86_64__) || defined(__i386__)
+    static const bool supported = [] {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512bf16") != 0 && __builtin_cpu_supports("avx512bw") != 0;
+    }();
+    return supported;
+#else
+    return false;
+#endif
+}
+
 bool bf16_blocks_available() {
     const char *setting = std::getenv("QSCHEME_CPU_GEMV_BF16DOT");
     return bf16_blocks_supported() && !(setting && setting[0] == '0');
@@ -410,6 +422,45 @@ PyObject *dequantize_blocks(PyObject *, PyObject *args) {
     auto job = [&](int64_t task) {
         const int64_t lo = n0 + task * ROWS, hi = std::min(n1, lo + ROWS);
         dequantize_blocks_avx512(l, prep->plan16, lo, hi, static_cast<char *>(out) + (lo - n0) * l.k * element, bf16);
+    };
+    qscheme_gemv::run_tasks(count, tasks, job);
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_TRUE;
+}
+
+/* gemm_blocks(x, m, out, ldy, bias, r0, r1, threads, kc, codes, n, k, row_bytes, program, program_length,
+ * values, byte_tables, tables): out[i, n - r0] (bfloat16, row stride ldy) = sum_k x[i, k] w[n, k]
+ * (+ bias[n], float32) for weight rows n in [r0, r1), x bfloat16 [m, K] (contiguous), in tasks of 32
+ * rows, K in chunks of about kc columns (gemm_blocks_bf16); True where it ran, False where it does not
+ * run here (the AVX-512 loops not in use, no AVX512-BF16, a layout the vector decoder does not read):
+ * the caller then multiplies another way. With m = 0 it only answers (x and out may be 0). */
+PyObject *gemm_blocks(PyObject *, PyObject *args) {
+    long long v[18];
+    if (!integer_args(args, "gemm_blocks", v, 18)) return nullptr;
+    const uint16_t *x = reinterpret_cast<const uint16_t *>(static_cast<uintptr_t>(v[0]));
+    const int64_t m = v[1];
+    uint16_t *out = reinterpret_cast<uint16_t *>(static_cast<uintptr_t>(v[2]));
+    const int64_t ldy = v[3];
+    const float *bias = reinterpret_cast<const float *>(static_cast<uintptr_t>(v[4]));
+    const int64_t r0 = v[5], r1 = v[6];
+    const int threads = static_cast<int>(std::max(1LL, std::min(v[7], 256LL)));
+    const int64_t kc = v[8];
+    Layout l;
+    const std::shared_ptr<const Prepared> prep = layer(v + 9, l);
+    if (!prep || (m > 0 && (!x || !out)) || m < 0 || r0 < 0 || r1 < r0 || r1 > l.n || ldy < r1 - r0 || kc < 32) {
+        if (prep) PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.gemm_blocks: inconsistent sizes");
+        return nullptr;
+    }
+    if (qscheme_gemv::active_isa() != 2 || !gemm_blocks_supported() || !gemm_blocks_fits(l, prep->plan16))
+        Py_RETURN_FALSE;
+    if (m == 0 || r1 == r0) Py_RETURN_TRUE;
+    Py_BEGIN_ALLOW_THREADS;
+    constexpr int64_t ROWS = 32;  // weight rows per task: one panel
+    const int64_t tasks = (r1 - r0 + ROWS - 1) / ROWS;
+    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+    auto job = [&](int64_t task) {
+        const int64_t q0 = r0 + task * ROWS;
+        gemm_blocks_bf16(l, prep->plan16, x, m, bias, out, ldy, r0, q0, std::min(r1, q0 + ROWS), kc);
     };
     qscheme_gemv::run_tasks(count, tasks, job);
     Py_END_ALLOW_THREADS;

@@ -1,0 +1,315 @@
+// The fused GEMM over packed blocks on AVX-512 BF16 (cpu_gemv_gguf.h: gemm_blocks_bf16), dequant_gemm's
+// kernel for many rows of x (prefill) on GGUF's types and any other `packing: blocks` declaration.
+//
+// A task takes 32 weight rows. For each chunk of K (whole blocks, about 4096 columns) it decodes the
+// rows into a bfloat16 panel that stays in the core's cache, then multiplies the panel by every row
+// of x with VDPBF16PS dot products (tile_gemm_bf16_kernel.h, the canonical tensors' fused GEMM). Each
+// weight is the value qscheme's block decoder forms (the sub-block's scale product times the
+// element's value, then its minimum product subtracted or added: one float32 rounding each, written
+// with the rounding-mode intrinsics so that the compiler fuses no multiply-add), rounded once to
+// bfloat16 (to nearest even, VCVTNE2PS2BF16: a float32 subnormal becomes zero, as VDPBF16PS would
+// read a bfloat16 subnormal). Products of bfloat16 values are exact in float32 and summed in float32;
+// the output is rounded once to bfloat16, a float32 bias added first. The weight is never stored
+// whole: a thread holds one panel (32 x ~4096 bfloat16) and its float32 sums.
+//
+// Two decoders fill the panel, each templated on what varies per layout so that its loop is tight
+// (measured on Zen 4: a loop that read its options per block decoded 2-3x slower):
+// - codes of at most 4 bits from one piece (Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS, MXFP4, Q2_K): 32 weights
+//   at a time as 16-bit lanes, each looked up (VPERMW) from 32 bfloat16 words formed per sub-block
+//   from the 16 code values (WordPair);
+// - any other element (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, Q3_K): the vector loops' element decode, 16
+//   at a time, times the scale product (and the minimum), two chunks rounded together.
+#if defined(__x86_64__) || defined(__i386__)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#define QS_GGUF_NAMESPACE qscheme_gguf_gemm
+#include "cpu_gemv_gguf_kernel.h"
+#include "cpu_gemv_gguf_v512.h"
+#include "tile_gemm_bf16_kernel.h"
+
+namespace qscheme_gguf_gemm {
+
+constexpr int ROUND = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+constexpr int64_t PANEL_ROWS = 32;
+constexpr int64_t PANEL_PAD = 32;  // words past a panel row, so that rows are not a power of two apart
+
+struct Buffers {
+    std::vector<uint16_t> panel;
+    std::vector<float> acc, scale, minimum;
+    template <class T>
+    static T *fit(std::vector<T> &v, int64_t count) {
+        if (v.size() < static_cast<size_t>(count)) v.resize(static_cast<size_t>(count));
+        return v.data();
+    }
+    void release() {  // buffers above 1 MiB in all are not kept between calls
+        if (2 * panel.size() + 4 * (acc.size() + scale.size() + minimum.size()) > (size_t(1) << 20)) {
+            std::vector<uint16_t>().swap(panel);
+            std::vector<float>().swap(acc);
+            std::vector<float>().swap(scale);
+            std::vector<float>().swap(minimum);
+        }
+    }
+};
+
+thread_local Buffers buffers;
+
+// Whether each block holds one sub-block, scaled by one fp16 field and offset by at most one more
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): then the decoders read both as they reach the block, instead
+// of forming the row's products first.
+inline bool block_halves(const Layout &l) {
+    auto half_field = [](const Factor &f) { return f.is_field && f.count == 1 && f.format == FIELD_FP16; };
+    return l.groups == 1 && l.n_scale == 1 && half_field(l.scale[0]) &&
+           (l.n_minimum == 0 || (l.n_minimum == 1 && half_field(l.minimum[0])));
+}
+
+// Sub-block g's scale product and signed minimum product (the minimum negated where it is subtracted:
+// w - m and w + (-m) round alike) of block b: read from the block (HALVES) or from the row's products.
+template <bool HALVES, bool MIN>
+struct Factors {
+    const Layout &l;
+    const float *scale, *minimum;
+    float sign;
+    float s = 0.0f, m = 0.0f;
+    const float *sb = nullptr, *mb = nullptr;
+    inline void block(const uint8_t *bytes, int64_t b) {
+        if (HALVES) {
+            s = block_half(bytes, l.scale[0].offset, Half());
+            if (MIN) m = sign * block_half(bytes, l.minimum[0].offset, Half());
+        } else {
+            sb = scale + b * l.groups;
+            mb = minimum + b * l.groups;
+        }
+    }
+    // values times sub-block g's scale product, plus its signed minimum product
+    inline __m512 apply(__m512 values, int g) const {
+        __m512 w = _mm512_mul_round_ps(values, _mm512_set1_ps(HALVES ? s : sb[g]), ROUND);
+        if (MIN) w = _mm512_add_round_ps(w, _mm512_set1_ps(HALVES ? m : sign * mb[g]), ROUND);
+        return w;
+    }
+};
+
+// Two chunks of 16 codes of at most 4 bits (one piece each) as 32 word lanes, each the index of its
+// weight in a table of 32 words.
+struct alignas(64) WordPair {
+    int16_t shift[32] = {}, keep[32] = {}, upper[32] = {};  // per lane: right shift, mask, 16 for the second table
+    alignas(16) uint8_t idx0[16] = {}, idx1[16] = {};
+    int off0 = 0, off1 = 0;
+    int form = 2;  // 0: one 16-byte window twice, 1: one 32-byte run, 2: two windows, each shuffled unless in order
+    int ident0 = 1, ident1 = 1, g0 = 0, g1 = 0;
+    bool mask = false;  // lanes need their mask (and the upper table's 16)
+};
+
+// The layout's chunks in pairs (a block's elements are a multiple of 32), where its codes are of at
+// most 4 bits from one piece in sub-blocks of a multiple of 16; false (and no pairs) otherwise. With
+// sub-blocks of 32 or more both chunks of a pair are one sub-block's: the table is its 16 values
+// twice over, and 4-bit codes need no mask (a lane's fifth bit picks the same value). With sub-blocks
+// of 16, a pair is two sub-blocks: the table is both, and each lane is masked and the second chunk's
+// lanes moved to the upper half.
+bool word_pairs(const Layout &l, const Plan &plan, std::vector<WordPair> &pairs) {
+    pairs.clear();
+    if (!(l.el_depth == 1 && l.el_bits <= 4) || l.elements % 32 || l.sub % 16) return false;
+    const int chunks = l.elements / 16, per_group = l.sub / 16;
+    pairs.assign(static_cast<size_t>(chunks / 2), WordPair());
+    for (int c = 0; c < chunks; c += 2) {
+        const Chunk &a = plan.element[c], &b = plan.element[c + 1];
+        WordPair &p = pairs[c / 2];
+        p.off0 = a.off;
+        p.off1 = b.off;
+        p.ident0 = a.ident;
+        p.ident1 = b.ident;
+        std::memcpy(p.idx0, a.idx, 16);
+        std::memcpy(p.idx1, b.idx, 16);
+        p.form = a.ident && b.ident && b.off == a.off ? 0 : (a.ident && b.ident && b.off == a.off + 16 ? 1 : 2);
+        p.g0 = c / per_group;
+        p.g1 = (c + 1) / per_group;
+        bool nibbles = true;
+        for (int i = 0; i < 16; i++) {
+            p.shift[i] = static_cast<int16_t>(a.shift[i]);
+            p.shift[16 + i] = static_cast<int16_t>(b.shift[i]);
+            p.keep[i] = static_cast<int16_t>(a.mask[i]);
+            p.keep[16 + i] = static_cast<int16_t>(b.mask[i]);
+            p.upper[16 + i] = p.g1 != p.g0 ? 16 : 0;
+            nibbles = nibbles && a.mask[i] == 0xF && b.mask[i] == 0xF && a.shift[i] <= 4 && b.shift[i] <= 4;
+        }
+        p.mask = p.g1 != p.g0 || !nibbles;
+    }
+    return true;
+}
+
+template <int FORM, bool MASK>
+static inline __m512i pair_indices(const uint8_t *block, const WordPair &p) {
+    __m256i bytes;
+    if (FORM == 0) {
+        bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(block + p.off0)));
+    } else if (FORM == 1) {
+        bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(block + p.off0));
+    } else {
+        __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i *>(block + p.off0));
+        __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(block + p.off1));
+        if (!p.ident0) a = _mm_shuffle_epi8(a, _mm_load_si128(reinterpret_cast<const __m128i *>(p.idx0)));
+        if (!p.ident1) b = _mm_shuffle_epi8(b, _mm_load_si128(reinterpret_cast<const __m128i *>(p.idx1)));
+        bytes = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
+    }
+    __m512i words = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(bytes), _mm512_load_si512(p.shift));
+    if (MASK)  // (words & keep) | upper
+        words = _mm512_ternarylogic_epi32(words, _mm512_load_si512(p.keep), _mm512_load_si512(p.upper), 0xEA);
+    return words;
+}
+
+// What both decoders share: rows [n, n + count) of the layer, blocks [b0, b0 + l.k / elements) of each
+// (l: the layer with k set to the chunk's columns), into panel rows `pitch` words apart; scale,
+// minimum: room for the chunk's sub-block products (+ 16 floats). decode(block, factors, out) writes
+// one block's weights.
+template <bool HALVES, bool MIN, class Decode>
+static inline void panel_rows(const Layout &l, const Plan &plan, int64_t n, int64_t count, int64_t b0, uint16_t *panel,
+                              int64_t pitch, float *scale, float *minimum, Decode decode) {
+    const int64_t blocks = l.k / l.elements;
+    Factors<HALVES, MIN> f{l, scale, minimum, l.minimum_sign < 0 ? -1.0f : 1.0f};
+    for (int64_t r = 0; r < count; r++) {
+        const uint8_t *row = l.codes + (n + r) * l.row_bytes + b0 * l.block_bytes;
+        if (!HALVES) row_products<V512>(l, plan, row, scale, minimum, Half());
+        uint16_t *out = panel + r * pitch;
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *block = row + b * l.block_bytes;
+            f.block(block, b);
+            decode(block, f, out + b * l.elements);
+        }
+    }
+}
+
+template <int FORM, bool TWO, bool MASK, bool HALVES, bool MIN>
+void panel_words(const Layout &l, const Plan &plan, const std::vector<WordPair> &pairs, int64_t n, int64_t count,
+                 int64_t b0, uint16_t *panel, int64_t pitch, float *scale, float *minimum) {
+    const __m512 values = _mm512_loadu_ps(l.values);
+    const WordPair *ps = pairs.data();
+    const int steps = static_cast<int>(pairs.size());
+    panel_rows<HALVES, MIN>(l, plan, n, count, b0, panel, pitch, scale, minimum,
+                            [&](const uint8_t *block, const Factors<HALVES, MIN> &f, uint16_t *out) {
+                                for (int i = 0; i < steps; i++) {
+                                    const WordPair &p = ps[i];
+                                    const __m512 first = f.apply(values, p.g0);
+                                    const __m512 second = TWO ? f.apply(values, p.g1) : first;
+                                    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(second, first);
+                                    const __m512i index = pair_indices<FORM, MASK>(block, p);
+                                    _mm512_storeu_si512(out + 32 * i, _mm512_permutexvar_epi16(index, table));
+                                }
+                            });
+}
+
+template <int DEPTH, bool LUT, bool HALVES, bool MIN>
+void panel_elements(const Layout &l, const Plan &plan, int64_t n, int64_t count, int64_t b0, uint16_t *panel,
+                    int64_t pitch, float *scale, float *minimum) {
+    using V = V512;
+    const V::Table table = V::table(l.values);
+    const int int_shift = l.el_signed ? 32 - l.el_bits : 0, int_add = l.el_offset;
+    const int per_group = l.sub / V::W, chunks = l.elements / V::W;
+    const Chunk *plan_chunks = plan.element.data();
+    constexpr int SLOTS = DEPTH == 0 || DEPTH >= 8 ? 1 : DEPTH;
+    panel_rows<HALVES, MIN>(l, plan, n, count, b0, panel, pitch, scale, minimum,
+                            [&](const uint8_t *block, const Factors<HALVES, MIN> &f, uint16_t *out) {
+                                for (int c = 0; c < chunks; c += 2) {  // chunks of 16 in pairs
+                                    const __m512 e0 = decode<V, DEPTH, LUT>(block, plan_chunks + c * SLOTS, table,
+                                                                            int_shift, int_add);
+                                    const __m512 e1 = decode<V, DEPTH, LUT>(block, plan_chunks + (c + 1) * SLOTS,
+                                                                            table, int_shift, int_add);
+                                    const __m512 w0 = f.apply(e0, c / per_group), w1 = f.apply(e1, (c + 1) / per_group);
+                                    _mm512_storeu_si512(out + c * V::W, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+                                }
+                            });
+}
+
+template <class F>
+static inline void with_factors(const Layout &l, F &&f) {
+    const bool halves = block_halves(l), min = l.n_minimum > 0;
+    if (halves)
+        min ? f(Bool<true>(), Bool<true>()) : f(Bool<true>(), Bool<false>());
+    else
+        min ? f(Bool<false>(), Bool<true>()) : f(Bool<false>(), Bool<false>());
+}
+
+// The panel's rows: the word decoder where `pairs` is not empty, else the element decoder.
+void decode_panel(const Layout &l, const Plan &plan, const std::vector<WordPair> &pairs, int64_t n, int64_t count,
+                  int64_t b0, uint16_t *panel, int64_t pitch, float *scale, float *minimum) {
+    if (pairs.empty()) {
+        with_element_decoder<V512>(l, plan, [&](auto depth, auto lut) {
+            with_factors(l, [&](auto halves, auto min) {
+                panel_elements<decltype(depth)::value, decltype(lut)::value, decltype(halves)::value,
+                               decltype(min)::value>(l, plan, n, count, b0, panel, pitch, scale, minimum);
+            });
+        });
+        return;
+    }
+    int form = pairs[0].form;
+    bool two = false, mask = false;
+    for (const WordPair &p : pairs) {
+        form = p.form == form ? form : 2;
+        two = two || p.g1 != p.g0;
+        mask = mask || p.mask;
+    }
+    with_factors(l, [&](auto halves, auto min) {
+        constexpr bool H = decltype(halves)::value, M = decltype(min)::value;
+        if (two)  // sub-blocks of 16 (masked)
+            panel_words<2, true, true, H, M>(l, plan, pairs, n, count, b0, panel, pitch, scale, minimum);
+        else if (mask)
+            panel_words<2, false, true, H, M>(l, plan, pairs, n, count, b0, panel, pitch, scale, minimum);
+        else if (form == 0)
+            panel_words<0, false, false, H, M>(l, plan, pairs, n, count, b0, panel, pitch, scale, minimum);
+        else if (form == 1)
+            panel_words<1, false, false, H, M>(l, plan, pairs, n, count, b0, panel, pitch, scale, minimum);
+        else
+            panel_words<2, false, false, H, M>(l, plan, pairs, n, count, b0, panel, pitch, scale, minimum);
+    });
+}
+
+}  // namespace qscheme_gguf_gemm
+
+namespace qscheme_gguf {
+
+bool gemm_blocks_fits(const Layout &l, const Plan &plan16) { return plan16.width == 16 && l.elements % 32 == 0; }
+
+void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, int64_t m, const float *bias,
+                      uint16_t *out, int64_t ldy, int64_t r0, int64_t q0, int64_t q1, int64_t kc) {
+    using namespace qscheme_gguf_gemm;
+    const int64_t live = q1 - q0, blocks = l.k / l.elements;
+    const int64_t chunk_blocks = std::max<int64_t>(1, kc / l.elements);
+    const int64_t width_most = std::min(blocks, chunk_blocks) * l.elements;
+    Buffers &b = buffers;
+    // the panel on whole cache lines (a vector's storage is aligned to 16 bytes only)
+    uint16_t *panel = Buffers::fit(b.panel, PANEL_ROWS * (width_most + PANEL_PAD) + 32);
+    panel = reinterpret_cast<uint16_t *>((reinterpret_cast<uintptr_t>(panel) + 63) & ~uintptr_t(63));
+    float *acc = Buffers::fit(b.acc, m * PANEL_ROWS);
+    const int64_t products = std::min(blocks, chunk_blocks) * l.groups + 16;  // row_products may write 16 past
+    float *scale = Buffers::fit(b.scale, products), *minimum = Buffers::fit(b.minimum, products);
+    std::vector<WordPair> pairs;
+    word_pairs(l, plan16, pairs);
+    Layout part = l;
+    for (int64_t b0 = 0; b0 < blocks; b0 += chunk_blocks) {
+        const int64_t nb = std::min(chunk_blocks, blocks - b0), width = nb * l.elements, pitch = width + PANEL_PAD;
+        part.k = width;
+        decode_panel(part, plan16, pairs, q0, live, b0, panel, pitch, scale, minimum);
+        for (int64_t r = live; r < (live + 3) / 4 * 4; r++) std::memset(panel + r * pitch, 0, static_cast<size_t>(width) * 2);
+        qscheme_panel::multiply_panel(panel, pitch, live, x + b0 * l.elements, l.k, m, width / 32, acc, PANEL_ROWS,
+                                      b0 == 0);
+    }
+    qscheme_panel::store_rows(acc, PANEL_ROWS, live, m, bias ? bias + q0 : nullptr, out + (q0 - r0), ldy);
+    b.release();
+}
+
+}  // namespace qscheme_gguf
+
+#else  // not x86: never called (gemm_blocks_supported is false)
+
+#include "cpu_gemv_gguf.h"
+
+namespace qscheme_gguf {
+bool gemm_blocks_fits(const Layout &, const Plan &) { return false; }
+void gemm_blocks_bf16(const Layout &, const Plan &, const uint16_t *, int64_t, const float *, uint16_t *, int64_t,
+                      int64_t, int64_t, int64_t, int64_t) {}
+}  // namespace qscheme_gguf
+
+#endif

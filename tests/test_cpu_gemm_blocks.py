@@ -1,0 +1,193 @@
+"""``cpu_gemv_blocks.gemm``: the fused GEMM over packed blocks (qscheme._cpu_gemv.gemm_blocks, C++),
+dequant_gemm's prefill kernel for GGUF's types on CPUs with AVX512-BF16.
+
+Every GGUF type the blocks' kernels claim, as real GGUF blocks (qscheme's GGUF quantizer, bit for
+bit llama.cpp's: tests/test_gguf_quants.py):
+
+- the panel: multiplied by the identity, the output is each weight of the reference decoder
+  (``decode_blocks``) rounded once to bfloat16, bit for bit (a float32 subnormal weight is zero, as
+  the instruction reads a bfloat16 subnormal), for ragged N (37 rows: a 5-row last panel), rows
+  with an odd number of sub-blocks of 32, output column ranges that do not start on a panel, K
+  in one chunk and in chunks of one block, 1 and 2 threads;
+- the sums: random inputs (M = 1, 5, 37), bias, into a view of a wider output, within half a
+  bfloat16 unit of the exact product of the rounded weight plus K float32 roundings;
+- where it runs (``gemm_runs``: AVX512-BF16 and the AVX-512 loops in use), typed refusals, the op's
+  fake implementation (opcheck, torch.compile), and dequant_gemm taking it for bfloat16 inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from kernel_fakes import builtin_scheme, builtin_schemes
+from qscheme_plugins import dequant_gemm_kernel
+from qscheme_plugins.dequant_gemm_kernel import DequantGemmKernel
+
+from qscheme import cpu_gemv, cpu_gemv_blocks
+from qscheme.canonical import CanonicalWeight
+from qscheme.canonical_blocks import canonical_blocks
+from qscheme.errors import UsageError
+from qscheme.formats.blocks import decode_blocks
+from qscheme.producers.gguf.quants.api import quantize_blocks
+
+pytestmark = pytest.mark.skipif(
+    not cpu_gemv.available() or not hasattr(cpu_gemv.native(), "gemm_blocks"),
+    reason="qscheme._cpu_gemv (with gemm_blocks) is not built",
+)
+
+FLOAT_TYPES = {"gguf/F32", "gguf/F16", "gguf/BF16"}
+CODED = sorted(s.name for s in builtin_schemes() if s.name.startswith("gguf/") and s.name not in FLOAT_TYPES)
+
+
+def weight_of(name: str, n: int = 37, seed: int = 11) -> CanonicalWeight:
+    """Real blocks of a random weight [n, K], K an odd number of sub-blocks of 32 where the blocks allow."""
+    scheme = builtin_scheme(name)
+    layout = scheme.weight.blocks
+    assert layout is not None
+    k = 17 * 32 if layout.elements == 32 else 3 * layout.elements
+    dense = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    return canonical_blocks(scheme, quantize_blocks(dense, name.removeprefix("gguf/")), n, k)
+
+
+def runs_here() -> bool:
+    return cpu_gemv_blocks.gemm_runs(cpu_gemv_blocks.block_layout_of(weight_of("gguf/Q4_0", 4)))
+
+
+GEMM = pytest.mark.skipif(
+    not cpu_gemv.available() or cpu_gemv.supported_isa() != "avx512" or not runs_here(),
+    reason="this CPU has no AVX512-BF16 (or the AVX-512 loops do not run): dequant_gemm decodes tiles instead",
+)
+
+
+@pytest.fixture
+def isa_restored() -> Iterator[None]:
+    before = cpu_gemv.isa()
+    yield
+    cpu_gemv.set_isa(before)
+
+
+def rounded(weight: CanonicalWeight) -> torch.Tensor:
+    """The reference weight rounded once to bfloat16, a float32 subnormal as zero."""
+    blocks = weight.scheme.weight.blocks
+    assert blocks is not None
+    exact = decode_blocks(weight.codes, blocks)
+    return torch.where(exact.abs() < 2.0**-126, torch.zeros_like(exact), exact).to(torch.bfloat16)
+
+
+@GEMM
+@pytest.mark.parametrize("name", CODED)
+def test_the_panel_is_the_reference_weight_rounded_once(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    weight = weight_of(name)
+    layout = cpu_gemv_blocks.block_layout_of(weight)
+    expected = rounded(weight).float()
+    identity = torch.eye(weight.k).to(torch.bfloat16)
+    blocks = weight.scheme.weight.blocks
+    assert blocks is not None
+    for chunk in (cpu_gemv_blocks.GEMM_CHUNK, blocks.elements):
+        monkeypatch.setattr(cpu_gemv_blocks, "GEMM_CHUNK", chunk)
+        for start, stop, threads in ((0, weight.n, 2), (5, 30, 1), (36, 37, 2)):
+            y = cpu_gemv_blocks.gemm(layout, identity, None, start, stop, threads)
+            assert y.dtype == torch.bfloat16 and y.shape == (weight.k, stop - start)
+            assert torch.equal(y.float().T, expected[start:stop]), f"{name}: rows [{start}, {stop}), chunk {chunk}"
+
+
+@GEMM
+@pytest.mark.parametrize("name", ["gguf/Q4_0", "gguf/Q4_1", "gguf/Q4_K", "gguf/Q2_K", "gguf/Q6_K", "gguf/Q8_0"])
+def test_the_sums_are_within_their_bound(name: str) -> None:
+    weight = weight_of(name)
+    layout = cpu_gemv_blocks.block_layout_of(weight)
+    w = rounded(weight).double()
+    generator = torch.Generator().manual_seed(3)
+    bias = torch.randn(weight.n, generator=generator)
+    for m in (1, 5, 37):
+        x = torch.randn(m, weight.k, generator=generator).to(torch.bfloat16)
+        wide = torch.full((m, weight.n + 8), 7.0, dtype=torch.bfloat16)
+        out = wide[:, 4 : 4 + weight.n - 10]
+        y = cpu_gemv_blocks.gemm(layout, x, bias, 10, weight.n, threads=2, out=out)
+        assert y.data_ptr() == out.data_ptr()
+        # nothing else written
+        assert bool((wide[:, :4] == 7).all()) and bool((wide[:, 4 + weight.n - 10 :] == 7).all())
+        exact = x.double() @ w[10:].T + bias.double()[10:]
+        magnitude = x.double().abs() @ w[10:].abs().T + bias.double()[10:].abs()
+        bound = 2.0**-8 * exact.abs() + (weight.k + 2) * 2.0**-24 * magnitude + 1e-30
+        assert bool(((y.double() - exact).abs() <= bound).all())
+    empty = cpu_gemv_blocks.gemm(layout, torch.zeros(0, weight.k, dtype=torch.bfloat16))
+    assert empty.shape == (0, weight.n)
+
+
+def test_it_runs_where_avx512_bf16_runs(isa_restored: None) -> None:
+    layout = cpu_gemv_blocks.block_layout_of(weight_of("gguf/Q4_K"))
+    x = torch.randn(3, layout.k).to(torch.bfloat16)
+    for isa in ("scalar", "avx2", "avx512"):
+        if cpu_gemv.ISA_CHOICES.index(isa) > cpu_gemv.ISA_CHOICES.index(cpu_gemv.supported_isa()):
+            continue
+        cpu_gemv.set_isa(isa)
+        if isa != "avx512":
+            assert not cpu_gemv_blocks.gemm_runs(layout)
+        if cpu_gemv_blocks.gemm_runs(layout):
+            assert cpu_gemv_blocks.gemm(layout, x).shape == (3, layout.n)
+        else:
+            with pytest.raises(UsageError, match="does not run here"):
+                cpu_gemv_blocks.gemm(layout, x)
+
+
+@GEMM
+def test_refusals_are_typed() -> None:
+    layout = cpu_gemv_blocks.block_layout_of(weight_of("gguf/Q8_0"))
+    x = torch.randn(2, layout.k).to(torch.bfloat16)
+    with pytest.raises(UsageError, match="bfloat16 x of shape"):
+        cpu_gemv_blocks.gemm(layout, x.float())
+    with pytest.raises(UsageError, match="bfloat16 x of shape"):
+        cpu_gemv_blocks.gemm(layout, x[:, :32])
+    with pytest.raises(UsageError, match=r"rows \[0, 38\) are not within N=37"):
+        cpu_gemv_blocks.gemm(layout, x, None, 0, 38)
+    with pytest.raises(UsageError, match="out must be bfloat16"):
+        cpu_gemv_blocks.gemm(layout, x, out=torch.empty(2, 36, dtype=torch.bfloat16))
+    with pytest.raises(UsageError, match="bias has shape"):
+        cpu_gemv_blocks.gemm(layout, x, torch.zeros(5))
+
+
+@GEMM
+def test_the_op_has_a_fake_implementation() -> None:
+    layout = cpu_gemv_blocks.block_layout_of(weight_of("gguf/IQ4_XS"))
+    c = layout.compiled
+    x = torch.randn(2, layout.k).to(torch.bfloat16)
+    torch.library.opcheck(
+        torch.ops.qscheme.cpu_gemm_blocks.default,
+        (x, layout.codes, c.program, c.values, c.byte_tables, torch.randn(layout.n), list(layout.meta), 3, 30, 1),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+    def both(v: torch.Tensor) -> torch.Tensor:
+        y = torch.zeros(v.shape[0], layout.n, dtype=torch.bfloat16)
+        cpu_gemv_blocks.gemm(layout, v, None, 4, layout.n, out=y[:, 4:])
+        return y
+
+    compiled = torch.compile(both, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), both(x))
+    assert bool((both(x)[:, 4:] != 0).any())
+
+
+@GEMM
+@pytest.mark.parametrize("name", ["gguf/Q4_K", "gguf/Q6_K"])
+def test_dequant_gemm_takes_it_for_bfloat16_inputs(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 inputs run the fused GEMM (no tile is decoded), float32 inputs the tiles."""
+    weight = weight_of(name, 72)
+    state = DequantGemmKernel().prepare(weight, torch.device("cpu"))
+    x = torch.randn(2, 9, weight.k).to(torch.bfloat16)
+    bias = torch.randn(weight.n).to(torch.bfloat16)
+    tiles = dequant_gemm_kernel._tiles
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the tiles ran")
+
+    monkeypatch.setattr(dequant_gemm_kernel, "_tiles", refused)
+    y = DequantGemmKernel().apply(state, x, bias)
+    layout = cpu_gemv_blocks.block_layout_of(weight)
+    assert torch.equal(y.reshape(-1, weight.n), cpu_gemv_blocks.gemm(layout, x.reshape(-1, weight.k), bias.float()))
+    with pytest.raises(AssertionError, match="the tiles ran"):
+        DequantGemmKernel().apply(state, x.float(), bias.float())
+    monkeypatch.setattr(dequant_gemm_kernel, "_tiles", tiles)
+    assert DequantGemmKernel().apply(state, x.float(), bias.float()).dtype == torch.float32
