@@ -235,6 +235,10 @@ CPU_GEMV = KernelDeclaration(
 
 @hookimpl
 def qscheme_kernels() -> list[KernelDeclaration]:
-    from qscheme_plugins.cpu_gemv_blocks import CPU_GEMV_BLOCKS, CPU_GEMV_BLOCKS_BF16  # packed blocks (GGUF)
+    from qscheme_plugins.cpu_gemv_blocks import (  # packed blocks (GGUF)
+        CPU_GEMM_BLOCKS,
+        CPU_GEMV_BLOCKS,
+        CPU_GEMV_BLOCKS_BF16,
+    )
 
-    return [CPU_GEMV, CPU_GEMV_BLOCKS, CPU_GEMV_BLOCKS_BF16]
+    return [CPU_GEMV, CPU_GEMV_BLOCKS, CPU_GEMV_BLOCKS_BF16, CPU_GEMM_BLOCKS]

@@ -26,6 +26,11 @@ block entry point in the built extension.
 types above), declared under its own name with the check ``Bf16BlockLoop`` (this
 CPU has AVX512-BF16 and VBMI), so that it ranks above ``tinygemm_cpu`` (62) only on CPUs where it was
 measured faster or as fast at half the memory; elsewhere the ranking above holds.
+
+``cpu_gemm_blocks`` is the blocks' GEMM for larger batches (``qscheme.cpu_gemv_blocks.gemm``): panels
+of 32 weight rows decoded from the blocks into bfloat16 and multiplied with VDPBF16PS, on CPUs with
+AVX512-BF16 (check ``BlocksGemm``), bfloat16 inputs, from M = 8 (priority 63: above the GEMVs, whose
+ranges end at 15, and ``dequant_gemm``, which decodes row tiles for torch's GEMM from M = 16).
 """
 
 from __future__ import annotations
@@ -193,5 +198,69 @@ CPU_GEMV_BLOCKS_BF16 = KernelDeclaration(
         "in [2**-100, 2**64], else its float32 loops in the same call); a layout of these codes the loop does not "
         "read (none of the built-in types) runs the float32 loops too (qscheme.cpu_gemv_blocks.dot_loop says which)",
         "keeps the canonical blocks as they are (no copy), plus one small program per scheme",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class BlocksGemm:
+    """This CPU runs ``qscheme.cpu_gemv_blocks.gemm`` (AVX512-BF16, the AVX-512 loops in use)."""
+
+    def check(self, problem: Problem) -> CheckResult:
+        from qscheme import cpu_gemv_blocks  # torch: the kernel's own requirement, checked before this
+
+        if cpu_gemv_blocks.gemm_available():
+            return PASSED
+        return CheckResult(
+            False,
+            "this CPU does not run the blocks' fused GEMM (it needs AVX512-BF16 and the AVX-512 loops in use)",
+            "cpu_gemv_blocks up to M = 15 and dequant_gemm from M = 16 run the layer here",
+        )
+
+    def describe(self) -> str:
+        return "a CPU running the blocks' fused GEMM (AVX512-BF16)"
+
+
+BLOCK_GEMM_BATCHES = BatchRange(
+    "cpu",
+    8,
+    None,
+    source=(
+        "benchmarks/cpu_gemm.py, 4096x4096, bf16, 2 threads, a 2-core Zen 4 EPYC: at M = 8 the fused GEMM beats "
+        "cpu_gemv_blocks_bf16 for Q4_K (1.25x against 1.00x bf16 F.linear), IQ4_XS (1.33x / 1.03x), Q6_K "
+        "(0.69x / 0.45x) and ties it for Q4_0 (1.49x / 1.47x); at M = 4 the GEMV wins (Q4_0 2.50x / 1.84x, Q6_K "
+        "0.70x / 0.66x)"
+    ),
+)
+
+CPU_GEMM_BLOCKS = KernelDeclaration(
+    name="cpu_gemm_blocks",
+    provider="qscheme",
+    priority=63,
+    description=(
+        "qscheme's C++ GEMM over packed blocks (GGUF) for larger batches: 32-row panels decoded from the blocks into "
+        "bf16, multiplied with VDPBF16PS (AVX512-BF16)"
+    ),
+    supports=(PACKED_BLOCKS,),
+    devices=(DeviceSupport("cpu"),),
+    implementation="qscheme_plugins.cpu_gemv_blocks_kernel:CpuGemmBlocksKernel",
+    requires_modules=("torch",),
+    checks=(ActivationDtypes(("bfloat16",)), NativeBlockLoops(), BlocksGemm()),
+    batch_ranges=(BLOCK_GEMM_BATCHES,),
+    prepared_state=PreparedState("canonical"),
+    notes=(
+        "numerics: each weight is the reference decoder's float32 value rounded once to bfloat16 (at most "
+        "2**-9 * |w|; a float32 subnormal weight counts as zero, as VDPBF16PS reads bfloat16 subnormal inputs as "
+        "zero), products of bfloat16 values are exact and summed in float32, the output rounded once to bfloat16 "
+        "with the bias added in float32 before: dequant_gemm's bound on AVX-512 BF16",
+        "same-run ratios to bf16 F.linear on a 2-core Zen 4 EPYC (benchmarks/cpu_gemm.py, 4096x4096 and 14336x4096, "
+        "2 threads): Q4_0, Q4_1, Q4_K, IQ4_XS 1.02-1.29x at M = 16, 0.94-1.07x at M = 64, 0.94-0.97x at M = 256; "
+        "Q2_K 0.94-1.02x; Q8_0 0.93-0.96x; Q5_K and Q6_K 0.64-0.92x (dequant_gemm's row tiles on the same CPU: "
+        "0.24-0.69x)",
+        "a layout the blocks' vector decoder does not read (none of the built-in types: blocks of a multiple of 32 "
+        "elements, each 16 of a chunk's bytes within one 16-byte window) is refused when the layer is prepared, "
+        "naming the scheme",
+        "keeps the canonical blocks as they are (no copy); while it runs, each thread holds a panel of at most "
+        "32 x 4128 bfloat16 weights (258 KiB) and its float32 sums, freed past 1 MiB",
     ),
 )

@@ -68,8 +68,7 @@ DEQUANT_GEMM = KernelDeclaration(
         "quantized activations are emulated exactly as the reference kernel emulates them, in float32; with "
         "bfloat16 inputs that input is then rounded once to bfloat16 (at most 2**-9 * |x| per element)",
         "on AMX tiles, or VDPBF16PS dot products on AVX-512 BF16 CPUs without AMX (qscheme._tile_gemm; "
-        "QSCHEME_TILE_GEMM_ISA=avx512 or scalar narrows it; packed blocks such as GGUF's: cpu_gemv_blocks.gemm "
-        "on AVX512-BF16, QSCHEME_CPU_GEMV_ISA narrows it), bfloat16 subnormal weights and inputs (below "
+        "QSCHEME_TILE_GEMM_ISA=avx512 or scalar narrows it), bfloat16 subnormal weights and inputs (below "
         "2**-126) count as zero, as in oneDNN's bfloat16 GEMM; elsewhere torch's GEMM (oneDNN) multiplies the "
         "bfloat16 tiles",
         "float32 inputs: the reference kernel's float32 weight and products, summed in another order",

@@ -11,12 +11,10 @@ bfloat16 (each weight the reference's float32 value rounded once to nearest even
 that stays in the core's cache, and multiplies them at once by every input row, on the AMX tiles
 or with VDPBF16PS dot products (products summed in float32, the output rounded once to bfloat16,
 the bias added in float32 before). The panels are shared out over ``torch.get_num_threads()``
-threads of the extension. Packed blocks (GGUF's types) with bfloat16 inputs take the same kind of
-fused GEMM from ``qscheme.cpu_gemv_blocks.gemm`` where it runs (AVX512-BF16, the AVX-512 loops in
-use): panels of 32 rows decoded from the blocks (each weight the block decoder's float32 value
-rounded once to bfloat16), multiplied with VDPBF16PS.
+threads of the extension.
 
-Otherwise (float32 inputs, neither AMX nor AVX-512 BF16, a format the extensions do not decode): a tile of output rows at a time is dequantized exactly (the extension's bfloat16 decoder,
+Otherwise (float32 inputs, neither AMX nor AVX-512 BF16, a format the extensions do not decode, packed
+blocks): a tile of output rows at a time is dequantized exactly (the extension's bfloat16 decoder,
 ``cpu_gemv``'s float32 row decoder, ``cpu_gemv_blocks``' AVX-512 block decoder for packed blocks such
 as GGUF's, or ``qscheme.canonical.dequantize_rows``: bit for bit the rows of
 ``qscheme.canonical.dequantize``), rounded once to the activation dtype (bfloat16; float32
@@ -152,24 +150,13 @@ class DequantGemmKernel:
             # team, whose threads would spin on the cores the extension's (or the slabs') threads use
             with slabs.single_threaded_caller():
                 bias = None if bias is None else bias.to(device=rows.device, dtype=dtype)
-                bias32 = None if bias is None or dtype != torch.bfloat16 else bias.to(torch.float32)
                 for start, stop, inputs in _pieces(state, rows):
                     if self.native and state.native is not None and dtype == torch.bfloat16 and tile_gemm.fused():
+                        bias32 = None if bias is None else bias.to(torch.float32)
                         tile_gemm.gemm(state.native, inputs, bias32, start, stop, threads, y[:, start:stop])
-                    elif self.native and state.blocks is not None and dtype == torch.bfloat16 and _blocks_gemm(state):
-                        from qscheme import cpu_gemv_blocks
-
-                        cpu_gemv_blocks.gemm(state.blocks, inputs, bias32, start, stop, threads, y[:, start:stop])
                     else:
                         _tiles(state, inputs, bias, start, stop, y)
         return y.reshape(*x.shape[:-1], weight.n)
-
-
-def _blocks_gemm(state: DequantGemmState) -> bool:
-    """Whether ``cpu_gemv_blocks.gemm`` (the fused GEMM over packed blocks) runs this layer here."""
-    from qscheme import cpu_gemv_blocks
-
-    return cpu_gemv_blocks.gemm_runs(state.blocks)
 
 
 def _pieces(state: DequantGemmState, rows: Tensor) -> list[tuple[int, int, Tensor]]:

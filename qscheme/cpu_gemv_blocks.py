@@ -349,6 +349,14 @@ def _gemm_args(layout: BlockGemvLayout) -> tuple[int, ...]:
     )  # fmt: skip
 
 
+def gemm_available() -> bool:
+    """Whether ``gemm`` runs here on the layouts it takes: the extension built, a CPU with
+    AVX512-BF16, and the AVX-512 loops in use (``qscheme.cpu_gemv.set_isa`` /
+    ``QSCHEME_CPU_GEMV_ISA``)."""
+    module = native()
+    return module is not None and hasattr(module, "blocks_gemm") and bool(module.blocks_gemm())
+
+
 def gemm_runs(layout: BlockGemvLayout) -> bool:
     """Whether ``gemm`` runs on this layer here: the extension built, a CPU with AVX512-BF16, the
     AVX-512 loops in use (``qscheme.cpu_gemv.set_isa`` / ``QSCHEME_CPU_GEMV_ISA``) and a layout their

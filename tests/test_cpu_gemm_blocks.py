@@ -12,25 +12,35 @@ bit llama.cpp's: tests/test_gguf_quants.py):
 - the sums: random inputs (M = 1, 5, 37), bias, into a view of a wider output, within half a
   bfloat16 unit of the exact product of the rounded weight plus K float32 roundings;
 - where it runs (``gemm_runs``: AVX512-BF16 and the AVX-512 loops in use), typed refusals, the op's
-  fake implementation (opcheck, torch.compile), and dequant_gemm taking it for bfloat16 inputs.
+  fake implementation (opcheck, torch.compile);
+- the ``cpu_gemm_blocks`` kernel: the plan's kernel from M = 8 for bfloat16 inputs where it runs
+  (rejected with its reason elsewhere, never for float32 inputs), a QuantLinear running it with no
+  copy of the blocks, and its refusals.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
-from kernel_fakes import builtin_scheme, builtin_schemes
-from qscheme_plugins import dequant_gemm_kernel
-from qscheme_plugins.dequant_gemm_kernel import DequantGemmKernel
+from kernel_fakes import builtin_scheme, builtin_schemes, isolated_plugins
+from qscheme_plugins.cpu_gemv_blocks_kernel import CpuGemmBlocksKernel
 
 from qscheme import cpu_gemv, cpu_gemv_blocks
 from qscheme.canonical import CanonicalWeight
 from qscheme.canonical_blocks import canonical_blocks
 from qscheme.errors import UsageError
 from qscheme.formats.blocks import decode_blocks
+from qscheme.kernels import registry
+from qscheme.modules import QuantLinear, problem_for
 from qscheme.producers.gguf.quants.api import quantize_blocks
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+kernel_table = importlib.import_module("kernel_table")
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemv.available() or not hasattr(cpu_gemv.native(), "gemm_blocks"),
@@ -170,24 +180,69 @@ def test_the_op_has_a_fake_implementation() -> None:
     assert bool((both(x)[:, 4:] != 0).any())
 
 
+@pytest.mark.parametrize("name", ["gguf/Q4_0", "gguf/Q6_K", "gguf/Q8_0"])
+def test_the_plan_takes_it_from_m_8_where_it_runs(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 inputs: the blocks' GEMV below M = 8 and cpu_gemm_blocks from 8 where it runs; else
+    rejected with its reason (the GEMVs up to 15, dequant_gemm from 16). float32 inputs never take it."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    weight = weight_of(name, 72)
+    with isolated_plugins():
+        resolution = registry.resolve_layer(weight.scheme, problem_for(weight, "bfloat16"), "cpu")
+        candidate = resolution.candidate("cpu_gemm_blocks")
+        plan = resolution.plan  # type: ignore[attr-defined]
+        if cpu_gemv_blocks.gemm_available():
+            assert candidate.accepted
+            assert [plan.kernel_for(m).name for m in (8, 16, 256)] == ["cpu_gemm_blocks"] * 3
+            assert plan.kernel_for(7).name != "cpu_gemm_blocks"
+        else:
+            assert not candidate.accepted and "fused GEMM" in str(candidate.reasons)
+            assert plan.kernel_for(16).name == "dequant_gemm"
+        floats = registry.resolve_layer(weight.scheme, problem_for(weight, "float32"), "cpu")
+        assert not floats.candidate("cpu_gemm_blocks").accepted
+        assert floats.plan.kernel_for(16).name == "dequant_gemm"  # type: ignore[attr-defined]
+
+
 @GEMM
 @pytest.mark.parametrize("name", ["gguf/Q4_K", "gguf/Q6_K"])
-def test_dequant_gemm_takes_it_for_bfloat16_inputs(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bfloat16 inputs run the fused GEMM (no tile is decoded), float32 inputs the tiles."""
+def test_a_layer_runs_it_and_holds_the_blocks_alone(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A QuantLinear forward at M = 1, 8 and 18 (3-D, bias): the GEMV, then the GEMM, equal to
+    ``gemm`` itself; the layer holds its canonical blocks and the small program only."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     weight = weight_of(name, 72)
-    state = DequantGemmKernel().prepare(weight, torch.device("cpu"))
-    x = torch.randn(2, 9, weight.k).to(torch.bfloat16)
-    bias = torch.randn(weight.n).to(torch.bfloat16)
-    tiles = dequant_gemm_kernel._tiles
-
-    def refused(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the tiles ran")
-
-    monkeypatch.setattr(dequant_gemm_kernel, "_tiles", refused)
-    y = DequantGemmKernel().apply(state, x, bias)
+    generator = torch.Generator().manual_seed(8)
+    bias = torch.randn(weight.n, generator=generator).to(torch.bfloat16)
     layout = cpu_gemv_blocks.block_layout_of(weight)
-    assert torch.equal(y.reshape(-1, weight.n), cpu_gemv_blocks.gemm(layout, x.reshape(-1, weight.k), bias.float()))
-    with pytest.raises(AssertionError, match="the tiles ran"):
-        DequantGemmKernel().apply(state, x.float(), bias.float())
-    monkeypatch.setattr(dequant_gemm_kernel, "_tiles", tiles)
-    assert DequantGemmKernel().apply(state, x.float(), bias.float()).dtype == torch.float32
+    with isolated_plugins():
+        layer = QuantLinear(weight, bias=bias)
+        ran = []
+        with torch.inference_mode():
+            for shape in ((1,), (2, 4), (3, 6)):
+                m = int(torch.Size(shape).numel())
+                ran.append(layer.kernel_for_batch(m).name)
+                x = torch.randn(*shape, weight.k, generator=generator).to(torch.bfloat16)
+                y = layer(x)
+                assert y.shape == (*shape, weight.n) and y.dtype == torch.bfloat16
+                if ran[-1] == "cpu_gemm_blocks":
+                    assert torch.equal(y.reshape(m, -1), cpu_gemv_blocks.gemm(layout, x.reshape(m, -1), bias))
+        assert ran == ["cpu_gemv_blocks_bf16", "cpu_gemm_blocks", "cpu_gemm_blocks"]
+        canonical = kernel_table.canonical_bytes(layer)
+        small = sum(t.numel() * t.element_size() for t in (*layout.tensors().values(), bias)) - layout.codes.numel()
+        assert canonical <= sum(kernel_table.resident_bytes(layer).values()) <= canonical + small
+
+
+@GEMM
+def test_the_kernel_refuses_what_it_does_not_take() -> None:
+    weight = weight_of("gguf/Q4_0", 40)
+    kernel = CpuGemmBlocksKernel()
+    state = kernel.prepare(weight, torch.device("cpu"))
+    with pytest.raises(UsageError, match="takes bfloat16 inputs"):
+        kernel.apply(state, torch.randn(9, weight.k), None)
+    with pytest.raises(UsageError, match=f"K={weight.k}"):
+        kernel.apply(state, torch.randn(9, 64).to(torch.bfloat16), None)
+    before = cpu_gemv.isa()
+    cpu_gemv.set_isa("avx2")
+    try:
+        with pytest.raises(UsageError, match="cpu_gemm_blocks does not run scheme gguf/Q4_0 here"):
+            kernel.prepare(weight, torch.device("cpu"))
+    finally:
+        cpu_gemv.set_isa(before)

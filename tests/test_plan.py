@@ -197,6 +197,15 @@ def test_declarations_check_their_ranges_and_states() -> None:
 BLOCKS = "gguf/Q8_0"
 
 
+@pytest.fixture
+def no_blocks_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU without the blocks' fused GEMM (no AVX512-BF16): dequant_gemm takes the large M of blocks
+    (tests/test_cpu_gemm_blocks.py covers the CPUs with it)."""
+    from qscheme import cpu_gemv_blocks
+
+    monkeypatch.setattr(cpu_gemv_blocks, "gemm_available", lambda: False)
+
+
 def cpu_resolution(force: str | None = None, m_split: MSplit | None = None, disabled: tuple[str, ...] = ()) -> object:
     scheme = load_scheme(BLOCKS)
     device = registry.device_for("cpu")
@@ -207,7 +216,7 @@ def builtin_range(name: str) -> tuple[int, int | None] | None:
     return registry.get_declaration(name).batch_range("cpu")
 
 
-def test_the_builtin_tile_gemm_takes_large_m_of_blocks_on_the_cpu() -> None:
+def test_the_builtin_tile_gemm_takes_large_m_of_blocks_on_the_cpu(no_blocks_gemm: None) -> None:
     boundary = builtin_range("dequant_gemm")
     assert boundary is not None and boundary[1] is None
     resolution = cpu_resolution()
@@ -238,7 +247,9 @@ def test_a_plan_on_a_gpu_is_unchanged_by_cpu_ranges() -> None:
 # -- the command line --------------------------------------------------------------------------
 
 
-def test_resolve_shows_the_plan_for_the_batch_sizes_asked(capsys: pytest.CaptureFixture[str]) -> None:
+def test_resolve_shows_the_plan_for_the_batch_sizes_asked(
+    capsys: pytest.CaptureFixture[str], no_blocks_gemm: None
+) -> None:
     boundary = builtin_range("dequant_gemm")
     assert boundary is not None
     large = boundary[0]

@@ -35,6 +35,7 @@ BUILTIN_KERNELS = {
     "cpu_gemv",
     "cpu_gemv_blocks",
     "cpu_gemv_blocks_bf16",
+    "cpu_gemm_blocks",
     "triton",
     "marlin",
     "marlin_mxfp4",

@@ -189,7 +189,7 @@ def test_kernels_lists_a_kernel_as_available_only_when_its_code_imports(
         (
             "refrence",
             r"unknown kernel 'refrence' was forced\. Did you mean 'reference'\? "
-            r"Known kernels: cpu_gemv, cpu_gemv_blocks, cpu_gemv_blocks_bf16, dequant_gemm, marlin, marlin_mxfp4",
+            r"Known kernels: cpu_gemm_blocks, cpu_gemv, cpu_gemv_blocks, cpu_gemv_blocks_bf16, dequant_gemm, marlin",
         ),
     ],
 )

@@ -43,9 +43,10 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in list(os.environ):
         if name.startswith(("QSCHEME_", "TRITON_")):
             monkeypatch.delenv(name)
-    # the cpu traces assume a CPU that runs cpu_gemv_blocks' AVX512-BF16 loop (AVX512-BF16 and VBMI), as
-    # the sm traces assume their GPU: the same text on any CI machine
+    # the cpu traces assume a CPU that runs cpu_gemv_blocks' AVX512-BF16 loop and the blocks' fused GEMM
+    # (AVX512-BF16 and VBMI), as the sm traces assume their GPU: the same text on any CI machine
     monkeypatch.setattr(cpu_gemv_blocks, "bf16_loop_available", lambda: True)
+    monkeypatch.setattr(cpu_gemv_blocks, "gemm_available", lambda: True)
     with isolated_plugins():
         yield
 

@@ -335,6 +335,7 @@ def test_order_is_priority_then_name_whatever_the_input_order() -> None:
         "tinygemm",
         "a_twin",
         "b_twin",
+        "cpu_gemm_blocks",
         "cpu_gemv",  # 62: its int4 entry's priority
         "cpu_gemv_blocks_bf16",
         "tinygemm_cpu",

@@ -467,6 +467,12 @@ PyObject *gemm_blocks(PyObject *, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
+/* blocks_gemm(): 1 where gemm_blocks runs here on the layouts it takes (the AVX-512 loops in use on a CPU
+ * with AVX512-BF16), else 0. */
+PyObject *blocks_gemm(PyObject *, PyObject *) {
+    return PyLong_FromLong(qscheme_gemv::active_isa() == 2 && gemm_blocks_supported() ? 1 : 0);
+}
+
 /* blocks_loop(k, program, program_length, values, byte_tables, tables): where bfloat16 rows of x
  * (every element zero or of a magnitude in [2**-100, 2**64]) run the AVX512-BF16 loop on a layer of
  * this program and K here, 1 (4-bit nibble pairs), 2 (integer codes, 32 elements a step) or 3 (64 a

@@ -287,6 +287,7 @@ bool gemm_blocks_supported();
 PyObject *gemv_blocks(PyObject *, PyObject *args);
 PyObject *dequantize_blocks(PyObject *, PyObject *args);
 PyObject *gemm_blocks(PyObject *, PyObject *args);
+PyObject *blocks_gemm(PyObject *, PyObject *);
 PyObject *blocks_loop(PyObject *, PyObject *args);
 PyObject *blocks_bf16(PyObject *, PyObject *);
 

@@ -176,6 +176,9 @@ static inline void panel_rows(const Layout &l, const Plan &plan, int64_t n, int6
         uint16_t *out = panel + r * pitch;
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *block = row + b * l.block_bytes;
+            if (!HALVES)  // the next row's products start with its first bytes: fetch them meanwhile
+                for (int64_t at = 0; at < l.block_bytes; at += 64)
+                    _mm_prefetch(reinterpret_cast<const char *>(block + l.row_bytes + at), _MM_HINT_T0);
             f.block(block, b);
             decode(block, f, out + b * l.elements);
         }
