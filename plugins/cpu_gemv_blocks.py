@@ -254,9 +254,9 @@ CPU_GEMM_BLOCKS = KernelDeclaration(
         "zero), products of bfloat16 values are exact and summed in float32, the output rounded once to bfloat16 "
         "with the bias added in float32 before: dequant_gemm's bound on AVX-512 BF16",
         "same-run ratios to bf16 F.linear on a 2-core Zen 4 EPYC (benchmarks/cpu_gemm.py, 4096x4096 and 14336x4096, "
-        "2 threads): Q4_0, Q4_1, Q4_K, IQ4_XS 1.02-1.29x at M = 16, 0.94-1.07x at M = 64, 0.94-0.97x at M = 256; "
-        "Q2_K 0.94-1.02x; Q8_0 0.93-0.96x; Q5_K and Q6_K 0.64-0.92x (dequant_gemm's row tiles on the same CPU: "
-        "0.24-0.69x)",
+        "2 threads): Q4_0, Q4_1, Q4_K, IQ4_XS 1.27-1.57x at M = 8, 1.12-1.54x at M = 16, 1.01-1.26x at M = 64, "
+        "0.93-1.08x at M = 256; Q2_K 0.95-1.33x; Q8_0 0.86-1.11x; Q3_K, Q5_0, Q5_K, Q6_K 0.71-1.04x (dequant_gemm's "
+        "row tiles on the same CPU: 0.24-0.69x at M = 16-256)",
         "a layout the blocks' vector decoder does not read (none of the built-in types: blocks of a multiple of 32 "
         "elements, each 16 of a chunk's bytes within one 16-byte window) is refused when the layer is prepared, "
         "naming the scheme",
