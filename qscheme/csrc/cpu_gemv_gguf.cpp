@@ -455,14 +455,7 @@ PyObject *gemm_blocks(PyObject *, PyObject *args) {
         Py_RETURN_FALSE;
     if (m == 0 || r1 == r0) Py_RETURN_TRUE;
     Py_BEGIN_ALLOW_THREADS;
-    constexpr int64_t ROWS = 32;  // weight rows per task: one panel
-    const int64_t tasks = (r1 - r0 + ROWS - 1) / ROWS;
-    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
-    auto job = [&](int64_t task) {
-        const int64_t q0 = r0 + task * ROWS;
-        gemm_blocks_bf16(l, prep->plan16, x, m, bias, out, ldy, r0, q0, std::min(r1, q0 + ROWS), kc);
-    };
-    qscheme_gemv::run_tasks(count, tasks, job);
+    gemm_blocks_bf16(l, prep->plan16, x, m, bias, out, ldy, r0, r1, threads, kc);
     Py_END_ALLOW_THREADS;
     Py_RETURN_TRUE;
 }

@@ -275,8 +275,12 @@ namespace qscheme_gguf {
 
 bool gemm_blocks_fits(const Layout &l, const Plan &plan16) { return plan16.width == 16 && l.elements % 32 == 0; }
 
-void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, int64_t m, const float *bias,
-                      uint16_t *out, int64_t ldy, int64_t r0, int64_t q0, int64_t q1, int64_t kc) {
+namespace {
+
+// Weight rows [q0, q1) (at most 32: one panel) of gemm_blocks_bf16, on the calling thread.
+void panel_task(const Layout &l, const Plan &plan16, const std::vector<qscheme_gguf_gemm::WordPair> &pairs,
+                const uint16_t *x, int64_t m, const float *bias, uint16_t *out, int64_t ldy, int64_t r0, int64_t q0,
+                int64_t q1, int64_t kc) {
     using namespace qscheme_gguf_gemm;
     const int64_t live = q1 - q0, blocks = l.k / l.elements;
     const int64_t chunk_blocks = std::max<int64_t>(1, kc / l.elements);
@@ -288,8 +292,6 @@ void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, in
     float *acc = Buffers::fit(b.acc, m * PANEL_ROWS);
     const int64_t products = std::min(blocks, chunk_blocks) * l.groups + 16;  // row_products may write 16 past
     float *scale = Buffers::fit(b.scale, products), *minimum = Buffers::fit(b.minimum, products);
-    std::vector<WordPair> pairs;
-    word_pairs(l, plan16, pairs);
     Layout part = l;
     for (int64_t b0 = 0; b0 < blocks; b0 += chunk_blocks) {
         const int64_t nb = std::min(chunk_blocks, blocks - b0), width = nb * l.elements, pitch = width + PANEL_PAD;
@@ -303,6 +305,21 @@ void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, in
     b.release();
 }
 
+}  // namespace
+
+void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, int64_t m, const float *bias,
+                      uint16_t *out, int64_t ldy, int64_t r0, int64_t r1, int threads, int64_t kc) {
+    std::vector<qscheme_gguf_gemm::WordPair> pairs;  // the layout's, once per call
+    qscheme_gguf_gemm::word_pairs(l, plan16, pairs);
+    constexpr int64_t ROWS = qscheme_gguf_gemm::PANEL_ROWS;  // weight rows per task: one panel
+    const int64_t tasks = (r1 - r0 + ROWS - 1) / ROWS;
+    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+    qscheme_gemv::run_tasks(count, tasks, [&](int64_t task) {
+        const int64_t q0 = r0 + task * ROWS;
+        panel_task(l, plan16, pairs, x, m, bias, out, ldy, r0, q0, std::min(r1, q0 + ROWS), kc);
+    });
+}
+
 }  // namespace qscheme_gguf
 
 #else  // not x86: never called (gemm_blocks_supported is false)
@@ -312,7 +329,7 @@ void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, in
 namespace qscheme_gguf {
 bool gemm_blocks_fits(const Layout &, const Plan &) { return false; }
 void gemm_blocks_bf16(const Layout &, const Plan &, const uint16_t *, int64_t, const float *, uint16_t *, int64_t,
-                      int64_t, int64_t, int64_t, int64_t) {}
+                      int64_t, int64_t, int, int64_t) {}
 }  // namespace qscheme_gguf
 
 #endif
