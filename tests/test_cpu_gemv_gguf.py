@@ -286,6 +286,24 @@ def check_bf16_loop(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
         assert cpu_gemv_blocks.dot_loop(layout) is None  # the switch is read at each call
 
 
+@BF16_LOOP
+@pytest.mark.parametrize("name", ("gguf/Q4_0", "gguf/IQ4_XS", "gguf/Q4_K", "gguf/Q6_K", "gguf/Q5_0"))
+def test_each_row_lands_in_its_place_over_streams_and_spans(name: str) -> None:
+    """The loop reads a worker's rows as 4 (M <= 2) or 2 streams, each a quarter or half of its span,
+    the rest one at a time. A row's sums do not depend on which stream or worker read it: a tall
+    weight of one 37-row slab repeated (259 rows: two workers' spans, streams of 31-33 rows and a
+    remainder) gives, bit for bit, the slab's own sums in every copy, on 1 and 2 threads."""
+    slab = odd_weight(name)
+    tall = canonical_blocks(slab.scheme, slab.codes.repeat(7, 1), 7 * slab.n, slab.k)
+    generator = torch.Generator().manual_seed(3)
+    for m in (1, 3):
+        x = torch.randn(m, slab.k, generator=generator).to(BF16)
+        own = float_sums(cpu_gemv_blocks.block_layout_of(slab), x)
+        for threads in (1, 2):
+            sums = float_sums(cpu_gemv_blocks.block_layout_of(tall), x, threads)
+            assert torch.equal(sums, own.repeat(1, 7)), (name, m, threads)
+
+
 # bfloat16 values at the edges of the loop's range: (value, whether the loop takes it)
 EDGES = (
     (2.0**-110, False),
