@@ -407,6 +407,54 @@ needs_bf16dot = pytest.mark.skipif(
 )
 
 
+def repeated(weight: CanonicalWeight, times: int) -> CanonicalWeight:
+    """The weight's rows repeated `times` times (codes, and scales and zero points per row or group), one
+    partition."""
+
+    def rows(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None or tensor.dim() == 0 or tensor.shape[0] != weight.n:
+            return tensor  # per tensor or per partition: the same for every copy
+        return tensor.repeat(times, *([1] * (tensor.dim() - 1)))
+
+    return dataclasses.replace(
+        weight,
+        n=times * weight.n,
+        partitions=(times * weight.n,) if weight.partitions else (),
+        codes=rows(weight.codes),
+        scale=rows(weight.scale),
+        zero_point=rows(weight.zero_point),
+    )
+
+
+STREAM_SCHEMES = (
+    "compressed-tensors/NVFP4A16",
+    "compressed-tensors/MXFP4A16",
+    "compressed-tensors/W4A16_ASYM",
+    "compressed-tensors/W4A16",
+    "compressed-tensors/FP8",
+    "compressed-tensors/W8A16_G32",
+)
+
+
+@pytest.mark.parametrize("name", STREAM_SCHEMES)
+def test_each_row_lands_in_its_place_over_streams_and_spans(name: str, isa: str) -> None:
+    """Each loop reads a worker's rows as several streams, each a part of its span, the rest one at a
+    time (row_streams.h). A row's output does not depend on which stream or worker read it: a tall
+    weight of one 37-row slab repeated (259 rows: two workers' spans, streams of 31-66 rows and a
+    remainder) gives, bit for bit, the slab's own output in every copy, on 1 and 2 threads."""
+    if isa == "amx":
+        pytest.skip("the tile path reads 16 rows at a time, not streams")
+    slab = weight_of(name, 37, 256)
+    tall = repeated(slab, 7)
+    generator = torch.Generator().manual_seed(3)
+    for m in (1, 3, 6):
+        x = torch.randn(m, slab.k, generator=generator).to(BF16)
+        own = cpu_gemv.gemv(cpu_gemv.layout_of(slab), x, threads=1)
+        for threads in (1, 2):
+            y = cpu_gemv.gemv(cpu_gemv.layout_of(tall), x, threads=threads)
+            assert torch.equal(y, own.repeat(1, 7)), (name, isa, m, threads)
+
+
 @needs_vnni
 def test_the_vnni_loop_takes_up_to_four_bfloat16_rows_of_4_bit_codes(monkeypatch: pytest.MonkeyPatch) -> None:
     before = cpu_gemv.isa()

@@ -22,6 +22,7 @@
 #pragma once
 
 #include "cpu_gemv_kernel.h"
+#include "row_streams.h"
 
 namespace QS_ISA_NAMESPACE {
 constexpr int64_t BLOCK = 256, CHUNK = 64, PREFETCH_BYTES = 1024;
@@ -70,10 +71,12 @@ static inline __m512i group_zeros(const int32_t *zeros, int64_t g0, int64_t coun
     return _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << count) - 1u), zeros + g0);
 }
 
-// R weight rows from row n times M rows of x; G: the scale group (16 or 32: several per chunk; 0:
-// a multiple of 64); Z: with zero points (integer products only). acc[m * ldy + n]: row m's sums.
+// R weight rows n, n + step, ... (one from each of R streams: row_streams.h) times M rows of x; G:
+// the scale group (16 or 32: several per chunk; 0: a multiple of 64); Z: with zero points (integer
+// products only). acc[m * ldy + n]: row m's sums.
 template <class D, int R, int M, int G, bool Z>
-static void rows_dot(const Params &p, const Int16Input &in, int64_t n, float *acc, int64_t ldy, Scratch &work) {
+static void rows_dot(const Params &p, const Int16Input &in, int64_t n, int64_t step, float *acc, int64_t ldy,
+                     Scratch &work) {
     const int64_t g = p.group_k, k_main = in.k_main, cols = p.scale_cols, stride = p.code_stride;
     const __m512i table = _mm512_loadu_si512(in.table), low = _mm512_set1_epi16(0x000F);
     // lane j of a chunk: elements 4j..4j+3, the chunk's group 4j / G
@@ -91,7 +94,7 @@ static void rows_dot(const Params &p, const Int16Input &in, int64_t n, float *ac
         if (held.size() < static_cast<size_t>(R * cols)) held.resize(static_cast<size_t>(R * cols));
         const int32_t factor = static_cast<int32_t>(in.factor);
         for (int r = 0; r < R; r++) {
-            const int16_t *z = p.zero + scale_row_base(p, n + r);
+            const int16_t *z = p.zero + scale_row_base(p, n + r * step);
             int32_t *row = held.data() + r * cols;
             for (int64_t c = 0; c < cols; c++) row[c] = static_cast<int32_t>(z[c]) * factor;
             zeros[r] = row;
@@ -103,16 +106,18 @@ static void rows_dot(const Params &p, const Int16Input &in, int64_t n, float *ac
         scale_table[r] = nullptr;
         scales[r] = buffer.data() + r * cols;
         if (byte_scale) {
-            scale_bytes[r] = static_cast<const uint8_t *>(p.scale) + scale_row_base(p, n + r);
-            scale_table[r] = byte_scales(p, n + r, work);
+            scale_bytes[r] = static_cast<const uint8_t *>(p.scale) + scale_row_base(p, n + r * step);
+            scale_table[r] = byte_scales(p, n + r * step, work);
         } else {
-            fill_scales(p, n + r, buffer.data() + r * cols);
+            fill_scales(p, n + r * step, buffer.data() + r * cols);
         }
     }
     const uint8_t *codes = p.codes + n * stride;
-    if (byte_scale && n + 2 * R <= p.n)  // the next R rows' scales (a stream of their own)
+    const int64_t gap = step * stride;       // from one stream's row to the next stream's
+    const int64_t later = step == 1 ? R : 1;  // from a row to its stream's next
+    if (byte_scale && n + (R - 1) * step + later < p.n)  // each stream's next row's scales
         for (int r = 0; r < R; r++) {
-            const uint8_t *next = static_cast<const uint8_t *>(p.scale) + scale_row_base(p, n + R + r);
+            const uint8_t *next = static_cast<const uint8_t *>(p.scale) + scale_row_base(p, n + r * step + later);
             for (int64_t b = 0; b < cols; b += 64) _mm_prefetch(reinterpret_cast<const char *>(next + b), _MM_HINT_T0);
         }
     // part: the scaled sums of the current block of 256 (integer products: times the block's step
@@ -131,7 +136,7 @@ static void rows_dot(const Params &p, const Int16Input &in, int64_t n, float *ac
                 if (D::INTEGER) part[r][m] = _mm512_setzero_ps();
                 sum[r][m] = D::zero();
             }
-            if (G) s16[r] = group_scales(p, n + r, scale_bytes[r], scale_table[r], scales[r], b0 / G, (b1 - b0) / G);
+            if (G) s16[r] = group_scales(p, n + r * step, scale_bytes[r], scale_table[r], scales[r], b0 / G, (b1 - b0) / G);
             if (G && Z) z16[r] = group_zeros(zeros[r], b0 / G, (b1 - b0) / G);
         }
         // row r's sums since the last flush (less zero times the sums of x) times scale, into part
@@ -146,10 +151,10 @@ static void rows_dot(const Params &p, const Int16Input &in, int64_t n, float *ac
         int64_t group = b0 / g, group_end = (group + 1) * g;  // G = 0: the chunk's group and where it ends
         const uint8_t *chunk = codes + b0 / 2;
         for (int64_t k = b0; k < b1; k += CHUNK, chunk += CHUNK / 2) {
-            if ((k & 127) == 0) {  // 1 KiB ahead in each row; past its end, in the next R rows' (the next call's)
+            if ((k & 127) == 0) {  // 1 KiB ahead in each row; past its end, in its stream's next row
                 const int64_t ahead = k / 2 + PREFETCH_BYTES;
-                const uint8_t *target = ahead < stride ? codes + ahead : codes + R * stride + (ahead - stride);
-                for (int r = 0; r < R; r++) _mm_prefetch(reinterpret_cast<const char *>(target + r * stride), _MM_HINT_T0);
+                const uint8_t *target = ahead < stride ? codes + ahead : codes + later * stride + (ahead - stride);
+                for (int r = 0; r < R; r++) _mm_prefetch(reinterpret_cast<const char *>(target + r * gap), _MM_HINT_T0);
             }
             __m512i xa[M], xb[M];
             for (int m = 0; m < M; m++) {
@@ -158,7 +163,7 @@ static void rows_dot(const Params &p, const Int16Input &in, int64_t n, float *ac
                 if constexpr (Z) xsum[m] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(xsum[m], ones, xa[m]), ones, xb[m]);
             }
             for (int r = 0; r < R; r++) {
-                const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(chunk + r * stride)));
+                const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(chunk + r * gap)));
                 const __m512i even = _mm512_permutexvar_epi16(_mm512_and_si512(w, low), table);
                 const __m512i odd = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
                 for (int m = 0; m < M; m++) {
@@ -192,16 +197,16 @@ static void rows_dot(const Params &p, const Int16Input &in, int64_t n, float *ac
             }
     }
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[m * ldy + n + r] = _mm512_reduce_add_ps(D::INTEGER ? total[r][m] : part[r][m]);
+        for (int m = 0; m < M; m++) acc[m * ldy + n + r * step] = _mm512_reduce_add_ps(D::INTEGER ? total[r][m] : part[r][m]);
 }
 
 template <class D, int M, int G, bool Z>
 static void rows_group(const Params &p, const Int16Input &in, int64_t n0, int64_t n1, float *acc, int64_t ldy,
                        Scratch &work) {
     constexpr int R = M == 1 ? 4 : 2;  // the accumulators of R x M within the registers
-    int64_t n = n0;
-    for (; n + R <= n1; n += R) rows_dot<D, R, M, G, Z>(p, in, n, acc, ldy, work);
-    for (; n < n1; n++) rows_dot<D, 1, M, G, Z>(p, in, n, acc, ldy, work);
+    qscheme_rows::streams<R>(n0, n1, [&](auto rows, int64_t n, int64_t step) {
+        rows_dot<D, decltype(rows)::value, M, G, Z>(p, in, n, step, acc, ldy, work);
+    });
 }
 
 template <class D, int M, bool Z>

@@ -25,29 +25,16 @@
 #include <immintrin.h>
 
 #include <cstring>
-#include <type_traits>
 
 #define QS_GGUF_NAMESPACE qscheme_gguf_bf16
 #include "bf16_words.h"
 #include "cpu_gemv_gguf_kernel.h"
 #include "cpu_gemv_gguf_v512.h"
+#include "row_streams.h"
 
 namespace qscheme_gguf_bf16 {
 
 constexpr int SUB = 32;
-
-// Rows [n0, n1) as R streams of consecutive rows, one stream per quarter (R = 4) or half of the span:
-// each pass reads the next row of every stream (body(R, n, step): rows n, n + step, ...), the rest
-// one at a time. Each stream then reads memory in order, which the hardware prefetchers follow on
-// their own (software prefetches no longer gained). R neighbouring rows at a time (n, n + 1, ...)
-// read R short runs of one region by turns instead: from memory, a Llama-shaped stack of GGUF Q4_0
-// layers on 2 threads moved 17.6 GB/s that way against 22.9 this way (loads alone: 20 against 33).
-template <int R, typename Body>
-static inline void streams(int64_t n0, int64_t n1, Body &&body) {
-    const int64_t step = (n1 - n0) / R;
-    for (int64_t i = 0; i < step; i++) body(std::integral_constant<int, R>(), n0 + i, step);
-    for (int64_t n = n0 + R * step; n < n1; n++) body(std::integral_constant<int, 1>(), n, int64_t{1});
-}
 
 static inline __m512 dot(__m512 sum, __m512i weights, __m512i x) {
     return _mm512_dpbf16_ps(sum, reinterpret_cast<__m512bh>(weights), reinterpret_cast<__m512bh>(x));
@@ -96,7 +83,7 @@ static inline __m512 fp16_lanes(__m512i raw, __m512i index) {
     return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi8(index, raw)));
 }
 
-// R weight rows n, n + step, ... (one from each of R streams, see streams()) times M rows of x (xw,
+// R weight rows n, n + step, ... (one from each of R streams: row_streams.h) times M rows of x (xw,
 // [M][bf16_pairs(K) * 64]); acc[m * ldy + n]: row m's sums.
 template <int M, int R, int KIND, bool PAIRED, int INLINE>
 static void rows_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
@@ -335,7 +322,7 @@ template <int M, bool SUB16, int DEPTH, int FACTORS, bool WIDE>
 static void planes_m(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
                      int64_t n0, int64_t n1, float *acc, int64_t ldy) {
     constexpr int R = M <= 2 ? 4 : 2;
-    streams<R>(n0, n1, [&](auto rows, int64_t n, int64_t step) {
+    qscheme_rows::streams<R>(n0, n1, [&](auto rows, int64_t n, int64_t step) {
         rows_planes<M, decltype(rows)::value, SUB16, DEPTH, FACTORS, WIDE>(l, plan, in, xw, xsum, n, step, acc, ldy);
     });
 }
@@ -378,7 +365,7 @@ template <int M, int KIND, bool PAIRED, int INLINE>
 static void rows_m(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
                    int64_t n0, int64_t n1, float *acc, int64_t ldy) {
     constexpr int R = M <= 2 ? 4 : 2;  // the accumulators of R x M within the registers
-    streams<R>(n0, n1, [&](auto rows, int64_t n, int64_t step) {
+    qscheme_rows::streams<R>(n0, n1, [&](auto rows, int64_t n, int64_t step) {
         rows_bf16<M, decltype(rows)::value, KIND, PAIRED, INLINE>(l, plan, in, xw, xsum, n, step, acc, ldy);
     });
 }

@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "cpu_gemv_gguf.h"
+#include "row_streams.h"
 
 namespace QS_GGUF_NAMESPACE {
 
@@ -173,9 +174,11 @@ static inline float dot(const float *a, const float *b, int64_t count) {
     return total;
 }
 
+// R weight rows n, n + step, ... (one from each of R streams: row_streams.h) times M rows of x;
+// acc[m * ldy + n]: row m's sums.
 template <class HALF, class V, int M, int R, int DEPTH, bool LUT>
 static void rows_block(const Layout &l, const Plan &plan, const float *x, int64_t ldx, const float *xsum, int64_t n,
-                       float *acc, int64_t ldy, const typename V::Table &table, HALF half) {
+                       int64_t step, float *acc, int64_t ldy, const typename V::Table &table, HALF half) {
     using vec = typename V::vec;
     constexpr int W = V::W;
     const int groups = l.groups, per_group = l.sub / W;
@@ -190,7 +193,7 @@ static void rows_block(const Layout &l, const Plan &plan, const float *x, int64_
     const float *scales[R];
     const uint8_t *rows[R];
     for (int r = 0; r < R; r++) {
-        rows[r] = l.codes + (n + r) * l.row_bytes;
+        rows[r] = l.codes + (n + r * step) * l.row_bytes;
         float *s = buffer.data() + r * stride, *mn = buffer.data() + (R + r) * stride;
         if (!inline_scale) row_products<V>(l, plan, rows[r], s, mn, half);
         scales[r] = s;
@@ -233,7 +236,7 @@ static void rows_block(const Layout &l, const Plan &plan, const float *x, int64_
         for (int m = 0; m < M; m++) {
             float total = V::hsum(sum[r][m]);
             if (l.n_minimum) total += sign * dot<V>(mn, xsum + m * row_groups, row_groups);
-            acc[m * ldy + n + r] = total;
+            acc[m * ldy + n + r * step] = total;
         }
     }
 }
@@ -242,10 +245,11 @@ static void rows_block(const Layout &l, const Plan &plan, const float *x, int64_
 // low nibbles and the second its high nibbles (llama.cpp's "low nibbles first, then high"): each
 // window is widened once for both. A unit is 2 * D chunks: chunks i and i + D (i < D) share a
 // window; the unit is one sub-block (SAME) or the first D chunks are one sub-block and the next D
-// the next one (NEXT).
+// the next one (NEXT). Rows n, n + step, ... as rows_block's.
 template <class HALF, class V, int M, int R, bool NEXT, int DT>
 static void rows_block_pairs(const Layout &l, const Plan &plan, const float *x, int64_t ldx, const float *xsum,
-                             int64_t n, float *acc, int64_t ldy, const typename V::Table &table, HALF half, int DR) {
+                             int64_t n, int64_t step, float *acc, int64_t ldy, const typename V::Table &table, HALF half,
+                             int DR) {
     const int D = DT ? DT : DR;  // chunks per half unit: a constant where the dispatch knows it
     using vec = typename V::vec;
     using ivec = typename V::ivec;
@@ -260,7 +264,7 @@ static void rows_block_pairs(const Layout &l, const Plan &plan, const float *x, 
     const float *scales[R];
     const uint8_t *rows[R];
     for (int r = 0; r < R; r++) {
-        rows[r] = l.codes + (n + r) * l.row_bytes;
+        rows[r] = l.codes + (n + r * step) * l.row_bytes;
         float *s = buffer.data() + r * stride, *mn = buffer.data() + (R + r) * stride;
         if (!inline_scale) row_products<V>(l, plan, rows[r], s, mn, half);
         scales[r] = s;
@@ -321,7 +325,7 @@ static void rows_block_pairs(const Layout &l, const Plan &plan, const float *x, 
         for (int m = 0; m < M; m++) {
             float total = V::hsum(sum[r][m]);
             if (l.n_minimum) total += sign * dot<V>(mn, xsum + m * row_groups, row_groups);
-            acc[m * ldy + n + r] = total;
+            acc[m * ldy + n + r * step] = total;
         }
     }
 }
@@ -331,18 +335,15 @@ static void rows_pairs_m(const Layout &l, const Plan &plan, const float *x, int6
                          int64_t n0, int64_t n1, float *acc, int64_t ldy, HALF half, int D) {
     constexpr int R = M <= 2 ? 4 : 2;
     const typename V::Table table = V::table(l.values);
-    int64_t n = n0;
-    auto block = [&](auto rows_t, int64_t at) {
+    qscheme_rows::streams<R>(n0, n1, [&](auto rows_t, int64_t at, int64_t step) {
         constexpr int RR = decltype(rows_t)::value;
         switch (D) {
-            case 1: return rows_block_pairs<HALF, V, M, RR, NEXT, 1>(l, plan, x, ldx, xsum, at, acc, ldy, table, half, D);
-            case 2: return rows_block_pairs<HALF, V, M, RR, NEXT, 2>(l, plan, x, ldx, xsum, at, acc, ldy, table, half, D);
-            case 4: return rows_block_pairs<HALF, V, M, RR, NEXT, 4>(l, plan, x, ldx, xsum, at, acc, ldy, table, half, D);
-            default: return rows_block_pairs<HALF, V, M, RR, NEXT, 0>(l, plan, x, ldx, xsum, at, acc, ldy, table, half, D);
+            case 1: return rows_block_pairs<HALF, V, M, RR, NEXT, 1>(l, plan, x, ldx, xsum, at, step, acc, ldy, table, half, D);
+            case 2: return rows_block_pairs<HALF, V, M, RR, NEXT, 2>(l, plan, x, ldx, xsum, at, step, acc, ldy, table, half, D);
+            case 4: return rows_block_pairs<HALF, V, M, RR, NEXT, 4>(l, plan, x, ldx, xsum, at, step, acc, ldy, table, half, D);
+            default: return rows_block_pairs<HALF, V, M, RR, NEXT, 0>(l, plan, x, ldx, xsum, at, step, acc, ldy, table, half, D);
         }
-    };
-    for (; n + R <= n1; n += R) block(std::integral_constant<int, R>(), n);
-    for (; n < n1; n++) block(std::integral_constant<int, 1>(), n);
+    });
 }
 
 template <class HALF, class V, bool NEXT>
@@ -386,9 +387,9 @@ static void rows_m(const Layout &l, const Plan &plan, const float *x, int64_t ld
                    int64_t n1, float *acc, int64_t ldy, HALF half) {
     constexpr int R = M <= 2 ? 4 : 2;
     const typename V::Table table = V::table(l.values);
-    int64_t n = n0;
-    for (; n + R <= n1; n += R) rows_block<HALF, V, M, R, DEPTH, LUT>(l, plan, x, ldx, xsum, n, acc, ldy, table, half);
-    for (; n < n1; n++) rows_block<HALF, V, M, 1, DEPTH, LUT>(l, plan, x, ldx, xsum, n, acc, ldy, table, half);
+    qscheme_rows::streams<R>(n0, n1, [&](auto rows, int64_t n, int64_t step) {
+        rows_block<HALF, V, M, decltype(rows)::value, DEPTH, LUT>(l, plan, x, ldx, xsum, n, step, acc, ldy, table, half);
+    });
 }
 
 template <class HALF, class V, int DEPTH, bool LUT>

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cpu_gemv.h"
+#include "row_streams.h"
 
 namespace QS_ISA_NAMESPACE {
 
@@ -72,13 +73,13 @@ static inline const float *byte_scales(const Params &p, int64_t row, Scratch &wo
 }
 
 // Where to prefetch for byte `offset` of a row's codes, whose rows' reads run from byte `begin` to
-// `end` (a block of K): 1 KiB ahead in the row, and past `end` as far into the row R rows further
-// on (the one the next block of rows reads from there): at the end of each row the hardware
-// prefetchers had nothing in flight for the next rows.
-template <int R>
-static inline const uint8_t *ahead(const Params &p, const uint8_t *row, int64_t offset, int64_t begin, int64_t end) {
+// `end` (a block of K): 1 KiB ahead in the row, and past `end` as far into the row `later` rows
+// further on (its stream's next row, row_streams.h, which reads from there next): at the end of each
+// row the hardware prefetchers had nothing in flight for the next rows.
+static inline const uint8_t *ahead(const Params &p, const uint8_t *row, int64_t later, int64_t offset, int64_t begin,
+                                   int64_t end) {
     const int64_t target = offset + 1024;
-    return target < end ? row + target : row + R * p.code_stride + begin + (target - end);
+    return target < end ? row + target : row + later * p.code_stride + begin + (target - end);
 }
 
 // One row of x, 4-bit codes in scale groups of W (NVFP4 on 16 lanes: two groups per chunk), no
@@ -86,13 +87,13 @@ static inline const uint8_t *ahead(const Params &p, const uint8_t *row, int64_t 
 template <class V, int R, bool BYTES>
 static inline void late_pairs(const Params &p, const float *x, const uint8_t *const *codes, const float *const *scales,
                               const uint8_t *const *scale_bytes, const float *const *scale_table,
-                              const typename V::Table &table, typename V::vec *sum) {
+                              const typename V::Table &table, typename V::vec *sum, int64_t later) {
     using vec = typename V::vec;
     constexpr int W = V::W;
     const int64_t chunks = p.k / (2 * W);
     for (int64_t c = 0; c < chunks; c++) {
         if ((c & 3) == 0)
-            for (int r = 0; r < R; r++) __builtin_prefetch(ahead<R>(p, codes[r], c * W, 0, chunks * W), 0, 3);
+            for (int r = 0; r < R; r++) __builtin_prefetch(ahead(p, codes[r], later, c * W, 0, chunks * W), 0, 3);
         const vec xe = V::load(x + c * 2 * W), xo = V::load(x + c * 2 * W + W);
         for (int r = 0; r < R; r++) {
             vec even, odd;
@@ -111,7 +112,7 @@ static inline void late_pairs(const Params &p, const float *x, const uint8_t *co
 template <class V, int R, int KIND, bool BYTES>
 static inline void late_groups(const Params &p, const float *x, const uint8_t *const *codes, const float *const *scales,
                                const uint8_t *const *scale_bytes, const float *const *scale_table,
-                               const typename V::Table &table, typename V::vec *sum) {
+                               const typename V::Table &table, typename V::vec *sum, int64_t later) {
     using vec = typename V::vec;
     constexpr int W = V::W;
     constexpr bool NIBBLE = KIND == CODE_NIBBLE;
@@ -127,7 +128,7 @@ static inline void late_groups(const Params &p, const float *x, const uint8_t *c
         int64_t c = c0;
         for (; c + PER <= stop; c += PER) {
             if (((c * W) & 63) < PER * W)  // once per cache line of each row
-                for (int r = 0; r < R; r++) __builtin_prefetch(ahead<R>(p, codes[r], c * W, 0, chunks * W), 0, 3);
+                for (int r = 0; r < R; r++) __builtin_prefetch(ahead(p, codes[r], later, c * W, 0, chunks * W), 0, 3);
             const vec xa = V::load(x + c * CE), xb = V::load(x + c * CE + W);
             for (int r = 0; r < R; r++) {
                 vec a, b;
@@ -152,17 +153,20 @@ template <class V, int R, int KIND>
 static inline void late_groups_any(const Params &p, const float *x, const uint8_t *const *codes,
                                    const float *const *scales, const uint8_t *const *scale_bytes,
                                    const float *const *scale_table, const typename V::Table &table,
-                                   typename V::vec *sum) {
+                                   typename V::vec *sum, int64_t later) {
     if (p.scale_kind == SCALE_BYTE)
-        late_groups<V, R, KIND, true>(p, x, codes, scales, scale_bytes, scale_table, table, sum);
+        late_groups<V, R, KIND, true>(p, x, codes, scales, scale_bytes, scale_table, table, sum, later);
     else
-        late_groups<V, R, KIND, false>(p, x, codes, scales, scale_bytes, scale_table, table, sum);
+        late_groups<V, R, KIND, false>(p, x, codes, scales, scale_bytes, scale_table, table, sum, later);
 }
 
-// Rows [n, n + R) over chunks [c_begin, c_end) of K, added into acc (M = 1: the whole of K).
+// Rows n, n + step, ... (R of them, one from each of R streams: row_streams.h) over chunks
+// [c_begin, c_end) of K, added into acc (M = 1: the whole of K).
 template <class V, int M, int R, bool NIBBLE, bool ZERO>
-static inline void rows_block(const Params &p, const float *x, int64_t ldx, int64_t n, float *acc, int64_t ldy,
-                              const typename V::Table &table, int64_t c_begin, int64_t c_end, Scratch &work) {
+static inline void rows_block(const Params &p, const float *x, int64_t ldx, int64_t n, int64_t step, float *acc,
+                              int64_t ldy, const typename V::Table &table, int64_t c_begin, int64_t c_end,
+                              Scratch &work) {
+    const int64_t later = step == 1 ? R : 1;  // from a row to its stream's next
     using vec = typename V::vec;
     constexpr int W = V::W;
     constexpr int64_t CE = NIBBLE ? 2 * W : W;  // elements per chunk
@@ -187,18 +191,18 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
     const uint8_t *scale_bytes[R];
     const float *scale_table[R];
     for (int r = 0; r < R; r++) {
-        codes[r] = p.codes + (n + r) * p.code_stride;
+        codes[r] = p.codes + (n + r * step) * p.code_stride;
         float *sr = buffer.data() + r * cols, *zr = buffer.data() + (R + r) * cols;
         if (byte_scale) {
-            scale_bytes[r] = static_cast<const uint8_t *>(p.scale) + scale_row_base(p, n + r);
-            scale_table[r] = byte_scales(p, n + r, work);
+            scale_bytes[r] = static_cast<const uint8_t *>(p.scale) + scale_row_base(p, n + r * step);
+            scale_table[r] = byte_scales(p, n + r * step, work);
         } else {
-            fill_scales(p, n + r, sr, g_first, g_last);
+            fill_scales(p, n + r * step, sr, g_first, g_last);
         }
         scales[r] = sr;
         zeros[r] = zr;
         if (ZERO) {
-            const int16_t *z = p.zero + scale_row_base(p, n + r);
+            const int16_t *z = p.zero + scale_row_base(p, n + r * step);
             for (int64_t g = g_first; g < g_last && g < cols; g++) zr[g] = static_cast<float>(z[g]);
         }
     }
@@ -206,20 +210,20 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
         vec late[R];
         for (int r = 0; r < R; r++) late[r] = V::zero();
         if (split && byte_scale)
-            late_pairs<V, R, true>(p, x, codes, scales, scale_bytes, scale_table, table, late);
+            late_pairs<V, R, true>(p, x, codes, scales, scale_bytes, scale_table, table, late, later);
         else if (split)
-            late_pairs<V, R, false>(p, x, codes, scales, scale_bytes, scale_table, table, late);
+            late_pairs<V, R, false>(p, x, codes, scales, scale_bytes, scale_table, table, late, later);
         else if (NIBBLE)
-            late_groups_any<V, R, CODE_NIBBLE>(p, x, codes, scales, scale_bytes, scale_table, table, late);
+            late_groups_any<V, R, CODE_NIBBLE>(p, x, codes, scales, scale_bytes, scale_table, table, late, later);
         else if (p.code_kind == CODE_E4M3)
-            late_groups_any<V, R, CODE_E4M3>(p, x, codes, scales, scale_bytes, scale_table, table, late);
+            late_groups_any<V, R, CODE_E4M3>(p, x, codes, scales, scale_bytes, scale_table, table, late, later);
         else if (p.code_kind == CODE_E4M3_X256)
-            late_groups_any<V, R, CODE_E4M3_X256>(p, x, codes, scales, scale_bytes, scale_table, table, late);
+            late_groups_any<V, R, CODE_E4M3_X256>(p, x, codes, scales, scale_bytes, scale_table, table, late, later);
         else if (p.code_kind == CODE_INT8)
-            late_groups_any<V, R, CODE_INT8>(p, x, codes, scales, scale_bytes, scale_table, table, late);
+            late_groups_any<V, R, CODE_INT8>(p, x, codes, scales, scale_bytes, scale_table, table, late, later);
         else
-            late_groups_any<V, R, CODE_UINT8>(p, x, codes, scales, scale_bytes, scale_table, table, late);
-        for (int r = 0; r < R; r++) acc[n + r] = V::hsum(late[r]);
+            late_groups_any<V, R, CODE_UINT8>(p, x, codes, scales, scale_bytes, scale_table, table, late, later);
+        for (int r = 0; r < R; r++) acc[n + r * step] = V::hsum(late[r]);
         return;
     }
     for (int64_t c = c_begin, group = g_first; c < c_end; group += split ? 2 : 1) {  // groups in order
@@ -238,7 +242,7 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
         for (; c < stop; c++) {
             if ((c & 3) == 0)
                 for (int r = 0; r < R; r++)
-                    __builtin_prefetch(ahead<R>(p, codes[r], c * W, c_begin * W, c_end * W), 0, 3);
+                    __builtin_prefetch(ahead(p, codes[r], later, c * W, c_begin * W, c_end * W), 0, 3);
             if (NIBBLE) {
                 vec xe[M], xo[M];
                 for (int m = 0; m < M; m++) {
@@ -272,7 +276,7 @@ static inline void rows_block(const Params &p, const float *x, int64_t ldx, int6
         }
     }
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[m * ldy + n + r] += V::hsum(sum[r][m]);
+        for (int m = 0; m < M; m++) acc[m * ldy + n + r * step] += V::hsum(sum[r][m]);
 }
 
 template <class V, int M, bool NIBBLE, bool ZERO>
@@ -288,9 +292,9 @@ static void rows_m(const Params &p, const float *x, int64_t ldx, int64_t n0, int
     const int64_t block = M == 1 ? chunks : std::max<int64_t>(1, 6144 / M / CE);
     for (int64_t c = 0; c < chunks; c += block) {
         const int64_t stop = std::min(chunks, c + block);
-        int64_t n = n0;
-        for (; n + R <= n1; n += R) rows_block<V, M, R, NIBBLE, ZERO>(p, x, ldx, n, acc, ldy, table, c, stop, work);
-        for (; n < n1; n++) rows_block<V, M, 1, NIBBLE, ZERO>(p, x, ldx, n, acc, ldy, table, c, stop, work);
+        qscheme_rows::streams<R>(n0, n1, [&](auto rows, int64_t n, int64_t step) {
+            rows_block<V, M, decltype(rows)::value, NIBBLE, ZERO>(p, x, ldx, n, step, acc, ldy, table, c, stop, work);
+        });
     }
 }
 
