@@ -109,6 +109,7 @@ CPU_GEMV_EXTENSION = Extension(
         "qscheme/csrc/byte_scales.h",
         "qscheme/csrc/thread_pool.h",
         "qscheme/csrc/bf16_words.h",
+        "qscheme/csrc/row_streams.h",
     ],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17", "-fno-fast-math", "-pthread", *OPENMP],
