@@ -114,7 +114,7 @@ static void rows_dot(const Params &p, const Int16Input &in, int64_t n, int64_t s
     }
     const uint8_t *codes = p.codes + n * stride;
     const int64_t gap = step * stride;       // from one stream's row to the next stream's
-    const int64_t later = step == 1 ? R : 1;  // from a row to its stream's next
+    const int64_t later = qscheme_rows::stream_next<R>(step);  // rows to this row's stream's next
     if (byte_scale && n + (R - 1) * step + later < p.n)  // each stream's next row's scales
         for (int r = 0; r < R; r++) {
             const uint8_t *next = static_cast<const uint8_t *>(p.scale) + scale_row_base(p, n + r * step + later);

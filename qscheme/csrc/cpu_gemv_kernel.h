@@ -166,7 +166,7 @@ template <class V, int M, int R, bool NIBBLE, bool ZERO>
 static inline void rows_block(const Params &p, const float *x, int64_t ldx, int64_t n, int64_t step, float *acc,
                               int64_t ldy, const typename V::Table &table, int64_t c_begin, int64_t c_end,
                               Scratch &work) {
-    const int64_t later = step == 1 ? R : 1;  // from a row to its stream's next
+    const int64_t later = qscheme_rows::stream_next<R>(step);  // rows to this row's stream's next
     using vec = typename V::vec;
     constexpr int W = V::W;
     constexpr int64_t CE = NIBBLE ? 2 * W : W;  // elements per chunk

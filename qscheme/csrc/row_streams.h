@@ -23,4 +23,12 @@ inline void streams(int64_t n0, int64_t n1, Body &&body) {
     for (int64_t n = n0 + R * step; n < n1; n++) body(std::integral_constant<int, 1>(), n, int64_t{1});
 }
 
+// Rows from a row of a pass (body(R, n, step)) to the next one its stream reads, where a software
+// prefetch past the row's end aims: the next row, or with streams of one row each (step 1) the row
+// after the pass's R.
+template <int R>
+inline constexpr int64_t stream_next(int64_t step) {
+    return step == 1 ? R : 1;
+}
+
 }  // namespace qscheme_rows
