@@ -58,8 +58,14 @@ def quantize_static(values: Tensor, input_scale: Tensor) -> Tensor:
 
 
 def dynamic_scales(blocks: Tensor) -> Tensor:
-    """``amax / 448`` over the last dim (float32 eps where it is zero), keeping that dim."""
-    scale = blocks.abs().amax(dim=-1, keepdim=True) / E4M3_MAX
+    """``amax / 448`` over the last dim (float32 eps where it is zero), keeping that dim.
+
+    448 is divided by as a tensor on the values' device. CUDA divides by a Python number through
+    its reciprocal: on an H200 (2026-12-04) some rows' scales came out a last bit off the CPU's,
+    and 79 of 64,000 bf16 inputs' codes moved to a neighbour (x / s landing just below a tie).
+    By a tensor it divides exactly, as the CPU and the emulation do."""
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    scale = amax / torch.full((), E4M3_MAX, dtype=amax.dtype, device=amax.device)
     return torch.where(scale == 0, FLOAT32_EPS, scale)
 
 
