@@ -39,7 +39,8 @@ def assert_within_half_a_step(scheme: str | Scheme, weight: Tensor, tensors: dic
     zero: Tensor | float = 0.0
     if canonical.zero_point is not None:
         zero = _per_element(canonical.zero_point.double(), tile, n, k)
-    unshifted = weight.double() / scale
+    # A zero scale (an all-zero block, as bitsandbytes stores it) allows no error at all.
+    unshifted = weight.double() / torch.where(scale == 0, 1.0, scale)
     scaled = unshifted + zero
     grid = representable_values(scheme.weight.format).double()
     upper = torch.searchsorted(grid, scaled).clamp(1, len(grid) - 1)

@@ -127,6 +127,27 @@ def test_yaml_only_schemes_round_trip_within_half_a_step(
     assert_within_half_a_step(scheme, weight, tensors)
 
 
+BUILTIN_ELEMENT_SCHEMES = sorted(  # blocks: llama.cpp's quantizers, tested against llama.cpp
+    scheme.name
+    for scheme in load_catalog(include_plugins=False)
+    if scheme.source == "builtin" and scheme.weight.blocks is None
+)
+
+
+@pytest.mark.parametrize("name", BUILTIN_ELEMENT_SCHEMES)
+def test_an_all_zero_block_round_trips_exactly(name: str) -> None:
+    """A quarter of the weight is zero, so whole groups and blocks are: their scale may be zero
+    (bitsandbytes stores absmax 0), their values must come back as zeros, and the rest within
+    half a step (the check tests/test_quantize_gpu.py makes of CUDA's results)."""
+    n, k = 256, 512
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(5)) * 0.05
+    weight[: n // 4, : k // 4] = 0.0
+    tensors = quantize_weight(weight, name)
+    restored = dequantize_weight(tensors, name)
+    assert torch.equal(restored[: n // 4, : k // 4], torch.zeros(n // 4, k // 4))
+    assert_within_half_a_step(name, weight, tensors)
+
+
 def test_asymmetric_int4_uses_the_whole_range_and_stores_zero_points_packed(scheme_folder: Path) -> None:
     weight = torch.linspace(0.0, 1.5, 64).reshape(1, 64)  # all positive: zero point at -8
     tensors = quantize_weight(weight, "test/INT4_G32_ASYM_compressed-tensors")
