@@ -196,6 +196,51 @@ def _decode_once(model: Any, tokens: int) -> tuple[float, float, list[int]]:
     return prefilled - started, time.perf_counter() - prefilled, [int(t) for t in generated]
 
 
+def _breakdown(model: Any, tokens: int) -> dict[str, float]:
+    """Milliseconds per decode token inside the quantized layers (QuantLinear), inside the other
+    linear layers (nn.Linear: ``lm_head``, and every layer of the bf16 model), and the rest
+    (attention, norms, embeddings, the argmax, Python), from one more greedy run whose decode
+    steps run with forward hooks that time each such call (the hooks' own cost, about 1 us a
+    call, falls in "rest" and "total")."""
+    import torch
+
+    from qscheme.modules import QuantLinear
+
+    spent = {"quantized": 0.0, "linear": 0.0}
+    started: dict[int, float] = {}
+
+    def before(module: Any, inputs: Any) -> None:
+        started[id(module)] = time.perf_counter()
+
+    def timer(kind: str) -> Any:
+        def after(module: Any, inputs: Any, output: Any) -> None:
+            spent[kind] += time.perf_counter() - started[id(module)]
+
+        return after
+
+    ids = torch.tensor([PROMPT])
+    out = model(input_ids=ids, use_cache=True)  # the prefill, untimed
+    cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+    handles = []
+    for module in model.modules():
+        if isinstance(module, (QuantLinear, torch.nn.Linear)):
+            kind = "quantized" if isinstance(module, QuantLinear) else "linear"
+            handles += [module.register_forward_pre_hook(before), module.register_forward_hook(timer(kind))]
+    try:
+        begun = time.perf_counter()
+        for _ in range(tokens):
+            out = model(input_ids=token, cache=cache, use_cache=True)
+            cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+        total = time.perf_counter() - begun
+    finally:
+        for handle in handles:
+            handle.remove()
+    per_token = {kind: value * 1e3 / tokens for kind, value in spent.items()}
+    per_token["total"] = total * 1e3 / tokens
+    per_token["rest"] = per_token["total"] - per_token["quantized"] - per_token["linear"]
+    return per_token
+
+
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Load one variant in this process, decode, and return its figures."""
     import torch
@@ -212,6 +257,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         generated = _decode_once(model, int(spec["tokens"]))[2]  # warm-up: prepares every kernel state
         for _ in range(int(spec["runs"])):
             runs.append(_decode_once(model, int(spec["tokens"])))
+        breakdown = _breakdown(model, int(spec["tokens"]))
     after = _memory()
     return {
         "variant": variant.name,
@@ -226,6 +272,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         "peak": after["VmHWM"],
         "plans": _plans(model),
         "generated": generated,
+        "breakdown": breakdown,
     }
 
 
@@ -334,6 +381,19 @@ def table(results: list[dict[str, Any]]) -> str:
             f"| {r['prefill_s'] * 1e3:.0f} | {r['load_s']:.1f} | {_mib(r['rss_loaded'])} | {_mib(r['rss_after'])} "
             f"| {_mib(r['peak'])} | {_agreement(r, results)} |"
         )
+    lines += [
+        "",
+        "Where a decode token's time goes (one more run, its layer calls timed by forward hooks):",
+        "",
+        "| variant | ms per token | quantized layers | other linear layers (lm_head; all of bf16's) | the rest |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "breakdown" in r:
+            b = r["breakdown"]
+            lines.append(
+                f"| {r['variant']} | {b['total']:.1f} | {b['quantized']:.1f} | {b['linear']:.1f} | {b['rest']:.1f} |"
+            )
     lines += ["", "| variant | layers | scheme | plan | kernel at M=1 |", "|---|---|---|---|---|"]
     for r in results:
         for count, scheme, plan, kernel in r["plans"]:

@@ -1,7 +1,7 @@
 """benchmarks/cpu_decode.py: the smoke run (a tiny Llama, 2 greedy tokens, every variant in one
 process) writes a speed row per variant, llama.cpp rows for the GGUF variants where its oracle
-venv exists, and a kernel plan per quantized variant covering every Linear of the model. No
-assertion is on a time."""
+venv exists, where each decode token's time goes, and a kernel plan per quantized variant
+covering every Linear of the model. No assertion is on a time."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ SPEED_HEADER = (
     "| RSS after decode MiB | peak MiB | greedy tokens agreeing |"
 )
 PLAN_HEADER = "| variant | layers | scheme | plan | kernel at M=1 |"
+BREAKDOWN_HEADER = (
+    "| variant | ms per token | quantized layers | other linear layers (lm_head; all of bf16's) | the rest |"
+)
 LINEARS_PER_LLAMA_LAYER = 7  # q, k, v, o, gate, up, down (lm_head is left unquantized)
 
 
@@ -74,3 +77,18 @@ def test_the_plans_cover_every_linear_of_the_model(smoke: tuple[str, list[dict[s
         assert kernel in plan  # the M = 1 kernel is one of the plan's
         assert scheme.endswith("/" + variant)
     assert by_variant == {variant.name: layers for variant in cpu_decode.VARIANTS if variant.scheme is not None}
+
+
+def test_each_transformers_run_says_where_its_decode_time_goes(smoke: tuple[str, list[dict[str, object]]]) -> None:
+    text, _ = smoke
+    rows = _table(text, BREAKDOWN_HEADER)
+    expected = ["bf16"] * 2 + [variant.name for variant in cpu_decode.VARIANTS if variant.scheme is not None]
+    assert sorted(row[0] for row in rows) == sorted(expected)  # llama.cpp runs have no hooks to time
+    for variant, total, quantized, linear, rest in rows:
+        parts = [float(quantized), float(linear), float(rest)]
+        assert abs(sum(parts) - float(total)) <= 0.25  # the three parts make the whole (each rounded to 0.1)
+        assert float(linear) > 0  # lm_head is an nn.Linear in every variant
+        if variant == "bf16":
+            assert float(quantized) == 0  # no QuantLinear in the bf16 model
+        else:
+            assert float(quantized) > 0
