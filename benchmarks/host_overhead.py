@@ -132,11 +132,16 @@ def wrapper_time(reps: int) -> float:
 
 
 def gpu_eager(schemes: list[str], calls: int = 2000, device: str = "cuda", n: int = N, k: int = K) -> str:
-    """Wall time per eager call at M=1 on the GPU (host-bound where the host is the slower).
+    """Wall time per eager call at M=1 on the GPU (host-bound where the host is the slower), and
+    the same calls with the launches stubbed out (``Launch.run`` does nothing): qscheme's host
+    code alone on that machine, so that the rest is Triton's launcher and the kernels' queueing.
     ``device`` "cpu" runs it under the interpreter (tests check the table, not the times)."""
+    from unittest import mock
+
     import torch
 
     from qscheme.catalog import load_scheme
+    from qscheme.triton.launch import Launch
     from qscheme.triton.linear import linear, prepare_weight
     from qscheme.triton.samples import model_scale_dtype, random_weight
 
@@ -157,15 +162,19 @@ def gpu_eager(schemes: list[str], calls: int = 2000, device: str = "cuda", n: in
     lines = [
         f"Eager calls at M=1, {n}x{k}, bf16 inputs, on {where}:",
         "",
-        "| scheme | qscheme us per call | F.linear us per call | ratio |",
-        "|---|---|---|---|",
+        "| scheme | qscheme us per call | its host code, launches stubbed | the rest: launcher and kernels "
+        "| F.linear us per call | ratio |",
+        "|---|---|---|---|---|---|",
     ]
     for name in schemes:
         scheme = load_scheme(name)
         weight = random_weight(scheme, n, k, scale_dtype=model_scale_dtype(scheme, torch.bfloat16))
         prepared = prepare_weight(weight, device)
-        us = per_call(functools.partial(linear, prepared, x))
-        lines.append(f"| {name} | {us:.1f} | {torch_us:.1f} | {us / torch_us:.2f}x |")
+        call = functools.partial(linear, prepared, x)
+        us = per_call(call)
+        with mock.patch.object(Launch, "run", lambda launch: None):
+            host = per_call(call)
+        lines.append(f"| {name} | {us:.1f} | {host:.1f} | {us - host:.1f} | {torch_us:.1f} | {us / torch_us:.2f}x |")
     return "\n".join(lines)
 
 

@@ -49,8 +49,13 @@ def test_gpu_mode_table_runs_under_the_interpreter(monkeypatch: pytest.MonkeyPat
     spec.loader.exec_module(module)  # pops TRITON_INTERPRET (for its own runs): put it back
     os.environ["TRITON_INTERPRET"] = "1"
     text = module.gpu_eager(["compressed-tensors/NVFP4A16", "compressed-tensors/W4A16"], 2, "cpu", 64, 64)
-    rows = re.findall(r"^\| (\S+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$", text, re.MULTILINE)
+    rows = re.findall(
+        r"^\| (\S+) \| ([\d.]+) \| ([\d.]+) \| (-?[\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$", text, re.MULTILINE
+    )
     assert [row[0] for row in rows] == ["compressed-tensors/NVFP4A16", "compressed-tensors/W4A16"]
+    for _, total, host, rest, _, _ in rows:  # the stubbed calls' time and the rest make the whole
+        assert abs(float(host) + float(rest) - float(total)) <= 0.15
+        assert float(host) < float(total)  # stubbed: no interpreted kernel runs (milliseconds each)
     assert "Eager calls at M=1, 64x64, bf16 inputs, on the CPU (Triton interpreter):" in text
 
 
