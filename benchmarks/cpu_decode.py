@@ -179,21 +179,30 @@ def _plans(model: Any) -> list[list[object]]:
 def _decode_once(model: Any, tokens: int) -> tuple[float, float, list[int]]:
     """(prefill seconds, decode seconds, the tokens chosen) of one greedy run: a prefill forward,
     then ``tokens`` one-token steps with the KV cache (``tokens`` + 1 tokens chosen)."""
+
+    started = time.perf_counter()
+    out = _prefill(model)
+    prefilled = time.perf_counter()
+    generated = _steps(model, out, tokens)
+    return prefilled - started, time.perf_counter() - prefilled, generated
+
+
+def _prefill(model: Any) -> Any:
+    """The prompt's forward, with the KV cache."""
     import torch
 
-    ids = torch.tensor([PROMPT])
-    started = time.perf_counter()
-    out = model(input_ids=ids, use_cache=True)
-    prefilled = time.perf_counter()
-    cache = out.cache
+    return model(input_ids=torch.tensor([PROMPT]), use_cache=True)
+
+
+def _steps(model: Any, out: Any, tokens: int) -> list[int]:
+    """Greedy one-token steps after ``out`` (a forward's output): the ``tokens`` + 1 tokens chosen."""
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     generated = [token]
     for _ in range(tokens):
-        out = model(input_ids=token, cache=cache, use_cache=True)
-        cache = out.cache
+        out = model(input_ids=token, cache=out.cache, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         generated.append(token)
-    return prefilled - started, time.perf_counter() - prefilled, [int(t) for t in generated]
+    return [int(t) for t in generated]
 
 
 def _breakdown(model: Any, tokens: int) -> dict[str, float]:
@@ -218,9 +227,7 @@ def _breakdown(model: Any, tokens: int) -> dict[str, float]:
 
         return after
 
-    ids = torch.tensor([PROMPT])
-    out = model(input_ids=ids, use_cache=True)  # the prefill, untimed
-    cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+    out = _prefill(model)  # untimed
     handles = []
     for module in model.modules():
         if isinstance(module, (QuantLinear, torch.nn.Linear)):
@@ -228,9 +235,7 @@ def _breakdown(model: Any, tokens: int) -> dict[str, float]:
             handles += [module.register_forward_pre_hook(before), module.register_forward_hook(timer(kind))]
     try:
         begun = time.perf_counter()
-        for _ in range(tokens):
-            out = model(input_ids=token, cache=cache, use_cache=True)
-            cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+        _steps(model, out, tokens)
         total = time.perf_counter() - begun
     finally:
         for handle in handles:
