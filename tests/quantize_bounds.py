@@ -6,10 +6,20 @@ import torch
 from torch import Tensor
 
 from qscheme.canonical import canonicalize, effective_scale
-from qscheme.catalog import load_scheme
+from qscheme.catalog import load_catalog, load_scheme
 from qscheme.dequantize import dequantize_weight
 from qscheme.descriptor import Scheme
 from qscheme.formats import representable_values
+
+
+def builtin_element_schemes() -> list[str]:
+    """The built-in schemes qscheme's own quantizer writes (blocks: llama.cpp's quantizers, tested
+    against llama.cpp), by name."""
+    return sorted(
+        scheme.name
+        for scheme in load_catalog(include_plugins=False)
+        if scheme.source == "builtin" and scheme.weight.blocks is None
+    )
 
 
 def _per_element(value: Tensor, tile: tuple[int, int], n: int, k: int) -> Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from quantize_bounds import assert_within_half_a_step
+from quantize_bounds import assert_within_half_a_step, builtin_element_schemes
 from torch import Tensor
 
 from qscheme.catalog import SCHEME_PATH_VARIABLE, load_catalog, load_scheme
@@ -127,14 +127,7 @@ def test_yaml_only_schemes_round_trip_within_half_a_step(
     assert_within_half_a_step(scheme, weight, tensors)
 
 
-BUILTIN_ELEMENT_SCHEMES = sorted(  # blocks: llama.cpp's quantizers, tested against llama.cpp
-    scheme.name
-    for scheme in load_catalog(include_plugins=False)
-    if scheme.source == "builtin" and scheme.weight.blocks is None
-)
-
-
-@pytest.mark.parametrize("name", BUILTIN_ELEMENT_SCHEMES)
+@pytest.mark.parametrize("name", builtin_element_schemes())
 def test_an_all_zero_block_round_trips_exactly(name: str) -> None:
     """A quarter of the weight is zero, so whole groups and blocks are: their scale may be zero
     (bitsandbytes stores absmax 0), their values must come back as zeros, and the rest within

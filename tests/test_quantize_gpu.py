@@ -13,9 +13,9 @@ import functools
 
 import pytest
 import torch
-from quantize_bounds import assert_within_half_a_step
+from quantize_bounds import assert_within_half_a_step, builtin_element_schemes
 
-from qscheme.catalog import load_catalog, load_scheme
+from qscheme.catalog import load_scheme
 from qscheme.dequantize import dequantize_weight
 from qscheme.descriptor import Scheme
 from qscheme.quantize import quantize_weight
@@ -25,11 +25,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-BUILTIN = sorted(
-    scheme.name
-    for scheme in load_catalog(include_plugins=False)
-    if scheme.source == "builtin" and scheme.weight.blocks is None  # blocks: llama.cpp's quantizers, on the CPU
-)
+BUILTIN = builtin_element_schemes()
 
 
 @functools.cache
