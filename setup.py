@@ -134,6 +134,18 @@ TILE_GEMM_EXTENSION = Extension(
     optional=True,
 )
 
+# The cpu_int8_gemm kernel's int8 x int8 GEMM with exact integer sums (qscheme.int8_gemm): VPDPBUSD on
+# AVX512-VNNI CPUs, a portable loop elsewhere; C++17 with no torch headers, optional in the same way.
+INT8_GEMM_EXTENSION = Extension(
+    "qscheme._int8_gemm",
+    sources=["qscheme/csrc/int8_gemm.cpp", "qscheme/csrc/int8_gemm_vnni.cpp"],
+    depends=["qscheme/csrc/int8_gemm.h", "qscheme/csrc/thread_pool.h", "qscheme/csrc/row_streams.h"],
+    language="c++",
+    extra_compile_args=["-O3", "-std=c++17", "-fno-fast-math", "-pthread", *OPENMP],
+    extra_link_args=["-pthread", *OPENMP],
+    optional=True,
+)
+
 
 def build_jobs() -> int:
     """Source files compiled at once: ``QSCHEME_BUILD_JOBS``, else the CPUs this process may use."""
@@ -171,7 +183,7 @@ def _compile_in_parallel(
 
 
 class ParallelBuildExt(build_ext):
-    """build_ext compiling an extension's sources in parallel (the three extensions' dozen-odd C++
+    """build_ext compiling an extension's sources in parallel (the four extensions' dozen-odd C++
     files took about two minutes one after another on two cores, twice in CI: the editable install
     and the wheel check)."""
 
@@ -185,6 +197,6 @@ if __name__ == "__main__":
     setup(
         package_dir=ROOTS,
         packages=packages(),
-        ext_modules=[BLOCKS_EXTENSION, CPU_GEMV_EXTENSION, TILE_GEMM_EXTENSION],
+        ext_modules=[BLOCKS_EXTENSION, CPU_GEMV_EXTENSION, TILE_GEMM_EXTENSION, INT8_GEMM_EXTENSION],
         cmdclass={"build_ext": ParallelBuildExt},
     )

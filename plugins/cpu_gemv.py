@@ -240,5 +240,6 @@ def qscheme_kernels() -> list[KernelDeclaration]:
         CPU_GEMV_BLOCKS,
         CPU_GEMV_BLOCKS_BF16,
     )
+    from qscheme_plugins.cpu_int8_gemm import CPU_INT8_GEMM  # int8 x int8 (W8A8)
 
-    return [CPU_GEMV, CPU_GEMV_BLOCKS, CPU_GEMV_BLOCKS_BF16, CPU_GEMM_BLOCKS]
+    return [CPU_GEMV, CPU_GEMV_BLOCKS, CPU_GEMV_BLOCKS_BF16, CPU_GEMM_BLOCKS, CPU_INT8_GEMM]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from qscheme_plugins.cpu_gemv import CPU_GEMV
 from qscheme_plugins.cpu_gemv_blocks import CPU_GEMM_BLOCKS, CPU_GEMV_BLOCKS, CPU_GEMV_BLOCKS_BF16
+from qscheme_plugins.cpu_int8_gemm import CPU_INT8_GEMM
 from qscheme_plugins.dequant_gemm import DEQUANT_GEMM
 from qscheme_plugins.marlin import MARLIN, MARLIN_MXFP4
 from qscheme_plugins.native_fp4 import NATIVE_FP4, NATIVE_MXFP4
@@ -55,6 +56,7 @@ BUILTIN_DECLARATIONS: tuple[KernelDeclaration, ...] = (
     CPU_GEMV_BLOCKS,
     CPU_GEMV_BLOCKS_BF16,
     CPU_GEMM_BLOCKS,
+    CPU_INT8_GEMM,
 )
 # The built-in kernels in the resolver's order: highest priority first, then by name (written
 # out, so that a priority change shows in the tests that compare a trace's order with it).
@@ -67,6 +69,7 @@ BUILTIN_KERNELS_BY_PRIORITY: list[str] = [
     "marlin",
     "marlin_mxfp4",
     "tinygemm",
+    "cpu_int8_gemm",
     "cpu_gemm_blocks",
     "cpu_gemv_blocks_bf16",
     "tinygemm_cpu",

@@ -36,6 +36,7 @@ BUILTIN_KERNELS = {
     "cpu_gemv_blocks",
     "cpu_gemv_blocks_bf16",
     "cpu_gemm_blocks",
+    "cpu_int8_gemm",
     "triton",
     "marlin",
     "marlin_mxfp4",

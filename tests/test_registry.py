@@ -189,7 +189,8 @@ def test_kernels_lists_a_kernel_as_available_only_when_its_code_imports(
         (
             "refrence",
             r"unknown kernel 'refrence' was forced\. Did you mean 'reference'\? "
-            r"Known kernels: cpu_gemm_blocks, cpu_gemv, cpu_gemv_blocks, cpu_gemv_blocks_bf16, dequant_gemm, marlin",
+            r"Known kernels: cpu_gemm_blocks, cpu_gemv, cpu_gemv_blocks, cpu_gemv_blocks_bf16, cpu_int8_gemm, "
+            r"dequant_gemm",
         ),
     ],
 )

@@ -23,6 +23,7 @@ from qscheme_plugins.marlin import MARLIN
 from qscheme_plugins.reference import REFERENCE
 from qscheme_plugins.triton_declaration import TRITON
 
+from qscheme import int8_gemm
 from qscheme.descriptor import Scheme, parse_scheme_file
 from qscheme.errors import NoKernelError, UsageError
 from qscheme.kernels.declaration import (
@@ -99,10 +100,11 @@ EXPECTED: list[tuple[str, str, str | None]] = [
     ("compressed-tensors/FP8_BLOCK", "sm100", "triton"),
     ("compressed-tensors/FP8_BLOCK", "sm89", "triton"),
     ("modelopt/FP8", "sm90", "native_fp8"),
-    # int8 W8A8: Triton on CUDA 8.0+, the reference emulation on a CPU.
+    # int8 W8A8: Triton on CUDA 8.0+; on a CPU cpu_int8_gemm where this CPU has AVX512-VNNI (its check
+    # reads the machine), else cpu_gemv.
     ("compressed-tensors/W8A8", "sm80", "triton"),
     ("compressed-tensors/W8A8", "sm120", "triton"),
-    ("compressed-tensors/W8A8", "cpu", "cpu_gemv"),
+    ("compressed-tensors/W8A8", "cpu", "cpu_int8_gemm" if int8_gemm.supported_isa() == "vnni" else "cpu_gemv"),
     # AWQ with an always-present pre-scale would exclude Marlin; its pre-scale is optional.
     ("modelopt/W4A16_AWQ", "sm90", "marlin"),
     # Turing (sm75, T4-class): the reference only. Marlin, Triton and tinygemm need 8.0 (vLLM 0.33's
@@ -335,6 +337,7 @@ def test_order_is_priority_then_name_whatever_the_input_order() -> None:
         "tinygemm",
         "a_twin",
         "b_twin",
+        "cpu_int8_gemm",
         "cpu_gemm_blocks",
         "cpu_gemv",  # 62: its int4 entry's priority
         "cpu_gemv_blocks_bf16",
