@@ -137,6 +137,26 @@ PyObject *quantize(PyObject *, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Every row of x times rows of the weight shared out over `threads` workers: from PANEL_M rows of x
+ * on the VNNI loops, panels of PANEL_N rows taken one at a time from a shared counter; otherwise one
+ * span of rows per worker. */
+void run(const Problem &p, int threads, bool vector) {
+    if (vector && p.m >= PANEL_M) {
+        const int64_t panels = (p.n + PANEL_N - 1) / PANEL_N;
+        qscheme_threads::run_tasks(static_cast<int>(std::min<int64_t>(threads, panels)), panels,
+                                   [&](int64_t panel) { panels_vnni(p, panel, panel + 1); });
+        return;
+    }
+    const int64_t span = qscheme_threads::span_rows(p.n, threads, 4), tasks = (p.n + span - 1) / span;
+    qscheme_threads::run_tasks(static_cast<int>(std::min<int64_t>(threads, tasks)), tasks, [&](int64_t task) {
+        const int64_t n0 = task * span, n1 = std::min(p.n, n0 + span);
+        if (vector)
+            rows_vnni(p, n0, n1);
+        else
+            rows_portable(p, n0, n1);
+    });
+}
+
 /* gemm(x, x_stride, x_scale, m, w, w_stride, w_sum, w_scale, bias, out, out_bf16, ldy, n, k, threads):
  * out[i, n] for every row i of x and n of the weight (int8_gemm.h). */
 PyObject *gemm(PyObject *, PyObject *args) {
@@ -166,20 +186,7 @@ PyObject *gemm(PyObject *, PyObject *args) {
     if (p.m == 0) Py_RETURN_NONE;
     const bool vector = isa_level() >= ISA_VNNI;
     Py_BEGIN_ALLOW_THREADS;
-    if (vector && p.m >= PANEL_M) {  // panels taken one at a time from a shared counter
-        const int64_t panels = (p.n + PANEL_N - 1) / PANEL_N;
-        qscheme_threads::run_tasks(static_cast<int>(std::min<int64_t>(threads, panels)), panels,
-                                   [&](int64_t panel) { panels_vnni(p, panel, panel + 1); });
-    } else {
-    const int64_t span = qscheme_threads::span_rows(p.n, threads, 4), tasks = (p.n + span - 1) / span;
-    qscheme_threads::run_tasks(static_cast<int>(std::min<int64_t>(threads, tasks)), tasks, [&](int64_t task) {
-        const int64_t n0 = task * span, n1 = std::min(p.n, n0 + span);
-        if (vector)
-            rows_vnni(p, n0, n1);
-        else
-            rows_portable(p, n0, n1);
-    });
-    }
+    run(p, threads, vector);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
