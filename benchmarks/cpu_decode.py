@@ -8,8 +8,9 @@ Builds a Llama-shaped model of about 1.1B parameters (hidden 2048, intermediate 
 32 heads / 8 KV heads, vocab 32000, untied lm_head) with seeded random weights, saves it in bf16,
 and writes it in each scheme with qscheme's own writers:
 
-- ``compressed-tensors/NVFP4A16``, ``compressed-tensors/W4A16`` (int4, groups of 128) and
-  ``compressed-tensors/FP8_DYNAMIC`` with ``qscheme.quantize_checkpoint`` (round to nearest,
+- ``compressed-tensors/NVFP4A16``, ``compressed-tensors/W4A16`` (int4, groups of 128),
+  ``compressed-tensors/FP8_DYNAMIC`` and ``compressed-tensors/W8A8`` (int8 weights and per-token
+  int8 inputs) with ``qscheme.quantize_checkpoint`` (round to nearest,
   ``lm_head`` left in bf16, as the CLI's default);
 - ``gguf/Q4_0`` and ``gguf/Q8_0``: ``quantize_checkpoint`` to ``compressed-tensors/W4A16_G32`` /
   ``W8A16_G32`` (the codes GGUF shares), then ``qscheme.writing.gguf_export.export_gguf`` to a
@@ -86,6 +87,7 @@ VARIANTS = (
     Variant("NVFP4A16", "compressed-tensors/NVFP4A16"),
     Variant("W4A16", "compressed-tensors/W4A16"),
     Variant("FP8_DYNAMIC", "compressed-tensors/FP8_DYNAMIC"),
+    Variant("W8A8", "compressed-tensors/W8A8"),
     Variant("Q4_0", "compressed-tensors/W4A16_G32", "gguf/Q4_0"),
     Variant("Q8_0", "compressed-tensors/W8A16_G32", "gguf/Q8_0"),
 )

@@ -8,9 +8,6 @@
 // quantize: 16 elements a step, the same float32 operations as the portable loop.
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__clang__) || defined(__GNUC__))
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
-// GCC 12's own intrinsic headers (masked loads, lane reductions) warn of their placeholder operands
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 #include <algorithm>
