@@ -1,10 +1,12 @@
 // The AVX512-VNNI loops of qscheme._int8_gemm (int8_gemm.h has the arithmetic; int8_gemm.cpp the
 // portable loops, whose bits these give).
 //
-// gemm: a worker's span of weight rows is read as four streams (row_streams.h); for each four rows,
-// up to four rows of x at a time are multiplied along the whole of K, 64 bytes a step: VPDPBUSD adds
-// four products of an unsigned input byte and a signed weight byte into each of 16 int32 lanes, 16
-// accumulators for 4 x 4 rows. The four weight rows (4 K bytes) stay in L1 while every row of x passes.
+// gemm below PANEL_M rows of x: a worker's span of weight rows is read as four streams
+// (row_streams.h); each four rows (4 K bytes, in L1) are multiplied by every row of x, up to four
+// at a time, along the whole of K, 64 bytes a step: VPDPBUSD adds four products of an unsigned
+// input byte and a signed weight byte into each of 16 int32 lanes, 16 accumulators for 4 x 4 rows,
+// summed across their lanes at the end. From PANEL_M rows: panels of PANEL_N weight rows repacked
+// into VPDPBUSD's column layout (see panel_rows).
 // quantize: 16 elements a step, the same float32 operations as the portable loop.
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__clang__) || defined(__GNUC__))
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
@@ -259,29 +261,12 @@ void panels_vnni(const Problem &p, int64_t panel0, int64_t panel1) {
     for (int64_t i = panel0; i < panel1; i++) panel_rows(p, i * PANEL_N, panel, acc);
 }
 
-// Up to 4 rows of x (they stay in L1): the span as four streams, each weight row read once from
-// memory. More rows: blocks of weight rows (256 KiB) by blocks of x rows (128 KiB), both in L2,
-// so that each block of weight rows is read from memory once and x from L3 once per block.
-constexpr int64_t W_BLOCK_BYTES = 256 << 10, X_BLOCK_BYTES = 128 << 10;
-
+// Below PANEL_M rows of x: the span as four streams, each weight row read once from memory; every
+// four rows stay in L1 while all rows of x pass, four at a time.
 void rows_vnni(const Problem &p, int64_t n0, int64_t n1) {
-    if (p.m <= 4) {
-        qscheme_rows::streams<4>(n0, n1, [&](auto count, int64_t n, int64_t step) {
-            rows<decltype(count)::value>(p, n, step, 0, p.m);
-        });
-        return;
-    }
-    const int64_t nb = std::max<int64_t>(4, W_BLOCK_BYTES / p.k / 4 * 4);
-    const int64_t mb = std::max<int64_t>(4, X_BLOCK_BYTES / p.k / 4 * 4);
-    for (int64_t b0 = n0; b0 < n1; b0 += nb) {
-        const int64_t b1 = std::min(n1, b0 + nb);
-        for (int64_t m0 = 0; m0 < p.m; m0 += mb) {
-            const int64_t m1 = std::min(p.m, m0 + mb);
-            int64_t n = b0;
-            for (; n + 4 <= b1; n += 4) rows<4>(p, n, 1, m0, m1);
-            for (; n < b1; n++) rows<1>(p, n, 1, m0, m1);
-        }
-    }
+    qscheme_rows::streams<4>(n0, n1, [&](auto count, int64_t n, int64_t step) {
+        rows<decltype(count)::value>(p, n, step, 0, p.m);
+    });
 }
 
 void quantize_avx512(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride, float *scales) {
