@@ -138,8 +138,13 @@ TILE_GEMM_EXTENSION = Extension(
 # AVX512-VNNI CPUs, a portable loop elsewhere; C++17 with no torch headers, optional in the same way.
 INT8_GEMM_EXTENSION = Extension(
     "qscheme._int8_gemm",
-    sources=["qscheme/csrc/int8_gemm.cpp", "qscheme/csrc/int8_gemm_vnni.cpp"],
-    depends=["qscheme/csrc/int8_gemm.h", "qscheme/csrc/thread_pool.h", "qscheme/csrc/row_streams.h"],
+    sources=[
+        "qscheme/csrc/int8_gemm.cpp",
+        "qscheme/csrc/int8_gemm_vnni.cpp",
+        "qscheme/csrc/act_quant.cpp",  # the input's quantizer, also in qscheme._cpu_gemv
+        "qscheme/csrc/act_quant_avx512.cpp",
+    ],
+    depends=["qscheme/csrc/int8_gemm.h", "qscheme/csrc/act_quant.h", "qscheme/csrc/thread_pool.h", "qscheme/csrc/row_streams.h"],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17", "-fno-fast-math", "-pthread", *OPENMP],
     extra_link_args=["-pthread", *OPENMP],

@@ -96,8 +96,7 @@ def isa() -> str:
 
 def supported_isa() -> str:
     """The widest loops this CPU runs ('scalar' where the extension is missing: none run)."""
-    module = native()
-    return "scalar" if module is None else str(module.supported_isa())
+    return _EXTENSION.widest()
 
 
 def set_isa(name: str) -> None:

@@ -51,14 +51,12 @@ def available() -> bool:
 
 def isa() -> str:
     """The loops in use: 'vnni' or 'scalar' ('scalar' where the extension is missing)."""
-    module = native()
-    return "scalar" if module is None else str(module.isa())
+    return _EXTENSION.loops()
 
 
 def supported_isa() -> str:
     """The widest loops this CPU runs ('scalar' where the extension is missing)."""
-    module = native()
-    return "scalar" if module is None else str(module.supported_isa())
+    return _EXTENSION.widest()
 
 
 def set_isa(name: str) -> None:

@@ -50,6 +50,16 @@ class IsaExtension:
         self._seen[:] = [module, raw]
         return module
 
+    def loops(self) -> str:
+        """The module's ``isa()``, or the narrowest choice where it was not built."""
+        module = self.native()
+        return self.choices[0] if module is None else str(module.isa())
+
+    def widest(self) -> str:
+        """The module's ``supported_isa()``, or the narrowest choice where it was not built."""
+        module = self.native()
+        return self.choices[0] if module is None else str(module.supported_isa())
+
     def require(self) -> Any:
         """The extension, or a UsageError saying how to build it."""
         module = self.native()

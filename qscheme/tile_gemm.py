@@ -57,8 +57,7 @@ def available() -> bool:
 
 def isa() -> str:
     """The loops in use: 'amx', 'avx512' or 'scalar' ('scalar' where the extension is missing)."""
-    module = native()
-    return "scalar" if module is None else str(module.isa())
+    return _EXTENSION.loops()
 
 
 def fused() -> bool:

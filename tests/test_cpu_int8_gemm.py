@@ -13,7 +13,6 @@ the checks' reasons; typed refusals.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -22,6 +21,7 @@ from kernel_fakes import all_modules, builtin_scheme, fake_device, layer_tensors
 from qscheme_plugins.cpu_int8_gemm import CPU_INT8_GEMM, MAX_K, ExactSums, Int8Loops
 from qscheme_plugins.cpu_int8_gemm_kernel import CpuInt8GemmKernel
 from qscheme_plugins.reference_kernel import ReferenceKernel
+from test_int8_gemm import isa  # noqa: F401  (the fixture: every loop this CPU runs)
 
 from qscheme import int8_gemm
 from qscheme.canonical import CanonicalWeight, canonicalize, dequantize
@@ -51,21 +51,6 @@ CASES = (
 )
 
 
-def _isa_param(name: str) -> object:
-    runs = int8_gemm.ISA_CHOICES.index(name) <= int8_gemm.ISA_CHOICES.index(int8_gemm.supported_isa())
-    return pytest.param(name, marks=pytest.mark.skipif(not runs, reason=f"this CPU does not run {name}"))
-
-
-@pytest.fixture(params=[_isa_param(name) for name in int8_gemm.ISA_CHOICES])
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    before = int8_gemm.isa()
-    int8_gemm.set_isa(request.param)
-    try:
-        yield request.param
-    finally:
-        int8_gemm.set_isa(before)
-
-
 @functools.cache
 def weight_of(n: int, k: int, seed: int = 0) -> CanonicalWeight:
     scheme = builtin_scheme(NAME)
@@ -84,7 +69,8 @@ def check_close(weight: CanonicalWeight, x: torch.Tensor, y: torch.Tensor, expec
     assert bool((error <= bound + 1e-30).all()), f"largest excess {float((error - bound).max()):.3e}"
 
 
-def test_matches_the_reference_kernel(isa: str) -> None:
+@pytest.mark.usefixtures("isa")
+def test_matches_the_reference_kernel() -> None:
     kernel, reference = CpuInt8GemmKernel(), ReferenceKernel()
     generator = torch.Generator().manual_seed(3)
     for n, k in SHAPES:
@@ -97,7 +83,8 @@ def test_matches_the_reference_kernel(isa: str) -> None:
             check_close(weight, x, kernel.apply(state, x, b), reference.apply(expected_state, x, b))
 
 
-def test_fused_partitions_equal_the_separate_layers(isa: str) -> None:
+@pytest.mark.usefixtures("isa")
+def test_fused_partitions_equal_the_separate_layers() -> None:
     members = [weight_of(rows, 96, seed) for rows, seed in ((16, 1), (32, 2), (8, 3))]
     fused = concatenate(members)
     kernel = CpuInt8GemmKernel()

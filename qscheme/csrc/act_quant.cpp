@@ -18,6 +18,7 @@ namespace qscheme_act {
 
 void fake_quantize_avx512(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group,
                           float scale);
+void int8_codes_avx512(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride, float *scales);
 
 namespace {
 
@@ -69,6 +70,25 @@ void run_portable(const void *x, bool bf16, float *out, int64_t m, int64_t k, in
     }
 }
 
+float int8_scale(const void *x, bool bf16, int64_t base, int64_t k) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < k; i++) amax = std::max(amax, std::fabs(load(x, bf16, base + i)));
+    const float s = amax / 127.5f;
+    return s == 0.0f ? FLT_EPSILON : s;
+}
+
+void int8_codes_portable(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride,
+                         float *scales) {
+    for (int64_t row = 0; row < m; row++) {
+        const int64_t base = row * k;
+        const float s = scales[row] = int8_scale(x, bf16, base, k);
+        uint8_t *out = codes + row * stride;
+        for (int64_t i = 0; i < k; i++)
+            out[i] = static_cast<uint8_t>(static_cast<int>(round_int8(load(x, bf16, base + i) / s)) + 128);
+        std::memset(out + k, 0, static_cast<size_t>(stride - k));
+    }
+}
+
 bool cpu_has_avx512() {
 #if defined(__x86_64__) || defined(__i386__)
     if (!vector_compiled()) return false;
@@ -89,6 +109,15 @@ void fake_quantize(const void *x, bool bf16, float *out, int64_t m, int64_t k, i
         fake_quantize_avx512(x, bf16, out, m, k, mode, group, scale);
     else
         run_portable(x, bf16, out, m, k, mode, group, scale);
+}
+
+void int8_codes(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride, float *scales,
+                bool vector) {
+    static const bool avx512 = cpu_has_avx512();
+    if (vector && avx512)
+        int8_codes_avx512(x, bf16, m, k, codes, stride, scales);
+    else
+        int8_codes_portable(x, bf16, m, k, codes, stride, scales);
 }
 
 PyObject *fake_quantize_method(PyObject *, PyObject *args) {

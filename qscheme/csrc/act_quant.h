@@ -20,6 +20,11 @@ enum Mode : int { E4M3_STATIC = 0, E4M3_TOKEN = 1, E4M3_GROUP = 2, INT8_TOKEN = 
 void fake_quantize(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group, float scale,
                    bool vector);
 
+// Rows [0, m) of x quantized by the int8 per-token rule (INT8_TOKEN: the same arithmetic) into their
+// codes plus 128 (row r at codes + r * stride; bytes [k, stride) of a row set to 0) and scales.
+void int8_codes(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride, float *scales,
+                bool vector);
+
 // Whether the AVX-512 pass was compiled (x86 and a compiler that has its intrinsics).
 bool vector_compiled();
 

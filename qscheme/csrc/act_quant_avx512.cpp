@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <cstring>
 
 #include "act_quant.h"
 
@@ -75,6 +76,26 @@ void fake_quantize_avx512(const void *x, bool bf16, float *out, int64_t m, int64
     }
 }
 
+void int8_codes_avx512(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride, float *scales) {
+    for (int64_t row = 0; row < m; row++) {
+        const int64_t base = row * k;
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t i = 0; i < k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x, bf16, base + i, tail(k - i))));
+        float s = _mm512_reduce_max_ps(amax) / 127.5f;
+        if (s == 0.0f) s = FLT_EPSILON;
+        scales[row] = s;
+        const __m512 vs = _mm512_set1_ps(s);
+        uint8_t *out = codes + row * stride;
+        for (int64_t i = 0; i < k; i += 16) {
+            const __mmask16 mask = tail(k - i);
+            const __m512 q = round_int8(_mm512_div_ps(load16(x, bf16, base + i, mask), vs));
+            const __m512i shifted = _mm512_add_epi32(_mm512_cvtps_epi32(q), _mm512_set1_epi32(128));
+            _mm_mask_storeu_epi8(out + i, mask, _mm512_cvtepi32_epi8(shifted));
+        }
+        std::memset(out + k, 0, static_cast<size_t>(stride - k));
+    }
+}
+
 }  // namespace qscheme_act
 
 #else  // no x86: the portable pass only
@@ -84,6 +105,7 @@ void fake_quantize_avx512(const void *x, bool bf16, float *out, int64_t m, int64
 namespace qscheme_act {
 bool vector_compiled() { return false; }
 void fake_quantize_avx512(const void *, bool, float *, int64_t, int64_t, int, int64_t, float) {}
+void int8_codes_avx512(const void *, bool, int64_t, int64_t, uint8_t *, int64_t, float *) {}
 }  // namespace qscheme_act
 
 #endif

@@ -1,7 +1,7 @@
 /* qscheme._int8_gemm: the cpu_int8_gemm kernel's loops (int8_gemm.h has the arithmetic).
  *
  * quantize: rows of x as compressed-tensors' int8 per-token codes (+ 128) and their float32 scales,
- * bit for bit qscheme.emulation's rule (the float32 division by 127.5 and by the scale).
+ * bit for bit qscheme.emulation's rule (act_quant.cpp's arithmetic, shared with fake_quantize).
  * gemm: y = x W^T from those codes and an int8 weight [N, K] as stored (no copy, no repacking).
  *
  * A portable loop, and AVX512-VNNI loops (int8_gemm_vnni.cpp) chosen at run time by cpuid; set_isa
@@ -13,10 +13,9 @@
 #include "int8_gemm.h"
 
 #include <algorithm>
-#include <cfloat>
-#include <cmath>
 #include <cstring>
 
+#include "act_quant.h"
 #include "thread_pool.h"
 
 namespace qscheme_int8 {
@@ -25,14 +24,6 @@ namespace {
 
 enum Isa : int { ISA_SCALAR = 0, ISA_VNNI = 1 };
 const char *const ISA_NAMES[] = {"scalar", "vnni"};
-
-float load(const void *x, bool bf16, int64_t i) {
-    if (!bf16) return static_cast<const float *>(x)[i];
-    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t *>(x)[i]) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
 
 int isa_supported() {
     static const int level = [] {
@@ -89,23 +80,6 @@ void rows_portable(const Problem &p, int64_t n0, int64_t n1) {
     }
 }
 
-void quantize_portable(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride, float *scales) {
-    for (int64_t row = 0; row < m; row++) {
-        const int64_t base = row * k;
-        uint8_t *out = codes + row * stride;
-        float amax = 0.0f;
-        for (int64_t i = 0; i < k; i++) amax = std::max(amax, std::fabs(load(x, bf16, base + i)));
-        float s = amax / 127.5f;
-        if (s == 0.0f) s = FLT_EPSILON;
-        scales[row] = s;
-        for (int64_t i = 0; i < k; i++) {
-            const float q = std::nearbyint(std::min(std::max(load(x, bf16, base + i) / s, -128.0f), 127.0f));
-            out[i] = static_cast<uint8_t>(static_cast<int>(q) + 128);
-        }
-        std::memset(out + k, 0, static_cast<size_t>(stride - k));
-    }
-}
-
 namespace {
 
 /* quantize(x, bf16, m, k, codes, stride, scales, threads) */
@@ -128,10 +102,7 @@ PyObject *quantize(PyObject *, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS;
     qscheme_threads::run_tasks(static_cast<int>(std::min<int64_t>(threads, m)), m, [&](int64_t row) {
         const void *at = static_cast<const char *>(x) + static_cast<size_t>(row * k) * width;
-        if (vector)
-            quantize_avx512(at, bf16, 1, k, codes + row * stride, stride, scales + row);
-        else
-            quantize_portable(at, bf16, 1, k, codes + row * stride, stride, scales + row);
+        qscheme_act::int8_codes(at, bf16, 1, k, codes + row * stride, stride, scales + row, vector);
     });
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;

@@ -1,9 +1,9 @@
 // qscheme._int8_gemm: y = x W^T for int8 weights and int8 per-token activations, with the products
 // summed exactly in 32-bit integers (int8_gemm.cpp; the AVX512-VNNI loops in int8_gemm_vnni.cpp).
 //
-// The input arrives quantized as unsigned bytes: each int8 code q of compressed-tensors' per-token
-// rule (s = absmax / 127.5, q = round-half-even(clamp(x / s, -128, 127))) stored as q + 128, which is
-// the operand VPDPBUSD multiplies unsigned. For a weight row w, sum_k (q_k + 128) w_k = sum_k q_k w_k +
+// The input arrives quantized as unsigned bytes (act_quant.h: int8_codes): each int8 code q of
+// compressed-tensors' per-token rule (s = absmax / 127.5, q = round-half-even(clamp(x / s, -128, 127)))
+// stored as q + 128, which is the operand VPDPBUSD multiplies unsigned. For a weight row w, sum_k (q_k + 128) w_k = sum_k q_k w_k +
 // 128 sum_k w_k, so the exact dot product is that sum minus 128 times the row's sum of codes
 // (`w_sum`, computed once per layer). Both sides are exact integers while K < 2**17 (|q w| <= 2**14),
 // computed modulo 2**32 on the way, so any wrap of a partial sum cancels.
@@ -76,11 +76,6 @@ void rows_vnni(const Problem &p, int64_t n0, int64_t n1);
 // panels [panel0, panel1) times every row of x.
 constexpr int64_t PANEL_M = 16, PANEL_N = 64;
 void panels_vnni(const Problem &p, int64_t panel0, int64_t panel1);
-
-// Rows [0, m) of x (float32 or bfloat16, rows of k) as codes + 128 (rows of `stride` bytes, zeros
-// from k on) and their scales.
-void quantize_portable(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride, float *scales);
-void quantize_avx512(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride, float *scales);
 
 // Whether int8_gemm_vnni.cpp was compiled with its loops (x86 and a compiler with the intrinsics).
 bool vnni_compiled();

@@ -7,13 +7,11 @@
 // input byte and a signed weight byte into each of 16 int32 lanes, 16 accumulators for 4 x 4 rows,
 // summed across their lanes at the end. From PANEL_M rows: panels of PANEL_N weight rows repacked
 // into VPDPBUSD's column layout (see panel_rows).
-// quantize: 16 elements a step, the same float32 operations as the portable loop.
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__clang__) || defined(__GNUC__))
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cfloat>
 #include <cstring>
 #include <vector>
 
@@ -25,12 +23,6 @@ namespace qscheme_int8 {
 bool vnni_compiled() { return true; }
 
 namespace {
-
-inline __m512 load16(const void *x, bool bf16, int64_t i, __mmask16 mask) {
-    if (!bf16) return _mm512_maskz_loadu_ps(mask, static_cast<const float *>(x) + i);
-    const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t *>(x) + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 inline __mmask16 tail16(int64_t count) {
     return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1u);
@@ -269,29 +261,6 @@ void rows_vnni(const Problem &p, int64_t n0, int64_t n1) {
     });
 }
 
-void quantize_avx512(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride, float *scales) {
-    for (int64_t row = 0; row < m; row++) {
-        const int64_t base = row * k;
-        uint8_t *out = codes + row * stride;
-        __m512 amax = _mm512_setzero_ps();
-        for (int64_t i = 0; i < k; i += 16)
-            amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x, bf16, base + i, tail16(k - i))));
-        float s = _mm512_reduce_max_ps(amax) / 127.5f;
-        if (s == 0.0f) s = FLT_EPSILON;
-        scales[row] = s;
-        const __m512 vs = _mm512_set1_ps(s);
-        for (int64_t i = 0; i < k; i += 16) {
-            const __mmask16 mask = tail16(k - i);
-            __m512 v = _mm512_div_ps(load16(x, bf16, base + i, mask), vs);
-            v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-128.0f)), _mm512_set1_ps(127.0f));
-            v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            const __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
-            _mm_mask_storeu_epi8(out + i, mask, _mm512_cvtepi32_epi8(q));
-        }
-        std::memset(out + k, 0, static_cast<size_t>(stride - k));
-    }
-}
-
 }  // namespace qscheme_int8
 
 #else  // no x86: the portable loops only
@@ -305,9 +274,6 @@ bool vnni_compiled() { return false; }
 void rows_vnni(const Problem &p, int64_t n0, int64_t n1) { rows_portable(p, n0, n1); }
 void panels_vnni(const Problem &p, int64_t panel0, int64_t panel1) {
     rows_portable(p, panel0 * PANEL_N, std::min(p.n, panel1 * PANEL_N));
-}
-void quantize_avx512(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride, float *scales) {
-    quantize_portable(x, bf16, m, k, codes, stride, scales);
 }
 }  // namespace qscheme_int8
 
