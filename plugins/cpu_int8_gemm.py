@@ -122,6 +122,6 @@ CPU_INT8_GEMM = KernelDeclaration(
         "docs/benchmarks.md",
         "keeps the canonical codes as they are (no copy) plus 8 bytes per output row (the row's sum of codes and "
         "its float32 scale); while it runs, the input's codes (M x K bytes) and, per thread from M = 16, one panel "
-        "(at most 64 x 4096 bytes) and its int32 sums (M x 64)",
+        "(at most 64 x 4096 bytes, kept for the next call) and its int32 sums (M x 64, kept up to 1 MiB)",
     ),
 )

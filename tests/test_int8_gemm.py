@@ -71,7 +71,8 @@ def test_quantize_tokens_gives_the_emulation_s_codes(isa: str, dtype: torch.dtyp
 
 
 SHAPES = [(1, 37, 100), (3, 4, 1), (4, 130, 64), (5, 9, 4097), (15, 65, 200), (16, 64, 4096), (17, 70, 4099),
-          (40, 130, 9), (33, 3, 8200), (0, 8, 32)]  # fmt: skip
+          (40, 130, 9), (33, 3, 8200), (0, 8, 32), (4100, 70, 8)]  # fmt: skip
+# (4100 rows: each thread's sums, M x 64, pass the 1 MiB it keeps, and are freed after the call)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)

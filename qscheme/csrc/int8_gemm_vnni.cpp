@@ -248,9 +248,10 @@ void panel_rows(const Problem &p, int64_t n, std::vector<int8_t> &panel, std::ve
 }  // namespace
 
 void panels_vnni(const Problem &p, int64_t panel0, int64_t panel1) {
-    thread_local std::vector<int8_t> panel;
-    thread_local std::vector<uint32_t> acc;
+    thread_local std::vector<int8_t> panel;  // at most 256 KiB, kept for the next call
+    thread_local std::vector<uint32_t> acc;  // M x 64 sums: kept up to 1 MiB (M <= 4096), else freed
     for (int64_t i = panel0; i < panel1; i++) panel_rows(p, i * PANEL_N, panel, acc);
+    if (acc.capacity() * sizeof(uint32_t) > (size_t{1} << 20)) std::vector<uint32_t>().swap(acc);
 }
 
 // Below PANEL_M rows of x: the span as four streams, each weight row read once from memory; every
