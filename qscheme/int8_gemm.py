@@ -118,20 +118,26 @@ def _require_input(x: Tensor, k: int) -> Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
-def quantize_tokens(x: Tensor, threads: int = 0) -> tuple[Tensor, Tensor]:
-    """x [M, K] (CPU, bfloat16 or float32) as (codes + 128: uint8 [M, K] in rows padded with zeros to
-    a multiple of 4 bytes, as the loops read them; scales: float32 [M])."""
-    module = _EXTENSION.require()
-    x = _require_input(x, int(x.shape[-1]) if x.ndim == 2 else -1)
+def _quantize(module: Any, x: Tensor, threads: int) -> tuple[Tensor, Tensor]:
+    """Rows of a checked, contiguous x as (codes + 128 padded to rows of a multiple of 4 bytes, scales)."""
     m, k = x.shape
     padded = torch.empty(m, -(-k // 4) * 4, dtype=torch.uint8)
     scales = torch.empty(m, dtype=torch.float32)
-    if m and k:
+    if m:
         module.quantize(
             x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, padded.data_ptr(), padded.stride(0),
-            scales.data_ptr(), _threads(threads),
+            scales.data_ptr(), threads,
         )  # fmt: skip
-    return padded[:, :k], scales
+    return padded, scales
+
+
+def quantize_tokens(x: Tensor, threads: int = 0) -> tuple[Tensor, Tensor]:
+    """x [M, K] (CPU, bfloat16 or float32) as (codes + 128: uint8 [M, K], a view of rows padded with
+    zeros to a multiple of 4 bytes, as the loops read them; scales: float32 [M])."""
+    module = _EXTENSION.require()
+    x = _require_input(x, int(x.shape[-1]) if x.ndim == 2 else -1)
+    padded, scales = _quantize(module, x, _threads(threads))
+    return padded[:, : x.shape[1]], scales
 
 
 def _run_linear(x: Tensor, codes: Tensor, sums: Tensor, scale: Tensor, bias: Tensor | None, threads: int) -> Tensor:
@@ -146,7 +152,7 @@ def _run_linear(x: Tensor, codes: Tensor, sums: Tensor, scale: Tensor, bias: Ten
     if bias32 is not None and bias32.shape != (n,):
         raise UsageError(f"int8_gemm: bias has shape {list(bias32.shape)}; the layer has N={n}")
     count = _threads(threads)
-    x_codes, x_scales = quantize_tokens(x, count)
+    x_codes, x_scales = _quantize(module, x, count)
     module.gemm(
         x_codes.data_ptr(), x_codes.stride(0), x_scales.data_ptr(), m, codes.data_ptr(), codes.stride(0),
         sums.data_ptr(), scale.data_ptr(), 0 if bias32 is None else bias32.data_ptr(), out.data_ptr(),

@@ -48,6 +48,14 @@ float round_e4m3(float v) {
 
 float round_int8(float v) { return std::nearbyint(std::min(std::max(v, -128.0f), 127.0f)) + 0.0f; }
 
+// absmax / range over elements [g0, g1) of x from base (float32 division), FLT_EPSILON where it is 0.
+float dynamic_scale(const void *x, bool bf16, int64_t base, int64_t g0, int64_t g1, float range) {
+    float amax = 0.0f;
+    for (int64_t i = g0; i < g1; i++) amax = std::max(amax, std::fabs(load(x, bf16, base + i)));
+    const float s = amax / range;
+    return s == 0.0f ? FLT_EPSILON : s;
+}
+
 void run_portable(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group, float scale) {
     const bool e4m3 = mode != INT8_TOKEN;
     const float range = e4m3 ? 448.0f : 127.5f;
@@ -55,13 +63,7 @@ void run_portable(const void *x, bool bf16, float *out, int64_t m, int64_t k, in
     for (int64_t row = 0; row < m; row++) {
         for (int64_t g0 = 0; g0 < k; g0 += length) {
             const int64_t g1 = std::min(k, g0 + length), base = row * k;
-            float s = scale;
-            if (mode != E4M3_STATIC) {
-                float amax = 0.0f;
-                for (int64_t i = g0; i < g1; i++) amax = std::max(amax, std::fabs(load(x, bf16, base + i)));
-                s = amax / range;
-                if (s == 0.0f) s = FLT_EPSILON;
-            }
+            const float s = mode == E4M3_STATIC ? scale : dynamic_scale(x, bf16, base, g0, g1, range);
             for (int64_t i = g0; i < g1; i++) {
                 const float v = load(x, bf16, base + i) / s;
                 out[base + i] = (e4m3 ? round_e4m3(v) : round_int8(v)) * s;
@@ -70,18 +72,11 @@ void run_portable(const void *x, bool bf16, float *out, int64_t m, int64_t k, in
     }
 }
 
-float int8_scale(const void *x, bool bf16, int64_t base, int64_t k) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < k; i++) amax = std::max(amax, std::fabs(load(x, bf16, base + i)));
-    const float s = amax / 127.5f;
-    return s == 0.0f ? FLT_EPSILON : s;
-}
-
 void int8_codes_portable(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride,
                          float *scales) {
     for (int64_t row = 0; row < m; row++) {
         const int64_t base = row * k;
-        const float s = scales[row] = int8_scale(x, bf16, base, k);
+        const float s = scales[row] = dynamic_scale(x, bf16, base, 0, k, 127.5f);
         uint8_t *out = codes + row * stride;
         for (int64_t i = 0; i < k; i++)
             out[i] = static_cast<uint8_t>(static_cast<int>(round_int8(load(x, bf16, base + i) / s)) + 128);

@@ -47,6 +47,14 @@ inline __m512 round_int8(__m512 v) {
     return _mm512_add_ps(v, _mm512_setzero_ps());  // -0.0 + 0.0 = +0.0: the int8 code of zero has no sign
 }
 
+// absmax / range over elements [g0, g1) of x from base, as act_quant.cpp's dynamic_scale.
+inline float dynamic_scale(const void *x, bool bf16, int64_t base, int64_t g0, int64_t g1, float range) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t i = g0; i < g1; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x, bf16, base + i, tail(g1 - i))));
+    const float s = _mm512_reduce_max_ps(amax) / range;
+    return s == 0.0f ? FLT_EPSILON : s;
+}
+
 }  // namespace
 
 void fake_quantize_avx512(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group,
@@ -58,14 +66,7 @@ void fake_quantize_avx512(const void *x, bool bf16, float *out, int64_t m, int64
         const int64_t base = row * k;
         for (int64_t g0 = 0; g0 < k; g0 += length) {
             const int64_t g1 = std::min(k, g0 + length);
-            float s = scale;
-            if (mode != E4M3_STATIC) {
-                __m512 amax = _mm512_setzero_ps();
-                for (int64_t i = g0; i < g1; i += 16)
-                    amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x, bf16, base + i, tail(g1 - i))));
-                s = _mm512_reduce_max_ps(amax) / range;
-                if (s == 0.0f) s = FLT_EPSILON;
-            }
+            const float s = mode == E4M3_STATIC ? scale : dynamic_scale(x, bf16, base, g0, g1, range);
             const __m512 vs = _mm512_set1_ps(s);
             for (int64_t i = g0; i < g1; i += 16) {
                 const __mmask16 mask = tail(g1 - i);
@@ -79,11 +80,7 @@ void fake_quantize_avx512(const void *x, bool bf16, float *out, int64_t m, int64
 void int8_codes_avx512(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride, float *scales) {
     for (int64_t row = 0; row < m; row++) {
         const int64_t base = row * k;
-        __m512 amax = _mm512_setzero_ps();
-        for (int64_t i = 0; i < k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x, bf16, base + i, tail(k - i))));
-        float s = _mm512_reduce_max_ps(amax) / 127.5f;
-        if (s == 0.0f) s = FLT_EPSILON;
-        scales[row] = s;
+        const float s = scales[row] = dynamic_scale(x, bf16, base, 0, k, 127.5f);
         const __m512 vs = _mm512_set1_ps(s);
         uint8_t *out = codes + row * stride;
         for (int64_t i = 0; i < k; i += 16) {

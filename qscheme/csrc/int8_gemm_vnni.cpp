@@ -76,20 +76,20 @@ inline void tile(const uint8_t *x, int64_t xs, int64_t k, const int8_t *const *w
     }
 }
 
-// Weight rows n, n + step, ... (NR of them) times rows [m0, m1) of x.
+// Weight rows n, n + step, ... (NR of them) times every row of x.
 template <int NR>
-void rows(const Problem &p, int64_t n, int64_t step, int64_t m0, int64_t m1) {
+void rows(const Problem &p, int64_t n, int64_t step) {
     const int8_t *w[NR];
     for (int j = 0; j < NR; j++) w[j] = p.w + (n + j * step) * p.w_stride;
     uint32_t sums[4 * NR];
-    int64_t row = m0;
-    for (; row + 4 <= m1; row += 4) {
+    int64_t row = 0;
+    for (; row + 4 <= p.m; row += 4) {
         tile<4, NR>(p.x + row * p.x_stride, p.x_stride, p.k, w, sums);
         for (int r = 0; r < 4; r++)
             for (int j = 0; j < NR; j++)
                 store(p, row + r, n + j * step, exact_dot(sums[r * NR + j], p.w_sum[n + j * step]));
     }
-    const int left = static_cast<int>(m1 - row);
+    const int left = static_cast<int>(p.m - row);
     if (left == 0) return;
     const uint8_t *x = p.x + row * p.x_stride;
     switch (left) {
@@ -258,7 +258,7 @@ void panels_vnni(const Problem &p, int64_t panel0, int64_t panel1) {
 // four rows stay in L1 while all rows of x pass, four at a time.
 void rows_vnni(const Problem &p, int64_t n0, int64_t n1) {
     qscheme_rows::streams<4>(n0, n1, [&](auto count, int64_t n, int64_t step) {
-        rows<decltype(count)::value>(p, n, step, 0, p.m);
+        rows<decltype(count)::value>(p, n, step);
     });
 }
 
