@@ -56,17 +56,18 @@ def _main(config_dir: str, dense: str, dst: str) -> None:  # pragma: no cover - 
 
     config = GptOssConfig.from_pretrained(config_dir)
     del config.quantization_config
-    unquantized = tempfile.mkdtemp()  # oneshot reads the model's config from disk: one without quantization
-    config.save_pretrained(unquantized)
-    model = GptOssForCausalLM(config)
-    model.config._name_or_path = unquantized
-    state = load_file(dense)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or any(".mlp.experts." in name for name in missing):
-        raise SystemExit(f"dense experts not loaded: missing {missing}, unexpected {unexpected}")
-    linearize_moe(model)
-    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="MXFP4A16", ignore=IGNORE))
-    model.save_pretrained(dst)
+    with tempfile.TemporaryDirectory() as unquantized:
+        # oneshot reads the model's config from disk: give it one without quantization
+        config.save_pretrained(unquantized)
+        model = GptOssForCausalLM(config)
+        model.config._name_or_path = unquantized
+        state = load_file(dense)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or any(".mlp.experts." in name for name in missing):
+            raise SystemExit(f"dense experts not loaded: missing {missing}, unexpected {unexpected}")
+        linearize_moe(model)
+        oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="MXFP4A16", ignore=IGNORE))
+        model.save_pretrained(dst)
 
 
 if __name__ == "__main__":
