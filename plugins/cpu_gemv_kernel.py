@@ -42,7 +42,7 @@ from torch import Tensor
 from qscheme import cpu_gemv
 from qscheme.canonical import CanonicalWeight
 from qscheme.cpu_gemv import GemvLayout
-from qscheme.emulation import apply_pre_scale, quantize_activation
+from qscheme.emulation import activation_codes, apply_pre_scale, quantize_activation
 from qscheme.errors import UsageError
 from qscheme.formats import decode
 
@@ -185,12 +185,15 @@ def scaled_codes(state: ReferenceState, rows: Tensor) -> list[tuple[int, int, Te
     activation = state.activation
     if activation is None:
         return None
-    values = rows.to(torch.float32)
-    if state.pre_scale is not None:
-        values = apply_pre_scale(values, state.pre_scale)
+    values = rows if state.pre_scale is None else apply_pre_scale(rows, state.pre_scale)
     found = []
     for scaling in state.scalings:
         divisor = scaling.input_global_scale_divisor
+        if divisor is None and scaling.input_global_scale is None:
+            native = activation_codes(values, activation, input_scale=scaling.input_scale)
+            if native is not None:  # the same codes and scales in one pass over x
+                found.append((scaling.start, scaling.stop, *native))
+                continue
         quantized = quantize_activation(
             values,
             activation,

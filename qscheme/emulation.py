@@ -485,6 +485,23 @@ def fake_quantize_activation(
     ).dequantize()
 
 
+def activation_codes(
+    x: Tensor, activation: ActivationSpec, *, input_scale: Tensor | None = None
+) -> tuple[Tensor, Tensor] | None:
+    """For the FP8 per-tensor and per-token rules and the int8 per-token rule, on a CPU where the
+    native pass runs (``qscheme.emulation_native``): the values of x's codes (float32, x's shape)
+    and each token's float32 scale (``[..., 1]``), bit for bit ``decode(q.codes, q.format)`` and
+    ``q.block_scale()`` of ``q = quantize_activation(x, activation, input_scale=...)``. None for
+    any other rule or input (call ``quantize_activation`` then). The same errors as it.
+    """
+    rule = activation_rule(activation)
+    if rule.name not in emulation_native.CODE_MODES:
+        return None
+    checked = _checked_input(x, "the activation x")
+    scales = _validate_scales(rule, checked.device, input_scale, None, None)
+    return emulation_native.activation_codes(checked, rule, scales.input_scale)
+
+
 def apply_pre_scale(x: Tensor, pre_scale: Tensor) -> Tensor:
     """``x * pre_scale`` in float32: the AWQ ``input_pre_scale`` [K], applied before quantizing."""
     values = _as_float32(x, "the activation x")

@@ -32,6 +32,9 @@ MODES: Mapping[str, int] = MappingProxyType(
     {"FP8 per tensor": 0, "FP8 per token": 1, "FP8 per group": 2, "int8 per token": 3}
 )
 
+# the rules whose codes' values and scales ``activation_codes`` gives (one scale per token or per tensor)
+CODE_MODES: Mapping[str, int] = MappingProxyType({"FP8 per tensor": 0, "FP8 per token": 1, "int8 per token": 3})
+
 _INPUTS = (torch.float32, torch.bfloat16)
 
 
@@ -44,19 +47,24 @@ def enabled() -> bool:
     return cpu_gemv.available()
 
 
-def fake_quantize(x: Tensor, rule: ActivationRule, input_scale: Tensor | None) -> Tensor | None:
-    """``x`` quantized and dequantized by ``rule`` (float32, x's shape), or None where the native
-    pass does not take it (see the module docstring); ``input_scale``: the static rule's float32
-    multiplier, validated by the caller."""
-    mode = MODES.get(rule.name)
-    if (
+def _takes(x: Tensor, mode: int | None) -> bool:
+    """Whether the native pass takes ``x`` for the rule of ``mode`` (see the module docstring)."""
+    return not (
         mode is None
         or x.device.type != "cpu"
         or x.dtype not in _INPUTS
         or (x.requires_grad and torch.is_grad_enabled())
         or torch.compiler.is_compiling()
         or not enabled()
-    ):
+    )
+
+
+def fake_quantize(x: Tensor, rule: ActivationRule, input_scale: Tensor | None) -> Tensor | None:
+    """``x`` quantized and dequantized by ``rule`` (float32, x's shape), or None where the native
+    pass does not take it (see the module docstring); ``input_scale``: the static rule's float32
+    multiplier, validated by the caller."""
+    mode = MODES.get(rule.name)
+    if not _takes(x, mode):
         return None
     from qscheme import cpu_gemv
 
@@ -72,3 +80,29 @@ def fake_quantize(x: Tensor, rule: ActivationRule, input_scale: Tensor | None) -
         rule.group_size or 0, scale, cpu_gemv.isa() == "avx512",
     )  # fmt: skip
     return out
+
+
+def activation_codes(x: Tensor, rule: ActivationRule, input_scale: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """The values of ``x``'s codes under ``rule`` (float32, x's shape) and each token's scale
+    (float32, ``[..., 1]``; the static scale repeated for every token), so that the dequantized
+    input is their product; None where the native pass does not take it (a rule outside
+    ``CODE_MODES``, or see the module docstring). ``input_scale``: the static rule's float32
+    multiplier, validated by the caller."""
+    mode = CODE_MODES.get(rule.name)
+    if not _takes(x, mode):
+        return None
+    from qscheme import cpu_gemv
+
+    module = cpu_gemv.native()
+    values = x.detach().contiguous()
+    codes = torch.empty(values.shape, dtype=torch.float32)
+    scales = torch.empty((*values.shape[:-1], 1), dtype=torch.float32)
+    k = values.shape[-1]
+    if values.numel() == 0:
+        return codes, scales
+    scale = 0.0 if input_scale is None else float(input_scale.reshape(-1)[0])
+    module.activation_codes(
+        values.data_ptr(), values.dtype == torch.bfloat16, codes.data_ptr(), scales.data_ptr(), values.numel() // k, k,
+        mode, 0, scale, module.isa() == "avx512",
+    )  # fmt: skip
+    return codes, scales

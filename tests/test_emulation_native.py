@@ -14,7 +14,8 @@ from torch import Tensor
 from qscheme import cpu_gemv, emulation_native
 from qscheme.catalog import load_scheme
 from qscheme.descriptor import ActivationSpec
-from qscheme.emulation import activation_rule, fake_quantize_activation
+from qscheme.emulation import activation_codes, activation_rule, fake_quantize_activation, quantize_activation
+from qscheme.errors import QuantizeError
 from qscheme.formats import all_codes, decode
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="qscheme._cpu_gemv is not built here")
@@ -114,3 +115,71 @@ def test_what_the_native_pass_does_not_take_falls_back() -> None:
     assert emulation_native.fake_quantize(x.half(), fp8, None) is None
     assert emulation_native.fake_quantize(x.requires_grad_(), fp8, None) is None
     assert emulation_native.fake_quantize(torch.randn(0, 64), fp8, None) is not None
+
+
+def both_code_paths(x: Tensor, activation: ActivationSpec, monkeypatch: pytest.MonkeyPatch, **scales: Tensor) -> None:
+    """``activation_codes`` against ``quantize_activation``'s decoded codes and block scales, bit for bit."""
+    with monkeypatch.context() as patch:
+        patch.setenv(emulation_native.VARIABLE, "0")
+        assert activation_codes(x, activation, **scales) is None  # the native pass turned off
+        quantized = quantize_activation(x, activation, **scales)
+    expected_codes = decode(quantized.codes, quantized.format)
+    expected_scales = quantized.block_scale().expand(*x.shape[:-1], 1)
+    for isa in isas():
+        cpu_gemv.set_isa(isa)
+        found = activation_codes(x, activation, **scales)
+        assert found is not None, isa
+        codes, token_scales = found
+        assert codes.dtype == torch.float32 and codes.shape == x.shape
+        assert token_scales.dtype == torch.float32 and token_scales.shape == (*x.shape[:-1], 1)
+        assert torch.equal(codes.view(torch.int32), expected_codes.view(torch.int32)), (isa, x.dtype)
+        assert torch.equal(token_scales.view(torch.int32), expected_scales.view(torch.int32)), (isa, x.dtype)
+        # and their product is the fake quantization's output
+        assert torch.equal(codes * token_scales, fake_quantize_activation(x, activation, **scales))
+
+
+@pytest.mark.parametrize("rule", ["FP8 per token", "int8 per token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [16, 200, 4096, 300])
+def test_codes_of_the_dynamic_rules_match_the_torch_path(
+    rule: str, dtype: torch.dtype, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    both_code_paths(inputs(k, dtype, seed=k + 1), spec(rule), monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 3.7e-3, 1e-30])
+def test_codes_of_the_static_rule_match_the_torch_path(
+    dtype: torch.dtype, scale: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    both_code_paths(inputs(333, dtype, seed=8), spec("FP8 per tensor"), monkeypatch, input_scale=torch.tensor([scale]))
+
+
+def test_codes_of_every_e4m3_midpoint_and_int8_tie(monkeypatch: pytest.MonkeyPatch) -> None:
+    values = decode(all_codes("e4m3"), "e4m3")
+    values = values[values.isfinite() & (values >= 0)].sort().values
+    middle = (values[1:] + values[:-1]) / 2
+    row = torch.cat([values, middle, torch.nextafter(middle, values[1:]), torch.tensor([448.0, 464.0, 1e30])])
+    both_code_paths(
+        torch.cat([row, -row]).reshape(1, -1), spec("FP8 per tensor"), monkeypatch, input_scale=torch.tensor([1.0])
+    )
+    ties = torch.tensor([127.5, -127.5, 0.5, 1.5, 2.5, -0.5, -1.5, -0.2, -0.0, 126.5, -126.5, 3.49999])
+    both_code_paths(ties.reshape(1, -1), spec("int8 per token"), monkeypatch)
+
+
+def test_codes_refuse_other_rules_and_inputs() -> None:
+    """Groups, NVFP4, float16 and inputs that need a gradient are not the pass's: None; bad
+    scales are the torch path's errors; an empty input gives empty codes and scales."""
+    x = torch.randn(2, 64)
+    assert activation_codes(x, spec("FP8 per group")) is None
+    nvfp4 = load_scheme("compressed-tensors/NVFP4").activation
+    assert nvfp4 is not None
+    assert activation_codes(x, nvfp4) is None
+    assert activation_codes(x.half(), spec("FP8 per token")) is None
+    assert activation_codes(x.clone().requires_grad_(), spec("FP8 per token")) is None
+    with pytest.raises(QuantizeError, match="input_scale"):
+        activation_codes(x, spec("FP8 per tensor"), input_scale=torch.tensor([-1.0]))
+    with pytest.raises(QuantizeError, match="input_scale"):
+        activation_codes(x, spec("FP8 per tensor"))
+    empty = activation_codes(torch.randn(0, 64), spec("int8 per token"))
+    assert empty is not None and empty[0].shape == (0, 64) and empty[1].shape == (0, 1)

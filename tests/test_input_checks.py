@@ -13,9 +13,10 @@ import pytest
 import torch
 from kernel_fakes import input_scales
 
+from qscheme import cpu_gemv
 from qscheme.catalog import load_scheme
 from qscheme.errors import QSchemeError
-from qscheme.input_checks import NonFiniteInputError, poison_non_finite_rows
+from qscheme.input_checks import NonFiniteInputError, _all_finite_natively, poison_non_finite_rows, refuse_non_finite
 from qscheme.modules import QuantLinear
 from qscheme.quantize import quantize_weight
 
@@ -98,3 +99,44 @@ def test_a_gpu_layer_gives_nan_rows_for_non_finite_inputs(scheme: str) -> None:
     y = layer(x)
     assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
     assert torch.equal(y[0], clean[0])
+
+
+@pytest.mark.skipif(not cpu_gemv.available(), reason="qscheme._cpu_gemv is not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+def test_the_native_finite_pass_finds_every_inf_and_nan(dtype: torch.dtype, isa: str) -> None:
+    """The extension's one-pass check against torch.isfinite: each position of ragged lengths (the
+    vector loop's tails), the largest finite values and subnormals (finite), inf and NaN."""
+    if isa == "avx512" and cpu_gemv.supported_isa() != "avx512":
+        pytest.skip("this CPU has no AVX-512")
+    before = cpu_gemv.isa()
+    cpu_gemv.set_isa(isa)
+    try:
+        info = torch.finfo(dtype)
+        for n in (1, 15, 17, 31, 33, 64, 100):
+            x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+            x[0] = info.max
+            x[n // 2] = -info.tiny / 2  # a subnormal
+            assert _all_finite_natively(x)
+            for position in range(n):
+                for bad in (float("inf"), float("-inf"), float("nan")):
+                    y = x.clone()
+                    y[position] = bad
+                    assert not _all_finite_natively(y), (n, position, bad)
+    finally:
+        cpu_gemv.set_isa(before)
+
+
+@pytest.mark.skipif(not cpu_gemv.available(), reason="qscheme._cpu_gemv is not built here")
+def test_inputs_the_native_pass_does_not_take_are_checked_by_torch() -> None:
+    """A strided view or a float64 input: the native pass declines (False), and the refusal still
+    comes with its count and first position."""
+    x = torch.randn(4, 64)
+    x[3, 2] = float("nan")
+    strided = x[:, ::2]
+    assert not _all_finite_natively(strided) and not _all_finite_natively(x.double())
+    with pytest.raises(NonFiniteInputError, match=r"1 non-finite value\(s\) \(first: nan at index \[3, 1\]"):
+        refuse_non_finite(strided, "layer", "scheme")
+    with pytest.raises(NonFiniteInputError, match=r"at index \[3, 2\] of \[4, 64\]"):
+        refuse_non_finite(x.double(), "layer", "scheme")
+    refuse_non_finite(torch.randn(4, 64)[:, ::2], "layer", "scheme")  # finite: no error

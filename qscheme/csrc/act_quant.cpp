@@ -17,7 +17,8 @@
 namespace qscheme_act {
 
 void fake_quantize_avx512(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group,
-                          float scale);
+                          float scale, float *scales);
+bool all_finite_avx512(const void *x, int dtype, int64_t n);
 void int8_codes_avx512(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride, float *scales);
 
 namespace {
@@ -56,7 +57,8 @@ float dynamic_scale(const void *x, bool bf16, int64_t base, int64_t g0, int64_t 
     return s == 0.0f ? FLT_EPSILON : s;
 }
 
-void run_portable(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group, float scale) {
+void run_portable(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group, float scale,
+                  float *scales) {
     const bool e4m3 = mode != INT8_TOKEN;
     const float range = e4m3 ? 448.0f : 127.5f;
     const int64_t length = mode == E4M3_GROUP ? group : k;
@@ -64,12 +66,27 @@ void run_portable(const void *x, bool bf16, float *out, int64_t m, int64_t k, in
         for (int64_t g0 = 0; g0 < k; g0 += length) {
             const int64_t g1 = std::min(k, g0 + length), base = row * k;
             const float s = mode == E4M3_STATIC ? scale : dynamic_scale(x, bf16, base, g0, g1, range);
+            if (scales) *scales++ = s;
             for (int64_t i = g0; i < g1; i++) {
-                const float v = load(x, bf16, base + i) / s;
-                out[base + i] = (e4m3 ? round_e4m3(v) : round_int8(v)) * s;
+                const float v = load(x, bf16, base + i) / s, code = e4m3 ? round_e4m3(v) : round_int8(v);
+                out[base + i] = scales ? code : code * s;
             }
         }
     }
+}
+
+bool all_finite_portable(const void *x, int dtype, int64_t n) {
+    if (dtype == 0) {  // float32: an exponent field of all ones is inf or NaN
+        const uint32_t *w = static_cast<const uint32_t *>(x);
+        uint32_t bad = 0;
+        for (int64_t i = 0; i < n; i++) bad |= static_cast<uint32_t>((w[i] & 0x7F800000u) == 0x7F800000u);
+        return bad == 0;
+    }
+    const uint16_t field = dtype == 1 ? 0x7F80u : 0x7C00u;  // bfloat16, float16
+    const uint16_t *w = static_cast<const uint16_t *>(x);
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= static_cast<uint32_t>((w[i] & field) == field);
+    return bad == 0;
 }
 
 void int8_codes_portable(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride,
@@ -98,12 +115,17 @@ bool cpu_has_avx512() {
 }  // namespace
 
 void fake_quantize(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group, float scale,
-                   bool vector) {
+                   bool vector, float *scales) {
     static const bool avx512 = cpu_has_avx512();
     if (vector && avx512)
-        fake_quantize_avx512(x, bf16, out, m, k, mode, group, scale);
+        fake_quantize_avx512(x, bf16, out, m, k, mode, group, scale, scales);
     else
-        run_portable(x, bf16, out, m, k, mode, group, scale);
+        run_portable(x, bf16, out, m, k, mode, group, scale, scales);
+}
+
+bool all_finite(const void *x, int dtype, int64_t n, bool vector) {
+    static const bool avx512 = cpu_has_avx512();
+    return vector && avx512 ? all_finite_avx512(x, dtype, n) : all_finite_portable(x, dtype, n);
 }
 
 void int8_codes(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride, float *scales,
@@ -115,22 +137,64 @@ void int8_codes(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, 
         int8_codes_portable(x, bf16, m, k, codes, stride, scales);
 }
 
+namespace {
+
+// The two methods' shared body: `scales` 0 for fake_quantize.
+PyObject *quantize(unsigned long long x, int bf16, unsigned long long out, unsigned long long scales, long long m,
+                   long long k, int mode, long long group, float scale, int vector, const char *name) {
+    if (!x || !out || m < 0 || k < 1 || mode < E4M3_STATIC || mode > INT8_TOKEN || (mode == E4M3_GROUP && group < 1) ||
+        (mode == E4M3_STATIC && !(scale > 0.0f && std::isfinite(scale)))) {
+        PyErr_Format(PyExc_ValueError, "qscheme._cpu_gemv.%s: inconsistent arguments", name);
+        return nullptr;
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    fake_quantize(reinterpret_cast<const void *>(static_cast<uintptr_t>(x)), bf16 != 0,
+                  reinterpret_cast<float *>(static_cast<uintptr_t>(out)), m, k, mode, group, scale, vector != 0,
+                  reinterpret_cast<float *>(static_cast<uintptr_t>(scales)));
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
+}  // namespace
+
 PyObject *fake_quantize_method(PyObject *, PyObject *args) {
     unsigned long long x, out;
     int bf16, mode, vector;
     long long m, k, group;
     float scale;
     if (!PyArg_ParseTuple(args, "KpKLLiLfp", &x, &bf16, &out, &m, &k, &mode, &group, &scale, &vector)) return nullptr;
-    if (!x || !out || m < 0 || k < 1 || mode < E4M3_STATIC || mode > INT8_TOKEN || (mode == E4M3_GROUP && group < 1) ||
-        (mode == E4M3_STATIC && !(scale > 0.0f && std::isfinite(scale)))) {
-        PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.fake_quantize: inconsistent arguments");
+    return quantize(x, bf16, out, 0, m, k, mode, group, scale, vector, "fake_quantize");
+}
+
+PyObject *activation_codes_method(PyObject *, PyObject *args) {
+    unsigned long long x, out, scales;
+    int bf16, mode, vector;
+    long long m, k, group;
+    float scale;
+    if (!PyArg_ParseTuple(args, "KpKKLLiLfp", &x, &bf16, &out, &scales, &m, &k, &mode, &group, &scale, &vector))
+        return nullptr;
+    if (!scales) {
+        PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.activation_codes: no scales buffer");
         return nullptr;
     }
+    return quantize(x, bf16, out, scales, m, k, mode, group, scale, vector, "activation_codes");
+}
+
+PyObject *all_finite_method(PyObject *, PyObject *args) {
+    unsigned long long x;
+    int dtype, vector;
+    long long n;
+    if (!PyArg_ParseTuple(args, "KiLp", &x, &dtype, &n, &vector)) return nullptr;
+    if ((!x && n > 0) || n < 0 || dtype < 0 || dtype > 2) {
+        PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.all_finite: inconsistent arguments");
+        return nullptr;
+    }
+    bool finite;
     Py_BEGIN_ALLOW_THREADS;
-    fake_quantize(reinterpret_cast<const void *>(static_cast<uintptr_t>(x)), bf16 != 0,
-                  reinterpret_cast<float *>(static_cast<uintptr_t>(out)), m, k, mode, group, scale, vector != 0);
+    finite = all_finite(reinterpret_cast<const void *>(static_cast<uintptr_t>(x)), dtype, n, vector != 0);
     Py_END_ALLOW_THREADS;
-    Py_RETURN_NONE;
+    if (finite) Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
 }
 
 }  // namespace qscheme_act

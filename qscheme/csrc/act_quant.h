@@ -16,19 +16,29 @@ enum Mode : int { E4M3_STATIC = 0, E4M3_TOKEN = 1, E4M3_GROUP = 2, INT8_TOKEN = 
 // a block of `group` elements (a row for per-token rules, the whole input for the static scale)
 // shares the scale s (static: `scale`; dynamic: absmax / 448 or / 127.5, float32 eps when zero),
 // and each element becomes round(x / s) * s, round being e4m3's saturating round to nearest even
-// or int8's clamp(round half even) (an int8 zero is +0.0).
+// or int8's clamp(round half even) (an int8 zero is +0.0). With `scales` (one float per block, row by row),
+// out receives round(x / s) alone, the code's value, and scales each block's s.
 void fake_quantize(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group, float scale,
-                   bool vector);
+                   bool vector, float *scales = nullptr);
 
 // Rows [0, m) of x quantized by the int8 per-token rule (INT8_TOKEN: the same arithmetic) into their
 // codes plus 128 (row r at codes + r * stride; bytes [k, stride) of a row set to 0) and scales.
 void int8_codes(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride, float *scales,
                 bool vector);
 
+// Whether none of x's n elements (float32, bfloat16 or float16: `dtype` 0, 1 or 2) is inf or NaN.
+bool all_finite(const void *x, int dtype, int64_t n, bool vector);
+
 // Whether the AVX-512 pass was compiled (x86 and a compiler that has its intrinsics).
 bool vector_compiled();
 
 // fake_quantize(x, bf16, out, m, k, mode, group, scale): the Python method (addresses as ints).
 PyObject *fake_quantize_method(PyObject *, PyObject *args);
+
+// activation_codes(x, bf16, out, scales, m, k, mode, group, scale): fake_quantize with `scales`.
+PyObject *activation_codes_method(PyObject *, PyObject *args);
+
+// all_finite(x, dtype, n): the Python method (True or False).
+PyObject *all_finite_method(PyObject *, PyObject *args);
 
 }  // namespace qscheme_act

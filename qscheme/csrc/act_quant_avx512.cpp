@@ -58,7 +58,7 @@ inline float dynamic_scale(const void *x, bool bf16, int64_t base, int64_t g0, i
 }  // namespace
 
 void fake_quantize_avx512(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group,
-                          float scale) {
+                          float scale, float *scales) {
     const bool e4m3 = mode != INT8_TOKEN;
     const float range = e4m3 ? 448.0f : 127.5f;
     const int64_t length = mode == E4M3_GROUP ? group : k;
@@ -67,11 +67,13 @@ void fake_quantize_avx512(const void *x, bool bf16, float *out, int64_t m, int64
         for (int64_t g0 = 0; g0 < k; g0 += length) {
             const int64_t g1 = std::min(k, g0 + length);
             const float s = mode == E4M3_STATIC ? scale : dynamic_scale(x, bf16, base, g0, g1, range);
+            if (scales) *scales++ = s;
             const __m512 vs = _mm512_set1_ps(s);
             for (int64_t i = g0; i < g1; i += 16) {
                 const __mmask16 mask = tail(g1 - i);
                 const __m512 v = _mm512_div_ps(load16(x, bf16, base + i, mask), vs);
-                _mm512_mask_storeu_ps(out + base + i, mask, _mm512_mul_ps(e4m3 ? round_e4m3(v) : round_int8(v), vs));
+                const __m512 code = e4m3 ? round_e4m3(v) : round_int8(v);
+                _mm512_mask_storeu_ps(out + base + i, mask, scales ? code : _mm512_mul_ps(code, vs));
             }
         }
     }
@@ -93,6 +95,31 @@ void int8_codes_avx512(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *
     }
 }
 
+bool all_finite_avx512(const void *x, int dtype, int64_t n) {
+    const uint8_t *bytes = static_cast<const uint8_t *>(x);
+    const int size = dtype == 0 ? 4 : 2;
+    const int64_t total = n * size;
+    __mmask64 bad = 0;  // any lane whose exponent field is all ones (inf or NaN)
+    if (dtype == 0) {
+        const __m512i field = _mm512_set1_epi32(0x7F800000);
+        for (int64_t i = 0; i < total; i += 64) {
+            const int64_t left = (total - i) / 4;
+            const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+            const __m512i w = _mm512_maskz_loadu_epi32(mask, bytes + i);
+            bad |= _mm512_mask_cmpeq_epi32_mask(mask, _mm512_and_si512(w, field), field);
+        }
+    } else {
+        const __m512i field = _mm512_set1_epi16(static_cast<short>(dtype == 1 ? 0x7F80 : 0x7C00));
+        for (int64_t i = 0; i < total; i += 64) {
+            const int64_t left = (total - i) / 2;
+            const __mmask32 mask = left >= 32 ? ~0u : static_cast<__mmask32>((1u << left) - 1u);
+            const __m512i w = _mm512_maskz_loadu_epi16(mask, bytes + i);
+            bad |= _mm512_mask_cmpeq_epi16_mask(mask, _mm512_and_si512(w, field), field);
+        }
+    }
+    return bad == 0;
+}
+
 }  // namespace qscheme_act
 
 #else  // no x86: the portable pass only
@@ -101,7 +128,8 @@ void int8_codes_avx512(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *
 
 namespace qscheme_act {
 bool vector_compiled() { return false; }
-void fake_quantize_avx512(const void *, bool, float *, int64_t, int64_t, int, int64_t, float) {}
+void fake_quantize_avx512(const void *, bool, float *, int64_t, int64_t, int, int64_t, float, float *) {}
+bool all_finite_avx512(const void *, int, int64_t) { return false; }
 void int8_codes_avx512(const void *, bool, int64_t, int64_t, uint8_t *, int64_t, float *) {}
 }  // namespace qscheme_act
 

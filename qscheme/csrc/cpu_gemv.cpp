@@ -490,6 +490,8 @@ PyMethodDef methods[] = {
     {"blocks_loop", qscheme_gguf::blocks_loop, METH_VARARGS, "1 where bfloat16 rows of x run the AVX512-BF16 loop on packed blocks, else 0."},
     {"blocks_bf16", qscheme_gguf::blocks_bf16, METH_NOARGS, "1 where this CPU runs the packed blocks' AVX512-BF16 loop, else 0."},
     {"fake_quantize", qscheme_act::fake_quantize_method, METH_VARARGS, "FP8 / int8 activation quantize-dequantize (qscheme.emulation)."},
+    {"activation_codes", qscheme_act::activation_codes_method, METH_VARARGS, "FP8 / int8 activation codes' values and their scales (qscheme.emulation)."},
+    {"all_finite", qscheme_act::all_finite_method, METH_VARARGS, "Whether a float32, bfloat16 or float16 buffer holds no inf or NaN."},
     {nullptr, nullptr, 0, nullptr},
 };
 
