@@ -28,6 +28,8 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from qscheme_plugins.dequant_gemm import BF16_DOT_SOURCE, BF16_DOT_TILES
+
 from qscheme.descriptor.model import SCALE_FORMATS, weight_family
 from qscheme.kernels.declaration import (
     DEPLOYED_ACTIVATION_PAIRS,
@@ -162,6 +164,10 @@ GEMV_BATCHES = BatchRange(
     ),
 )
 
+# bfloat16 inputs where the tile GEMM runs VDPBF16PS dot products: up to M = 4 (its loops for one to four
+# rows of x), dequant_gemm from 5 (qscheme_plugins.dequant_gemm.BF16_DOT_SOURCE has the figures)
+GEMV_BF16_DOT_BATCHES = BatchRange("cpu", 0, 4, source=BF16_DOT_SOURCE, when=BF16_DOT_TILES)
+
 CPU_GEMV = KernelDeclaration(
     name="cpu_gemv",
     provider="qscheme",
@@ -179,7 +185,7 @@ CPU_GEMV = KernelDeclaration(
     implementation="qscheme_plugins.cpu_gemv_kernel:CpuGemvKernel",
     requires_modules=("torch",),
     checks=(ActivationDtypes(("bfloat16", "float16", "float32")), NativeLoops()),
-    batch_ranges=(GEMV_BATCHES,),
+    batch_ranges=(GEMV_BF16_DOT_BATCHES, GEMV_BATCHES),
     prepared_state=PreparedState("canonical"),
     notes=(
         "each weight is the reference's float32 value, (code - zero) * effective scale, formed in registers; the "

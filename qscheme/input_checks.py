@@ -43,9 +43,9 @@ def _all_finite_natively(x: Tensor) -> bool:
     dtype = _NATIVE_DTYPES.get(x.dtype)
     if dtype is None or x.device.type != "cpu" or not x.is_contiguous() or torch.compiler.is_compiling():
         return False
-    from qscheme import cpu_gemv
+    from qscheme.cpu_gemv import native  # the module path: importing the package would reach the loader
 
-    module = cpu_gemv.native()
+    module = native()
     if module is None:
         return False
     return bool(module.all_finite(x.data_ptr(), dtype, x.numel(), module.isa() == "avx512"))

@@ -38,7 +38,7 @@ from qscheme_plugins.cpu_gemv_blocks import CPU_GEMV_BLOCKS, Bf16BlockLoop, Nati
 from qscheme_plugins.cpu_gemv_blocks_kernel import CpuGemvBlocksKernel
 from qscheme_plugins.reference_kernel import ReferenceKernel
 
-from qscheme import cpu_gemv, cpu_gemv_blocks
+from qscheme import cpu_gemv, cpu_gemv_blocks, tile_gemm
 from qscheme.canonical import CanonicalWeight
 from qscheme.canonical_blocks import canonical_blocks
 from qscheme.errors import UsageError
@@ -382,6 +382,8 @@ def test_the_resolver_plans_it_for_small_batches(bf16_loop: bool, monkeypatch: p
     which neither takes, they all come here."""
     monkeypatch.setattr(cpu_gemv_blocks, "bf16_loop_available", lambda: bf16_loop)
     monkeypatch.setattr(cpu_gemv_blocks, "gemm_available", lambda: bf16_loop)  # the same CPUs (AVX512-BF16)
+    # and the tile GEMM's VDPBF16PS loops, under which tinygemm_cpu's range stops at M = 4
+    monkeypatch.setattr(tile_gemm, "isa", lambda: "avx512" if bf16_loop else "scalar")
     device = fake_device("cpu", modules=all_modules() | {CPU_GEMV_BLOCKS.implementation_module or ""})
     declarations = registry.declarations()
     for name in CLAIMED:

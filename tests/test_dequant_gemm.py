@@ -217,12 +217,16 @@ def test_the_kernel_is_within_its_bound_of_the_reference_kernel(name: str, nativ
     assert empty.shape == (2, 0, n)
 
 
-def test_int4_runs_the_gemv_below_16_and_the_tiles_from_16_even_under_the_triton_interpreter(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(("loops", "first"), [("avx512", 5), ("amx", 16), ("scalar", 16)])
+def test_int4_runs_the_gemv_then_the_tiles_even_under_the_triton_interpreter(
+    loops: str, first: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """bfloat16 inputs: the tiles from M = 5 where they run VDPBF16PS dot products (AVX512-BF16, no
+    AMX: measured there), from M = 16 elsewhere; float32 inputs from 16 on every CPU."""
     weight = weight_of("compressed-tensors/W4A16", 256, 512)
     # cpu_gemv's int4 entry ranks above tinygemm_cpu; without its loops (no extension, no AVX2) tinygemm_cpu
     gemv = "cpu_gemv" if cpu_gemv.available() and cpu_gemv.supported_isa() != "scalar" else "tinygemm_cpu"
+    monkeypatch.setattr(tile_gemm, "isa", lambda: loops)
     for interpreted in (False, True):
         if interpreted:
             monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -232,7 +236,11 @@ def test_int4_runs_the_gemv_below_16_and_the_tiles_from_16_even_under_the_triton
             resolution = registry.resolve_layer(weight.scheme, problem_for(weight, "bfloat16"), "cpu")
             plan = resolution.plan  # type: ignore[attr-defined]
             assert interpreted == resolution.candidate("triton").accepted
-            assert [plan.kernel_for(m).name for m in (1, 15, 16, 256)] == [gemv, gemv, "dequant_gemm", "dequant_gemm"]
+            sizes = (1, first - 1, first, 256)
+            assert [plan.kernel_for(m).name for m in sizes] == [gemv, gemv, "dequant_gemm", "dequant_gemm"]
+            if gemv == "cpu_gemv":  # float32 inputs (tinygemm_cpu takes none)
+                float32 = registry.resolve_layer(weight.scheme, problem_for(weight, "float32"), "cpu").plan
+                assert [float32.kernel_for(m).name for m in (1, 15, 16)] == [gemv, gemv, "dequant_gemm"]
 
 
 @pytest.mark.parametrize("name", ["compressed-tensors/FP8_DYNAMIC", "compressed-tensors/NVFP4A16"])

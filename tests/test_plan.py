@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 from kernel_fakes import isolated_plugins
@@ -19,7 +19,9 @@ from qscheme.kernels import registry
 from qscheme.kernels.declaration import (
     ANY_DEVICE,
     ANY_WEIGHT_ONLY,
+    ActivationDtypes,
     BatchRange,
+    CheckResult,
     DeviceSupport,
     KernelDeclaration,
     PreparedState,
@@ -187,7 +189,63 @@ def test_declarations_check_their_ranges_and_states() -> None:
     with pytest.raises(ValueError, match="batch_ranges must be a tuple of BatchRange"):
         replace(GEMV, batch_ranges=((0, 15),))  # type: ignore[arg-type]
     assert GEMV.batch_ranges[0].describe() == "M <= 15 on cpu"
-    assert GEMV.as_json()["batch_ranges"] == [{"device": "cpu", "m_min": 0, "m_max": 15, "source": "test"}]
+    assert GEMV.as_json()["batch_ranges"] == [{"device": "cpu", "m_min": 0, "m_max": 15, "source": "test", "when": []}]
+    with pytest.raises(ValueError, match="when must be a tuple of objects with check"):
+        BatchRange("cpu", 0, 4, when=(ActivationDtypes(("bfloat16",)), "bfloat16"))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Raises:
+    """A plugin's check with a bug."""
+
+    def check(self, problem: Problem) -> CheckResult:
+        raise RuntimeError("a bug")
+
+    def describe(self) -> str:
+        return "a buggy check"
+
+
+BF16 = (ActivationDtypes(("bfloat16",)),)
+CONDITIONAL_GEMV = kernel("gemv", 50, (BatchRange("cpu", 0, 4, "bf16", BF16), BatchRange("cpu", 0, 15, "test")))
+CONDITIONAL_TILES = kernel("tiles", 10, (BatchRange("cpu", 5, None, "bf16", BF16), BatchRange("cpu", 16, None, "test")))
+
+
+def test_a_range_under_conditions_holds_only_for_the_layers_that_pass_them() -> None:
+    """The first entry that applies is the range: the bfloat16 one for bfloat16 layers, the
+    unconditional one for float32 layers and where no layer is given."""
+    bf16, f32 = Problem(64, 64, "bfloat16"), Problem(64, 64, "float32")
+    assert CONDITIONAL_GEMV.batch_range("cpu", bf16) == (0, 4)
+    assert CONDITIONAL_GEMV.batch_range("cpu", f32) == (0, 15)
+    assert CONDITIONAL_GEMV.batch_range("cpu") == (0, 15)
+    entry = CONDITIONAL_TILES.batch_entry("cpu", bf16)
+    assert entry is not None and entry.source == "bf16"
+    assert entry.describe() == "M >= 5 on cpu for bfloat16 activations"
+    assert CONDITIONAL_TILES.as_json()["batch_ranges"][0]["when"] == ["bfloat16 activations"]  # type: ignore[index]
+    assert described(build_plan([CONDITIONAL_GEMV, CONDITIONAL_TILES], "cpu", problem=bf16)) == [
+        (0, 4, "gemv"),
+        (5, None, "tiles"),
+    ]
+    assert described(build_plan([CONDITIONAL_GEMV, CONDITIONAL_TILES], "cpu", problem=f32)) == [
+        (0, 15, "gemv"),
+        (16, None, "tiles"),
+    ]
+    # an override's boundary moves the range that applies
+    split = parse_m_split("8", origin="QSCHEME_M_SPLIT")
+    assert described(build_plan([CONDITIONAL_GEMV, CONDITIONAL_TILES], "cpu", m_split=split, problem=bf16)) == [
+        (0, 7, "gemv"),
+        (8, None, "tiles"),
+    ]
+    # a check that raises: the entry does not hold (the next one does), and nothing propagates
+    buggy = kernel("gemv", 50, (BatchRange("cpu", 0, 4, "bug", (Raises(),)), BatchRange("cpu", 0, 15, "test")))
+    assert buggy.batch_range("cpu", bf16) == (0, 15)
+
+
+def test_the_resolver_plans_with_the_layers_conditions() -> None:
+    scheme = load_scheme("compressed-tensors/W4A16")
+    device = registry.device_for("cpu")
+    for dtype, boundary in (("bfloat16", 5), ("float32", 16)):
+        resolution = resolve(scheme, Problem(256, 512, dtype), device, [CONDITIONAL_GEMV, CONDITIONAL_TILES])
+        assert described(resolution.plan) == [(0, boundary - 1, "gemv"), (boundary, None, "tiles")]
 
 
 # -- the resolver, with the built-in declarations ------------------------------------------------

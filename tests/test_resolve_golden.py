@@ -5,7 +5,7 @@ One file per device (cpu, and simulated sm80, sm89, sm90, sm100, sm103, sm120, w
 CUDA build of the local torch release), each holding the CLI's own output for every built-in
 scheme on a 4096x4096 layer with bf16 activations, built-in plugins only, no QSCHEME_ or
 TRITON_ variables set, on a CPU that runs ``cpu_gemv_blocks``' AVX512-BF16 loop and
-``cpu_int8_gemm``'s AVX512-VNNI loops (their checks' answers pinned, so that the text is the same
+``cpu_int8_gemm``'s AVX512-VNNI loops and ``qscheme._tile_gemm``'s VDPBF16PS loops (their checks' answers pinned, so that the text is the same
 on any machine). The device and note lines (versions) are left out. A change to a declaration,
 a priority or the resolver shows here as a diff to review; regenerate with
 ``QSCHEME_UPDATE_SNAPSHOTS=1 pytest tests/test_resolve_golden.py``.
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from kernel_fakes import AS_IF_IMPLEMENTED, builtin_scheme, fake_device, isolated_plugins
 
-from qscheme import cpu_gemv_blocks, int8_gemm
+from qscheme import cpu_gemv_blocks, int8_gemm, tile_gemm
 from qscheme.catalog import load_catalog
 from qscheme.cli.main import main
 from qscheme.kernels.problem import Problem
@@ -51,6 +51,8 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     # and cpu_int8_gemm's AVX512-VNNI loops
     monkeypatch.setattr(int8_gemm, "available", lambda: True)
     monkeypatch.setattr(int8_gemm, "supported_isa", lambda: "vnni")
+    # and the tile GEMM's VDPBF16PS loops (AVX512-BF16 without AMX), under which the GEMVs' ranges stop at M = 4
+    monkeypatch.setattr(tile_gemm, "isa", lambda: "avx512")
     with isolated_plugins():
         yield
 

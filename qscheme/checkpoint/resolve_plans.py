@@ -12,51 +12,45 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from qscheme.kernels.declaration import KernelDeclaration, describe_batch
+from qscheme.kernels.declaration import describe_batch
 from qscheme.kernels.plan import KernelPlan, MSplit
 
 if TYPE_CHECKING:
     from qscheme.checkpoint.resolve import LayerDecision
+    from qscheme.kernels.problem import Problem
 
 
-def boundaries(plans: Sequence[tuple[KernelPlan, str]]) -> list[dict[str, object]]:
-    """Every (kernel, range) the plans use, once: its declared range on the device type, where the
-    boundary comes from, and the range the plan gives it (which an override may move)."""
+def boundaries(plans: Sequence[tuple[KernelPlan, str, Problem | None]]) -> list[dict[str, object]]:
+    """Every (kernel, range) the plans use, once: its declared range on the device type for the
+    layer, where the boundary comes from, and the range the plan gives it (which an override may
+    move)."""
     seen: dict[tuple[str, int, int | None], dict[str, object]] = {}
-    for plan, device_type in plans:
+    for plan, device_type, problem in plans:
         if not plan.split and plan.m_split is None:
             continue
         for entry in plan.entries:
             key = (entry.kernel.name, entry.m_min, entry.m_max)
             if key in seen:
                 continue
-            declared = _declared(entry.kernel, device_type)
+            declared = entry.kernel.batch_entry(device_type, problem)
             seen[key] = {
                 "kernel": entry.kernel.name,
                 "m_min": entry.m_min,
                 "m_max": entry.m_max,
                 "reason": entry.reason,
-                "declared": None if declared is None else {"m_min": declared[0], "m_max": declared[1]},
-                "source": _source(entry.kernel, device_type),
+                "declared": None if declared is None else {"m_min": declared.m_min, "m_max": declared.m_max},
+                "source": None if declared is None else declared.source or None,
                 "override": plan.m_split.text if plan.m_split is not None else None,
             }
     return list(seen.values())
 
 
-def _declared(kernel: KernelDeclaration, device_type: str) -> tuple[int, int | None] | None:
-    return kernel.batch_range(device_type)
-
-
-def _source(kernel: KernelDeclaration, device_type: str) -> str | None:
-    for wanted in (device_type, "any"):
-        for entry in kernel.batch_ranges:
-            if entry.device == wanted:
-                return entry.source or None
-    return None
-
-
-def _plans(decisions: Sequence[LayerDecision]) -> list[tuple[KernelPlan, str]]:
-    return [(d.resolution.plan, d.resolution.device.type) for d in decisions if d.resolution.plan.entries]
+def _plans(decisions: Sequence[LayerDecision]) -> list[tuple[KernelPlan, str, Problem | None]]:
+    return [
+        (d.resolution.plan, d.resolution.device.type, d.resolution.problem)
+        for d in decisions
+        if d.resolution.plan.entries
+    ]
 
 
 def render_plans(

@@ -485,12 +485,19 @@ class BatchRange:
     ``source`` says where the boundary comes from (a benchmark and its figures): a boundary is a
     measurement, not a guess. A kernel with no BatchRange for a device is meant for every M there
     (the resolver's plan gives it every M it wins). ``device`` is a device type or ``"any"``.
+
+    ``when``: checks on the layer's problem (its activation dtype, what the CPU runs) under which
+    this entry applies; without them it always does. A kernel's entries are tried in order (its
+    device's own, then ``"any"``) and the first that applies is its range, so an entry with
+    ``when`` comes before the one that holds elsewhere: a boundary measured on one kind of CPU
+    moves only there.
     """
 
     device: str
     m_min: int = 0
     m_max: int | None = None
     source: str = ""
+    when: tuple[ProblemCheck, ...] = ()
 
     def __post_init__(self) -> None:
         _require(
@@ -507,11 +514,33 @@ class BatchRange:
             f"batch range m_max must be None or an int >= m_min ({self.m_min}), not {self.m_max!r}",
         )
         _require(isinstance(self.source, str), f"batch range source must be a str, not {self.source!r}")
+        _require(
+            isinstance(self.when, tuple) and all(isinstance(c, ProblemCheck) for c in self.when),
+            f"batch range when must be a tuple of objects with check(problem) and describe(), not {self.when!r}",
+        )
+
+    def applies(self, problem: Problem | None) -> bool:
+        """Whether this entry holds for ``problem``: always without ``when``; with it, only for a
+        problem that passes every check (a check that raises counts as failed)."""
+        if not self.when:
+            return True
+        if problem is None:
+            return False
+        for check in self.when:
+            try:
+                result = check.check(problem)
+            except (Exception, SystemExit):  # a plugin's check may raise anything: the entry does not hold
+                return False
+            if not isinstance(result, CheckResult) or not result.ok:
+                return False
+        return True
 
     def describe(self) -> str:
-        """``M >= 16 on cpu``, ``M <= 15 on any device``, ``M 4-15 on cuda``."""
+        """``M >= 16 on cpu``, ``M <= 15 on any device``, ``M 4-15 on cuda``, ``M >= 5 on cpu for
+        bfloat16 activations``."""
         where = "any device" if self.device == ANY_DEVICE else self.device
-        return f"{describe_batch(self.m_min, self.m_max)} on {where}"
+        condition = f" for {' and '.join(describe_check(c) for c in self.when)}" if self.when else ""
+        return f"{describe_batch(self.m_min, self.m_max)} on {where}{condition}"
 
 
 def describe_batch(m_min: int, m_max: int | None) -> str:
@@ -656,14 +685,21 @@ class KernelDeclaration:
         priority among them (an entry without one has the kernel's), the kernel's when none."""
         return max((self.priority if s.priority is None else s.priority for s in matching), default=self.priority)
 
-    def batch_range(self, device_type: str) -> tuple[int, int | None] | None:
-        """The declared (m_min, m_max) for a device type (its own entry, else an ``any`` one);
-        None when the kernel declares none there: every M."""
+    def batch_entry(self, device_type: str, problem: Problem | None = None) -> BatchRange | None:
+        """The declared BatchRange for a device type and layer: the first entry of the device's
+        own that applies to ``problem`` (``BatchRange.when``), else the first ``any`` one; None
+        when none does (the kernel is meant for every M there)."""
         for wanted in (device_type, ANY_DEVICE):
             for entry in self.batch_ranges:
-                if entry.device == wanted:
-                    return entry.m_min, entry.m_max
+                if entry.device == wanted and entry.applies(problem):
+                    return entry
         return None
+
+    def batch_range(self, device_type: str, problem: Problem | None = None) -> tuple[int, int | None] | None:
+        """The declared (m_min, m_max) of ``batch_entry``; None when the kernel declares none
+        there: every M."""
+        entry = self.batch_entry(device_type, problem)
+        return None if entry is None else (entry.m_min, entry.m_max)
 
     def describe_devices(self) -> str:
         return "; ".join(d.describe() for d in self.devices)
@@ -687,7 +723,14 @@ class KernelDeclaration:
             "checks": [describe_check(c) for c in self.checks],
             "notes": list(self.notes),
             "batch_ranges": [
-                {"device": b.device, "m_min": b.m_min, "m_max": b.m_max, "source": b.source} for b in self.batch_ranges
+                {
+                    "device": b.device,
+                    "m_min": b.m_min,
+                    "m_max": b.m_max,
+                    "source": b.source,
+                    "when": [describe_check(c) for c in b.when],
+                }
+                for b in self.batch_ranges
             ],
             "prepared_state": {"kind": self.prepared_state.kind, "extra": self.prepared_state.extra},
         }

@@ -31,9 +31,13 @@ import difflib
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from qscheme.errors import UsageError
 from qscheme.kernels.declaration import KernelDeclaration, describe_batch
+
+if TYPE_CHECKING:
+    from qscheme.kernels.problem import Problem
 
 M_SPLIT_VARIABLE = "QSCHEME_M_SPLIT"
 OFF_WORDS: tuple[str, ...] = ("off", "none")
@@ -57,13 +61,15 @@ class MSplit:
     boundary: int | None = None
     ranges: tuple[tuple[str, int, int | None], ...] = ()
 
-    def range_for(self, declaration: KernelDeclaration, device_type: str) -> Range | None:
+    def range_for(
+        self, declaration: KernelDeclaration, device_type: str, problem: Problem | None = None
+    ) -> Range | None:
         """The kernel's range under this override (None: every M); ``off`` is handled by
         ``build_plan`` (the kernel for M = 1 runs every M)."""
         for name, low, high in self.ranges:
             if name == declaration.name:
                 return low, high
-        declared = declaration.batch_range(device_type)
+        declared = declaration.batch_range(device_type, problem)
         if declared is None or self.boundary is None:
             return declared
         low, high = declared
@@ -236,16 +242,18 @@ def build_plan(
     device_type: str,
     forced: str | None = None,
     m_split: MSplit | None = None,
+    problem: Problem | None = None,
 ) -> KernelPlan:
     """The plan over the resolver's accepted kernels (highest priority first); see the module
-    docstring. Empty when none was accepted."""
+    docstring. Empty when none was accepted. ``problem``: the layer, for ranges declared under
+    conditions (``BatchRange.when``); without it only unconditional ranges hold."""
     if not accepted:
         return KernelPlan((), m_split=m_split)
     if forced is not None:
         chosen = next(d for d in accepted if d.name == forced)
         return KernelPlan((PlanEntry(0, None, chosen, f"kernel {forced!r} is forced: it runs every M"),), (), m_split)
     if m_split is not None and m_split.off:
-        decode = build_plan(accepted, device_type).kernel_for(1)
+        decode = build_plan(accepted, device_type, problem=problem).kernel_for(1)
         why = f"{m_split.text!r}: the kernel for M = 1 runs every M"
         return KernelPlan((PlanEntry(0, None, decode, why),), (), m_split)
     free: list[Range] = [(0, None)]
@@ -259,8 +267,8 @@ def build_plan(
     for declaration in accepted:
         if not free:
             break
-        declared = declaration.batch_range(device_type)
-        wanted = m_split.range_for(declaration, device_type) if m_split is not None else declared
+        declared = declaration.batch_range(device_type, problem)
+        wanted = m_split.range_for(declaration, device_type, problem) if m_split is not None else declared
         full = wanted is None
         span: Range = (0, None) if wanted is None else wanted
         if span[1] is not None and span[1] < span[0]:

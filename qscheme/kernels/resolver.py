@@ -512,7 +512,7 @@ def resolve(
     # a Supports entry may rank its kernel otherwise for the schemes it takes (Supports.priority)
     judged.sort(key=lambda item: (-item[1], item[0].name))
     accepted = [d for d, _, failures in judged if not failures and (force is None or d.name == force)]
-    plan = build_plan(accepted if layout is None else [], device.type, force, m_split)
+    plan = build_plan(accepted if layout is None else [], device.type, force, m_split, problem)
     chosen = plan.kernel_for(1) if plan.entries else None
     trace: list[Candidate] = []
     for declaration, priority, failures in judged:
