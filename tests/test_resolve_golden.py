@@ -5,9 +5,10 @@ One file per device (cpu, and simulated sm80, sm89, sm90, sm100, sm103, sm120, w
 CUDA build of the local torch release), each holding the CLI's own output for every built-in
 scheme on a 4096x4096 layer with bf16 activations, built-in plugins only, no QSCHEME_ or
 TRITON_ variables set, on a CPU that runs ``cpu_gemv_blocks``' AVX512-BF16 loop and
-``cpu_int8_gemm``'s AVX512-VNNI loops and ``qscheme._tile_gemm``'s VDPBF16PS loops (their checks' answers pinned, so that the text is the same
-on any machine). The device and note lines (versions) are left out. A change to a declaration,
-a priority or the resolver shows here as a diff to review; regenerate with
+``cpu_int8_gemm``'s AVX512-VNNI loops and ``qscheme._tile_gemm``'s VDPBF16PS loops (their
+checks' answers pinned, so that the text is the same on any machine). The device and note lines
+(versions) are left out. A change to a declaration, a priority or the resolver shows here as a
+diff to review; regenerate with
 ``QSCHEME_UPDATE_SNAPSHOTS=1 pytest tests/test_resolve_golden.py``.
 
 A second set (tests/snapshots/golden/producers_vllm_<device>.txt, cpu, sm90 and sm100) holds the
