@@ -29,7 +29,7 @@ measured faster or as fast at half the memory; elsewhere the ranking above holds
 
 ``cpu_gemm_blocks`` is the blocks' GEMM for larger batches (``qscheme.cpu_gemv_blocks.gemm``): panels
 of 32 weight rows decoded from the blocks into bfloat16 and multiplied with VDPBF16PS, on CPUs with
-AVX512-BF16 (check ``BlocksGemm``), bfloat16 inputs, from M = 8 (priority 63: above the GEMVs, whose
+AVX512-BF16 (check ``BlocksGemm``), bfloat16 inputs, from M = 5 (priority 63: above the GEMVs, whose
 ranges end at 15, and ``dequant_gemm``, which decodes row tiles for torch's GEMM from M = 16).
 """
 
@@ -223,13 +223,14 @@ class BlocksGemm:
 
 BLOCK_GEMM_BATCHES = BatchRange(
     "cpu",
-    8,
+    5,
     None,
     source=(
-        "benchmarks/cpu_gemm.py, 4096x4096, bf16, 2 threads, a 2-core Zen 4 EPYC: at M = 8 the fused GEMM beats "
-        "cpu_gemv_blocks_bf16 for Q4_K (1.25x against 1.00x bf16 F.linear), IQ4_XS (1.33x / 1.03x), Q6_K "
-        "(0.69x / 0.45x) and ties it for Q4_0 (1.49x / 1.47x); at M = 4 the GEMV wins (Q4_0 2.50x / 1.84x, Q6_K "
-        "0.70x / 0.66x)"
+        "benchmarks/cpu_gemm.py, 4096x4096, bf16, 2 threads, a 2-core Zen 4 EPYC, same-run ratios to bf16 F.linear, "
+        "the fused GEMM / the blocks' GEMV: M = 5: Q4_K 1.14x / 1.09x, Q6_K 0.65x / 0.56x, Q8_0 0.92x / 0.77x, Q4_0 "
+        "1.40x / 1.48x; M = 6: Q4_0 1.41x / 1.43x, the others 1.11-1.27x faster; M = 7-8: the GEMM wins every type "
+        "(Q4_0 1.42x / 1.28x at 7); at M = 4 the GEMV wins (Q4_0 2.06x / 1.64x, Q4_K 1.60x / 1.30x, Q6_K 0.72-0.76x / "
+        "0.68x), as tile GEMM's range starts at 5 (qscheme_plugins.dequant_gemm)"
     ),
 )
 

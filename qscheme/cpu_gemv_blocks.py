@@ -26,7 +26,7 @@ loop where a layout does not fit (sub-blocks not a multiple of the width, a chun
 apart than 16, a table code of more than 4 bits); ``qscheme.cpu_gemv.set_isa`` /
 ``QSCHEME_CPU_GEMV_ISA`` choose narrower loops for these too.
 
-For many rows of bfloat16 x (prefill: the ``cpu_gemm_blocks`` kernel, from M = 8), ``gemm``
+For many rows of bfloat16 x (prefill: the ``cpu_gemm_blocks`` kernel, from M = 5), ``gemm``
 multiplies the blocks as a GEMM instead: tasks of 32 weight rows, each decoded chunk by chunk of K (about
 4096 columns, whole blocks) into a bfloat16 panel that stays in the core's cache (each weight the
 reference decoder's float32 value rounded once to nearest even; a float32 subnormal becomes zero,

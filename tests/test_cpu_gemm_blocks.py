@@ -13,7 +13,7 @@ bit llama.cpp's: tests/test_gguf_quants.py):
   bfloat16 unit of the exact product of the rounded weight plus K float32 roundings;
 - where it runs (``gemm_runs``: AVX512-BF16 and the AVX-512 loops in use), typed refusals, the op's
   fake implementation (opcheck, torch.compile);
-- the ``cpu_gemm_blocks`` kernel: the plan's kernel from M = 8 for bfloat16 inputs where it runs
+- the ``cpu_gemm_blocks`` kernel: the plan's kernel from M = 5 for bfloat16 inputs where it runs
   (rejected with its reason elsewhere, never for float32 inputs), a QuantLinear running it with no
   copy of the blocks, and its refusals.
 """
@@ -182,7 +182,7 @@ def test_the_op_has_a_fake_implementation() -> None:
 
 @pytest.mark.parametrize("name", ["gguf/Q4_0", "gguf/Q6_K", "gguf/Q8_0"])
 def test_the_plan_takes_it_from_m_8_where_it_runs(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bfloat16 inputs: the blocks' GEMV below M = 8 and cpu_gemm_blocks from 8 where it runs; else
+    """bfloat16 inputs: the blocks' GEMV below M = 5 and cpu_gemm_blocks from 5 where it runs; else
     rejected with its reason (the GEMVs up to 15, dequant_gemm from 16). float32 inputs never take it."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     weight = weight_of(name, 72)
@@ -192,8 +192,8 @@ def test_the_plan_takes_it_from_m_8_where_it_runs(name: str, monkeypatch: pytest
         plan = resolution.plan  # type: ignore[attr-defined]
         if cpu_gemv_blocks.gemm_available():
             assert candidate.accepted
-            assert [plan.kernel_for(m).name for m in (8, 16, 256)] == ["cpu_gemm_blocks"] * 3
-            assert plan.kernel_for(7).name != "cpu_gemm_blocks"
+            assert [plan.kernel_for(m).name for m in (5, 8, 16, 256)] == ["cpu_gemm_blocks"] * 4
+            assert plan.kernel_for(4).name != "cpu_gemm_blocks"
         else:
             assert not candidate.accepted and "fused GEMM" in str(candidate.reasons)
             assert plan.kernel_for(16).name == "dequant_gemm"

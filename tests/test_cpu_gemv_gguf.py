@@ -375,7 +375,7 @@ def test_the_state_is_the_canonical_blocks() -> None:
 
 @pytest.mark.parametrize("bf16_loop", [True, False])
 def test_the_resolver_plans_it_for_small_batches(bf16_loop: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """For M <= 15 on a CPU (M <= 7 where the blocks' fused GEMM takes bfloat16 inputs from M = 8). With
+    """For M <= 15 on a CPU (M <= 4 where the blocks' fused GEMM takes bfloat16 inputs from M = 5). With
     bfloat16 inputs on a CPU running the AVX512-BF16 loop (the check's answer set either way here), the
     4-bit types in sub-blocks of 32 go to cpu_gemv_blocks_bf16 (62); on other CPUs the affine ones stay on
     tinygemm_cpu (60, faster than the float32 loops in the benchmark's same runs). With float32 inputs,
@@ -395,11 +395,11 @@ def test_the_resolver_plans_it_for_small_batches(bf16_loop: bool, monkeypatch: p
             elif dtype == "bfloat16" and name in TINYGEMM_TYPES:
                 expected = "tinygemm_cpu"
             assert resolution.kernel is not None and resolution.kernel.name == expected, (name, dtype)
-            # with bfloat16 inputs on AVX512-BF16 CPUs the blocks' fused GEMM takes M >= 8
-            last = 7 if dtype == "bfloat16" and bf16_loop else 15
+            # with bfloat16 inputs on AVX512-BF16 CPUs the blocks' fused GEMM takes M >= 5
+            last = 4 if dtype == "bfloat16" and bf16_loop else 15
             assert resolution.plan.kernel_for(last).name == expected
             large = resolution.plan.kernel_for(last + 1).name
-            assert large == ("cpu_gemm_blocks" if last == 7 else "dequant_gemm"), (name, dtype)
+            assert large == ("cpu_gemm_blocks" if last == 4 else "dequant_gemm"), (name, dtype)
     resolution = resolve(builtin_scheme("gguf/F16"), Problem(4096, 4096), device, declarations)
     assert resolution.kernel is not None and resolution.kernel.name != "cpu_gemv_blocks"
 
