@@ -52,11 +52,10 @@ def enabled() -> bool:
     return cpu_gemv.available()
 
 
-def _takes(x: Tensor, mode: int | None) -> bool:
-    """Whether the native pass takes ``x`` for the rule of ``mode`` (see the module docstring)."""
+def _takes(x: Tensor) -> bool:
+    """Whether the native pass takes ``x`` (see the module docstring)."""
     return not (
-        mode is None
-        or x.device.type != "cpu"
+        x.device.type != "cpu"
         or x.dtype not in _INPUTS
         or (x.requires_grad and torch.is_grad_enabled())
         or torch.compiler.is_compiling()
@@ -64,27 +63,34 @@ def _takes(x: Tensor, mode: int | None) -> bool:
     )
 
 
-def fake_quantize(x: Tensor, rule: ActivationRule, input_scale: Tensor | None) -> Tensor | None:
-    """``x`` quantized and dequantized by ``rule`` (float32, x's shape), or None where the native
-    pass does not take it (see the module docstring); ``input_scale``: the static rule's float32
-    multiplier, validated by the caller."""
-    mode = MODES.get(rule.name)
-    if not _takes(x, mode):
-        return None
+def _native_pass(values: Tensor, mode: int, group: int, input_scale: Tensor | None, scales: Tensor | None) -> Tensor:
+    """The extension's pass over ``values`` (contiguous, on the CPU) into a new float32 tensor: the
+    quantize-dequantize, or with ``scales`` the codes' values, each block's scale written there."""
     from qscheme import cpu_gemv
 
     module = cpu_gemv.native()
-    values = x.detach().contiguous()
     out = torch.empty(values.shape, dtype=torch.float32)
     k = values.shape[-1]
     if values.numel() == 0:
         return out
     scale = 0.0 if input_scale is None else float(input_scale.reshape(-1)[0])
-    module.fake_quantize(
-        values.data_ptr(), values.dtype == torch.bfloat16, out.data_ptr(), values.numel() // k, k, mode,
-        rule.group_size or 0, scale, cpu_gemv.isa() == "avx512",
-    )  # fmt: skip
+    head = (values.data_ptr(), values.dtype == torch.bfloat16, out.data_ptr())
+    tail = (values.numel() // k, k, mode, group, scale, module.isa() == "avx512")
+    if scales is None:
+        module.fake_quantize(*head, *tail)
+    else:
+        module.activation_codes(*head, scales.data_ptr(), *tail)
     return out
+
+
+def fake_quantize(x: Tensor, rule: ActivationRule, input_scale: Tensor | None) -> Tensor | None:
+    """``x`` quantized and dequantized by ``rule`` (float32, x's shape), or None where the native
+    pass does not take it (see the module docstring); ``input_scale``: the static rule's float32
+    multiplier, validated by the caller."""
+    mode = MODES.get(rule.name)
+    if mode is None or not _takes(x):
+        return None
+    return _native_pass(x.detach().contiguous(), mode, rule.group_size or 0, input_scale, None)
 
 
 def activation_codes(x: Tensor, rule: ActivationRule, input_scale: Tensor | None) -> tuple[Tensor, Tensor] | None:
@@ -94,20 +100,8 @@ def activation_codes(x: Tensor, rule: ActivationRule, input_scale: Tensor | None
     ``CODE_MODES``, or see the module docstring). ``input_scale``: the static rule's float32
     multiplier, validated by the caller."""
     mode = CODE_MODES.get(rule.name)
-    if not _takes(x, mode):
+    if mode is None or not _takes(x):
         return None
-    from qscheme import cpu_gemv
-
-    module = cpu_gemv.native()
     values = x.detach().contiguous()
-    codes = torch.empty(values.shape, dtype=torch.float32)
     scales = torch.empty((*values.shape[:-1], 1), dtype=torch.float32)
-    k = values.shape[-1]
-    if values.numel() == 0:
-        return codes, scales
-    scale = 0.0 if input_scale is None else float(input_scale.reshape(-1)[0])
-    module.activation_codes(
-        values.data_ptr(), values.dtype == torch.bfloat16, codes.data_ptr(), scales.data_ptr(), values.numel() // k, k,
-        mode, 0, scale, module.isa() == "avx512",
-    )  # fmt: skip
-    return codes, scales
+    return _native_pass(values, mode, 0, input_scale, scales), scales
