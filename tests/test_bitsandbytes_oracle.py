@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from qscheme.checkpoint import apply_to_model, load_checkpoint
 from qscheme.checkpoint.resolve import resolve_checkpoint
 from qscheme.errors import CheckpointError, QSchemeError
+from qscheme.kernels import registry
 from qscheme.modules import QuantLinear
 from qscheme.producers.bitsandbytes.dequantize import dequantize, unpack_codes
 from qscheme.producers.bitsandbytes.read import read_layers
@@ -221,7 +222,10 @@ def test_resolve_shows_the_codebook_route(folders: dict[str, Path], monkeypatch:
         assert not declined.accepted and "scheme has codebook weights" in declined.reason
         plan = [(entry.m_min, entry.kernel.name) for entry in resolution.plan.entries]
         small = "cpu_gemv" if cpu_gemv.available() else "reference"
-        assert plan == [(0, small), (16, "dequant_gemm")]
+        # from M = 16, or 5 with bf16 inputs where the tiles run VDPBF16PS dot products (its declaration)
+        declared = registry.get_declaration("dequant_gemm").batch_range("cpu", resolution.problem)
+        assert declared is not None and declared[0] in (5, 16)
+        assert plan == [(0, small), (declared[0], "dequant_gemm")]
     monkeypatch.delenv("QSCHEME_DISABLED_KERNELS")
     _, on_gpu = resolve_checkpoint(folders["nf4-dq"] / "quantized", device="sm90")
     assert {decision.resolution.kernel.name for decision in on_gpu} == {"triton"}  # type: ignore[union-attr]

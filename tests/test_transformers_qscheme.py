@@ -72,7 +72,10 @@ except SchemeNotFoundError:
 else:
     raise SystemExit("the scheme is on a search path: this test proves nothing")
 model = AutoModelForCausalLM.from_pretrained(folder).eval()
-layers = {n: (m.scheme.name, m.kernel.name) for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+# the kernel each layer's plan runs for the 8 tokens below
+layers = {
+    n: (m.scheme.name, m.kernel_for_batch(8).name) for n, m in model.named_modules() if isinstance(m, QuantLinear)
+}
 with torch.no_grad():
     logits = model(torch.tensor([[1, 5, 9, 200, 33, 7, 100, 2]])).logits
 torch.save({"layers": layers, "logits": logits, "dtype": str(model.dtype)}, out)
@@ -136,9 +139,9 @@ def test_plain_from_pretrained_in_a_fresh_process_equals_apply_to_model(checkpoi
     assert {scheme for scheme, _ in loaded["layers"].values()} == {SCHEME}
     kernels = {kernel for _, kernel in loaded["layers"].values()}
     assert len(kernels) == 1, kernels
-    by_hand = _by_hand(checkpoint, kernel=kernels.pop())  # the kernel the fresh process resolved
+    by_hand = _by_hand(checkpoint, kernel=kernels.pop())  # the kernel the fresh process ran (M = 8)
     expected_layers = {
-        n: (m.scheme.name, m.kernel.name) for n, m in by_hand.named_modules() if isinstance(m, QuantLinear)
+        n: (m.scheme.name, m.kernel_for_batch(8).name) for n, m in by_hand.named_modules() if isinstance(m, QuantLinear)
     }
     assert loaded["layers"] == expected_layers
     assert torch.equal(loaded["logits"], _logits(by_hand))
