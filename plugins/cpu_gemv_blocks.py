@@ -227,10 +227,12 @@ BLOCK_GEMM_BATCHES = BatchRange(
     None,
     source=(
         "benchmarks/cpu_gemm.py, 4096x4096, bf16, 2 threads, a 2-core Zen 4 EPYC, same-run ratios to bf16 F.linear, "
-        "the fused GEMM / the blocks' GEMV: M = 5: Q4_K 1.14x / 1.09x, Q6_K 0.65x / 0.56x, Q8_0 0.92x / 0.77x, Q4_0 "
-        "1.40x / 1.48x; M = 6: Q4_0 1.41x / 1.43x, the others 1.11-1.27x faster; M = 7-8: the GEMM wins every type "
-        "(Q4_0 1.42x / 1.28x at 7); at M = 4 the GEMV wins (Q4_0 2.06x / 1.64x, Q4_K 1.60x / 1.30x, Q6_K 0.72-0.76x / "
-        "0.68x), as tile GEMM's range starts at 5 (qscheme_plugins.dequant_gemm)"
+        "the fused GEMM / the blocks' GEMV (four weight rows at every M): M = 5: Q8_0 0.92x / 0.77x, Q4_K 1.07x / "
+        "1.10x, IQ4_XS 1.28x / 1.28x, Q4_0 1.46x / 1.59x, Q6_K 0.65x / 0.77x, Q5_K 0.58x / 0.68x; M = 6: Q8_0 0.92x / "
+        "0.66x, Q4_K 1.11-1.13x / 1.06-1.08x, Q4_0 1.28-1.34x / 1.33-1.40x, Q6_K 0.67x / 0.75-0.77x; M = 7: Q4_0 "
+        "1.33x / 1.30x, Q6_K 0.70x / 0.76x; at M = 4 the GEMV wins every type (Q4_0 1.86x / 1.49x). Per type the "
+        "crossover is 5 (Q8_0, whose GEMV runs the float32 loop) to 8 (Q6_K, Q5_K); 5 is declared, as the tile "
+        "GEMM's (qscheme_plugins.dequant_gemm): a range cannot name the weight's format"
     ),
 )
 
