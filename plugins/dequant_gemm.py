@@ -32,6 +32,7 @@ from qscheme.kernels.declaration import (
     DeviceSupport,
     KernelDeclaration,
     PreparedState,
+    WeightFormats,
 )
 from qscheme.plugins import hookimpl
 
@@ -62,6 +63,43 @@ class TileGemmLoops:
         return f"qscheme._tile_gemm's {' or '.join(self.isas)} loops"
 
 
+@dataclass(frozen=True)
+class CpuGemvLoops:
+    """``qscheme._cpu_gemv`` runs one of these loops here (``qscheme.cpu_gemv.isa()``: "avx512",
+    "avx2", "scalar")."""
+
+    isas: tuple[str, ...]
+
+    def check(self, problem: Problem) -> CheckResult:
+        from qscheme import cpu_gemv  # torch: imported only when a plan asks
+
+        loops = cpu_gemv.isa()
+        if loops in self.isas:
+            return PASSED
+        return CheckResult(
+            False,
+            f"qscheme._cpu_gemv runs its {loops} loops here, not {' or '.join(self.isas)}",
+            "the kernels' other declared batch ranges hold here",
+        )
+
+    def describe(self) -> str:
+        return f"qscheme._cpu_gemv's {' or '.join(self.isas)} loops"
+
+
+# float32 inputs of the canonical formats on cpu_gemv's AVX-512 loops: its GEMV beats the float32 tiles
+# (decoded rows, torch's float32 GEMM) up to M = 32-48; the packed blocks' float32 GEMV loses from 16-32
+FLOAT32_GEMV = (
+    ActivationDtypes(("float32",)),
+    CpuGemvLoops(("avx512",)),
+    WeightFormats(("blocks",), exclude=True),
+)
+FLOAT32_GEMV_SOURCE = (
+    "QuantLinear with the kernel forced, 4096x4096, float32 inputs, 2 threads, 2-core Zen 4 EPYC, time of "
+    "dequant_gemm over cpu_gemv's: M = 16: NVFP4A16 1.09x, FP8 1.79x, W4A16 1.91x, FP8_DYNAMIC 1.80x; M = 32: "
+    "1.07x, 1.21x, 1.29x, 1.20x; M = 48: 0.90x, 1.03x, 1.13x, 1.05x; M = 64: 0.81x, 0.90x, 0.95x, 0.90x "
+    "(GGUF blocks: cpu_gemv_blocks loses from M = 16-32, Q6_K 1.83x slower at 16, so they keep M = 16)"
+)
+
 # Where the bfloat16 tile GEMM runs as VDPBF16PS dot products (AVX512-BF16, no AMX) it beats the GEMV
 # kernels from M = 5: the conditions of the ranges measured there (cpu_gemv, tinygemm_cpu and
 # dequant_gemm declare theirs under them; other CPUs keep the boundary at 16).
@@ -89,6 +127,7 @@ CPU_BATCHES = BatchRange(
 )
 
 CPU_BF16_DOT_BATCHES = BatchRange("cpu", m_min=5, source=BF16_DOT_SOURCE, when=BF16_DOT_TILES)
+CPU_FLOAT32_BATCHES = BatchRange("cpu", m_min=48, source=FLOAT32_GEMV_SOURCE, when=FLOAT32_GEMV)
 
 DEQUANT_GEMM = KernelDeclaration(
     name="dequant_gemm",
@@ -122,7 +161,7 @@ DEQUANT_GEMM = KernelDeclaration(
         "(AMX) or padded to whole 32-column chunks (AVX-512 BF16), or one tile of float32 rows (8 MiB at most) "
         "and its bfloat16 copy; all freed when it returns",
     ),
-    batch_ranges=(CPU_BF16_DOT_BATCHES, CPU_BATCHES),
+    batch_ranges=(CPU_BF16_DOT_BATCHES, CPU_FLOAT32_BATCHES, CPU_BATCHES),
     prepared_state=PreparedState("canonical"),
 )
 

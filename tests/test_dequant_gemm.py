@@ -32,6 +32,7 @@ from qscheme import cpu_gemv, tile_gemm
 from qscheme.canonical import CanonicalWeight, dequantize
 from qscheme.catalog import load_scheme
 from qscheme.kernels import registry
+from qscheme.kernels.resolver import resolve
 from qscheme.modules import QuantLinear, problem_for
 from qscheme.triton.samples import model_scale_dtype, random_weight
 
@@ -222,7 +223,8 @@ def test_int4_runs_the_gemv_then_the_tiles_even_under_the_triton_interpreter(
     loops: str, first: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bfloat16 inputs: the tiles from M = 5 where they run VDPBF16PS dot products (AVX512-BF16, no
-    AMX: measured there), from M = 16 elsewhere; float32 inputs from 16 on every CPU."""
+    AMX: measured there), from M = 16 elsewhere; float32 inputs from 48 where cpu_gemv runs its AVX-512
+    loops (measured there), from 16 elsewhere."""
     weight = weight_of("compressed-tensors/W4A16", 256, 512)
     # cpu_gemv's int4 entry ranks above tinygemm_cpu; without its loops (no extension, no AVX2) tinygemm_cpu
     gemv = "cpu_gemv" if cpu_gemv.available() and cpu_gemv.supported_isa() != "scalar" else "tinygemm_cpu"
@@ -238,9 +240,17 @@ def test_int4_runs_the_gemv_then_the_tiles_even_under_the_triton_interpreter(
             assert interpreted == resolution.candidate("triton").accepted
             sizes = (1, first - 1, first, 256)
             assert [plan.kernel_for(m).name for m in sizes] == [gemv, gemv, "dequant_gemm", "dequant_gemm"]
-            if gemv == "cpu_gemv":  # float32 inputs (tinygemm_cpu takes none)
-                float32 = registry.resolve_layer(weight.scheme, problem_for(weight, "float32"), "cpu").plan
-                assert [float32.kernel_for(m).name for m in (1, 15, 16)] == [gemv, gemv, "dequant_gemm"]
+            if gemv == "cpu_gemv":  # float32 inputs (tinygemm_cpu takes none): 48 on cpu_gemv's AVX-512 loops
+                for gemv_loops, start in (("avx512", 48), ("avx2", 16)):
+                    monkeypatch.setattr(cpu_gemv, "isa", lambda loops=gemv_loops: loops)
+                    # the resolver itself: registry.resolve_layer memoises per layer, and only the loops change here
+                    problem = problem_for(weight, "float32")
+                    float32 = resolve(weight.scheme, problem, registry.device_for("cpu"), registry.declarations()).plan
+                    sizes = (1, start - 1, start)
+                    assert [float32.kernel_for(m).name for m in sizes] == [gemv, gemv, "dequant_gemm"], (
+                        gemv_loops,
+                        float32.describe(),
+                    )
 
 
 @pytest.mark.parametrize("name", ["compressed-tensors/FP8_DYNAMIC", "compressed-tensors/NVFP4A16"])

@@ -19,12 +19,14 @@ from qscheme.kernels import registry
 from qscheme.kernels.declaration import (
     ANY_DEVICE,
     ANY_WEIGHT_ONLY,
+    BLOCKS_WEIGHT_ONLY,
     ActivationDtypes,
     BatchRange,
     CheckResult,
     DeviceSupport,
     KernelDeclaration,
     PreparedState,
+    WeightFormats,
 )
 from qscheme.kernels.devices import simulated_device
 from qscheme.kernels.plan import MSplit, build_plan, parse_m_split
@@ -366,3 +368,23 @@ def test_resolve_checks_batch_options_for_a_checkpoint(tmp_path: object, capsys:
     assert "--m 'one': expected batch sizes M >= 0" in capsys.readouterr().err
     assert main(["resolve", str(tmp_path), "--m-split", "sometimes"]) == 2
     assert "--m-split='sometimes'" in capsys.readouterr().err
+
+
+def test_a_range_per_weight_format_sees_the_schemes_format() -> None:
+    """The resolver fills Problem.weight_format from the scheme ("blocks" for packed blocks), so a
+    range may hold for some formats only; the field takes no part in comparisons."""
+    not_blocks = (WeightFormats(("blocks",), exclude=True),)
+    gemv = kernel("gemv", 50, (BatchRange("cpu", 0, 47, "f", not_blocks), BatchRange("cpu", 0, 15, "test")))
+    tiles = kernel("tiles", 10, (BatchRange("cpu", 48, None, "f", not_blocks), BatchRange("cpu", 16, None, "test")))
+    gemv = replace(gemv, supports=(ANY_WEIGHT_ONLY, BLOCKS_WEIGHT_ONLY))
+    tiles = replace(tiles, supports=(ANY_WEIGHT_ONLY, BLOCKS_WEIGHT_ONLY))
+    device = registry.device_for("cpu")
+    for name, boundary in (("compressed-tensors/W4A16", 48), (BLOCKS, 16)):
+        resolution = resolve(load_scheme(name), Problem(256, 512), device, [gemv, tiles])
+        assert described(resolution.plan) == [(0, boundary - 1, "gemv"), (boundary, None, "tiles")], name
+        assert resolution.problem.weight_format == load_scheme(name).weight.format  # type: ignore[union-attr]
+    assert Problem(8, 8, weight_format="blocks") == Problem(8, 8)
+    assert not WeightFormats(("blocks",)).check(Problem(8, 8)).ok  # unknown: the entry does not hold
+    assert WeightFormats(("blocks",), exclude=True).describe() == "weights other than blocks"
+    with pytest.raises(UsageError, match="weight_format must be a str or None"):
+        Problem(8, 8, weight_format=4)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ from qscheme.kernels.declaration import (
     WEIGHT_ONLY,
     ActivationDtypes,
     ActivationSupport,
+    BatchRange,
     CapabilityRange,
     CheckResult,
     DeviceSupport,
@@ -18,6 +19,7 @@ from qscheme.kernels.declaration import (
     ProblemCheck,
     ShapeAlignment,
     Supports,
+    WeightFormats,
 )
 from qscheme.kernels.devices import DeviceFacts, device_facts, probe_device, simulated_device
 from qscheme.kernels.problem import Problem
@@ -28,6 +30,7 @@ __all__ = [
     "WEIGHT_ONLY",
     "ActivationDtypes",
     "ActivationSupport",
+    "BatchRange",
     "Candidate",
     "CapabilityRange",
     "CheckResult",
@@ -40,6 +43,7 @@ __all__ = [
     "Resolver",
     "ShapeAlignment",
     "Supports",
+    "WeightFormats",
     "device_facts",
     "probe_device",
     "resolve",

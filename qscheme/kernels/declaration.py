@@ -474,6 +474,29 @@ class ActivationDtypes:
         return " or ".join(self.dtypes) + " activations"
 
 
+@dataclass(frozen=True)
+class WeightFormats:
+    """The layer's weight format (``Problem.weight_format``, which the resolver takes from the
+    scheme: ``"blocks"`` for packed blocks) is one of ``formats``, or with ``exclude`` none of
+    them. Meant for ``BatchRange.when``: a boundary measured for some formats only."""
+
+    formats: tuple[str, ...]
+    exclude: bool = False
+
+    def check(self, problem: Problem) -> CheckResult:
+        found = problem.weight_format
+        if found is not None and (found in self.formats) != self.exclude:
+            return PASSED
+        return CheckResult(False, f"takes {self.describe()}; layer has {found or 'an unknown'} weights")
+
+    def describe(self) -> str:
+        return (
+            ("weights other than " if self.exclude else "")
+            + " or ".join(self.formats)
+            + ("" if self.exclude else " weights")
+        )
+
+
 PREPARED_STATE_KINDS: tuple[str, ...] = ("canonical", "repack")
 
 

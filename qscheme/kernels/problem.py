@@ -45,6 +45,9 @@ class Problem:
     ``input_permutation``: the canonical weight holds the input channels permuted (GPTQ act-order),
     known once the layer's group index is read.
     ``layer`` only names the layer in messages: it takes no part in comparisons.
+    ``weight_format``: the scheme's weight format (``"blocks"`` for packed blocks), which the
+    resolver fills in from the scheme for batch ranges declared per format (``BatchRange.when``);
+    it takes no part in comparisons either (the scheme is compared apart).
     """
 
     n: int
@@ -55,6 +58,7 @@ class Problem:
     input_pre_scale: bool | None = None
     layer: str | None = field(default=None, compare=False)
     input_permutation: bool = False
+    weight_format: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("n", "k", "partitions"):
@@ -67,6 +71,8 @@ class Problem:
             raise UsageError(f"partitions must be >= 1, not {self.partitions}")
         if self.activation_dtype not in ACTIVATION_DTYPES:
             object.__setattr__(self, "activation_dtype", normalize_dtype(self.activation_dtype))
+        if self.weight_format is not None and not isinstance(self.weight_format, str):
+            raise UsageError(f"Problem.weight_format must be a str or None, not {self.weight_format!r}")
 
     def describe(self) -> str:
         """``N=4096, K=11008, bfloat16 activations`` (+ fused partitions, + layer name)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import difflib
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import lcm
 
 from qscheme.descriptor import Scheme
@@ -499,6 +499,8 @@ def resolve(
     ):
         if not isinstance(value, expected):
             raise UsageError(f"resolve() takes a {expected.__name__}, not {type(value).__name__} {value!r}; use {fix}")
+    if problem.weight_format is None:  # for batch ranges declared per weight format
+        problem = replace(problem, weight_format=scheme.weight.format)
     candidates = ordered(declarations)
     if force is not None and not any(d.name == force for d in candidates):
         raise _unknown_kernel(force, candidates)
