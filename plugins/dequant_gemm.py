@@ -16,6 +16,7 @@ for; its range (M >= 16) does not overlap the GEMV kernels' (M <= 15), so nothin
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -41,56 +42,33 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class TileGemmLoops:
-    """``qscheme._tile_gemm`` runs one of these loops here (``qscheme.tile_gemm.isa()``: "amx",
-    "avx512" for VDPBF16PS dot products on CPUs without AMX, "scalar")."""
+class ExtensionLoops:
+    """One of qscheme's CPU extensions runs one of these loops here: ``qscheme.<module>.isa()``
+    (``tile_gemm``: "amx", "avx512" for VDPBF16PS dot products on CPUs without AMX, "scalar";
+    ``cpu_gemv``: "avx512", "avx2", "scalar")."""
 
+    module: str
     isas: tuple[str, ...]
 
     def check(self, problem: Problem) -> CheckResult:
-        from qscheme import tile_gemm  # torch: imported only when a plan asks
-
-        loops = tile_gemm.isa()
+        loops = importlib.import_module(f"qscheme.{self.module}").isa()  # torch: imported only when a plan asks
         if loops in self.isas:
             return PASSED
         return CheckResult(
             False,
-            f"qscheme._tile_gemm runs its {loops} loops here, not {' or '.join(self.isas)}",
+            f"qscheme._{self.module} runs its {loops} loops here, not {' or '.join(self.isas)}",
             "the kernels' other declared batch ranges hold here",
         )
 
     def describe(self) -> str:
-        return f"qscheme._tile_gemm's {' or '.join(self.isas)} loops"
-
-
-@dataclass(frozen=True)
-class CpuGemvLoops:
-    """``qscheme._cpu_gemv`` runs one of these loops here (``qscheme.cpu_gemv.isa()``: "avx512",
-    "avx2", "scalar")."""
-
-    isas: tuple[str, ...]
-
-    def check(self, problem: Problem) -> CheckResult:
-        from qscheme import cpu_gemv  # torch: imported only when a plan asks
-
-        loops = cpu_gemv.isa()
-        if loops in self.isas:
-            return PASSED
-        return CheckResult(
-            False,
-            f"qscheme._cpu_gemv runs its {loops} loops here, not {' or '.join(self.isas)}",
-            "the kernels' other declared batch ranges hold here",
-        )
-
-    def describe(self) -> str:
-        return f"qscheme._cpu_gemv's {' or '.join(self.isas)} loops"
+        return f"qscheme._{self.module}'s {' or '.join(self.isas)} loops"
 
 
 # float32 inputs of the canonical formats on cpu_gemv's AVX-512 loops: its GEMV beats the float32 tiles
 # (decoded rows, torch's float32 GEMM) up to M = 32-48; the packed blocks' float32 GEMV loses from 16-32
 FLOAT32_GEMV = (
     ActivationDtypes(("float32",)),
-    CpuGemvLoops(("avx512",)),
+    ExtensionLoops("cpu_gemv", ("avx512",)),
     WeightFormats(("blocks",), exclude=True),
 )
 FLOAT32_GEMV_SOURCE = (
@@ -103,7 +81,7 @@ FLOAT32_GEMV_SOURCE = (
 # Where the bfloat16 tile GEMM runs as VDPBF16PS dot products (AVX512-BF16, no AMX) it beats the GEMV
 # kernels from M = 5: the conditions of the ranges measured there (cpu_gemv, tinygemm_cpu and
 # dequant_gemm declare theirs under them; other CPUs keep the boundary at 16).
-BF16_DOT_TILES = (ActivationDtypes(("bfloat16",)), TileGemmLoops(("avx512",)))
+BF16_DOT_TILES = (ActivationDtypes(("bfloat16",)), ExtensionLoops("tile_gemm", ("avx512",)))
 BF16_DOT_SOURCE = (
     "benchmarks/cpu_gemm.py, 4096x4096, bf16, 2 threads, 2-core Zen 4 EPYC (AVX512-BF16, no AMX), same-run "
     "ratios to bf16 F.linear, dequant_gemm / cpu_gemv: M = 5: NVFP4A16 1.35-1.55x / 0.82-0.95x, W4A16 1.68x / "
