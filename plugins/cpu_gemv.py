@@ -28,7 +28,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qscheme_plugins.dequant_gemm import BF16_DOT_SOURCE, BF16_DOT_TILES, FLOAT32_GEMV, FLOAT32_GEMV_SOURCE
+from qscheme_plugins.cpu_boundaries import BF16_DOT_BOUNDARY, FLOAT32_BOUNDARY
 
 from qscheme.descriptor.model import SCALE_FORMATS, weight_family
 from qscheme.kernels.declaration import (
@@ -164,12 +164,6 @@ GEMV_BATCHES = BatchRange(
     ),
 )
 
-# bfloat16 inputs where the tile GEMM runs VDPBF16PS dot products: up to M = 4 (its loops for one to four
-# rows of x), dequant_gemm from 5 (qscheme_plugins.dequant_gemm.BF16_DOT_SOURCE has the figures)
-GEMV_BF16_DOT_BATCHES = BatchRange("cpu", 0, 4, source=BF16_DOT_SOURCE, when=BF16_DOT_TILES)
-# float32 inputs on the AVX-512 loops: up to M = 47 (the figures: qscheme_plugins.dequant_gemm.FLOAT32_GEMV_SOURCE)
-GEMV_FLOAT32_BATCHES = BatchRange("cpu", 0, 47, source=FLOAT32_GEMV_SOURCE, when=FLOAT32_GEMV)
-
 CPU_GEMV = KernelDeclaration(
     name="cpu_gemv",
     provider="qscheme",
@@ -187,7 +181,8 @@ CPU_GEMV = KernelDeclaration(
     implementation="qscheme_plugins.cpu_gemv_kernel:CpuGemvKernel",
     requires_modules=("torch",),
     checks=(ActivationDtypes(("bfloat16", "float16", "float32")), NativeLoops()),
-    batch_ranges=(GEMV_BF16_DOT_BATCHES, GEMV_FLOAT32_BATCHES, GEMV_BATCHES),
+    # below the tile GEMM's boundaries where they hold (qscheme_plugins.cpu_boundaries), else M <= 15
+    batch_ranges=(BF16_DOT_BOUNDARY.gemv_range(), FLOAT32_BOUNDARY.gemv_range(), GEMV_BATCHES),
     prepared_state=PreparedState("canonical"),
     notes=(
         "each weight is the reference's float32 value, (code - zero) * effective scale, formed in registers; the "

@@ -27,7 +27,7 @@ blocks (GGUF Q4_0, Q4_1, Q4_K) above ``cpu_gemv_blocks``.
 
 from __future__ import annotations
 
-from qscheme_plugins.dequant_gemm import BF16_DOT_SOURCE, BF16_DOT_TILES
+from qscheme_plugins.cpu_boundaries import BF16_DOT_BOUNDARY
 
 from qscheme.kernels.declaration import (
     ActivationDtypes,
@@ -121,10 +121,6 @@ TINYGEMM_CPU_BATCHES = BatchRange(
     "2-10x faster from M = 16 on",
 )
 
-# where the tile GEMM runs VDPBF16PS dot products: up to M = 4, dequant_gemm from 5 (the figures:
-# qscheme_plugins.dequant_gemm.BF16_DOT_SOURCE)
-TINYGEMM_CPU_BF16_DOT_BATCHES = BatchRange("cpu", 0, 4, source=BF16_DOT_SOURCE, when=BF16_DOT_TILES)
-
 TINYGEMM_CPU = KernelDeclaration(
     name="tinygemm_cpu",
     provider="torch",
@@ -148,7 +144,8 @@ TINYGEMM_CPU = KernelDeclaration(
         _MEMORY_NOTE,
         _BLOCKS_NOTE,
     ),
-    batch_ranges=(TINYGEMM_CPU_BF16_DOT_BATCHES, TINYGEMM_CPU_BATCHES),
+    # below the VDPBF16PS tile GEMM's boundary where it holds (qscheme_plugins.cpu_boundaries), else M <= 15
+    batch_ranges=(BF16_DOT_BOUNDARY.gemv_range(), TINYGEMM_CPU_BATCHES),
 )
 
 
