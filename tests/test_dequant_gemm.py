@@ -123,6 +123,40 @@ def test_edge_scale_bytes_decode_as_the_reference_does(name: str, edge: list[int
         assert torch.equal(decoded[finite].view(torch.int16), exact[finite].view(torch.int16)), isa
 
 
+E4M3_SCALES = (1.5, -0.75, 2.0**-120, 2.0**-130, 3.0e38, 448.0, float("inf"), float("nan"), -float("inf"), 1.0)
+
+
+@needs_extension
+@pytest.mark.parametrize("name", ("compressed-tensors/FP8_DYNAMIC", "modelopt/fp8_pb_wo"))
+def test_every_e4m3_code_under_every_kind_of_scale_decodes_as_the_reference(name: str) -> None:
+    """The AVX-512 decoder looks e4m3 codes up in a table of each group's 128 magnitudes times its
+    scale and flips the sign for codes 0x80-0xFF. Every byte (both zeros, subnormals, NaN) under
+    scales that are negative, tiny (products that are float32 subnormals: flushed, signed zeros),
+    huge (products that overflow) and not finite (their groups take the arithmetic loop) gives the
+    reference's bits."""
+    n, k = 10, 1280  # per channel: a scale per row; blocks of 128 x 128: a scale per 128 columns
+    weight = weight_of(name, n, k)
+    codes = ((torch.arange(k) * 7)[None, :] + torch.arange(n)[:, None] * 13) % 256
+    scale = torch.tensor(E4M3_SCALES, dtype=torch.float32)
+    scale = scale[: weight.scale.numel()] if weight.scale.numel() <= scale.numel() else scale.repeat(2)
+    assert weight.scale.numel() == scale.numel() == len(E4M3_SCALES), weight.scale.shape
+    weight = dataclasses.replace(
+        weight,
+        codes=codes.to(torch.uint8).view(weight.codes.dtype),
+        scale=scale.reshape(weight.scale.shape).to(weight.scale.dtype),
+    )
+    reference = dequantize(weight).to(torch.bfloat16)
+    flushed = torch.where(reference.float().abs() < 2.0**-126, reference * 0, reference)  # signed zeros
+    assert reference.isnan().any() and reference.isinf().any() and (flushed != reference).any()
+    for isa in isas():
+        tile_gemm.set_isa(isa)
+        exact = reference if isa == "scalar" else flushed
+        decoded = tile_gemm.dequantize_rows(cpu_gemv.layout_of(weight), 0, n)
+        assert torch.equal(decoded.isnan(), exact.isnan()), isa
+        finite = ~exact.isnan()
+        assert torch.equal(decoded[finite].view(torch.int16), exact[finite].view(torch.int16)), isa
+
+
 def exact_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The bfloat16 products summed in float32 (float64 here: the float32 sum differs by its order)."""
     y = x.double() @ weight.double().T

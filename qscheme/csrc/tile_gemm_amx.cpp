@@ -5,7 +5,9 @@
 // subnormal as zero: such a weight (|w| < 2**-126) becomes 0 instead of a bfloat16 subnormal,
 // which the AMX dot product (TDPBF16PS) would read as zero anyway; the portable decoder keeps it.
 // 4-bit codes go through a bfloat16 table of the 16 values times the group's scale (VPERMW: one
-// table per group, or per pair of 16-wide groups); 8-bit codes are widened, scaled and rounded.
+// table per group, or per pair of 16-wide groups); e4m3 codes through a table of the group's 128
+// magnitudes times its scale (two VPERMT2W, the sign flipped for codes 0x80-0xFF), other 8-bit codes
+// are widened, scaled and rounded.
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma,amx-tile,amx-bf16")
 #include <immintrin.h>
@@ -41,6 +43,42 @@ inline __m512 scaled(__m512 values, const float *s, const float *z, int64_t g, b
     if (zero) values = _mm512_sub_ps(values, _mm512_set1_ps(z[g]));
     return _mm512_mul_ps(values, _mm512_set1_ps(s[g]));
 }
+
+// The values of the e4m3 codes 0-127 (0x7F: NaN), as decode16 gives them.
+struct E4m3Magnitudes {
+    alignas(64) float value[128];
+    E4m3Magnitudes() {
+        alignas(16) uint8_t bytes[16];
+        for (int c = 0; c < 128; c += 16) {
+            for (int i = 0; i < 16; i++) bytes[i] = static_cast<uint8_t>(c + i);
+            _mm512_store_ps(value + c, decode16(bytes, CODE_E4M3));
+        }
+    }
+};
+
+// A group's 128 bfloat16 magnitudes bf16(value(c) * scale), c = 0-127, as four vectors of 32 words.
+struct E4m3Table {
+    __m512i t[4];
+    E4m3Table(const float *magnitudes, float scale) {
+        const __m512 s = _mm512_set1_ps(scale);
+        for (int q = 0; q < 4; q++)
+            t[q] = bf16_pair(_mm512_mul_ps(_mm512_load_ps(magnitudes + 32 * q + 16), s),
+                             _mm512_mul_ps(_mm512_load_ps(magnitudes + 32 * q), s));
+    }
+    // 32 code bytes as their bfloat16 weights: the magnitude's entry, its sign flipped for codes
+    // 0x80-0xFF (bf16(-v * s) is -bf16(v * s) for a finite s), NaN (0x7FC0, unsigned) for 0xFF
+    __m512i lookup(const uint8_t *bytes) const {
+        const __m512i code = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(bytes)));
+        const __m512i low = _mm512_permutex2var_epi16(t[0], code, t[1]);
+        const __m512i high = _mm512_permutex2var_epi16(t[2], code, t[3]);
+        const __m512i magnitude = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(code, _mm512_set1_epi16(0x40)), low, high);
+        // magnitude ^ (code << 8 & 0x8000)
+        const __m512i word = _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(code, 8),
+                                                       _mm512_set1_epi16(static_cast<short>(0x8000)), 0x78);
+        return _mm512_mask_mov_epi16(word, _mm512_cmpeq_epi16_mask(code, _mm512_set1_epi16(0xFF)),
+                                     _mm512_set1_epi16(0x7FC0));
+    }
+};
 
 // 16 code bytes (32 nibbles, element 2i in the low nibble of byte i) as 32 word indices in k order.
 inline __m512i nibble_indices(const uint8_t *bytes) {
@@ -150,8 +188,23 @@ int64_t decode_row_avx512(const Layer &p, int64_t n, const float *s, const float
         return k1;
     }
     if (g % 32 != 0) return k0;
-    int64_t group = k0 / g;
-    for (int64_t k = k0; k < k1; group++) {
+    int64_t group = k0 / g, k = k0;
+    if (p.code_kind == CODE_E4M3 && !zero) {
+        // a table of the group's 128 magnitudes times its scale: one lookup per 32 codes, the
+        // multiply and rounding done once per code value (groups with a non-finite scale, whose
+        // products' NaN signs the sign flip would not give, take the loop below)
+        static const E4m3Magnitudes magnitudes;
+        for (; k < k1 && std::isfinite(s[group]); group++) {
+            const int64_t stop = std::min<int64_t>(k1, (group + 1) * g);
+            const E4m3Table table(magnitudes.value, s[group]);
+            for (; k < stop; k += 32) {
+                if (fetch && (k & 63) == 0) _mm_prefetch(reinterpret_cast<const char *>(fetch + k), _MM_HINT_T0);
+                _mm512_storeu_si512(out + (k - k0), table.lookup(row + k));
+            }
+        }
+        if (k >= k1) return k1;
+    }
+    for (; k < k1; group++) {
         const int64_t stop = std::min<int64_t>(k1, (group + 1) * g);
         const __m512 scale = _mm512_set1_ps(s[group]), offset = _mm512_set1_ps(zero ? z[group] : 0.0f);
         for (; k < stop; k += 32) {
