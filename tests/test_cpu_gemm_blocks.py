@@ -111,7 +111,7 @@ def test_the_sums_are_within_their_bound(name: str) -> None:
     w = rounded(weight).double()
     generator = torch.Generator().manual_seed(3)
     bias = torch.randn(weight.n, generator=generator)
-    for m in (1, 5, 37):
+    for m in (1, 5, 37, 100):  # 100: six blocks of 16 rows as pairs, four by the dot blocks
         x = torch.randn(m, weight.k, generator=generator).to(torch.bfloat16)
         wide = torch.full((m, weight.n + 8), 7.0, dtype=torch.bfloat16)
         out = wide[:, 4 : 4 + weight.n - 10]

@@ -182,7 +182,7 @@ def test_the_fused_gemm_multiplies_the_rounded_weight(name: str) -> None:
         layout = cpu_gemv.layout_of(weight)
         rounded = dequantize(weight).to(torch.bfloat16)
         bias = torch.randn(n, generator=generator)
-        for m in (1, 16, 37) if k < 512 else (1, 37, 150):
+        for m in (1, 16, 32, 37) if k < 512 else (1, 37, 150):
             x = torch.randn(m, k, generator=generator).to(torch.bfloat16)
             # whatever blocking ``blocking`` picks, and each one it may pick: whole rows of 32 (one
             # accumulator set up to M = 32), K in chunks (accumulators kept in the tiles or saved

@@ -279,10 +279,12 @@ namespace {
 
 // Weight rows [q0, q1) (at most 32: one panel) of gemm_blocks_bf16, on the calling thread.
 void panel_task(const Layout &l, const Plan &plan16, const std::vector<qscheme_gguf_gemm::WordPair> &pairs,
-                const uint16_t *x, int64_t m, const float *bias, uint16_t *out, int64_t ldy, int64_t r0, int64_t q0,
-                int64_t q1, int64_t kc) {
+                const uint16_t *x, int64_t m, const uint16_t *xv, int64_t mp, const float *bias, uint16_t *out,
+                int64_t ldy, int64_t r0, int64_t q0, int64_t q1, int64_t kc) {
+    // x: m rows of K bfloat16; its first mp rows (0 or a multiple of 16) also packed as pairs in xv,
+    // multiplied by the pairs' loop into acc's first PANEL_ROWS * mp sums, the other rows by the dot blocks
     using namespace qscheme_gguf_gemm;
-    const int64_t live = q1 - q0, blocks = l.k / l.elements;
+    const int64_t live = q1 - q0, blocks = l.k / l.elements, tail = m - mp;
     const int64_t chunk_blocks = std::max<int64_t>(1, kc / l.elements);
     const int64_t width_most = std::min(blocks, chunk_blocks) * l.elements;
     Buffers &b = buffers;
@@ -298,10 +300,17 @@ void panel_task(const Layout &l, const Plan &plan16, const std::vector<qscheme_g
         part.k = width;
         decode_panel(part, plan16, pairs, q0, live, b0, panel, pitch, scale, minimum);
         for (int64_t r = live; r < (live + 3) / 4 * 4; r++) std::memset(panel + r * pitch, 0, static_cast<size_t>(width) * 2);
-        qscheme_panel::multiply_panel(panel, pitch, live, x + b0 * l.elements, l.k, m, width / 32, acc, PANEL_ROWS,
-                                      b0 == 0);
+        if (mp > 0)
+            qscheme_panel::multiply_panel_pairs(panel, pitch, live, xv + 16 * b0 * l.elements, 16 * l.k, mp / 16,
+                                                width / 32, acc, mp, b0 == 0);
+        if (tail > 0)
+            qscheme_panel::multiply_panel(panel, pitch, live, x + mp * l.k + b0 * l.elements, l.k, tail, width / 32,
+                                          acc + PANEL_ROWS * mp, PANEL_ROWS, b0 == 0);
     }
-    qscheme_panel::store_rows(acc, PANEL_ROWS, live, m, bias ? bias + q0 : nullptr, out + (q0 - r0), ldy);
+    if (mp > 0) qscheme_panel::store_rows_pairs(acc, mp, live, bias ? bias + q0 : nullptr, out + (q0 - r0), ldy);
+    if (tail > 0)
+        qscheme_panel::store_rows(acc + PANEL_ROWS * mp, PANEL_ROWS, live, tail, bias ? bias + q0 : nullptr,
+                                  out + mp * ldy + (q0 - r0), ldy);
     b.release();
 }
 
@@ -314,9 +323,16 @@ void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, in
     constexpr int64_t ROWS = qscheme_gguf_gemm::PANEL_ROWS;  // weight rows per task: one panel
     const int64_t tasks = (r1 - r0 + ROWS - 1) / ROWS;
     const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+    // whole blocks of 16 input rows packed as pairs once per call (cache-line aligned), from 32 rows on
+    const int64_t mp = qscheme_panel::pair_rows(m);
+    std::vector<uint16_t> packed(static_cast<size_t>(mp * l.k + 32));
+    uint16_t *xv = packed.data() + ((64 - reinterpret_cast<uintptr_t>(packed.data()) % 64) % 64) / 2;
+    qscheme_gemv::run_tasks(static_cast<int>(std::min<int64_t>(threads, mp / 16)), mp / 16, [&](int64_t block) {
+        qscheme_panel::pack_pairs(x + 16 * block * l.k, l.k, l.k, xv + 16 * block * l.k);
+    });
     qscheme_gemv::run_tasks(count, tasks, [&](int64_t task) {
         const int64_t q0 = r0 + task * ROWS;
-        panel_task(l, plan16, pairs, x, m, bias, out, ldy, r0, q0, std::min(r1, q0 + ROWS), kc);
+        panel_task(l, plan16, pairs, x, m, xv, mp, bias, out, ldy, r0, q0, std::min(r1, q0 + ROWS), kc);
     });
 }
 

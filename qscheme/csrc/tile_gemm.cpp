@@ -364,12 +364,17 @@ void pad_rows(const uint16_t *x, int64_t k, int64_t kp, int64_t row, uint16_t *x
 
 void gemm_bf16(const Layer &p, const uint16_t *x, int64_t m, uint16_t *out, int64_t ldy, const float *bias, int64_t r0,
                int64_t r1, int threads, int64_t task_rows, int64_t kc) {
-    const int64_t kp = (p.k + 31) / 32 * 32;
-    std::vector<uint16_t> xp(static_cast<size_t>(m * kp));
+    const int64_t kp = (p.k + 31) / 32 * 32, mp = pair_rows_bf16(m);
+    std::vector<uint16_t> xp(static_cast<size_t>(m * kp)), packed(static_cast<size_t>(mp * kp + 32));
+    // the pairs' blocks cache-line aligned (the vector's storage is 16-byte aligned)
+    uint16_t *xv = packed.data() + ((64 - reinterpret_cast<uintptr_t>(packed.data()) % 64) % 64) / 2;
     qscheme_threads::run_tasks(static_cast<int>(std::min<int64_t>(threads, m)), m,
                                [&](int64_t row) { pad_rows(x, p.k, kp, row, xp.data()); });
+    qscheme_threads::run_tasks(static_cast<int>(std::min<int64_t>(threads, mp / 16)), mp / 16, [&](int64_t block) {
+        pack_pairs_bf16(xp.data() + 16 * block * kp, kp, kp, xv + 16 * block * kp);
+    });
     run_row_tasks(p, r0, r1, threads, task_rows, std::min(kc, kp), m, [&](int64_t q0, int64_t q1, RowBuffers &b) {
-        gemm_rows_bf16(p, xp.data(), m, kp, bias, out, ldy, r0, r1, q0, q1, kc, b.panel.data(), b.acc.data(),
+        gemm_rows_bf16(p, xp.data(), m, kp, xv, mp, bias, out, ldy, r0, r1, q0, q1, kc, b.panel.data(), b.acc.data(),
                        b.s.data(), b.z.data());
     });
 }

@@ -76,10 +76,18 @@ void gemm_rows_amx(const Layer &p, const uint32_t *xp, int64_t m, int64_t mp, in
 
 // The fused GEMM on AVX-512 BF16 (VDPBF16PS) over weight rows [q0, q1) (a multiple of 32 rows
 // from r0; rows past r1 are not decoded or written): out[i, n - r0] as gemm_rows_amx's, x being m
-// rows of kp bfloat16 (a multiple of 32, zeros past K), K taken kc columns at a time. panel:
-// (q1 - q0) * (kc + PANEL_PAD) bfloat16; acc: m * (q1 - q0) float32; s, z: (q1 - q0) * scale_cols floats.
-void gemm_rows_bf16(const Layer &p, const uint16_t *x, int64_t m, int64_t kp, const float *bias, uint16_t *out,
-                    int64_t ldy, int64_t r0, int64_t r1, int64_t q0, int64_t q1, int64_t kc, uint16_t *panel,
-                    float *acc, float *s, float *z);
+// rows of kp bfloat16 (a multiple of 32, zeros past K), K taken kc columns at a time; its first mp
+// rows (0 or a multiple of 16) also packed by pack_pairs_bf16 into xv, one block of 16 rows every
+// 16 * kp words. panel: (q1 - q0) * (kc + PANEL_PAD) bfloat16; acc: m * (q1 - q0) float32; s, z:
+// (q1 - q0) * scale_cols floats.
+void gemm_rows_bf16(const Layer &p, const uint16_t *x, int64_t m, int64_t kp, const uint16_t *xv, int64_t mp,
+                    const float *bias, uint16_t *out, int64_t ldy, int64_t r0, int64_t r1, int64_t q0, int64_t q1,
+                    int64_t kc, uint16_t *panel, float *acc, float *s, float *z);
+
+// 16 rows of x (ldx apart, kp columns, a multiple of 32) as pairs of k: xv[32 t + 2 j + e] = x[j][2 t + e].
+void pack_pairs_bf16(const uint16_t *x, int64_t ldx, int64_t kp, uint16_t *xv);
+
+// How many of m input rows gemm_rows_bf16 multiplies as packed pairs (tile_gemm_bf16_kernel.h's pair_rows).
+int64_t pair_rows_bf16(int64_t m);
 
 }  // namespace qscheme_tile
