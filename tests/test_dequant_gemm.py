@@ -29,11 +29,13 @@ from qscheme_plugins.dequant_gemm_kernel import DequantGemmKernel
 from qscheme_plugins.reference_kernel import ReferenceKernel
 
 from qscheme import cpu_gemv, tile_gemm
-from qscheme.canonical import CanonicalWeight, dequantize
+from qscheme.canonical import CanonicalWeight, canonicalize, dequantize
 from qscheme.catalog import load_scheme
+from qscheme.descriptor import parse_scheme_text
 from qscheme.kernels import registry
 from qscheme.kernels.resolver import resolve
 from qscheme.modules import QuantLinear, problem_for
+from qscheme.quantize import quantize_weight
 from qscheme.triton.samples import model_scale_dtype, random_weight
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
@@ -52,6 +54,7 @@ WEIGHT_ONLY = (
     "compressed-tensors/W4A16_ASYM",  # uint4 with zero points
     "modelopt/W4A16_AWQ",  # an input pre-scale
     "compressed-tensors/W8A16_G32",  # int8, group 32
+    "gptq/W8A16_ASYM",  # int8 with zero points, group 128
     "modelopt/fp8_pb_wo",  # e4m3 with 128x128 block scales
     "bitsandbytes/NF4_DQ",  # a 16-value codebook, quantized scales
 )
@@ -121,6 +124,31 @@ def test_edge_scale_bytes_decode_as_the_reference_does(name: str, edge: list[int
         assert torch.equal(decoded.isnan(), exact.isnan()), isa
         finite = ~exact.isnan()
         assert torch.equal(decoded[finite].view(torch.int16), exact[finite].view(torch.int16)), isa
+
+
+@needs_extension
+def test_unsigned_byte_codes_with_zero_points_decode_as_the_reference() -> None:
+    """No shipped scheme stores uint8 weights (unsigned codes need zero points): one declared here."""
+    scheme = parse_scheme_text(
+        """
+name: test/UINT8_G32
+weight:
+  format: uint8
+  tensor: {name: weight, dtype: uint8, shape: [N, K]}
+  scale: {granularity: group, group_size: 32, format: fp32, stored: multiplier,
+          tensor: {name: weight_scale, dtype: float32, shape: [N, "ceil(K/32)"]}}
+  zero_point: {format: uint8, tensor: {name: weight_zero_point, dtype: uint8, shape: [N, 'ceil(K/32)']}}
+activation: none
+"""
+    )
+    values = torch.randn(40, 200, generator=torch.Generator().manual_seed(6)) * 0.05 + 0.02
+    weight = canonicalize(scheme, quantize_weight(values, scheme))
+    assert weight.zero_point is not None and cpu_gemv.layout_of(weight).meta[0] == cpu_gemv.CODE_UINT8
+    exact = dequantize(weight).to(torch.bfloat16)
+    for isa in isas():
+        tile_gemm.set_isa(isa)
+        decoded = tile_gemm.dequantize_rows(cpu_gemv.layout_of(weight), 0, weight.n, threads=2)
+        assert torch.equal(decoded.view(torch.int16), exact.view(torch.int16)), isa
 
 
 E4M3_SCALES = (1.5, -0.75, 2.0**-120, 2.0**-130, 3.0e38, 448.0, float("inf"), float("nan"), -float("inf"), 1.0)

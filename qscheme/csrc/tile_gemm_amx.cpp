@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "tile_gemm.h"
 
@@ -203,6 +204,37 @@ int64_t decode_row_avx512(const Layer &p, int64_t n, const float *s, const float
             }
         }
         if (k >= k1) return k1;
+    }
+    if (p.code_kind == CODE_INT8 || p.code_kind == CODE_UINT8) {
+        // bytes widened, scaled and rounded 32 at a time, one loop per form (the loop below, which
+        // chooses the form per 16 codes, took twice as long: 0.13 ns a weight against 0.06)
+        auto bytes = [&](auto is_signed, auto has_zero) {
+            constexpr bool SIGNED = decltype(is_signed)::value, ZERO = decltype(has_zero)::value;
+            const auto widen = [](__m128i b) {
+                return _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+            };
+            for (; k < k1; group++) {
+                const int64_t stop = std::min<int64_t>(k1, (group + 1) * g);
+                const __m512 scale = _mm512_set1_ps(s[group]), offset = _mm512_set1_ps(ZERO ? z[group] : 0.0f);
+                for (; k < stop; k += 32) {
+                    if (fetch && (k & 63) == 0) _mm_prefetch(reinterpret_cast<const char *>(fetch + k), _MM_HINT_T0);
+                    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(row + k));
+                    __m512 low = widen(_mm256_castsi256_si128(raw)), high = widen(_mm256_extracti128_si256(raw, 1));
+                    if (ZERO) {
+                        low = _mm512_sub_ps(low, offset);
+                        high = _mm512_sub_ps(high, offset);
+                    }
+                    _mm512_storeu_si512(out + (k - k0), bf16_pair(_mm512_mul_ps(high, scale), _mm512_mul_ps(low, scale)));
+                }
+            }
+        };
+        using yes = std::true_type;
+        using no = std::false_type;
+        if (p.code_kind == CODE_INT8)
+            zero ? bytes(yes{}, yes{}) : bytes(yes{}, no{});
+        else
+            zero ? bytes(no{}, yes{}) : bytes(no{}, no{});
+        return k1;
     }
     for (; k < k1; group++) {
         const int64_t stop = std::min<int64_t>(k1, (group + 1) * g);
