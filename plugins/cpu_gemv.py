@@ -28,7 +28,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qscheme_plugins.cpu_boundaries import BF16_DOT_BOUNDARY, FLOAT32_BOUNDARY
+from qscheme_plugins.cpu_boundaries import BF16_DOT_BOUNDARY, E4M3_BF16_DOT_BOUNDARY, FLOAT32_BOUNDARY
 
 from qscheme.descriptor.model import SCALE_FORMATS, weight_family
 from qscheme.kernels.declaration import (
@@ -182,7 +182,12 @@ CPU_GEMV = KernelDeclaration(
     requires_modules=("torch",),
     checks=(ActivationDtypes(("bfloat16", "float16", "float32")), NativeLoops()),
     # below the tile GEMM's boundaries where they hold (qscheme_plugins.cpu_boundaries), else M <= 15
-    batch_ranges=(BF16_DOT_BOUNDARY.gemv_range(), FLOAT32_BOUNDARY.gemv_range(), GEMV_BATCHES),
+    batch_ranges=(
+        E4M3_BF16_DOT_BOUNDARY.gemv_range(),
+        BF16_DOT_BOUNDARY.gemv_range(),
+        FLOAT32_BOUNDARY.gemv_range(),
+        GEMV_BATCHES,
+    ),
     prepared_state=PreparedState("canonical"),
     notes=(
         "each weight is the reference's float32 value, (code - zero) * effective scale, formed in registers; the "

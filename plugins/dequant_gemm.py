@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from qscheme_plugins.cpu_boundaries import BF16_DOT_BOUNDARY, FLOAT32_BOUNDARY
+from qscheme_plugins.cpu_boundaries import BF16_DOT_BOUNDARY, E4M3_BF16_DOT_BOUNDARY, FLOAT32_BOUNDARY
 
 from qscheme.kernels.declaration import (
     ANY_WEIGHT_ONLY,
@@ -80,7 +80,12 @@ DEQUANT_GEMM = KernelDeclaration(
         "and its bfloat16 copy; all freed when it returns",
     ),
     # from the boundaries where they hold (qscheme_plugins.cpu_boundaries), else M >= 16
-    batch_ranges=(BF16_DOT_BOUNDARY.gemm_range(), FLOAT32_BOUNDARY.gemm_range(), CPU_BATCHES),
+    batch_ranges=(
+        E4M3_BF16_DOT_BOUNDARY.gemm_range(),
+        BF16_DOT_BOUNDARY.gemm_range(),
+        FLOAT32_BOUNDARY.gemm_range(),
+        CPU_BATCHES,
+    ),
     prepared_state=PreparedState("canonical"),
 )
 

@@ -9,7 +9,9 @@ of it (views) where that extension takes its format.
 (``qscheme.tile_gemm``): one call decodes panels of 32 weight rows, K chunk by K chunk, into
 bfloat16 (each weight the reference's float32 value rounded once to nearest even) in a buffer
 that stays in the core's cache, and multiplies them at once by every input row, on the AMX tiles
-or with VDPBF16PS dot products (products summed in float32, the output rounded once to bfloat16,
+or with VDPBF16PS (dot products of 4 input rows by 4 weight rows; from 32 input rows, whole blocks
+of 16 input rows packed as pairs of k against broadcast weight pairs: products summed in float32,
+the output rounded once to bfloat16,
 the bias added in float32 before). The panels are shared out over ``torch.get_num_threads()``
 threads of the extension.
 
