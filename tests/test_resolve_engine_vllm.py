@@ -20,6 +20,7 @@ from kernel_fakes import isolated_plugins
 from qscheme.cli.main import main
 from qscheme.engines.vllm_layers import LLAMA_PACKED_MODULES, fused_members, packed_modules_for, vllm_layers
 from qscheme.errors import UsageError
+from qscheme.kernels.problem import Problem
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 4, 2, 16
 QKV_N = (HEADS + 2 * KV_HEADS) * HEAD_DIM
@@ -197,10 +198,11 @@ def test_checkpoint_plans_over_m(folders: dict[str, Path], capsys: pytest.Captur
     o_proj = plans["model.layers.0.self_attn.o_proj"]
     expected = scheme_kernel("compressed-tensors/NVFP4A16", HIDDEN, HIDDEN, "cpu", capsys, "--m", "1,16,256")
     assert o_proj["plan"] == expected["plan"] and o_proj["batch_sizes"] == expected["batch_sizes"]
+    # each boundary's source: the declared range that applies to these layers (bf16 inputs, e2m1 weights)
+    problem = Problem(HIDDEN, HIDDEN, "bfloat16", weight_format="e2m1")
     for boundary in data["boundaries"]:
-        declared = registry.get_declaration(boundary["kernel"]).batch_ranges
-        sources = [entry.source for entry in declared if entry.device in ("cpu", "any")]
-        assert boundary["source"] == (sources[0] if sources else None)
+        entry = registry.get_declaration(boundary["kernel"]).batch_entry("cpu", problem)
+        assert boundary["source"] == (entry.source if entry is not None else None)
     # an override moves every boundary, and the text says where each comes from
     code, text, _ = run(["resolve", str(folders["nvfp4"]), "--device", "cpu", "--m", "1,40", "--m-split", "32"], capsys)
     assert code == 0 and "override: 32" in text and "boundaries:" in text
