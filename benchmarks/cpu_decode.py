@@ -20,7 +20,8 @@ Each variant then runs in a fresh process (so its resident memory is its own): t
 through ``AutoModelForCausalLM.from_pretrained``, the compressed-tensors folders through a model
 built from the config without initialising its weights and ``qscheme.apply_to_model``, the GGUF
 files through ``qscheme.transformers.from_gguf`` (which does the same with the file's config).
-``torch.set_num_threads(--threads)``. Decode: a prompt of 8 fixed token ids, one prefill forward,
+``torch.set_num_threads(--threads)``. Decode: a prompt of 8 fixed token ids (``--prompt-tokens N``:
+N ids, the prefill's M), one prefill forward,
 then ``--tokens`` greedy steps of one token each with the KV cache (argmax, no sampling, so random
 weights cannot stop early at an EOS). Each run is timed (prefill and decode apart); a warm-up run
 comes first and the figure is the median over ``--runs`` runs of decode tokens per second. Where
@@ -56,6 +57,14 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = [1, 306, 4966, 304, 1207, 263, 2107, 9045]
+
+
+def prompt_ids(count: int) -> list[int]:
+    """The first ``count`` token ids of the prompt: PROMPT, then a fixed stride through the first
+    10,000 ids (both shapes' vocabularies hold them; random weights make any ids as good as any other
+    for timing)."""
+    return [*PROMPT, *((1000 + 37 * i) % 10000 for i in range(max(0, count - len(PROMPT))))][:count]
+
 
 FULL_SHAPE: dict[str, Any] = {
     "hidden_size": 2048,
@@ -178,22 +187,22 @@ def _plans(model: Any) -> list[list[object]]:
     return [[count, *key] for key, count in sorted(counts.items())]
 
 
-def _decode_once(model: Any, tokens: int) -> tuple[float, float, list[int]]:
+def _decode_once(model: Any, tokens: int, prompt: list[int]) -> tuple[float, float, list[int]]:
     """(prefill seconds, decode seconds, the tokens chosen) of one greedy run: a prefill forward,
     then ``tokens`` one-token steps with the KV cache (``tokens`` + 1 tokens chosen)."""
 
     started = time.perf_counter()
-    out = _prefill(model)
+    out = _prefill(model, prompt)
     prefilled = time.perf_counter()
     generated = _steps(model, out, tokens)
     return prefilled - started, time.perf_counter() - prefilled, generated
 
 
-def _prefill(model: Any) -> Any:
+def _prefill(model: Any, prompt: list[int]) -> Any:
     """The prompt's forward, with the KV cache."""
     import torch
 
-    return model(input_ids=torch.tensor([PROMPT]), use_cache=True)
+    return model(input_ids=torch.tensor([prompt]), use_cache=True)
 
 
 def _steps(model: Any, out: Any, tokens: int) -> list[int]:
@@ -207,7 +216,7 @@ def _steps(model: Any, out: Any, tokens: int) -> list[int]:
     return [int(t) for t in generated]
 
 
-def _breakdown(model: Any, tokens: int) -> dict[str, float]:
+def _breakdown(model: Any, tokens: int, prompt: list[int]) -> dict[str, float]:
     """Milliseconds per decode token inside the quantized layers (QuantLinear), inside the other
     linear layers (nn.Linear: ``lm_head``, and every layer of the bf16 model), and the rest
     (attention, norms, embeddings, the argmax, Python), from one more greedy run whose decode
@@ -229,7 +238,7 @@ def _breakdown(model: Any, tokens: int) -> dict[str, float]:
 
         return after
 
-    out = _prefill(model)  # untimed
+    out = _prefill(model, prompt)  # untimed
     handles = []
     for module in model.modules():
         if isinstance(module, (QuantLinear, torch.nn.Linear)):
@@ -260,11 +269,12 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     load_seconds = time.perf_counter() - started
     loaded = _memory()
     runs = []
+    prompt = [int(token) for token in spec["prompt"]]
     with torch.inference_mode():
-        generated = _decode_once(model, int(spec["tokens"]))[2]  # warm-up: prepares every kernel state
+        generated = _decode_once(model, int(spec["tokens"]), prompt)[2]  # warm-up: prepares every kernel state
         for _ in range(int(spec["runs"])):
-            runs.append(_decode_once(model, int(spec["tokens"])))
-        breakdown = _breakdown(model, int(spec["tokens"]))
+            runs.append(_decode_once(model, int(spec["tokens"]), prompt))
+        breakdown = _breakdown(model, int(spec["tokens"]), prompt)
     after = _memory()
     return {
         "variant": variant.name,
@@ -299,7 +309,8 @@ def memory():
 before = memory()
 started = time.perf_counter()
 # the file has no tokenizer (token ids are given): "none" is llama.cpp's vocabulary-free type
-model = Llama(model_path=spec["path"], n_ctx=256, n_batch=1, n_ubatch=1, n_threads=spec["threads"],
+context = max(256, len(spec["prompt"]) + spec["tokens"] + 8)
+model = Llama(model_path=spec["path"], n_ctx=context, n_batch=1, n_ubatch=1, n_threads=spec["threads"],
               n_threads_batch=spec["threads"], verbose=False, kv_overrides={"tokenizer.ggml.model": "none"})
 vocab = model.n_vocab()
 load_s = time.perf_counter() - started
@@ -357,7 +368,7 @@ def run_variant(variant: Variant, path: Path, args: argparse.Namespace) -> dict[
     """One variant's figures, from a fresh process (``--in-process``: this one; faster, but the
     memory figures then include the earlier variants')."""
     spec = {"variant": variant.name, "path": str(path), "threads": args.threads, "tokens": args.tokens}
-    spec["runs"] = args.runs
+    spec.update(runs=args.runs, prompt=prompt_ids(args.prompt_tokens))
     if args.in_process:
         return worker(spec)
     return _run_json([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)])
@@ -365,7 +376,7 @@ def run_variant(variant: Variant, path: Path, args: argparse.Namespace) -> dict[
 
 def run_llamacpp(python: str, variant: Variant, path: Path, args: argparse.Namespace) -> dict[str, Any]:
     spec = {"variant": variant.name, "path": str(path), "threads": args.threads, "tokens": args.tokens}
-    spec.update(runs=args.runs, prompt=PROMPT)
+    spec.update(runs=args.runs, prompt=prompt_ids(args.prompt_tokens))
     return _run_json([python, "-c", LLAMACPP_SIDE, json.dumps(spec)])
 
 
@@ -434,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny model, 2 tokens, one run")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=len(PROMPT), help="prompt length: the prefill's M (default 8)"
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--variant", action="append", choices=sorted(BY_NAME), help="repeatable; default: all")
     parser.add_argument(
@@ -453,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
+    if args.prompt_tokens < 1:
+        parser.error(f"--prompt-tokens {args.prompt_tokens}: the prompt needs at least one token")
     if args.smoke:
         args.tokens, args.runs, args.in_process = min(args.tokens, 2), 1, True
     shape = SMOKE_SHAPE if args.smoke else FULL_SHAPE
@@ -495,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     text = table(results)
     header = (
-        f"Llama-shaped {count / 1e9:.2f}B random weights, {args.threads} threads, prompt {len(PROMPT)} tokens, "
+        f"Llama-shaped {count / 1e9:.2f}B random weights, {args.threads} threads, prompt {args.prompt_tokens} tokens, "
         f"{args.tokens} greedy decode tokens, median of {args.runs} runs after a warm-up; load average {_uptime()}"
     )
     print()

@@ -92,3 +92,13 @@ def test_each_transformers_run_says_where_its_decode_time_goes(smoke: tuple[str,
             assert float(quantized) == 0  # no QuantLinear in the bf16 model
         else:
             assert float(quantized) > 0
+
+
+def test_the_prompt_length_is_an_option() -> None:
+    assert cpu_decode.prompt_ids(8) == cpu_decode.PROMPT and cpu_decode.prompt_ids(3) == cpu_decode.PROMPT[:3]
+    ids = cpu_decode.prompt_ids(300)
+    assert len(ids) == 300 and ids[:8] == cpu_decode.PROMPT and len(set(ids)) > 200
+    assert all(0 <= token < cpu_decode.SMOKE_SHAPE["vocab_size"] for token in ids)
+    with pytest.raises(SystemExit) as refused:
+        cpu_decode.main(["--prompt-tokens", "0"])
+    assert refused.value.code == 2
