@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #define QS_GGUF_NAMESPACE qscheme_gguf_gemm
@@ -417,8 +418,8 @@ void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, in
     const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
     // whole blocks of 16 input rows packed as pairs once per call (cache-line aligned), from 32 rows on
     const int64_t mp = qscheme_panel::pair_rows(m);
-    std::vector<uint16_t> packed(static_cast<size_t>(mp * l.k + 32));
-    uint16_t *xv = packed.data() + ((64 - reinterpret_cast<uintptr_t>(packed.data()) % 64) % 64) / 2;
+    std::unique_ptr<uint16_t[]> packed(new uint16_t[static_cast<size_t>(mp * l.k + 32)]);  // not zeroed
+    uint16_t *xv = packed.get() + ((64 - reinterpret_cast<uintptr_t>(packed.get()) % 64) % 64) / 2;
     qscheme_gemv::run_tasks(static_cast<int>(std::min<int64_t>(threads, mp / 16)), mp / 16, [&](int64_t block) {
         qscheme_panel::pack_pairs(x + 16 * block * l.k, l.k, l.k, xv + 16 * block * l.k);
     });

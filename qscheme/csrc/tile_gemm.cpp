@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "tile_gemm.h"
@@ -365,16 +366,21 @@ void pad_rows(const uint16_t *x, int64_t k, int64_t kp, int64_t row, uint16_t *x
 void gemm_bf16(const Layer &p, const uint16_t *x, int64_t m, uint16_t *out, int64_t ldy, const float *bias, int64_t r0,
                int64_t r1, int threads, int64_t task_rows, int64_t kc) {
     const int64_t kp = (p.k + 31) / 32 * 32, mp = pair_rows_bf16(m);
-    std::vector<uint16_t> xp(static_cast<size_t>(m * kp)), packed(static_cast<size_t>(mp * kp + 32));
-    // the pairs' blocks cache-line aligned (the vector's storage is 16-byte aligned)
-    uint16_t *xv = packed.data() + ((64 - reinterpret_cast<uintptr_t>(packed.data()) % 64) % 64) / 2;
-    qscheme_threads::run_tasks(static_cast<int>(std::min<int64_t>(threads, m)), m,
-                               [&](int64_t row) { pad_rows(x, p.k, kp, row, xp.data()); });
-    qscheme_threads::run_tasks(static_cast<int>(std::min<int64_t>(threads, mp / 16)), mp / 16, [&](int64_t block) {
-        pack_pairs_bf16(xp.data() + 16 * block * kp, kp, kp, xv + 16 * block * kp);
-    });
+    // the input padded, and its whole blocks of 16 rows packed as pairs (cache-line aligned), 16 rows a
+    // task in one parallel region (a region each cost 0.05-0.3 ms more a call on 2 threads; the calling
+    // thread alone, 0.04 ms more at 128 x 2048); the buffers are not zeroed first
+    std::unique_ptr<uint16_t[]> xp(new uint16_t[static_cast<size_t>(m * kp)]);
+    std::unique_ptr<uint16_t[]> packed(new uint16_t[static_cast<size_t>(mp * kp + 32)]);
+    uint16_t *xv = packed.get() + ((64 - reinterpret_cast<uintptr_t>(packed.get()) % 64) % 64) / 2;
+    const int64_t blocks = (m + 15) / 16;
+    auto prepare = [&](int64_t block) {
+        const int64_t first = 16 * block, last = std::min(m, first + 16);
+        for (int64_t row = first; row < last; row++) pad_rows(x, p.k, kp, row, xp.get());
+        if (last <= mp) pack_pairs_bf16(xp.get() + first * kp, kp, kp, xv + first * kp);
+    };
+    qscheme_threads::run_tasks(static_cast<int>(std::min<int64_t>(threads, blocks)), blocks, prepare);
     run_row_tasks(p, r0, r1, threads, task_rows, std::min(kc, kp), m, [&](int64_t q0, int64_t q1, RowBuffers &b) {
-        gemm_rows_bf16(p, xp.data(), m, kp, xv, mp, bias, out, ldy, r0, r1, q0, q1, kc, b.panel.data(), b.acc.data(),
+        gemm_rows_bf16(p, xp.get(), m, kp, xv, mp, bias, out, ldy, r0, r1, q0, q1, kc, b.panel.data(), b.acc.data(),
                        b.s.data(), b.z.data());
     });
 }
