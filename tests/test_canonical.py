@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kernel_fakes import builtin_schemes
 from safetensors.torch import load_file, save_file
 from torch import Tensor
+from triton_samples import uint8_group_scheme
 
 from qscheme import canonical
 from qscheme.canonical import (
@@ -219,18 +220,7 @@ def test_dequantize_rows_outside_the_weight_or_a_wrong_buffer_are_refused() -> N
 
 
 def _uint8_scheme(zero_point: str, name: str = "test/UINT8_G32_ZP") -> Scheme:
-    return parse_scheme_text(
-        f"""
-name: {name}
-weight:
-  format: uint8
-  tensor: {{name: weight, dtype: uint8, shape: [N, K]}}
-  scale: {{granularity: group, group_size: 32, format: fp32, stored: multiplier,
-          tensor: {{name: weight_scale, dtype: float32, shape: [N, "ceil(K/32)"]}}}}
-  zero_point: {zero_point}
-activation: none
-"""
-    )
+    return uint8_group_scheme(name, zero_point)
 
 
 UINT8_ZERO_POINTS = {

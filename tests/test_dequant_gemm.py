@@ -27,11 +27,11 @@ import torch
 from kernel_fakes import isolated_plugins
 from qscheme_plugins.dequant_gemm_kernel import DequantGemmKernel
 from qscheme_plugins.reference_kernel import ReferenceKernel
+from triton_samples import uint8_group_scheme
 
 from qscheme import cpu_gemv, tile_gemm
 from qscheme.canonical import CanonicalWeight, canonicalize, dequantize
 from qscheme.catalog import load_scheme
-from qscheme.descriptor import parse_scheme_text
 from qscheme.kernels import registry
 from qscheme.kernels.resolver import resolve
 from qscheme.modules import QuantLinear, problem_for
@@ -128,19 +128,8 @@ def test_edge_scale_bytes_decode_as_the_reference_does(name: str, edge: list[int
 
 @needs_extension
 def test_unsigned_byte_codes_with_zero_points_decode_as_the_reference() -> None:
-    """No shipped scheme stores uint8 weights (unsigned codes need zero points): one declared here."""
-    scheme = parse_scheme_text(
-        """
-name: test/UINT8_G32
-weight:
-  format: uint8
-  tensor: {name: weight, dtype: uint8, shape: [N, K]}
-  scale: {granularity: group, group_size: 32, format: fp32, stored: multiplier,
-          tensor: {name: weight_scale, dtype: float32, shape: [N, "ceil(K/32)"]}}
-  zero_point: {format: uint8, tensor: {name: weight_zero_point, dtype: uint8, shape: [N, 'ceil(K/32)']}}
-activation: none
-"""
-    )
+    """No shipped scheme stores uint8 weights: the tests' own declaration."""
+    scheme = uint8_group_scheme()
     values = torch.randn(40, 200, generator=torch.Generator().manual_seed(6)) * 0.05 + 0.02
     weight = canonicalize(scheme, quantize_weight(values, scheme))
     assert weight.zero_point is not None and cpu_gemv.layout_of(weight).meta[0] == cpu_gemv.CODE_UINT8

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from qscheme_plugins.reference_kernel import ReferenceKernel
-from triton_samples import assert_matches, reference_output
+from triton_samples import assert_matches, reference_output, uint8_group_scheme
 
 from qscheme.catalog import load_catalog, load_scheme
 from qscheme.descriptor import Scheme, parse_scheme_file, parse_scheme_text
@@ -34,18 +34,7 @@ weight:
 activation: none
 """
     ),
-    parse_scheme_text(
-        """
-name: test/UINT8_G32_ZP_WO
-weight:
-  format: uint8
-  tensor: {name: weight, dtype: uint8, shape: [N, K]}
-  scale: {granularity: group, group_size: 32, format: fp32, stored: multiplier,
-          tensor: {name: weight_scale, dtype: float32, shape: [N, "ceil(K/32)"]}}
-  zero_point: {format: uint8, tensor: {name: weight_zero_point, dtype: uint8, shape: [N, "ceil(K/32)"]}}
-activation: none
-"""
-    ),
+    uint8_group_scheme(),
 ]
 WEIGHT_ONLY: list[Scheme] = [
     s

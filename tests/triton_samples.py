@@ -8,8 +8,27 @@ import torch
 from torch import Tensor
 
 from qscheme.canonical import CanonicalWeight, dequantize
-from qscheme.descriptor import Scheme
+from qscheme.descriptor import Scheme, parse_scheme_text
 from qscheme.emulation import apply_pre_scale, fake_quantize_activation
+
+UINT8_ZERO_POINT = '{format: uint8, tensor: {name: weight_zero_point, dtype: uint8, shape: [N, "ceil(K/32)"]}}'
+
+
+def uint8_group_scheme(name: str = "test/UINT8_G32_ZP_WO", zero_point: str = UINT8_ZERO_POINT) -> Scheme:
+    """uint8 weights with zero points (``zero_point``: their YAML), groups of 32, weight-only: no
+    shipped scheme stores unsigned 8-bit codes (they need zero points), so the tests declare one."""
+    return parse_scheme_text(
+        f"""
+name: {name}
+weight:
+  format: uint8
+  tensor: {{name: weight, dtype: uint8, shape: [N, K]}}
+  scale: {{granularity: group, group_size: 32, format: fp32, stored: multiplier,
+          tensor: {{name: weight_scale, dtype: float32, shape: [N, "ceil(K/32)"]}}}}
+  zero_point: {zero_point}
+activation: none
+"""
+    )
 
 
 def with_shared_activation_scales(weight: CanonicalWeight) -> CanonicalWeight:
