@@ -18,11 +18,12 @@
 //   at a time as 16-bit lanes, each looked up (VPERMW) from 32 bfloat16 words formed per sub-block
 //   from the 16 code values (WordPair);
 // - integer codes of two or three pieces, each piece a run of bytes in order with one shift and mask
-//   per 16 codes (Q3_K, Q5_K, Q6_K): 32 codes at a time assembled as bytes (RunPair), widened to
-//   float32 16 at a time, times the scale product (and the minimum): decode 1.4-1.6x faster than the
-//   element decoder (Q6_K 0.19 -> 0.12 ns a weight on one Zen 4 core);
-// - any other element (Q5_0, Q5_1, Q8_0): the vector loops' element decode, 16 at a time, times the
-//   scale product (and the minimum), two chunks rounded together.
+//   per 16 codes (Q3_K, Q5_K, Q6_K) or single bits picked per lane (Q5_0's and Q5_1's fifth bits): 32
+//   codes at a time assembled as bytes (RunPair), widened to float32 16 at a time, times the scale
+//   product (and the minimum): decode 1.4-1.6x faster than the element decoder (Q6_K 0.19 -> 0.12 ns,
+//   Q5_0 0.19 -> 0.12 ns a weight on one Zen 4 core);
+// - any other element (Q8_0's bytes; layouts that fit neither form): the vector loops' element decode,
+//   16 at a time, times the scale product (and the minimum), two chunks rounded together.
 #if defined(__x86_64__) || defined(__i386__)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 #include <immintrin.h>
@@ -231,53 +232,91 @@ void panel_elements(const Layout &l, const Plan &plan, int64_t n, int64_t count,
                             });
 }
 
-// Integer codes from pieces whose 32 bytes for two chunks lie in two 16-byte windows in order, each
-// half (chunk) with one shift, mask and destination for all its lanes (Q3_K, Q5_K, Q6_K: every piece
-// a run of bytes): per slot, 32 bytes shifted, masked and moved as 16-bit lanes, then ORed, instead of
-// 16 lanes of 32 bits each with its own shift, mask and destination read from the plan.
+// Integer codes of two or three pieces, 32 at a time as bytes (two chunks: one 16-byte window each per
+// piece), instead of 16 lanes of 32 bits each shifted, masked and moved by its own plan vectors. A
+// piece ("slot") is either
+// - a run: the window's bytes in order, one shift, mask and destination per chunk (Q3_K, Q5_K, Q6_K:
+//   every piece), shifted, masked and moved as 16-bit lanes; or
+// - single bits: each lane's byte picked from the window (PSHUFB), one bit tested, its value set
+//   (Q5_0's and Q5_1's fifth bits, bit i of a 32-bit field for element i).
 struct alignas(64) RunPair {
-    uint8_t mask[MAX_DEPTH][32];
+    uint8_t mask[MAX_DEPTH][32], bit[MAX_DEPTH][32], value[MAX_DEPTH][32];
     uint16_t shift[MAX_DEPTH][16], dest[MAX_DEPTH][16];
+    alignas(16) uint8_t idx0[MAX_DEPTH][16], idx1[MAX_DEPTH][16];
     int off0[MAX_DEPTH], off1[MAX_DEPTH];
     int g0 = 0, g1 = 0;
 };
 
-// The layout's chunk pairs as RunPairs, where its integer codes (no table) fit that form: every slot of
-// each chunk reads its window's bytes in order, with one shift, mask and destination over the chunk's
-// lanes, the byte's bits after the shift covering the mask and the moved value fitting a byte. False
-// (and no pairs) otherwise.
-bool run_pairs(const Layout &l, const Plan &plan, std::vector<RunPair> &pairs) {
+// Slot sl of chunk `ch` as a run (`as_bits` false) or as single bits into half `half` of p; false
+// where the chunk's lanes do not fit that form.
+inline bool fill_slot(const Chunk &ch, int sl, int half, bool as_bits, RunPair &p) {
+    (half ? p.off1 : p.off0)[sl] = ch.off;
+    uint8_t *idx = half ? p.idx1[sl] : p.idx0[sl];
+    for (int i = 0; i < 16; i++) {
+        const int32_t shift = ch.shift[i], mask = ch.mask[i], dest = ch.dest[i];
+        if (as_bits) {
+            if (mask != 1 || shift < 0 || shift > 7 || dest < 0 || dest > 7) return false;
+            idx[i] = ch.idx[i];
+            p.bit[sl][16 * half + i] = static_cast<uint8_t>(1 << shift);
+            p.value[sl][16 * half + i] = static_cast<uint8_t>(1 << dest);
+            continue;
+        }
+        if (!ch.ident || shift != ch.shift[0] || mask != ch.mask[0] || dest != ch.dest[0]) return false;
+        if (shift < 0 || shift > 7 || mask < 0 || mask > (0xFF >> shift) || dest < 0 || (mask << dest) > 0xFF) return false;
+        p.mask[sl][16 * half + i] = static_cast<uint8_t>(mask);
+        if (i < 8) {
+            p.shift[sl][8 * half + i] = static_cast<uint16_t>(shift);
+            p.dest[sl][8 * half + i] = static_cast<uint16_t>(dest);
+        }
+    }
+    return true;
+}
+
+// The layout's chunk pairs as RunPairs, and in `bits` which slots are single bits (the same in every
+// chunk), where its integer codes (no table) of two or three pieces fit those forms; false (and no
+// pairs) otherwise.
+bool run_pairs(const Layout &l, const Plan &plan, std::vector<RunPair> &pairs, int &bits) {
     pairs.clear();
+    bits = 0;
     // codes of one piece take the word decoder (at most 4 bits) or whole bytes already
     if (l.el_table || l.el_depth < 2 || l.el_depth > MAX_DEPTH || l.el_bits > 8 || l.elements % 32 || l.sub % 16)
         return false;
     const int depth = l.el_depth, chunks = l.elements / 16, per_group = l.sub / 16;
+    for (int sl = 0; sl < depth; sl++) {  // a slot is a run where the first chunk's is, else single bits
+        RunPair probe;
+        if (!fill_slot(plan.element[sl], sl, 0, false, probe)) bits |= 1 << sl;
+    }
     std::vector<RunPair> out(static_cast<size_t>(chunks / 2));
     for (int c = 0; c < chunks; c++) {
         RunPair &p = out[c / 2];
         const int half = c % 2;
         (half ? p.g1 : p.g0) = c / per_group;
-        for (int sl = 0; sl < depth; sl++) {
-            const Chunk &ch = plan.element[c * depth + sl];
-            if (!ch.ident) return false;
-            const int32_t shift = ch.shift[0], mask = ch.mask[0], dest = ch.dest[0];
-            for (int i = 1; i < 16; i++)
-                if (ch.shift[i] != shift || ch.mask[i] != mask || ch.dest[i] != dest) return false;
-            if (shift < 0 || shift > 7 || mask < 0 || mask > (0xFF >> shift) || dest < 0 || (mask << dest) > 0xFF)
-                return false;
-            (half ? p.off1 : p.off0)[sl] = ch.off;
-            for (int i = 0; i < 16; i++) p.mask[sl][16 * half + i] = static_cast<uint8_t>(mask);
-            for (int i = 0; i < 8; i++) {
-                p.shift[sl][8 * half + i] = static_cast<uint16_t>(shift);
-                p.dest[sl][8 * half + i] = static_cast<uint16_t>(dest);
-            }
-        }
+        for (int sl = 0; sl < depth; sl++)
+            if (!fill_slot(plan.element[c * depth + sl], sl, half, (bits >> sl) & 1, p)) return false;
     }
     pairs.swap(out);
     return true;
 }
 
-template <int DEPTH, bool HALVES, bool MIN>
+// 32 codes of a slot as bytes (see RunPair).
+template <bool BITS>
+static inline __m256i slot_bytes(const uint8_t *block, const RunPair &p, int sl) {
+    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i *>(block + p.off0[sl]));
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(block + p.off1[sl]));
+    if (BITS) {
+        a = _mm_shuffle_epi8(a, _mm_load_si128(reinterpret_cast<const __m128i *>(p.idx0[sl])));
+        b = _mm_shuffle_epi8(b, _mm_load_si128(reinterpret_cast<const __m128i *>(p.idx1[sl])));
+        const __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
+        const __mmask32 set = _mm256_test_epi8_mask(w, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p.bit[sl])));
+        return _mm256_maskz_mov_epi8(set, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p.value[sl])));
+    }
+    __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
+    w = _mm256_srlv_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p.shift[sl])));
+    w = _mm256_and_si256(w, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p.mask[sl])));
+    return _mm256_sllv_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p.dest[sl])));
+}
+
+template <int DEPTH, int BITS, bool HALVES, bool MIN>
 void panel_runs(const Layout &l, const Plan &plan, const std::vector<RunPair> &pairs, int64_t n, int64_t count,
                 int64_t b0, uint16_t *panel, int64_t pitch, float *scale, float *minimum) {
     const int int_shift = l.el_signed ? 32 - l.el_bits : 0, int_add = l.el_offset;
@@ -287,16 +326,9 @@ void panel_runs(const Layout &l, const Plan &plan, const std::vector<RunPair> &p
                             [&](const uint8_t *block, const Factors<HALVES, MIN> &f, uint16_t *out) {
                                 for (int i = 0; i < steps; i++) {
                                     const RunPair &p = ps[i];
-                                    __m256i v = _mm256_setzero_si256();
-                                    for (int sl = 0; sl < DEPTH; sl++) {
-                                        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i *>(block + p.off0[sl]));
-                                        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(block + p.off1[sl]));
-                                        __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
-                                        w = _mm256_srlv_epi16(w, _mm256_load_si256(reinterpret_cast<const __m256i *>(p.shift[sl])));
-                                        w = _mm256_and_si256(w, _mm256_load_si256(reinterpret_cast<const __m256i *>(p.mask[sl])));
-                                        w = _mm256_sllv_epi16(w, _mm256_load_si256(reinterpret_cast<const __m256i *>(p.dest[sl])));
-                                        v = _mm256_or_si256(v, w);
-                                    }
+                                    __m256i v = slot_bytes<(BITS & 1) != 0>(block, p, 0);
+                                    v = _mm256_or_si256(v, slot_bytes<(BITS & 2) != 0>(block, p, 1));
+                                    if (DEPTH == 3) v = _mm256_or_si256(v, slot_bytes<(BITS & 4) != 0>(block, p, 2));
                                     const __m512 e0 = V512::integer(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(v)), int_shift, int_add);
                                     const __m512 e1 = V512::integer(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1)), int_shift, int_add);
                                     const __m512 w0 = f.apply(e0, p.g0), w1 = f.apply(e1, p.g1);
@@ -317,16 +349,18 @@ static inline void with_factors(const Layout &l, F &&f) {
 // The panel's rows: the word decoder where `pairs` is not empty, else the runs' decoder where `runs`
 // is not, else the element decoder.
 void decode_panel(const Layout &l, const Plan &plan, const std::vector<WordPair> &pairs,
-                  const std::vector<RunPair> &runs, int64_t n, int64_t count, int64_t b0, uint16_t *panel,
-                  int64_t pitch, float *scale, float *minimum) {
+                  const std::vector<RunPair> &runs, int run_bits, int64_t n, int64_t count, int64_t b0,
+                  uint16_t *panel, int64_t pitch, float *scale, float *minimum) {
     if (pairs.empty()) {
         if (!runs.empty()) {
             with_factors(l, [&](auto halves, auto min) {
                 constexpr bool H = decltype(halves)::value, M = decltype(min)::value;
-                switch (l.el_depth) {
-                    case 2: panel_runs<2, H, M>(l, plan, runs, n, count, b0, panel, pitch, scale, minimum); break;
-                    default: panel_runs<3, H, M>(l, plan, runs, n, count, b0, panel, pitch, scale, minimum); break;
-                }
+                if (l.el_depth == 3)
+                    panel_runs<3, 0, H, M>(l, plan, runs, n, count, b0, panel, pitch, scale, minimum);
+                else if (run_bits == 2)
+                    panel_runs<2, 2, H, M>(l, plan, runs, n, count, b0, panel, pitch, scale, minimum);
+                else
+                    panel_runs<2, 0, H, M>(l, plan, runs, n, count, b0, panel, pitch, scale, minimum);
             });
             return;
         }
@@ -370,7 +404,7 @@ namespace {
 
 // Weight rows [q0, q1) (at most 32: one panel) of gemm_blocks_bf16, on the calling thread.
 void panel_task(const Layout &l, const Plan &plan16, const std::vector<qscheme_gguf_gemm::WordPair> &pairs,
-                const std::vector<qscheme_gguf_gemm::RunPair> &runs,
+                const std::vector<qscheme_gguf_gemm::RunPair> &runs, int run_bits,
                 const uint16_t *x, int64_t m, const uint16_t *xv, int64_t mp, const float *bias, uint16_t *out,
                 int64_t ldy, int64_t r0, int64_t q0, int64_t q1, int64_t kc) {
     // x: m rows of K bfloat16; its first mp rows (0 or a multiple of 16) also packed as pairs in xv,
@@ -390,7 +424,7 @@ void panel_task(const Layout &l, const Plan &plan16, const std::vector<qscheme_g
     for (int64_t b0 = 0; b0 < blocks; b0 += chunk_blocks) {
         const int64_t nb = std::min(chunk_blocks, blocks - b0), width = nb * l.elements, pitch = width + PANEL_PAD;
         part.k = width;
-        decode_panel(part, plan16, pairs, runs, q0, live, b0, panel, pitch, scale, minimum);
+        decode_panel(part, plan16, pairs, runs, run_bits, q0, live, b0, panel, pitch, scale, minimum);
         for (int64_t r = live; r < (live + 3) / 4 * 4; r++) std::memset(panel + r * pitch, 0, static_cast<size_t>(width) * 2);
         if (mp > 0)
             qscheme_panel::multiply_panel_pairs(panel, pitch, live, xv + 16 * b0 * l.elements, 16 * l.k, mp / 16,
@@ -412,7 +446,10 @@ void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, in
                       uint16_t *out, int64_t ldy, int64_t r0, int64_t r1, int threads, int64_t kc) {
     std::vector<qscheme_gguf_gemm::WordPair> pairs;  // the layout's, once per call
     std::vector<qscheme_gguf_gemm::RunPair> runs;
-    if (!qscheme_gguf_gemm::word_pairs(l, plan16, pairs)) qscheme_gguf_gemm::run_pairs(l, plan16, runs);
+    int run_bits = 0;  // which of the runs' slots are single bits; the loops exist for (run, run), (run, bits), 3 runs
+    if (!qscheme_gguf_gemm::word_pairs(l, plan16, pairs) && qscheme_gguf_gemm::run_pairs(l, plan16, runs, run_bits) &&
+        !(run_bits == 0 || (run_bits == 2 && l.el_depth == 2)))
+        runs.clear();
     constexpr int64_t ROWS = qscheme_gguf_gemm::PANEL_ROWS;  // weight rows per task: one panel
     const int64_t tasks = (r1 - r0 + ROWS - 1) / ROWS;
     const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
@@ -425,7 +462,8 @@ void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, in
     });
     qscheme_gemv::run_tasks(count, tasks, [&](int64_t task) {
         const int64_t q0 = r0 + task * ROWS;
-        panel_task(l, plan16, pairs, runs, x, m, xv, mp, bias, out, ldy, r0, q0, std::min(r1, q0 + ROWS), kc);
+        panel_task(l, plan16, pairs, runs, run_bits, x, m, xv, mp, bias, out, ldy, r0, q0, std::min(r1, q0 + ROWS),
+                   kc);
     });
 }
 
