@@ -272,30 +272,34 @@ inline bool fill_slot(const Chunk &ch, int sl, int half, bool as_bits, RunPair &
     return true;
 }
 
-// The layout's chunk pairs as RunPairs, and in `bits` which slots are single bits (the same in every
-// chunk), where its integer codes (no table) of two or three pieces fit those forms; false (and no
-// pairs) otherwise.
-bool run_pairs(const Layout &l, const Plan &plan, std::vector<RunPair> &pairs, int &bits) {
-    pairs.clear();
-    bits = 0;
+// A layout's chunk pairs as RunPairs, and which slots are single bits (bit s: slot s; the same in
+// every chunk). Empty where the layout fits neither form, or a mix of slots the loops are not built
+// for: (run, run), (run, bits) and three runs.
+struct RunPlan {
+    std::vector<RunPair> pairs;
+    int bits = 0;
+};
+
+RunPlan run_plan(const Layout &l, const Plan &plan) {
+    RunPlan none, found;
     // codes of one piece take the word decoder (at most 4 bits) or whole bytes already
     if (l.el_table || l.el_depth < 2 || l.el_depth > MAX_DEPTH || l.el_bits > 8 || l.elements % 32 || l.sub % 16)
-        return false;
+        return none;
     const int depth = l.el_depth, chunks = l.elements / 16, per_group = l.sub / 16;
     for (int sl = 0; sl < depth; sl++) {  // a slot is a run where the first chunk's is, else single bits
         RunPair probe;
-        if (!fill_slot(plan.element[sl], sl, 0, false, probe)) bits |= 1 << sl;
+        if (!fill_slot(plan.element[sl], sl, 0, false, probe)) found.bits |= 1 << sl;
     }
-    std::vector<RunPair> out(static_cast<size_t>(chunks / 2));
+    if (!(found.bits == 0 || (found.bits == 2 && depth == 2))) return none;
+    found.pairs.resize(static_cast<size_t>(chunks / 2));
     for (int c = 0; c < chunks; c++) {
-        RunPair &p = out[c / 2];
+        RunPair &p = found.pairs[c / 2];
         const int half = c % 2;
         (half ? p.g1 : p.g0) = c / per_group;
         for (int sl = 0; sl < depth; sl++)
-            if (!fill_slot(plan.element[c * depth + sl], sl, half, (bits >> sl) & 1, p)) return false;
+            if (!fill_slot(plan.element[c * depth + sl], sl, half, (found.bits >> sl) & 1, p)) return none;
     }
-    pairs.swap(out);
-    return true;
+    return found;
 }
 
 // 32 codes of a slot as bytes (see RunPair).
@@ -348,19 +352,19 @@ static inline void with_factors(const Layout &l, F &&f) {
 
 // The panel's rows: the word decoder where `pairs` is not empty, else the runs' decoder where `runs`
 // is not, else the element decoder.
-void decode_panel(const Layout &l, const Plan &plan, const std::vector<WordPair> &pairs,
-                  const std::vector<RunPair> &runs, int run_bits, int64_t n, int64_t count, int64_t b0,
-                  uint16_t *panel, int64_t pitch, float *scale, float *minimum) {
+void decode_panel(const Layout &l, const Plan &plan, const std::vector<WordPair> &pairs, const RunPlan &runs,
+                  int64_t n, int64_t count, int64_t b0, uint16_t *panel, int64_t pitch, float *scale, float *minimum) {
     if (pairs.empty()) {
-        if (!runs.empty()) {
+        if (!runs.pairs.empty()) {
+            const std::vector<RunPair> &rp = runs.pairs;
             with_factors(l, [&](auto halves, auto min) {
                 constexpr bool H = decltype(halves)::value, M = decltype(min)::value;
                 if (l.el_depth == 3)
-                    panel_runs<3, 0, H, M>(l, plan, runs, n, count, b0, panel, pitch, scale, minimum);
-                else if (run_bits == 2)
-                    panel_runs<2, 2, H, M>(l, plan, runs, n, count, b0, panel, pitch, scale, minimum);
+                    panel_runs<3, 0, H, M>(l, plan, rp, n, count, b0, panel, pitch, scale, minimum);
+                else if (runs.bits == 2)
+                    panel_runs<2, 2, H, M>(l, plan, rp, n, count, b0, panel, pitch, scale, minimum);
                 else
-                    panel_runs<2, 0, H, M>(l, plan, runs, n, count, b0, panel, pitch, scale, minimum);
+                    panel_runs<2, 0, H, M>(l, plan, rp, n, count, b0, panel, pitch, scale, minimum);
             });
             return;
         }
@@ -404,13 +408,13 @@ namespace {
 
 // Weight rows [q0, q1) (at most 32: one panel) of gemm_blocks_bf16, on the calling thread.
 void panel_task(const Layout &l, const Plan &plan16, const std::vector<qscheme_gguf_gemm::WordPair> &pairs,
-                const std::vector<qscheme_gguf_gemm::RunPair> &runs, int run_bits,
+                const qscheme_gguf_gemm::RunPlan &runs,
                 const uint16_t *x, int64_t m, const uint16_t *xv, int64_t mp, const float *bias, uint16_t *out,
                 int64_t ldy, int64_t r0, int64_t q0, int64_t q1, int64_t kc) {
     // x: m rows of K bfloat16; its first mp rows (0 or a multiple of 16) also packed as pairs in xv,
     // multiplied by the pairs' loop into acc's first PANEL_ROWS * mp sums, the other rows by the dot blocks
     using namespace qscheme_gguf_gemm;
-    const int64_t live = q1 - q0, blocks = l.k / l.elements, tail = m - mp;
+    const int64_t live = q1 - q0, blocks = l.k / l.elements;
     const int64_t chunk_blocks = std::max<int64_t>(1, kc / l.elements);
     const int64_t width_most = std::min(blocks, chunk_blocks) * l.elements;
     Buffers &b = buffers;
@@ -424,19 +428,12 @@ void panel_task(const Layout &l, const Plan &plan16, const std::vector<qscheme_g
     for (int64_t b0 = 0; b0 < blocks; b0 += chunk_blocks) {
         const int64_t nb = std::min(chunk_blocks, blocks - b0), width = nb * l.elements, pitch = width + PANEL_PAD;
         part.k = width;
-        decode_panel(part, plan16, pairs, runs, run_bits, q0, live, b0, panel, pitch, scale, minimum);
+        decode_panel(part, plan16, pairs, runs, q0, live, b0, panel, pitch, scale, minimum);
         for (int64_t r = live; r < (live + 3) / 4 * 4; r++) std::memset(panel + r * pitch, 0, static_cast<size_t>(width) * 2);
-        if (mp > 0)
-            qscheme_panel::multiply_panel_pairs(panel, pitch, live, xv + 16 * b0 * l.elements, 16 * l.k, mp / 16,
-                                                width / 32, acc, mp, b0 == 0);
-        if (tail > 0)
-            qscheme_panel::multiply_panel(panel, pitch, live, x + mp * l.k + b0 * l.elements, l.k, tail, width / 32,
-                                          acc + PANEL_ROWS * mp, PANEL_ROWS, b0 == 0);
+        qscheme_panel::multiply_panel_all(panel, pitch, live, x, xv, l.k, m, mp, b0 * l.elements, width / 32, acc,
+                                          PANEL_ROWS, b0 == 0);
     }
-    if (mp > 0) qscheme_panel::store_rows_pairs(acc, mp, live, bias ? bias + q0 : nullptr, out + (q0 - r0), ldy);
-    if (tail > 0)
-        qscheme_panel::store_rows(acc + PANEL_ROWS * mp, PANEL_ROWS, live, tail, bias ? bias + q0 : nullptr,
-                                  out + mp * ldy + (q0 - r0), ldy);
+    qscheme_panel::store_panel_all(acc, PANEL_ROWS, live, m, mp, bias ? bias + q0 : nullptr, out + (q0 - r0), ldy);
     b.release();
 }
 
@@ -445,11 +442,8 @@ void panel_task(const Layout &l, const Plan &plan16, const std::vector<qscheme_g
 void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, int64_t m, const float *bias,
                       uint16_t *out, int64_t ldy, int64_t r0, int64_t r1, int threads, int64_t kc) {
     std::vector<qscheme_gguf_gemm::WordPair> pairs;  // the layout's, once per call
-    std::vector<qscheme_gguf_gemm::RunPair> runs;
-    int run_bits = 0;  // which of the runs' slots are single bits; the loops exist for (run, run), (run, bits), 3 runs
-    if (!qscheme_gguf_gemm::word_pairs(l, plan16, pairs) && qscheme_gguf_gemm::run_pairs(l, plan16, runs, run_bits) &&
-        !(run_bits == 0 || (run_bits == 2 && l.el_depth == 2)))
-        runs.clear();
+    qscheme_gguf_gemm::RunPlan runs;  // where the word decoder does not take the layout
+    if (!qscheme_gguf_gemm::word_pairs(l, plan16, pairs)) runs = qscheme_gguf_gemm::run_plan(l, plan16);
     constexpr int64_t ROWS = qscheme_gguf_gemm::PANEL_ROWS;  // weight rows per task: one panel
     const int64_t tasks = (r1 - r0 + ROWS - 1) / ROWS;
     const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
@@ -462,8 +456,7 @@ void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, in
     });
     qscheme_gemv::run_tasks(count, tasks, [&](int64_t task) {
         const int64_t q0 = r0 + task * ROWS;
-        panel_task(l, plan16, pairs, runs, run_bits, x, m, xv, mp, bias, out, ldy, r0, q0, std::min(r1, q0 + ROWS),
-                   kc);
+        panel_task(l, plan16, pairs, runs, x, m, xv, mp, bias, out, ldy, r0, q0, std::min(r1, q0 + ROWS), kc);
     });
 }
 

@@ -23,8 +23,7 @@ void gemm_rows_bf16(const Layer &p, const uint16_t *x, int64_t m, int64_t kp, co
     // x: m rows of kp bfloat16 (zeros past K); its first mp rows (a multiple of 16) also packed as
     // pairs in xv (blocks of 16 rows, kp * 16 words apart), multiplied by the pairs' loop into acc's
     // first (q1 - q0) * mp float32 partial sums; the other m - mp rows by the dot blocks into the rest
-    const int64_t rows = q1 - q0, cols = p.scale_cols, tail = m - mp;
-    float *tail_acc = acc + rows * mp;
+    const int64_t rows = q1 - q0, cols = p.scale_cols;
     const int64_t live = std::min(rows, r1 - q0);  // rows past r1 are not decoded, multiplied or written
     for (int64_t r = 0; r < live; r++) row_scales_avx512(p, q0 + r, 0, cols, s + r * cols, z + r * cols);
     for (int64_t k0 = 0; k0 < kp; k0 += kc) {
@@ -32,14 +31,9 @@ void gemm_rows_bf16(const Layer &p, const uint16_t *x, int64_t m, int64_t kp, co
         const bool first = k0 == 0;
         for (int64_t r = 0; r < live; r++) decode_chunk(p, q0 + r, k0, k0 + width, panel + r * pitch, s + r * cols, z + r * cols);
         for (int64_t r = live; r < (live + 3) / 4 * 4; r++) std::memset(panel + r * pitch, 0, static_cast<size_t>(width) * 2);
-        if (mp > 0)
-            qscheme_panel::multiply_panel_pairs(panel, pitch, live, xv + 16 * k0, 16 * kp, mp / 16, steps, acc, mp, first);
-        if (tail > 0)
-            qscheme_panel::multiply_panel(panel, pitch, live, x + mp * kp + k0, kp, tail, steps, tail_acc, rows, first);
+        qscheme_panel::multiply_panel_all(panel, pitch, live, x, xv, kp, m, mp, k0, steps, acc, rows, first);
     }
-    if (mp > 0) qscheme_panel::store_rows_pairs(acc, mp, live, bias ? bias + q0 : nullptr, out + (q0 - r0), ldy);
-    if (tail > 0)
-        qscheme_panel::store_rows(tail_acc, rows, live, tail, bias ? bias + q0 : nullptr, out + mp * ldy + (q0 - r0), ldy);
+    qscheme_panel::store_panel_all(acc, rows, live, m, mp, bias ? bias + q0 : nullptr, out + (q0 - r0), ldy);
 }
 
 void pack_pairs_bf16(const uint16_t *x, int64_t ldx, int64_t kp, uint16_t *xv) {

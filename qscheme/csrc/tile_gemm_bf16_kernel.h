@@ -218,5 +218,23 @@ inline void store_rows_pairs(const float *acc, int64_t mp, int64_t live, const f
     }
 }
 
+// The panel times all m input rows (x: row-major, ldx apart; its first mp rows also packed as pairs in
+// xv, block b at xv + 16 * b * ldx) over `steps` chunks of 32 k from column c0: the packed rows by the
+// pairs' loop into acc[i * mp + j], the other m - mp rows by the dot blocks into acc + rows * mp
+// ([j][rows]); `first`: the chunk's sums replace acc's instead of adding to them.
+inline void multiply_panel_all(const uint16_t *panel, int64_t pitch, int64_t live, const uint16_t *x, const uint16_t *xv,
+                               int64_t ldx, int64_t m, int64_t mp, int64_t c0, int64_t steps, float *acc, int64_t rows,
+                               bool first) {
+    if (mp > 0) multiply_panel_pairs(panel, pitch, live, xv + 16 * c0, 16 * ldx, mp / 16, steps, acc, mp, first);
+    if (m > mp) multiply_panel(panel, pitch, live, x + mp * ldx + c0, ldx, m - mp, steps, acc + rows * mp, rows, first);
+}
+
+// The outputs of multiply_panel_all's sums: out[j * ldy + i] for the panel's rows [0, live).
+inline void store_panel_all(const float *acc, int64_t rows, int64_t live, int64_t m, int64_t mp, const float *bias,
+                            uint16_t *out, int64_t ldy) {
+    if (mp > 0) store_rows_pairs(acc, mp, live, bias, out, ldy);
+    if (m > mp) store_rows(acc + rows * mp, rows, live, m - mp, bias, out + mp * ldy, ldy);
+}
+
 }  // namespace
 }  // namespace qscheme_panel
