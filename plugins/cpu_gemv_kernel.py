@@ -42,7 +42,7 @@ from torch import Tensor
 from qscheme import cpu_gemv
 from qscheme.canonical import CanonicalWeight
 from qscheme.cpu_gemv import GemvLayout
-from qscheme.emulation import activation_codes, apply_pre_scale, quantize_activation
+from qscheme.emulation import activation_codes, apply_pre_scale, prepare_input, quantize_activation
 from qscheme.errors import UsageError
 from qscheme.formats import decode
 
@@ -131,7 +131,7 @@ class CpuGemvKernel:
         if emulation is not None and emulation.activation is None and x.dtype == torch.bfloat16:
             assert emulation.pre_scale is not None  # weight-only with an emulation state: an AWQ pre-scale
             # the pre-scaled input rounded once to bfloat16, so that the bfloat16 loops (VNNI, AMX) take it
-            scaled = apply_pre_scale(rows, emulation.pre_scale).to(torch.bfloat16)
+            scaled = prepare_input(rows, None, pre_scale=emulation.pre_scale, dtype=torch.bfloat16)
             return cpu_gemv.gemv(layout, _in_code_order(state, scaled), bias).reshape(*x.shape[:-1], layout.n)
         factored = None if state.emulation is None else scaled_codes(state.emulation, rows)
         if factored is not None:  # the codes times the weight, then each row's activation scale

@@ -152,7 +152,7 @@ class DequantGemmKernel:
             # team, whose threads would spin on the cores the extension's (or the slabs') threads use
             with slabs.single_threaded_caller():
                 bias = None if bias is None else bias.to(device=rows.device, dtype=dtype)
-                for start, stop, inputs in _pieces(state, rows):
+                for start, stop, inputs in _pieces(state, rows, threads):
                     if self.native and state.native is not None and dtype == torch.bfloat16 and tile_gemm.fused():
                         bias32 = None if bias is None else bias.to(torch.float32)
                         tile_gemm.gemm(state.native, inputs, bias32, start, stop, threads, y[:, start:stop])
@@ -161,18 +161,17 @@ class DequantGemmKernel:
         return y.reshape(*x.shape[:-1], weight.n)
 
 
-def _pieces(state: DequantGemmState, rows: Tensor) -> list[tuple[int, int, Tensor]]:
+def _pieces(state: DequantGemmState, rows: Tensor, threads: int = 1) -> list[tuple[int, int, Tensor]]:
     """(first output row, last + 1, the input those rows multiply, contiguous in the input's
     dtype): the input itself, or pre-scaled and quantized as the reference kernel does, per run
-    of fused partitions sharing their static input scales."""
+    of fused partitions sharing their static input scales (one native pass on ``threads``
+    workers where it runs: ``qscheme.emulation.prepare_input``)."""
     n = state.canonical.n
     if state.emulation is None:
         return [(0, n, rows.contiguous())]
     return [
-        (0, n, values.to(rows.dtype).contiguous())
-        if scaling is None
-        else (scaling.start, scaling.stop, values.to(rows.dtype).contiguous())
-        for scaling, values in ReferenceKernel().quantize_input(state.emulation, rows)
+        (0, n, values.contiguous()) if scaling is None else (scaling.start, scaling.stop, values.contiguous())
+        for scaling, values in ReferenceKernel().quantize_input(state.emulation, rows, rows.dtype, threads)
     ]
 
 

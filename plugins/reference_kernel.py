@@ -46,7 +46,7 @@ from torch import Tensor
 from qscheme import slabs
 from qscheme.canonical import CanonicalWeight, dequantize_rows, scale_tile
 from qscheme.descriptor import ActivationSpec
-from qscheme.emulation import apply_pre_scale, fake_quantize_activation
+from qscheme.emulation import prepare_input
 from qscheme.environment import env_flag
 from qscheme.errors import UsageError
 
@@ -165,17 +165,19 @@ class ReferenceKernel:
             cache=cache,
         )
 
-    def quantize_input(self, state: ReferenceState, x: Tensor) -> list[tuple[InputScaling | None, Tensor]]:
-        """The float32 input each output slice multiplies: pre-scaled, then fake-quantized."""
-        values = x.to(device=state.device, dtype=torch.float32)
-        if state.pre_scale is not None:
-            values = apply_pre_scale(values, state.pre_scale)
+    def quantize_input(
+        self, state: ReferenceState, x: Tensor, dtype: torch.dtype = torch.float32, threads: int = 1
+    ) -> list[tuple[InputScaling | None, Tensor]]:
+        """The input each output slice multiplies: pre-scaled, then fake-quantized, in float32 (or
+        those values rounded once to ``dtype``; ``qscheme.emulation.prepare_input``, one native pass
+        on ``threads`` workers where it runs)."""
+        values = x.to(device=state.device)
         if state.activation is None:
-            return [(None, values)]
+            return [(None, prepare_input(values, None, pre_scale=state.pre_scale, dtype=dtype, threads=threads))]
         return [
             (
                 scaling,
-                fake_quantize_activation(
+                prepare_input(
                     values,
                     state.activation,
                     input_scale=scaling.input_scale,
@@ -183,6 +185,9 @@ class ReferenceKernel:
                     if scaling.input_global_scale_divisor is not None
                     else scaling.input_global_scale,
                     input_global_scale_divisor=scaling.input_global_scale_divisor,
+                    pre_scale=state.pre_scale,
+                    dtype=dtype,
+                    threads=threads,
                 ),
             )
             for scaling in state.scalings

@@ -7,7 +7,9 @@ layer before the GEMM. This module computes that quantization bit for bit, vecto
 - ``quantize_activation`` returns the codes and scales a kernel consuming quantized activations
   must produce (``QuantizedActivation``), and ``QuantizedActivation.dequantize`` the values;
 - ``fake_quantize_activation`` is the two together, the emulation reference;
-- ``apply_pre_scale`` multiplies the input by an AWQ ``input_pre_scale`` first.
+- ``apply_pre_scale`` multiplies the input by an AWQ ``input_pre_scale`` first;
+- ``prepare_input`` is the pre-scale and the fake quantization together, in the dtype a kernel
+  multiplies (float32, or the float32 values rounded once to bfloat16): one native pass on a CPU.
 
 Supported activation quantizations (``SUPPORTED_ACTIVATIONS``, the pairs deployed kernels run),
 with the float32 arithmetic of each. ``amax`` is the absolute maximum of a token (or group),
@@ -97,6 +99,7 @@ __all__ = [
     "activation_rule",
     "apply_pre_scale",
     "fake_quantize_activation",
+    "prepare_input",
     "quantize_activation",
 ]
 
@@ -505,12 +508,64 @@ def activation_codes(
 def apply_pre_scale(x: Tensor, pre_scale: Tensor) -> Tensor:
     """``x * pre_scale`` in float32: the AWQ ``input_pre_scale`` [K], applied before quantizing."""
     values = _as_float32(x, "the activation x")
+    return values * _checked_pre_scale(pre_scale, values).to(device=values.device, dtype=torch.float32)
+
+
+def _checked_pre_scale(pre_scale: Tensor, x: Tensor) -> Tensor:
     if not isinstance(pre_scale, Tensor) or not pre_scale.dtype.is_floating_point:
         raise QuantizeError(f"input_pre_scale must be a float tensor, got {pre_scale!r:.80}")
-    k = values.shape[-1]
+    k = x.shape[-1]
     if pre_scale.shape != (k,):
         raise QuantizeError(
             f"input_pre_scale has shape {tuple(pre_scale.shape)}; it must be [K] = [{k}], "
-            f"one multiplier per input feature of x (shape {tuple(values.shape)})"
+            f"one multiplier per input feature of x (shape {tuple(x.shape)})"
         )
-    return values * pre_scale.to(device=values.device, dtype=torch.float32)
+    return pre_scale
+
+
+def prepare_input(
+    x: Tensor,
+    activation: ActivationSpec | None,
+    *,
+    input_scale: Tensor | None = None,
+    input_global_scale: Tensor | None = None,
+    input_global_scale_divisor: Tensor | None = None,
+    pre_scale: Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+    threads: int = 1,
+) -> Tensor:
+    """The input a layer's weight multiplies, in ``dtype``: ``x`` times ``pre_scale``
+    (``apply_pre_scale``) where it has one, then quantized and dequantized by ``activation``
+    (``fake_quantize_activation``, with the same scale arguments and errors) where it has one.
+    Bit for bit those functions' float32 result ``.to(dtype)``; ``x`` itself where there is
+    nothing to apply and it has ``dtype`` already.
+
+    On a CPU, for a float32 or bfloat16 ``dtype`` and the FP8 and int8 rules (or a pre-scale
+    alone), one native pass computes it (``qscheme.emulation_native``), its rows shared out over
+    ``threads`` workers.
+    """
+    checked = _checked_input(x, "the activation x")
+    if pre_scale is not None:
+        pre_scale = _checked_pre_scale(pre_scale, checked)
+    if activation is None and pre_scale is None:
+        return checked if checked.dtype == dtype else checked.to(torch.float32).to(dtype)
+    rule = None if activation is None else activation_rule(activation)
+    if rule is None or rule.name in emulation_native.MODES:
+        scale = None
+        if rule is not None:
+            scale = _validate_scales(
+                rule, checked.device, input_scale, input_global_scale, input_global_scale_divisor
+            ).input_scale
+        fast = emulation_native.prepare_input(checked, rule, scale, pre_scale, dtype, threads)
+        if fast is not None:
+            return fast
+    values = _as_float32(checked, "the activation x") if pre_scale is None else apply_pre_scale(checked, pre_scale)
+    if activation is not None:
+        values = fake_quantize_activation(
+            values,
+            activation,
+            input_scale=input_scale,
+            input_global_scale=input_global_scale,
+            input_global_scale_divisor=input_global_scale_divisor,
+        )
+    return values.to(dtype)

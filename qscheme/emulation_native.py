@@ -7,6 +7,13 @@ element's division, e4m3's or int8's rounding, the product), so its output is bi
 path's (tests/test_emulation_native.py compares the two). The torch path takes about 20 elementwise
 operations and 8 ms at 256 x 4096 on one core; this pass reads the input once.
 
+``prepare_input`` (``qscheme._cpu_gemv.prepare_input``) is the same pass with the AWQ pre-scale
+before the rule (or alone) and a float32 or bfloat16 output, its rows shared out over threads: the
+input of ``dequant_gemm``'s bfloat16 tiles in one pass where torch took up to four (the upcast, the
+pre-scale, the pass, the cast). At 256 x 4096 bf16 on a 2-core Zen 4: FP8 per token 0.44 ms in torch
+(2 threads) against 0.40 ms on one thread and 0.21 ms on two; the pre-scale alone 0.17 ms against
+0.15 and 0.08 ms.
+
 ``activation_codes`` (``qscheme._cpu_gemv.activation_codes``) is the same pass stopped before the
 product: the codes' values and each token's scale (FP8 per tensor or per token, int8 per token),
 which ``cpu_gemv`` multiplies as they are. At M = 1 it replaced about 90 us of torch operations per
@@ -39,6 +46,9 @@ MODES: Mapping[str, int] = MappingProxyType(
 
 # the rules whose codes' values and scales ``activation_codes`` gives (one scale per token or per tensor)
 CODE_MODES: Mapping[str, int] = MappingProxyType({"FP8 per tensor": 0, "FP8 per token": 1, "int8 per token": 3})
+
+# the pre-scale alone, without a rule (prepare_input)
+NO_RULE = 4
 
 _INPUTS = (torch.float32, torch.bfloat16)
 
@@ -91,6 +101,40 @@ def fake_quantize(x: Tensor, rule: ActivationRule, input_scale: Tensor | None) -
     if mode is None or not _takes(x):
         return None
     return _native_pass(x.detach().contiguous(), mode, rule.group_size or 0, input_scale, None)
+
+
+def prepare_input(
+    x: Tensor,
+    rule: ActivationRule | None,
+    input_scale: Tensor | None,
+    pre_scale: Tensor | None,
+    dtype: torch.dtype,
+    threads: int,
+) -> Tensor | None:
+    """``x`` times ``pre_scale`` (float32 [K], validated by the caller) where it is given, then
+    quantized and dequantized by ``rule`` where it is given, in ``dtype`` (float32, or bfloat16:
+    the float32 values rounded to nearest even); None where the native pass does not take it (a
+    rule outside ``MODES``, another dtype, or see the module docstring)."""
+    mode = NO_RULE if rule is None else MODES.get(rule.name)
+    if mode is None or dtype not in _INPUTS or not _takes(x):
+        return None
+    if pre_scale is not None and pre_scale.device.type != "cpu":
+        return None
+    from qscheme import cpu_gemv
+
+    values = x.detach().contiguous()
+    out = torch.empty(values.shape, dtype=dtype)
+    k = values.shape[-1]
+    if values.numel() == 0:
+        return out
+    multipliers = None if pre_scale is None else pre_scale.detach().to(torch.float32).contiguous()
+    scale = 0.0 if input_scale is None else float(input_scale.reshape(-1)[0])
+    cpu_gemv.native().prepare_input(
+        values.data_ptr(), values.dtype == torch.bfloat16, out.data_ptr(), dtype == torch.bfloat16,
+        0 if multipliers is None else multipliers.data_ptr(), values.numel() // k, k, mode,
+        0 if rule is None else rule.group_size or 0, scale, cpu_gemv.native().isa() == "avx512", max(1, threads),
+    )  # fmt: skip
+    return out
 
 
 def activation_codes(x: Tensor, rule: ActivationRule, input_scale: Tensor | None) -> tuple[Tensor, Tensor] | None:

@@ -1,8 +1,9 @@
 """The native FP8 / int8 activation pass (``qscheme.emulation_native``: the quantize-dequantize,
-and the codes' values with their scales) against the torch path of ``qscheme.emulation``, bit for
-bit: every rule it takes, float32 and bfloat16 inputs, ragged groups, 3-D inputs, zero rows (the
-float32-eps scale), e4m3 subnormals, ties, saturation and signed zeros, on the AVX-512 loop (where
-this CPU runs it) and the portable one."""
+the codes' values with their scales, and the tile GEMMs' prepared input with the AWQ pre-scale and a
+bfloat16 output) against the torch path of ``qscheme.emulation``, bit for bit: every rule it takes,
+float32 and bfloat16 inputs, ragged groups, 3-D inputs, zero rows (the float32-eps scale), e4m3
+subnormals, ties, saturation and signed zeros, bfloat16 ties, rows shared over threads, on the
+AVX-512 loop (where this CPU runs it) and the portable one."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from torch import Tensor
 from qscheme import cpu_gemv, emulation_native
 from qscheme.catalog import load_scheme
 from qscheme.descriptor import ActivationSpec
-from qscheme.emulation import activation_codes, activation_rule, fake_quantize_activation, quantize_activation
+from qscheme.emulation import (
+    activation_codes,
+    activation_rule,
+    apply_pre_scale,
+    fake_quantize_activation,
+    prepare_input,
+    quantize_activation,
+)
 from qscheme.errors import QuantizeError
 from qscheme.formats import all_codes, decode
 
@@ -63,6 +71,37 @@ def both_paths(x: Tensor, activation: ActivationSpec, monkeypatch: pytest.Monkey
         )
     if rule.name in emulation_native.CODE_MODES:
         both_code_paths(x, activation, monkeypatch, **scales)
+    generator = torch.Generator().manual_seed(x.shape[-1])
+    pre_scale = torch.rand(x.shape[-1], generator=generator) * 3.75 + 0.25
+    for pre in (None, pre_scale):
+        prepared_paths(x, activation, monkeypatch, pre, **scales)
+
+
+def prepared_paths(
+    x: Tensor,
+    activation: ActivationSpec | None,
+    monkeypatch: pytest.MonkeyPatch,
+    pre_scale: Tensor | None,
+    **scales: Tensor,
+) -> None:
+    """``prepare_input`` (the native pass) against the torch path's float32 values cast to each
+    output dtype, bit for bit, on one and on three threads."""
+    with monkeypatch.context() as patch:
+        patch.setenv(emulation_native.VARIABLE, "0")
+        values = x.to(torch.float32) if pre_scale is None else apply_pre_scale(x, pre_scale)
+        expected = values if activation is None else fake_quantize_activation(values, activation, **scales)
+    rule = None if activation is None else activation_rule(activation)
+    for isa in isas():
+        cpu_gemv.set_isa(isa)
+        for dtype in (torch.float32, torch.bfloat16):
+            for threads in (1, 3):
+                native = emulation_native.prepare_input(x, rule, scales.get("input_scale"), pre_scale, dtype, threads)
+                assert native is not None and native.dtype == dtype and native.shape == x.shape
+                wanted = expected.to(dtype)
+                bits = torch.int32 if dtype == torch.float32 else torch.int16
+                assert torch.equal(native.view(bits), wanted.view(bits)), (isa, dtype, threads, x.dtype)
+                public = prepare_input(x, activation, pre_scale=pre_scale, dtype=dtype, threads=threads, **scales)
+                assert torch.equal(public.view(bits), wanted.view(bits))
 
 
 def inputs(k: int, dtype: torch.dtype, seed: int) -> Tensor:
@@ -101,6 +140,32 @@ def test_every_e4m3_midpoint_rounds_to_even(monkeypatch: pytest.MonkeyPatch) -> 
     both_paths(
         torch.cat([row, -row]).reshape(1, -1), spec("FP8 per tensor"), monkeypatch, input_scale=torch.tensor([1.0])
     )
+
+
+def test_the_pre_scale_alone_and_bfloat16_ties(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a rule: x times the pre-scale, rounded to bfloat16 to nearest even (the products
+    include exact ties between two bfloat16 values, and values past bfloat16's largest)."""
+    ties = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 2.0**-130, 3.0e38, -1e-45, 0.0, -0.0])
+    x = torch.cat([ties, torch.randn(300, generator=torch.Generator().manual_seed(3))]).reshape(2, -1)
+    pre_scale = torch.ones(x.shape[-1])
+    pre_scale[1::2] = 1.5
+    for given in (x, x.to(torch.bfloat16)):
+        prepared_paths(given, None, monkeypatch, pre_scale)
+
+
+def test_rows_shared_over_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Enough rows for several tasks (64K elements each), a ragged last one."""
+    x = torch.randn(37, 4096, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    both_paths(x, spec("FP8 per token"), monkeypatch)
+    both_paths(x, spec("FP8 per tensor"), monkeypatch, input_scale=torch.tensor([0.02]))
+
+
+def test_prepare_input_without_anything_to_apply_is_the_input() -> None:
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    assert prepare_input(x, None, dtype=torch.bfloat16) is x
+    assert torch.equal(prepare_input(x, None), x.to(torch.float32))
+    with pytest.raises(QuantizeError, match="input_pre_scale has shape"):
+        prepare_input(x, None, pre_scale=torch.ones(63))
 
 
 def test_int8_ties_and_negative_zeros(monkeypatch: pytest.MonkeyPatch) -> None:

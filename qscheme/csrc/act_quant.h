@@ -9,8 +9,23 @@
 
 namespace qscheme_act {
 
-// The rules (qscheme.emulation.SUPPORTED_ACTIVATIONS) this pass computes.
-enum Mode : int { E4M3_STATIC = 0, E4M3_TOKEN = 1, E4M3_GROUP = 2, INT8_TOKEN = 3 };
+// The rules (qscheme.emulation.SUPPORTED_ACTIVATIONS) this pass computes; NONE: no quantization
+// (prepare_input with a pre-scale alone).
+enum Mode : int { E4M3_STATIC = 0, E4M3_TOKEN = 1, E4M3_GROUP = 2, INT8_TOKEN = 3, NONE = 4 };
+
+// One pass's arguments (rows [0, m) of x, rows of k; see fake_quantize and prepare_input).
+struct Pass {
+    const void *x;
+    bool bf16;               // x is bfloat16 (else float32)
+    void *out;               // m x k values
+    bool out_bf16;           // out is bfloat16, each float32 value rounded to nearest even (else float32)
+    int64_t m, k;
+    int mode;                // Mode
+    int64_t group;           // E4M3_GROUP's block length
+    float scale;             // E4M3_STATIC's scale
+    const float *pre_scale;  // k multipliers applied (float32 product) before quantizing, or null
+    float *scales;           // with it: out receives the codes' values, scales each block's s (row by row)
+};
 
 // Rows [0, m) of x (float32 or bfloat16, rows of k) quantized and dequantized into out (float32):
 // a block of `group` elements (a row for per-token rules, the whole input for the static scale)
@@ -20,6 +35,14 @@ enum Mode : int { E4M3_STATIC = 0, E4M3_TOKEN = 1, E4M3_GROUP = 2, INT8_TOKEN = 
 // out receives round(x / s) alone, the code's value, and scales each block's s.
 void fake_quantize(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group, float scale,
                    bool vector, float *scales = nullptr);
+
+// Elements per block (a row for the per-token and static rules), and blocks per row.
+inline int64_t block_length(const Pass &pass) { return pass.mode == E4M3_GROUP ? pass.group : pass.k; }
+inline int64_t blocks_per_row(const Pass &pass) { return (pass.k + block_length(pass) - 1) / block_length(pass); }
+
+// The pass of `pass` (the rules as fake_quantize's, after the pre-scale), its rows shared out over
+// `threads` workers (qscheme_threads) where it is large enough to gain.
+void run_pass(const Pass &pass, bool vector, int threads);
 
 // Rows [0, m) of x quantized by the int8 per-token rule (INT8_TOKEN: the same arithmetic) into their
 // codes plus 128 (row r at codes + r * stride; bytes [k, stride) of a row set to 0) and scales.
@@ -37,6 +60,10 @@ PyObject *fake_quantize_method(PyObject *, PyObject *args);
 
 // activation_codes(x, bf16, out, scales, m, k, mode, group, scale): fake_quantize with `scales`.
 PyObject *activation_codes_method(PyObject *, PyObject *args);
+
+// prepare_input(x, bf16, out, out_bf16, pre_scale, m, k, mode, group, scale, vector, threads): run_pass
+// without scales (addresses as ints, pre_scale 0 for none): the input the tile GEMMs multiply.
+PyObject *prepare_input_method(PyObject *, PyObject *args);
 
 // all_finite(x, dtype, n): the Python method (True or False).
 PyObject *all_finite_method(PyObject *, PyObject *args);

@@ -1,4 +1,4 @@
-// The AVX-512 pass of qscheme._cpu_gemv.fake_quantize (act_quant.cpp has the arithmetic, which this
+// The AVX-512 pass of qscheme._cpu_gemv.fake_quantize and prepare_input (act_quant.cpp has the arithmetic, which this
 // computes 16 elements at a time, bit for bit: the same float32 divisions, roundings and products).
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__clang__) || defined(__GNUC__))
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
@@ -26,19 +26,15 @@ inline __mmask16 tail(int64_t count) {
     return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1u);
 }
 
+// e4m3's saturating round to nearest even, as act_quant.cpp's: |v| clamped to 448 first, then
+// rounded to 3 fraction bits at its own exponent (at least -6, e4m3's subnormal spacing 2**-9 below):
+// scaled by 2**-e into [1, 2) (or [0, 1)), rounded to a multiple of 1/8 (ties to even), scaled back.
+// Every scaling is by a power of two, exact.
 inline __m512 round_e4m3(__m512 v) {
-    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-    const __m512 a = _mm512_abs_ps(v);
-    __m512i bits = _mm512_castps_si512(a);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFFF), odd));
-    __m512 r = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFF00000u))));
-    const __m512 small = _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)),
-                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                                       _mm512_set1_ps(1.0f / 512.0f));
-    r = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ), small);
-    r = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(a, _mm512_set1_ps(448.0f), _CMP_GE_OQ), _mm512_set1_ps(448.0f));
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), sign));
+    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-448.0f)), _mm512_set1_ps(448.0f));
+    const __m512 e = _mm512_max_ps(_mm512_getexp_ps(v), _mm512_set1_ps(-6.0f));
+    const __m512 scaled = _mm512_scalef_ps(v, _mm512_sub_ps(_mm512_setzero_ps(), e));
+    return _mm512_scalef_ps(_mm512_roundscale_ps(scaled, (3 << 4) | _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), e);
 }
 
 inline __m512 round_int8(__m512 v) {
@@ -47,47 +43,77 @@ inline __m512 round_int8(__m512 v) {
     return _mm512_add_ps(v, _mm512_setzero_ps());  // -0.0 + 0.0 = +0.0: the int8 code of zero has no sign
 }
 
-// absmax / range over elements [g0, g1) of x from base, as act_quant.cpp's dynamic_scale.
-inline float dynamic_scale(const void *x, bool bf16, int64_t base, int64_t g0, int64_t g1, float range) {
+// 16 elements of a row from column i (mask: the columns present), times their pre-scales where the
+// pass has them (float32 products, as act_quant.cpp's input).
+inline __m512 input16(const Pass &pass, int64_t row, int64_t i, __mmask16 mask) {
+    const __m512 v = load16(pass.x, pass.bf16, row * pass.k + i, mask);
+    return pass.pre_scale ? _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, pass.pre_scale + i)) : v;
+}
+
+// 16 values stored from element i of out: float32, or bfloat16 rounded to nearest even (NaN to 0x7FC0).
+inline void store16(const Pass &pass, int64_t i, __mmask16 mask, __m512 v) {
+    if (!pass.out_bf16) {
+        _mm512_mask_storeu_ps(static_cast<float *>(pass.out) + i, mask, v);
+        return;
+    }
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_mask_storeu_epi16(static_cast<uint16_t *>(pass.out) + i, mask, _mm512_cvtepi32_epi16(rounded));
+}
+
+// s over elements [g0, g1) of a row, as act_quant.cpp's dynamic_scale.
+inline float dynamic_scale(const Pass &pass, int64_t row, int64_t g0, int64_t g1, float range) {
     __m512 amax = _mm512_setzero_ps();
-    for (int64_t i = g0; i < g1; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x, bf16, base + i, tail(g1 - i))));
+    int64_t i = g0;
+    for (; i + 16 <= g1; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(input16(pass, row, i, 0xFFFF)));
+    if (i < g1) amax = _mm512_max_ps(amax, _mm512_abs_ps(input16(pass, row, i, tail(g1 - i))));
     const float s = _mm512_reduce_max_ps(amax) / range;
     return s == 0.0f ? FLT_EPSILON : s;
 }
 
 }  // namespace
 
-void fake_quantize_avx512(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group,
-                          float scale, float *scales) {
-    const bool e4m3 = mode != INT8_TOKEN;
+void pass_rows_avx512(const Pass &pass, int64_t r0, int64_t r1) {
+    const int64_t k = pass.k, length = block_length(pass);
+    const bool e4m3 = pass.mode != INT8_TOKEN;
     const float range = e4m3 ? 448.0f : 127.5f;
-    const int64_t length = mode == E4M3_GROUP ? group : k;
-    for (int64_t row = 0; row < m; row++) {
+    float *scales = pass.scales ? pass.scales + r0 * blocks_per_row(pass) : nullptr;
+    for (int64_t row = r0; row < r1; row++) {
         const int64_t base = row * k;
+        if (pass.mode == NONE) {
+            int64_t i = 0;
+            for (; i + 16 <= k; i += 16) store16(pass, base + i, 0xFFFF, input16(pass, row, i, 0xFFFF));
+            if (i < k) store16(pass, base + i, tail(k - i), input16(pass, row, i, tail(k - i)));
+            continue;
+        }
         for (int64_t g0 = 0; g0 < k; g0 += length) {
             const int64_t g1 = std::min(k, g0 + length);
-            const float s = mode == E4M3_STATIC ? scale : dynamic_scale(x, bf16, base, g0, g1, range);
+            const float s = pass.mode == E4M3_STATIC ? pass.scale : dynamic_scale(pass, row, g0, g1, range);
             if (scales) *scales++ = s;
             const __m512 vs = _mm512_set1_ps(s);
-            for (int64_t i = g0; i < g1; i += 16) {
-                const __mmask16 mask = tail(g1 - i);
-                const __m512 v = _mm512_div_ps(load16(x, bf16, base + i, mask), vs);
+            const auto one = [&](int64_t i, __mmask16 mask) {
+                const __m512 v = _mm512_div_ps(input16(pass, row, i, mask), vs);
                 const __m512 code = e4m3 ? round_e4m3(v) : round_int8(v);
-                _mm512_mask_storeu_ps(out + base + i, mask, scales ? code : _mm512_mul_ps(code, vs));
-            }
+                store16(pass, base + i, mask, scales ? code : _mm512_mul_ps(code, vs));
+            };
+            int64_t i = g0;
+            for (; i + 16 <= g1; i += 16) one(i, static_cast<__mmask16>(0xFFFF));
+            if (i < g1) one(i, tail(g1 - i));
         }
     }
 }
 
 void int8_codes_avx512(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride, float *scales) {
+    const Pass pass{x, bf16, nullptr, false, m, k, INT8_TOKEN, 0, 0.0f, nullptr, nullptr};
     for (int64_t row = 0; row < m; row++) {
-        const int64_t base = row * k;
-        const float s = scales[row] = dynamic_scale(x, bf16, base, 0, k, 127.5f);
+        const float s = scales[row] = dynamic_scale(pass, row, 0, k, 127.5f);
         const __m512 vs = _mm512_set1_ps(s);
         uint8_t *out = codes + row * stride;
         for (int64_t i = 0; i < k; i += 16) {
             const __mmask16 mask = tail(k - i);
-            const __m512 q = round_int8(_mm512_div_ps(load16(x, bf16, base + i, mask), vs));
+            const __m512 q = round_int8(_mm512_div_ps(input16(pass, row, i, mask), vs));
             const __m512i shifted = _mm512_add_epi32(_mm512_cvtps_epi32(q), _mm512_set1_epi32(128));
             _mm_mask_storeu_epi8(out + i, mask, _mm512_cvtepi32_epi8(shifted));
         }
@@ -128,7 +154,7 @@ bool all_finite_avx512(const void *x, int dtype, int64_t n) {
 
 namespace qscheme_act {
 bool vector_compiled() { return false; }
-void fake_quantize_avx512(const void *, bool, float *, int64_t, int64_t, int, int64_t, float, float *) {}
+void pass_rows_avx512(const Pass &, int64_t, int64_t) {}
 bool all_finite_avx512(const void *, int, int64_t) { return false; }
 void int8_codes_avx512(const void *, bool, int64_t, int64_t, uint8_t *, int64_t, float *) {}
 }  // namespace qscheme_act
