@@ -17,10 +17,12 @@ ops' fake implementations (torch.library.opcheck); typed refusals.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
 import os
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -289,6 +291,21 @@ def test_row_dequantization_is_the_reference_s(name: str, isa: str) -> None:
     assert torch.equal(into, rows.to(torch.bfloat16))
     assert torch.equal(cpu_gemv.dequantize_rows(layout, 0, weight.n, threads=2), dequantize(weight))
     assert cpu_gemv.dequantize_rows(layout, 4, 4).shape == (0, weight.k)
+
+
+def test_the_layer_arguments_are_built_once_and_not_copied() -> None:
+    """A layout builds its extension arguments (its tensors' addresses) once; a deep copy or a
+    pickle of it, whose tensors live elsewhere, builds its own, and multiplies as the original."""
+    weight = weight_of("compressed-tensors/W4A16", 48, 256)
+    layout = cpu_gemv.layout_of(weight)
+    args = layout.layer_args
+    assert args is layout.layer_args and args[0] == layout.codes.data_ptr()
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(4))
+    expected = cpu_gemv.gemv(layout, x)
+    for copied in (copy.deepcopy(layout), pickle.loads(pickle.dumps(layout))):
+        assert copied.codes.data_ptr() != layout.codes.data_ptr()
+        assert copied.layer_args[0] == copied.codes.data_ptr()
+        assert torch.equal(cpu_gemv.gemv(copied, x), expected)
 
 
 def test_awq_layers_give_the_extension_the_pre_scaled_input_in_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -315,10 +315,10 @@ class QuantLinear(torch.nn.Module):
             self._facts = device_for(kind if kind in ("cpu", "cuda") else None)
         return self._facts
 
-    def _follow_device(self) -> None:
+    def _follow_device(self, device: torch.device | None = None) -> None:
         """Drop the kernel choice and state made for another device (after a move, or a load
-        with map_location / assign=True)."""
-        device = self.torch_device
+        with map_location / assign=True); ``device``: the layer's, where the caller read it."""
+        device = self.torch_device if device is None else device
         if device != self._kernel_device:
             self._kernel_device = device
             self._facts = None
@@ -360,9 +360,10 @@ class QuantLinear(torch.nn.Module):
                 self._states[key] = state
             return route, self._states[key]
 
-    def _prepared(self, activation_dtype: str, m: int = 1) -> tuple[_Route, Any]:
-        """``_prepare`` with a lookup first (the forward's host time)."""
-        self._follow_device()
+    def _prepared(self, activation_dtype: str, m: int = 1, device: torch.device | None = None) -> tuple[_Route, Any]:
+        """``_prepare`` with a lookup first (the forward's host time); ``device``: the layer's,
+        where the caller read it."""
+        self._follow_device(device)
         found = self._resolved.get(activation_dtype)
         if found is not None:
             routes = found[3]
@@ -531,19 +532,21 @@ class QuantLinear(torch.nn.Module):
                 f"{name}: input of shape {list(x.shape)} has {x.shape[-1] if x.dim() else 'no'} features in "
                 f"its last dim, the layer takes K={self.in_features}"
             )
-        cast = _autocast_dtype(x)
+        device = x.device  # read once: each read builds a torch.device (host time per call)
+        device_type = device.type
+        cast = _autocast_dtype(x, device_type)
         if cast is not None:  # as nn.Linear under autocast
             x = x.to(cast)
         dtype = _INPUT_DTYPE_NAMES.get(x.dtype)
         if dtype is None:
             raise UsageError(f"{name}: input dtype {x.dtype} is not supported; use bfloat16, float16 or float32")
         wanted = self.torch_device
-        if x.device.type != wanted.type or (wanted.index is not None and x.device.index != wanted.index):
+        if device_type != wanted.type or (wanted.index is not None and device.index != wanted.index):
             raise UsageError(
-                f"{name}: the input is on {x.device}, the layer on {wanted}; move the input, or move the "
+                f"{name}: the input is on {device}, the layer on {wanted}; move the input, or move the "
                 f"layer (module.to(...)) or load it on the input's device (load_checkpoint(..., device=...))"
             )
-        if wanted.type == "meta":
+        if device_type == "meta":
             raise UsageError(
                 f"{name}: the layer is on the meta device, which holds no values to compute with; move it to a real "
                 "device and load its tensors (load_state_dict), or load it from its checkpoint"
@@ -552,11 +555,11 @@ class QuantLinear(torch.nn.Module):
             # one opaque operator for the graph: prepare and the kernel's code run outside it
             y: Tensor = torch.ops.qscheme.quant_linear(x, self._op_handle, self.out_features)
             return y
-        route, state = self._prepared(dtype, x.numel() // self.in_features)
+        route, state = self._prepared(dtype, x.numel() // self.in_features, wanted)
         if dtype != self._default_dtype and dtype not in self._routes_told:
             self._tell_route(dtype)
         # the kernel computes as it does for this dtype outside autocast (its own float ops uncast)
-        with torch.autocast(x.device.type, enabled=False) if cast is not None else contextlib.nullcontext():
+        with torch.autocast(device_type, enabled=False) if cast is not None else contextlib.nullcontext():
             if not torch.is_grad_enabled():  # inference: no context to enter (host time per call)
                 return self._run(route, state, x, dtype)
             if x.requires_grad:
@@ -652,13 +655,14 @@ class _Layout:
     partitions: tuple[int, ...]
 
 
-def _autocast_dtype(x: Tensor) -> torch.dtype | None:
-    """The 16-bit dtype autocast asks for on x's device (None when off, or for a non-float x)."""
-    if not x.is_floating_point() or x.dtype == torch.float64 or x.device.type not in ("cpu", "cuda"):
-        return None  # autocast leaves float64 alone
-    if not torch.is_autocast_enabled(x.device.type):
+def _autocast_dtype(x: Tensor, device_type: str) -> torch.dtype | None:
+    """The 16-bit dtype autocast asks for on x's device (of type ``device_type``; None when off,
+    or for a non-float x)."""
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
         return None
-    cast = torch.get_autocast_dtype(x.device.type)
+    if not x.is_floating_point() or x.dtype == torch.float64:
+        return None  # autocast leaves float64 alone
+    cast = torch.get_autocast_dtype(device_type)
     return cast if cast in (torch.bfloat16, torch.float16) else None
 
 
