@@ -121,9 +121,16 @@ CPU_GEMV_EXTENSION = Extension(
 # with no torch headers, optional in the same way (without it dequant_gemm decodes through torch).
 TILE_GEMM_EXTENSION = Extension(
     "qscheme._tile_gemm",
-    sources=["qscheme/csrc/tile_gemm.cpp", "qscheme/csrc/tile_gemm_amx.cpp", "qscheme/csrc/tile_gemm_bf16.cpp"],
+    sources=[
+        "qscheme/csrc/tile_gemm.cpp",
+        "qscheme/csrc/tile_gemm_amx.cpp",
+        "qscheme/csrc/tile_gemm_bf16.cpp",
+        "qscheme/csrc/act_quant.cpp",  # the input's pass (qscheme.emulation.prepare_input), also in qscheme._cpu_gemv
+        "qscheme/csrc/act_quant_avx512.cpp",
+    ],
     depends=[
         "qscheme/csrc/tile_gemm.h",
+        "qscheme/csrc/act_quant.h",
         "qscheme/csrc/tile_gemm_bf16_kernel.h",
         "qscheme/csrc/byte_scales.h",
         "qscheme/csrc/thread_pool.h",

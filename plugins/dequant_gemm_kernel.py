@@ -43,15 +43,17 @@ reference kernel's (float32 weight, float32 products) up to the order of the sum
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from qscheme_plugins.reference_kernel import ReferenceKernel, ReferenceState, input_scalings
+from qscheme_plugins.reference_kernel import ReferenceKernel, ReferenceState, input_scalings, scale_arguments
 from torch import Tensor
 
-from qscheme import slabs, tile_gemm
+from qscheme import emulation_native, slabs, tile_gemm
 from qscheme.canonical import CanonicalWeight, dequantize_rows, scale_tile
+from qscheme.emulation import native_input_pass
+from qscheme.emulation_native import InputPass
 from qscheme.errors import UsageError
 
 TILE_BYTES = 4 << 20  # float32 bytes of weight rows dequantized at once by one thread (at most)
@@ -76,6 +78,8 @@ class DequantGemmState:
     emulation: ReferenceState | None
     native: Any = None
     blocks: Any = None  # packed blocks: the cpu_gemv_blocks layout (views) its AVX-512 decoder reads
+    # the emulation as passes the fused GEMM applies to x itself, built on the first call (_input_passes)
+    passes: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def _extension_layout(weight: CanonicalWeight, module: str, function: str) -> Any:
@@ -152,27 +156,64 @@ class DequantGemmKernel:
             # team, whose threads would spin on the cores the extension's (or the slabs') threads use
             with slabs.single_threaded_caller():
                 bias = None if bias is None else bias.to(device=rows.device, dtype=dtype)
-                for start, stop, inputs in _pieces(state, rows, threads):
-                    if self.native and state.native is not None and dtype == torch.bfloat16 and tile_gemm.fused():
+                fused = self.native and state.native is not None and dtype == torch.bfloat16 and tile_gemm.fused()
+                for start, stop, inputs, input_pass in _pieces(state, rows, threads, fused):
+                    if fused:
                         bias32 = None if bias is None else bias.to(torch.float32)
-                        tile_gemm.gemm(state.native, inputs, bias32, start, stop, threads, y[:, start:stop])
+                        tile_gemm.gemm(state.native, inputs, bias32, start, stop, threads, y[:, start:stop], input_pass)
                     else:
                         _tiles(state, inputs, bias, start, stop, y)
         return y.reshape(*x.shape[:-1], weight.n)
 
 
-def _pieces(state: DequantGemmState, rows: Tensor, threads: int = 1) -> list[tuple[int, int, Tensor]]:
-    """(first output row, last + 1, the input those rows multiply, contiguous in the input's
-    dtype): the input itself, or pre-scaled and quantized as the reference kernel does, per run
-    of fused partitions sharing their static input scales (one native pass on ``threads``
-    workers where it runs: ``qscheme.emulation.prepare_input``)."""
+def _pieces(
+    state: DequantGemmState, rows: Tensor, threads: int = 1, fused: bool = False
+) -> list[tuple[int, int, Tensor, InputPass | None]]:
+    """(first output row, last + 1, the input those rows multiply, contiguous in the input's dtype,
+    the pass the fused GEMM applies to it or None): per run of fused partitions sharing their
+    static input scales, the input pre-scaled and quantized as the reference kernel does. With
+    ``fused`` (the fused GEMM runs), the input itself and the pass where the native pass takes the
+    layer's emulation; otherwise its result (one native pass on ``threads`` workers where it runs:
+    ``qscheme.emulation.prepare_input``)."""
     n = state.canonical.n
     if state.emulation is None:
-        return [(0, n, rows.contiguous())]
+        return [(0, n, rows.contiguous(), None)]
+    passes = _input_passes(state) if fused and emulation_native.enabled() else None
+    if passes is not None:
+        inputs = rows.contiguous()
+        return [(start, stop, inputs, input_pass) for start, stop, input_pass in passes]
     return [
-        (0, n, values.contiguous()) if scaling is None else (scaling.start, scaling.stop, values.contiguous())
+        (0, n, values.contiguous(), None)
+        if scaling is None
+        else (scaling.start, scaling.stop, values.contiguous(), None)
         for scaling, values in ReferenceKernel().quantize_input(state.emulation, rows, rows.dtype, threads)
     ]
+
+
+def _input_passes(state: DequantGemmState) -> list[tuple[int, int, InputPass]] | None:
+    """The layer's emulation as native input passes, one per run of partitions sharing their
+    static scales (built once), or None where a native pass does not take it."""
+    if "passes" not in state.passes:
+        emulation = state.emulation
+        assert emulation is not None
+        k = state.canonical.k
+        if emulation.activation is None:
+            runs = [(0, state.canonical.n, native_input_pass(None, k, pre_scale=emulation.pre_scale))]
+        else:
+            runs = [
+                (
+                    scaling.start,
+                    scaling.stop,
+                    native_input_pass(
+                        emulation.activation, k, **scale_arguments(scaling), pre_scale=emulation.pre_scale
+                    ),
+                )
+                for scaling in emulation.scalings
+            ]
+        complete = all(found is not None for _, _, found in runs)
+        state.passes["passes"] = [(a, b, c) for a, b, c in runs if c is not None] if complete else None
+    found: list[tuple[int, int, InputPass]] | None = state.passes["passes"]
+    return found
 
 
 def _tiles(state: DequantGemmState, inputs: Tensor, bias: Tensor | None, start: int, stop: int, y: Tensor) -> None:

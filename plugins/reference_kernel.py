@@ -115,6 +115,17 @@ def _partition_value(values: Tensor | None, index: int) -> Tensor | None:
     return flat[index].reshape(1) if flat.numel() > 1 else flat.reshape(1)
 
 
+def scale_arguments(scaling: InputScaling) -> dict[str, Tensor | None]:
+    """The activation rules' static-scale arguments (``qscheme.emulation``) for one run of
+    partitions: the global scale's divisor where the layer has one, else its multiplier."""
+    divisor = scaling.input_global_scale_divisor
+    return {
+        "input_scale": scaling.input_scale,
+        "input_global_scale": None if divisor is not None else scaling.input_global_scale,
+        "input_global_scale_divisor": divisor,
+    }
+
+
 def input_scalings(weight: CanonicalWeight, device: torch.device) -> tuple[InputScaling, ...]:
     """One InputScaling per run of adjacent partitions that share their static input scales."""
     divisor = weight.input_global_scale_divisor
@@ -180,11 +191,7 @@ class ReferenceKernel:
                 prepare_input(
                     values,
                     state.activation,
-                    input_scale=scaling.input_scale,
-                    input_global_scale=None
-                    if scaling.input_global_scale_divisor is not None
-                    else scaling.input_global_scale,
-                    input_global_scale_divisor=scaling.input_global_scale_divisor,
+                    **scale_arguments(scaling),
                     pre_scale=state.pre_scale,
                     dtype=dtype,
                     threads=threads,

@@ -99,6 +99,7 @@ __all__ = [
     "activation_rule",
     "apply_pre_scale",
     "fake_quantize_activation",
+    "native_input_pass",
     "prepare_input",
     "quantize_activation",
 ]
@@ -508,17 +509,18 @@ def activation_codes(
 def apply_pre_scale(x: Tensor, pre_scale: Tensor) -> Tensor:
     """``x * pre_scale`` in float32: the AWQ ``input_pre_scale`` [K], applied before quantizing."""
     values = _as_float32(x, "the activation x")
-    return values * _checked_pre_scale(pre_scale, values).to(device=values.device, dtype=torch.float32)
+    return values * _checked_pre_scale(pre_scale, tuple(values.shape)).to(device=values.device, dtype=torch.float32)
 
 
-def _checked_pre_scale(pre_scale: Tensor, x: Tensor) -> Tensor:
+def _checked_pre_scale(pre_scale: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``pre_scale``, refused unless a float [K] tensor for inputs of ``shape`` [..., K]."""
     if not isinstance(pre_scale, Tensor) or not pre_scale.dtype.is_floating_point:
         raise QuantizeError(f"input_pre_scale must be a float tensor, got {pre_scale!r:.80}")
-    k = x.shape[-1]
+    k = shape[-1]
     if pre_scale.shape != (k,):
         raise QuantizeError(
             f"input_pre_scale has shape {tuple(pre_scale.shape)}; it must be [K] = [{k}], "
-            f"one multiplier per input feature of x (shape {tuple(x.shape)})"
+            f"one multiplier per input feature of x (shape {tuple(shape)})"
         )
     return pre_scale
 
@@ -546,7 +548,7 @@ def prepare_input(
     """
     checked = _checked_input(x, "the activation x")
     if pre_scale is not None:
-        pre_scale = _checked_pre_scale(pre_scale, checked)
+        pre_scale = _checked_pre_scale(pre_scale, tuple(checked.shape))
     if activation is None and pre_scale is None:
         return checked if checked.dtype == dtype else checked.to(torch.float32).to(dtype)
     rule = None if activation is None else activation_rule(activation)
@@ -569,3 +571,30 @@ def prepare_input(
             input_global_scale_divisor=input_global_scale_divisor,
         )
     return values.to(dtype)
+
+
+def native_input_pass(
+    activation: ActivationSpec | None,
+    k: int,
+    *,
+    input_scale: Tensor | None = None,
+    input_global_scale: Tensor | None = None,
+    input_global_scale_divisor: Tensor | None = None,
+    pre_scale: Tensor | None = None,
+) -> emulation_native.InputPass | None:
+    """``prepare_input``'s work for inputs of K features, as a pass a native kernel applies to each
+    row of x itself (``qscheme.tile_gemm.gemm``): for the FP8 and int8 rules, or a pre-scale alone,
+    on a CPU; None otherwise (no pre-scale and no rule, another rule, a pre-scale off the CPU).
+    The same errors as ``prepare_input`` for bad scales."""
+    if pre_scale is not None:
+        pre_scale = _checked_pre_scale(pre_scale, (k,))
+    if activation is None and pre_scale is None:
+        return None
+    rule = None if activation is None else activation_rule(activation)
+    scale = None
+    if rule is not None:
+        if rule.name not in emulation_native.MODES:
+            return None
+        device = torch.device("cpu") if pre_scale is None else pre_scale.device
+        scale = _validate_scales(rule, device, input_scale, input_global_scale, input_global_scale_divisor).input_scale
+    return emulation_native.input_pass(rule, scale, pre_scale)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -103,6 +104,34 @@ def fake_quantize(x: Tensor, rule: ActivationRule, input_scale: Tensor | None) -
     return _native_pass(x.detach().contiguous(), mode, rule.group_size or 0, input_scale, None)
 
 
+@dataclass(frozen=True)
+class InputPass:
+    """``prepare_input``'s pass as a native kernel applies it to each row of x (``tile_gemm.gemm``):
+    the mode (``MODES``, or ``NO_RULE``), the group length, the static scale (0.0 for none) and the
+    float32 pre-scale (contiguous, on the CPU) or None."""
+
+    mode: int
+    group: int
+    scale: float
+    pre_scale: Tensor | None
+
+    @property
+    def scale_bits(self) -> int:
+        """The static scale's float32 bits, as the extension reads it."""
+        return int(torch.tensor([self.scale], dtype=torch.float32).view(torch.int32).item()) & 0xFFFFFFFF
+
+
+def input_pass(rule: ActivationRule | None, input_scale: Tensor | None, pre_scale: Tensor | None) -> InputPass | None:
+    """``prepare_input``'s pass for ``rule`` (or none) and ``pre_scale`` (validated by the caller),
+    or None where a native kernel cannot apply it (a rule outside ``MODES``, a pre-scale off the CPU)."""
+    mode = NO_RULE if rule is None else MODES.get(rule.name)
+    if mode is None or (pre_scale is not None and pre_scale.device.type != "cpu"):
+        return None
+    multipliers = None if pre_scale is None else pre_scale.detach().to(torch.float32).contiguous()
+    scale = 0.0 if input_scale is None else float(input_scale.reshape(-1)[0])
+    return InputPass(mode, 0 if rule is None else rule.group_size or 0, scale, multipliers)
+
+
 def prepare_input(
     x: Tensor,
     rule: ActivationRule | None,
@@ -115,10 +144,8 @@ def prepare_input(
     quantized and dequantized by ``rule`` where it is given, in ``dtype`` (float32, or bfloat16:
     the float32 values rounded to nearest even); None where the native pass does not take it (a
     rule outside ``MODES``, another dtype, or see the module docstring)."""
-    mode = NO_RULE if rule is None else MODES.get(rule.name)
-    if mode is None or dtype not in _INPUTS or not _takes(x):
-        return None
-    if pre_scale is not None and pre_scale.device.type != "cpu":
+    found = input_pass(rule, input_scale, pre_scale)
+    if found is None or dtype not in _INPUTS or not _takes(x):
         return None
     from qscheme import cpu_gemv
 
@@ -127,12 +154,11 @@ def prepare_input(
     k = values.shape[-1]
     if values.numel() == 0:
         return out
-    multipliers = None if pre_scale is None else pre_scale.detach().to(torch.float32).contiguous()
-    scale = 0.0 if input_scale is None else float(input_scale.reshape(-1)[0])
+    module = cpu_gemv.native()
     cpu_gemv.native().prepare_input(
         values.data_ptr(), values.dtype == torch.bfloat16, out.data_ptr(), dtype == torch.bfloat16,
-        0 if multipliers is None else multipliers.data_ptr(), values.numel() // k, k, mode,
-        0 if rule is None else rule.group_size or 0, scale, cpu_gemv.native().isa() == "avx512", max(1, threads),
+        0 if found.pre_scale is None else found.pre_scale.data_ptr(), values.numel() // k, k, found.mode,
+        found.group, found.scale, module.isa() == "avx512", max(1, threads),
     )  # fmt: skip
     return out
 

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from qscheme.cpu_gemv import GemvLayout
+from qscheme.emulation_native import InputPass
 from qscheme.errors import UsageError
 from qscheme.native_isa import IsaExtension
 
@@ -138,6 +139,7 @@ def _run_gemm(
     stop: int,
     threads: int,
     out: Tensor | None = None,
+    input_pass: InputPass | None = None,
 ) -> Tensor:
     module = _require_native()
     n, k = meta[6], meta[7]
@@ -161,11 +163,24 @@ def _run_gemm(
     if bias32 is not None and bias32.shape != (n,):
         raise UsageError(f"qscheme::tile_gemm: bias has shape {list(bias32.shape)}; the layer has N={n}")
     rows, chunk = blocking(x.shape[0], loops)
+    passing = _no_pass if input_pass is None else _pass_args(input_pass, k)
     module.gemm(
         _address(x), x.shape[0], _address(out), out.stride(0), _address(bias32), start, stop, _threads(threads),
-        rows, chunk, *_layer_args(codes, scale, zero_point, row_scale, lut, scale_table, meta),
+        rows, chunk, *passing, *_layer_args(codes, scale, zero_point, row_scale, lut, scale_table, meta),
     )  # fmt: skip
     return out
+
+
+_no_pass = (-1, 0, 0, 0)  # the extension's (mode, group, pre-scale address, scale bits) for no input pass
+
+
+def _pass_args(input_pass: InputPass, k: int) -> tuple[int, int, int, int]:
+    pre_scale = input_pass.pre_scale
+    if pre_scale is not None and (
+        pre_scale.dtype != torch.float32 or pre_scale.shape != (k,) or not pre_scale.is_contiguous()
+    ):
+        raise UsageError(f"qscheme::tile_gemm: the input pass's pre-scale must be a contiguous float32 [{k}] tensor")
+    return input_pass.mode, input_pass.group, _address(pre_scale), input_pass.scale_bits
 
 
 @torch.library.custom_op("qscheme::tile_gemm", mutates_args=())
@@ -182,9 +197,17 @@ def tile_gemm_op(
     start: int,
     stop: int,
     threads: int,
+    input_mode: int = -1,
+    input_group: int = 0,
+    input_scale: float = 0.0,
+    pre_scale: Tensor | None = None,
 ) -> Tensor:
-    """Columns [start, stop) of y = x W^T (+ bias) over a GemvLayout's tensors (bfloat16 x, AMX or AVX-512 BF16)."""
-    return _run_gemm(x, codes, scale, zero_point, row_scale, bias, lut, scale_table, meta, start, stop, threads)
+    """Columns [start, stop) of y = x' W^T (+ bias) over a GemvLayout's tensors (bfloat16 x, AMX or AVX-512
+    BF16), x' being x with the input pass (``qscheme.emulation_native.InputPass``'s fields; mode -1: none)."""
+    passing = None if input_mode == -1 else InputPass(input_mode, input_group, input_scale, pre_scale)
+    return _run_gemm(
+        x, codes, scale, zero_point, row_scale, bias, lut, scale_table, meta, start, stop, threads, None, passing
+    )
 
 
 @tile_gemm_op.register_fake
@@ -201,6 +224,10 @@ def _tile_gemm_fake(
     start: int,
     stop: int,
     threads: int,
+    input_mode: int = -1,
+    input_group: int = 0,
+    input_scale: float = 0.0,
+    pre_scale: Tensor | None = None,
 ) -> Tensor:
     return x.new_empty((x.shape[0], stop - start))
 
@@ -275,19 +302,28 @@ def gemm(
     stop: int | None = None,
     threads: int | None = None,
     out: Tensor | None = None,
+    input_pass: InputPass | None = None,
 ) -> Tensor:
-    """Columns [start, stop) (default: all) of ``y = x W^T (+ bias)`` for bfloat16 ``x`` [M, K]:
+    """Columns [start, stop) (default: all) of ``y = x' W^T (+ bias)`` for bfloat16 ``x`` [M, K]:
     [M, stop - start] bfloat16 (into ``out`` where given: a view with unit column stride). ``bias``:
-    [N] (all of it; its rows [start, stop) are added). ``threads``: default torch's count."""
+    [N] (all of it; its rows [start, stop) are added). ``threads``: default torch's count. ``x'`` is
+    ``x``, or with ``input_pass`` (``qscheme.emulation.native_input_pass``) each row as
+    ``qscheme.emulation.prepare_input`` gives it in bfloat16, bit for bit, computed as the GEMM pads
+    it: the pre-scaled, quantized input needs no pass or buffer of its own."""
     stop = layout.n if stop is None else stop
     meta = list(layout.meta[:8])
     count = 0 if not threads else max(1, threads)  # 0: torch's count, read when the op runs
     if torch.compiler.is_compiling():
+        extra = (
+            () if input_pass is None else (input_pass.mode, input_pass.group, input_pass.scale, input_pass.pre_scale)
+        )
         result: Tensor = torch.ops.qscheme.tile_gemm(
-            x, *_tensors(layout), bias, layout.lut, layout.scale_table, meta, start, stop, count
+            x, *_tensors(layout), bias, layout.lut, layout.scale_table, meta, start, stop, count, *extra
         )
         return result if out is None else out.copy_(result)
-    return _run_gemm(x, *_tensors(layout), bias, layout.lut, layout.scale_table, meta, start, stop, count, out)
+    return _run_gemm(
+        x, *_tensors(layout), bias, layout.lut, layout.scale_table, meta, start, stop, count, out, input_pass
+    )
 
 
 def dequantize_rows(layout: GemvLayout, start: int, stop: int, threads: int | None = None) -> Tensor:

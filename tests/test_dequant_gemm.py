@@ -29,7 +29,7 @@ from qscheme_plugins.dequant_gemm_kernel import DequantGemmKernel
 from qscheme_plugins.reference_kernel import ReferenceKernel
 from triton_samples import uint8_group_scheme
 
-from qscheme import cpu_gemv, tile_gemm
+from qscheme import cpu_gemv, emulation_native, tile_gemm
 from qscheme.canonical import CanonicalWeight, canonicalize, dequantize
 from qscheme.catalog import load_scheme
 from qscheme.kernels import registry
@@ -361,6 +361,57 @@ def test_packed_blocks_decode_their_tiles_with_the_block_decoder(name: str, monk
         tolerance = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-18
         scale = expected.abs() + x.float().abs().sum(-1, keepdim=True)
         assert ((y.float() - expected).abs() <= tolerance * scale).all()
+
+
+FUSED_PASSES = (
+    "compressed-tensors/FP8",  # FP8 per tensor (static)
+    "compressed-tensors/FP8_DYNAMIC",  # FP8 per token
+    "compressed-tensors/FP8_BLOCK",  # FP8 per group of 128
+    "compressed-tensors/W8A8",  # int8 per token
+    "modelopt/W4A16_AWQ",  # the pre-scale alone
+)
+
+
+@needs_fused
+@pytest.mark.parametrize("name", FUSED_PASSES)
+@pytest.mark.parametrize("m", [5, 37, 70])  # rows past the pairs' blocks of 16; a ragged K below
+def test_the_fused_gemm_applies_the_input_pass_as_the_reference_does(
+    name: str, m: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the input pass in the GEMM (each row quantized as it is padded) the output is bit for bit
+    the GEMM of the reference kernel's input rounded to bfloat16 (QSCHEME_NATIVE_EMULATION=0: the
+    torch path prepares it first), fused partitions with their own static scales included; and the
+    fused path does not prepare the input apart."""
+    n, k = 160, 200
+    weight = weight_of(name, n, k, partitions=(64, 32, 64), seed=5)
+    kernel = DequantGemmKernel(native=True)
+    state = kernel.prepare(weight, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, k, generator=generator) * torch.logspace(-3, 3, m).reshape(m, 1)).to(torch.bfloat16)
+    bias = torch.randn(n, generator=generator).to(torch.bfloat16)
+    with monkeypatch.context() as patch:
+        patch.setenv(emulation_native.VARIABLE, "0")
+        expected = kernel.apply(state, x, bias)
+    reference = ReferenceKernel()
+    given = reference.quantize_input(reference.prepare(weight, torch.device("cpu")), x, torch.bfloat16)
+    assert len(given) == (3 if name == "compressed-tensors/FP8" else 1)  # per tensor: each partition its scale
+    prepared: list[torch.Tensor] = []
+    original = emulation_native.prepare_input
+
+    def recording(*args: object, **kwargs: object) -> torch.Tensor | None:
+        found = original(*args, **kwargs)  # type: ignore[arg-type]
+        if found is not None:
+            prepared.append(found)
+        return found
+
+    monkeypatch.setattr(emulation_native, "prepare_input", recording)
+    fused = kernel.apply(state, x, bias)
+    assert not prepared  # the GEMM quantized the rows itself
+    assert torch.equal(fused.view(torch.int16), expected.view(torch.int16))
+    for scaling, values in given:  # and the unfused path multiplies the reference's rows
+        start, stop = (0, n) if scaling is None else (scaling.start, scaling.stop)
+        alone = tile_gemm.gemm(state.native, values, bias.float(), start, stop)
+        assert torch.equal(alone.view(torch.int16), expected[:, start:stop].view(torch.int16))
 
 
 @needs_fused

@@ -144,18 +144,21 @@ bool cpu_has_avx512() {
 
 }  // namespace
 
-void run_pass(const Pass &pass, bool vector, int threads) {
+void pass_rows(const Pass &pass, int64_t r0, int64_t r1, bool vector) {
     static const bool avx512 = cpu_has_avx512();
-    const bool wide = vector && avx512;
+    if (vector && avx512)
+        pass_rows_avx512(pass, r0, r1);
+    else
+        pass_rows_portable(pass, r0, r1);
+}
+
+void run_pass(const Pass &pass, bool vector, int threads) {
     // tasks of whole rows, at least 64K elements each (below that a worker's start costs more)
     const int64_t rows = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, pass.k));
     const int64_t tasks = (pass.m + rows - 1) / rows;
     qscheme_threads::run_tasks(threads, tasks, [&](int64_t task) {
-        const int64_t r0 = task * rows, r1 = std::min(pass.m, r0 + rows);
-        if (wide)
-            pass_rows_avx512(pass, r0, r1);
-        else
-            pass_rows_portable(pass, r0, r1);
+        const int64_t r0 = task * rows;
+        pass_rows(pass, r0, std::min(pass.m, r0 + rows), vector);
     });
 }
 

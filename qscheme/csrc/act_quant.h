@@ -44,6 +44,10 @@ inline int64_t blocks_per_row(const Pass &pass) { return (pass.k + block_length(
 // `threads` workers (qscheme_threads) where it is large enough to gain.
 void run_pass(const Pass &pass, bool vector, int threads);
 
+// Rows [r0, r1) of `pass` on the calling thread (the AVX-512 loop where `vector` and the CPU has it):
+// for callers that share rows out themselves (qscheme._tile_gemm pads each row of x this way).
+void pass_rows(const Pass &pass, int64_t r0, int64_t r1, bool vector);
+
 // Rows [0, m) of x quantized by the int8 per-token rule (INT8_TOKEN: the same arithmetic) into their
 // codes plus 128 (row r at codes + r * stride; bytes [k, stride) of a row set to 0) and scales.
 void int8_codes(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, int64_t stride, float *scales,

@@ -35,8 +35,9 @@
 #include <memory>
 #include <vector>
 
-#include "tile_gemm.h"
+#include "act_quant.h"
 #include "thread_pool.h"
+#include "tile_gemm.h"
 
 namespace qscheme_tile {
 
@@ -281,22 +282,26 @@ void pack_block(const uint16_t *x, int64_t m, int64_t k, int64_t kp, int64_t blo
 }
 
 void gemm_amx(const Layer &p, const uint16_t *x, int64_t m, uint16_t *out, int64_t ldy, const float *bias, int64_t r0,
-              int64_t r1, int threads, int64_t task_rows, int64_t kc);
+              int64_t r1, int threads, int64_t task_rows, int64_t kc, const InputPass *pass);
 void gemm_bf16(const Layer &p, const uint16_t *x, int64_t m, uint16_t *out, int64_t ldy, const float *bias, int64_t r0,
-               int64_t r1, int threads, int64_t task_rows, int64_t kc);
+               int64_t r1, int threads, int64_t task_rows, int64_t kc, const InputPass *pass);
 
-/* gemm(x, m, out, ldy, bias, r0, r1, threads, rows, kc, <15 layer ints>): out[i, n - r0] (bfloat16,
- * row stride ldy) = sum_k x[i, k] w[n, k] (+ bias[n], float32) for rows n in [r0, r1) of the weight;
- * each task decodes `rows` weight rows (a multiple of 32) kc columns (a multiple of 32) at a time,
- * multiplied on AMX tiles where isa() is 'amx', with VDPBF16PS where it is 'avx512'. */
+constexpr int GEMM_HEAD = 14;
+
+/* gemm(x, m, out, ldy, bias, r0, r1, threads, rows, kc, mode, group, pre_scale, scale_bits, <15 layer ints>):
+ * out[i, n - r0] (bfloat16, row stride ldy) = sum_k x'[i, k] w[n, k] (+ bias[n], float32) for rows n in
+ * [r0, r1) of the weight, x' being x with the input pass applied (tile_gemm.h: InputPass; mode -1 for
+ * none, scale as its float32 bits); each task decodes `rows` weight rows (a multiple of 32) kc columns
+ * (a multiple of 32) at a time, multiplied on AMX tiles where isa() is 'amx', with VDPBF16PS where it
+ * is 'avx512'. */
 PyObject *gemm(PyObject *, PyObject *args) {
-    if (!PyTuple_Check(args) || PyTuple_Size(args) != 10 + LAYER_INTS) {
-        PyErr_SetString(PyExc_TypeError, "qscheme._tile_gemm.gemm takes 25 integer arguments");
+    if (!PyTuple_Check(args) || PyTuple_Size(args) != GEMM_HEAD + LAYER_INTS) {
+        PyErr_SetString(PyExc_TypeError, "qscheme._tile_gemm.gemm takes 29 integer arguments");
         return nullptr;
     }
-    long long head[10];
+    long long head[GEMM_HEAD];
     Layer p;
-    if (!read_ints(args, 0, 10, head) || !parse_layer(args, 10, p)) return nullptr;
+    if (!read_ints(args, 0, GEMM_HEAD, head) || !parse_layer(args, GEMM_HEAD, p)) return nullptr;
     const uint16_t *x = address<const uint16_t>(head[0]);
     const int64_t m = head[1];
     uint16_t *out = address<uint16_t>(head[2]);
@@ -315,12 +320,22 @@ PyObject *gemm(PyObject *, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "qscheme._tile_gemm.gemm: inconsistent sizes");
         return nullptr;
     }
+    const uint32_t scale_bits = static_cast<uint32_t>(head[13]);
+    InputPass pass{static_cast<int>(head[10]), head[11], 0.0f, address<const float>(head[12])};
+    std::memcpy(&pass.scale, &scale_bits, 4);
+    const bool transforms = pass.mode != -1 || pass.pre_scale;
+    if (transforms && (pass.mode < -1 || pass.mode > qscheme_act::NONE || (pass.mode == qscheme_act::E4M3_GROUP && pass.group < 1) ||
+                       (pass.mode == qscheme_act::E4M3_STATIC && !(pass.scale > 0.0f && std::isfinite(pass.scale))))) {
+        PyErr_SetString(PyExc_ValueError, "qscheme._tile_gemm.gemm: inconsistent input pass");
+        return nullptr;
+    }
+    if (pass.mode == -1) pass.mode = qscheme_act::NONE;
     if (m == 0 || r1 == r0) Py_RETURN_NONE;
     Py_BEGIN_ALLOW_THREADS;
     if (level == ISA_AMX)
-        gemm_amx(p, x, m, out, ldy, bias, r0, r1, threads, task_rows, kc);
+        gemm_amx(p, x, m, out, ldy, bias, r0, r1, threads, task_rows, kc, transforms ? &pass : nullptr);
     else
-        gemm_bf16(p, x, m, out, ldy, bias, r0, r1, threads, task_rows, kc);
+        gemm_bf16(p, x, m, out, ldy, bias, r0, r1, threads, task_rows, kc, transforms ? &pass : nullptr);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
@@ -344,12 +359,30 @@ void run_row_tasks(const Layer &p, int64_t r0, int64_t r1, int threads, int64_t 
     });
 }
 
+/* Row `row` of x [M, K] bfloat16 into row `row` of xp (rows of ldp), with the input pass applied where
+ * there is one, else copied. */
+void prepare_row(const uint16_t *x, int64_t k, int64_t ldp, int64_t row, uint16_t *xp, const InputPass *pass) {
+    if (!pass) {
+        std::memcpy(xp + row * ldp, x + row * k, static_cast<size_t>(k) * 2);
+        return;
+    }
+    const qscheme_act::Pass one{x + row * k, true, xp + row * ldp, true, 1, k, pass->mode, pass->group, pass->scale,
+                                pass->pre_scale, nullptr};
+    qscheme_act::pass_rows(one, 0, 1, true);
+}
+
 void gemm_amx(const Layer &p, const uint16_t *x, int64_t m, uint16_t *out, int64_t ldy, const float *bias, int64_t r0,
-              int64_t r1, int threads, int64_t task_rows, int64_t kc) {
+              int64_t r1, int threads, int64_t task_rows, int64_t kc, const InputPass *pass) {
     const int64_t kp = (p.k + 31) / 32 * 32, blocks = (m + 15) / 16, mp = blocks * 16;
     std::vector<uint32_t> xp(static_cast<size_t>(mp * kp / 2));
     const int packers = static_cast<int>(std::min<int64_t>(threads, blocks));
-    qscheme_threads::run_tasks(packers, blocks, [&](int64_t block) { pack_block(x, m, p.k, kp, block, xp.data()); });
+    std::unique_ptr<uint16_t[]> prepared(pass ? new uint16_t[static_cast<size_t>(m * p.k)] : nullptr);
+    qscheme_threads::run_tasks(packers, blocks, [&](int64_t block) {
+        if (pass)
+            for (int64_t row = 16 * block; row < std::min(m, 16 * block + 16); row++)
+                prepare_row(x, p.k, p.k, row, prepared.get(), pass);
+        pack_block(pass ? prepared.get() : x, m, p.k, kp, block, xp.data());
+    });
     run_row_tasks(p, r0, r1, threads, task_rows, std::min(kc, kp), (mp + 31) / 32 * 32,
                   [&](int64_t q0, int64_t q1, RowBuffers &b) {
                       gemm_rows_amx(p, xp.data(), m, mp, kp, bias, out, ldy, r0, r1, q0, q1, kc, b.panel.data(),
@@ -357,25 +390,23 @@ void gemm_amx(const Layer &p, const uint16_t *x, int64_t m, uint16_t *out, int64
                   });
 }
 
-/* x [M, K] bfloat16 -> rows of kp (a multiple of 32) bfloat16, zeros past K. */
-void pad_rows(const uint16_t *x, int64_t k, int64_t kp, int64_t row, uint16_t *xp) {
-    std::memcpy(xp + row * kp, x + row * k, static_cast<size_t>(k) * 2);
-    std::memset(xp + row * kp + k, 0, static_cast<size_t>(kp - k) * 2);
-}
-
 void gemm_bf16(const Layer &p, const uint16_t *x, int64_t m, uint16_t *out, int64_t ldy, const float *bias, int64_t r0,
-               int64_t r1, int threads, int64_t task_rows, int64_t kc) {
+               int64_t r1, int threads, int64_t task_rows, int64_t kc, const InputPass *pass) {
     const int64_t kp = (p.k + 31) / 32 * 32, mp = pair_rows_bf16(m);
-    // the input padded, and its whole blocks of 16 rows packed as pairs (cache-line aligned), 16 rows a
-    // task in one parallel region (a region each cost 0.05-0.3 ms more a call on 2 threads; the calling
-    // thread alone, 0.04 ms more at 128 x 2048); the buffers are not zeroed first
+    // the input padded (and passed through the input pass, where there is one), and its whole blocks of
+    // 16 rows packed as pairs (cache-line aligned), 16 rows a task in one parallel region (a region each
+    // cost 0.05-0.3 ms more a call on 2 threads; the calling thread alone, 0.04 ms more at 128 x 2048);
+    // the buffers are not zeroed first
     std::unique_ptr<uint16_t[]> xp(new uint16_t[static_cast<size_t>(m * kp)]);
     std::unique_ptr<uint16_t[]> packed(new uint16_t[static_cast<size_t>(mp * kp + 32)]);
     uint16_t *xv = packed.get() + ((64 - reinterpret_cast<uintptr_t>(packed.get()) % 64) % 64) / 2;
     const int64_t blocks = (m + 15) / 16;
     auto prepare = [&](int64_t block) {
         const int64_t first = 16 * block, last = std::min(m, first + 16);
-        for (int64_t row = first; row < last; row++) pad_rows(x, p.k, kp, row, xp.get());
+        for (int64_t row = first; row < last; row++) {
+            prepare_row(x, p.k, kp, row, xp.get(), pass);
+            std::memset(xp.get() + row * kp + p.k, 0, static_cast<size_t>(kp - p.k) * 2);
+        }
         if (last <= mp) pack_pairs_bf16(xp.get() + first * kp, kp, kp, xv + first * kp);
     };
     qscheme_threads::run_tasks(static_cast<int>(std::min<int64_t>(threads, blocks)), blocks, prepare);

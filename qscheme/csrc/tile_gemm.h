@@ -62,6 +62,17 @@ void decode_chunk(const Layer &p, int64_t n, int64_t k0, int64_t k1, uint16_t *o
 // two apart (16 rows a tile reads would share a set of the L1 cache).
 constexpr int64_t PANEL_PAD = 32;
 
+// What the fused GEMM applies to each row of x as it pads it (qscheme.emulation.prepare_input's pass,
+// act_quant.h: the AWQ pre-scale, then an FP8 or int8 rule's quantize-dequantize, the float32 values
+// rounded once to bfloat16), so that the input needs no pass of its own; mode NONE with no pre-scale
+// (or no InputPass) copies the row.
+struct InputPass {
+    int mode;                // qscheme_act::Mode
+    int64_t group;           // E4M3_GROUP's block length
+    float scale;             // E4M3_STATIC's scale
+    const float *pre_scale;  // K multipliers, or null
+};
+
 // Whether this CPU and kernel run AMX tiles (asks the kernel for the tile state once).
 bool amx_ready();
 
