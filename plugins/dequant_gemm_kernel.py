@@ -30,7 +30,12 @@ freed when it is done: nothing stays allocated.
 Quantized activations (FP8, FP8_DYNAMIC, W8A8, NVFP4 W4A4) are emulated exactly as the reference
 kernel emulates them (``ReferenceKernel.quantize_input``: float32, once per run of fused
 partitions sharing their static input scales); with bfloat16 inputs the emulated float32 input
-is then rounded once to bfloat16 for the GEMM.
+is then rounded once to bfloat16 for the GEMM. Where the fused tile GEMM runs and the native pass
+takes the emulation (the FP8 and int8 rules, an AWQ pre-scale; ``qscheme.emulation.native_input_pass``),
+the GEMM applies it to each row of x as it pads it: the same bits, without a pass or a buffer of
+its own (at 256 x 4096 a separate pass had cost 0.44-0.76 ms beside a 20 ms GEMM, with its fresh
+buffer and cold caches); elsewhere ``qscheme.emulation.prepare_input`` computes it in one native
+pass, or torch does.
 
 Numerics: with bfloat16 inputs each weight is rounded once to bfloat16 (half a bfloat16 ulp,
 ``2**-9 * |w|``), products are summed in float32 by the GEMM and the output rounded once; an
