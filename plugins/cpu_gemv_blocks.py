@@ -48,6 +48,7 @@ from qscheme.kernels.declaration import (
     KernelDeclaration,
     PreparedState,
     Supports,
+    WeightBits,
 )
 
 if TYPE_CHECKING:
@@ -221,18 +222,34 @@ class BlocksGemm:
         return "a CPU running the blocks' fused GEMM (AVX512-BF16)"
 
 
+# the blocks of 8 bits a weight and more (Q8_0, whose GEMV runs the float32 loop, not the bfloat16 one)
+# the blocks of 8 bits a weight and more (Q8_0, whose GEMV runs the float32 loop, not the bfloat16 one)
+WIDE_BLOCK_GEMM_BATCHES = BatchRange(
+    "cpu",
+    4,
+    None,
+    source=(
+        "benchmarks/cpu_gemm.py, 4096x4096, bf16, 2 threads, a 2-core Zen 4 EPYC, same-run ratios to bf16 F.linear, "
+        "the fused GEMM / the blocks' GEMV, two runs (fifteenth pass, docs/notes/cpu-gemv-2026-12.md item 67): Q8_0 "
+        "M = 4: 0.94x / 0.77x and 1.09x / 0.91x; M = 5: 0.90x / 0.75x and 0.94x / 0.72x; M = 3: 1.00x / 1.08x (the "
+        "GEMV). The narrower blocks' GEMVs win or tie at M = 4 (Q4_0 1.38x / 1.67x, Q4_K 1.11x / 1.47x, Q5_K "
+        "0.81x / 0.99x, Q6_K 0.87x / 0.84x and 0.94x / 1.08x, Q3_K 1.04x / 1.16x)"
+    ),
+    when=(WeightBits(8.0),),
+)
+
 BLOCK_GEMM_BATCHES = BatchRange(
     "cpu",
     5,
     None,
     source=(
-        "benchmarks/cpu_gemm.py, 4096x4096, bf16, 2 threads, a 2-core Zen 4 EPYC, same-run ratios to bf16 F.linear, "
-        "the fused GEMM / the blocks' GEMV (four weight rows at every M): M = 5: Q8_0 0.92x / 0.77x, Q4_K 1.07x / "
-        "1.10x, IQ4_XS 1.28x / 1.28x, Q4_0 1.46x / 1.59x, Q6_K 0.65x / 0.77x, Q5_K 0.58x / 0.68x; M = 6: Q8_0 0.92x / "
-        "0.66x, Q4_K 1.11-1.13x / 1.06-1.08x, Q4_0 1.28-1.34x / 1.33-1.40x, Q6_K 0.67x / 0.75-0.77x; M = 7: Q4_0 "
-        "1.33x / 1.30x, Q6_K 0.70x / 0.76x; at M = 4 the GEMV wins every type (Q4_0 1.86x / 1.49x). Per type the "
-        "crossover is 5 (Q8_0, whose GEMV runs the float32 loop) to 8 (Q6_K, Q5_K); 5 is declared, as the tile "
-        "GEMM's (qscheme_plugins.dequant_gemm): a range cannot name the weight's format"
+        "benchmarks/cpu_gemm.py, 4096x4096, bf16, 2 threads, a 2-core Zen 4 EPYC, same-run ratios to bf16 "
+        "F.linear, the fused GEMM / the blocks' GEMV (four weight rows at every M), fifteenth pass "
+        "(docs/notes/cpu-gemv-2026-12.md item 67): M = 5: Q4_0 1.15x / 1.19x, Q4_K 0.99x / 0.95x, Q5_K 0.81x / "
+        "0.64x, Q6_K 0.79x / 0.54x and 0.88x / 0.72x, Q2_K 0.96x / 0.65x, Q3_K 0.97x / 0.74x, Q5_0 0.89x / 0.60x,"
+        " Q5_1 0.97x / 0.67x, IQ4_XS 1.35x / 1.35x, Q4_1 1.12x / 1.13x; M = 6: Q4_0 1.14x / 1.13x, Q4_K 1.00x / "
+        "0.91x; M = 8: Q4_0 1.25x / 1.02x; at M = 4 the GEMV wins or ties but for Q8_0 (declared apart, from 4), "
+        "Q5_0 (0.95x / 0.80x in one run) and Q2_K (1.13x / 1.06x)"
     ),
 )
 
@@ -249,7 +266,7 @@ CPU_GEMM_BLOCKS = KernelDeclaration(
     implementation="qscheme_plugins.cpu_gemv_blocks_kernel:CpuGemmBlocksKernel",
     requires_modules=("torch",),
     checks=(ActivationDtypes(("bfloat16",)), NativeBlockLoops(), BlocksGemm()),
-    batch_ranges=(BLOCK_GEMM_BATCHES,),
+    batch_ranges=(WIDE_BLOCK_GEMM_BATCHES, BLOCK_GEMM_BATCHES),
     prepared_state=PreparedState("canonical"),
     notes=(
         "numerics: each weight is the reference decoder's float32 value rounded once to bfloat16 (at most "

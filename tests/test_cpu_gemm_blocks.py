@@ -181,9 +181,10 @@ def test_the_op_has_a_fake_implementation() -> None:
 
 
 @pytest.mark.parametrize("name", ["gguf/Q4_0", "gguf/Q6_K", "gguf/Q8_0"])
-def test_the_plan_takes_it_from_m_8_where_it_runs(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bfloat16 inputs: the blocks' GEMV below M = 5 and cpu_gemm_blocks from 5 where it runs; else
-    rejected with its reason (the GEMVs up to 15, dequant_gemm from 16). float32 inputs never take it."""
+def test_the_plan_takes_it_from_m_5_where_it_runs(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 inputs: the blocks' GEMV below M = 5 and cpu_gemm_blocks from 5 where it runs (from 4
+    for blocks of 8 bits a weight and more: Q8_0); else rejected with its reason (the GEMVs up to 15,
+    dequant_gemm from 16). float32 inputs never take it."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     weight = weight_of(name, 72)
     with isolated_plugins():
@@ -192,8 +193,9 @@ def test_the_plan_takes_it_from_m_8_where_it_runs(name: str, monkeypatch: pytest
         plan = resolution.plan  # type: ignore[attr-defined]
         if cpu_gemv_blocks.gemm_available():
             assert candidate.accepted
-            assert [plan.kernel_for(m).name for m in (5, 8, 16, 256)] == ["cpu_gemm_blocks"] * 4
-            assert plan.kernel_for(4).name != "cpu_gemm_blocks"
+            first = 4 if name == "gguf/Q8_0" else 5
+            assert [plan.kernel_for(m).name for m in (first, 8, 16, 256)] == ["cpu_gemm_blocks"] * 4
+            assert plan.kernel_for(first - 1).name != "cpu_gemm_blocks"
         else:
             assert not candidate.accepted and "fused GEMM" in str(candidate.reasons)
             assert plan.kernel_for(16).name == "dequant_gemm"

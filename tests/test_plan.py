@@ -26,6 +26,7 @@ from qscheme.kernels.declaration import (
     DeviceSupport,
     KernelDeclaration,
     PreparedState,
+    WeightBits,
     WeightFormats,
 )
 from qscheme.kernels.devices import simulated_device
@@ -388,3 +389,26 @@ def test_a_range_per_weight_format_sees_the_schemes_format() -> None:
     assert WeightFormats(("blocks",), exclude=True).describe() == "weights other than blocks"
     with pytest.raises(UsageError, match="weight_format must be a str or None"):
         Problem(8, 8, weight_format=4)  # type: ignore[arg-type]
+
+
+def test_a_range_per_block_width_sees_the_blocks_bits() -> None:
+    """The resolver fills Problem.weight_bits from the scheme's blocks (bytes over weights), so a
+    range may hold for the wider blocks only; weights that are not blocks never match."""
+    wide = (WeightBits(6.0),)
+    gemv = kernel("gemv", 50, (BatchRange("cpu", 0, 3, "w", wide), BatchRange("cpu", 0, 4, "test")))
+    tiles = kernel("tiles", 10, (BatchRange("cpu", 4, None, "w", wide), BatchRange("cpu", 5, None, "test")))
+    gemv = replace(gemv, supports=(ANY_WEIGHT_ONLY, BLOCKS_WEIGHT_ONLY))
+    tiles = replace(tiles, supports=(ANY_WEIGHT_ONLY, BLOCKS_WEIGHT_ONLY))
+    device = registry.device_for("cpu")
+    for name, bits, boundary in (("gguf/Q6_K", 6.5625, 4), ("gguf/Q8_0", 8.5, 4), ("gguf/Q4_K", 4.5, 5)):
+        resolution = resolve(load_scheme(name), Problem(256, 512), device, [gemv, tiles])
+        assert described(resolution.plan) == [(0, boundary - 1, "gemv"), (boundary, None, "tiles")], name
+        assert resolution.problem.weight_bits == bits
+    assert resolve(load_scheme("gptq/W8A16"), Problem(256, 512), device, [gemv, tiles]).problem.weight_bits is None
+    assert not WeightBits(6.0).check(Problem(8, 8)).ok  # unknown: the entry does not hold
+    assert "blocks of 4.5 bits a weight" in WeightBits(6.0).check(Problem(8, 8, weight_bits=4.5)).reason
+    assert Problem(8, 8, weight_bits=6.5) == Problem(8, 8)
+    with pytest.raises(UsageError, match="weight_bits must be a positive number"):
+        Problem(8, 8, weight_bits=0)
+    with pytest.raises(ValueError, match="at_least must be a positive number"):
+        WeightBits(-1.0)

@@ -19,6 +19,7 @@ from qscheme.kernels.declaration import (
     ProblemCheck,
     ShapeAlignment,
     Supports,
+    WeightBits,
     WeightFormats,
 )
 from qscheme.kernels.devices import DeviceFacts, device_facts, probe_device, simulated_device
@@ -43,6 +44,7 @@ __all__ = [
     "Resolver",
     "ShapeAlignment",
     "Supports",
+    "WeightBits",
     "WeightFormats",
     "device_facts",
     "probe_device",

@@ -497,6 +497,32 @@ class WeightFormats:
         )
 
 
+@dataclass(frozen=True)
+class WeightBits:
+    """The layer's weights are packed blocks of at least ``at_least`` bits a weight
+    (``Problem.weight_bits``, which the resolver takes from the scheme's blocks: GGUF Q6_K 6.5625,
+    Q8_0 8.5, Q4_K 4.5). Meant for ``BatchRange.when``: a boundary measured for the wider blocks."""
+
+    at_least: float
+
+    def __post_init__(self) -> None:
+        value = self.at_least
+        _require(
+            not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0,
+            f"WeightBits.at_least must be a positive number, not {value!r}",
+        )
+
+    def check(self, problem: Problem) -> CheckResult:
+        found = problem.weight_bits
+        if found is not None and found >= self.at_least:
+            return PASSED
+        has = "weights that are not packed blocks" if found is None else f"blocks of {found:g} bits a weight"
+        return CheckResult(False, f"takes {self.describe()}; layer has {has}")
+
+    def describe(self) -> str:
+        return f"packed blocks of at least {self.at_least:g} bits a weight"
+
+
 PREPARED_STATE_KINDS: tuple[str, ...] = ("canonical", "repack")
 
 

@@ -47,7 +47,9 @@ class Problem:
     ``layer`` only names the layer in messages: it takes no part in comparisons.
     ``weight_format``: the scheme's weight format (``"blocks"`` for packed blocks), which the
     resolver fills in from the scheme for batch ranges declared per format (``BatchRange.when``);
-    it takes no part in comparisons either (the scheme is compared apart).
+    it takes no part in comparisons either (the scheme is compared apart). ``weight_bits``: for
+    packed blocks, the bits a weight takes in them (a block's bytes over its weights: GGUF Q6_K
+    6.5625), filled in the same way for batch ranges declared per block width (``WeightBits``).
     """
 
     n: int
@@ -59,6 +61,7 @@ class Problem:
     layer: str | None = field(default=None, compare=False)
     input_permutation: bool = False
     weight_format: str | None = field(default=None, compare=False)
+    weight_bits: float | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("n", "k", "partitions"):
@@ -73,6 +76,9 @@ class Problem:
             object.__setattr__(self, "activation_dtype", normalize_dtype(self.activation_dtype))
         if self.weight_format is not None and not isinstance(self.weight_format, str):
             raise UsageError(f"Problem.weight_format must be a str or None, not {self.weight_format!r}")
+        bits = self.weight_bits
+        if bits is not None and (isinstance(bits, bool) or not isinstance(bits, (int, float)) or not bits > 0):
+            raise UsageError(f"Problem.weight_bits must be a positive number or None, not {bits!r}")
 
     def describe(self) -> str:
         """``N=4096, K=11008, bfloat16 activations`` (+ fused partitions, + layer name)."""

@@ -501,6 +501,9 @@ def resolve(
             raise UsageError(f"resolve() takes a {expected.__name__}, not {type(value).__name__} {value!r}; use {fix}")
     if problem.weight_format is None:  # for batch ranges declared per weight format
         problem = replace(problem, weight_format=scheme.weight.format)
+    blocks = scheme.weight.blocks
+    if problem.weight_bits is None and blocks is not None:  # and per block width
+        problem = replace(problem, weight_bits=blocks.bits_per_weight)
     candidates = ordered(declarations)
     if force is not None and not any(d.name == force for d in candidates):
         raise _unknown_kernel(force, candidates)
