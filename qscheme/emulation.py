@@ -547,29 +547,20 @@ def prepare_input(
     ``threads`` workers.
     """
     checked = _checked_input(x, "the activation x")
-    if pre_scale is not None:
-        pre_scale = _checked_pre_scale(pre_scale, tuple(checked.shape))
     if activation is None and pre_scale is None:
         return checked if checked.dtype == dtype else checked.to(torch.float32).to(dtype)
-    rule = None if activation is None else activation_rule(activation)
-    if rule is None or rule.name in emulation_native.MODES:
-        scale = None
-        if rule is not None:
-            scale = _validate_scales(
-                rule, checked.device, input_scale, input_global_scale, input_global_scale_divisor
-            ).input_scale
-        fast = emulation_native.prepare_input(checked, rule, scale, pre_scale, dtype, threads)
-        if fast is not None:
-            return fast
+    scales = {
+        "input_scale": input_scale,
+        "input_global_scale": input_global_scale,
+        "input_global_scale_divisor": input_global_scale_divisor,
+    }
+    found = native_input_pass(activation, checked.shape[-1], **scales, pre_scale=pre_scale)
+    fast = None if found is None else emulation_native.apply_pass(checked, found, dtype, threads)
+    if fast is not None:
+        return fast
     values = _as_float32(checked, "the activation x") if pre_scale is None else apply_pre_scale(checked, pre_scale)
     if activation is not None:
-        values = fake_quantize_activation(
-            values,
-            activation,
-            input_scale=input_scale,
-            input_global_scale=input_global_scale,
-            input_global_scale_divisor=input_global_scale_divisor,
-        )
+        values = fake_quantize_activation(values, activation, **scales)
     return values.to(dtype)
 
 
@@ -595,6 +586,6 @@ def native_input_pass(
     if rule is not None:
         if rule.name not in emulation_native.MODES:
             return None
-        device = torch.device("cpu") if pre_scale is None else pre_scale.device
-        scale = _validate_scales(rule, device, input_scale, input_global_scale, input_global_scale_divisor).input_scale
+        cpu = torch.device("cpu")  # a native pass runs there
+        scale = _validate_scales(rule, cpu, input_scale, input_global_scale, input_global_scale_divisor).input_scale
     return emulation_native.input_pass(rule, scale, pre_scale)

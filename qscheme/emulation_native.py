@@ -1,14 +1,15 @@
 """The native pass of ``qscheme.emulation``'s FP8 and int8 activation rules.
 
-``qscheme._cpu_gemv.fake_quantize`` (``qscheme/csrc/act_quant*.cpp``) computes the quantize-dequantize
-of the FP8 per-tensor, per-token and per-group-128 rules and the int8 per-token rule in one pass over
-a CPU input, with the very float32 operations the torch path performs (the scale's division, each
+``fake_quantize`` (``qscheme._cpu_gemv.prepare_input``, ``qscheme/csrc/act_quant*.cpp``) computes the
+quantize-dequantize of the FP8 per-tensor, per-token and per-group-128 rules and the int8 per-token
+rule in one pass over a CPU input, with the very float32 operations the torch path performs (the scale's division, each
 element's division, e4m3's or int8's rounding, the product), so its output is bit for bit the torch
 path's (tests/test_emulation_native.py compares the two). The torch path takes about 20 elementwise
 operations and 8 ms at 256 x 4096 on one core; this pass reads the input once.
 
-``prepare_input`` (``qscheme._cpu_gemv.prepare_input``) is the same pass with the AWQ pre-scale
-before the rule (or alone) and a float32 or bfloat16 output, its rows shared out over threads: the
+``apply_pass`` (``qscheme.emulation.prepare_input``'s native path) is the same pass with the AWQ
+pre-scale before the rule (or alone) and a float32 or bfloat16 output, its rows shared out over
+threads (``fake_quantize`` is it with a rule alone, a float32 output and one thread): the
 input of ``dequant_gemm``'s bfloat16 tiles in one pass where torch took up to four (the upcast, the
 pre-scale, the pass, the cast). At 256 x 4096 bf16 on a 2-core Zen 4: FP8 per token 0.44 ms in torch
 (2 threads) against 0.40 ms on one thread and 0.21 ms on two; the pre-scale alone 0.17 ms against
@@ -48,7 +49,7 @@ MODES: Mapping[str, int] = MappingProxyType(
 # the rules whose codes' values and scales ``activation_codes`` gives (one scale per token or per tensor)
 CODE_MODES: Mapping[str, int] = MappingProxyType({"FP8 per tensor": 0, "FP8 per token": 1, "int8 per token": 3})
 
-# the pre-scale alone, without a rule (prepare_input)
+# the pre-scale alone, without a rule (apply_pass)
 NO_RULE = 4
 
 _INPUTS = (torch.float32, torch.bfloat16)
@@ -74,34 +75,12 @@ def _takes(x: Tensor) -> bool:
     )
 
 
-def _native_pass(values: Tensor, mode: int, group: int, input_scale: Tensor | None, scales: Tensor | None) -> Tensor:
-    """The extension's pass over ``values`` (contiguous, on the CPU) into a new float32 tensor: the
-    quantize-dequantize, or with ``scales`` the codes' values, each block's scale written there."""
-    from qscheme import cpu_gemv
-
-    module = cpu_gemv.native()
-    out = torch.empty(values.shape, dtype=torch.float32)
-    k = values.shape[-1]
-    if values.numel() == 0:
-        return out
-    scale = 0.0 if input_scale is None else float(input_scale.reshape(-1)[0])
-    head = (values.data_ptr(), values.dtype == torch.bfloat16, out.data_ptr())
-    tail = (values.numel() // k, k, mode, group, scale, module.isa() == "avx512")
-    if scales is None:
-        module.fake_quantize(*head, *tail)
-    else:
-        module.activation_codes(*head, scales.data_ptr(), *tail)
-    return out
-
-
 def fake_quantize(x: Tensor, rule: ActivationRule, input_scale: Tensor | None) -> Tensor | None:
     """``x`` quantized and dequantized by ``rule`` (float32, x's shape), or None where the native
     pass does not take it (see the module docstring); ``input_scale``: the static rule's float32
     multiplier, validated by the caller."""
-    mode = MODES.get(rule.name)
-    if mode is None or not _takes(x):
-        return None
-    return _native_pass(x.detach().contiguous(), mode, rule.group_size or 0, input_scale, None)
+    found = input_pass(rule, input_scale, None)
+    return None if found is None else apply_pass(x, found, torch.float32, 1)
 
 
 @dataclass(frozen=True)
@@ -132,20 +111,11 @@ def input_pass(rule: ActivationRule | None, input_scale: Tensor | None, pre_scal
     return InputPass(mode, 0 if rule is None else rule.group_size or 0, scale, multipliers)
 
 
-def prepare_input(
-    x: Tensor,
-    rule: ActivationRule | None,
-    input_scale: Tensor | None,
-    pre_scale: Tensor | None,
-    dtype: torch.dtype,
-    threads: int,
-) -> Tensor | None:
-    """``x`` times ``pre_scale`` (float32 [K], validated by the caller) where it is given, then
-    quantized and dequantized by ``rule`` where it is given, in ``dtype`` (float32, or bfloat16:
-    the float32 values rounded to nearest even); None where the native pass does not take it (a
-    rule outside ``MODES``, another dtype, or see the module docstring)."""
-    found = input_pass(rule, input_scale, pre_scale)
-    if found is None or dtype not in _INPUTS or not _takes(x):
+def apply_pass(x: Tensor, found: InputPass, dtype: torch.dtype, threads: int) -> Tensor | None:
+    """``found`` applied to ``x`` in one native pass, its rows shared over ``threads`` workers: a new
+    tensor in ``dtype`` (float32, or bfloat16: the float32 values rounded to nearest even); None
+    where the pass does not take it (another dtype, or see the module docstring)."""
+    if dtype not in _INPUTS or not _takes(x):
         return None
     from qscheme import cpu_gemv
 
@@ -155,7 +125,7 @@ def prepare_input(
     if values.numel() == 0:
         return out
     module = cpu_gemv.native()
-    cpu_gemv.native().prepare_input(
+    module.prepare_input(
         values.data_ptr(), values.dtype == torch.bfloat16, out.data_ptr(), dtype == torch.bfloat16,
         0 if found.pre_scale is None else found.pre_scale.data_ptr(), values.numel() // k, k, found.mode,
         found.group, found.scale, module.isa() == "avx512", max(1, threads),
@@ -169,9 +139,20 @@ def activation_codes(x: Tensor, rule: ActivationRule, input_scale: Tensor | None
     input is their product; None where the native pass does not take it (a rule outside
     ``CODE_MODES``, or see the module docstring). ``input_scale``: the static rule's float32
     multiplier, validated by the caller."""
-    mode = CODE_MODES.get(rule.name)
-    if mode is None or not _takes(x):
+    found = input_pass(rule, input_scale, None) if rule.name in CODE_MODES else None
+    if found is None or not _takes(x):
         return None
+    from qscheme import cpu_gemv
+
     values = x.detach().contiguous()
     scales = torch.empty((*values.shape[:-1], 1), dtype=torch.float32)
-    return _native_pass(values, mode, 0, input_scale, scales), scales
+    out = torch.empty(values.shape, dtype=torch.float32)
+    k = values.shape[-1]
+    if values.numel() == 0:
+        return out, scales
+    module = cpu_gemv.native()
+    module.activation_codes(
+        values.data_ptr(), values.dtype == torch.bfloat16, out.data_ptr(), scales.data_ptr(), values.numel() // k, k,
+        found.mode, found.group, found.scale, module.isa() == "avx512",
+    )  # fmt: skip
+    return out, scales

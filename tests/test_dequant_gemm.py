@@ -396,7 +396,7 @@ def test_the_fused_gemm_applies_the_input_pass_as_the_reference_does(
     given = reference.quantize_input(reference.prepare(weight, torch.device("cpu")), x, torch.bfloat16)
     assert len(given) == (3 if name == "compressed-tensors/FP8" else 1)  # per tensor: each partition its scale
     prepared: list[torch.Tensor] = []
-    original = emulation_native.prepare_input
+    original = emulation_native.apply_pass
 
     def recording(*args: object, **kwargs: object) -> torch.Tensor | None:
         found = original(*args, **kwargs)  # type: ignore[arg-type]
@@ -404,7 +404,7 @@ def test_the_fused_gemm_applies_the_input_pass_as_the_reference_does(
             prepared.append(found)
         return found
 
-    monkeypatch.setattr(emulation_native, "prepare_input", recording)
+    monkeypatch.setattr(emulation_native, "apply_pass", recording)
     fused = kernel.apply(state, x, bias)
     assert not prepared  # the GEMM quantized the rows itself
     assert torch.equal(fused.view(torch.int16), expected.view(torch.int16))

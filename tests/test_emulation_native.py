@@ -95,7 +95,9 @@ def prepared_paths(
         cpu_gemv.set_isa(isa)
         for dtype in (torch.float32, torch.bfloat16):
             for threads in (1, 3):
-                native = emulation_native.prepare_input(x, rule, scales.get("input_scale"), pre_scale, dtype, threads)
+                found = emulation_native.input_pass(rule, scales.get("input_scale"), pre_scale)
+                assert found is not None
+                native = emulation_native.apply_pass(x, found, dtype, threads)
                 assert native is not None and native.dtype == dtype and native.shape == x.shape
                 wanted = expected.to(dtype)
                 bits = torch.int32 if dtype == torch.float32 else torch.int16

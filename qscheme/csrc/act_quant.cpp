@@ -1,4 +1,4 @@
-/* qscheme._cpu_gemv.fake_quantize: qscheme.emulation's FP8 (e4m3) and int8 activation
+/* qscheme._cpu_gemv.prepare_input and activation_codes: qscheme.emulation's FP8 (e4m3) and int8 activation
  * quantize-dequantize in one pass, bit for bit the torch path's float32 arithmetic (act_quant.h).
  *
  * Per block: s = absmax / 448 (e4m3) or / 127.5 (int8), float32 division, FLT_EPSILON where it is 0,
@@ -162,9 +162,9 @@ void run_pass(const Pass &pass, bool vector, int threads) {
     });
 }
 
-void fake_quantize(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group, float scale,
-                   bool vector, float *scales) {
-    run_pass(Pass{x, bf16, out, false, m, k, mode, group, scale, nullptr, scales}, vector, 1);
+bool rule_valid(int mode, int64_t group, float scale) {
+    return mode >= E4M3_STATIC && mode <= NONE && (mode != E4M3_GROUP || group >= 1) &&
+           (mode != E4M3_STATIC || (scale > 0.0f && std::isfinite(scale)));
 }
 
 bool all_finite(const void *x, int dtype, int64_t n, bool vector) {
@@ -183,32 +183,21 @@ void int8_codes(const void *x, bool bf16, int64_t m, int64_t k, uint8_t *codes, 
 
 namespace {
 
-// The two methods' shared body: `scales` 0 for fake_quantize.
-PyObject *quantize(unsigned long long x, int bf16, unsigned long long out, unsigned long long scales, long long m,
-                   long long k, int mode, long long group, float scale, int vector, const char *name) {
-    if (!x || !out || m < 0 || k < 1 || mode < E4M3_STATIC || mode > INT8_TOKEN || (mode == E4M3_GROUP && group < 1) ||
-        (mode == E4M3_STATIC && !(scale > 0.0f && std::isfinite(scale)))) {
-        PyErr_Format(PyExc_ValueError, "qscheme._cpu_gemv.%s: inconsistent arguments", name);
-        return nullptr;
-    }
+// run_pass over addresses given as ints, the GIL released meanwhile.
+PyObject *run_method(unsigned long long x, int bf16, unsigned long long out, int out_bf16, unsigned long long pre_scale,
+                     unsigned long long scales, long long m, long long k, int mode, long long group, float scale,
+                     int vector, int threads) {
+    const Pass pass{reinterpret_cast<const void *>(static_cast<uintptr_t>(x)), bf16 != 0,
+                    reinterpret_cast<void *>(static_cast<uintptr_t>(out)), out_bf16 != 0, m, k, mode, group, scale,
+                    reinterpret_cast<const float *>(static_cast<uintptr_t>(pre_scale)),
+                    reinterpret_cast<float *>(static_cast<uintptr_t>(scales))};
     Py_BEGIN_ALLOW_THREADS;
-    fake_quantize(reinterpret_cast<const void *>(static_cast<uintptr_t>(x)), bf16 != 0,
-                  reinterpret_cast<float *>(static_cast<uintptr_t>(out)), m, k, mode, group, scale, vector != 0,
-                  reinterpret_cast<float *>(static_cast<uintptr_t>(scales)));
+    run_pass(pass, vector != 0, threads);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
 
 }  // namespace
-
-PyObject *fake_quantize_method(PyObject *, PyObject *args) {
-    unsigned long long x, out;
-    int bf16, mode, vector;
-    long long m, k, group;
-    float scale;
-    if (!PyArg_ParseTuple(args, "KpKLLiLfp", &x, &bf16, &out, &m, &k, &mode, &group, &scale, &vector)) return nullptr;
-    return quantize(x, bf16, out, 0, m, k, mode, group, scale, vector, "fake_quantize");
-}
 
 PyObject *activation_codes_method(PyObject *, PyObject *args) {
     unsigned long long x, out, scales;
@@ -217,11 +206,11 @@ PyObject *activation_codes_method(PyObject *, PyObject *args) {
     float scale;
     if (!PyArg_ParseTuple(args, "KpKKLLiLfp", &x, &bf16, &out, &scales, &m, &k, &mode, &group, &scale, &vector))
         return nullptr;
-    if (!scales) {
-        PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.activation_codes: no scales buffer");
+    if (!x || !out || !scales || m < 0 || k < 1 || mode == NONE || !rule_valid(mode, group, scale)) {
+        PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.activation_codes: inconsistent arguments");
         return nullptr;
     }
-    return quantize(x, bf16, out, scales, m, k, mode, group, scale, vector, "activation_codes");
+    return run_method(x, bf16, out, 0, 0, scales, m, k, mode, group, scale, vector, 1);
 }
 
 PyObject *prepare_input_method(PyObject *, PyObject *args) {
@@ -232,18 +221,11 @@ PyObject *prepare_input_method(PyObject *, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KpKpKLLiLfpi", &x, &bf16, &out, &out_bf16, &pre_scale, &m, &k, &mode, &group, &scale,
                           &vector, &threads))
         return nullptr;
-    if (!x || !out || m < 0 || k < 1 || mode < E4M3_STATIC || mode > NONE || (mode == E4M3_GROUP && group < 1) ||
-        (mode == E4M3_STATIC && !(scale > 0.0f && std::isfinite(scale))) || threads < 1) {
+    if (!x || !out || m < 0 || k < 1 || !rule_valid(mode, group, scale) || threads < 1) {
         PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.prepare_input: inconsistent arguments");
         return nullptr;
     }
-    const Pass pass{reinterpret_cast<const void *>(static_cast<uintptr_t>(x)), bf16 != 0,
-                    reinterpret_cast<void *>(static_cast<uintptr_t>(out)), out_bf16 != 0, m, k, mode, group, scale,
-                    reinterpret_cast<const float *>(static_cast<uintptr_t>(pre_scale)), nullptr};
-    Py_BEGIN_ALLOW_THREADS;
-    run_pass(pass, vector != 0, threads);
-    Py_END_ALLOW_THREADS;
-    Py_RETURN_NONE;
+    return run_method(x, bf16, out, out_bf16, pre_scale, 0, m, k, mode, group, scale, vector, threads);
 }
 
 PyObject *all_finite_method(PyObject *, PyObject *args) {

@@ -1,5 +1,5 @@
-// qscheme._cpu_gemv.fake_quantize: the exact activation quantize-dequantize of qscheme.emulation
-// for the FP8 (e4m3) and int8 rules, in one pass over the input (act_quant.cpp).
+// qscheme._cpu_gemv.prepare_input and activation_codes: the exact activation quantize-dequantize of
+// qscheme.emulation for the FP8 (e4m3) and int8 rules, in one pass over the input (act_quant.cpp).
 #pragma once
 
 #define PY_SSIZE_T_CLEAN
@@ -13,7 +13,7 @@ namespace qscheme_act {
 // (prepare_input with a pre-scale alone).
 enum Mode : int { E4M3_STATIC = 0, E4M3_TOKEN = 1, E4M3_GROUP = 2, INT8_TOKEN = 3, NONE = 4 };
 
-// One pass's arguments (rows [0, m) of x, rows of k; see fake_quantize and prepare_input).
+// One pass's arguments (rows [0, m) of x, rows of k; see run_pass).
 struct Pass {
     const void *x;
     bool bf16;               // x is bfloat16 (else float32)
@@ -27,21 +27,22 @@ struct Pass {
     float *scales;           // with it: out receives the codes' values, scales each block's s (row by row)
 };
 
-// Rows [0, m) of x (float32 or bfloat16, rows of k) quantized and dequantized into out (float32):
-// a block of `group` elements (a row for per-token rules, the whole input for the static scale)
-// shares the scale s (static: `scale`; dynamic: absmax / 448 or / 127.5, float32 eps when zero),
-// and each element becomes round(x / s) * s, round being e4m3's saturating round to nearest even
-// or int8's clamp(round half even) (an int8 zero is +0.0). With `scales` (one float per block, row by row),
-// out receives round(x / s) alone, the code's value, and scales each block's s.
-void fake_quantize(const void *x, bool bf16, float *out, int64_t m, int64_t k, int mode, int64_t group, float scale,
-                   bool vector, float *scales = nullptr);
+// Whether mode, group and scale make a pass run_pass computes: a mode of this enum, a group of at least
+// one element for E4M3_GROUP, a positive finite scale for E4M3_STATIC.
+bool rule_valid(int mode, int64_t group, float scale);
 
 // Elements per block (a row for the per-token and static rules), and blocks per row.
 inline int64_t block_length(const Pass &pass) { return pass.mode == E4M3_GROUP ? pass.group : pass.k; }
 inline int64_t blocks_per_row(const Pass &pass) { return (pass.k + block_length(pass) - 1) / block_length(pass); }
 
-// The pass of `pass` (the rules as fake_quantize's, after the pre-scale), its rows shared out over
-// `threads` workers (qscheme_threads) where it is large enough to gain.
+// Rows [0, m) of x (float32 or bfloat16, rows of k), each element first times its column's pre-scale
+// where there is one (a float32 product), quantized and dequantized into out: a block of `group`
+// elements (a row for per-token rules and the static scale) shares the scale s (static: `scale`;
+// dynamic: absmax / 448 or / 127.5, float32 eps when zero), and each element becomes round(x / s) * s,
+// round being e4m3's saturating round to nearest even or int8's clamp(round half even) (an int8 zero
+// is +0.0); NONE leaves the values. With `scales` (one float per block, row by row), out receives
+// round(x / s) alone, the code's value, and scales each block's s. Its rows are shared out over
+// `threads` workers (qscheme_threads) where the pass is large enough to gain.
 void run_pass(const Pass &pass, bool vector, int threads);
 
 // Rows [r0, r1) of `pass` on the calling thread (the AVX-512 loop where `vector` and the CPU has it):
@@ -59,10 +60,8 @@ bool all_finite(const void *x, int dtype, int64_t n, bool vector);
 // Whether the AVX-512 pass was compiled (x86 and a compiler that has its intrinsics).
 bool vector_compiled();
 
-// fake_quantize(x, bf16, out, m, k, mode, group, scale): the Python method (addresses as ints).
-PyObject *fake_quantize_method(PyObject *, PyObject *args);
-
-// activation_codes(x, bf16, out, scales, m, k, mode, group, scale): fake_quantize with `scales`.
+// activation_codes(x, bf16, out, scales, m, k, mode, group, scale, vector): run_pass with `scales`
+// (addresses as ints), float32 out, one thread.
 PyObject *activation_codes_method(PyObject *, PyObject *args);
 
 // prepare_input(x, bf16, out, out_bf16, pre_scale, m, k, mode, group, scale, vector, threads): run_pass

@@ -1,4 +1,4 @@
-// The AVX-512 pass of qscheme._cpu_gemv.fake_quantize and prepare_input (act_quant.cpp has the arithmetic, which this
+// The AVX-512 pass of qscheme._cpu_gemv.prepare_input and activation_codes (act_quant.cpp has the arithmetic, which this
 // computes 16 elements at a time, bit for bit: the same float32 divisions, roundings and products).
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__clang__) || defined(__GNUC__))
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")

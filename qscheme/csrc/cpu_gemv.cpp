@@ -489,7 +489,6 @@ PyMethodDef methods[] = {
     {"blocks_gemm", qscheme_gguf::blocks_gemm, METH_NOARGS, "1 where gemm_blocks runs here (AVX512-BF16, the AVX-512 loops in use), else 0."},
     {"blocks_loop", qscheme_gguf::blocks_loop, METH_VARARGS, "1 where bfloat16 rows of x run the AVX512-BF16 loop on packed blocks, else 0."},
     {"blocks_bf16", qscheme_gguf::blocks_bf16, METH_NOARGS, "1 where this CPU runs the packed blocks' AVX512-BF16 loop, else 0."},
-    {"fake_quantize", qscheme_act::fake_quantize_method, METH_VARARGS, "FP8 / int8 activation quantize-dequantize (qscheme.emulation)."},
     {"activation_codes", qscheme_act::activation_codes_method, METH_VARARGS, "FP8 / int8 activation codes' values and their scales (qscheme.emulation)."},
     {"prepare_input", qscheme_act::prepare_input_method, METH_VARARGS, "The tile GEMMs' input: pre-scaled, quantized and dequantized, as float32 or bfloat16 (qscheme.emulation)."},
     {"all_finite", qscheme_act::all_finite_method, METH_VARARGS, "Whether a float32, bfloat16 or float16 buffer holds no inf or NaN."},

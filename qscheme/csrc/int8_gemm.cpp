@@ -1,7 +1,7 @@
 /* qscheme._int8_gemm: the cpu_int8_gemm kernel's loops (int8_gemm.h has the arithmetic).
  *
  * quantize: rows of x as compressed-tensors' int8 per-token codes (+ 128) and their float32 scales,
- * bit for bit qscheme.emulation's rule (act_quant.cpp's arithmetic, shared with fake_quantize).
+ * bit for bit qscheme.emulation's rule (act_quant.cpp's arithmetic, shared with prepare_input).
  * gemm: y = x W^T from those codes and an int8 weight [N, K] as stored (no copy, no repacking).
  *
  * A portable loop, and AVX512-VNNI loops (int8_gemm_vnni.cpp) chosen at run time by cpuid; set_isa

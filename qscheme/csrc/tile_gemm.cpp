@@ -324,12 +324,11 @@ PyObject *gemm(PyObject *, PyObject *args) {
     InputPass pass{static_cast<int>(head[10]), head[11], 0.0f, address<const float>(head[12])};
     std::memcpy(&pass.scale, &scale_bits, 4);
     const bool transforms = pass.mode != -1 || pass.pre_scale;
-    if (transforms && (pass.mode < -1 || pass.mode > qscheme_act::NONE || (pass.mode == qscheme_act::E4M3_GROUP && pass.group < 1) ||
-                       (pass.mode == qscheme_act::E4M3_STATIC && !(pass.scale > 0.0f && std::isfinite(pass.scale))))) {
+    if (pass.mode == -1) pass.mode = qscheme_act::NONE;
+    if (transforms && !qscheme_act::rule_valid(pass.mode, pass.group, pass.scale)) {
         PyErr_SetString(PyExc_ValueError, "qscheme._tile_gemm.gemm: inconsistent input pass");
         return nullptr;
     }
-    if (pass.mode == -1) pass.mode = qscheme_act::NONE;
     if (m == 0 || r1 == r0) Py_RETURN_NONE;
     Py_BEGIN_ALLOW_THREADS;
     if (level == ISA_AMX)
