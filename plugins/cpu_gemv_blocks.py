@@ -39,6 +39,8 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from qscheme_plugins.cpu_boundaries import ExtensionLoops
+
 from qscheme.kernels.declaration import (
     PASSED,
     ActivationDtypes,
@@ -253,6 +255,20 @@ BLOCK_GEMM_BATCHES = BatchRange(
     ),
 )
 
+# AMX CPUs: the fused GEMM multiplies with VDPBF16PS, not on AMX tiles, and from M = 48 dequant_gemm's AMX
+# tiles (the plan's kernel after it, from M = 16 on those CPUs) run the blocks faster
+AMX_SOURCE = (
+    "benchmarks/cpu_gemm.py --kernel cpu_gemm_blocks --kernel dequant_gemm, 4096x4096, bf16, 2 threads, a 2-core "
+    "Intel Xeon with AMX (Emerald Rapids), same-run ratios to bf16 F.linear, the fused GEMM / dequant_gemm "
+    "(sixteenth pass, docs/notes/cpu-gemv-2026-12.md item 70): M = 16: Q4_0 0.35x / 0.18x, Q4_K 0.33x / 0.17x, "
+    "Q8_0 0.29x / 0.17x; M = 32: 0.30x / 0.23x, 0.28x / 0.24x, 0.25x / 0.23x; M = 48: 0.21x / 0.27x, 0.30x / "
+    "0.35x, 0.24x / 0.26x; M = 64: 0.23x / 0.35x, 0.25x / 0.33x, 0.23x / 0.32x; M = 256 (another run): 0.11-0.20x "
+    "/ 0.38-0.68x"
+)
+AMX_TILES = ExtensionLoops("tile_gemm", ("amx",))
+AMX_WIDE_BLOCK_GEMM_BATCHES = BatchRange("cpu", 4, 47, source=AMX_SOURCE, when=(AMX_TILES, WeightBits(8.0)))
+AMX_BLOCK_GEMM_BATCHES = BatchRange("cpu", 5, 47, source=AMX_SOURCE, when=(AMX_TILES,))
+
 CPU_GEMM_BLOCKS = KernelDeclaration(
     name="cpu_gemm_blocks",
     provider="qscheme",
@@ -266,7 +282,7 @@ CPU_GEMM_BLOCKS = KernelDeclaration(
     implementation="qscheme_plugins.cpu_gemv_blocks_kernel:CpuGemmBlocksKernel",
     requires_modules=("torch",),
     checks=(ActivationDtypes(("bfloat16",)), NativeBlockLoops(), BlocksGemm()),
-    batch_ranges=(WIDE_BLOCK_GEMM_BATCHES, BLOCK_GEMM_BATCHES),
+    batch_ranges=(AMX_WIDE_BLOCK_GEMM_BATCHES, AMX_BLOCK_GEMM_BATCHES, WIDE_BLOCK_GEMM_BATCHES, BLOCK_GEMM_BATCHES),
     prepared_state=PreparedState("canonical"),
     notes=(
         "numerics: each weight is the reference decoder's float32 value rounded once to bfloat16 (at most "

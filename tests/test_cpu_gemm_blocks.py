@@ -23,14 +23,16 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from kernel_fakes import builtin_scheme, builtin_schemes, isolated_plugins
+from qscheme_plugins.cpu_gemv_blocks import CPU_GEMM_BLOCKS
 from qscheme_plugins.cpu_gemv_blocks_kernel import CpuGemmBlocksKernel
 
-from qscheme import cpu_gemv, cpu_gemv_blocks
+from qscheme import cpu_gemv, cpu_gemv_blocks, tile_gemm
 from qscheme.canonical import CanonicalWeight
 from qscheme.canonical_blocks import canonical_blocks
 from qscheme.errors import UsageError
@@ -194,8 +196,11 @@ def test_the_plan_takes_it_from_m_5_where_it_runs(name: str, monkeypatch: pytest
         if cpu_gemv_blocks.gemm_available():
             assert candidate.accepted
             first = 4 if name == "gguf/Q8_0" else 5
-            assert [plan.kernel_for(m).name for m in (first, 8, 16, 256)] == ["cpu_gemm_blocks"] * 4
+            assert [plan.kernel_for(m).name for m in (first, 8, 16, 47)] == ["cpu_gemm_blocks"] * 4
             assert plan.kernel_for(first - 1).name != "cpu_gemm_blocks"
+            # on AMX CPUs dequant_gemm's tiles take over from 48 (the fused GEMM multiplies with VDPBF16PS)
+            after = "dequant_gemm" if tile_gemm.isa() == "amx" else "cpu_gemm_blocks"
+            assert plan.kernel_for(48).name == plan.kernel_for(256).name == after
         else:
             assert not candidate.accepted and "fused GEMM" in str(candidate.reasons)
             assert plan.kernel_for(16).name == "dequant_gemm"
@@ -248,3 +253,27 @@ def test_the_kernel_refuses_what_it_does_not_take() -> None:
             kernel.prepare(weight, torch.device("cpu"))
     finally:
         cpu_gemv.set_isa(before)
+
+
+@pytest.mark.parametrize(
+    ("loops", "name", "expected"),
+    [
+        ("amx", "gguf/Q4_K", (5, 47)),
+        ("amx", "gguf/Q8_0", (4, 47)),
+        ("avx512", "gguf/Q4_K", (5, None)),
+        ("avx512", "gguf/Q8_0", (4, None)),
+    ],
+)
+def test_amx_cpus_hand_the_blocks_to_the_amx_tiles_from_m_48(
+    loops: str, name: str, expected: tuple[int, int | None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The declared ranges under each tile loop, whatever this CPU runs: on AMX the fused GEMM ends at 47
+    (dequant_gemm's AMX tiles run the blocks faster from 48), elsewhere it runs every M from its start."""
+    monkeypatch.setattr(tile_gemm, "isa", lambda: loops)
+    weight = weight_of(name, 72)
+    blocks = weight.scheme.weight.blocks
+    assert blocks is not None
+    problem = replace(problem_for(weight, "bfloat16"), weight_bits=blocks.bits_per_weight)
+    assert CPU_GEMM_BLOCKS.batch_range("cpu", problem) == expected
+    source = CPU_GEMM_BLOCKS.batch_ranges[0].source
+    assert "AMX" in source and "M = 48" in source
