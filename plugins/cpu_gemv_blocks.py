@@ -200,6 +200,14 @@ CPU_GEMV_BLOCKS_BF16 = KernelDeclaration(
         "numerics: cpu_gemv_blocks' (its AVX512-BF16 loop: bfloat16 inputs whose elements are zero or of a magnitude "
         "in [2**-100, 2**64], else its float32 loops in the same call); a layout of these codes the loop does not "
         "read (none of the built-in types) runs the float32 loops too (qscheme.cpu_gemv_blocks.dot_loop says which)",
+        "integer products on AMX CPUs (Intel, where VDPBF16PS issues at half the FMA's rate): one or two rows of x "
+        "on the 4-bit types whose code values are integers (Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS; not MXFP4) are "
+        "rounded to 16-bit integers per block of 256 elements over a power-of-two step (an element within 2**8 "
+        "of its block's largest magnitude exactly, a smaller one within 2**-16 of that magnitude) and multiplied "
+        "with VPDPWSSD, summed exactly in 32 bits; QSCHEME_CPU_GEMV_GGUF_INT16=0 or 1 (read at each call) turns "
+        "them off or on (on needs AVX512-VNNI). On a 2-core Emerald Rapids (4096x4096, 1 thread, same process) "
+        "Q4_0 went from 2.13x to 2.81x bf16 F.linear at M = 1, IQ4_NL 2.21x to 3.05x, Q4_1 2.08x to 2.57x, "
+        "Q4_K 1.68x to 2.05x",
         "keeps the canonical blocks as they are (no copy), plus one small program per scheme",
     ),
 )

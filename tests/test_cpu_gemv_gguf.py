@@ -233,6 +233,19 @@ def test_the_bf16_loop_matches_the_reference_kernel(name: str, monkeypatch: pyte
     check_bf16_loop(name, monkeypatch)
 
 
+# the nibble-pair types whose 16 code values are small integers (MXFP4's are halves): the integer products
+INTEGER_TYPES = ("gguf/IQ4_NL", "gguf/IQ4_XS", "gguf/Q4_0", "gguf/Q4_1", "gguf/Q4_K")
+
+
+@BF16_LOOP
+@pytest.mark.parametrize("name", NIBBLE_PAIR_TYPES)
+def test_the_integer_products_match_the_reference_kernel(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """QSCHEME_CPU_GEMV_GGUF_INT16=1 (the default on AMX CPUs): at M <= 2 the 4-bit codes with integer
+    values multiply x rounded to 16-bit integers per block of 256 (VPDPWSSD), within the reference's bound
+    plus that rounding; the rows of x beyond 2, and MXFP4, keep the bfloat16 products."""
+    check_bf16_loop(name, monkeypatch, integer="1")
+
+
 @BF16_LOOP
 @pytest.mark.parametrize("name", PLANE_TYPES)
 def test_the_integer_codes_take_64_or_32_elements_a_step(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -256,7 +269,24 @@ def test_the_nibble_pair_types_have_no_plane_step(name: str) -> None:
     assert cpu_gemv_blocks.plane_step(cpu_gemv_blocks.block_layout_of(weight_of(name))) is None
 
 
-def check_bf16_loop(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def x_rounding(x: torch.Tensor) -> torch.Tensor:
+    """float64 [M, K]: half the step of the integer products' rounding of each element of x (rows of
+    bfloat16), the step of a block of 256 elements the power of two 2**(e - 15), its largest magnitude
+    f * 2**e with 0.5 <= f < 1 (zero where the block is all zeros)."""
+    m, k = x.shape
+    padded = torch.zeros(m, -(-k // 256) * 256, dtype=torch.float64)
+    padded[:, :k] = x.double().abs()
+    largest = padded.reshape(m, -1, 256).amax(dim=2)
+    _, exponent = torch.frexp(largest)
+    half_step = torch.where(largest > 0, torch.ldexp(torch.full_like(largest, 0.5), exponent - 15), 0.0)
+    return half_step.repeat_interleave(256, dim=1)[:, :k]
+
+
+def check_bf16_loop(name: str, monkeypatch: pytest.MonkeyPatch, integer: str = "0") -> None:
+    """The loop against the reference; ``integer`` sets QSCHEME_CPU_GEMV_GGUF_INT16: "1" adds x's
+    rounding to 16-bit integers to the bound at M <= 2 (the integer products' rows), and checks that they
+    ran there (the sums differ from the bfloat16 products') for the types whose code values are integers."""
+    monkeypatch.setenv("QSCHEME_CPU_GEMV_GGUF_INT16", integer)
     weight = odd_weight(name)
     layout = cpu_gemv_blocks.block_layout_of(weight)
     assert cpu_gemv_blocks.dot_loop(layout) == "bf16"
@@ -274,11 +304,20 @@ def check_bf16_loop(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
         x = (torch.randn(m, weight.k, generator=generator) * 4).to(BF16)
         expected = reference.apply(state, x.float(), None).double()
         bound = 2 * (weight.k + 8) * 2.0**-24 * (x.double().abs() @ size.t())
+        if integer == "1" and m <= 2:
+            bound = bound + x_rounding(x) @ size.t()
         sums = {}
         for flag in ("1", "0"):
             monkeypatch.setenv("QSCHEME_CPU_GEMV_BF16DOT", flag)
             sums[flag] = float_sums(layout, x, threads=1 + m % 2).double()
             assert bool(((sums[flag] - expected).abs() <= bound + 1e-30).all()), (name, flag, m)
+        if integer == "1" and name in INTEGER_TYPES:  # the integer products ran at M <= 2, not beyond
+            monkeypatch.setenv("QSCHEME_CPU_GEMV_BF16DOT", "1")
+            monkeypatch.setenv("QSCHEME_CPU_GEMV_GGUF_INT16", "0")
+            products = float_sums(layout, x, threads=1 + m % 2).double()
+            monkeypatch.setenv("QSCHEME_CPU_GEMV_GGUF_INT16", "1")
+            monkeypatch.setenv("QSCHEME_CPU_GEMV_BF16DOT", "0")
+            assert torch.equal(products, sums["1"]) == (m > 2), (name, m)
             y = cpu_gemv_blocks.gemv_blocks(layout, x, bias).double()
             with_bias = reference.apply(state, x, bias).double()
             ulp = 2.0**-7 * torch.maximum(y.abs(), with_bias.abs())

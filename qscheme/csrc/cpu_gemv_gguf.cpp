@@ -233,7 +233,7 @@ std::shared_ptr<const Prepared> prepared(const int32_t *program, int64_t length,
 
 // The buffers of one call, kept per calling thread between calls.
 struct Scratch {
-    std::vector<float> xs, xsum, acc;
+    std::vector<float> xs, xsum, acc, units;
     std::vector<int16_t> words;
 };
 
@@ -347,6 +347,14 @@ PyObject *gemv_blocks(PyObject *, PyObject *args) {
             bf16 = bf16_blocks_words(static_cast<const uint16_t *>(x) + r * l.k, l.k, prep->words.kind,
                                      words + r * words_per_row);
     }
+    // the 4-bit codes whose values are small integers, one or two rows of x, on CPUs where the integer
+    // products are on (int16_blocks_on): x's words as 16-bit integers per block of 256, VPDPWSSD
+    float *units = nullptr;
+    if (bf16 && prep->words.kind != 3 && prep->words.integer && m <= INT16_BLOCK_ROWS && int16_blocks_on()) {
+        const int64_t blocks = (bf16_pairs(l.k) + 3) / 4;
+        units = room(scratch.units, m * blocks);
+        for (int64_t r = 0; r < m; r++) int16_blocks_words(words + r * words_per_row, l.k, units + r * blocks);
+    }
     float *xs = nullptr;
     if (!bf16) {
         xs = room(scratch.xs, m * ldx);
@@ -365,7 +373,7 @@ PyObject *gemv_blocks(PyObject *, PyObject *args) {
         const int64_t lo = task * span, hi = std::min(l.n, lo + span);
 #if defined(__x86_64__) || defined(__i386__)
         if (bf16)
-            gemv_blocks_bf16(l, *plan, prep->words, words, xsum, static_cast<int>(m), lo, hi, acc, l.n);
+            gemv_blocks_bf16(l, *plan, prep->words, words, xsum, static_cast<int>(m), lo, hi, acc, l.n, units);
         else if (level == 2)
             gemv_blocks_avx512(l, *plan, xs, ldx, xsum, static_cast<int>(m), lo, hi, acc, l.n);
         else if (level == 1)

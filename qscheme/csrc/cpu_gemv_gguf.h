@@ -223,6 +223,10 @@ struct Bf16Input {
     int inline_factors = 0;       // paired: how the loop reads the factors from each block (0: formed
                                   // per row first; cpu_gemv_gguf_bf16.cpp: Inline)
     alignas(64) int16_t table[32] = {};         // the code values as bfloat16 words, twice over
+    // kinds 1 and 2 whose 16 code values are integers of at most 127 in magnitude (every 4-bit GGUF type): the
+    // values as 16-bit integers, twice over, for the integer products (int16_blocks_words)
+    bool integer = false;
+    alignas(64) int16_t int_table[32] = {};
     alignas(64) uint8_t code_index[64] = {};    // paired: byte j of the codes' words (odd bytes zeroed)
     alignas(64) uint8_t scale_index[64] = {};   // fp16 scales: the two blocks', 8 lanes each
     alignas(64) uint8_t minimum_index[64] = {}; // fp16 minimums: the two blocks', lanes 0 and 1
@@ -261,10 +265,21 @@ bool bf16_planes64_on();
 // false where an element is neither zero nor of a magnitude in [2**-100, 2**64]. Call only where
 // bf16_blocks_supported().
 bool bf16_blocks_words(const uint16_t *x, int64_t k, int kind, int16_t *xq);
+// The integer products (kinds 1 and 2 where Bf16Input::integer, at most INT16_BLOCK_ROWS rows of x): a row of
+// words from bf16_blocks_words rewritten in place as 16-bit integers, each block of 256 words (4 pairs)
+// over its own power-of-two step unit[b] (the smallest that holds the block's largest magnitude in 15
+// bits): an element within 2**8 of that magnitude is exact, a smaller one off by at most half a step.
+constexpr int INT16_BLOCK_ROWS = 2;
+void int16_blocks_words(int16_t *xq, int64_t k, float *unit);
+// Whether the GEMV takes integer products (VPDPWSSD) for those layouts: QSCHEME_CPU_GEMV_GGUF_INT16 (read
+// at each call) 1 or 0, else on CPUs with AMX-BF16 and AVX512-VNNI (Intel, where VDPBF16PS issues at half
+// the FMA's rate: docs/notes/cpu-gemv-2026-12.md items 70 and 74).
+bool int16_blocks_on();
 // Rows [n0, n1) of the layer times m rows of xw ([m][bf16_pairs(l.k) * 64], from bf16_blocks_words;
-// in passes of at most 4), as gemv_blocks_avx512.
+// in passes of at most 4), as gemv_blocks_avx512. With unit ([m][blocks of 256 words]) the rows of xw
+// are int16_blocks_words' integers and the products integer (m <= INT16_BLOCK_ROWS, in.integer).
 void gemv_blocks_bf16(const Layout &l, const Plan &plan16, const Bf16Input &in, const int16_t *xw, const float *xsum,
-                      int m, int64_t n0, int64_t n1, float *acc, int64_t ldy);
+                      int m, int64_t n0, int64_t n1, float *acc, int64_t ldy, const float *unit = nullptr);
 
 // Rows [n0, n1) of the layer into out ([n1 - n0][K], float32 or bfloat16): each weight as qscheme's
 // block decoder forms it, bfloat16 rounded once (cpu_gemv_gguf_dequant.cpp). False where plan16 has no

@@ -21,9 +21,11 @@
 // 64 elements a step, gathered as bytes and widened after. K-quant factors and one fp16 scale (and
 // minimum) per block are read in the loop, any others formed per row first (row_products).
 #if defined(__x86_64__) || defined(__i386__)
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx512vnni,avx2,fma,f16c")
 #include <immintrin.h>
 
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #define QS_GGUF_NAMESPACE qscheme_gguf_bf16
@@ -84,12 +86,14 @@ static inline __m512 fp16_lanes(__m512i raw, __m512i index) {
 }
 
 // R weight rows n, n + step, ... (one from each of R streams: row_streams.h) times M rows of x (xw,
-// [M][bf16_pairs(K) * 64]); acc[m * ldy + n]: row m's sums.
-template <int M, int R, int KIND, bool PAIRED, int INLINE>
+// [M][bf16_pairs(K) * 64]); acc[m * ldy + n]: row m's sums. INT: xw holds int16_blocks_words' integers,
+// the code values are in.int_table's, the products VPDPWSSD's (exact 32-bit sums), each block of 4 pairs'
+// sums multiplied by its unit (unit: [M][blocks]).
+template <int M, int R, int KIND, bool PAIRED, int INLINE, bool INT = false>
 static void rows_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
-                      int64_t n, int64_t step, float *acc, int64_t ldy) {
-    const int64_t subs = l.k / SUB, pairs = bf16_pairs(l.k), xstride = pairs * 64;
-    const __m512i table = _mm512_load_si512(in.table);
+                      int64_t n, int64_t step, float *acc, int64_t ldy, const float *unit = nullptr) {
+    const int64_t subs = l.k / SUB, pairs = bf16_pairs(l.k), xstride = pairs * 64, unit_blocks = (pairs + 3) / 4;
+    const __m512i table = _mm512_load_si512(INT ? in.int_table : in.table);
     const __m512i code_index = _mm512_load_si512(in.code_index), scale_index = _mm512_load_si512(in.scale_index);
     const __m512i minimum_index = _mm512_load_si512(in.minimum_index);
     const __m512i pair_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
@@ -117,9 +121,9 @@ static void rows_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, co
         }
         scales[r] = s;
     }
-    __m512 sum[R][M];
+    __m512 sum[R][M], total[R][M];
     for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) sum[r][m] = _mm512_setzero_ps();
+        for (int m = 0; m < M; m++) sum[r][m] = total[r][m] = _mm512_setzero_ps();
     // the pair's place: the block holding sub-block s0 (its bytes from the row's start) and s0's index
     // in it (groups is 1 or even: sub-blocks s0 and s0 + 1 share a block unless there is one per block)
     int64_t base = 0;
@@ -185,8 +189,24 @@ static void rows_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, co
         for (int m = 0; m < M; m++) {
             const __m512i x1 = _mm512_loadu_si512(xw + m * xstride + 64 * p);
             const __m512i x2 = _mm512_loadu_si512(xw + m * xstride + 64 * p + 32);
-            for (int r = 0; r < R; r++)
-                sum[r][m] = _mm512_fmadd_ps(dot(dot(_mm512_setzero_ps(), first[r], x1), second[r], x2), scale[r], sum[r][m]);
+            for (int r = 0; r < R; r++) {
+                if constexpr (INT) {
+                    const __m512i d = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), first[r], x1), second[r], x2);
+                    sum[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale[r], sum[r][m]);
+                } else {
+                    sum[r][m] = _mm512_fmadd_ps(dot(dot(_mm512_setzero_ps(), first[r], x1), second[r], x2), scale[r], sum[r][m]);
+                }
+            }
+        }
+        if constexpr (INT) {  // a block of x's integers ends: its sums times its step
+            if ((p & 3) == 3 || p == pairs - 1)
+                for (int m = 0; m < M; m++) {
+                    const __m512 u = _mm512_set1_ps(unit[m * unit_blocks + p / 4]);
+                    for (int r = 0; r < R; r++) {
+                        total[r][m] = _mm512_fmadd_ps(sum[r][m], u, total[r][m]);
+                        sum[r][m] = _mm512_setzero_ps();
+                    }
+                }
         }
         if (PAIRED) {
             base += 2 * l.block_bytes;
@@ -195,7 +215,7 @@ static void rows_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, co
             base += l.block_bytes;
         }
     }
-    store_sums<M, R>(l, sum, buffer.data() + R * stride, stride, xsum, n, step, acc, ldy);
+    store_sums<M, R>(l, INT ? total : sum, buffer.data() + R * stride, stride, xsum, n, step, acc, ldy);
 }
 
 // How kind 3 reads a block's factors: its K-quant products in the loop (kquant_block), its one fp16
@@ -363,19 +383,23 @@ static void planes_kind(const Layout &l, const Plan &plan, const Bf16Input &in, 
         planes_factors<SUB16, DEPTH, PLANE_ROW>(l, plan, in, xw, xsum, m, n0, n1, acc, ldy);
 }
 
-template <int M, int KIND, bool PAIRED, int INLINE>
+template <int M, int KIND, bool PAIRED, int INLINE, bool INT = false>
 static void rows_m(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
-                   int64_t n0, int64_t n1, float *acc, int64_t ldy) {
+                   int64_t n0, int64_t n1, float *acc, int64_t ldy, const float *unit = nullptr) {
     // 4 rows at every M (at most 4): at M = 3-4 four rows ran Q4_0 1.08-1.10x and IQ4_XS 1.12-1.35x faster
     // than two, Q4_K as fast (alternating builds, 4096x4096, bf16, 2 threads)
     qscheme_rows::streams<4>(n0, n1, [&](auto rows, int64_t n, int64_t step) {
-        rows_bf16<M, decltype(rows)::value, KIND, PAIRED, INLINE>(l, plan, in, xw, xsum, n, step, acc, ldy);
+        rows_bf16<M, decltype(rows)::value, KIND, PAIRED, INLINE, INT>(l, plan, in, xw, xsum, n, step, acc, ldy, unit);
     });
 }
 
 template <int KIND, bool PAIRED, int INLINE>
 static void rows_kind(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
-                      int m, int64_t n0, int64_t n1, float *acc, int64_t ldy) {
+                      int m, int64_t n0, int64_t n1, float *acc, int64_t ldy, const float *unit) {
+    if (unit) {  // the integer products: at most INT16_BLOCK_ROWS rows of x
+        if (m == 1) return rows_m<1, KIND, PAIRED, INLINE, true>(l, plan, in, xw, xsum, n0, n1, acc, ldy, unit);
+        return rows_m<2, KIND, PAIRED, INLINE, true>(l, plan, in, xw, xsum, n0, n1, acc, ldy, unit);
+    }
     switch (m) {
         case 1: return rows_m<1, KIND, PAIRED, INLINE>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
         case 2: return rows_m<2, KIND, PAIRED, INLINE>(l, plan, in, xw, xsum, n0, n1, acc, ldy);
@@ -515,6 +539,12 @@ static bool nibble_pairs_fit(const Layout &l, const Plan &plan, Bf16Input &in) {
     for (int i = 0; i < 16; i++)
         if (!value_word(l.values[i], table[i])) return false;
     for (int i = 0; i < 32; i++) in.table[i] = table[i % 16];
+    in.integer = true;  // every 4-bit GGUF type: small integers (e2m1 values doubled for MXFP4)
+    for (int i = 0; i < 16; i++) {
+        const float v = l.values[i];
+        in.integer = in.integer && v == std::nearbyint(v) && std::fabs(v) <= 127.0f;
+    }
+    for (int i = 0; i < 32; i++) in.int_table[i] = static_cast<int16_t>(in.integer ? l.values[i % 16] : 0.0f);
     if (l.groups != 1 && l.groups % 2) return false;  // a step: two sub-blocks of one block, or two blocks
     if (pairs_fit(l, plan, 16, 1))
         in.kind = 1;
@@ -591,10 +621,45 @@ bool bf16_blocks_words(const uint16_t *x, int64_t k, int kind, int16_t *xq) {
     return bad == 0;
 }
 
+void int16_blocks_words(int16_t *xq, int64_t k, float *unit) {
+    const int64_t words = bf16_pairs(k) * 64;
+    const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
+    for (int64_t b0 = 0, b = 0; b0 < words; b0 += 256, b++) {
+        const int64_t b1 = b0 + 256 < words ? b0 + 256 : words;  // multiples of 64
+        __m512i top = _mm512_setzero_si512();  // the largest bit pattern less its sign: the largest magnitude
+        for (int64_t c = b0; c < b1; c += 32) top = _mm512_max_epu16(top, _mm512_and_si512(_mm512_loadu_si512(xq + c), magnitude));
+        const int largest = _mm512_reduce_max_epi32(_mm512_max_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(top)),
+                                                                     _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(top, 1))));
+        // bf16_blocks_words took only zeros and magnitudes in [2**-100, 2**64]: largest = f * 2**exponent,
+        // 0.5 <= f < 1; step 2**(exponent - 15), so that largest / step = f * 2**15 <= 32640
+        const int exponent = largest > 0 ? (largest >> 7) - 126 : 0;
+        const __m512 inverse = _mm512_set1_ps(std::ldexp(1.0f, 15 - exponent));
+        unit[b] = std::ldexp(1.0f, exponent - 15);
+        for (int64_t c = b0; c < b1; c += 16) {  // each element times 2**(15 - exponent) exactly, rounded to even
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xq + c));
+            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+            const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm256_storeu_si256(reinterpret_cast<__m256i *>(xq + c), _mm512_cvtsepi32_epi16(q));
+        }
+    }
+}
+
+bool int16_blocks_on() {
+    static const bool vnni = [] {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512vnni") != 0;
+    }();
+    static const bool amx = [] { return __builtin_cpu_supports("amx-bf16") != 0; }();
+    const char *setting = std::getenv("QSCHEME_CPU_GEMV_GGUF_INT16");
+    if (setting && (setting[0] == '0' || setting[0] == '1')) return vnni && setting[0] == '1';
+    return vnni && amx;
+}
+
 void gemv_blocks_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *x, const float *xsum,
-                      int m, int64_t n0, int64_t n1, float *acc, int64_t ldy) {
+                      int m, int64_t n0, int64_t n1, float *acc, int64_t ldy, const float *unit) {
     using namespace qscheme_gguf_bf16;
     const int64_t xs_stride = l.k / l.sub;  // xsum: [m][K / sub]
+    if (unit && (in.kind == 3 || !in.integer || m > INT16_BLOCK_ROWS)) unit = nullptr;  // never: the caller checks
     for (int m0 = 0; m0 < m; m0 += 4) {
         const int count = m - m0 < 4 ? m - m0 : 4;
         const int16_t *xw = x + m0 * bf16_pairs(l.k) * 64;
@@ -609,17 +674,17 @@ void gemv_blocks_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, co
                 two ? planes_kind<false, 2>(l, plan, in, xw, ss, count, n0, n1, ys, ldy)
                     : planes_kind<false, 1>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
         } else if (in.kind == 2)
-            rows_kind<2, false, FROM_ROW>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
+            rows_kind<2, false, FROM_ROW>(l, plan, in, xw, ss, count, n0, n1, ys, ldy, unit);
         else if (in.inline_factors == FP16_SCALE)
-            rows_kind<1, true, FP16_SCALE>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
+            rows_kind<1, true, FP16_SCALE>(l, plan, in, xw, ss, count, n0, n1, ys, ldy, unit);
         else if (in.inline_factors == FP16_SCALE_MINIMUM)
-            rows_kind<1, true, FP16_SCALE_MINIMUM>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
+            rows_kind<1, true, FP16_SCALE_MINIMUM>(l, plan, in, xw, ss, count, n0, n1, ys, ldy, unit);
         else if (in.inline_factors == BYTE_SCALE)
-            rows_kind<1, true, BYTE_SCALE>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
+            rows_kind<1, true, BYTE_SCALE>(l, plan, in, xw, ss, count, n0, n1, ys, ldy, unit);
         else if (in.paired)
-            rows_kind<1, true, FROM_ROW>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
+            rows_kind<1, true, FROM_ROW>(l, plan, in, xw, ss, count, n0, n1, ys, ldy, unit);
         else
-            rows_kind<1, false, FROM_ROW>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
+            rows_kind<1, false, FROM_ROW>(l, plan, in, xw, ss, count, n0, n1, ys, ldy, unit);
     }
 }
 
@@ -633,8 +698,10 @@ namespace qscheme_gguf {
 bool bf16_blocks_fits(const Layout &, const Plan &, Bf16Input &) { return false; }
 bool bf16_planes64_on() { return false; }
 bool bf16_blocks_words(const uint16_t *, int64_t, int, int16_t *) { return false; }
+void int16_blocks_words(int16_t *, int64_t, float *) {}
+bool int16_blocks_on() { return false; }
 void gemv_blocks_bf16(const Layout &, const Plan &, const Bf16Input &, const int16_t *, const float *, int, int64_t,
-                      int64_t, float *, int64_t) {}
+                      int64_t, float *, int64_t, const float *) {}
 }  // namespace qscheme_gguf
 
 #endif
