@@ -233,7 +233,6 @@ class BlocksGemm:
 
 
 # the blocks of 8 bits a weight and more (Q8_0, whose GEMV runs the float32 loop, not the bfloat16 one)
-# the blocks of 8 bits a weight and more (Q8_0, whose GEMV runs the float32 loop, not the bfloat16 one)
 WIDE_BLOCK_GEMM_BATCHES = BatchRange(
     "cpu",
     4,

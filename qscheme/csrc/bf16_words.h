@@ -25,4 +25,27 @@ static inline __m512i every_other_word(int odd) {
     return _mm512_load_si512(index);
 }
 
+// x rounded to 16-bit integers over a power-of-two step per block (the VNNI loops' integer products:
+// cpu_gemv_int16.cpp, cpu_gemv_gguf_bf16.cpp): the block's largest magnitude, words [b0, b1) of x (b1 - b0 a
+// multiple of 32), as a 15-bit pattern (the largest bit pattern less its sign).
+static inline int largest_magnitude(const uint16_t *x, int64_t b0, int64_t b1) {
+    __m512i top = _mm512_setzero_si512();
+    for (int64_t c = b0; c < b1; c += 32)
+        top = _mm512_max_epu16(top, _mm512_and_si512(_mm512_loadu_si512(x + c), _mm512_set1_epi16(0x7FFF)));
+    return _mm512_reduce_max_epi32(_mm512_max_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(top)),
+                                                    _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(top, 1))));
+}
+
+// The exponent e of a finite, normal bfloat16 magnitude `largest` (largest_magnitude's) = f * 2**e with
+// 0.5 <= f < 1 (frexp's), 0 for zero: the step is 2**(e - 15), so that largest / step = f * 2**15 <= 32640.
+static inline int step_exponent(int largest) { return largest > 0 ? (largest >> 7) - 126 : 0; }
+
+// 16 bfloat16 words as integers into out[0, 16): each times `inverse` (2**(15 - e), exact), rounded to
+// the nearest integer, ties to even.
+static inline void words_to_integers(__m256i words, __m512 inverse, int16_t *out) {
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
+    const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(out), _mm512_cvtsepi32_epi16(q));
+}
+
 }  // namespace qscheme_bf16_words

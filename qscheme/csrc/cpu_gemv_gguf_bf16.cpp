@@ -622,25 +622,16 @@ bool bf16_blocks_words(const uint16_t *x, int64_t k, int kind, int16_t *xq) {
 }
 
 void int16_blocks_words(int16_t *xq, int64_t k, float *unit) {
+    using namespace qscheme_bf16_words;
     const int64_t words = bf16_pairs(k) * 64;
-    const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
     for (int64_t b0 = 0, b = 0; b0 < words; b0 += 256, b++) {
         const int64_t b1 = b0 + 256 < words ? b0 + 256 : words;  // multiples of 64
-        __m512i top = _mm512_setzero_si512();  // the largest bit pattern less its sign: the largest magnitude
-        for (int64_t c = b0; c < b1; c += 32) top = _mm512_max_epu16(top, _mm512_and_si512(_mm512_loadu_si512(xq + c), magnitude));
-        const int largest = _mm512_reduce_max_epi32(_mm512_max_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(top)),
-                                                                     _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(top, 1))));
-        // bf16_blocks_words took only zeros and magnitudes in [2**-100, 2**64]: largest = f * 2**exponent,
-        // 0.5 <= f < 1; step 2**(exponent - 15), so that largest / step = f * 2**15 <= 32640
-        const int exponent = largest > 0 ? (largest >> 7) - 126 : 0;
+        // bf16_blocks_words took only zeros and magnitudes in [2**-100, 2**64]: no check needed here
+        const int exponent = step_exponent(largest_magnitude(reinterpret_cast<const uint16_t *>(xq), b0, b1));
         const __m512 inverse = _mm512_set1_ps(std::ldexp(1.0f, 15 - exponent));
         unit[b] = std::ldexp(1.0f, exponent - 15);
-        for (int64_t c = b0; c < b1; c += 16) {  // each element times 2**(15 - exponent) exactly, rounded to even
-            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xq + c));
-            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-            const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            _mm256_storeu_si256(reinterpret_cast<__m256i *>(xq + c), _mm512_cvtsepi32_epi16(q));
-        }
+        for (int64_t c = b0; c < b1; c += 16)  // in place: each 16 words read before they are written
+            words_to_integers(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(xq + c)), inverse, xq + c);
     }
 }
 
