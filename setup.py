@@ -93,6 +93,7 @@ CPU_GEMV_EXTENSION = Extension(
         "qscheme/csrc/cpu_gemv_gguf_bf16.cpp",
         "qscheme/csrc/cpu_gemv_gguf_dequant.cpp",
         "qscheme/csrc/cpu_gemv_gguf_gemm.cpp",
+        "qscheme/csrc/amx_panel.cpp",  # the panels' AMX multiply, also in qscheme._tile_gemm
         "qscheme/csrc/act_quant.cpp",
         "qscheme/csrc/act_quant_avx512.cpp",
     ],
@@ -105,6 +106,7 @@ CPU_GEMV_EXTENSION = Extension(
         "qscheme/csrc/cpu_gemv_gguf_kernel.h",
         "qscheme/csrc/cpu_gemv_gguf_v512.h",
         "qscheme/csrc/tile_gemm_bf16_kernel.h",
+        "qscheme/csrc/amx_panel.h",
         "qscheme/csrc/act_quant.h",
         "qscheme/csrc/byte_scales.h",
         "qscheme/csrc/thread_pool.h",
@@ -125,11 +127,13 @@ TILE_GEMM_EXTENSION = Extension(
         "qscheme/csrc/tile_gemm.cpp",
         "qscheme/csrc/tile_gemm_amx.cpp",
         "qscheme/csrc/tile_gemm_bf16.cpp",
+        "qscheme/csrc/amx_panel.cpp",  # the panels' AMX multiply, also in qscheme._cpu_gemv
         "qscheme/csrc/act_quant.cpp",  # the input's pass (qscheme.emulation.prepare_input), also in qscheme._cpu_gemv
         "qscheme/csrc/act_quant_avx512.cpp",
     ],
     depends=[
         "qscheme/csrc/tile_gemm.h",
+        "qscheme/csrc/amx_panel.h",
         "qscheme/csrc/act_quant.h",
         "qscheme/csrc/tile_gemm_bf16_kernel.h",
         "qscheme/csrc/byte_scales.h",

@@ -28,9 +28,11 @@ CPU has AVX512-BF16 and VBMI), so that it ranks above ``tinygemm_cpu`` (62) only
 measured faster or as fast at half the memory; elsewhere the ranking above holds.
 
 ``cpu_gemm_blocks`` is the blocks' GEMM for larger batches (``qscheme.cpu_gemv_blocks.gemm``): panels
-of 32 weight rows decoded from the blocks into bfloat16 and multiplied with VDPBF16PS, on CPUs with
-AVX512-BF16 (check ``BlocksGemm``), bfloat16 inputs, from M = 5 (priority 63: above the GEMVs, whose
-ranges end at 15, and ``dequant_gemm``, which decodes row tiles for torch's GEMM from M = 16).
+of 32 weight rows decoded from the blocks into bfloat16 and multiplied on the AMX tiles or with
+VDPBF16PS, on CPUs with AVX512-BF16 (check ``BlocksGemm``), bfloat16 inputs, from M = 5 (4 for blocks
+of 8 bits a weight, and for every type where the panels multiply on the AMX tiles: check
+``BlocksGemmTiles``); priority 63: above the GEMVs, whose ranges end at 15, and ``dequant_gemm``,
+which decodes row tiles for torch's GEMM from M = 16.
 """
 
 from __future__ import annotations
@@ -38,8 +40,6 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-from qscheme_plugins.cpu_boundaries import ExtensionLoops
 
 from qscheme.kernels.declaration import (
     PASSED,
@@ -262,19 +262,41 @@ BLOCK_GEMM_BATCHES = BatchRange(
     ),
 )
 
-# AMX CPUs: the fused GEMM multiplies with VDPBF16PS, not on AMX tiles, and from M = 48 dequant_gemm's AMX
-# tiles (the plan's kernel after it, from M = 16 on those CPUs) run the blocks faster
+@dataclass(frozen=True)
+class BlocksGemmTiles:
+    """The blocks' fused GEMM multiplies on the AMX tiles here (``qscheme.cpu_gemv_blocks.gemm_loops``)."""
+
+    def check(self, problem: Problem) -> CheckResult:
+        from qscheme import cpu_gemv_blocks  # torch: the kernel's own requirement, checked before this
+
+        loops = cpu_gemv_blocks.gemm_loops()
+        if loops == "amx":
+            return PASSED
+        return CheckResult(
+            False,
+            f"the blocks' fused GEMM multiplies with {loops or 'nothing'} here, not on the AMX tiles (AMX-BF16, the "
+            "tile state granted, QSCHEME_CPU_GEMM_BLOCKS_AMX not 0)",
+            "the kernel's other declared batch ranges hold here",
+        )
+
+    def describe(self) -> str:
+        return "the blocks' fused GEMM on the AMX tiles"
+
+
+# AMX CPUs: the panels multiply on the AMX tiles, where up to M = 16 the decode is nearly all a call costs
 AMX_SOURCE = (
-    "benchmarks/cpu_gemm.py --kernel cpu_gemm_blocks --kernel dequant_gemm, 4096x4096, bf16, 2 threads, a 2-core "
-    "Intel Xeon with AMX (Emerald Rapids), same-run ratios to bf16 F.linear, the fused GEMM / dequant_gemm "
-    "(sixteenth pass, docs/notes/cpu-gemv-2026-12.md item 70): M = 16: Q4_0 0.35x / 0.18x, Q4_K 0.33x / 0.17x, "
-    "Q8_0 0.29x / 0.17x; M = 32: 0.30x / 0.23x, 0.28x / 0.24x, 0.25x / 0.23x; M = 48: 0.21x / 0.27x, 0.30x / "
-    "0.35x, 0.24x / 0.26x; M = 64: 0.23x / 0.35x, 0.25x / 0.33x, 0.23x / 0.32x; M = 256 (another run): 0.11-0.20x "
-    "/ 0.38-0.68x"
+    "benchmarks/cpu_gemm.py --gguf --kernel cpu_gemm_blocks --kernel cpu_gemv_blocks, 4096x4096 and 14336x4096, "
+    "bf16, 2 and 1 threads, a 2-core Intel Xeon with AMX (Emerald Rapids), same-run ratios to bf16 F.linear, the "
+    "fused GEMM on the AMX tiles / the blocks' GEMV (seventeenth pass, docs/notes/cpu-gemv-2026-12.md item 75): "
+    "M = 4: Q4_K 1.02x / 0.84x, 1.36x / 1.00x, 1.26x / 1.07x, 0.98x / 1.10x; Q4_0 1.13x / 1.00x, 1.43x / 1.46x, "
+    "1.28x / 1.20x, 1.13x / 1.11x; IQ4_XS 1.33-1.80x / 0.83-1.10x; Q8_0 0.77-0.88x / 0.64-0.95x; Q6_K 0.72-0.88x / "
+    "0.69-0.87x; Q5_K 0.62-0.83x / 0.68-0.99x (the one type it loses); M = 3: the GEMV wins or ties but for Q8_0 "
+    "and IQ4_XS. Against the same GEMM multiplying with VDPBF16PS (QSCHEME_CPU_GEMM_BLOCKS_AMX=0, same process, "
+    "4096x4096, 2 threads), Q4_K / Q4_0 / Q6_K / Q8_0: M = 16 1.02x / 1.10x / 0.72x / 0.80x against 0.31-0.37x, "
+    "M = 64 1.59x / 1.34x / 0.94x / 0.99x against 0.17-0.28x, M = 256 0.69x / 0.97x / 0.83x / 1.12x against "
+    "0.11-0.18x (dequant_gemm's row tiles, which took M >= 48 there before: 0.26-0.68x)"
 )
-AMX_TILES = ExtensionLoops("tile_gemm", ("amx",))
-AMX_WIDE_BLOCK_GEMM_BATCHES = BatchRange("cpu", 4, 47, source=AMX_SOURCE, when=(AMX_TILES, WeightBits(8.0)))
-AMX_BLOCK_GEMM_BATCHES = BatchRange("cpu", 5, 47, source=AMX_SOURCE, when=(AMX_TILES,))
+AMX_BLOCK_GEMM_BATCHES = BatchRange("cpu", 4, None, source=AMX_SOURCE, when=(BlocksGemmTiles(),))
 
 CPU_GEMM_BLOCKS = KernelDeclaration(
     name="cpu_gemm_blocks",
@@ -282,14 +304,14 @@ CPU_GEMM_BLOCKS = KernelDeclaration(
     priority=63,
     description=(
         "qscheme's C++ GEMM over packed blocks (GGUF) for larger batches: 32-row panels decoded from the blocks into "
-        "bf16, multiplied with VDPBF16PS (AVX512-BF16)"
+        "bf16, multiplied on the AMX tiles (AMX-BF16) or with VDPBF16PS (AVX512-BF16)"
     ),
     supports=(PACKED_BLOCKS,),
     devices=(DeviceSupport("cpu"),),
     implementation="qscheme_plugins.cpu_gemv_blocks_kernel:CpuGemmBlocksKernel",
     requires_modules=("torch",),
     checks=(ActivationDtypes(("bfloat16",)), NativeBlockLoops(), BlocksGemm()),
-    batch_ranges=(AMX_WIDE_BLOCK_GEMM_BATCHES, AMX_BLOCK_GEMM_BATCHES, WIDE_BLOCK_GEMM_BATCHES, BLOCK_GEMM_BATCHES),
+    batch_ranges=(AMX_BLOCK_GEMM_BATCHES, WIDE_BLOCK_GEMM_BATCHES, BLOCK_GEMM_BATCHES),
     prepared_state=PreparedState("canonical"),
     notes=(
         "numerics: each weight is the reference decoder's float32 value rounded once to bfloat16 (at most "

@@ -26,15 +26,17 @@ loop where a layout does not fit (sub-blocks not a multiple of the width, a chun
 apart than 16, a table code of more than 4 bits); ``qscheme.cpu_gemv.set_isa`` /
 ``QSCHEME_CPU_GEMV_ISA`` choose narrower loops for these too.
 
-For many rows of bfloat16 x (prefill: the ``cpu_gemm_blocks`` kernel, from M = 5), ``gemm``
+For many rows of bfloat16 x (prefill: the ``cpu_gemm_blocks`` kernel, from M = 4 or 5), ``gemm``
 multiplies the blocks as a GEMM instead: tasks of 32 weight rows, each decoded chunk by chunk of K (about
 4096 columns, whole blocks) into a bfloat16 panel that stays in the core's cache (each weight the
 reference decoder's float32 value rounded once to nearest even; a float32 subnormal becomes zero,
-as the instruction reads a bfloat16 subnormal), then multiplied by every row of x with VDPBF16PS
-dot products (products exact, summed in float32, the output rounded once to bfloat16, a float32
-bias added first). It runs where the CPU has AVX512-BF16, the AVX-512 loops are in use and the
-layout fits their decoder (``gemm_runs``). A thread holds one panel; the weight is never stored
-whole.
+as the instruction reads a bfloat16 subnormal), then multiplied by every row of x: on the AMX tiles
+(TDPBF16PS, x packed once per call into the tiles' pair layout) where the CPU has AMX-BF16 and Linux
+grants the tile state, else with VDPBF16PS dot products (``gemm_loops`` says which;
+``QSCHEME_CPU_GEMM_BLOCKS_AMX=0``, read at each call, keeps VDPBF16PS). Either way products of
+bfloat16 values are exact and summed in float32, the output rounded once to bfloat16, a float32 bias
+added first. It runs where the CPU has AVX512-BF16, the AVX-512 loops are in use and the layout fits
+their decoder (``gemm_runs``). A thread holds one panel; the weight is never stored whole.
 
 Ops (namespace ``qscheme``, with fake implementations for torch.compile):
 ``cpu_gemv_blocks(x, codes, program, values, byte_tables, bias, meta, threads)``: ``x`` [M, K]
@@ -355,6 +357,15 @@ def gemm_available() -> bool:
     ``QSCHEME_CPU_GEMV_ISA``)."""
     module = native()
     return module is not None and hasattr(module, "blocks_gemm") and bool(module.blocks_gemm())
+
+
+def gemm_loops() -> str | None:
+    """How ``gemm`` multiplies its panels here: "amx" (the AMX tiles), "avx512" (VDPBF16PS dot
+    products), or None where it does not run (``gemm_available``)."""
+    module = native()
+    if module is None or not hasattr(module, "blocks_gemm"):
+        return None
+    return {0: None, 1: "avx512", 2: "amx"}[int(module.blocks_gemm())]
 
 
 def gemm_runs(layout: BlockGemvLayout) -> bool:

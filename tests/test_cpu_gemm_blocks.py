@@ -9,11 +9,13 @@ bit llama.cpp's: tests/test_gguf_quants.py):
   the instruction reads a bfloat16 subnormal), for ragged N (37 rows: a 5-row last panel), rows
   with an odd number of sub-blocks of 32, output column ranges that do not start on a panel, K
   in one chunk and in chunks of one block, 1 and 2 threads;
-- the sums: random inputs (M = 1, 5, 37), bias, into a view of a wider output, within half a
+- the sums: random inputs (M = 1, 5, 37, 100), bias, into a view of a wider output, within half a
   bfloat16 unit of the exact product of the rounded weight plus K float32 roundings;
+- both multiplies, each where it runs: VDPBF16PS (``QSCHEME_CPU_GEMM_BLOCKS_AMX=0``) and the AMX
+  tiles (the default where ``gemm_loops`` says "amx");
 - where it runs (``gemm_runs``: AVX512-BF16 and the AVX-512 loops in use), typed refusals, the op's
   fake implementation (opcheck, torch.compile);
-- the ``cpu_gemm_blocks`` kernel: the plan's kernel from M = 5 for bfloat16 inputs where it runs
+- the ``cpu_gemm_blocks`` kernel: the plan's kernel from M = 4 or 5 for bfloat16 inputs where it runs
   (rejected with its reason elsewhere, never for float32 inputs), a QuantLinear running it with no
   copy of the blocks, and its refusals.
 """
@@ -32,7 +34,7 @@ from kernel_fakes import builtin_scheme, builtin_schemes, isolated_plugins
 from qscheme_plugins.cpu_gemv_blocks import CPU_GEMM_BLOCKS
 from qscheme_plugins.cpu_gemv_blocks_kernel import CpuGemmBlocksKernel
 
-from qscheme import cpu_gemv, cpu_gemv_blocks, tile_gemm
+from qscheme import cpu_gemv, cpu_gemv_blocks
 from qscheme.canonical import CanonicalWeight
 from qscheme.canonical_blocks import canonical_blocks
 from qscheme.errors import UsageError
@@ -73,6 +75,19 @@ GEMM = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(params=["vdpbf16ps", "amx"])
+def multiply(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The fused GEMM's multiply: VDPBF16PS (the AMX tiles switched off), or the AMX tiles where they run."""
+    monkeypatch.delenv("QSCHEME_CPU_GEMM_BLOCKS_AMX", raising=False)
+    if request.param == "amx":
+        if cpu_gemv_blocks.gemm_loops() != "amx":
+            pytest.skip("this CPU has no AMX-BF16 (or the tile state was not granted): the panels use VDPBF16PS")
+        return "amx"
+    monkeypatch.setenv("QSCHEME_CPU_GEMM_BLOCKS_AMX", "0")
+    assert cpu_gemv_blocks.gemm_loops() == "avx512"
+    return "avx512"
+
+
 @pytest.fixture
 def isa_restored() -> Iterator[None]:
     before = cpu_gemv.isa()
@@ -90,7 +105,9 @@ def rounded(weight: CanonicalWeight) -> torch.Tensor:
 
 @GEMM
 @pytest.mark.parametrize("name", CODED)
-def test_the_panel_is_the_reference_weight_rounded_once(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_panel_is_the_reference_weight_rounded_once(
+    name: str, multiply: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     weight = weight_of(name)
     layout = cpu_gemv_blocks.block_layout_of(weight)
     expected = rounded(weight).float()
@@ -102,18 +119,20 @@ def test_the_panel_is_the_reference_weight_rounded_once(name: str, monkeypatch: 
         for start, stop, threads in ((0, weight.n, 2), (5, 30, 1), (36, 37, 2)):
             y = cpu_gemv_blocks.gemm(layout, identity, None, start, stop, threads)
             assert y.dtype == torch.bfloat16 and y.shape == (weight.k, stop - start)
-            assert torch.equal(y.float().T, expected[start:stop]), f"{name}: rows [{start}, {stop}), chunk {chunk}"
+            assert torch.equal(y.float().T, expected[start:stop]), (name, multiply, start, stop, chunk)
 
 
 @GEMM
 @pytest.mark.parametrize("name", ["gguf/Q4_0", "gguf/Q4_1", "gguf/Q4_K", "gguf/Q2_K", "gguf/Q6_K", "gguf/Q8_0"])
-def test_the_sums_are_within_their_bound(name: str) -> None:
+def test_the_sums_are_within_their_bound(name: str, multiply: str) -> None:
     weight = weight_of(name)
     layout = cpu_gemv_blocks.block_layout_of(weight)
     w = rounded(weight).double()
     generator = torch.Generator().manual_seed(3)
     bias = torch.randn(weight.n, generator=generator)
-    for m in (1, 5, 37, 100):  # 100: six blocks of 16 rows as pairs, four by the dot blocks
+    # 100: on VDPBF16PS six blocks of 16 rows as pairs, four by the dot blocks; on the tiles seven blocks of 16
+    # (the last of four rows), in four pairs of blocks (the last a single one)
+    for m in (1, 5, 37, 100):
         x = torch.randn(m, weight.k, generator=generator).to(torch.bfloat16)
         wide = torch.full((m, weight.n + 8), 7.0, dtype=torch.bfloat16)
         out = wide[:, 4 : 4 + weight.n - 10]
@@ -124,7 +143,7 @@ def test_the_sums_are_within_their_bound(name: str) -> None:
         exact = x.double() @ w[10:].T + bias.double()[10:]
         magnitude = x.double().abs() @ w[10:].abs().T + bias.double()[10:].abs()
         bound = 2.0**-8 * exact.abs() + (weight.k + 2) * 2.0**-24 * magnitude + 1e-30
-        assert bool(((y.double() - exact).abs() <= bound).all())
+        assert bool(((y.double() - exact).abs() <= bound).all()), (name, multiply, m)
     empty = cpu_gemv_blocks.gemm(layout, torch.zeros(0, weight.k, dtype=torch.bfloat16))
     assert empty.shape == (0, weight.n)
 
@@ -185,8 +204,9 @@ def test_the_op_has_a_fake_implementation() -> None:
 @pytest.mark.parametrize("name", ["gguf/Q4_0", "gguf/Q6_K", "gguf/Q8_0"])
 def test_the_plan_takes_it_from_m_5_where_it_runs(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 inputs: the blocks' GEMV below M = 5 and cpu_gemm_blocks from 5 where it runs (from 4
-    for blocks of 8 bits a weight and more: Q8_0); else rejected with its reason (the GEMVs up to 15,
-    dequant_gemm from 16). float32 inputs never take it."""
+    for blocks of 8 bits a weight and more: Q8_0, and for every type where it multiplies on the AMX
+    tiles), at every larger M; else rejected with its reason (the GEMVs up to 15, dequant_gemm from
+    16). float32 inputs never take it."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     weight = weight_of(name, 72)
     with isolated_plugins():
@@ -195,12 +215,9 @@ def test_the_plan_takes_it_from_m_5_where_it_runs(name: str, monkeypatch: pytest
         plan = resolution.plan  # type: ignore[attr-defined]
         if cpu_gemv_blocks.gemm_available():
             assert candidate.accepted
-            first = 4 if name == "gguf/Q8_0" else 5
-            assert [plan.kernel_for(m).name for m in (first, 8, 16, 47)] == ["cpu_gemm_blocks"] * 4
+            first = 4 if name == "gguf/Q8_0" or cpu_gemv_blocks.gemm_loops() == "amx" else 5
+            assert [plan.kernel_for(m).name for m in (first, 8, 16, 47, 48, 256)] == ["cpu_gemm_blocks"] * 6
             assert plan.kernel_for(first - 1).name != "cpu_gemm_blocks"
-            # on AMX CPUs dequant_gemm's tiles take over from 48 (the fused GEMM multiplies with VDPBF16PS)
-            after = "dequant_gemm" if tile_gemm.isa() == "amx" else "cpu_gemm_blocks"
-            assert plan.kernel_for(48).name == plan.kernel_for(256).name == after
         else:
             assert not candidate.accepted and "fused GEMM" in str(candidate.reasons)
             assert plan.kernel_for(16).name == "dequant_gemm"
@@ -258,22 +275,22 @@ def test_the_kernel_refuses_what_it_does_not_take() -> None:
 @pytest.mark.parametrize(
     ("loops", "name", "expected"),
     [
-        ("amx", "gguf/Q4_K", (5, 47)),
-        ("amx", "gguf/Q8_0", (4, 47)),
+        ("amx", "gguf/Q4_K", (4, None)),
+        ("amx", "gguf/Q8_0", (4, None)),
         ("avx512", "gguf/Q4_K", (5, None)),
         ("avx512", "gguf/Q8_0", (4, None)),
     ],
 )
-def test_amx_cpus_hand_the_blocks_to_the_amx_tiles_from_m_48(
+def test_on_the_amx_tiles_it_takes_every_m_from_4(
     loops: str, name: str, expected: tuple[int, int | None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The declared ranges under each tile loop, whatever this CPU runs: on AMX the fused GEMM ends at 47
-    (dequant_gemm's AMX tiles run the blocks faster from 48), elsewhere it runs every M from its start."""
-    monkeypatch.setattr(tile_gemm, "isa", lambda: loops)
+    """The declared ranges under each multiply, whatever this CPU runs: on the AMX tiles the fused GEMM
+    takes every type from M = 4, with VDPBF16PS from 5 (4 for blocks of 8 bits a weight); no end."""
+    monkeypatch.setattr(cpu_gemv_blocks, "gemm_loops", lambda: loops)
     weight = weight_of(name, 72)
     blocks = weight.scheme.weight.blocks
     assert blocks is not None
     problem = replace(problem_for(weight, "bfloat16"), weight_bits=blocks.bits_per_weight)
     assert CPU_GEMM_BLOCKS.batch_range("cpu", problem) == expected
     source = CPU_GEMM_BLOCKS.batch_ranges[0].source
-    assert "AMX" in source and "M = 48" in source
+    assert "AMX" in source and "M = 4" in source

@@ -421,6 +421,8 @@ def test_the_resolver_plans_it_for_small_batches(bf16_loop: bool, monkeypatch: p
     which neither takes, they all come here."""
     monkeypatch.setattr(cpu_gemv_blocks, "bf16_loop_available", lambda: bf16_loop)
     monkeypatch.setattr(cpu_gemv_blocks, "gemm_available", lambda: bf16_loop)  # the same CPUs (AVX512-BF16)
+    # multiplying with VDPBF16PS (on the AMX tiles its range starts at M = 4 for every type)
+    monkeypatch.setattr(cpu_gemv_blocks, "gemm_loops", lambda: "avx512" if bf16_loop else None)
     # and the tile GEMM's VDPBF16PS loops, under which tinygemm_cpu's range stops at M = 4
     monkeypatch.setattr(tile_gemm, "isa", lambda: "avx512" if bf16_loop else "scalar")
     device = fake_device("cpu", modules=all_modules() | {CPU_GEMV_BLOCKS.implementation_module or ""})

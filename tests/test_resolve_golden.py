@@ -49,6 +49,8 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     # (AVX512-BF16 and VBMI), as the sm traces assume their GPU: the same text on any CI machine
     monkeypatch.setattr(cpu_gemv_blocks, "bf16_loop_available", lambda: True)
     monkeypatch.setattr(cpu_gemv_blocks, "gemm_available", lambda: True)
+    # multiplying its panels with VDPBF16PS (on the AMX tiles it takes every type from M = 4)
+    monkeypatch.setattr(cpu_gemv_blocks, "gemm_loops", lambda: "avx512")
     # and cpu_int8_gemm's AVX512-VNNI loops
     monkeypatch.setattr(int8_gemm, "available", lambda: True)
     monkeypatch.setattr(int8_gemm, "supported_isa", lambda: "vnni")

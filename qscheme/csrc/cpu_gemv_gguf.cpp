@@ -463,15 +463,17 @@ PyObject *gemm_blocks(PyObject *, PyObject *args) {
         Py_RETURN_FALSE;
     if (m == 0 || r1 == r0) Py_RETURN_TRUE;
     Py_BEGIN_ALLOW_THREADS;
-    gemm_blocks_bf16(l, prep->plan16, x, m, bias, out, ldy, r0, r1, threads, kc);
+    const bool amx = gemm_blocks_amx();
+    gemm_blocks_bf16(l, prep->plan16, x, m, bias, out, ldy, r0, r1, threads, kc, amx);
     Py_END_ALLOW_THREADS;
     Py_RETURN_TRUE;
 }
 
-/* blocks_gemm(): 1 where gemm_blocks runs here on the layouts it takes (the AVX-512 loops in use on a CPU
- * with AVX512-BF16), else 0. */
+/* blocks_gemm(): where gemm_blocks runs here on the layouts it takes (the AVX-512 loops in use on a CPU
+ * with AVX512-BF16), 2 where it multiplies on the AMX tiles (gemm_blocks_amx), 1 with VDPBF16PS; else 0. */
 PyObject *blocks_gemm(PyObject *, PyObject *) {
-    return PyLong_FromLong(qscheme_gemv::active_isa() == 2 && gemm_blocks_supported() ? 1 : 0);
+    if (qscheme_gemv::active_isa() != 2 || !gemm_blocks_supported()) return PyLong_FromLong(0);
+    return PyLong_FromLong(gemm_blocks_amx() ? 2 : 1);
 }
 
 /* blocks_loop(k, program, program_length, values, byte_tables, tables): where bfloat16 rows of x

@@ -289,14 +289,18 @@ bool dequantize_blocks_avx512(const Layout &l, const Plan &plan16, int64_t n0, i
 // The fused GEMM over packed blocks for many rows of x (cpu_gemv_gguf_gemm.cpp): weight rows [r0, r1) of
 // the layer in tasks of 32 over `threads` workers, each task's rows decoded chunk by chunk of about kc
 // columns (whole blocks) into a bfloat16 panel (each weight as dequantize_blocks_avx512 forms it, rounded
-// once to nearest even, a float32 subnormal to zero) and multiplied by m rows of x (bfloat16 [m][K]) with
-// VDPBF16PS: out[i * ldy + n - r0] (bfloat16) = the float32 sum (+ bias[n]) rounded once. Call only where
-// gemm_blocks_fits and the CPU has AVX512-BF16 (gemm_blocks_supported).
+// once to nearest even, a float32 subnormal to zero) and multiplied by m rows of x (bfloat16 [m][K]) on
+// the AMX tiles (amx: amx_panel.h) or with VDPBF16PS: out[i * ldy + n - r0] (bfloat16) = the float32 sum
+// (+ bias[n]) rounded once. Call only where gemm_blocks_fits and the CPU has AVX512-BF16
+// (gemm_blocks_supported), with amx only where gemm_blocks_amx.
 bool gemm_blocks_fits(const Layout &l, const Plan &plan16);
 void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, int64_t m, const float *bias,
-                      uint16_t *out, int64_t ldy, int64_t r0, int64_t r1, int threads, int64_t kc);
+                      uint16_t *out, int64_t ldy, int64_t r0, int64_t r1, int threads, int64_t kc, bool amx);
 // Whether this CPU has AVX512-BF16 (and the extension was built for x86).
 bool gemm_blocks_supported();
+// Whether the fused GEMM multiplies on the AMX tiles here: the AMX loops compiled, the tile state granted,
+// and QSCHEME_CPU_GEMM_BLOCKS_AMX (read at each call) not 0.
+bool gemm_blocks_amx();
 
 // The Python entry points (in cpu_gemv_gguf.cpp), listed in cpu_gemv.cpp's method table.
 PyObject *gemv_blocks(PyObject *, PyObject *args);

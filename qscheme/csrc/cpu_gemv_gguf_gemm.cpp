@@ -29,12 +29,14 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <vector>
 
 #define QS_GGUF_NAMESPACE qscheme_gguf_gemm
 #include "cpu_gemv_gguf_kernel.h"
+#include "amx_panel.h"
 #include "cpu_gemv_gguf_v512.h"
 #include "tile_gemm_bf16_kernel.h"
 
@@ -437,16 +439,77 @@ void panel_task(const Layout &l, const Plan &plan16, const std::vector<qscheme_g
     b.release();
 }
 
+// The same on the AMX tiles: x packed whole (xp: mp rows, a multiple of 16, zeros past m), each chunk's
+// panel multiplied at once by every block of 16 rows of x (amx_panel.h).
+void panel_task_amx(const Layout &l, const Plan &plan16, const std::vector<qscheme_gguf_gemm::WordPair> &pairs,
+                    const qscheme_gguf_gemm::RunPlan &runs, const uint32_t *xp, int64_t m, int64_t mp,
+                    const float *bias, uint16_t *out, int64_t ldy, int64_t r0, int64_t r1, int64_t q0, int64_t kc) {
+    using namespace qscheme_gguf_gemm;
+    const int64_t live = std::min(r1, q0 + PANEL_ROWS) - q0, blocks = l.k / l.elements;
+    const int64_t chunk_blocks = std::max<int64_t>(1, kc / l.elements);
+    const int64_t width_most = std::min(blocks, chunk_blocks) * l.elements, groups = (mp / 16 + 1) / 2;
+    Buffers &b = buffers;
+    uint16_t *panel = Buffers::fit(b.panel, PANEL_ROWS * (width_most + PANEL_PAD) + 32);
+    panel = reinterpret_cast<uint16_t *>((reinterpret_cast<uintptr_t>(panel) + 63) & ~uintptr_t(63));
+    float *acc = Buffers::fit(b.acc, groups * 1024);
+    const int64_t products = std::min(blocks, chunk_blocks) * l.groups + 16;  // row_products may write 16 past
+    float *scale = Buffers::fit(b.scale, products), *minimum = Buffers::fit(b.minimum, products);
+    Layout part = l;
+    qscheme_amx::TileState saved;
+    qscheme_amx::begin(saved);
+    for (int64_t b0 = 0; b0 < blocks; b0 += chunk_blocks) {
+        const int64_t nb = std::min(chunk_blocks, blocks - b0), width = nb * l.elements, pitch = width + PANEL_PAD;
+        part.k = width;
+        decode_panel(part, plan16, pairs, runs, q0, live, b0, panel, pitch, scale, minimum);
+        for (int64_t r = live; r < PANEL_ROWS; r++) std::memset(panel + r * pitch, 0, static_cast<size_t>(width) * 2);
+        qscheme_amx::multiply_panel(panel, pitch, width / 32, xp, m, mp, l.k, b0 * l.elements, b0 == 0,
+                                    b0 + nb >= blocks, groups == 1, acc, bias, out, ldy, q0, r0, r1);
+    }
+    qscheme_amx::end(saved);
+    b.release();
+}
+
+// x (m rows of K bfloat16) packed into the tiles' pair layout, mp = m rounded up to 16 rows (zeros past
+// m), 16 rows a task over `threads` workers; xp holds mp * K words (cache-line aligned).
+void pack_tiles(const uint16_t *x, int64_t m, int64_t k, int64_t mp, int threads, uint16_t *xp) {
+    qscheme_gemv::run_tasks(static_cast<int>(std::min<int64_t>(threads, mp / 16)), mp / 16, [&](int64_t block) {
+        const int64_t first = 16 * block, rows = std::min<int64_t>(16, m - first);
+        if (rows == 16) {
+            qscheme_panel::pack_pairs(x + first * k, k, k, xp + first * k);
+            return;
+        }
+        std::vector<uint16_t> padded(static_cast<size_t>(16 * k), 0);
+        std::memcpy(padded.data(), x + first * k, static_cast<size_t>(rows * k) * 2);
+        qscheme_panel::pack_pairs(padded.data(), k, k, xp + first * k);
+    });
+}
+
 }  // namespace
 
+bool gemm_blocks_amx() {
+    const char *setting = std::getenv("QSCHEME_CPU_GEMM_BLOCKS_AMX");
+    return qscheme_amx::compiled() && qscheme_amx::granted() && !(setting && setting[0] == '0');
+}
+
 void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, int64_t m, const float *bias,
-                      uint16_t *out, int64_t ldy, int64_t r0, int64_t r1, int threads, int64_t kc) {
+                      uint16_t *out, int64_t ldy, int64_t r0, int64_t r1, int threads, int64_t kc, bool amx) {
     std::vector<qscheme_gguf_gemm::WordPair> pairs;  // the layout's, once per call
     qscheme_gguf_gemm::RunPlan runs;  // where the word decoder does not take the layout
     if (!qscheme_gguf_gemm::word_pairs(l, plan16, pairs)) runs = qscheme_gguf_gemm::run_plan(l, plan16);
     constexpr int64_t ROWS = qscheme_gguf_gemm::PANEL_ROWS;  // weight rows per task: one panel
     const int64_t tasks = (r1 - r0 + ROWS - 1) / ROWS;
     const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+    if (amx) {
+        const int64_t mp = (m + 15) / 16 * 16;
+        std::unique_ptr<uint16_t[]> packed(new uint16_t[static_cast<size_t>(mp * l.k + 32)]);  // not zeroed
+        uint16_t *xp = packed.get() + ((64 - reinterpret_cast<uintptr_t>(packed.get()) % 64) % 64) / 2;
+        pack_tiles(x, m, l.k, mp, threads, xp);
+        qscheme_gemv::run_tasks(count, tasks, [&](int64_t task) {
+            panel_task_amx(l, plan16, pairs, runs, reinterpret_cast<const uint32_t *>(xp), m, mp, bias, out, ldy, r0,
+                           r1, r0 + task * ROWS, kc);
+        });
+        return;
+    }
     // whole blocks of 16 input rows packed as pairs once per call (cache-line aligned), from 32 rows on
     const int64_t mp = qscheme_panel::pair_rows(m);
     std::unique_ptr<uint16_t[]> packed(new uint16_t[static_cast<size_t>(mp * l.k + 32)]);  // not zeroed
@@ -468,8 +531,9 @@ void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, in
 
 namespace qscheme_gguf {
 bool gemm_blocks_fits(const Layout &, const Plan &) { return false; }
+bool gemm_blocks_amx() { return false; }
 void gemm_blocks_bf16(const Layout &, const Plan &, const uint16_t *, int64_t, const float *, uint16_t *, int64_t,
-                      int64_t, int64_t, int, int64_t) {}
+                      int64_t, int64_t, int, int64_t, bool) {}
 }  // namespace qscheme_gguf
 
 #endif

@@ -21,10 +21,6 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 #endif
 
 #include <algorithm>
@@ -36,6 +32,7 @@
 #include <vector>
 
 #include "act_quant.h"
+#include "amx_panel.h"
 #include "thread_pool.h"
 #include "tile_gemm.h"
 
@@ -93,21 +90,7 @@ float weight_value(const Layer &p, const uint8_t *row, const float *s, const flo
     return v * s[g];
 }
 
-bool amx_ready() {
-#if (defined(__x86_64__) || defined(__i386__)) && defined(__linux__)
-    static const bool ready = [] {
-        if (!vector_compiled()) return false;
-        unsigned a, b, c, d;
-        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-        if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // AMX-BF16, AMX-TILE
-        // Linux hands out the tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-        return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    }();
-    return ready;
-#else
-    return false;
-#endif
-}
+bool amx_ready() { return vector_compiled() && qscheme_amx::compiled() && qscheme_amx::granted(); }
 
 }  // namespace qscheme_tile
 

@@ -1,4 +1,5 @@
-// AVX-512 (with BF16) row decoder into bfloat16, and the fused tile GEMM on AMX tiles (tile_gemm.h).
+// AVX-512 (with BF16) row decoder into bfloat16, and the fused tile GEMM on AMX tiles (tile_gemm.h): its
+// panels decoded here, multiplied by amx_panel.cpp.
 //
 // The decoder forms each weight as the reference does, fp32((value - zero) * scale), and rounds it
 // once to bfloat16 with VCVTNE2PS2BF16 (round to nearest even). That instruction reads a float32
@@ -9,7 +10,7 @@
 // magnitudes times its scale (two VPERMT2W, the sign flipped for codes 0x80-0xFF), other 8-bit codes
 // are widened, scaled and rounded.
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma,amx-tile,amx-bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma")
 #include <immintrin.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "amx_panel.h"
 #include "tile_gemm.h"
 
 namespace qscheme_tile {
@@ -252,56 +254,6 @@ int64_t decode_row_avx512(const Layer &p, int64_t n, const float *s, const float
     return k1;
 }
 
-namespace {
-
-struct alignas(64) TileConfig {
-    uint8_t palette = 0, start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
-// Tiles 0-3: the 2 x 2 float32 accumulators (16 weight rows x 16 input rows each); 4, 5: two
-// 16-row slices of the decoded weight panel (32 k each); 6, 7: two 16-row blocks of the packed input.
-// The whole configuration as the asm operand: GCC's _tile_loadconfig names only the first 8 bytes
-// of its operand, so that the stores filling the rest may be dropped as dead.
-inline void load_config(const TileConfig &config) { __asm__ volatile("ldtilecfg %0" ::"m"(config)); }
-inline void store_config(TileConfig &config) { __asm__ volatile("sttilecfg %0" : "=m"(config)); }
-
-void configure_tiles() {
-    TileConfig config;
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        config.colsb[t] = 64;
-        config.rows[t] = 16;
-    }
-    load_config(config);
-}
-
-// Write the accumulators of weight rows [pp, pp + 32) and input rows [m0, m0 + count): out[m, n]
-// = bf16(c[n - pp][m - m0] + bias[n]), c stored as [32][32] float32.
-void store_outputs(const float *c, int64_t m0, int count, int64_t pp, int64_t r0, int64_t r1, const float *bias,
-                   uint16_t *out, int64_t ldy) {
-    const int64_t valid = std::min<int64_t>(32, r1 - pp);
-    const __mmask32 mask = valid >= 32 ? 0xFFFFFFFFu : ((1u << valid) - 1u);
-    const __mmask16 low_mask = static_cast<__mmask16>(mask), high_mask = static_cast<__mmask16>(mask >> 16);
-    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(32));
-    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    if (bias) {
-        b0 = _mm512_maskz_loadu_ps(low_mask, bias + pp);
-        b1 = _mm512_maskz_loadu_ps(high_mask, bias + pp + 16);
-    }
-    for (int j = 0; j < count; j++) {
-        const __m512i index = _mm512_add_epi32(rows, _mm512_set1_epi32(j));
-        const __m512 low = _mm512_add_ps(_mm512_i32gather_ps(index, c, 4), b0);
-        const __m512 high = _mm512_add_ps(_mm512_i32gather_ps(index, c + 16 * 32, 4), b1);
-        _mm512_mask_storeu_epi16(out + (m0 + j) * ldy + (pp - r0), mask, bf16_pair(high, low));
-    }
-}
-
-}  // namespace
-
 void decode_chunk(const Layer &p, int64_t n, int64_t k0, int64_t k1, uint16_t *out, const float *s,
                          const float *z) {
     const int64_t last = std::min(k1, p.k);
@@ -320,21 +272,16 @@ void gemm_rows_amx(const Layer &p, const uint32_t *xp, int64_t m, int64_t mp, in
                    uint16_t *out, int64_t ldy, int64_t r0, int64_t r1, int64_t q0, int64_t q1, int64_t kc,
                    uint16_t *panel, float *acc, float *s, float *z) {
     // s, z: (q1 - q0) rows of scale_cols effective scales and zero points, filled once here
-    alignas(64) float c[32 * 32];
-    TileConfig saved;
-    store_config(saved);  // the caller's tile state (torch's own kernels may keep one)
-    configure_tiles();
+    qscheme_amx::TileState saved;
+    qscheme_amx::begin(saved);
     const int64_t rows = q1 - q0, subpanels = rows / 32, groups = (mp / 16 + 1) / 2;
-    const int64_t block = (kp / 2) * 16;  // uint32 per 16 input rows
     const bool keep = subpanels * groups == 1;  // one accumulator set: it stays in the tiles
     const int64_t cols = p.scale_cols;
     for (int64_t r = 0; r < rows && q0 + r < r1; r++) row_scales_avx512(p, q0 + r, 0, cols, s + r * cols, z + r * cols);
     for (int64_t k0 = 0; k0 < kp; k0 += kc) {
         // panel rows PANEL_PAD columns longer than the chunk: rows a power of two apart fell into
         // one set of the L1 cache when a tile read 16 of them
-        const int64_t width = std::min(kc, kp - k0), steps = width / 32, pitch = width + PANEL_PAD;
-        const int64_t stride = pitch * 2;
-        const bool first = k0 == 0, last = k0 + width >= kp;
+        const int64_t width = std::min(kc, kp - k0), pitch = width + PANEL_PAD;
         for (int64_t r = 0; r < rows; r++) {
             uint16_t *dst = panel + r * pitch;
             if (q0 + r >= r1)
@@ -342,69 +289,12 @@ void gemm_rows_amx(const Layer &p, const uint32_t *xp, int64_t m, int64_t mp, in
             else
                 decode_chunk(p, q0 + r, k0, k0 + width, dst, s + r * cols, z + r * cols);
         }
-        for (int64_t sp = 0; sp < subpanels; sp++) {
-            const uint16_t *a = panel + sp * 32 * pitch;
-            for (int64_t mg = 0; mg < groups; mg++) {
-                const int64_t mb = 2 * mg;
-                const bool two = mb + 1 < mp / 16;
-                float *saved = acc + (sp * groups + mg) * 4 * 256;
-                if (first) {
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
-                } else if (!keep) {
-                    _tile_loadd(0, saved, 64);
-                    _tile_loadd(1, saved + 256, 64);
-                    _tile_loadd(2, saved + 512, 64);
-                    _tile_loadd(3, saved + 768, 64);
-                }
-                const uint32_t *x0 = xp + mb * block + (k0 / 32) * 256, *x1 = x0 + block;
-                if (two) {
-                    for (int64_t t = 0; t < steps; t++) {
-                        _tile_loadd(4, a + 32 * t, stride);
-                        _tile_loadd(6, x0 + 256 * t, 64);
-                        _tile_loadd(7, x1 + 256 * t, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_loadd(5, a + 16 * pitch + 32 * t, stride);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                } else {
-                    for (int64_t t = 0; t < steps; t++) {
-                        _tile_loadd(4, a + 32 * t, stride);
-                        _tile_loadd(6, x0 + 256 * t, 64);
-                        _tile_loadd(5, a + 16 * pitch + 32 * t, stride);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(2, 5, 6);
-                    }
-                }
-                if (!last) {
-                    if (!keep) {
-                        _tile_stored(0, saved, 64);
-                        _tile_stored(1, saved + 256, 64);
-                        _tile_stored(2, saved + 512, 64);
-                        _tile_stored(3, saved + 768, 64);
-                    }
-                    continue;
-                }
-                _tile_stored(0, c, 128);
-                _tile_stored(2, c + 16 * 32, 128);
-                if (two) {
-                    _tile_stored(1, c + 16, 128);
-                    _tile_stored(3, c + 16 * 32 + 16, 128);
-                }
-                const int64_t m0 = mb * 16, pp = q0 + sp * 32;
-                const int count = static_cast<int>(std::min<int64_t>(m - m0, two ? 32 : 16));
-                if (count > 0 && pp < r1) store_outputs(c, m0, count, pp, r0, r1, bias, out, ldy);
-            }
-        }
+        for (int64_t sp = 0; sp < subpanels; sp++)
+            qscheme_amx::multiply_panel(panel + sp * 32 * pitch, pitch, width / 32, xp, m, mp, kp, k0, k0 == 0,
+                                        k0 + width >= kp, keep, acc + sp * groups * 1024, bias, out, ldy,
+                                        q0 + sp * 32, r0, r1);
     }
-    if (saved.palette)
-        load_config(saved);
-    else
-        _tile_release();
+    qscheme_amx::end(saved);
 }
 
 }  // namespace qscheme_tile
