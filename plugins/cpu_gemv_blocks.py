@@ -262,6 +262,7 @@ BLOCK_GEMM_BATCHES = BatchRange(
     ),
 )
 
+
 @dataclass(frozen=True)
 class BlocksGemmTiles:
     """The blocks' fused GEMM multiplies on the AMX tiles here (``qscheme.cpu_gemv_blocks.gemm_loops``)."""
