@@ -36,7 +36,9 @@ other off by at most half a step, 2**-16 of that magnitude), the products are su
 group's sum is multiplied by its effective scale in float32. On a CPU with AVX512-BF16, layers
 without zero points whose code values are exact in bfloat16 take a bfloat16 loop instead in groups
 of 16 or 32 (NVFP4, MXFP4, int4 in groups of 32) and, from two rows of x, in any group
-(``dot_loop``; ``QSCHEME_CPU_GEMV_BF16DOT=0`` turns it off): x as it is, each product exact and
+(``dot_loop``; ``QSCHEME_CPU_GEMV_BF16DOT=0`` / ``1`` turns it off / on; by default it is off on
+CPUs with AMX-BF16, Intel's, where VDPBF16PS issues at half the FMA's rate and the integer loop is
+faster): x as it is, each product exact and
 summed in float32 (VDPBF16PS), each group's sums multiplied by its effective scale in float32,
 where every element of x is zero or of a magnitude in [2**-100, 2**64] (else the integer loop runs).
 

@@ -697,6 +697,27 @@ def test_the_bf16_loop_takes_x_as_it_is_on_layers_without_zero_points(monkeypatc
         cpu_gemv.set_isa(before)
 
 
+@needs_vnni
+@needs_bf16dot
+def test_the_bf16_loop_is_off_by_default_on_amx_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, QSCHEME_CPU_GEMV_BF16DOT means the bfloat16 loop except on CPUs with AMX-BF16 (Intel's, where
+    VDPBF16PS issues at half the FMA's rate: the integer loop was faster there); 0 and 1 override."""
+    before = cpu_gemv.isa()
+    cpu_gemv.set_isa("avx512")
+    monkeypatch.setenv(AMX_VARIABLE, "0")
+    monkeypatch.setenv(INT16_VARIABLE, "1")
+    try:
+        layout = cpu_gemv.layout_of(weight_of("compressed-tensors/NVFP4A16", 64, 256))
+        monkeypatch.delenv(BF16DOT_VARIABLE, raising=False)
+        default = "vnni" if "amx_bf16" in cpu_flags() else "bf16"
+        assert [cpu_gemv.dot_loop(layout, rows) for rows in (1, 2, 4)] == [default] * 3
+        for setting, loop in (("0", "vnni"), ("1", "bf16")):
+            monkeypatch.setenv(BF16DOT_VARIABLE, setting)
+            assert cpu_gemv.dot_loop(layout) == loop, setting
+    finally:
+        cpu_gemv.set_isa(before)
+
+
 def test_the_state_is_the_canonical_tensors() -> None:
     for name in ("compressed-tensors/NVFP4A16", "compressed-tensors/W8A16_G32", "modelopt/fp8_pb_wo"):
         weight = weight_of(name, 64, 256)

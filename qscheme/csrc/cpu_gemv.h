@@ -159,7 +159,8 @@ void gemv_int16_avx512(const Params &p, const Int16Input &in, int m, int64_t n0,
                        int64_t ldy);
 // Whether the AVX512-BF16 loop takes m rows of x on a layer int16_fits took: this CPU runs
 // AVX512-BF16, no zero points, every code value exact in bfloat16, groups of 16 or 32 (any group
-// from m = 2), and QSCHEME_CPU_GEMV_BF16DOT is not "0". With groups of 16 or 32 the integer loop
+// from m = 2), and it is wanted (QSCHEME_CPU_GEMV_BF16DOT=1, or unset on a CPU without AMX-BF16: on
+// Intel's AMX CPUs VDPBF16PS issues at half the FMA's rate). With groups of 16 or 32 the integer loop
 // converts and scales its sums every 64 elements where this one only scales them; with larger
 // groups and one row of x the integer loop was faster (Zen 4: 1.1-1.5x), with 2-4 rows slower
 // (1.1-1.25x). Sets in.bf16 and puts the code values' bfloat16 words in the table.
