@@ -77,20 +77,29 @@ inline bool block_halves(const Layout &l) {
 
 // Sub-block g's scale product and signed minimum product (the minimum negated where it is subtracted:
 // w - m and w + (-m) round alike) of block b: read from the block (HALVES) or from the row's products.
+// The layout's fields are copied in: the panel's stores (through a vector type that may alias anything)
+// would otherwise make the compiler read them again after each one.
 template <bool HALVES, bool MIN>
 struct Factors {
-    const Layout &l;
     const float *scale, *minimum;
     float sign;
+    int scale_offset, minimum_offset, groups;
     float s = 0.0f, m = 0.0f;
     const float *sb = nullptr, *mb = nullptr;
+    Factors(const Layout &l, const float *scale_, const float *minimum_)
+        : scale(scale_),
+          minimum(minimum_),
+          sign(l.minimum_sign < 0 ? -1.0f : 1.0f),
+          scale_offset(l.n_scale ? l.scale[0].offset : 0),
+          minimum_offset(l.n_minimum ? l.minimum[0].offset : 0),
+          groups(l.groups) {}
     inline void block(const uint8_t *bytes, int64_t b) {
         if (HALVES) {
-            s = block_half(bytes, l.scale[0].offset, Half());
-            if (MIN) m = sign * block_half(bytes, l.minimum[0].offset, Half());
+            s = block_half(bytes, scale_offset, Half());
+            if (MIN) m = sign * block_half(bytes, minimum_offset, Half());
         } else {
-            sb = scale + b * l.groups;
-            mb = minimum + b * l.groups;
+            sb = scale + b * groups;
+            mb = minimum + b * groups;
         }
     }
     // values times sub-block g's scale product, plus its signed minimum product
@@ -176,19 +185,22 @@ static inline __m512i pair_indices(const uint8_t *block, const WordPair &p) {
 template <bool HALVES, bool MIN, class Decode>
 static inline void panel_rows(const Layout &l, const Plan &plan, int64_t n, int64_t count, int64_t b0, uint16_t *panel,
                               int64_t pitch, float *scale, float *minimum, Decode decode) {
-    const int64_t blocks = l.k / l.elements;
-    Factors<HALVES, MIN> f{l, scale, minimum, l.minimum_sign < 0 ? -1.0f : 1.0f};
+    // the layout's fields as locals (see Factors)
+    const int64_t blocks = l.k / l.elements, row_bytes = l.row_bytes, block_bytes = l.block_bytes;
+    const int64_t elements = l.elements;
+    const uint8_t *codes = l.codes;
+    Factors<HALVES, MIN> f(l, scale, minimum);
     for (int64_t r = 0; r < count; r++) {
-        const uint8_t *row = l.codes + (n + r) * l.row_bytes + b0 * l.block_bytes;
+        const uint8_t *row = codes + (n + r) * row_bytes + b0 * block_bytes;
         if (!HALVES) row_products<V512>(l, plan, row, scale, minimum, Half());
         uint16_t *out = panel + r * pitch;
         for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *block = row + b * l.block_bytes;
+            const uint8_t *block = row + b * block_bytes;
             if (!HALVES)  // the next row's products start with its first bytes: fetch them meanwhile
-                for (int64_t at = 0; at < l.block_bytes; at += 64)
-                    _mm_prefetch(reinterpret_cast<const char *>(block + l.row_bytes + at), _MM_HINT_T0);
+                for (int64_t at = 0; at < block_bytes; at += 64)
+                    _mm_prefetch(reinterpret_cast<const char *>(block + row_bytes + at), _MM_HINT_T0);
             f.block(block, b);
-            decode(block, f, out + b * l.elements);
+            decode(block, f, out + b * elements);
         }
     }
 }
