@@ -3,7 +3,9 @@
 //
 // A task takes 32 weight rows. For each chunk of K (whole blocks, about 4096 columns) it decodes the
 // rows into a bfloat16 panel that stays in the core's cache, then multiplies the panel by every row
-// of x with VDPBF16PS dot products (tile_gemm_bf16_kernel.h, the canonical tensors' fused GEMM). Each
+// of x: on the AMX tiles where the CPU has them (amx_panel.h, x packed once per call into the tiles'
+// pair layout), else with VDPBF16PS dot products (tile_gemm_bf16_kernel.h; both as the canonical
+// tensors' fused GEMM does). Each
 // weight is the value qscheme's block decoder forms (the sub-block's scale product times the
 // element's value, then its minimum product subtracted or added: one float32 rounding each, written
 // with the rounding-mode intrinsics so that the compiler fuses no multiply-add), rounded once to
