@@ -93,6 +93,7 @@ CPU_GEMV_EXTENSION = Extension(
         "qscheme/csrc/cpu_gemv_gguf_bf16.cpp",
         "qscheme/csrc/cpu_gemv_gguf_dequant.cpp",
         "qscheme/csrc/cpu_gemv_gguf_gemm.cpp",
+        "qscheme/csrc/cpu_gemv_gguf_bytes.cpp",
         "qscheme/csrc/amx_panel.cpp",  # the panels' AMX multiply, also in qscheme._tile_gemm
         "qscheme/csrc/act_quant.cpp",
         "qscheme/csrc/act_quant_avx512.cpp",

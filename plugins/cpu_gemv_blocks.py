@@ -127,6 +127,14 @@ CPU_GEMV_BLOCKS = KernelDeclaration(
         "float32 (no product or sum is subnormal or overflows in that range), each sub-block's sums multiplied by "
         "s_g in float32: within the bound above",
         "float16 inputs are widened to float32 and the output rounded back once",
+        "integer products for blocks of signed byte codes scaled by one fp16 field (Q8_0), one or two bfloat16 rows "
+        "of x where QSCHEME_CPU_GEMV_GGUF_INT16 turns them on (by default on AMX CPUs, which have AVX512-VNNI; 1 "
+        "needs AVX512-VNNI too): x rounded to 16-bit integers per block of 256 as the 4-bit types' integer products "
+        "round it (cpu_gemv_blocks_bf16's notes: the bound grows by sum_k |w_k| * half the step of k's block), "
+        "the codes widened to 16 bits and multiplied with VPMADDWD (exact 32-bit sums of two products), each "
+        "block's sums times its scale in float32. On a 2-core Emerald Rapids (same process, the switch toggled "
+        "call by call, M = 1, 4096x4096 and 14336x4096): 1.44-1.96x -> 1.86-2.45x bf16 F.linear at 1 and 2 "
+        "threads; M = 2: 1.04-1.12x -> 1.43-1.72x",
         "keeps the canonical blocks as they are (no copy), plus one small program per scheme",
     ),
 )

@@ -24,7 +24,11 @@ weights at a time) or AVX2 (8), each 16- or 8-weight chunk of a block read
 from one 16-byte window of the block with per-lane shifts and masks, and the portable scalar
 loop where a layout does not fit (sub-blocks not a multiple of the width, a chunk's bytes further
 apart than 16, a table code of more than 4 bits); ``qscheme.cpu_gemv.set_isa`` /
-``QSCHEME_CPU_GEMV_ISA`` choose narrower loops for these too.
+``QSCHEME_CPU_GEMV_ISA`` choose narrower loops for these too. Where the integer products are on
+(``QSCHEME_CPU_GEMV_GGUF_INT16``; by default on AMX CPUs), one or two bfloat16 rows of x take them
+instead: on the 4-bit types whose code values are integers, in the AVX512-BF16 loop, and on blocks of
+signed byte codes scaled by one fp16 field (Q8_0) in a loop of their own (x rounded to 16-bit integers
+per block of 256, VPMADDWD).
 
 For many rows of bfloat16 x (prefill: the ``cpu_gemm_blocks`` kernel, from M = 4 or 5), ``gemm``
 multiplies the blocks as a GEMM instead: tasks of 32 weight rows, each decoded chunk by chunk of K (about

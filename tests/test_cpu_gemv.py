@@ -24,10 +24,10 @@ import math
 import os
 import pickle
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
+from cpu_features import cpu_flags
 from kernel_fakes import all_modules, builtin_scheme, builtin_schemes, fake_device, layer_tensors
 from qscheme_plugins.cpu_gemv import CPU_GEMV, NativeLoops
 from qscheme_plugins.cpu_gemv_kernel import CpuGemvKernel, scaled_codes
@@ -98,14 +98,6 @@ CASES = (
     ((1,), FP16, True),
     ((0,), BF16, True),
 )
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
-    except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
 
 
 def _isa_param(name: str) -> object:

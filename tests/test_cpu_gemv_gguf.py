@@ -33,6 +33,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from cpu_features import cpu_flags
 from kernel_fakes import all_modules, builtin_scheme, builtin_schemes, fake_device
 from qscheme_plugins.cpu_gemv_blocks import CPU_GEMV_BLOCKS, Bf16BlockLoop, NativeBlockLoops
 from qscheme_plugins.cpu_gemv_blocks_kernel import CpuGemvBlocksKernel
@@ -323,6 +324,55 @@ def check_bf16_loop(name: str, monkeypatch: pytest.MonkeyPatch, integer: str = "
             ulp = 2.0**-7 * torch.maximum(y.abs(), with_bias.abs())
             assert bool(((y - with_bias).abs() <= bound + ulp + 1e-30).all()), (name, flag, m)
         assert cpu_gemv_blocks.dot_loop(layout) is None  # the switch is read at each call
+
+
+VNNI = pytest.mark.skipif(
+    not cpu_gemv.available() or cpu_gemv.supported_isa() != "avx512" or "avx512_vnni" not in cpu_flags(),
+    reason="this CPU has no AVX512-VNNI (or the AVX-512 loops do not run): the integer products are off",
+)
+
+
+@VNNI
+def test_byte_blocks_take_integer_products_at_one_or_two_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q8_0 (signed byte codes, one fp16 scale a block) with QSCHEME_CPU_GEMV_GGUF_INT16=1: one or two
+    bfloat16 rows of x are rounded to 16-bit integers per block of 256 and multiplied with VPMADDWD,
+    within the reference's float32 bound plus x's rounding (K of 17 blocks: a last block of 256 part
+    full; M = 1 and 2 on 1 and 2 threads); they ran there (the sums differ from the float32 loop's) and
+    not at M = 3; an element of x out of [2**-100, 2**64] sends the call to the float32 loop, bit for bit;
+    through the op with a bias, within the bound plus one bfloat16 rounding."""
+    weight = odd_weight("gguf/Q8_0")
+    layout = cpu_gemv_blocks.block_layout_of(weight)
+    reference = ReferenceKernel()
+    state = reference.prepare(weight, CPU)
+    blocks = weight.scheme.weight.blocks
+    assert blocks is not None
+    size = decode_blocks(weight.codes, blocks).double().abs()
+    generator = torch.Generator().manual_seed(5)
+    bias = torch.randn(weight.n, generator=generator).to(BF16)
+    for m in (1, 2, 3):
+        x = (torch.randn(m, weight.k, generator=generator) * 4).to(BF16)
+        x[0, :256] *= 2.0**-12  # a block of small elements: its own step
+        expected = reference.apply(state, x.float(), None).double()
+        bound = 2 * (weight.k + 8) * 2.0**-24 * (x.double().abs() @ size.t())
+        sums = {}
+        for flag in ("0", "1"):
+            monkeypatch.setenv("QSCHEME_CPU_GEMV_GGUF_INT16", flag)
+            sums[flag] = float_sums(layout, x, threads=1 + m % 2).double()
+            limit = bound + (x_rounding(x) @ size.t() if flag == "1" and m <= 2 else 0.0)
+            assert bool(((sums[flag] - expected).abs() <= limit + 1e-30).all()), (flag, m)
+        assert torch.equal(sums["0"], sums["1"]) == (m > 2), m
+        if m <= 2:
+            y = cpu_gemv_blocks.gemv_blocks(layout, x, bias).double()
+            with_bias = reference.apply(state, x, bias).double()
+            ulp = 2.0**-7 * torch.maximum(y.abs(), with_bias.abs())
+            limit = bound + x_rounding(x) @ size.t() + ulp
+            assert bool(((y - with_bias).abs() <= limit + 1e-30).all()), m
+            odd = x.clone()
+            odd[m - 1, weight.k - 1] = 2.0**70
+            monkeypatch.setenv("QSCHEME_CPU_GEMV_GGUF_INT16", "0")
+            floats = float_sums(layout, odd)
+            monkeypatch.setenv("QSCHEME_CPU_GEMV_GGUF_INT16", "1")
+            assert torch.equal(float_sums(layout, odd), floats), m
 
 
 @BF16_LOOP

@@ -177,6 +177,7 @@ struct Prepared {
     Plan plan16, plan8;
     bool bf16 = false;  // this CPU has the AVX512-BF16 loop and it takes the layout (words filled)
     Bf16Input words;
+    int bytes_offset = -1;  // the codes' offset where the integer products take blocks of bytes (Q8_0)
 };
 
 constexpr size_t MAX_PREPARED = 64;  // programs kept (a model has a few: one per block type)
@@ -225,6 +226,7 @@ std::shared_ptr<const Prepared> prepared(const int32_t *program, int64_t length,
     entry->plan16 = make_plan(l, 16);
     entry->plan8 = make_plan(l, 8);
     entry->bf16 = bf16_blocks_supported() && bf16_blocks_fits(l, entry->plan16, entry->words);
+    entry->bytes_offset = byte_codes_offset(l);
     std::lock_guard<std::mutex> lock(prepared_lock);
     prepared_cache.insert(prepared_cache.begin(), entry);
     if (prepared_cache.size() > MAX_PREPARED) prepared_cache.pop_back();
@@ -355,8 +357,20 @@ PyObject *gemv_blocks(PyObject *, PyObject *args) {
         units = room(scratch.units, m * blocks);
         for (int64_t r = 0; r < m; r++) int16_blocks_words(words + r * words_per_row, l.k, units + r * blocks);
     }
+    // blocks of byte codes (Q8_0), one or two bfloat16 rows of x, where the integer products are on: x as
+    // 16-bit integers per block of 256 (in words), VPMADDWD
+    bool bytes = !bf16 && level == 2 && x_bf16 && prep->bytes_offset >= 0 && m <= INT16_BLOCK_ROWS &&
+                 int16_blocks_on();
+    if (bytes) {
+        const int64_t units_per_row = (l.k + 255) / 256;
+        words = room(scratch.words, m * l.k);
+        units = room(scratch.units, m * units_per_row);
+        for (int64_t r = 0; r < m && bytes; r++)
+            bytes = bytes_words(static_cast<const uint16_t *>(x) + r * l.k, l.k, words + r * l.k,
+                                units + r * units_per_row);
+    }
     float *xs = nullptr;
-    if (!bf16) {
+    if (!bf16 && !bytes) {
         xs = room(scratch.xs, m * ldx);
         if (x_bf16)
             for (int64_t i = 0; i < m * l.k; i++) xs[i] = bf16_to_float(static_cast<const uint16_t *>(x)[i]);
@@ -374,6 +388,8 @@ PyObject *gemv_blocks(PyObject *, PyObject *args) {
 #if defined(__x86_64__) || defined(__i386__)
         if (bf16)
             gemv_blocks_bf16(l, *plan, prep->words, words, xsum, static_cast<int>(m), lo, hi, acc, l.n, units);
+        else if (bytes)
+            gemv_bytes_int16(l, prep->bytes_offset, words, units, static_cast<int>(m), lo, hi, acc, l.n);
         else if (level == 2)
             gemv_blocks_avx512(l, *plan, xs, ldx, xsum, static_cast<int>(m), lo, hi, acc, l.n);
         else if (level == 1)

@@ -271,10 +271,22 @@ bool bf16_blocks_words(const uint16_t *x, int64_t k, int kind, int16_t *xq);
 // bits): an element within 2**8 of that magnitude is exact, a smaller one off by at most half a step.
 constexpr int INT16_BLOCK_ROWS = 2;
 void int16_blocks_words(int16_t *xq, int64_t k, float *unit);
-// Whether the GEMV takes integer products (VPDPWSSD) for those layouts: QSCHEME_CPU_GEMV_GGUF_INT16 (read
+// Whether the GEMV takes integer products (VPDPWSSD) for those layouts, and for blocks of byte codes
+// (byte_codes_offset, VPMADDWD): QSCHEME_CPU_GEMV_GGUF_INT16 (read
 // at each call) 1 or 0, else on CPUs with AMX-BF16 and AVX512-VNNI (Intel, where VDPBF16PS issues at half
 // the FMA's rate: docs/notes/cpu-gemv-2026-12.md items 70 and 74).
 bool int16_blocks_on();
+// Integer products for blocks of 8-bit codes (cpu_gemv_gguf_bytes.cpp), one or two bfloat16 rows of x where
+// int16_blocks_on: the codes' offset in each block where they are signed bytes in order, scaled by one fp16
+// field and nothing else (Q8_0), else -1; a row of x (K words, K a multiple of 32) as 16-bit integers per
+// block of 256 over the step unit[b] (as int16_blocks_words rounds), false where an element is neither zero
+// nor of a magnitude in [2**-100, 2**64] (the float32 loops then take the call); rows [n0, n1) times m such
+// rows (xq [m][K], unit [m][(K + 255) / 256]) into acc[r * ldy + n].
+int byte_codes_offset(const Layout &l);
+bool bytes_words(const uint16_t *x, int64_t k, int16_t *xq, float *unit);
+void gemv_bytes_int16(const Layout &l, int offset, const int16_t *xq, const float *unit, int m, int64_t n0,
+                      int64_t n1, float *acc, int64_t ldy);
+
 // Rows [n0, n1) of the layer times m rows of xw ([m][bf16_pairs(l.k) * 64], from bf16_blocks_words;
 // in passes of at most 4), as gemv_blocks_avx512. With unit ([m][blocks of 256 words]) the rows of xw
 // are int16_blocks_words' integers and the products integer (m <= INT16_BLOCK_ROWS, in.integer).
