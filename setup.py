@@ -108,6 +108,7 @@ CPU_GEMV_EXTENSION = Extension(
         "qscheme/csrc/cpu_gemv_gguf_v512.h",
         "qscheme/csrc/tile_gemm_bf16_kernel.h",
         "qscheme/csrc/amx_panel.h",
+        "qscheme/csrc/amx_config.h",
         "qscheme/csrc/act_quant.h",
         "qscheme/csrc/byte_scales.h",
         "qscheme/csrc/thread_pool.h",
@@ -135,6 +136,7 @@ TILE_GEMM_EXTENSION = Extension(
     depends=[
         "qscheme/csrc/tile_gemm.h",
         "qscheme/csrc/amx_panel.h",
+        "qscheme/csrc/amx_config.h",
         "qscheme/csrc/act_quant.h",
         "qscheme/csrc/tile_gemm_bf16_kernel.h",
         "qscheme/csrc/byte_scales.h",

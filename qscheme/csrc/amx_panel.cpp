@@ -13,22 +13,16 @@
 #include <algorithm>
 #include <cstring>
 
+#include "amx_config.h"
+
 namespace qscheme_amx {
 
 namespace {
 
-struct alignas(64) TileConfig {
-    uint8_t palette = 0, start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-static_assert(sizeof(TileConfig) == sizeof(TileState), "a tile configuration is 64 bytes");
+using qscheme_amx_config::TileConfig;
+static_assert(sizeof(TileConfig) == sizeof(TileState), "a tile state holds a configuration");
 
-// The whole configuration as the asm operand: GCC's _tile_loadconfig names only the first 8 bytes
-// of its operand, so that the stores filling the rest may be dropped as dead.
-inline void load_config(const void *config) { __asm__ volatile("ldtilecfg %0" ::"m"(*static_cast<const TileConfig *>(config))); }
-inline void store_config(void *config) { __asm__ volatile("sttilecfg %0" : "=m"(*static_cast<TileConfig *>(config))); }
+inline const TileConfig &config_of(const TileState &state) { return *reinterpret_cast<const TileConfig *>(&state); }
 
 inline __m512i bf16_pair(__m512 high, __m512 low) { return (__m512i)_mm512_cvtne2ps_pbh(high, low); }
 
@@ -58,7 +52,7 @@ void store_outputs(const float *c, int64_t m0, int count, int64_t pp, int64_t r0
 
 bool compiled() { return true; }
 
-bool granted() {
+bool granted() {  // a static: the first call asks Linux, once
     static const bool ready = [] {
         __builtin_cpu_init();
         if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("amx-tile") ||
@@ -71,19 +65,20 @@ bool granted() {
 }
 
 void begin(TileState &saved) {
-    store_config(&saved);  // the caller's tile state (torch's own kernels may keep one)
+    // the caller's tile state (torch's own kernels may keep one)
+    qscheme_amx_config::store_config(*reinterpret_cast<TileConfig *>(&saved));
     TileConfig config;
     config.palette = 1;
     for (int t = 0; t < 8; t++) {
         config.colsb[t] = 64;
         config.rows[t] = 16;
     }
-    load_config(&config);
+    qscheme_amx_config::load_config(config);
 }
 
 void end(const TileState &saved) {
-    if (reinterpret_cast<const TileConfig *>(&saved)->palette)
-        load_config(&saved);
+    if (config_of(saved).palette)
+        qscheme_amx_config::load_config(config_of(saved));
     else
         _tile_release();
 }

@@ -5,6 +5,7 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace qscheme_bf16_words {
@@ -46,6 +47,20 @@ static inline void words_to_integers(__m256i words, __m512 inverse, int16_t *out
     const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
     const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm256_storeu_si256(reinterpret_cast<__m256i *>(out), _mm512_cvtsepi32_epi16(q));
+}
+
+// Words [0, words) of x (a multiple of 32; every element zero or of a magnitude in [2**-100, 2**64]) as
+// 16-bit integers into xq (x itself allowed: each 16 words are read before they are written), each block
+// of 256 over its own step unit[b] = 2**(e - 15) (the GGUF integer products' rounding).
+static inline void integer_blocks(const uint16_t *x, int64_t words, int16_t *xq, float *unit) {
+    for (int64_t b0 = 0, b = 0; b0 < words; b0 += 256, b++) {
+        const int64_t b1 = b0 + 256 < words ? b0 + 256 : words;
+        const int exponent = step_exponent(largest_magnitude(x, b0, b1));
+        const __m512 inverse = _mm512_set1_ps(std::ldexp(1.0f, 15 - exponent));
+        unit[b] = std::ldexp(1.0f, exponent - 15);
+        for (int64_t c = b0; c < b1; c += 16)
+            words_to_integers(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(x + c)), inverse, xq + c);
+    }
 }
 
 }  // namespace qscheme_bf16_words

@@ -12,8 +12,9 @@
     ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,amx-tile,amx-bf16,avx2,fma,f16c")
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_config.h"
+#include "amx_panel.h"
 
 namespace qscheme_gemv {
 namespace {
@@ -24,17 +25,9 @@ constexpr int AHEAD = 4;        // chunks decoded ahead of their tile loads
 constexpr int DEPTH = 8;        // tile buffers (twice AHEAD: a buffer is rewritten long after its tile load)
 constexpr int MAX_M = 16;       // rows of x per pass (a tile row holds 16 float32 sums)
 
-struct alignas(64) TileConfig {
-    uint8_t palette = 0, start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
-// The whole configuration as the asm operand (GCC's _tile_loadconfig names only its first 8
-// bytes, so that the stores filling the rest may be dropped as dead).
-inline void load_config(const TileConfig &config) { __asm__ volatile("ldtilecfg %0" ::"m"(config)); }
-inline void store_config(TileConfig &config) { __asm__ volatile("sttilecfg %0" : "=m"(config)); }
+using qscheme_amx_config::load_config;
+using qscheme_amx_config::store_config;
+using qscheme_amx_config::TileConfig;
 
 // Tiles: 0 and 3 sum the even and odd chunks of even scale groups (two chains, so that one
 // product need not wait for the last), 6 and 7 those of odd groups (one group's sums are read
@@ -388,14 +381,10 @@ void tile_rows(const Pass &s, int64_t n, int rows, float *sums, bool *bad) {
     std::memcpy(sums, sum, sizeof(float) * rows * m);
 }
 
+// The tiles (amx_panel.h: AMX-BF16, AVX512-BF16, the tile state granted) and VBMI, which the decode uses.
 bool tile_state_granted() {
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512vbmi") ||
-        !__builtin_cpu_supports("amx-tile") ||
-        !__builtin_cpu_supports("amx-bf16"))
-        return false;
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return __builtin_cpu_supports("avx512vbmi") && qscheme_amx::granted();
 }
 
 }  // namespace

@@ -622,17 +622,8 @@ bool bf16_blocks_words(const uint16_t *x, int64_t k, int kind, int16_t *xq) {
 }
 
 void int16_blocks_words(int16_t *xq, int64_t k, float *unit) {
-    using namespace qscheme_bf16_words;
-    const int64_t words = bf16_pairs(k) * 64;
-    for (int64_t b0 = 0, b = 0; b0 < words; b0 += 256, b++) {
-        const int64_t b1 = b0 + 256 < words ? b0 + 256 : words;  // multiples of 64
-        // bf16_blocks_words took only zeros and magnitudes in [2**-100, 2**64]: no check needed here
-        const int exponent = step_exponent(largest_magnitude(reinterpret_cast<const uint16_t *>(xq), b0, b1));
-        const __m512 inverse = _mm512_set1_ps(std::ldexp(1.0f, 15 - exponent));
-        unit[b] = std::ldexp(1.0f, exponent - 15);
-        for (int64_t c = b0; c < b1; c += 16)  // in place: each 16 words read before they are written
-            words_to_integers(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(xq + c)), inverse, xq + c);
-    }
+    // in place; bf16_blocks_words took only zeros and magnitudes in [2**-100, 2**64]: no check needed here
+    qscheme_bf16_words::integer_blocks(reinterpret_cast<const uint16_t *>(xq), bf16_pairs(k) * 64, xq, unit);
 }
 
 bool int16_blocks_on() {

@@ -15,7 +15,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 
 #include "bf16_words.h"
@@ -42,17 +41,9 @@ int byte_codes_offset(const Layout &l) {
 }
 
 bool bytes_words(const uint16_t *x, int64_t k, int16_t *xq, float *unit) {
-    using namespace qscheme_bf16_words;
-    for (int64_t b0 = 0, b = 0; b0 < k; b0 += 256, b++) {
-        const int64_t b1 = b0 + 256 < k ? b0 + 256 : k;  // multiples of 32
-        for (int64_t c = b0; c < b1; c += 32)
-            if (outside(_mm512_loadu_si512(x + c))) return false;
-        const int exponent = step_exponent(largest_magnitude(x, b0, b1));
-        const __m512 inverse = _mm512_set1_ps(std::ldexp(1.0f, 15 - exponent));
-        unit[b] = std::ldexp(1.0f, exponent - 15);
-        for (int64_t c = b0; c < b1; c += 16)
-            words_to_integers(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(x + c)), inverse, xq + c);
-    }
+    for (int64_t c = 0; c < k; c += 32)  // K a multiple of 32
+        if (qscheme_bf16_words::outside(_mm512_loadu_si512(x + c))) return false;
+    qscheme_bf16_words::integer_blocks(x, k, xq, unit);
     return true;
 }
 

@@ -422,65 +422,68 @@ bool gemm_blocks_fits(const Layout &l, const Plan &plan16) { return plan16.width
 
 namespace {
 
-// Weight rows [q0, q1) (at most 32: one panel) of gemm_blocks_bf16, on the calling thread.
+// The panel of weight rows [q0, q0 + live) (live <= 32), chunk by chunk of about kc columns (whole
+// blocks), on the calling thread: each chunk decoded into the thread's panel (rows [live, padded) zeroed),
+// then multiply(panel, pitch, width, column, first, last) with the chunk's first column.
+template <class Multiply>
+void panel_chunks(const Layout &l, const Plan &plan16, const std::vector<qscheme_gguf_gemm::WordPair> &pairs,
+                  const qscheme_gguf_gemm::RunPlan &runs, int64_t q0, int64_t live, int64_t padded, int64_t kc,
+                  Multiply multiply) {
+    using namespace qscheme_gguf_gemm;
+    const int64_t blocks = l.k / l.elements, chunk_blocks = std::max<int64_t>(1, kc / l.elements);
+    const int64_t width_most = std::min(blocks, chunk_blocks) * l.elements;
+    Buffers &b = buffers;
+    // the panel on whole cache lines (a vector's storage is aligned to 16 bytes only)
+    uint16_t *panel = Buffers::fit(b.panel, PANEL_ROWS * (width_most + PANEL_PAD) + 32);
+    panel = reinterpret_cast<uint16_t *>((reinterpret_cast<uintptr_t>(panel) + 63) & ~uintptr_t(63));
+    const int64_t products = std::min(blocks, chunk_blocks) * l.groups + 16;  // row_products may write 16 past
+    float *scale = Buffers::fit(b.scale, products), *minimum = Buffers::fit(b.minimum, products);
+    Layout part = l;
+    for (int64_t b0 = 0; b0 < blocks; b0 += chunk_blocks) {
+        const int64_t nb = std::min(chunk_blocks, blocks - b0), width = nb * l.elements, pitch = width + PANEL_PAD;
+        part.k = width;
+        decode_panel(part, plan16, pairs, runs, q0, live, b0, panel, pitch, scale, minimum);
+        for (int64_t r = live; r < padded; r++) std::memset(panel + r * pitch, 0, static_cast<size_t>(width) * 2);
+        multiply(panel, pitch, width, b0 * l.elements, b0 == 0, b0 + nb >= blocks);
+    }
+}
+
+// Weight rows [q0, q1) (at most 32: one panel) of gemm_blocks_bf16 with VDPBF16PS, on the calling thread.
 void panel_task(const Layout &l, const Plan &plan16, const std::vector<qscheme_gguf_gemm::WordPair> &pairs,
                 const qscheme_gguf_gemm::RunPlan &runs,
                 const uint16_t *x, int64_t m, const uint16_t *xv, int64_t mp, const float *bias, uint16_t *out,
                 int64_t ldy, int64_t r0, int64_t q0, int64_t q1, int64_t kc) {
     // x: m rows of K bfloat16; its first mp rows (0 or a multiple of 16) also packed as pairs in xv,
     // multiplied by the pairs' loop into acc's first PANEL_ROWS * mp sums, the other rows by the dot blocks
-    using namespace qscheme_gguf_gemm;
-    const int64_t live = q1 - q0, blocks = l.k / l.elements;
-    const int64_t chunk_blocks = std::max<int64_t>(1, kc / l.elements);
-    const int64_t width_most = std::min(blocks, chunk_blocks) * l.elements;
-    Buffers &b = buffers;
-    // the panel on whole cache lines (a vector's storage is aligned to 16 bytes only)
-    uint16_t *panel = Buffers::fit(b.panel, PANEL_ROWS * (width_most + PANEL_PAD) + 32);
-    panel = reinterpret_cast<uint16_t *>((reinterpret_cast<uintptr_t>(panel) + 63) & ~uintptr_t(63));
-    float *acc = Buffers::fit(b.acc, m * PANEL_ROWS);
-    const int64_t products = std::min(blocks, chunk_blocks) * l.groups + 16;  // row_products may write 16 past
-    float *scale = Buffers::fit(b.scale, products), *minimum = Buffers::fit(b.minimum, products);
-    Layout part = l;
-    for (int64_t b0 = 0; b0 < blocks; b0 += chunk_blocks) {
-        const int64_t nb = std::min(chunk_blocks, blocks - b0), width = nb * l.elements, pitch = width + PANEL_PAD;
-        part.k = width;
-        decode_panel(part, plan16, pairs, runs, q0, live, b0, panel, pitch, scale, minimum);
-        for (int64_t r = live; r < (live + 3) / 4 * 4; r++) std::memset(panel + r * pitch, 0, static_cast<size_t>(width) * 2);
-        qscheme_panel::multiply_panel_all(panel, pitch, live, x, xv, l.k, m, mp, b0 * l.elements, width / 32, acc,
-                                          PANEL_ROWS, b0 == 0);
-    }
+    using qscheme_gguf_gemm::PANEL_ROWS;
+    const int64_t live = q1 - q0;
+    float *acc = qscheme_gguf_gemm::Buffers::fit(qscheme_gguf_gemm::buffers.acc, m * PANEL_ROWS);
+    panel_chunks(l, plan16, pairs, runs, q0, live, (live + 3) / 4 * 4, kc,
+                 [&](const uint16_t *panel, int64_t pitch, int64_t width, int64_t column, bool first, bool) {
+                     qscheme_panel::multiply_panel_all(panel, pitch, live, x, xv, l.k, m, mp, column, width / 32, acc,
+                                                       PANEL_ROWS, first);
+                 });
     qscheme_panel::store_panel_all(acc, PANEL_ROWS, live, m, mp, bias ? bias + q0 : nullptr, out + (q0 - r0), ldy);
-    b.release();
+    qscheme_gguf_gemm::buffers.release();
 }
 
 // The same on the AMX tiles: x packed whole (xp: mp rows, a multiple of 16, zeros past m), each chunk's
-// panel multiplied at once by every block of 16 rows of x (amx_panel.h).
+// panel multiplied at once by every block of 16 rows of x (amx_panel.h), the outputs written with the last.
 void panel_task_amx(const Layout &l, const Plan &plan16, const std::vector<qscheme_gguf_gemm::WordPair> &pairs,
                     const qscheme_gguf_gemm::RunPlan &runs, const uint32_t *xp, int64_t m, int64_t mp,
                     const float *bias, uint16_t *out, int64_t ldy, int64_t r0, int64_t r1, int64_t q0, int64_t kc) {
-    using namespace qscheme_gguf_gemm;
-    const int64_t live = std::min(r1, q0 + PANEL_ROWS) - q0, blocks = l.k / l.elements;
-    const int64_t chunk_blocks = std::max<int64_t>(1, kc / l.elements);
-    const int64_t width_most = std::min(blocks, chunk_blocks) * l.elements, groups = (mp / 16 + 1) / 2;
-    Buffers &b = buffers;
-    uint16_t *panel = Buffers::fit(b.panel, PANEL_ROWS * (width_most + PANEL_PAD) + 32);
-    panel = reinterpret_cast<uint16_t *>((reinterpret_cast<uintptr_t>(panel) + 63) & ~uintptr_t(63));
-    float *acc = Buffers::fit(b.acc, groups * 1024);
-    const int64_t products = std::min(blocks, chunk_blocks) * l.groups + 16;  // row_products may write 16 past
-    float *scale = Buffers::fit(b.scale, products), *minimum = Buffers::fit(b.minimum, products);
-    Layout part = l;
+    using qscheme_gguf_gemm::PANEL_ROWS;
+    const int64_t groups = (mp / 16 + 1) / 2;  // pairs of blocks of 16 rows of x
+    float *acc = qscheme_gguf_gemm::Buffers::fit(qscheme_gguf_gemm::buffers.acc, groups * 1024);
     qscheme_amx::TileState saved;
     qscheme_amx::begin(saved);
-    for (int64_t b0 = 0; b0 < blocks; b0 += chunk_blocks) {
-        const int64_t nb = std::min(chunk_blocks, blocks - b0), width = nb * l.elements, pitch = width + PANEL_PAD;
-        part.k = width;
-        decode_panel(part, plan16, pairs, runs, q0, live, b0, panel, pitch, scale, minimum);
-        for (int64_t r = live; r < PANEL_ROWS; r++) std::memset(panel + r * pitch, 0, static_cast<size_t>(width) * 2);
-        qscheme_amx::multiply_panel(panel, pitch, width / 32, xp, m, mp, l.k, b0 * l.elements, b0 == 0,
-                                    b0 + nb >= blocks, groups == 1, acc, bias, out, ldy, q0, r0, r1);
-    }
+    panel_chunks(l, plan16, pairs, runs, q0, std::min(r1, q0 + PANEL_ROWS) - q0, PANEL_ROWS, kc,
+                 [&](const uint16_t *panel, int64_t pitch, int64_t width, int64_t column, bool first, bool last) {
+                     qscheme_amx::multiply_panel(panel, pitch, width / 32, xp, m, mp, l.k, column, first, last,
+                                                 groups == 1, acc, bias, out, ldy, q0, r0, r1);
+                 });
     qscheme_amx::end(saved);
-    b.release();
+    qscheme_gguf_gemm::buffers.release();
 }
 
 // x (m rows of K bfloat16) packed into the tiles' pair layout, mp = m rounded up to 16 rows (zeros past
