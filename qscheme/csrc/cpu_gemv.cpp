@@ -139,15 +139,7 @@ static bool bf16_word(float v, int16_t &word) {  // v as a bfloat16 word, where 
 static bool bf16dot_wanted() {
     const char *setting = std::getenv("QSCHEME_CPU_GEMV_BF16DOT");
     if (setting && (setting[0] == '0' || setting[0] == '1')) return setting[0] == '1';
-#if defined(__x86_64__) || defined(__i386__)
-    static const bool amx = [] {
-        __builtin_cpu_init();
-        return __builtin_cpu_supports("amx-bf16") != 0;
-    }();
-    return !amx;
-#else
-    return true;
-#endif
+    return !slow_bf16_dot();
 }
 
 bool bf16dot_fits(const Params &p, int64_t m, Int16Input &in) {
@@ -487,6 +479,17 @@ PyObject *set_isa(PyObject *, PyObject *args) {
 
 namespace qscheme_gemv {  // for the packed-block loops (cpu_gemv_gguf.cpp)
 int active_isa() { return isa_level(); }
+bool slow_bf16_dot() {
+#if defined(__x86_64__) || defined(__i386__)
+    static const bool amx = [] {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("amx-bf16") != 0;
+    }();
+    return amx;
+#else
+    return false;
+#endif
+}
 void run_tasks(int threads, int64_t tasks, const std::function<void(int64_t)> &job) { qscheme_threads::run_tasks(threads, tasks, job); }
 }  // namespace qscheme_gemv
 

@@ -327,5 +327,8 @@ PyObject *blocks_bf16(PyObject *, PyObject *);
 namespace qscheme_gemv {
 // From cpu_gemv.cpp: the ISA in use (0 scalar, 1 AVX2, 2 AVX-512) and its pool of worker threads.
 int active_isa();
+// Whether this CPU has AMX-BF16: Intel's, where VDPBF16PS issues at half the FMA's rate, so that the integer
+// loops are the default there (cpu_gemv's bf16dot_fits, int16_blocks_on).
+bool slow_bf16_dot();
 void run_tasks(int threads, int64_t tasks, const std::function<void(int64_t)> &job);
 }  // namespace qscheme_gemv

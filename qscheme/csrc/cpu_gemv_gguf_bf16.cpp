@@ -631,10 +631,9 @@ bool int16_blocks_on() {
         __builtin_cpu_init();
         return __builtin_cpu_supports("avx512vnni") != 0;
     }();
-    static const bool amx = [] { return __builtin_cpu_supports("amx-bf16") != 0; }();
     const char *setting = std::getenv("QSCHEME_CPU_GEMV_GGUF_INT16");
     if (setting && (setting[0] == '0' || setting[0] == '1')) return vnni && setting[0] == '1';
-    return vnni && amx;
+    return vnni && qscheme_gemv::slow_bf16_dot();
 }
 
 void gemv_blocks_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *x, const float *xsum,
