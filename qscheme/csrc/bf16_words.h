@@ -26,6 +26,31 @@ static inline __m512i every_other_word(int odd) {
     return _mm512_load_si512(index);
 }
 
+// Words [c0, c1) of x (multiples of 64) in the order of cpu_gemv's dot loops (cpu_gemv_dot_kernel.h): each
+// chunk of 128 as four runs of 32, run t holding the chunk's elements 4i + t; a last chunk of 64 as its 32 even
+// elements, then its 32 odd ones. put(words, at) takes the 32 words for positions [at, at + 32).
+template <class F>
+static inline void dot_loop_order(const uint16_t *x, int64_t c0, int64_t c1, F put) {
+    const __m512i evens = every_other_word(0), odds = every_other_word(1);
+    int64_t c = c0;
+    for (; c + 128 <= c1; c += 128) {
+        const __m512i v0 = _mm512_loadu_si512(x + c), v1 = _mm512_loadu_si512(x + c + 32);
+        const __m512i v2 = _mm512_loadu_si512(x + c + 64), v3 = _mm512_loadu_si512(x + c + 96);
+        // elements 2i and 2i + 1 of each half, then every other one of those
+        const __m512i e0 = _mm512_permutex2var_epi16(v0, evens, v1), o0 = _mm512_permutex2var_epi16(v0, odds, v1);
+        const __m512i e1 = _mm512_permutex2var_epi16(v2, evens, v3), o1 = _mm512_permutex2var_epi16(v2, odds, v3);
+        put(_mm512_permutex2var_epi16(e0, evens, e1), c);
+        put(_mm512_permutex2var_epi16(o0, evens, o1), c + 32);
+        put(_mm512_permutex2var_epi16(e0, odds, e1), c + 64);
+        put(_mm512_permutex2var_epi16(o0, odds, o1), c + 96);
+    }
+    if (c < c1) {
+        const __m512i lo = _mm512_loadu_si512(x + c), hi = _mm512_loadu_si512(x + c + 32);
+        put(_mm512_permutex2var_epi16(lo, evens, hi), c);
+        put(_mm512_permutex2var_epi16(lo, odds, hi), c + 32);
+    }
+}
+
 // x rounded to 16-bit integers over a power-of-two step per block (the VNNI loops' integer products:
 // cpu_gemv_int16.cpp, cpu_gemv_gguf_bf16.cpp): the block's largest magnitude, words [b0, b1) of x (b1 - b0 a
 // multiple of 32), as a 15-bit pattern (the largest bit pattern less its sign).

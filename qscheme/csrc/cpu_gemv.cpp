@@ -95,7 +95,9 @@ bool int16_fits(const Params &p, Int16Input &in) {
     const char *setting = std::getenv("QSCHEME_CPU_GEMV_INT16");
     if ((setting && setting[0] == '0') || !vnni_supported()) return false;
     if (p.code_kind != CODE_NIBBLE || p.k < 64) return false;
-    if (!(p.group_k == 16 || p.group_k == 32 || p.group_k % 64 == 0)) return false;
+    // a chunk of 128 (cpu_gemv_dot_kernel.h) never straddles two groups of a multiple of 128
+    if (!(p.group_k == 16 || p.group_k == 32 || p.group_k == 64 || p.group_k % 128 == 0 || p.group_k >= p.k))
+        return false;
     for (int shift = 0; shift <= 4; shift++) {  // the smallest power of two making every value an integer
         const float factor = static_cast<float>(1 << shift);
         bool integral = true;
@@ -104,7 +106,8 @@ bool int16_fits(const Params &p, Int16Input &in) {
             integral = std::isfinite(v) && std::fabs(v) <= 2047.0f && v == std::nearbyint(v);
         }
         if (!integral || (p.zero && static_cast<double>(p.zero_max) * factor > 2047.0)) continue;
-        for (int i = 0; i < 32; i++) in.table[i] = static_cast<int16_t>(i < 16 ? p.lut[i] * factor : 0.0f);
+        // twice over: VPERMW reads five bits of each index, the fifth another code's
+        for (int i = 0; i < 32; i++) in.table[i] = static_cast<int16_t>(p.lut[i % 16] * factor);
         in.factor = factor;
         in.k_main = (p.k / 64) * 64;
         in.blocks = (in.k_main + 255) / 256;
@@ -146,8 +149,8 @@ bool bf16dot_fits(const Params &p, int64_t m, Int16Input &in) {
     if (!bf16dot_wanted() || !bf16_supported() || p.zero) return false;
     if (!(p.group_k == 16 || p.group_k == 32 || m >= 2)) return false;
     int16_t table[32] = {};
-    for (int i = 0; i < 16; i++)
-        if (!bf16_word(p.lut[i], table[i])) return false;
+    for (int i = 0; i < 32; i++)  // twice over, as int16_fits's
+        if (!bf16_word(p.lut[i % 16], table[i])) return false;
     std::memcpy(in.table, table, sizeof(table));
     in.factor = 1.0f;
     in.bf16 = true;

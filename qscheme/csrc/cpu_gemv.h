@@ -133,11 +133,11 @@ void gemv_avx2(const Params &p, const float *x, int64_t ldx, int m, int64_t n0, 
 // that largest magnitude).
 constexpr int INT16_ROWS = 4;
 struct Int16Input {
-    const int16_t *x = nullptr;  // [M][k_main]: per chunk of 64, its 32 even elements, then its 32 odd ones
+    const int16_t *x = nullptr;  // [M][k_main]: in the loop's order (bf16_words.h: dot_loop_order)
     const float *unit = nullptr;  // [M][blocks]: each block's step divided by the code table's factor
     int64_t k_main = 0;  // K rounded down to a multiple of 64 (the rest: the portable loop)
     int64_t blocks = 0;  // blocks of 256 in k_main (the last one may be shorter)
-    int16_t table[32] = {};  // the 16 code values times the table's factor (a power of two)
+    int16_t table[32] = {};  // the 16 code values times the table's factor (a power of two), twice over
     float factor = 1.0f;
     // the AVX512-BF16 loop instead (bf16dot_fits): x and table hold bfloat16 words (x in the same
     // order, each unit 1, the factor 1)
@@ -145,8 +145,8 @@ struct Int16Input {
 };
 
 // Whether the VNNI loop takes this layer (4-bit codes whose values times a power of two up to 16
-// are integers within 2047, and so are the zero points times it, scale groups of 16, 32 or a
-// multiple of 64, at least 64 columns), this CPU runs AVX512-VNNI and QSCHEME_CPU_GEMV_INT16 is not
+// are integers within 2047, and so are the zero points times it, scale groups of 16, 32, 64, a
+// multiple of 128 or the whole row, at least 64 columns), this CPU runs AVX512-VNNI and QSCHEME_CPU_GEMV_INT16 is not
 // "0"; fills the table.
 bool int16_fits(const Params &p, Int16Input &in);
 // One bfloat16 row of x (in.k_main words read) into xq (k_main int16, in the loop's order) and unit

@@ -33,14 +33,11 @@ void gemv_bf16dot_avx512(const Params &p, const Int16Input &in, int m, int64_t n
 
 bool bf16dot_words(const uint16_t *x, int64_t k_main, int16_t *xq) {
     using namespace qscheme_bf16_words;
-    const __m512i evens = every_other_word(0), odds = every_other_word(1);
     __mmask32 bad = 0;
-    for (int64_t c = 0; c < k_main; c += 64) {  // per chunk of 64: its 32 even elements, then its 32 odd ones
-        const __m512i a = _mm512_loadu_si512(x + c), b = _mm512_loadu_si512(x + c + 32);
-        bad |= outside(a) | outside(b);
-        _mm512_storeu_si512(xq + c, _mm512_permutex2var_epi16(a, evens, b));
-        _mm512_storeu_si512(xq + c + 32, _mm512_permutex2var_epi16(a, odds, b));
-    }
+    dot_loop_order(x, 0, k_main, [&](__m512i words, int64_t at) {
+        bad |= outside(words);
+        _mm512_storeu_si512(xq + at, words);
+    });
     return bad == 0;
 }
 

@@ -32,7 +32,6 @@ void gemv_int16_avx512(const Params &p, const Int16Input &in, int m, int64_t n0,
 }
 
 bool int16_words(const uint16_t *x, const Int16Input &in, int16_t *xq, float *unit) {
-    const __m512i evens = qscheme_bf16_words::every_other_word(0), odds = qscheme_bf16_words::every_other_word(1);
     using namespace qscheme_bf16_words;
     for (int64_t b0 = 0, b = 0; b0 < in.k_main; b0 += 256, b++) {
         const int64_t b1 = b0 + 256 < in.k_main ? b0 + 256 : in.k_main;  // multiples of 64
@@ -44,15 +43,10 @@ bool int16_words(const uint16_t *x, const Int16Input &in, int16_t *xq, float *un
         // step 2**(exponent - 15), each element times 2**(15 - exponent) exactly, rounded (bf16_words.h)
         const __m512 inverse = _mm512_set1_ps(std::ldexp(1.0f, 15 - exponent));
         unit[b] = std::ldexp(1.0f, exponent - 15) / in.factor;
-        auto integers = [&](__m512i words, int64_t at) {  // 32 words into xq[at, at + 32)
+        dot_loop_order(x, b0, b1, [&](__m512i words, int64_t at) {  // 32 words into xq[at, at + 32)
             words_to_integers(_mm512_castsi512_si256(words), inverse, xq + at);
             words_to_integers(_mm512_extracti64x4_epi64(words, 1), inverse, xq + at + 16);
-        };
-        for (int64_t c = b0; c < b1; c += 64) {  // per chunk of 64: its 32 even elements, then its 32 odd ones
-            const __m512i lo = _mm512_loadu_si512(x + c), hi = _mm512_loadu_si512(x + c + 32);
-            integers(_mm512_permutex2var_epi16(lo, evens, hi), c);
-            integers(_mm512_permutex2var_epi16(lo, odds, hi), c + 32);
-        }
+        });
     }
     return true;
 }
