@@ -343,16 +343,18 @@ PyObject *gemv_blocks(PyObject *, PyObject *args) {
     const int64_t words_per_row = bf16_pairs(l.k) * 64;
     int16_t *words = nullptr;
     bool bf16 = level == 2 && x_bf16 && prep->bf16 && bf16_blocks_available();
+    // the 4-bit codes whose values are small integers, one or two rows of x, on CPUs where the integer
+    // products are on (int16_blocks_on): x's words as 16-bit integers per block of 256, VPDPWSSD
+    const bool integer = bf16 && prep->words.kind != 3 && prep->words.integer && m <= INT16_BLOCK_ROWS &&
+                         int16_blocks_on();
     if (bf16) {
         words = room(scratch.words, m * words_per_row);
         for (int64_t r = 0; r < m && bf16; r++)
             bf16 = bf16_blocks_words(static_cast<const uint16_t *>(x) + r * l.k, l.k, prep->words.kind,
-                                     words + r * words_per_row);
+                                     words + r * words_per_row, integer && prep->words.wide);
     }
-    // the 4-bit codes whose values are small integers, one or two rows of x, on CPUs where the integer
-    // products are on (int16_blocks_on): x's words as 16-bit integers per block of 256, VPDPWSSD
     float *units = nullptr;
-    if (bf16 && prep->words.kind != 3 && prep->words.integer && m <= INT16_BLOCK_ROWS && int16_blocks_on()) {
+    if (bf16 && integer) {
         const int64_t blocks = (bf16_pairs(l.k) + 3) / 4;
         units = room(scratch.units, m * blocks);
         for (int64_t r = 0; r < m; r++) int16_blocks_words(words + r * words_per_row, l.k, units + r * blocks);

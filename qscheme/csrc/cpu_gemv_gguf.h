@@ -236,8 +236,17 @@ struct Bf16Input {
     // shift and offset), formed block by block in the loop
     alignas(64) int32_t kquant_shift[16] = {}, kquant_add[16] = {};
     uint16_t kquant_minimum_lanes = 0;  // the lanes of the minimum integers (m), multiplied by dmin
+    bool kquant_plain = false;          // every shift and offset 0: the integers as the windows give them
+    // d and dmin as two of the first 16 fp16 words of a block (even offsets under 32, blocks of 32 bytes
+    // or more): lane i's word, so that one load, one conversion and one permute give [d ... | dmin ...]
+    bool kquant_halves = false;
+    alignas(64) int32_t kquant_half_index[16] = {};
     int kquant_depth = 0;
     std::vector<Chunk> kquant;
+    // kind 2 with K-quant factors, blocks of a multiple of 128 elements whose units of two sub-blocks lie
+    // two by two in 64 contiguous bytes (Q4_K): the integer products take 128 elements a step, x in their
+    // order (bf16_blocks_words with wide; cpu_gemv_gguf_bf16.cpp: rows_wide)
+    bool wide = false;
     // kind 3: the code values of up to 64 codes as bfloat16 words, and the steps ([steps][depth])
     alignas(64) int16_t table64[64] = {};
     int plane_depth = 0;
@@ -261,10 +270,10 @@ bool bf16_blocks_fits(const Layout &l, const Plan &plan16, Bf16Input &in);
 // with it 0, every layout takes 32 elements a step (the tests run both).
 bool bf16_planes64_on();
 // A bfloat16 row of x ([k], k a multiple of 32) into xq ([bf16_pairs(k) * 64] words in the loop's
-// order for `kind`: kinds 1 and 2 pair sub-blocks of 32, kind 3 keeps x's own order; zero padded);
-// false where an element is neither zero nor of a magnitude in [2**-100, 2**64]. Call only where
-// bf16_blocks_supported().
-bool bf16_blocks_words(const uint16_t *x, int64_t k, int kind, int16_t *xq);
+// order for `kind`: kinds 1 and 2 pair sub-blocks of 32, kind 3 keeps x's own order; zero padded;
+// wide: the order of rows_wide's steps of 128, k a multiple of 128); false where an element is neither
+// zero nor of a magnitude in [2**-100, 2**64]. Call only where bf16_blocks_supported().
+bool bf16_blocks_words(const uint16_t *x, int64_t k, int kind, int16_t *xq, bool wide = false);
 // The integer products (kinds 1 and 2 where Bf16Input::integer, at most INT16_BLOCK_ROWS rows of x): a row of
 // words from bf16_blocks_words rewritten in place as 16-bit integers, each block of 256 words (4 pairs)
 // over its own power-of-two step unit[b] (the smallest that holds the block's largest magnitude in 15

@@ -68,8 +68,14 @@ static inline __m512 kquant_block(const Layout &l, const Bf16Input &in, const ui
         const __m512i w = V512::and_(V512::srlv(V512::window(block + cs[s].off, cs[s]), cs[s].shift), cs[s].mask);
         v = _mm512_or_si512(v, V512::sllv(w, cs[s].dest));
     }
-    const __m512i shift = _mm512_load_si512(in.kquant_shift);
-    v = _mm512_add_epi32(_mm512_srav_epi32(_mm512_sllv_epi32(v, shift), shift), _mm512_load_si512(in.kquant_add));
+    if (!in.kquant_plain) {
+        const __m512i shift = _mm512_load_si512(in.kquant_shift);
+        v = _mm512_add_epi32(_mm512_srav_epi32(_mm512_sllv_epi32(v, shift), shift), _mm512_load_si512(in.kquant_add));
+    }
+    if (in.kquant_halves) {
+        const __m512 halves = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(block)));
+        return _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_load_si512(in.kquant_half_index), halves), _mm512_cvtepi32_ps(v));
+    }
     const float dmin = l.n_minimum ? block_half(block, l.minimum[0].offset, Half()) : 0.0f;
     const __m512 d = _mm512_mask_blend_ps(in.kquant_minimum_lanes,
                                           _mm512_set1_ps(block_half(block, l.scale[0].offset, Half())), _mm512_set1_ps(dmin));
@@ -216,6 +222,77 @@ static void rows_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, co
         }
     }
     store_sums<M, R>(l, INT ? total : sum, buffer.data() + R * stride, stride, xsum, n, step, acc, ldy);
+}
+
+// Kind 2 with K-quant factors on the integer products, 128 elements a step (Bf16Input::wide): units s / s + 1
+// and s + 2 / s + 3 (each 32 bytes, low nibbles one sub-block, high nibbles the next) are one 64-byte load.
+// Its 32 words hold four codes each: bits 0-3 and 8-11 are elements 2j and 2j + 1 of sub-block s (words
+// 0-15) or s + 2 (16-31), bits 4-7 and 12-15 those of s + 1 or s + 3, looked up (VPERMW reads five bits; the
+// table is there twice) after shifts of 0, 4, 8 and 12. x comes in the same order (bf16_blocks_words), so that
+// lanes 0-7 of the first and third products hold sub-block s and lanes 8-15 s + 2, of the second and fourth
+// s + 1 and s + 3: two multiplies by their K-quant products scale all four. Against the pairs' loop (64
+// elements a step) it loads and widens once, not four times, and converts and scales half as often.
+template <int M, int R>
+static void rows_wide(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
+                      int64_t n, int64_t step, float *acc, int64_t ldy, const float *unit) {
+    const int64_t subs = l.k / SUB, xstride = bf16_pairs(l.k) * 64, unit_blocks = (bf16_pairs(l.k) + 3) / 4;
+    const int64_t blocks = l.k / l.elements, steps = l.elements / 128;
+    const __m512i table = _mm512_load_si512(in.int_table);
+    // the sub-blocks of a step's lanes: [s x 8 | s + 2 x 8] (first and third products), then s + 1 and s + 3
+    const __m512i even_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i odd_lanes = _mm512_add_epi32(even_lanes, _mm512_set1_epi32(1));
+    thread_local std::vector<float> buffer;  // each row's minimum products, for the end
+    const int64_t stride = subs + 17;
+    if (buffer.size() < static_cast<size_t>(2 * R * stride)) buffer.resize(static_cast<size_t>(2 * R * stride));
+    const uint8_t *rows[R];
+    for (int r = 0; r < R; r++) rows[r] = l.codes + (n + r * step) * l.row_bytes;
+    __m512 sum[R][M], total[R][M];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) sum[r][m] = total[r][m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t base = b * l.block_bytes;
+        __m512 products[R];
+        for (int r = 0; r < R; r++) {
+            products[r] = kquant_block(l, in, rows[r] + base);
+            if (l.n_minimum)
+                _mm256_storeu_ps(buffer.data() + (R + r) * stride + 8 * b, _mm512_extractf32x8_ps(products[r], 1));
+        }
+        for (int64_t t = 0; t < steps; t++) {
+            const int64_t k0 = b * l.elements + 128 * t;
+            const int off = plan.element[8 * t].off;  // unit 2t's first window; unit 2t + 1's 32 bytes on
+            const __m512i first = _mm512_add_epi32(even_lanes, _mm512_set1_epi32(static_cast<int>(4 * t)));
+            const __m512i second = _mm512_add_epi32(odd_lanes, _mm512_set1_epi32(static_cast<int>(4 * t)));
+            for (int r = 0; r < R; r++) {
+                const __m512i w = _mm512_loadu_si512(rows[r] + base + off);
+                const __m512i q0 = _mm512_permutexvar_epi16(w, table);
+                const __m512i q1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+                const __m512i q2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 8), table);
+                const __m512i q3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 12), table);
+                const __m512 s_first = _mm512_permutexvar_ps(first, products[r]);
+                const __m512 s_second = _mm512_permutexvar_ps(second, products[r]);
+                for (int m = 0; m < M; m++) {
+                    const int16_t *x = xw + m * xstride + k0;
+                    const __m512i a = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), q0,
+                                                                              _mm512_loadu_si512(x)),
+                                                          q2, _mm512_loadu_si512(x + 64));
+                    const __m512i c = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), q1,
+                                                                              _mm512_loadu_si512(x + 32)),
+                                                          q3, _mm512_loadu_si512(x + 96));
+                    sum[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s_first, sum[r][m]);
+                    sum[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), s_second, sum[r][m]);
+                }
+            }
+            if ((k0 + 128) % 256 == 0 || k0 + 128 == l.k)  // a block of x's integers ends: its sums times its step
+                for (int m = 0; m < M; m++) {
+                    const __m512 u = _mm512_set1_ps(unit[m * unit_blocks + k0 / 256]);
+                    for (int r = 0; r < R; r++) {
+                        total[r][m] = _mm512_fmadd_ps(sum[r][m], u, total[r][m]);
+                        sum[r][m] = _mm512_setzero_ps();
+                    }
+                }
+        }
+    }
+    store_sums<M, R>(l, total, buffer.data() + R * stride, stride, xsum, n, step, acc, ldy);
 }
 
 // How kind 3 reads a block's factors: its K-quant products in the loop (kquant_block), its one fp16
@@ -393,6 +470,14 @@ static void rows_m(const Layout &l, const Plan &plan, const Bf16Input &in, const
     });
 }
 
+template <int M>
+static void wide_m(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
+                   int64_t n0, int64_t n1, float *acc, int64_t ldy, const float *unit) {
+    qscheme_rows::streams<4>(n0, n1, [&](auto rows, int64_t n, int64_t step) {
+        rows_wide<M, decltype(rows)::value>(l, plan, in, xw, xsum, n, step, acc, ldy, unit);
+    });
+}
+
 template <int KIND, bool PAIRED, int INLINE>
 static void rows_kind(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *xw, const float *xsum,
                       int m, int64_t n0, int64_t n1, float *acc, int64_t ldy, const float *unit) {
@@ -450,6 +535,11 @@ static void plan_kquant(const Layout &l, const Plan &plan, Bf16Input &in) {
         in.kquant_add[i] = f ? f->add : 0;
     }
     in.kquant_minimum_lanes = l.n_minimum ? static_cast<uint16_t>(((1u << g) - 1u) << g) : 0;
+    in.kquant_plain = true;
+    for (int i = 0; i < 16; i++) in.kquant_plain = in.kquant_plain && !in.kquant_shift[i] && !in.kquant_add[i];
+    const int d_at = l.scale[0].offset, dmin_at = l.n_minimum ? l.minimum[0].offset : d_at;
+    in.kquant_halves = l.block_bytes >= 32 && d_at % 2 == 0 && d_at < 32 && dmin_at % 2 == 0 && dmin_at < 32;
+    for (int i = 0; i < 16; i++) in.kquant_half_index[i] = ((in.kquant_minimum_lanes >> i) & 1 ? dmin_at : d_at) / 2;
     in.kquant = plan_windows(slots.data(), depth, count, l.block_bytes, 16);
     if (!in.kquant.empty()) in.kquant_depth = depth;
 }
@@ -556,6 +646,10 @@ static bool nibble_pairs_fit(const Layout &l, const Plan &plan, Bf16Input &in) {
         for (int u = 0; u < l.groups / 2; u++)
             if (plan.element[4 * u + 1].off != plan.element[4 * u].off + 16) return false;
     if (l.groups == 8) plan_kquant(l, plan, in);
+    // rows_wide: K-quant factors, integer code values, blocks of steps of 128 whose two units are adjacent
+    in.wide = in.kind == 2 && in.kquant_depth && in.integer && l.elements % 128 == 0;
+    for (int u = 0; in.wide && u + 1 < l.groups / 2; u += 2)
+        in.wide = plan.element[4 * (u + 1)].off == plan.element[4 * u].off + 32;
     in.paired = in.kind == 1 && l.groups == 1;
     if (in.paired && 2 * l.block_bytes > 64) return false;  // two blocks of one sub-block: one 64-byte load
     // an fp16 scale (and an fp16 minimum) or a one-byte scale per block: read in the loop from the block
@@ -600,11 +694,24 @@ bool bf16_blocks_fits(const Layout &l, const Plan &plan, Bf16Input &in) {
     return planes_fit(l, plan, in);
 }
 
-bool bf16_blocks_words(const uint16_t *x, int64_t k, int kind, int16_t *xq) {
+bool bf16_blocks_words(const uint16_t *x, int64_t k, int kind, int16_t *xq, bool wide) {
     using namespace qscheme_gguf_bf16;
     const int64_t subs = k / SUB, pairs = bf16_pairs(k);
     using qscheme_bf16_words::outside;
     __mmask32 bad = 0;
+    if (wide) {  // rows_wide: per 128, the even then the odd elements of sub-blocks s and s + 2, then s + 1 and s + 3
+        const __m512i evens = qscheme_bf16_words::every_other_word(0), odds = qscheme_bf16_words::every_other_word(1);
+        for (int64_t c = 0; c < k; c += 128) {
+            const __m512i v0 = _mm512_loadu_si512(x + c), v1 = _mm512_loadu_si512(x + c + 32);
+            const __m512i v2 = _mm512_loadu_si512(x + c + 64), v3 = _mm512_loadu_si512(x + c + 96);
+            bad |= outside(v0) | outside(v1) | outside(v2) | outside(v3);
+            _mm512_storeu_si512(xq + c, _mm512_permutex2var_epi16(v0, evens, v2));
+            _mm512_storeu_si512(xq + c + 32, _mm512_permutex2var_epi16(v1, evens, v3));
+            _mm512_storeu_si512(xq + c + 64, _mm512_permutex2var_epi16(v0, odds, v2));
+            _mm512_storeu_si512(xq + c + 96, _mm512_permutex2var_epi16(v1, odds, v3));
+        }
+        return bad == 0;
+    }
     for (int64_t p = 0; p < pairs; p++) {
         const __m512i a = _mm512_loadu_si512(x + 64 * p);
         const __m512i b = 2 * p + 1 < subs ? _mm512_loadu_si512(x + 64 * p + 32) : _mm512_setzero_si512();
@@ -654,6 +761,9 @@ void gemv_blocks_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, co
             else
                 two ? planes_kind<false, 2>(l, plan, in, xw, ss, count, n0, n1, ys, ldy)
                     : planes_kind<false, 1>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
+        } else if (in.kind == 2 && in.wide && unit) {
+            count == 1 ? wide_m<1>(l, plan, in, xw, ss, n0, n1, ys, ldy, unit)
+                       : wide_m<2>(l, plan, in, xw, ss, n0, n1, ys, ldy, unit);
         } else if (in.kind == 2)
             rows_kind<2, false, FROM_ROW>(l, plan, in, xw, ss, count, n0, n1, ys, ldy, unit);
         else if (in.inline_factors == FP16_SCALE)
@@ -678,7 +788,7 @@ void gemv_blocks_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, co
 namespace qscheme_gguf {
 bool bf16_blocks_fits(const Layout &, const Plan &, Bf16Input &) { return false; }
 bool bf16_planes64_on() { return false; }
-bool bf16_blocks_words(const uint16_t *, int64_t, int, int16_t *) { return false; }
+bool bf16_blocks_words(const uint16_t *, int64_t, int, int16_t *, bool) { return false; }
 void int16_blocks_words(int16_t *, int64_t, float *) {}
 bool int16_blocks_on() { return false; }
 void gemv_blocks_bf16(const Layout &, const Plan &, const Bf16Input &, const int16_t *, const float *, int, int64_t,
