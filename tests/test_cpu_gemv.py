@@ -553,6 +553,49 @@ def test_the_vnni_loop_takes_blocks_whose_largest_element_is_in_range(
         cpu_gemv.set_isa(before)
 
 
+# Every scale group the 16-bit dot loops take (16 and 32 by the chunk's lanes, 64 by lane too, 128
+# and the whole row at the chunk's end, with and without zero points), each with K a multiple of 128
+# and an odd multiple of 64 (the last 64 a chunk of their own) and blocks of 256 cut short.
+DOT_LOOP_GROUPS = (
+    "compressed-tensors/NVFP4A16",
+    "compressed-tensors/MXFP4A16",
+    "gptq/W4A16_G64",
+    "gptq/W4A16_ASYM_G64",
+    "compressed-tensors/W4A16",
+    "gptq/W4A16_ASYM_CHANNEL",
+)
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", DOT_LOOP_GROUPS)
+@pytest.mark.parametrize("k", [384, 448, 576])
+def test_the_dot_loops_take_every_group_and_a_last_chunk_of_64(
+    name: str, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The VNNI loop (and the AVX512-BF16 loop where the CPU has it and the layer fits it) runs the
+    layer at M = 1 to 4 and matches the reference kernel within the bound, whether K ends on a chunk
+    of 128 or with 64 more; a wrong lane group, a misplaced last chunk or a table not repeated over
+    the index's fifth bit takes the sums far outside it."""
+    before = cpu_gemv.isa()
+    cpu_gemv.set_isa("avx512")
+    monkeypatch.setenv(AMX_VARIABLE, "0")
+    monkeypatch.setenv(INT16_VARIABLE, "1")
+    try:
+        weight = weight_of(name, 24, k)
+        layout = cpu_gemv.layout_of(weight)
+        generator = torch.Generator().manual_seed(k)
+        loops = ["0", "1"] if "avx512_bf16" in cpu_flags() else ["0"]
+        for loop in loops:
+            monkeypatch.setenv(BF16DOT_VARIABLE, loop)
+            for m in (1, 2, 3, 4):
+                x = torch.randn(m, k, generator=generator).to(torch.bfloat16)
+                taken = cpu_gemv.dot_loop(layout, m)
+                assert taken == "vnni" or (loop == "1" and taken == "bf16"), (loop, m, taken)
+                check_kernel(weight, x)
+    finally:
+        cpu_gemv.set_isa(before)
+
+
 @needs_vnni
 def test_the_vnni_loop_subtracts_zero_points_exactly_and_leaves_large_ones_to_the_float_loop(
     monkeypatch: pytest.MonkeyPatch,
