@@ -332,6 +332,27 @@ VNNI = pytest.mark.skipif(
 )
 
 
+@BF16_LOOP
+@VNNI
+def test_q4_k_integer_products_take_128_elements_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4_K's units of two sub-blocks lie two by two in 64 bytes: its integer products take 128 elements
+    a step (QSCHEME_CPU_GEMV_GGUF_WIDE, read at each call; 0 sends them to the pairs' loop). Both loops
+    match the reference kernel within the bound, and they are two loops: their float32 sums differ."""
+    monkeypatch.setenv("QSCHEME_CPU_GEMV_GGUF_INT16", "1")
+    monkeypatch.setenv("QSCHEME_CPU_GEMV_BF16DOT", "1")
+    layout = cpu_gemv_blocks.block_layout_of(odd_weight("gguf/Q4_K"))
+    x = (torch.randn(2, layout.k, generator=torch.Generator().manual_seed(11)) * 4).to(BF16)
+    sums = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("QSCHEME_CPU_GEMV_GGUF_WIDE", flag)
+        sums[flag] = float_sums(layout, x)
+    assert not torch.equal(sums["1"], sums["0"])
+    check_bf16_loop("gguf/Q4_K", monkeypatch, integer="1")  # with the pairs' loop (the switch at 0)
+    monkeypatch.delenv("QSCHEME_CPU_GEMV_GGUF_WIDE")
+    monkeypatch.delenv("QSCHEME_CPU_GEMV_BF16DOT")  # check_bf16_loop ends with it at 0
+    check_bf16_loop("gguf/Q4_K", monkeypatch, integer="1")
+
+
 @VNNI
 def test_byte_blocks_take_integer_products_at_one_or_two_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Q8_0 (signed byte codes, one fp16 scale a block) with QSCHEME_CPU_GEMV_GGUF_INT16=1: one or two

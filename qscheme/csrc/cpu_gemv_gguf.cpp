@@ -347,11 +347,12 @@ PyObject *gemv_blocks(PyObject *, PyObject *args) {
     // products are on (int16_blocks_on): x's words as 16-bit integers per block of 256, VPDPWSSD
     const bool integer = bf16 && prep->words.kind != 3 && prep->words.integer && m <= INT16_BLOCK_ROWS &&
                          int16_blocks_on();
+    const bool wide = integer && prep->words.wide && bf16_wide_on();  // 128 elements a step
     if (bf16) {
         words = room(scratch.words, m * words_per_row);
         for (int64_t r = 0; r < m && bf16; r++)
             bf16 = bf16_blocks_words(static_cast<const uint16_t *>(x) + r * l.k, l.k, prep->words.kind,
-                                     words + r * words_per_row, integer && prep->words.wide);
+                                     words + r * words_per_row, wide);
     }
     float *units = nullptr;
     if (bf16 && integer) {
@@ -389,7 +390,7 @@ PyObject *gemv_blocks(PyObject *, PyObject *args) {
         const int64_t lo = task * span, hi = std::min(l.n, lo + span);
 #if defined(__x86_64__) || defined(__i386__)
         if (bf16)
-            gemv_blocks_bf16(l, *plan, prep->words, words, xsum, static_cast<int>(m), lo, hi, acc, l.n, units);
+            gemv_blocks_bf16(l, *plan, prep->words, words, xsum, static_cast<int>(m), lo, hi, acc, l.n, units, wide);
         else if (bytes)
             gemv_bytes_int16(l, prep->bytes_offset, words, units, static_cast<int>(m), lo, hi, acc, l.n);
         else if (level == 2)

@@ -269,6 +269,10 @@ bool bf16_blocks_fits(const Layout &l, const Plan &plan16, Bf16Input &in);
 // Whether QSCHEME_CPU_GEMV_PLANES64 (read at each call) leaves kind 3's 64-element steps on (not 0);
 // with it 0, every layout takes 32 elements a step (the tests run both).
 bool bf16_planes64_on();
+// Whether QSCHEME_CPU_GEMV_GGUF_WIDE (read at each call) leaves the integer products' 128-element steps on
+// for the layouts that have them (Bf16Input::wide; not 0); with it 0 they take the pairs' loop (the tests run
+// both).
+bool bf16_wide_on();
 // A bfloat16 row of x ([k], k a multiple of 32) into xq ([bf16_pairs(k) * 64] words in the loop's
 // order for `kind`: kinds 1 and 2 pair sub-blocks of 32, kind 3 keeps x's own order; zero padded;
 // wide: the order of rows_wide's steps of 128, k a multiple of 128); false where an element is neither
@@ -298,9 +302,11 @@ void gemv_bytes_int16(const Layout &l, int offset, const int16_t *xq, const floa
 
 // Rows [n0, n1) of the layer times m rows of xw ([m][bf16_pairs(l.k) * 64], from bf16_blocks_words;
 // in passes of at most 4), as gemv_blocks_avx512. With unit ([m][blocks of 256 words]) the rows of xw
-// are int16_blocks_words' integers and the products integer (m <= INT16_BLOCK_ROWS, in.integer).
+// are int16_blocks_words' integers and the products integer (m <= INT16_BLOCK_ROWS, in.integer); wide: in
+// 128-element steps (in.wide, xw from bf16_blocks_words with wide).
 void gemv_blocks_bf16(const Layout &l, const Plan &plan16, const Bf16Input &in, const int16_t *xw, const float *xsum,
-                      int m, int64_t n0, int64_t n1, float *acc, int64_t ldy, const float *unit = nullptr);
+                      int m, int64_t n0, int64_t n1, float *acc, int64_t ldy, const float *unit = nullptr,
+                      bool wide = false);
 
 // Rows [n0, n1) of the layer into out ([n1 - n0][K], float32 or bfloat16): each weight as qscheme's
 // block decoder forms it, bfloat16 rounded once (cpu_gemv_gguf_dequant.cpp). False where plan16 has no

@@ -688,6 +688,11 @@ bool bf16_planes64_on() {
     return !(setting && setting[0] == '0');
 }
 
+bool bf16_wide_on() {
+    const char *setting = std::getenv("QSCHEME_CPU_GEMV_GGUF_WIDE");
+    return !(setting && setting[0] == '0');
+}
+
 bool bf16_blocks_fits(const Layout &l, const Plan &plan, Bf16Input &in) {
     if (nibble_pairs_fit(l, plan, in)) return true;
     in = Bf16Input();
@@ -744,7 +749,7 @@ bool int16_blocks_on() {
 }
 
 void gemv_blocks_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, const int16_t *x, const float *xsum,
-                      int m, int64_t n0, int64_t n1, float *acc, int64_t ldy, const float *unit) {
+                      int m, int64_t n0, int64_t n1, float *acc, int64_t ldy, const float *unit, bool wide) {
     using namespace qscheme_gguf_bf16;
     const int64_t xs_stride = l.k / l.sub;  // xsum: [m][K / sub]
     if (unit && (in.kind == 3 || !in.integer || m > INT16_BLOCK_ROWS)) unit = nullptr;  // never: the caller checks
@@ -761,7 +766,7 @@ void gemv_blocks_bf16(const Layout &l, const Plan &plan, const Bf16Input &in, co
             else
                 two ? planes_kind<false, 2>(l, plan, in, xw, ss, count, n0, n1, ys, ldy)
                     : planes_kind<false, 1>(l, plan, in, xw, ss, count, n0, n1, ys, ldy);
-        } else if (in.kind == 2 && in.wide && unit) {
+        } else if (in.kind == 2 && wide && unit) {
             count == 1 ? wide_m<1>(l, plan, in, xw, ss, n0, n1, ys, ldy, unit)
                        : wide_m<2>(l, plan, in, xw, ss, n0, n1, ys, ldy, unit);
         } else if (in.kind == 2)
@@ -791,8 +796,9 @@ bool bf16_planes64_on() { return false; }
 bool bf16_blocks_words(const uint16_t *, int64_t, int, int16_t *, bool) { return false; }
 void int16_blocks_words(int16_t *, int64_t, float *) {}
 bool int16_blocks_on() { return false; }
+bool bf16_wide_on() { return false; }
 void gemv_blocks_bf16(const Layout &, const Plan &, const Bf16Input &, const int16_t *, const float *, int, int64_t,
-                      int64_t, float *, int64_t, const float *) {}
+                      int64_t, float *, int64_t, const float *, bool) {}
 }  // namespace qscheme_gguf
 
 #endif
