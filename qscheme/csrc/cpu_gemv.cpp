@@ -79,17 +79,21 @@ bool vector_fits(const Params &p, int width) {
 
 namespace qscheme_gemv {
 
-static bool vnni_supported() {
+// A CPU feature, asked once (__builtin_cpu_supports takes a literal name); false off x86.
 #if defined(__x86_64__) || defined(__i386__)
-    static const bool supported = [] {
-        __builtin_cpu_init();
-        return __builtin_cpu_supports("avx512vnni") != 0;
-    }();
-    return supported;
+#define QS_CPU_FEATURE(name)                                                \
+    [] {                                                                    \
+        static const bool supported = [] {                                  \
+            __builtin_cpu_init();                                           \
+            return __builtin_cpu_supports(name) != 0;                       \
+        }();                                                                \
+        return supported;                                                   \
+    }()
 #else
-    return false;
+#define QS_CPU_FEATURE(name) false
 #endif
-}
+
+static bool vnni_supported() { return QS_CPU_FEATURE("avx512vnni"); }
 
 bool int16_fits(const Params &p, Int16Input &in) {
     const char *setting = std::getenv("QSCHEME_CPU_GEMV_INT16");
@@ -116,17 +120,7 @@ bool int16_fits(const Params &p, Int16Input &in) {
     return false;
 }
 
-static bool bf16_supported() {
-#if defined(__x86_64__) || defined(__i386__)
-    static const bool supported = [] {
-        __builtin_cpu_init();
-        return __builtin_cpu_supports("avx512bf16") != 0;
-    }();
-    return supported;
-#else
-    return false;
-#endif
-}
+static bool bf16_supported() { return QS_CPU_FEATURE("avx512bf16"); }
 
 static bool bf16_word(float v, int16_t &word) {  // v as a bfloat16 word, where it is one exactly (and not subnormal)
     uint32_t bits;
@@ -482,17 +476,8 @@ PyObject *set_isa(PyObject *, PyObject *args) {
 
 namespace qscheme_gemv {  // for the packed-block loops (cpu_gemv_gguf.cpp)
 int active_isa() { return isa_level(); }
-bool slow_bf16_dot() {
-#if defined(__x86_64__) || defined(__i386__)
-    static const bool amx = [] {
-        __builtin_cpu_init();
-        return __builtin_cpu_supports("amx-bf16") != 0;
-    }();
-    return amx;
-#else
-    return false;
-#endif
-}
+// VDPBF16PS at half the FMA's rate: the AMX-BF16 CPUs (Intel)
+bool slow_bf16_dot() { return QS_CPU_FEATURE("amx-bf16"); }
 void run_tasks(int threads, int64_t tasks, const std::function<void(int64_t)> &job) { qscheme_threads::run_tasks(threads, tasks, job); }
 }  // namespace qscheme_gemv
 
