@@ -29,7 +29,7 @@ measured faster or as fast at half the memory; elsewhere the ranking above holds
 
 ``cpu_gemm_blocks`` is the blocks' GEMM for larger batches (``qscheme.cpu_gemv_blocks.gemm``): panels
 of 32 weight rows decoded from the blocks into bfloat16 and multiplied on the AMX tiles or with
-VDPBF16PS, on CPUs with AVX512-BF16 (check ``BlocksGemm``), bfloat16 inputs, from M = 5 (4 for blocks
+VDPBF16PS, on CPUs with AVX512-BF16 and VBMI (check ``BlocksGemm``), bfloat16 inputs, from M = 5 (4 for blocks
 of 8 bits a weight, and for every type where the panels multiply on the AMX tiles: check
 ``BlocksGemmTiles``); priority 63: above the GEMVs, whose ranges end at 15, and ``dequant_gemm``,
 which decodes row tiles for torch's GEMM from M = 16.
@@ -223,7 +223,7 @@ CPU_GEMV_BLOCKS_BF16 = KernelDeclaration(
 
 @dataclass(frozen=True)
 class BlocksGemm:
-    """This CPU runs ``qscheme.cpu_gemv_blocks.gemm`` (AVX512-BF16, the AVX-512 loops in use)."""
+    """This CPU runs ``qscheme.cpu_gemv_blocks.gemm`` (AVX512-BF16 and VBMI, the AVX-512 loops in use)."""
 
     def check(self, problem: Problem) -> CheckResult:
         from qscheme import cpu_gemv_blocks  # torch: the kernel's own requirement, checked before this
@@ -232,12 +232,12 @@ class BlocksGemm:
             return PASSED
         return CheckResult(
             False,
-            "this CPU does not run the blocks' fused GEMM (it needs AVX512-BF16 and the AVX-512 loops in use)",
+            "this CPU does not run the blocks' fused GEMM (it needs AVX512-BF16, VBMI and the AVX-512 loops in use)",
             "cpu_gemv_blocks up to M = 15 and dequant_gemm from M = 16 run the layer here",
         )
 
     def describe(self) -> str:
-        return "a CPU running the blocks' fused GEMM (AVX512-BF16)"
+        return "a CPU running the blocks' fused GEMM (AVX512-BF16 and VBMI)"
 
 
 # the blocks of 8 bits a weight and more (Q8_0, whose GEMV runs the float32 loop, not the bfloat16 one)

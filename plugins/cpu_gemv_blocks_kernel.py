@@ -72,7 +72,7 @@ class CpuGemmBlocksKernel:
         if not gemm_runs(state.layout):
             raise UsageError(
                 f"cpu_gemm_blocks does not run scheme {weight.scheme.name} here: its blocks do not fit the GEMM's "
-                "vector decoder, or this CPU does not run it (AVX512-BF16 and the AVX-512 loops); force "
+                "vector decoder, or this CPU does not run it (AVX512-BF16, VBMI and the AVX-512 loops); force "
                 "kernel='dequant_gemm' (or 'cpu_gemv_blocks') for this layer"
             )
         return state

@@ -39,8 +39,8 @@ as the instruction reads a bfloat16 subnormal), then multiplied by every row of 
 grants the tile state, else with VDPBF16PS dot products (``gemm_loops`` says which;
 ``QSCHEME_CPU_GEMM_BLOCKS_AMX=0``, read at each call, keeps VDPBF16PS). Either way products of
 bfloat16 values are exact and summed in float32, the output rounded once to bfloat16, a float32 bias
-added first. It runs where the CPU has AVX512-BF16, the AVX-512 loops are in use and the layout fits
-their decoder (``gemm_runs``). A thread holds one panel; the weight is never stored whole.
+added first. It runs where the CPU has AVX512-BF16 and VBMI, the AVX-512 loops are in use and the
+layout fits their decoder (``gemm_runs``). A thread holds one panel; the weight is never stored whole.
 
 Ops (namespace ``qscheme``, with fake implementations for torch.compile):
 ``cpu_gemv_blocks(x, codes, program, values, byte_tables, bias, meta, threads)``: ``x`` [M, K]
@@ -357,7 +357,7 @@ def _gemm_args(layout: BlockGemvLayout) -> tuple[int, ...]:
 
 def gemm_available() -> bool:
     """Whether ``gemm`` runs here on the layouts it takes: the extension built, a CPU with
-    AVX512-BF16, and the AVX-512 loops in use (``qscheme.cpu_gemv.set_isa`` /
+    AVX512-BF16 and VBMI, and the AVX-512 loops in use (``qscheme.cpu_gemv.set_isa`` /
     ``QSCHEME_CPU_GEMV_ISA``)."""
     module = native()
     return module is not None and hasattr(module, "blocks_gemm") and bool(module.blocks_gemm())
@@ -372,8 +372,23 @@ def gemm_loops() -> str | None:
     return {0: None, 1: "avx512", 2: "amx"}[int(module.blocks_gemm())]
 
 
+GEMM_DECODERS = {1: "words", 2: "runs64", 3: "runs", 4: "elements"}
+
+
+def gemm_decoder(layout: BlockGemvLayout) -> str | None:
+    """Which decoder fills ``gemm``'s bfloat16 panels on this layer here: "words" (codes of at most 4
+    bits from one piece, looked up 32 at a time), "runs64" (integer codes of two or three pieces, each
+    a run of 64 or 32 bytes: Q3_K, Q5_K, Q6_K; 64 elements a step, ``QSCHEME_CPU_GEMM_BLOCKS_RUN64=0``
+    turns it off), "runs" (two or three pieces, 32 a step), "elements" (any other layout); None where
+    ``gemm`` does not run on it here (``gemm_runs``)."""
+    module = native()
+    if module is None or not hasattr(module, "gemm_blocks_decoder"):
+        return None
+    return GEMM_DECODERS.get(int(module.gemm_blocks_decoder(*_gemm_args(layout))))
+
+
 def gemm_runs(layout: BlockGemvLayout) -> bool:
-    """Whether ``gemm`` runs on this layer here: the extension built, a CPU with AVX512-BF16, the
+    """Whether ``gemm`` runs on this layer here: the extension built, a CPU with AVX512-BF16 and VBMI, the
     AVX-512 loops in use (``qscheme.cpu_gemv.set_isa`` / ``QSCHEME_CPU_GEMV_ISA``) and a layout their
     block decoder reads (16 elements a chunk, blocks of a multiple of 32 elements)."""
     module = native()
@@ -423,8 +438,8 @@ def _run_gemm(
     )  # fmt: skip
     if not ran:
         raise UsageError(
-            "qscheme::cpu_gemm_blocks does not run here: it needs a CPU with AVX512-BF16, the AVX-512 loops in use "
-            "(qscheme.cpu_gemv.set_isa) and a layout their decoder reads; check cpu_gemv_blocks.gemm_runs first"
+            "qscheme::cpu_gemm_blocks does not run here: it needs a CPU with AVX512-BF16 and VBMI, the AVX-512 loops "
+            "in use (qscheme.cpu_gemv.set_isa) and a layout their decoder reads; check cpu_gemv_blocks.gemm_runs first"
         )
     return out
 

@@ -13,7 +13,7 @@ bit llama.cpp's: tests/test_gguf_quants.py):
   bfloat16 unit of the exact product of the rounded weight plus K float32 roundings;
 - both multiplies, each where it runs: VDPBF16PS (``QSCHEME_CPU_GEMM_BLOCKS_AMX=0``) and the AMX
   tiles (the default where ``gemm_loops`` says "amx");
-- where it runs (``gemm_runs``: AVX512-BF16 and the AVX-512 loops in use), typed refusals, the op's
+- where it runs (``gemm_runs``: AVX512-BF16, VBMI and the AVX-512 loops in use), typed refusals, the op's
   fake implementation (opcheck, torch.compile);
 - the ``cpu_gemm_blocks`` kernel: the plan's kernel from M = 4 or 5 for bfloat16 inputs where it runs
   (rejected with its reason elsewhere, never for float32 inputs), a QuantLinear running it with no
@@ -37,6 +37,7 @@ from qscheme_plugins.cpu_gemv_blocks_kernel import CpuGemmBlocksKernel
 from qscheme import cpu_gemv, cpu_gemv_blocks
 from qscheme.canonical import CanonicalWeight
 from qscheme.canonical_blocks import canonical_blocks
+from qscheme.descriptor import parse_scheme_text
 from qscheme.errors import UsageError
 from qscheme.formats.blocks import decode_blocks
 from qscheme.kernels import registry
@@ -120,6 +121,72 @@ def test_the_panel_is_the_reference_weight_rounded_once(
             y = cpu_gemv_blocks.gemm(layout, identity, None, start, stop, threads)
             assert y.dtype == torch.bfloat16 and y.shape == (weight.k, stop - start)
             assert torch.equal(y.float().T, expected[start:stop]), (name, multiply, start, stop, chunk)
+
+
+@GEMM
+@pytest.mark.parametrize(
+    ("name", "decoder"),
+    [("gguf/Q3_K", "runs64"), ("gguf/Q5_K", "runs64"), ("gguf/Q6_K", "runs64"), ("gguf/Q5_0", "runs"),
+     ("gguf/Q5_1", "runs"), ("gguf/Q8_0", "elements"), ("gguf/Q4_K", "words"), ("gguf/Q2_K", "words")],
+)  # fmt: skip
+def test_each_layout_takes_the_decoder_it_fits(name: str, decoder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Codes of two or three pieces whose every piece lies in runs of 64 or 32 bytes (the K-quants Q3_K,
+    Q5_K, Q6_K) decode 64 elements a step; Q5_0's and Q5_1's fifth bits are single bits (the runs'
+    decoder, 32 a step); 4-bit codes of one piece are looked up as words. QSCHEME_CPU_GEMM_BLOCKS_RUN64=0
+    (read at each call) sends the runs of 64 to the runs' decoder; each decoder gives the reference
+    weight rounded once."""
+    weight = weight_of(name)
+    layout = cpu_gemv_blocks.block_layout_of(weight)
+    expected = rounded(weight).float()
+    identity = torch.eye(weight.k).to(torch.bfloat16)
+    monkeypatch.delenv("QSCHEME_CPU_GEMM_BLOCKS_RUN64", raising=False)
+    assert cpu_gemv_blocks.gemm_decoder(layout) == decoder
+    monkeypatch.setenv("QSCHEME_CPU_GEMM_BLOCKS_RUN64", "0")
+    assert cpu_gemv_blocks.gemm_decoder(layout) == ("runs" if decoder == "runs64" else decoder)
+    for flag in ("0", "1"):
+        monkeypatch.setenv("QSCHEME_CPU_GEMM_BLOCKS_RUN64", flag)
+        y = cpu_gemv_blocks.gemm(layout, identity, None, 0, weight.n, 2)
+        assert torch.equal(y.float().T, expected), (name, flag)
+
+
+SIGNED_RUNS = """
+name: gguf/TEST_SIGNED_RUNS
+producer: gguf
+weight:
+  packing: blocks
+  tensor: {name: weight, dtype: uint8, shape: [N, "K/256*210"]}
+  blocks:
+    elements: 256
+    bytes: 210
+    fields:
+      - {name: ql, bytes: 128}
+      - {name: qh, bytes: 64}
+      - {name: scales, bytes: 16}
+      - {name: d, format: fp16}
+    integers:
+      sc: {count: 16, planes: [{field: scales, bits: 8}], signed: true}
+      q: {count: 256, planes: [{field: ql, bits: 4, run: 64}, {field: qh, bits: 2, run: 32}], OFFSET}
+    element: {integer: q}
+    scale: [d, sc]
+activation: none
+"""
+
+
+@GEMM
+@pytest.mark.parametrize("codes", ["signed: true", "offset: -60", "offset: 60"])
+def test_runs_of_64_form_signed_and_offset_codes_as_bytes(codes: str) -> None:
+    """A YAML-only layout of Q6_K's pieces with signed 6-bit codes, or an offset that leaves every value
+    within a signed byte, decodes 64 elements a step and gives the reference weight rounded once (random
+    bytes for the codes and scales)."""
+    scheme = parse_scheme_text(SIGNED_RUNS.replace("OFFSET", codes), "<test>")
+    n, k = 33, 3 * 256
+    raw = torch.randint(0, 256, (n, k // 256, 210), generator=torch.Generator().manual_seed(4), dtype=torch.uint8)
+    raw[:, :, 208:] = torch.tensor([0x00, 0x1C], dtype=torch.uint8)  # d = 2**-8 in every block
+    weight = canonical_blocks(scheme, raw.reshape(n, -1), n, k)
+    layout = cpu_gemv_blocks.block_layout_of(weight)
+    assert cpu_gemv_blocks.gemm_decoder(layout) == "runs64"
+    y = cpu_gemv_blocks.gemm(layout, torch.eye(k).to(torch.bfloat16), None, 0, n, 2)
+    assert torch.equal(y.float().T, rounded(weight).float())
 
 
 @GEMM

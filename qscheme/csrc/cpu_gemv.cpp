@@ -493,6 +493,7 @@ PyMethodDef methods[] = {
     {"gemv_blocks", qscheme_gguf::gemv_blocks, METH_VARARGS, "y = x W^T (+ bias) over packed blocks (qscheme.cpu_gemv_blocks)."},
     {"dequantize_blocks", qscheme_gguf::dequantize_blocks, METH_VARARGS, "Rows of packed blocks as float32 or bfloat16 (AVX-512; False where it does not run)."},
     {"gemm_blocks", qscheme_gguf::gemm_blocks, METH_VARARGS, "y = x W^T (+ bias) over packed blocks for many rows of bfloat16 x (AVX-512 BF16; False where it does not run)."},
+    {"gemm_blocks_decoder", qscheme_gguf::gemm_blocks_decoder, METH_VARARGS, "Which decoder fills gemm_blocks' panels on a layer (1-4), 0 where it does not run."},
     {"blocks_gemm", qscheme_gguf::blocks_gemm, METH_NOARGS, "1 where gemm_blocks runs here (AVX512-BF16, the AVX-512 loops in use), else 0."},
     {"blocks_loop", qscheme_gguf::blocks_loop, METH_VARARGS, "1 where bfloat16 rows of x run the AVX512-BF16 loop on packed blocks, else 0."},
     {"blocks_bf16", qscheme_gguf::blocks_bf16, METH_NOARGS, "1 where this CPU runs the packed blocks' AVX512-BF16 loop, else 0."},

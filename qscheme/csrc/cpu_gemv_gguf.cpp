@@ -263,7 +263,8 @@ bool gemm_blocks_supported() {
 #if defined(__x86_64__) || defined(__i386__)
     static const bool supported = [] {
         __builtin_cpu_init();
-        return __builtin_cpu_supports("avx512bf16") != 0 && __builtin_cpu_supports("avx512bw") != 0;
+        return __builtin_cpu_supports("avx512bf16") != 0 && __builtin_cpu_supports("avx512bw") != 0 &&
+               __builtin_cpu_supports("avx512vbmi") != 0;
     }();
     return supported;
 #else
@@ -486,6 +487,20 @@ PyObject *gemm_blocks(PyObject *, PyObject *args) {
     gemm_blocks_bf16(l, prep->plan16, x, m, bias, out, ldy, r0, r1, threads, kc, amx);
     Py_END_ALLOW_THREADS;
     Py_RETURN_TRUE;
+}
+
+/* gemm_blocks_decoder(codes, n, k, row_bytes, program, program_length, values, byte_tables, tables): which
+ * decoder fills gemm_blocks' panels on this layer (gemm_blocks_decoder in cpu_gemv_gguf.h: 1 words, 2 runs
+ * of 64 elements a step, 3 runs of 32, 4 elements); 0 where gemm_blocks does not run it here. */
+PyObject *gemm_blocks_decoder(PyObject *, PyObject *args) {
+    long long v[9];
+    if (!integer_args(args, "gemm_blocks_decoder", v, 9)) return nullptr;
+    Layout l;
+    const std::shared_ptr<const Prepared> prep = layer(v, l);
+    if (!prep) return nullptr;
+    if (qscheme_gemv::active_isa() != 2 || !gemm_blocks_supported() || !gemm_blocks_fits(l, prep->plan16))
+        return PyLong_FromLong(0);
+    return PyLong_FromLong(gemm_blocks_decoder(l, prep->plan16));
 }
 
 /* blocks_gemm(): where gemm_blocks runs here on the layouts it takes (the AVX-512 loops in use on a CPU

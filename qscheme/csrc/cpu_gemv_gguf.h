@@ -323,7 +323,11 @@ bool dequantize_blocks_avx512(const Layout &l, const Plan &plan16, int64_t n0, i
 bool gemm_blocks_fits(const Layout &l, const Plan &plan16);
 void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, int64_t m, const float *bias,
                       uint16_t *out, int64_t ldy, int64_t r0, int64_t r1, int threads, int64_t kc, bool amx);
-// Whether this CPU has AVX512-BF16 (and the extension was built for x86).
+// Which decoder fills gemm_blocks_bf16's panels for this layout: 1 the 4-bit words' (VPERMW), 2 the runs'
+// of 64 elements a step (QSCHEME_CPU_GEMM_BLOCKS_RUN64, read at each call, not 0), 3 the runs' of 32
+// a step, 4 the element decoder.
+int gemm_blocks_decoder(const Layout &l, const Plan &plan16);
+// Whether this CPU has AVX512-BF16 and VBMI (the panel decoders permute bytes), and the extension was built for x86.
 bool gemm_blocks_supported();
 // Whether the fused GEMM multiplies on the AMX tiles here: the AMX loops compiled, the tile state granted,
 // and QSCHEME_CPU_GEMM_BLOCKS_AMX (read at each call) not 0.
@@ -333,6 +337,7 @@ bool gemm_blocks_amx();
 PyObject *gemv_blocks(PyObject *, PyObject *args);
 PyObject *dequantize_blocks(PyObject *, PyObject *args);
 PyObject *gemm_blocks(PyObject *, PyObject *args);
+PyObject *gemm_blocks_decoder(PyObject *, PyObject *args);
 PyObject *blocks_gemm(PyObject *, PyObject *);
 PyObject *blocks_loop(PyObject *, PyObject *args);
 PyObject *blocks_bf16(PyObject *, PyObject *);

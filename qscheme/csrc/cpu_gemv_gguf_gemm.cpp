@@ -27,7 +27,7 @@
 // - any other element (Q8_0's bytes; layouts that fit neither form): the vector loops' element decode,
 //   16 at a time, times the scale product (and the minimum), two chunks rounded together.
 #if defined(__x86_64__) || defined(__i386__)
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c")
 #include <immintrin.h>
 
 #include <algorithm>
@@ -248,6 +248,133 @@ void panel_elements(const Layout &l, const Plan &plan, int64_t n, int64_t count,
                             });
 }
 
+// Integer codes of two or three pieces, 64 at a time, where every piece of a step of 64 elements is one
+// run of bytes in order: 64 bytes, or 32 bytes read for both halves (Q6_K's low nibbles are runs of 64
+// and its high bits runs of 32; Q3_K's and Q5_K's pieces runs of 32). Each piece's bits are moved to
+// their place with one rotation per 64-bit lane (a lane's eight bytes share a shift, so each byte's
+// bits stay within the byte) and kept with one mask, so that a step of 64 codes costs two operations a
+// piece instead of the runs' decoder's four per 32 codes. Codes and their offset (and sign) are then
+// formed as bytes, which holds where every value fits a signed byte.
+struct alignas(64) RunStep {
+    uint64_t rot[MAX_DEPTH][8];
+    uint8_t mask[MAX_DEPTH][64];
+    int off[MAX_DEPTH];
+    int g[4];
+};
+
+struct Run64Plan {
+    std::vector<RunStep> steps;
+    int forms = 0;          // bit s: piece s is a run of 64 bytes (else 32 read twice)
+    int8_t flip = 0, add = 0;  // value = (code ^ flip) + add, as signed bytes
+};
+
+Run64Plan run64_plan(const Layout &l) {
+    Run64Plan none, found;
+    const int depth = l.el_depth, count = l.elements;
+    if (l.el_table || depth < 2 || depth > 3 || l.el_bits > 8 || count % 64 || l.sub % 16 || !l.el_slots) return none;
+    // the codes' values as signed bytes
+    const int bits = l.el_bits, lo = (l.el_signed ? -(1 << (bits - 1)) : 0) + l.el_offset;
+    const int hi = (l.el_signed ? (1 << (bits - 1)) - 1 : (1 << bits) - 1) + l.el_offset;
+    if (lo < -128 || hi > 127) return none;
+    const int flip = l.el_signed ? 1 << (bits - 1) : 0;
+    found.flip = static_cast<int8_t>(static_cast<uint8_t>(flip));
+    found.add = static_cast<int8_t>(static_cast<uint8_t>((l.el_offset - flip) & 0xFF));  // bytes add modulo 256
+    found.steps.resize(static_cast<size_t>(count / 64));
+    const int per_group = l.sub / 16;
+    for (int s = 0; s < depth; s++) {
+        const int32_t *byte = l.el_slots + s * 4 * count, *shift = byte + count, *mask = shift + count,
+                      *dest = mask + count;
+        int form = -1;
+        for (int st = 0; st < count / 64; st++) {
+            RunStep &step = found.steps[static_cast<size_t>(st)];
+            const int e0 = 64 * st, off = byte[e0];
+            // a run of 64 bytes, else of 32 read for both halves
+            auto run = [&](int length) {
+                for (int i = 0; i < 64; i++)
+                    if (byte[e0 + i] != off + i % length) return false;
+                return true;
+            };
+            const int here = run(64) ? 1 : (run(32) ? 0 : -1);
+            if (here < 0) return none;
+            if (form >= 0 && here != form) return none;
+            form = here;
+            step.off[s] = off;
+            for (int q = 0; q < 8; q++) {
+                const int sh = shift[e0 + 8 * q], ds = dest[e0 + 8 * q];
+                for (int i = 8 * q; i < 8 * q + 8; i++) {
+                    const int m = mask[e0 + i];
+                    if (shift[e0 + i] != sh || dest[e0 + i] != ds || m <= 0 || sh < 0 || ds < 0 || m > (0xFF >> sh) ||
+                        (m << ds) > 0xFF)
+                        return none;
+                    step.mask[s][i] = static_cast<uint8_t>(m << ds);
+                }
+                step.rot[s][q] = static_cast<uint64_t>((ds - sh + 64) % 64);
+            }
+            if (s == 0)
+                for (int j = 0; j < 4; j++) step.g[j] = (4 * st + j) / per_group;
+        }
+        found.forms |= form << s;
+    }
+    return found;
+}
+
+template <int FORM>
+static inline __m512i run_piece(const uint8_t *block, const RunStep &p, int s) {
+    const __m512i bytes =
+        FORM ? _mm512_loadu_si512(block + p.off[s])
+             : _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(block + p.off[s])));
+    return _mm512_rolv_epi64(bytes, _mm512_load_si512(p.rot[s]));
+}
+
+template <int DEPTH, int FORMS, bool HALVES, bool MIN>
+void panel_run64(const Layout &l, const Plan &plan, const Run64Plan &runs, int64_t n, int64_t count, int64_t b0,
+                 uint16_t *panel, int64_t pitch, float *scale, float *minimum) {
+    const RunStep *ps = runs.steps.data();
+    const int steps = static_cast<int>(runs.steps.size());
+    const __m512i flip = _mm512_set1_epi8(runs.flip);
+    const bool flips = runs.flip != 0;
+    // each value plus 128 as an unsigned byte, moved into the low byte of 2**23's float32 bits (one byte
+    // permute per 16 elements, VPERMB, the other bytes kept), then 2**23 + 128 subtracted: exact
+    const __m512i add = _mm512_set1_epi8(static_cast<char>(runs.add + 128));
+    const __m512i magic = _mm512_set1_epi32(0x4B000000);
+    const __m512 unbias = _mm512_set1_ps(8388608.0f + 128.0f);
+    alignas(64) uint8_t index[4][64] = {};
+    for (int j = 0; j < 4; j++)
+        for (int i = 0; i < 16; i++) index[j][4 * i] = static_cast<uint8_t>(16 * j + i);
+    const __m512i i0 = _mm512_load_si512(index[0]), i1 = _mm512_load_si512(index[1]);
+    const __m512i i2 = _mm512_load_si512(index[2]), i3 = _mm512_load_si512(index[3]);
+    constexpr __mmask64 LOW = 0x1111111111111111ULL;
+    auto value = [&](__m512i v, __m512i idx) {
+        return _mm512_sub_ps(_mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(magic, LOW, idx, v)), unbias);
+    };
+    panel_rows<HALVES, MIN>(l, plan, n, count, b0, panel, pitch, scale, minimum,
+                            [&](const uint8_t *block, const Factors<HALVES, MIN> &f, uint16_t *out) {
+                                for (int i = 0; i < steps; i++) {
+                                    const RunStep &p = ps[i];
+                                    __m512i v = _mm512_and_si512(run_piece<FORMS & 1>(block, p, 0),
+                                                                 _mm512_load_si512(p.mask[0]));
+                                    v = _mm512_ternarylogic_epi64(v, run_piece<(FORMS >> 1) & 1>(block, p, 1),
+                                                                  _mm512_load_si512(p.mask[1]), 0xF8);
+                                    if (DEPTH == 3)
+                                        v = _mm512_ternarylogic_epi64(v, run_piece<(FORMS >> 2) & 1>(block, p, 2),
+                                                                      _mm512_load_si512(p.mask[2]), 0xF8);
+                                    if (flips) v = _mm512_xor_si512(v, flip);
+                                    v = _mm512_add_epi8(v, add);
+                                    const __m512 e0 = value(v, i0), e1 = value(v, i1), e2 = value(v, i2),
+                                                 e3 = value(v, i3);
+                                    const __m512 w0 = f.apply(e0, p.g[0]), w1 = f.apply(e1, p.g[1]);
+                                    const __m512 w2 = f.apply(e2, p.g[2]), w3 = f.apply(e3, p.g[3]);
+                                    _mm512_storeu_si512(out + 64 * i, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+                                    _mm512_storeu_si512(out + 64 * i + 32, (__m512i)_mm512_cvtne2ps_pbh(w3, w2));
+                                }
+                            });
+}
+
+bool run64_on() {
+    const char *setting = std::getenv("QSCHEME_CPU_GEMM_BLOCKS_RUN64");
+    return !(setting && setting[0] == '0');
+}
+
 // Integer codes of two or three pieces, 32 at a time as bytes (two chunks: one 16-byte window each per
 // piece), instead of 16 lanes of 32 bits each shifted, masked and moved by its own plan vectors. A
 // piece ("slot") is either
@@ -294,10 +421,15 @@ inline bool fill_slot(const Chunk &ch, int sl, int half, bool as_bits, RunPair &
 struct RunPlan {
     std::vector<RunPair> pairs;
     int bits = 0;
+    Run64Plan run64;  // where not empty, it decodes the layout (and pairs is empty)
 };
 
 RunPlan run_plan(const Layout &l, const Plan &plan) {
     RunPlan none, found;
+    if (run64_on()) {
+        found.run64 = run64_plan(l);
+        if (!found.run64.steps.empty()) return found;
+    }
     // codes of one piece take the word decoder (at most 4 bits) or whole bytes already
     if (l.el_table || l.el_depth < 2 || l.el_depth > MAX_DEPTH || l.el_bits > 8 || l.elements % 32 || l.sub % 16)
         return none;
@@ -371,6 +503,19 @@ static inline void with_factors(const Layout &l, F &&f) {
 void decode_panel(const Layout &l, const Plan &plan, const std::vector<WordPair> &pairs, const RunPlan &runs,
                   int64_t n, int64_t count, int64_t b0, uint16_t *panel, int64_t pitch, float *scale, float *minimum) {
     if (pairs.empty()) {
+        if (!runs.run64.steps.empty()) {
+            const Run64Plan &run64 = runs.run64;
+            with_factors(l, [&](auto halves, auto min) {
+                constexpr bool H = decltype(halves)::value, M = decltype(min)::value;
+                if (l.el_depth == 3)
+                    panel_run64<3, 0, H, M>(l, plan, run64, n, count, b0, panel, pitch, scale, minimum);
+                else if (run64.forms == 1)
+                    panel_run64<2, 1, H, M>(l, plan, run64, n, count, b0, panel, pitch, scale, minimum);
+                else
+                    panel_run64<2, 0, H, M>(l, plan, run64, n, count, b0, panel, pitch, scale, minimum);
+            });
+            return;
+        }
         if (!runs.pairs.empty()) {
             const std::vector<RunPair> &rp = runs.pairs;
             with_factors(l, [&](auto halves, auto min) {
@@ -503,6 +648,13 @@ void pack_tiles(const uint16_t *x, int64_t m, int64_t k, int64_t mp, int threads
 
 }  // namespace
 
+int gemm_blocks_decoder(const Layout &l, const Plan &plan16) {
+    std::vector<qscheme_gguf_gemm::WordPair> pairs;
+    if (qscheme_gguf_gemm::word_pairs(l, plan16, pairs)) return 1;
+    const qscheme_gguf_gemm::RunPlan runs = qscheme_gguf_gemm::run_plan(l, plan16);
+    return !runs.run64.steps.empty() ? 2 : (!runs.pairs.empty() ? 3 : 4);
+}
+
 bool gemm_blocks_amx() {
     const char *setting = std::getenv("QSCHEME_CPU_GEMM_BLOCKS_AMX");
     return qscheme_amx::compiled() && qscheme_amx::granted() && !(setting && setting[0] == '0');
@@ -549,6 +701,7 @@ void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, in
 namespace qscheme_gguf {
 bool gemm_blocks_fits(const Layout &, const Plan &) { return false; }
 bool gemm_blocks_amx() { return false; }
+int gemm_blocks_decoder(const Layout &, const Plan &) { return 0; }
 void gemm_blocks_bf16(const Layout &, const Plan &, const uint16_t *, int64_t, const float *, uint16_t *, int64_t,
                       int64_t, int64_t, int, int64_t, bool) {}
 }  // namespace qscheme_gguf
