@@ -165,20 +165,27 @@ weight:
       - {name: d, format: fp16}
     integers:
       sc: {count: 16, planes: [{field: scales, bits: 8}], signed: true}
-      q: {count: 256, planes: [{field: ql, bits: 4, run: 64}, {field: qh, bits: 2, run: 32}], OFFSET}
+      q: {count: 256, planes: PLANES, OFFSET}
     element: {integer: q}
     scale: [d, sc]
 activation: none
 """
 
 
+LOW_FIRST = "[{field: ql, bits: 4, run: 64}, {field: qh, bits: 2, run: 32}]"  # Q6_K's
+HIGH_FIRST = "[{field: qh, bits: 2, run: 32}, {field: ql, bits: 4, run: 64}]"  # the run of 64 second
+
+
 @GEMM
-@pytest.mark.parametrize("codes", ["signed: true", "offset: -60", "offset: 60"])
-def test_runs_of_64_form_signed_and_offset_codes_as_bytes(codes: str) -> None:
-    """A YAML-only layout of Q6_K's pieces with signed 6-bit codes, or an offset that leaves every value
-    within a signed byte, decodes 64 elements a step and gives the reference weight rounded once (random
-    bytes for the codes and scales)."""
-    scheme = parse_scheme_text(SIGNED_RUNS.replace("OFFSET", codes), "<test>")
+@pytest.mark.parametrize(
+    ("planes", "codes"),
+    [(LOW_FIRST, "signed: true"), (LOW_FIRST, "offset: -60"), (LOW_FIRST, "offset: 60"), (HIGH_FIRST, "offset: -32")],
+)
+def test_runs_of_64_form_signed_and_offset_codes_as_bytes(planes: str, codes: str) -> None:
+    """YAML-only layouts of Q6_K's pieces, in its order or with the run of 64 bytes as the second piece,
+    with signed 6-bit codes or an offset that leaves every value within a signed byte, decode 64 elements
+    a step and give the reference weight rounded once (random bytes for the codes and scales)."""
+    scheme = parse_scheme_text(SIGNED_RUNS.replace("PLANES", planes).replace("OFFSET", codes), "<test>")
     n, k = 33, 3 * 256
     raw = torch.randint(0, 256, (n, k // 256, 210), generator=torch.Generator().manual_seed(4), dtype=torch.uint8)
     raw[:, :, 208:] = torch.tensor([0x00, 0x1C], dtype=torch.uint8)  # d = 2**-8 in every block

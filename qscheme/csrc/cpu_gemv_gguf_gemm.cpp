@@ -315,6 +315,7 @@ Run64Plan run64_plan(const Layout &l) {
         }
         found.forms |= form << s;
     }
+    if (depth == 3 && found.forms != 0) return none;  // three pieces: runs of 32 only (decode_panel)
     return found;
 }
 
@@ -504,15 +505,15 @@ void decode_panel(const Layout &l, const Plan &plan, const std::vector<WordPair>
                   int64_t n, int64_t count, int64_t b0, uint16_t *panel, int64_t pitch, float *scale, float *minimum) {
     if (pairs.empty()) {
         if (!runs.run64.steps.empty()) {
-            const Run64Plan &run64 = runs.run64;
             with_factors(l, [&](auto halves, auto min) {
                 constexpr bool H = decltype(halves)::value, M = decltype(min)::value;
-                if (l.el_depth == 3)
-                    panel_run64<3, 0, H, M>(l, plan, run64, n, count, b0, panel, pitch, scale, minimum);
-                else if (run64.forms == 1)
-                    panel_run64<2, 1, H, M>(l, plan, run64, n, count, b0, panel, pitch, scale, minimum);
-                else
-                    panel_run64<2, 0, H, M>(l, plan, run64, n, count, b0, panel, pitch, scale, minimum);
+                // (depth, forms) as run64_plan admits them: two pieces of either run, three of 32
+                using Decoder = void (*)(const Layout &, const Plan &, const Run64Plan &, int64_t, int64_t, int64_t,
+                                         uint16_t *, int64_t, float *, float *);
+                static constexpr Decoder two[4] = {panel_run64<2, 0, H, M>, panel_run64<2, 1, H, M>,
+                                                   panel_run64<2, 2, H, M>, panel_run64<2, 3, H, M>};
+                const Decoder decoder = l.el_depth == 3 ? panel_run64<3, 0, H, M> : two[runs.run64.forms & 3];
+                decoder(l, plan, runs.run64, n, count, b0, panel, pitch, scale, minimum);
             });
             return;
         }
