@@ -195,7 +195,8 @@ CPU_GEMV = KernelDeclaration(
         "(with one input row and no zero points the scale multiplies each group's partial sum instead)",
         "AMX tile path (on the AVX-512 loops, where cpuid shows AMX-BF16, AVX512-BF16 and VBMI and Linux grants the "
         "tile state; QSCHEME_CPU_GEMV_AMX=0 turns it off): from 4 rows of x (int8 / uint8 codes: 5; 4-bit codes the "
-        "VNNI loop takes: 5; with fewer the float32 and integer loops are faster; QSCHEME_CPU_GEMV_AMX=all takes "
+        "VNNI loop takes: 5, but 4 for byte scales in groups of 32 or more, MXFP4's; with fewer the float32 and "
+        "integer loops are faster; QSCHEME_CPU_GEMV_AMX=all takes "
         "every M), where every element of x is a bfloat16 value, zero or at least 2**-100 in magnitude, and the "
         "layer has no zero points and code values exact in bfloat16 (e2m1, int4, uint4, e4m3, int8, uint8), 16 "
         "weight rows are decoded to bfloat16 32 columns at a time and multiplied by up to 16 rows of x with "

@@ -753,6 +753,36 @@ def test_the_bf16_loop_is_off_by_default_on_amx_cpus(monkeypatch: pytest.MonkeyP
         cpu_gemv.set_isa(before)
 
 
+@needs_vnni
+def test_the_tiles_take_four_rows_of_byte_scaled_groups_of_32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the tile path runs (AMX-BF16, VBMI, the tile state granted), 4-bit codes with byte scales in
+    groups of 32 or more (MXFP4) take it from M = 4, ahead of the 16-bit loops; other 4-bit layers keep
+    those loops up to M = 4. QSCHEME_CPU_GEMV_AMX=0 keeps the 16-bit loops, =all sends every M to the
+    tiles. Both give the reference within the kernel's bound at M = 4."""
+    before = cpu_gemv.isa()
+    cpu_gemv.set_isa("avx512")
+    monkeypatch.delenv(INT16_VARIABLE, raising=False)
+    monkeypatch.delenv(BF16DOT_VARIABLE, raising=False)
+    try:
+        mxfp4 = weight_of("compressed-tensors/MXFP4A16", 64, 256)
+        layouts = {name: cpu_gemv.layout_of(weight_of(name, 64, 256)) for name in ("compressed-tensors/NVFP4A16",)}
+        layouts["compressed-tensors/MXFP4A16"] = cpu_gemv.layout_of(mxfp4)
+        tiles = AMX_FLAGS <= cpu_flags()
+        for setting in ("", "0", "all"):
+            monkeypatch.setenv(AMX_VARIABLE, setting)
+            for name, layout in layouts.items():
+                loops = [cpu_gemv.dot_loop(layout, rows) for rows in (1, 2, 3, 4)]
+                takes_four = tiles and (setting == "" and name.endswith("MXFP4A16"))
+                if tiles and setting == "all":
+                    assert loops == [None] * 4, (name, setting)
+                else:
+                    assert [loop is None for loop in loops] == [False, False, False, takes_four], (name, setting)
+            x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+            check_kernel(mxfp4, x)
+    finally:
+        cpu_gemv.set_isa(before)
+
+
 def test_the_state_is_the_canonical_tensors() -> None:
     for name in ("compressed-tensors/NVFP4A16", "compressed-tensors/W8A16_G32", "modelopt/fp8_pb_wo"):
         weight = weight_of(name, 64, 256)

@@ -294,10 +294,9 @@ PyObject *gemv(PyObject *, PyObject *args) {
     Int16Input in16;
     std::vector<int16_t> xq16;
     std::vector<float> unit16;
-    // up to four bfloat16 rows of x and 4-bit codes on VNNI, ahead of the tiles (faster there up to
-    // M = 4) unless QSCHEME_CPU_GEMV_AMX=all sends every M to them
-    bool int16 = level == ISA_AVX512 && m <= INT16_ROWS && x_bf16 && !(amx_usable() && amx_min_rows(p) <= 1) &&
-                 int16_fits(p, in16);
+    // up to four bfloat16 rows of x and 4-bit codes on VNNI, ahead of the tiles below amx_ahead_rows (M = 5,
+    // or 4 for MXFP4-like layers; 1 where QSCHEME_CPU_GEMV_AMX=all sends every M to them)
+    bool int16 = level == ISA_AVX512 && m <= INT16_ROWS && x_bf16 && m < amx_ahead_rows(p) && int16_fits(p, in16);
     if (int16) {
         xq16.resize(static_cast<size_t>(m * in16.k_main));
         unit16.resize(static_cast<size_t>(m * in16.blocks));
@@ -446,7 +445,7 @@ PyObject *int16_layer(PyObject *, PyObject *args) {
     if (!parse_params(args, p, 1)) return nullptr;
     Int16Input in;
     const bool runs = m >= 1 && m <= INT16_ROWS && isa_level() == ISA_AVX512 && vector_fits(p, 16) &&
-                      !(amx_usable() && amx_min_rows(p) <= 1) && int16_fits(p, in);
+                      m < amx_ahead_rows(p) && int16_fits(p, in);
     return PyLong_FromLong(runs ? (bf16dot_fits(p, m, in) ? 2 : 1) : 0);
 }
 

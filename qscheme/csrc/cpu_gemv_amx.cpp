@@ -401,21 +401,41 @@ int amx_min_rows(const Params &p) {
     return p.code_kind == CODE_INT8 || p.code_kind == CODE_UINT8 ? 5 : 4;
 }
 
+namespace {
+
+// The tile mode of a layer (Mode), or -1 where the tiles do not take it (whatever x and M).
+int layer_mode(const Params &p) {
+    if (p.zero || p.code_kind == CODE_E4M3_X256 || !amx_usable()) return -1;
+    const bool nibble = p.code_kind == CODE_NIBBLE;
+    const int64_t ce = nibble ? 32 : 16;
+    if ((p.k / ce) * ce < COLS) return -1;
+    const bool fold = nibble && p.scale_kind == SCALE_BYTE && p.group_n == 1;
+    if (fold ? !(p.group_k == 16 || p.group_k % COLS == 0) : !(p.group_k % COLS == 0 || p.group_k >= p.k)) return -1;
+    if (nibble && !tables_for(p).lut_exact) return -1;
+    return !nibble ? BYTES : !fold ? BASE : p.group_k == 16 ? FOLD16 : FOLD;
+}
+
+}  // namespace
+
+int amx_ahead_rows(const Params &p) {
+    const int mode = layer_mode(p);
+    if (mode < 0) return INT16_ROWS + 1;
+    const char *setting = std::getenv("QSCHEME_CPU_GEMV_AMX");
+    if (setting && std::strcmp(setting, "all") == 0) return 1;
+    return mode == FOLD ? 4 : INT16_ROWS + 1;
+}
+
 bool gemv_amx(const Params &p, const float *x, int64_t ldx, int m, int64_t n0, int64_t n1, float *acc, int64_t ldy,
               RowsFunction fallback) {
-    if (m < amx_min_rows(p) || n1 <= n0 || p.zero || p.code_kind == CODE_E4M3_X256 || !amx_usable()) return false;
+    if (m < amx_min_rows(p) || n1 <= n0) return false;
+    const int mode = layer_mode(p);
+    if (mode < 0) return false;
     const bool nibble = p.code_kind == CODE_NIBBLE;
     const int64_t ce = nibble ? 32 : 16;
     const int64_t k_main = (p.k / ce) * ce;
-    if (k_main < COLS) return false;
-    const bool fold = nibble && p.scale_kind == SCALE_BYTE && p.group_n == 1;
-    if (fold ? !(p.group_k == 16 || p.group_k % COLS == 0) : !(p.group_k % COLS == 0 || p.group_k >= p.k))
-        return false;
     const Tables &t = tables_for(p);
-    if (nibble && !t.lut_exact) return false;
     const int64_t chunks = k_main / COLS;
     const bool half = k_main % COLS != 0;
-    const int mode = !nibble ? BYTES : !fold ? BASE : p.group_k == 16 ? FOLD16 : FOLD;
     thread_local std::vector<uint32_t> packed;
     TileConfig saved;
     store_config(saved);  // the caller's tile state (torch's own kernels may keep one)
@@ -464,6 +484,7 @@ bool gemv_amx(const Params &p, const float *x, int64_t ldx, int m, int64_t n0, i
 namespace qscheme_gemv {
 bool amx_usable() { return false; }
 int amx_min_rows(const Params &) { return 1; }
+int amx_ahead_rows(const Params &) { return INT16_ROWS + 1; }
 bool gemv_amx(const Params &, const float *, int64_t, int, int64_t, int64_t, float *, int64_t, RowsFunction) {
     return false;
 }
