@@ -765,8 +765,10 @@ def test_the_tiles_take_four_rows_of_byte_scaled_groups_of_32(monkeypatch: pytes
     monkeypatch.delenv(BF16DOT_VARIABLE, raising=False)
     try:
         mxfp4 = weight_of("compressed-tensors/MXFP4A16", 64, 256)
-        layouts = {name: cpu_gemv.layout_of(weight_of(name, 64, 256)) for name in ("compressed-tensors/NVFP4A16",)}
-        layouts["compressed-tensors/MXFP4A16"] = cpu_gemv.layout_of(mxfp4)
+        layouts = {
+            "compressed-tensors/NVFP4A16": cpu_gemv.layout_of(weight_of("compressed-tensors/NVFP4A16", 64, 256)),
+            "compressed-tensors/MXFP4A16": cpu_gemv.layout_of(mxfp4),
+        }
         tiles = AMX_FLAGS <= cpu_flags()
         for setting in ("", "0", "all"):
             monkeypatch.setenv(AMX_VARIABLE, setting)

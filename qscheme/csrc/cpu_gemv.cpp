@@ -294,9 +294,10 @@ PyObject *gemv(PyObject *, PyObject *args) {
     Int16Input in16;
     std::vector<int16_t> xq16;
     std::vector<float> unit16;
-    // up to four bfloat16 rows of x and 4-bit codes on VNNI, ahead of the tiles below amx_ahead_rows (M = 5,
-    // or 4 for MXFP4-like layers; 1 where QSCHEME_CPU_GEMV_AMX=all sends every M to them)
-    bool int16 = level == ISA_AVX512 && m <= INT16_ROWS && x_bf16 && m < amx_ahead_rows(p) && int16_fits(p, in16);
+    // up to four bfloat16 rows of x and 4-bit codes on VNNI, unless the tiles go ahead (amx_ahead: MXFP4-like
+    // layers at M = 4, every M where QSCHEME_CPU_GEMV_AMX=all sends it to them)
+    bool int16 = level == ISA_AVX512 && m <= INT16_ROWS && x_bf16 && !amx_ahead(p, static_cast<int>(m)) &&
+                 int16_fits(p, in16);
     if (int16) {
         xq16.resize(static_cast<size_t>(m * in16.k_main));
         unit16.resize(static_cast<size_t>(m * in16.blocks));
@@ -445,7 +446,7 @@ PyObject *int16_layer(PyObject *, PyObject *args) {
     if (!parse_params(args, p, 1)) return nullptr;
     Int16Input in;
     const bool runs = m >= 1 && m <= INT16_ROWS && isa_level() == ISA_AVX512 && vector_fits(p, 16) &&
-                      m < amx_ahead_rows(p) && int16_fits(p, in);
+                      !amx_ahead(p, static_cast<int>(m)) && int16_fits(p, in);
     return PyLong_FromLong(runs ? (bf16dot_fits(p, m, in) ? 2 : 1) : 0);
 }
 
@@ -493,7 +494,7 @@ PyMethodDef methods[] = {
     {"dequantize_blocks", qscheme_gguf::dequantize_blocks, METH_VARARGS, "Rows of packed blocks as float32 or bfloat16 (AVX-512; False where it does not run)."},
     {"gemm_blocks", qscheme_gguf::gemm_blocks, METH_VARARGS, "y = x W^T (+ bias) over packed blocks for many rows of bfloat16 x (AVX-512 BF16; False where it does not run)."},
     {"gemm_blocks_decoder", qscheme_gguf::gemm_blocks_decoder, METH_VARARGS, "Which decoder fills gemm_blocks' panels on a layer (1-4), 0 where it does not run."},
-    {"blocks_gemm", qscheme_gguf::blocks_gemm, METH_NOARGS, "1 where gemm_blocks runs here (AVX512-BF16, the AVX-512 loops in use), else 0."},
+    {"blocks_gemm", qscheme_gguf::blocks_gemm, METH_NOARGS, "1 where gemm_blocks runs here (AVX512-BF16 and VBMI, the AVX-512 loops in use), else 0."},
     {"blocks_loop", qscheme_gguf::blocks_loop, METH_VARARGS, "1 where bfloat16 rows of x run the AVX512-BF16 loop on packed blocks, else 0."},
     {"blocks_bf16", qscheme_gguf::blocks_bf16, METH_NOARGS, "1 where this CPU runs the packed blocks' AVX512-BF16 loop, else 0."},
     {"activation_codes", qscheme_act::activation_codes_method, METH_VARARGS, "FP8 / int8 activation codes' values and their scales (qscheme.emulation)."},

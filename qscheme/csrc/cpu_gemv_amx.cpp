@@ -403,37 +403,42 @@ int amx_min_rows(const Params &p) {
 
 namespace {
 
-// The tile mode of a layer (Mode), or -1 where the tiles do not take it (whatever x and M).
-int layer_mode(const Params &p) {
+// The tile mode of a layer (Mode), or -1 where the tiles do not take it (whatever x and M); *tables: the
+// layer's tables (tables_for), where it has a mode.
+int layer_mode(const Params &p, const Tables **tables) {
     if (p.zero || p.code_kind == CODE_E4M3_X256 || !amx_usable()) return -1;
     const bool nibble = p.code_kind == CODE_NIBBLE;
     const int64_t ce = nibble ? 32 : 16;
     if ((p.k / ce) * ce < COLS) return -1;
     const bool fold = nibble && p.scale_kind == SCALE_BYTE && p.group_n == 1;
     if (fold ? !(p.group_k == 16 || p.group_k % COLS == 0) : !(p.group_k % COLS == 0 || p.group_k >= p.k)) return -1;
-    if (nibble && !tables_for(p).lut_exact) return -1;
+    *tables = &tables_for(p);
+    if (nibble && !(*tables)->lut_exact) return -1;
     return !nibble ? BYTES : !fold ? BASE : p.group_k == 16 ? FOLD16 : FOLD;
 }
 
 }  // namespace
 
-int amx_ahead_rows(const Params &p) {
-    const int mode = layer_mode(p);
-    if (mode < 0) return INT16_ROWS + 1;
+bool amx_ahead(const Params &p, int m) {
+    if (!amx_usable()) return false;
     const char *setting = std::getenv("QSCHEME_CPU_GEMV_AMX");
-    if (setting && std::strcmp(setting, "all") == 0) return 1;
-    return mode == FOLD ? 4 : INT16_ROWS + 1;
+    const bool all = setting && std::strcmp(setting, "all") == 0;
+    if (!all && m < amx_min_rows(p)) return false;  // before the layer's tables are looked at (M = 1-3)
+    const Tables *tables = nullptr;
+    const int mode = layer_mode(p, &tables);
+    return mode >= 0 && (all || mode == FOLD);
 }
 
 bool gemv_amx(const Params &p, const float *x, int64_t ldx, int m, int64_t n0, int64_t n1, float *acc, int64_t ldy,
               RowsFunction fallback) {
     if (m < amx_min_rows(p) || n1 <= n0) return false;
-    const int mode = layer_mode(p);
+    const Tables *tables = nullptr;
+    const int mode = layer_mode(p, &tables);
     if (mode < 0) return false;
+    const Tables &t = *tables;
     const bool nibble = p.code_kind == CODE_NIBBLE;
     const int64_t ce = nibble ? 32 : 16;
     const int64_t k_main = (p.k / ce) * ce;
-    const Tables &t = tables_for(p);
     const int64_t chunks = k_main / COLS;
     const bool half = k_main % COLS != 0;
     thread_local std::vector<uint32_t> packed;
@@ -484,7 +489,7 @@ bool gemv_amx(const Params &p, const float *x, int64_t ldx, int m, int64_t n0, i
 namespace qscheme_gemv {
 bool amx_usable() { return false; }
 int amx_min_rows(const Params &) { return 1; }
-int amx_ahead_rows(const Params &) { return INT16_ROWS + 1; }
+bool amx_ahead(const Params &, int) { return false; }
 bool gemv_amx(const Params &, const float *, int64_t, int, int64_t, int64_t, float *, int64_t, RowsFunction) {
     return false;
 }

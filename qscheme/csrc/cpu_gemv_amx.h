@@ -38,12 +38,11 @@ bool amx_usable();
 // M = 4), unless QSCHEME_CPU_GEMV_AMX=all (the tests use it to run the tile path at every M).
 int amx_min_rows(const Params &p);
 
-// The fewest rows of bfloat16 x from which the tiles go ahead of the 16-bit dot-product loops (which take
-// at most INT16_ROWS): 4 for 4-bit codes with byte scales in groups of 32 or more (MXFP4: on the AMX
-// Xeon the tiles took 0.74-0.99x the integer loop's time at M = 4, four cases of four), INT16_ROWS + 1
-// for the other layers, 1 with QSCHEME_CPU_GEMV_AMX=all; INT16_ROWS + 1 where the tiles do not take
-// the layer.
-int amx_ahead_rows(const Params &p);
+// Whether the tiles go ahead of the 16-bit dot-product loops for m (at most INT16_ROWS) rows of bfloat16 x
+// on this layer: from M = 4 for 4-bit codes with byte scales in groups of 32 or more (MXFP4: on the AMX
+// Xeon the tiles took 0.74-0.99x the integer loop's time at M = 4, four cases of four), never for the
+// other layers, at every M with QSCHEME_CPU_GEMV_AMX=all; never where the tiles do not take the layer.
+bool amx_ahead(const Params &p, int m);
 
 // Rows [n0, n1) through the tiles, as gemv_avx512 (same arguments); false where the layer or x
 // does not qualify (nothing written then).

@@ -456,6 +456,12 @@ PyObject *dequantize_blocks(PyObject *, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
+// Whether gemm_blocks runs this layer here: the AVX-512 loops in use, AVX512-BF16 and VBMI, a layout its
+// panel decoders read.
+static bool gemm_blocks_here(const Layout &l, const Prepared &prep) {
+    return qscheme_gemv::active_isa() == 2 && gemm_blocks_supported() && gemm_blocks_fits(l, prep.plan16);
+}
+
 /* gemm_blocks(x, m, out, ldy, bias, r0, r1, threads, kc, codes, n, k, row_bytes, program, program_length,
  * values, byte_tables, tables): out[i, n - r0] (bfloat16, row stride ldy) = sum_k x[i, k] w[n, k]
  * (+ bias[n], float32) for weight rows n in [r0, r1), x bfloat16 [m, K] (contiguous), in tasks of 32
@@ -479,8 +485,7 @@ PyObject *gemm_blocks(PyObject *, PyObject *args) {
         if (prep) PyErr_SetString(PyExc_ValueError, "qscheme._cpu_gemv.gemm_blocks: inconsistent sizes");
         return nullptr;
     }
-    if (qscheme_gemv::active_isa() != 2 || !gemm_blocks_supported() || !gemm_blocks_fits(l, prep->plan16))
-        Py_RETURN_FALSE;
+    if (!gemm_blocks_here(l, *prep)) Py_RETURN_FALSE;
     if (m == 0 || r1 == r0) Py_RETURN_TRUE;
     Py_BEGIN_ALLOW_THREADS;
     const bool amx = gemm_blocks_amx();
@@ -498,9 +503,7 @@ PyObject *gemm_blocks_decoder(PyObject *, PyObject *args) {
     Layout l;
     const std::shared_ptr<const Prepared> prep = layer(v, l);
     if (!prep) return nullptr;
-    if (qscheme_gemv::active_isa() != 2 || !gemm_blocks_supported() || !gemm_blocks_fits(l, prep->plan16))
-        return PyLong_FromLong(0);
-    return PyLong_FromLong(gemm_blocks_decoder(l, prep->plan16));
+    return PyLong_FromLong(gemm_blocks_here(l, *prep) ? gemm_blocks_decoder(l, prep->plan16) : 0);
 }
 
 /* blocks_gemm(): where gemm_blocks runs here on the layouts it takes (the AVX-512 loops in use on a CPU

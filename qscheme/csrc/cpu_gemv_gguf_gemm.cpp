@@ -560,6 +560,22 @@ void decode_panel(const Layout &l, const Plan &plan, const std::vector<WordPair>
     });
 }
 
+// The panel decoders' plans for a layout, built once per call: the word pairs where the word decoder takes
+// the layout, else the runs (of 64 or of 32 a step; both empty: the element decoder), as decode_panel
+// takes them.
+struct Decoders {
+    std::vector<WordPair> pairs;
+    RunPlan runs;
+    // gemm_blocks_decoder's number (cpu_gemv_gguf.h)
+    int kind() const { return !pairs.empty() ? 1 : !runs.run64.steps.empty() ? 2 : !runs.pairs.empty() ? 3 : 4; }
+};
+
+inline Decoders plan_decoders(const Layout &l, const Plan &plan) {
+    Decoders d;
+    if (!word_pairs(l, plan, d.pairs)) d.runs = run_plan(l, plan);
+    return d;
+}
+
 }  // namespace qscheme_gguf_gemm
 
 namespace qscheme_gguf {
@@ -649,12 +665,7 @@ void pack_tiles(const uint16_t *x, int64_t m, int64_t k, int64_t mp, int threads
 
 }  // namespace
 
-int gemm_blocks_decoder(const Layout &l, const Plan &plan16) {
-    std::vector<qscheme_gguf_gemm::WordPair> pairs;
-    if (qscheme_gguf_gemm::word_pairs(l, plan16, pairs)) return 1;
-    const qscheme_gguf_gemm::RunPlan runs = qscheme_gguf_gemm::run_plan(l, plan16);
-    return !runs.run64.steps.empty() ? 2 : (!runs.pairs.empty() ? 3 : 4);
-}
+int gemm_blocks_decoder(const Layout &l, const Plan &plan16) { return qscheme_gguf_gemm::plan_decoders(l, plan16).kind(); }
 
 bool gemm_blocks_amx() {
     const char *setting = std::getenv("QSCHEME_CPU_GEMM_BLOCKS_AMX");
@@ -663,9 +674,9 @@ bool gemm_blocks_amx() {
 
 void gemm_blocks_bf16(const Layout &l, const Plan &plan16, const uint16_t *x, int64_t m, const float *bias,
                       uint16_t *out, int64_t ldy, int64_t r0, int64_t r1, int threads, int64_t kc, bool amx) {
-    std::vector<qscheme_gguf_gemm::WordPair> pairs;  // the layout's, once per call
-    qscheme_gguf_gemm::RunPlan runs;  // where the word decoder does not take the layout
-    if (!qscheme_gguf_gemm::word_pairs(l, plan16, pairs)) runs = qscheme_gguf_gemm::run_plan(l, plan16);
+    const qscheme_gguf_gemm::Decoders decoders = qscheme_gguf_gemm::plan_decoders(l, plan16);  // once per call
+    const std::vector<qscheme_gguf_gemm::WordPair> &pairs = decoders.pairs;
+    const qscheme_gguf_gemm::RunPlan &runs = decoders.runs;
     constexpr int64_t ROWS = qscheme_gguf_gemm::PANEL_ROWS;  // weight rows per task: one panel
     const int64_t tasks = (r1 - r0 + ROWS - 1) / ROWS;
     const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
